@@ -1,0 +1,5 @@
+import sys
+
+from autoseg.cli import main
+
+sys.exit(main())

@@ -1,0 +1,205 @@
+"""Command line: turns flags into explicit arguments, prints the resolved values, calls one stage."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from pathlib import Path
+
+GiB = 1024**3
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '24 GiB', '80GB', '512MiB', or a plain number of GiB -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|[KMGT])?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise argparse.ArgumentTypeError(f"cannot read {text!r} as a memory size; use e.g. 8GiB, 24GiB, 80GB or 8")
+    value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
+    powers = {"K": 1, "M": 2, "G": 3, "T": 4}
+    base = 1000 if unit.endswith("B") and "I" not in unit else 1024
+    return int(value * base ** powers[unit[0]])
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _add_workspace(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-w", "--workspace", default=".", help="workspace folder (default: current directory)")
+
+
+def _add_budget(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gpu-memory", type=parse_bytes, default=None,
+                   help="GPU memory to plan for (e.g. 8GiB, 24GiB, 80GB); default: the CUDA device's, else 8 GiB")
+    p.add_argument("--ram", type=parse_bytes, default=None, help="host RAM budget; default: available memory")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="device training will run on (default: cuda if present, else cpu)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoseg", description="Self-configuring medical image segmentation.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    for name in ("plan", "plan_and_preprocess"):
+        p = sub.add_parser(name, help="fingerprint and plan" + (" and preprocess" if "pre" in name else ""))
+        p.add_argument("dataset", help="raw dataset folder (nnU-Net layout: dataset.json, imagesTr/, labelsTr/)")
+        _add_workspace(p)
+        _add_budget(p)
+        if name == "plan_and_preprocess":
+            p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
+            p.add_argument("--processes", type=int, default=None, help="preprocessing processes (default: planned)")
+
+    p = sub.add_parser("train", help="train one fold: `autoseg train fold 0` (or `fold all`)")
+    p.add_argument("fold", nargs="+", help="'fold 0', '0' or 'all'")
+    _add_workspace(p)
+    p.add_argument("-c", "--config", default=None, help="configuration (default: 3d_fullres if planned, else 2d)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--iterations-per-epoch", type=int, default=None)
+    p.add_argument("--val-iterations", type=int, default=None)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-validation", action="store_true", help="skip predicting the validation cases at the end")
+
+    p = sub.add_parser("predict", help="segment new scans with the trained folds")
+    p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
+    p.add_argument("-o", "--output", required=True, help="output folder")
+    _add_workspace(p)
+    p.add_argument("-c", "--config", default=None)
+    p.add_argument("-f", "--folds", nargs="+", default=None, help="folds to ensemble (default: all trained)")
+    p.add_argument("--checkpoint", default="final", choices=["final", "best", "latest"])
+    p.add_argument("--no-mirror", action="store_true", help="disable mirror test-time augmentation")
+    p.add_argument("--tile-batch-size", type=int, default=1)
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+
+    p = sub.add_parser("evaluate", help="Dice and IoU per class: autoseg evaluate PRED_DIR GT_DIR")
+    p.add_argument("pred_dir")
+    p.add_argument("gt_dir")
+    p.add_argument("-o", "--output", default=None, help="summary.json path (default: PRED_DIR/summary.json)")
+
+    p = sub.add_parser("demo", help="synthetic dataset -> plan -> train -> predict -> evaluate, on CPU")
+    p.add_argument("-w", "--workspace", default=None, help="workspace (default: a temporary folder)")
+    p.add_argument("--epochs", type=int, default=None)
+    p.add_argument("--iterations-per-epoch", type=int, default=None)
+    p.add_argument("--num-train", type=int, default=None)
+
+    p = sub.add_parser("make-demo-dataset", help="write the synthetic demo dataset (nnU-Net layout)")
+    p.add_argument("output", help="dataset folder to create")
+    p.add_argument("--num-train", type=int, default=24)
+    p.add_argument("--num-test", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _fold(values: list[str]) -> int | str:
+    if values[0] == "fold":
+        values = values[1:]
+    if len(values) != 1 or not (values[0] == "all" or values[0].isdigit()):
+        raise SystemExit("autoseg train: give the fold as `fold 0` .. `fold 4` or `fold all`")
+    return "all" if values[0] == "all" else int(values[0])
+
+
+def _budget(args: argparse.Namespace):
+    from autoseg.planner import Budget
+    from autoseg.resources import available_ram_bytes, cuda_total_memory
+
+    device = args.device or default_device()
+    gpu = args.gpu_memory
+    if gpu is None:
+        gpu = cuda_total_memory()
+        if gpu is None:
+            gpu = 8 * GiB
+            print("note: no CUDA device found; planning for 8 GiB of GPU memory (set --gpu-memory to change)")
+    ram = args.ram or available_ram_bytes()
+    budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device)
+    print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}")
+    return budget
+
+
+def _default_config(workspace) -> str:
+    from autoseg.plans import Plans
+
+    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
+    return "3d_fullres" if "3d_fullres" in plans.configurations else next(iter(plans.configurations))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    progress = not args.quiet and sys.stderr.isatty()
+    try:
+        return _dispatch(args, progress)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+        print(f"autoseg {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _dispatch(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.workspace import Workspace
+
+    if args.command in ("plan", "plan_and_preprocess"):
+        from autoseg.pipeline import plan_dataset, preprocess_workspace
+
+        ws = Workspace.at(args.workspace)
+        print(f"workspace: {ws.root}")
+        plan_dataset(args.dataset, ws, _budget(args), progress=progress)
+        if args.command == "plan_and_preprocess":
+            preprocess_workspace(ws, args.configs, args.processes, progress=progress)
+        return 0
+    if args.command == "train":
+        from autoseg.train import RunConfig, train
+
+        ws = Workspace.at(args.workspace)
+        config = args.config or _default_config(ws)
+        defaults = RunConfig()
+        run = RunConfig(
+            epochs=args.epochs or defaults.epochs,
+            iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
+            val_iterations=args.val_iterations or defaults.val_iterations,
+            seed=args.seed, device=args.device or default_device(), validate=not args.no_validation,
+            loader_workers=0,
+        )
+        print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}")
+        train(ws, config, _fold(args.fold), run, progress=progress)
+        return 0
+    if args.command == "predict":
+        from autoseg.predict import predict
+
+        ws = Workspace.at(args.workspace)
+        config = args.config or _default_config(ws)
+        folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
+        written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
+                          mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
+                          device=args.device or default_device(), progress=progress)
+        print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
+        return 0
+    if args.command == "evaluate":
+        from autoseg.evaluate import evaluate_folder, format_table
+
+        out = args.output or os.path.join(args.pred_dir, "summary.json")
+        summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
+        print(format_table(summary))
+        print(f"summary: {out}")
+        return 0
+    if args.command == "make-demo-dataset":
+        from autoseg.demo_data import make_demo_dataset
+
+        path = make_demo_dataset(args.output, num_train=args.num_train, num_test=args.num_test, seed=args.seed)
+        print(f"demo dataset written to {path}")
+        return 0
+    if args.command == "demo":
+        from autoseg.demo import run_demo
+
+        result = run_demo(args.workspace, epochs=args.epochs, iterations_per_epoch=args.iterations_per_epoch,
+                          num_train=args.num_train, progress=progress)
+        return 0 if result.passed else 1
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

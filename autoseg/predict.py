@@ -1,0 +1,96 @@
+"""Prediction of new scans: preprocess, sliding window over every fold's network, export in the
+input's exact geometry (size, spacing, origin, direction).
+
+Export streams one class at a time: each class's probability map is resampled back to the cropped
+original shape and folded into a running argmax, so host memory grows with the volume
+(best score fp32 + label int16), not with volume x classes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from autoseg.cropping import uncrop
+from autoseg.dataset import Case, list_prediction_inputs
+from autoseg.imageio import SUPPORTED_ENDINGS, write_image
+from autoseg.inference import sliding_window_predict
+from autoseg.network import build_network
+from autoseg.plans import ConfigurationPlan, Plans
+from autoseg.preprocess import CaseProperties, load_case, preprocess_case
+from autoseg.resampling import resample_channel
+from autoseg.workspace import Workspace
+
+
+def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
+    if not checkpoint_path.is_file():
+        raise FileNotFoundError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
+    state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    network = build_network(config.network)
+    network.load_state_dict(state["network"])
+    return network.to(device).eval()
+
+
+def export_segmentation(probabilities: torch.Tensor, props: CaseProperties) -> np.ndarray:
+    """(K, Z', Y', X') probabilities in preprocessed space -> label map (Z, Y, X) uint8/int16 in the
+    original image's array space. Peak extra memory: one resampled class map + best score + labels."""
+    num_classes = probabilities.shape[0]
+    best_score = None
+    labels = np.zeros(props.shape_after_crop, dtype=np.int16 if num_classes > 127 else np.uint8)
+    for k in range(num_classes):
+        channel = probabilities[k].numpy().astype(np.float32, copy=False)
+        resampled = resample_channel(channel, props.shape_after_crop, props.target_spacing_mm, order=1, order_z=0)
+        if best_score is None:
+            best_score = resampled
+            continue
+        better = resampled > best_score
+        labels[better] = k
+        np.maximum(best_score, resampled, out=best_score)
+    return uncrop(labels, props.crop_bbox, props.shape_before_crop, fill=0)
+
+
+def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, *,
+                 mirror: bool, tile_batch_size: int, device: str, step_fraction: float = 0.5) -> tuple[np.ndarray, CaseProperties]:
+    data, _, geometry = load_case(case)
+    data, _, props = preprocess_case(data, None, geometry, plans, config, case.case_id)
+    mirror_axes = tuple(range(config.dim)) if mirror else ()
+    probabilities = None
+    for network in networks:  # fold ensemble: mean of softmax probabilities
+        p = sliding_window_predict(network, data, config.patch_size, plans.num_classes, step_fraction=step_fraction,
+                                   mirror_axes=mirror_axes, tile_batch_size=tile_batch_size, device=device,
+                                   precision=config.precision if device == "cuda" else "fp32")
+        probabilities = p if probabilities is None else probabilities.add_(p)
+    assert probabilities is not None
+    probabilities /= len(networks)
+    return export_segmentation(probabilities, props), props
+
+
+def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str = "3d_fullres",
+            folds: tuple[int, ...] | None = None, checkpoint: str = "final", mirror: bool = True,
+            tile_batch_size: int = 1, device: str = "cpu", progress: bool = True) -> list[Path]:
+    """Segment every case in ``inputs`` (folder or file) with the trained folds; write into ``output_dir``."""
+    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
+    config = plans.configuration(config_name)
+    if folds is None:
+        folds = tuple(sorted(int(p.name.split("_")[1]) for p in (workspace.root / "results" / config_name).glob("fold_*")
+                             if p.name.split("_")[1].isdigit() and (p / f"checkpoint_{checkpoint}.pt").is_file()))
+        if not folds:
+            raise FileNotFoundError(f"{workspace.root / 'results' / config_name}: no trained fold with "
+                                    f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
+    networks = [load_trained_network(workspace.results(config_name, f) / f"checkpoint_{checkpoint}.pt", config, device)
+                for f in folds]
+    cases = list_prediction_inputs(inputs, len(plans.channel_names), None)
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for case in tqdm(cases, desc="predict", unit="case", disable=not progress):
+        labels, props = predict_case(case, networks, plans, config, mirror=mirror,
+                                     tile_batch_size=tile_batch_size, device=device)
+        ending = next(e for e in SUPPORTED_ENDINGS if case.image_paths[0].name.lower().endswith(e))
+        out = output_dir / f"{case.case_id}{ending}"
+        write_image(out, labels, props.geometry)
+        written.append(out)
+    return written

@@ -1,0 +1,303 @@
+"""Resampling images and label maps to a new voxel grid, one channel at a time in float32.
+
+Grid convention (matches SimpleITK resampling of a centred grid): a volume of ``n`` voxels of spacing
+``s`` covers the physical extent ``[-s/2, (n - 1/2) s]`` around its first voxel centre, and the resampled
+volume of ``n'`` voxels covers the same extent with the effective spacing ``s * n / n'``. Output voxel
+``j`` therefore samples the input at the continuous index ``(j + 1/2) * n / n' - 1/2`` (scipy's
+``grid_mode=True``); in SimpleITK terms, the output origin is the input origin shifted by half the
+spacing difference, ``origin + (s' - s) / 2``. Boundary handling also follows SimpleITK (B-spline
+coefficients with a mirror extension; linear and nearest clamp to the edge voxel), so with the same output
+grid ``sitk.Resample`` with ``sitkBSpline`` / ``sitkLinear`` gives the same values as ``order=3`` / ``1``
+up to float32 rounding, border voxels included (see tests/test_resampling.py).
+
+Anisotropic data (largest / smallest spacing > 3) is resampled in-plane first (spline of ``order``, one
+2D slice at a time) and then along the out-of-plane axis with ``order_z`` (0 = nearest, 1 = linear), so
+thick slices are not smeared into each other by a cubic spline.
+
+Memory: the spline prefilter is computed by us in float32 (scipy's own prefilter makes a float64 copy of
+the input), and each channel is written straight into the output array. ``resampling_peak_bytes`` states
+what ``resample_image`` holds beyond its input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+from scipy import ndimage
+
+ANISOTROPY_THRESHOLD = 3.0
+# Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
+_CALL_OVERHEAD_BYTES = 16 * 1024
+
+
+def _boundary_mode(order: int) -> str:
+    """scipy boundary mode that reproduces SimpleITK: its B-spline coefficients use a whole-sample
+    mirror ("mirror"); its linear / nearest interpolators clamp to the edge voxel ("reflect" gives that
+    for order <= 1). Neither mode makes scipy pre-pad the input."""
+    return "mirror" if order > 1 else "reflect"
+
+
+def compute_new_shape(
+    shape_zyx: Sequence[int], spacing_mm: Sequence[float], new_spacing_mm: Sequence[float]
+) -> tuple[int, int, int]:
+    """``round(shape * spacing / new_spacing)`` per axis, at least 1."""
+    if not (len(shape_zyx) == len(spacing_mm) == len(new_spacing_mm) == 3):
+        raise ValueError(
+            f"shape {tuple(shape_zyx)}, spacing {tuple(spacing_mm)} and new spacing {tuple(new_spacing_mm)} "
+            "must each have 3 entries (z, y, x)"
+        )
+    if min(spacing_mm) <= 0 or min(new_spacing_mm) <= 0:
+        raise ValueError(f"spacings must be positive; got {tuple(spacing_mm)} -> {tuple(new_spacing_mm)}")
+    axes = zip(shape_zyx, spacing_mm, new_spacing_mm, strict=True)
+    return tuple(max(1, int(round(n * s / t))) for n, s, t in axes)  # type: ignore[return-value]
+
+
+def is_anisotropic(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> bool:
+    """True when the largest spacing exceeds ``threshold`` times the smallest one."""
+    return max(spacing_mm) / min(spacing_mm) > threshold
+
+
+def out_of_plane_axis(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> int | None:
+    """The axis (0=z, 1=y, 2=x) with the largest spacing when ``spacing_mm`` is anisotropic, else None.
+
+    Also None when two axes share the largest spacing (e.g. ``(5, 5, 1)``): there is no single
+    out-of-plane axis, and such data is resampled in 3D.
+    """
+    if not is_anisotropic(spacing_mm, threshold):
+        return None
+    largest = max(spacing_mm)
+    axes = [a for a, s in enumerate(spacing_mm) if np.isclose(s, largest)]
+    return axes[0] if len(axes) == 1 else None
+
+
+def _zoom_into(src: np.ndarray, out: np.ndarray, order: int) -> None:
+    """Resample ``src`` onto ``out``'s grid (any ndim) with a spline of ``order``, in float32.
+
+    For order > 1 the B-spline coefficients are computed here in float32 (one ``src``-sized temporary);
+    every axis is prefiltered, so axes that keep their size are reproduced exactly.
+    """
+    mode = _boundary_mode(order)
+    if order > 1:
+        src = ndimage.spline_filter(src, order, output=np.float32, mode=mode)
+    factors = [n_out / n_in for n_out, n_in in zip(out.shape, src.shape, strict=True)]
+    ndimage.zoom(src, factors, output=out, order=order, mode=mode, prefilter=False, grid_mode=True)
+
+
+def _check_order(order: int, name: str) -> None:
+    if not 0 <= order <= 5:
+        raise ValueError(f"{name}={order} is not a spline order scipy supports; use 0 (nearest) to 5")
+
+
+def resample_channel(
+    channel: np.ndarray,
+    new_shape_zyx: Sequence[int],
+    spacing_mm: Sequence[float],
+    order: int = 3,
+    order_z: int = 0,
+    out: np.ndarray | None = None,
+) -> np.ndarray:
+    """Resample one channel ``(Z, Y, X)`` to ``new_shape_zyx``; returns float32 ``new_shape_zyx``.
+
+    ``spacing_mm`` is the spacing of ``channel``; when it is anisotropic the out-of-plane axis is
+    resampled separately with ``order_z`` (see the module docstring). ``out`` (float32, ``new_shape_zyx``,
+    any strides) receives the result if given. Extra memory: for order > 1 one float32 input-sized
+    spline temporary (3D path) or one slice of it (anisotropic path), plus on the anisotropic path an
+    intermediate ``new_shape`` with the out-of-plane axis left at its original size.
+    """
+    _check_order(order, "order")
+    _check_order(order_z, "order_z")
+    new_shape = tuple(int(n) for n in new_shape_zyx)
+    if channel.ndim != 3 or len(new_shape) != 3 or min(new_shape) < 1:
+        raise ValueError(
+            f"expected a (Z, Y, X) channel and a 3-entry positive shape; got {channel.shape} -> {new_shape}"
+        )
+    if out is None:
+        out = np.empty(new_shape, dtype=np.float32)
+    elif out.shape != new_shape or out.dtype != np.float32:
+        raise ValueError(f"out must be float32 with shape {new_shape}; got {out.dtype} {out.shape}")
+    src = channel if channel.dtype == np.float32 else channel.astype(np.float32)
+    if src.shape == new_shape:
+        out[...] = src
+        return out
+    axis = out_of_plane_axis(spacing_mm)
+    if axis is None:
+        _zoom_into(src, out, order)
+        return out
+    # Put the out-of-plane axis first: slices src_a[k] are the in-plane images (views, no copies).
+    src_a, out_a = np.moveaxis(src, axis, 0), np.moveaxis(out, axis, 0)
+    if src_a.shape[1:] == out_a.shape[1:]:
+        mid_a = src_a
+    else:
+        same_depth = src_a.shape[0] == out_a.shape[0]
+        mid_a = out_a if same_depth else np.empty((src_a.shape[0], *out_a.shape[1:]), np.float32)
+        for k in range(src_a.shape[0]):
+            _zoom_into(src_a[k], mid_a[k], order)
+    if mid_a is not out_a:
+        _zoom_into(mid_a, out_a, order_z)
+    return out
+
+
+def resample_channels_to_shape(
+    data: np.ndarray,
+    new_shape_zyx: Sequence[int],
+    spacing_mm: Sequence[float],
+    order: int = 3,
+    order_z: int = 0,
+) -> Iterator[np.ndarray]:
+    """Yield each channel of ``data`` ``(C, Z, Y, X)`` resampled to float32 ``new_shape_zyx``, one at a time.
+
+    For prediction export: a consumer that reduces channels as they come (e.g. a running argmax over
+    class probabilities) holds one resampled channel instead of ``C``.
+    """
+    for c in range(data.shape[0]):
+        yield resample_channel(data[c], new_shape_zyx, spacing_mm, order, order_z)
+
+
+def resample_image(
+    data: np.ndarray,
+    new_shape_zyx: Sequence[int],
+    spacing_mm: Sequence[float],
+    order: int = 3,
+    order_z: int = 0,
+) -> np.ndarray:
+    """Resample an image ``(C, Z, Y, X)`` to float32 ``(C, *new_shape_zyx)``, channel by channel.
+
+    ``spacing_mm`` is the spacing of ``data`` (it decides the anisotropic path). Returns ``data`` itself
+    (as float32) when the shape is unchanged. Extra memory at peak: see ``resampling_peak_bytes``.
+    """
+    if data.ndim != 4:
+        raise ValueError(f"resample_image expects (C, Z, Y, X); got an array of shape {data.shape}")
+    new_shape = tuple(int(n) for n in new_shape_zyx)
+    if data.shape[1:] == new_shape:
+        return data.astype(np.float32, copy=False)
+    out = np.empty((data.shape[0], *new_shape), dtype=np.float32)  # C x Z' x Y' x X' x 4 bytes
+    for c in range(data.shape[0]):
+        resample_channel(data[c], new_shape, spacing_mm, order, order_z, out=out[c])
+    return out
+
+
+def resampling_peak_bytes(
+    shape_zyx: Sequence[int],
+    new_shape_zyx: Sequence[int],
+    num_channels: int,
+    spacing_mm: Sequence[float] | None = None,
+    order: int = 3,
+    order_z: int = 0,
+) -> int:
+    """Host bytes ``resample_image`` holds at its peak beyond its float32 input.
+
+    The output array plus the largest per-channel temporary (see ``resample_channel``) plus a small
+    constant for per-call bookkeeping; 0 when the shape is unchanged (the input is returned). With
+    ``spacing_mm=None`` the path is unknown and the larger of the 3D and anisotropic estimates is given
+    (the anisotropic one taking the z axis as out-of-plane).
+    """
+    shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
+    if shape == new_shape:
+        return 0
+    output = 4 * num_channels * int(np.prod(new_shape))
+    if spacing_mm is None:
+        temp = max(_channel_temp_bytes(shape, new_shape, None, order, order_z),
+                   _channel_temp_bytes(shape, new_shape, 0, order, order_z))
+    else:
+        temp = _channel_temp_bytes(shape, new_shape, out_of_plane_axis(spacing_mm), order, order_z)
+    return output + temp + _CALL_OVERHEAD_BYTES
+
+
+def _channel_temp_bytes(
+    shape: tuple[int, ...], new_shape: tuple[int, ...], axis: int | None, order: int, order_z: int
+) -> int:
+    """Peak float32 temporaries of one ``resample_channel`` call (the output excluded)."""
+    if axis is None:
+        return 4 * int(np.prod(shape)) if order > 1 else 0
+    n_in, n_out = shape[axis], new_shape[axis]
+    plane_in = [s for a, s in enumerate(shape) if a != axis]
+    plane_out = [s for a, s in enumerate(new_shape) if a != axis]
+    slice_coeffs = 4 * int(np.prod(plane_in)) if order > 1 and plane_in != plane_out else 0
+    if n_in == n_out:  # in-plane only, written straight into the output
+        return slice_coeffs
+    mid = 4 * n_in * int(np.prod(plane_out)) if plane_in != plane_out else 0
+    mid_coeffs = 4 * n_in * int(np.prod(plane_out)) if order_z > 1 else 0
+    return max(mid + slice_coeffs, mid + mid_coeffs)
+
+
+def segmentation_resampling_peak_bytes(
+    shape_zyx: Sequence[int],
+    new_shape_zyx: Sequence[int],
+    spacing_mm: Sequence[float] | None = None,
+    order: int = 1,
+    order_z: int = 0,
+    label_itemsize: int = 1,
+    num_labels: int = 2,
+) -> int:
+    """Host bytes ``resample_segmentation`` holds at its peak beyond its input (see its docstring).
+
+    ``label_itemsize`` is the label map's bytes per voxel (1 for int8); ``num_labels`` the number of
+    distinct values in it (``-1`` included).
+    """
+    shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
+    if shape == new_shape:
+        return 0
+    n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
+    output = label_itemsize * n_out
+    if order == 0 or num_labels < 2:
+        return output + _CALL_OVERHEAD_BYTES
+    best_score_response_better = (4 + 4 + 1) * n_out
+    mask = 4 * n_in
+    channel_temp = resampling_peak_bytes(shape, new_shape, 1, spacing_mm, order, order_z) - 4 * n_out
+    return output + best_score_response_better + mask + channel_temp
+
+
+def _present_labels(seg_zyx: np.ndarray) -> list[int]:
+    """Sorted label values in ``seg_zyx``, found slice by slice (no volume-sized sort)."""
+    labels: set[int] = set()
+    for k in range(seg_zyx.shape[0]):
+        labels.update(int(v) for v in np.unique(seg_zyx[k]))
+    return sorted(labels)
+
+
+def resample_segmentation(
+    seg: np.ndarray,
+    new_shape_zyx: Sequence[int],
+    spacing_mm: Sequence[float],
+    order: int = 1,
+    order_z: int = 0,
+) -> np.ndarray:
+    """Resample a label map ``(1, Z, Y, X)`` (integer) to ``(1, *new_shape_zyx)`` of the same dtype.
+
+    Never creates label values that are not in ``seg``. ``order=0``: nearest neighbour. ``order>=1``:
+    each label's (``-1`` included) binary mask is resampled as float32 like an image channel and each
+    voxel takes the label of the largest response (ties go to the smaller label). Memory beyond the
+    input: the output, a float32 running best score, a float32 response, a bool comparison buffer (all
+    output-sized), one float32 input-sized mask, and ``resample_channel``'s temporaries.
+    """
+    if seg.ndim != 4 or seg.shape[0] != 1:
+        raise ValueError(f"resample_segmentation expects (1, Z, Y, X); got an array of shape {seg.shape}")
+    if not np.issubdtype(seg.dtype, np.integer):
+        raise ValueError(
+            f"segmentation dtype is {seg.dtype}; expected integer labels (cast with astype(np.int16))"
+        )
+    new_shape = tuple(int(n) for n in new_shape_zyx)
+    if seg.shape[1:] == new_shape:
+        return seg
+    out = np.empty((1, *new_shape), dtype=seg.dtype)
+    if order == 0:
+        factors = [n / s for n, s in zip(new_shape, seg.shape[1:], strict=True)]
+        ndimage.zoom(seg[0], factors, output=out[0], order=0, mode="reflect", grid_mode=True)
+        return out
+    labels = _present_labels(seg[0])
+    out.fill(labels[0])
+    if len(labels) == 1:
+        return out
+    mask = np.empty(seg.shape[1:], dtype=np.float32)
+    np.equal(seg[0], labels[0], out=mask)
+    best_score = resample_channel(mask, new_shape, spacing_mm, order, order_z)
+    response = np.empty(new_shape, dtype=np.float32)
+    better = np.empty(new_shape, dtype=bool)
+    for label in labels[1:]:
+        np.equal(seg[0], label, out=mask)
+        resample_channel(mask, new_shape, spacing_mm, order, order_z, out=response)
+        np.greater(response, best_score, out=better)
+        np.copyto(best_score, response, where=better)
+        np.copyto(out[0], label, where=better)
+    return out

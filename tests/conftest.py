@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from autoseg.demo_data import make_demo_dataset
+
+
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory) -> Path:
+    """A 5 + 1 case synthetic 3D dataset in the nnU-Net layout, small enough for unit tests. Read-only."""
+    return make_demo_dataset(tmp_path_factory.mktemp("raw") / "Dataset001_Tiny", num_train=5, num_test=2,
+                             shape_zyx=(12, 28, 28), seed=3)
+
+
+@pytest.fixture()
+def dataset_copy(tiny_dataset, tmp_path) -> Path:
+    """A writable copy of the tiny dataset, for tests that break it."""
+    import shutil
+
+    dst = tmp_path / tiny_dataset.name
+    shutil.copytree(tiny_dataset, dst)
+    return dst

@@ -1,0 +1,133 @@
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from autoseg.artifacts import to_dict
+from autoseg.evaluate import EvaluationError, EvaluationSummary, evaluate_folder, format_table
+from autoseg.imageio import Geometry, write_image
+
+SPACING_XYZ = (1.0, 2.0, 3.0)  # one voxel is 6 mm^3
+
+
+def _geometry(shape_zyx: tuple[int, int, int], spacing_xyz: tuple[float, ...] = SPACING_XYZ) -> Geometry:
+    return Geometry(3, tuple(reversed(shape_zyx)), spacing_xyz, (0.0, 0.0, 0.0), (1, 0, 0, 0, 1, 0, 0, 0, 1))
+
+
+def _write(path: Path, array: np.ndarray, spacing_xyz: tuple[float, ...] = SPACING_XYZ) -> None:
+    write_image(path, array.astype(np.uint8), _geometry(array.shape, spacing_xyz))
+
+
+@pytest.fixture
+def folders(tmp_path: Path) -> tuple[Path, Path]:
+    """Two hand-made cases of shape (1, 2, 4) with known overlaps.
+
+    case a: class 1 reference 4 voxels, prediction 3 voxels, 2 shared -> Dice 4/7, IoU 2/5;
+            class 2 absent from both -> undefined.
+    case b: class 1 one voxel in both -> Dice 1; class 2 reference 2 voxels, prediction none -> Dice 0.
+    """
+    gt, pred = tmp_path / "labelsTs", tmp_path / "pred"
+    _write(gt / "a.nii.gz", np.array([[[1, 1, 1, 1], [0, 0, 0, 0]]]))
+    _write(pred / "a.nii.gz", np.array([[[1, 1, 0, 0], [1, 0, 0, 0]]]))
+    _write(gt / "b.nii.gz", np.array([[[1, 0, 2, 2], [0, 0, 0, 0]]]))
+    _write(pred / "b.nii.gz", np.array([[[1, 0, 0, 0], [0, 0, 0, 0]]]))
+    (tmp_path / "dataset.json").write_text(json.dumps({"labels": {"background": 0, "organ": 1, "lesion": 2}}))
+    return pred, gt
+
+
+def test_known_overlaps_give_exact_values(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    summary = evaluate_folder(pred, gt)  # labels from gt's parent dataset.json
+    assert summary.labels == {"organ": 1, "lesion": 2}
+    a, b = summary.cases
+    assert (a.case_id, b.case_id) == ("a", "b")
+    organ_a = a.classes["organ"]
+    assert (organ_a.tp, organ_a.fp, organ_a.fn) == (2, 1, 2)
+    assert organ_a.dice == pytest.approx(4 / 7) and organ_a.iou == pytest.approx(2 / 5)
+    assert organ_a.volume_pred_mm3 == pytest.approx(3 * 6.0)
+    assert organ_a.volume_ref_mm3 == pytest.approx(4 * 6.0)
+    assert math.isnan(a.classes["lesion"].dice) and math.isnan(a.classes["lesion"].iou)
+    assert b.classes["organ"].dice == 1.0
+    lesion_b = b.classes["lesion"]
+    assert (lesion_b.dice, lesion_b.iou, lesion_b.tp, lesion_b.fp, lesion_b.fn) == (0.0, 0.0, 0, 0, 2)
+    # means skip the undefined (empty vs empty) entry
+    assert summary.mean["organ"].dice == pytest.approx((4 / 7 + 1) / 2)
+    assert summary.mean["organ"].iou == pytest.approx((2 / 5 + 1) / 2)
+    assert (summary.mean["organ"].num_cases, summary.mean["lesion"].num_cases) == (2, 1)
+    assert summary.mean["lesion"].dice == 0.0
+    assert summary.mean_foreground_dice == pytest.approx(((4 / 7 + 1) / 2 + 0.0) / 2)
+
+
+def test_perfect_prediction_scores_one(tmp_path: Path) -> None:
+    label = np.zeros((3, 4, 5), dtype=np.uint8)
+    label[1, 1:3, 1:4] = 1
+    label[2, 0, 0] = 2
+    _write(tmp_path / "gt" / "c.nii.gz", label)
+    _write(tmp_path / "pred" / "c.nii.gz", label)
+    summary = evaluate_folder(tmp_path / "pred", tmp_path / "gt", labels={"background": 0, "x": 1, "y": 2})
+    assert summary.labels == {"x": 1, "y": 2}  # background is not evaluated
+    assert {m.dice for m in summary.mean.values()} == {1.0}
+    assert {m.iou for m in summary.mean.values()} == {1.0}
+    assert summary.mean_foreground_dice == 1.0
+
+
+def test_labels_inferred_from_values_without_dataset_json(tmp_path: Path) -> None:
+    _write(tmp_path / "gt" / "c.nii.gz", np.array([[[0, 3, 3]]]))
+    _write(tmp_path / "pred" / "c.nii.gz", np.array([[[1, 3, 0]]]))
+    summary = evaluate_folder(tmp_path / "pred", tmp_path / "gt")
+    assert summary.labels == {"1": 1, "3": 3}
+    assert summary.cases[0].classes["1"].dice == 0.0  # predicted only
+    assert summary.cases[0].classes["3"].dice == pytest.approx(2 / 3)
+
+
+def test_missing_prediction_is_named(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    (pred / "b.nii.gz").unlink()
+    with pytest.raises(EvaluationError, match=r"no prediction for 1 of 2 reference file\(s\).*b\.nii\.gz"):
+        evaluate_folder(pred, gt)
+
+
+def test_geometry_mismatch_names_both_files(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    _write(pred / "b.nii.gz", np.array([[[1, 0, 0, 0], [0, 0, 0, 0]]]), spacing_xyz=(1.0, 2.0, 5.0))
+    with pytest.raises(EvaluationError) as info:
+        evaluate_folder(pred, gt)
+    message = str(info.value)
+    assert str(pred / "b.nii.gz") in message and str(gt / "b.nii.gz") in message
+    assert "spacing" in message and "a.nii.gz" not in message
+
+
+def test_summary_json_round_trip(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    out = pred / "summary.json"
+    summary = evaluate_folder(pred, gt, output_json=out)
+    text = out.read_text()
+    assert "NaN" not in text  # undefined Dice is written as null: standard JSON
+    raw = json.loads(text)
+    assert raw["schema_version"] == 1
+    assert raw["cases"][0]["classes"]["lesion"]["dice"] is None
+    loaded = EvaluationSummary.from_json(out)
+    assert math.isnan(loaded.cases[0].classes["lesion"].dice)
+    assert json.dumps(to_dict(loaded)) == json.dumps(to_dict(summary))
+    # a second evaluation ignores summary.json, which does not end in .nii.gz
+    assert evaluate_folder(pred, gt).mean_foreground_dice == summary.mean_foreground_dice
+
+
+def test_format_table(folders: tuple[Path, Path]) -> None:
+    table = format_table(evaluate_folder(*folders))
+    lines = table.splitlines()
+    assert lines[0].split() == ["class", "value", "mean", "Dice", "mean", "IoU", "cases"]
+    assert lines[1].split() == ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2"]
+    assert lines[2].split() == ["lesion", "2", "0.0000", "0.0000", "1"]
+    assert lines[3].startswith(f"mean foreground Dice: {((4 / 7 + 1) / 2) / 2:.4f}")
+
+
+def test_empty_reference_folder_is_an_error(tmp_path: Path) -> None:
+    (tmp_path / "gt").mkdir()
+    (tmp_path / "pred").mkdir()
+    with pytest.raises(EvaluationError, match="no reference segmentations"):
+        evaluate_folder(tmp_path / "pred", tmp_path / "gt")

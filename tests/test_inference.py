@@ -1,0 +1,327 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from autoseg import inference
+from autoseg.inference import (
+    gaussian_importance_map,
+    inference_buffer_bytes,
+    sliding_window_predict,
+    tile_starts,
+)
+
+
+def _pointwise_net(dim: int, in_channels: int, num_classes: int, seed: int = 0) -> nn.Module:
+    """A 1x1 convolution with fixed random weights: its output at a voxel depends only on that voxel."""
+    gen = torch.Generator().manual_seed(seed)
+    conv = (nn.Conv3d if dim == 3 else nn.Conv2d)(in_channels, num_classes, kernel_size=1)
+    with torch.no_grad():
+        conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen))
+        conv.bias.copy_(torch.randn(conv.bias.shape, generator=gen))
+    return conv
+
+
+def _pointwise_reference(data: np.ndarray, net: nn.Module) -> torch.Tensor:
+    """Softmax of the 1x1 conv applied to the whole (C, Z, Y, X) image at once: (K, Z, Y, X)."""
+    weight = net.weight.detach().reshape(net.weight.shape[0], -1)  # (K, C)
+    logits = torch.einsum("kc,czyx->kzyx", weight, torch.from_numpy(data))
+    logits += net.bias.detach()[:, None, None, None]
+    return torch.softmax(logits, dim=0)
+
+
+class _ConstantLogits(nn.Module):
+    """Returns the same logit vector at every voxel, as a deep-supervision list."""
+
+    def __init__(self, logits: list[float]) -> None:
+        super().__init__()
+        self.logits = torch.tensor(logits)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        shape = (x.shape[0], len(self.logits), *x.shape[2:])
+        full = self.logits.reshape(1, -1, *([1] * (x.ndim - 2))).expand(shape).clone()
+        return [full, full[:, :, ::2]]  # second element: a lower-resolution deep-supervision output
+
+
+class _PositionLogits(nn.Module):
+    """Logits (sum_i coeffs[i] * index along spatial axis i within the tile, 0), whatever the input."""
+
+    def __init__(self, coeffs: tuple[float, ...]) -> None:
+        super().__init__()
+        self.coeffs = coeffs
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grids = torch.meshgrid(*[torch.arange(n, dtype=x.dtype) for n in x.shape[2:]], indexing="ij")
+        ramp = sum(c * g for c, g in zip(self.coeffs, grids, strict=True)).expand(x.shape[0], 1, *x.shape[2:])
+        return torch.cat([ramp, torch.zeros_like(ramp)], dim=1)
+
+
+def _random_image(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+# ---------------------------------------------------------------- gaussian / tile starts
+
+
+def test_gaussian_is_centred_normalized_symmetric_and_cached() -> None:
+    g = gaussian_importance_map((5, 9, 8))
+    assert g.shape == (5, 9, 8) and g.dtype == torch.float32
+    assert g.max().item() == pytest.approx(1.0)
+    assert g[2, 4].argmax().item() in (3, 4)  # even axis: the two central voxels tie
+    for dim in range(3):
+        torch.testing.assert_close(g, torch.flip(g, [dim]))
+    # odd axis of 9 voxels: sigma = 9/8, so one voxel off the centre the value is exp(-(1 / sigma)**2 / 2)
+    one_axis = gaussian_importance_map((9,), sigma_scale=1 / 8)
+    assert one_axis[4].item() == pytest.approx(1.0)
+    assert one_axis[4 + 1].item() == pytest.approx(math.exp(-0.5 * (8 / 9) ** 2), rel=1e-6)
+    assert gaussian_importance_map((5, 9, 8)) is g
+
+
+def test_gaussian_has_no_zeros_when_the_dtype_underflows() -> None:
+    g = gaussian_importance_map((64, 64, 64), dtype=torch.float16)
+    assert g.dtype == torch.float16
+    assert (g > 0).all()
+    # the corners (exp(-23.25) ~ 8e-11) underflow in fp16 (smallest subnormal 6e-8)...
+    assert (gaussian_importance_map((64, 64, 64), dtype=torch.float32).half() == 0).any()
+    # ...and get the smallest nonzero value instead
+    assert g[0, 0, 0].item() == g.min().item() > 0
+
+
+def test_tile_starts_example() -> None:
+    # per axis: ceil((10 - 4) / 2) + 1 = 4 starts from 0 to 6; (4, 4): one start; (7, 4): ceil(3/2)+1 = 3
+    starts = tile_starts((10, 4, 7), (4, 4, 4), step_fraction=0.5)
+    assert sorted({s[0] for s in starts}) == [0, 2, 4, 6]
+    assert sorted({s[1] for s in starts}) == [0]
+    assert sorted({s[2] for s in starts}) == [0, 2, 3]  # linspace(0, 3, 3) = 0, 1.5, 3 rounded half to even
+    assert len(starts) == 4 * 1 * 3
+
+
+@pytest.mark.parametrize("step_fraction", [0.25, 0.5, 1.0])
+def test_tile_starts_cover_every_voxel_and_end_on_the_border(step_fraction: float) -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        patch = tuple(int(p) for p in rng.integers(1, 9, size=3))
+        size = tuple(int(p + e) for p, e in zip(patch, rng.integers(0, 20, size=3), strict=True))
+        starts = tile_starts(size, patch, step_fraction)
+        covered = np.zeros(size, dtype=bool)
+        for s in starts:
+            covered[tuple(slice(a, a + p) for a, p in zip(s, patch, strict=True))] = True
+        assert covered.all()
+        for axis in range(3):
+            axis_starts = sorted({s[axis] for s in starts})
+            assert axis_starts[0] == 0 and axis_starts[-1] == size[axis] - patch[axis]
+            assert np.diff(axis_starts).max(initial=0) <= math.ceil(patch[axis] * step_fraction)
+
+
+def test_tile_starts_rejects_images_smaller_than_the_patch() -> None:
+    with pytest.raises(ValueError, match="pad the image"):
+        tile_starts((3, 10, 10), (4, 4, 4))
+
+
+# ---------------------------------------------------------------- sliding window: 3D
+
+
+def test_constant_logits_give_exact_softmax_everywhere() -> None:
+    data = _random_image((1, 7, 9, 10))
+    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0, 0.5]), data, (4, 4, 4), num_classes=3)
+    assert probs.shape == (3, 7, 9, 10) and probs.dtype == torch.float32 and probs.device.type == "cpu"
+    expected = torch.softmax(torch.tensor([1.0, -2.0, 0.5]), dim=0)
+    torch.testing.assert_close(probs, expected[:, None, None, None].expand(3, 7, 9, 10), atol=1e-6, rtol=0)
+
+
+def test_pointwise_network_equals_whole_image_prediction() -> None:
+    data = _random_image((2, 9, 11, 10))
+    net = _pointwise_net(3, in_channels=2, num_classes=3)
+    probs = sliding_window_predict(net, data, (4, 6, 4), num_classes=3)
+    torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
+    assert not probs.is_inference()  # the caller may edit it in place
+    probs[0] *= 0
+
+
+def test_image_smaller_than_patch_is_padded_and_cropped_back() -> None:
+    data = _random_image((1, 3, 5, 12))  # smaller than the patch along z and y, larger along x
+    net = _pointwise_net(3, in_channels=1, num_classes=2)
+    probs = sliding_window_predict(net, data, (4, 8, 8), num_classes=2)
+    assert probs.shape == (2, 3, 5, 12)
+    torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_is_symmetric_and_zero() -> None:
+    # (2, 3, 4) in a (4, 6, 4) patch: one tile, padded by 1 before along z (2 = 1 + 1) and y (3 = 1 + 2).
+    data = np.ones((1, 2, 3, 4), dtype=np.float32)
+    probs = sliding_window_predict(_PositionLogits((1.0, 0.1, 0.01)), data, (4, 6, 4), num_classes=2)
+    z, y, x = torch.meshgrid(torch.arange(2.0), torch.arange(3.0), torch.arange(4.0), indexing="ij")
+    logit = (z + 1) + 0.1 * (y + 1) + 0.01 * x
+    torch.testing.assert_close(probs[0], torch.sigmoid(logit))  # softmax([l, 0])[0] = sigmoid(l)
+    # a 3x3x3 box sum sees the zero padding: voxels on the image border count fewer ones
+    box = nn.Conv3d(1, 1, kernel_size=3, padding=1, bias=False)
+    nn.init.ones_(box.weight)
+    net = nn.Sequential(box, nn.Conv3d(1, 2, kernel_size=1))
+    with torch.no_grad():
+        net[1].weight.copy_(torch.tensor([1.0, 0.0]).reshape(2, 1, 1, 1, 1))
+        net[1].bias.zero_()
+    probs = sliding_window_predict(net, data, (4, 6, 4), num_classes=2)
+    counts = nn.functional.conv3d(torch.from_numpy(data)[None], torch.ones(1, 1, 3, 3, 3), padding=1)[0, 0]
+    assert counts[0, 0, 0] == 8 and counts[1, 1, 1] == 18
+    torch.testing.assert_close(probs[0], torch.sigmoid(counts))
+
+
+def test_mirroring_a_pointwise_network_changes_nothing_and_runs_every_flip() -> None:
+    data = _random_image((1, 6, 7, 8))
+    net = _pointwise_net(3, in_channels=1, num_classes=2)
+    calls = []
+    net.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
+    plain = sliding_window_predict(net, data, (4, 4, 4), num_classes=2)
+    tiles = len(calls)
+    mirrored = sliding_window_predict(net, data, (4, 4, 4), num_classes=2, mirror_axes=(0, 1, 2))
+    assert len(calls) - tiles == 8 * tiles
+    torch.testing.assert_close(mirrored, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_mirroring_flips_the_prediction_back() -> None:
+    # One tile. Without mirroring the z-ramp logit shows through; mirrored along z it averages
+    # (z + (3 - z)) / 2 = 1.5 at every voxel, which only holds if each output is flipped back.
+    data = np.zeros((1, 4, 4, 4), dtype=np.float32)
+    z_ramp = _PositionLogits((1.0, 0.0, 0.0))
+    plain = sliding_window_predict(z_ramp, data, (4, 4, 4), num_classes=2)
+    assert not torch.allclose(plain[:, 0], plain[:, 3])
+    mirrored = sliding_window_predict(z_ramp, data, (4, 4, 4), num_classes=2, mirror_axes=(0,))
+    expected = torch.softmax(torch.tensor([1.5, 0.0]), dim=0)
+    torch.testing.assert_close(mirrored, expected[:, None, None, None].expand(2, 4, 4, 4))
+
+
+def test_tile_batching_equals_unbatched_with_a_spatial_network() -> None:
+    # A 3x3x3 conv with zero padding sees tile borders, so the Gaussian overlap weighting matters.
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
+    data = _random_image((1, 7, 9, 9))
+    one = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, mirror_axes=(1,))
+    three = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, mirror_axes=(1,), tile_batch_size=3)
+    torch.testing.assert_close(three, one, atol=1e-5, rtol=1e-5)
+    flat = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, mirror_axes=(1,), use_gaussian=False)
+    assert not torch.allclose(flat, one, atol=1e-4)  # the weighting does change a border-sensitive net
+
+
+def test_network_is_run_in_eval_mode_and_its_mode_is_restored() -> None:
+    net = nn.Sequential(nn.Dropout3d(p=0.5), _pointwise_net(3, 1, 2))
+    net.train()
+    data = _random_image((1, 4, 6, 6))
+    first = sliding_window_predict(net, data, (4, 4, 4), num_classes=2)
+    second = sliding_window_predict(net, data, (4, 4, 4), num_classes=2)
+    torch.testing.assert_close(first, second)
+    assert net.training
+
+
+def test_bf16_is_close_to_fp32_and_fp16_on_cpu_falls_back_to_fp32() -> None:
+    data = _random_image((1, 5, 6, 7))
+    net = _pointwise_net(3, 1, 3)
+    fp32 = sliding_window_predict(net, data, (4, 4, 4), num_classes=3)
+    bf16 = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, precision="bf16")
+    fp16 = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, precision="fp16")
+    assert bf16.dtype == torch.float32
+    assert (bf16 - fp32).abs().max() < 3e-2 and not torch.equal(bf16, fp32)
+    torch.testing.assert_close(fp16, fp32, atol=0, rtol=0)
+
+
+def test_progress_bar_counts_tiles(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _random_image((1, 4, 6, 6))
+    sliding_window_predict(_pointwise_net(3, 1, 2), data, (4, 4, 4), num_classes=2, progress=True)
+    assert "4/4" in capsys.readouterr().err  # 1 x 2 x 2 tiles
+
+
+# ---------------------------------------------------------------- sliding window: 2D
+
+
+def test_2d_network_predicts_slice_by_slice() -> None:
+    data = _random_image((2, 5, 9, 6))  # 5 slices; x smaller than the patch -> padded
+    net = _pointwise_net(2, in_channels=2, num_classes=3)
+    batch_sizes = []
+    net.register_forward_hook(lambda module, args, out: batch_sizes.append(tuple(args[0].shape)))
+    probs = sliding_window_predict(net, data, (4, 8), num_classes=3, tile_batch_size=4, mirror_axes=(0, 1))
+    assert probs.shape == (3, 5, 9, 6)
+    torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
+    # 5 slices x 4 tiles along y (ceil(5 / 2) + 1) x 1 along x = 20 tiles: 5 batches of 4, 4 flips each
+    assert batch_sizes == [(4, 2, 4, 8)] * 20
+
+
+def test_2d_constant_logits_and_tile_batching() -> None:
+    torch.manual_seed(0)
+    net = nn.Conv2d(1, 2, kernel_size=3, padding=1)
+    data = _random_image((1, 3, 10, 7))
+    one = sliding_window_predict(net, data, (4, 4), num_classes=2)
+    five = sliding_window_predict(net, data, (4, 4), num_classes=2, tile_batch_size=5)
+    torch.testing.assert_close(five, one, atol=1e-5, rtol=1e-5)
+    const = sliding_window_predict(_ConstantLogits([0.0, 2.0]), data, (4, 4), num_classes=2)
+    expected = torch.softmax(torch.tensor([0.0, 2.0]), dim=0)
+    torch.testing.assert_close(const, expected[:, None, None, None].expand(2, 3, 10, 7), atol=1e-6, rtol=0)
+
+
+# ---------------------------------------------------------------- errors
+
+
+def test_errors_say_what_to_change() -> None:
+    net = _pointwise_net(3, 1, 2)
+    data = _random_image((1, 4, 4, 4))
+    with pytest.raises(ValueError, match=r"\(C, Z, Y, X\); got shape \(4, 4, 4\)"):
+        sliding_window_predict(net, data[0], (4, 4, 4), num_classes=2)
+    with pytest.raises(ValueError, match="mirror_axes"):
+        sliding_window_predict(net, data, (4, 4, 4), num_classes=2, mirror_axes=(3,))
+    with pytest.raises(ValueError, match="precision"):
+        sliding_window_predict(net, data, (4, 4, 4), num_classes=2, precision="fp8")
+    with pytest.raises(ValueError, match="3 values .* or 2 values"):
+        sliding_window_predict(net, data, (4,), num_classes=2)
+    with pytest.raises(ValueError, match=r"expected \(1, 5, 4, 4, 4\)\. Check num_classes"):
+        sliding_window_predict(net, data, (4, 4, 4), num_classes=5)
+
+
+# ---------------------------------------------------------------- buffer estimate vs allocation
+
+
+def test_buffer_estimate_by_hand() -> None:
+    # image (3, 5, 20) padded to (4, 8, 20) by a (4, 8, 8) patch: 640 voxels; K = 3, C = 2, B = 2
+    sizes = inference_buffer_bytes((3, 5, 20), (4, 8, 8), num_classes=3, tile_batch_size=2, in_channels=2)
+    assert sizes["accumulator"] == 3 * 640 * 4
+    assert sizes["weight_map"] == 640 * 4
+    assert sizes["padded_input"] == 2 * 640 * 4
+    assert sizes["tile_batch"] == 2 * 2 * 256 * 4 and sizes["tile_logits"] == 2 * 3 * 256 * 4
+    assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
+    # 2D patch: z is never padded
+    sizes_2d = inference_buffer_bytes((3, 5, 20), (8, 8), num_classes=3, tile_batch_size=2, in_channels=2)
+    assert sizes_2d["weight_map"] == 3 * 8 * 20 * 4
+
+
+@pytest.mark.parametrize(
+    ("shape", "patch", "batch"),
+    [((2, 5, 7, 9), (4, 4, 4), 3), ((1, 3, 10, 5), (4, 8), 4), ((3, 6, 4, 4), (4, 4, 4), 1)],
+)
+def test_buffer_estimate_matches_the_tensors_allocated(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], patch: tuple[int, ...], batch: int
+) -> None:
+    seen: dict[str, int] = {"tile_batch": 0, "tile_logits": 0}
+    allocate, predict_batch = inference._allocate_buffers, inference._predict_tile_batch
+
+    def record_allocation(*args, **kwargs):
+        buffers, crop = allocate(*args, **kwargs)
+        for name in ("padded_input", "accumulator", "weight_map", "gaussian"):
+            seen[name] = getattr(buffers, name).untyped_storage().nbytes()
+        return buffers, crop
+
+    def record_batch(network, tile_batch, *args, **kwargs):
+        logits = predict_batch(network, tile_batch, *args, **kwargs)
+        seen["tile_batch"] = max(seen["tile_batch"], tile_batch.untyped_storage().nbytes())
+        seen["tile_logits"] = max(seen["tile_logits"], logits.untyped_storage().nbytes())
+        return logits
+
+    monkeypatch.setattr(inference, "_allocate_buffers", record_allocation)
+    monkeypatch.setattr(inference, "_predict_tile_batch", record_batch)
+    net = _pointwise_net(len(patch), in_channels=shape[0], num_classes=4)
+    sliding_window_predict(net, _random_image(shape), patch, num_classes=4, tile_batch_size=batch)
+
+    expected = inference_buffer_bytes(shape[1:], patch, num_classes=4, tile_batch_size=batch,
+                                      in_channels=shape[0])
+    assert expected.pop("total") == sum(expected.values())
+    assert seen == expected

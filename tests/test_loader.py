@@ -1,0 +1,265 @@
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
+
+import autoseg.loader as loader_module
+from autoseg.loader import (
+    Augmenter,
+    BatchLoader,
+    LoaderConfig,
+    PatchSampler,
+    batch_bytes,
+    batch_bytes_terms,
+    enlarged_patch_size,
+)
+
+SHAPE_ZYX = (12, 20, 20)
+
+
+def write_case(folder: Path, case_id: str, data: np.ndarray, seg: np.ndarray) -> None:
+    """A preprocessed case: data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), class_locations from seg."""
+    np.save(folder / f"{case_id}_data.npy", data.astype(np.float32))
+    np.save(folder / f"{case_id}_seg.npy", seg.astype(np.int8))
+    locations = {str(c): np.argwhere(seg[0] == c).tolist() for c in (1, 2)}
+    (folder / f"{case_id}.json").write_text(json.dumps({"class_locations": locations}))
+
+
+def make_cases(
+    folder: Path,
+    num_cases: int = 2,
+    shape_zyx: tuple[int, ...] = SHAPE_ZYX,
+    num_channels: int = 1,
+    foreground: str = "blob",
+    seed: int = 0,
+) -> list[str]:
+    """Data = a ramp that encodes the voxel position (so a patch can be located); seg -1 on the y=0 rows."""
+    rng = np.random.default_rng(seed)
+    z, y, x = np.meshgrid(*(np.arange(s) for s in shape_zyx), indexing="ij")
+    ids = []
+    for i in range(num_cases):
+        data = np.stack([1 + z * 10000 + y * 100 + x + 0.5 * c for c in range(num_channels)]) + 1000000 * i
+        seg = np.zeros((1, *shape_zyx), dtype=np.int8)
+        if foreground == "blob":  # a small cube in a corner: rarely hit by a uniform patch
+            seg[0, -2:, -3:, -3:] = 1
+        elif foreground == "scatter":  # 10 % of voxels, spread uniformly
+            seg[0] = rng.random(shape_zyx) < 0.1
+        seg[0, :, 0, :] = -1
+        write_case(folder, f"case_{i}", data, seg)
+        ids.append(f"case_{i}")
+    return ids
+
+
+def expected_box(data: np.ndarray, origin: tuple[int, ...], size: tuple[int, ...], pad: float) -> np.ndarray:
+    """data (C, *S)[origin : origin + size] with ``pad`` outside the array."""
+    out = np.full((data.shape[0], *size), pad, dtype=data.dtype)
+    src, dst = [], []
+    for lo, e, s in zip(origin, size, data.shape[1:], strict=True):
+        a, b = max(lo, 0), min(lo + e, s)
+        src.append(slice(a, b))
+        dst.append(slice(a - lo, b - lo))
+    out[(slice(None), *dst)] = data[(slice(None), *src)]
+    return out
+
+
+def test_3d_shapes_dtypes_and_values(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_channels=2)
+    config = LoaderConfig((8, 16, 16), batch_size=3)
+    sampler = PatchSampler(tmp_path, ids, config, np.random.default_rng(0))
+    e = sampler.enlarged_patch_size
+    assert len(e) == 3 and all(a > p and (a - p) % 2 == 0 for a, p in zip(e, (8, 16, 16), strict=True))
+    batch = sampler.sample_batch()
+    assert batch["data"].shape == (3, 2, *e) and batch["data"].dtype == np.float32
+    assert batch["seg"].shape == (3, 1, *e) and batch["seg"].dtype == np.int8
+    for i in range(3):  # each sample is the case's region at its origin, padded 0 / -1
+        case = tmp_path / f"{batch['case_ids'][i]}"
+        full_data, full_seg = np.load(f"{case}_data.npy"), np.load(f"{case}_seg.npy")
+        origin = tuple(batch["origins"][i])
+        np.testing.assert_array_equal(batch["data"][i], expected_box(full_data, origin, e, 0.0))
+        np.testing.assert_array_equal(batch["seg"][i], expected_box(full_seg, origin, e, -1))
+    with BatchLoader(tmp_path, ids, config, seed=0) as loader:
+        out = next(loader)
+    assert out["data"].shape == (3, 2, 8, 16, 16) and out["data"].dtype == torch.float32
+    assert out["target"].shape == (3, 1, 8, 16, 16) and out["target"].dtype == torch.int64
+    assert set(out["target"].unique().tolist()) <= {0, 1}
+
+
+def test_2d_samples_one_slice(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path)
+    config = LoaderConfig((16, 16), batch_size=4, augment=False)
+    batch = PatchSampler(tmp_path, ids, config, np.random.default_rng(1)).sample_batch()
+    assert batch["data"].shape == (4, 1, 16, 16) and batch["seg"].shape == (4, 1, 16, 16)
+    for i in range(4):
+        z, y, x = batch["origins"][i]
+        full = np.load(tmp_path / f"{batch['case_ids'][i]}_data.npy")
+        np.testing.assert_array_equal(batch["data"][i], expected_box(full[:, z], (y, x), (16, 16), 0.0))
+    with BatchLoader(tmp_path, ids, LoaderConfig((16, 16), batch_size=2), seed=0) as loader:
+        out = next(loader)
+    assert out["data"].shape == (2, 1, 16, 16) and out["target"].shape == (2, 1, 16, 16)
+    assert out["target"].min() >= 0
+
+
+def test_dummy_2d_keeps_z_and_augments_in_plane(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path)
+    config = LoaderConfig((8, 16, 16), batch_size=2, dummy_2d=True)
+    sampler = PatchSampler(tmp_path, ids, config, np.random.default_rng(0))
+    assert sampler.enlarged_patch_size[0] == 8 and sampler.enlarged_patch_size[1] > 16
+    out = Augmenter(config)(sampler.sample_batch(), seed=3)
+    assert out["data"].shape == (2, 1, 8, 16, 16) and out["target"].shape == (2, 1, 8, 16, 16)
+
+
+def test_padding_when_patch_exceeds_image(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_cases=1, shape_zyx=(4, 10, 10))
+    config = LoaderConfig((8, 16, 16), batch_size=4, augment=False, oversample_foreground=0.5)
+    batch = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)).sample_batch()
+    full_data = np.load(tmp_path / "case_0_data.npy")
+    for i in range(4):
+        origin = batch["origins"][i]
+        sizes = zip(origin, (8, 16, 16), (4, 10, 10), strict=True)
+        assert all(lo <= 0 and lo + p >= s for lo, p, s in sizes)  # the whole image is inside the patch
+        inside = batch["data"][i] > 0  # the ramp is >= 1 everywhere inside the image
+        assert inside.sum() == full_data.size
+        assert np.all(batch["data"][i][~inside] == 0) and np.all(batch["seg"][i][~inside[:1]] == -1)
+    target = Augmenter(config)(batch, seed=0)["target"]
+    assert target.dtype == np.int64 and target.min() == 0  # -1 (padding, outside the mask) -> 0
+
+
+@pytest.mark.parametrize("patch_size", [(8, 16, 16), (16, 16)])
+def test_oversample_one_puts_foreground_in_every_patch(tmp_path: Path, patch_size: tuple[int, ...]) -> None:
+    ids = make_cases(tmp_path, foreground="blob")
+    for oversample, expect_all in ((1.0, True), (0.0, False)):
+        config = LoaderConfig(patch_size, batch_size=40, augment=False, oversample_foreground=oversample)
+        seg = PatchSampler(tmp_path, ids, config, np.random.default_rng(2)).sample_batch()["seg"]
+        has_foreground = (seg == 1).reshape(40, -1).any(axis=1)
+        assert has_foreground.all() == expect_all, f"oversample={oversample}: {has_foreground.mean():.2f}"
+
+
+def test_uniform_sampling_matches_volume_fraction(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_cases=3, foreground="scatter")
+    volume_fraction = np.mean([(np.load(tmp_path / f"{c}_seg.npy") == 1).mean() for c in ids])
+    config = LoaderConfig((8, 16, 16), batch_size=64, augment=False, oversample_foreground=0.0)
+    seg = PatchSampler(tmp_path, ids, config, np.random.default_rng(5)).sample_batch()["seg"]
+    assert abs((seg == 1).mean() - volume_fraction) < 0.015
+
+
+def test_case_without_foreground_falls_back_to_uniform(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_cases=1, foreground="none")
+    config = LoaderConfig((8, 16, 16), batch_size=4, augment=False, oversample_foreground=1.0)
+    seg = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)).sample_batch()["seg"]
+    assert seg.shape == (4, 1, 8, 16, 16) and not (seg == 1).any()
+
+
+def test_same_seed_same_batches_and_replay_from_seed(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path)
+    config = LoaderConfig((8, 16, 16), batch_size=2, p_rotation=1.0, p_noise=1.0)
+    runs = []
+    for seed in (7, 7, 8):
+        with BatchLoader(tmp_path, ids, config, seed=seed) as loader:
+            runs.append([next(loader) for _ in range(3)])
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(a["data"], b["data"]) and torch.equal(a["target"], b["target"])
+    assert not torch.equal(runs[0][0]["data"], runs[2][0]["data"])
+
+    sampled = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)).sample_batch()
+    copy = {k: np.copy(v) for k, v in sampled.items() if k in ("data", "seg")}
+    np.random.seed(123)
+    before = np.random.get_state()[1].copy()
+    augmenter = Augmenter(config)
+    first, replay = augmenter(sampled, seed=42), augmenter(copy, seed=42)
+    np.testing.assert_array_equal(first["data"], replay["data"])
+    np.testing.assert_array_equal(first["target"], replay["target"])
+    np.testing.assert_array_equal(np.random.get_state()[1], before)  # the caller's global state is untouched
+
+
+def test_one_worker_yields_the_in_process_batches_and_closes(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path)
+    config = LoaderConfig((8, 16, 16), batch_size=2)
+    with BatchLoader(tmp_path, ids, config, seed=3, num_workers=0) as loader:
+        expected = [next(loader) for _ in range(2)]
+    loader = BatchLoader(tmp_path, ids, config, seed=3, num_workers=1, queue_depth=1)
+    got = [next(loader) for _ in range(2)]
+    assert multiprocessing.active_children(), "expected a worker process"
+    loader.close()
+    assert multiprocessing.active_children() == []
+    loader.close()  # idempotent
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a["data"], b["data"]) and torch.equal(a["target"], b["target"])
+    with pytest.raises(RuntimeError, match="closed"):
+        next(loader)
+
+
+def test_dead_worker_raises_instead_of_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = make_cases(tmp_path, num_cases=1)
+    monkeypatch.setattr(loader_module.PatchSampler, "sample_batch", lambda self: os._exit(3))
+    with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
+        with pytest.raises(RuntimeError, match="exited unexpectedly"):
+            next(loader)
+
+
+def test_worker_error_is_reraised(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_cases=1)
+    with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
+        (tmp_path / "case_0_seg.npy").unlink()  # vanishes after the loader checked it
+        with pytest.raises(FileNotFoundError, match="case_0_seg.npy"):
+            next(loader)
+
+
+def test_errors_say_what_to_change(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_cases=1)
+    (tmp_path / "case_0.json").unlink()
+    with pytest.raises(FileNotFoundError, match="case_0.json.*run preprocessing"):
+        PatchSampler(tmp_path, ids, LoaderConfig((8, 16, 16), 1), np.random.default_rng(0))
+    with pytest.raises(ValueError, match="dummy_2d"):
+        LoaderConfig((16, 16), 1, dummy_2d=True)
+    with pytest.raises(ValueError, match="mirror_axes"):
+        LoaderConfig((16, 16), 1, mirror_axes=(2,))
+    with pytest.raises(ValueError, match="patch_size"):
+        LoaderConfig((4, 8, 16, 16), 1)
+
+
+def test_enlarged_patch_size_covers_every_rotation_and_scale() -> None:
+    assert enlarged_patch_size((8, 16, 16), 0.0, (1.0, 1.0)) == (8, 16, 16)
+    # 2D square, angles up to 90 deg: worst case the diagonal, 15 * sqrt(2) + 1 = 22.2 -> 23 -> even: 24
+    assert enlarged_patch_size((16, 16), 90.0, (1.0, 1.0)) == (24, 24)
+    assert enlarged_patch_size((16, 16), 90.0, (0.7, 1.4)) == (32, 32)  # 2 * 10.61 * 1.4 + 1 = 30.7 -> 32
+    assert enlarged_patch_size((6, 16, 16), 180.0, (0.7, 1.4), dummy_2d=True) == (6, 32, 32)
+    patch, size = (8, 16, 24), enlarged_patch_size((8, 16, 24), 30.0, (0.7, 1.4))
+    rng = np.random.default_rng(0)
+    corners = create_zero_centered_coordinate_mesh(patch)[:, ::7, ::15, ::23]  # the 8 corners
+    for _ in range(200):  # batchgenerators' own rotation; the sampled points must stay inside the box
+        a = rng.uniform(-math.radians(30), math.radians(30), 3)
+        coords = rotate_coords_3d(corners.copy(), *a) * 1.4
+        for d in range(3):
+            centre = size[d] / 2 - 0.5
+            assert 0 <= coords[d].min() + centre and coords[d].max() + centre <= size[d] - 1
+
+
+def test_batch_bytes_matches_allocated_buffers_and_peak(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_channels=2)
+    every = dict(p_rotation=1.0, p_scale=1.0, p_noise=1.0, p_blur=1.0, p_brightness=1.0, p_contrast=1.0,
+                 p_low_res=1.0, p_gamma=1.0, p_gamma_inverted=1.0)
+    config = LoaderConfig((8, 16, 16), batch_size=2, oversample_foreground=0.0, **every)
+    sampler, augmenter = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)), Augmenter(config)
+    augmenter(sampler.sample_batch(), seed=0)  # warm up lazy imports and caches
+    terms = batch_bytes_terms((8, 16, 16), sampler.enlarged_patch_size, 2, 2)
+    tracemalloc.start()
+    try:
+        batch = sampler.sample_batch()
+        assert batch["data"].nbytes == terms["enlarged_data"] and batch["seg"].nbytes == terms["enlarged_seg"]
+        out = augmenter(batch, seed=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert out["data"].nbytes == terms["augmented_data"] and out["target"].nbytes == terms["target"]
+    estimate = batch_bytes((8, 16, 16), sampler.enlarged_patch_size, 2, 2)
+    assert estimate == sum(terms.values())
+    assert peak <= estimate <= 1.35 * peak, f"measured peak {peak} B, estimate {estimate} B"

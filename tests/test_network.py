@@ -1,0 +1,189 @@
+"""Contract tests of the segmentation network: shapes, backward, deep supervision, checkpointing, init."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from autoseg.network import NETWORKS, build_network, count_parameters
+from autoseg.plans import NetworkTopology
+
+
+def topology(dim: int = 3, features: tuple[int, ...] = (4, 8, 16), deep_supervision: bool = True,
+             strides: tuple[tuple[int, ...], ...] | None = None,
+             kernel_sizes: tuple[tuple[int, ...], ...] | None = None, conv_per_stage: int = 2,
+             in_channels: int = 2, num_classes: int = 3) -> NetworkTopology:
+    n = len(features)
+    return NetworkTopology(
+        dim=dim, in_channels=in_channels, num_classes=num_classes, features_per_stage=features,
+        kernel_sizes=kernel_sizes or ((3,) * dim,) * n,
+        strides=strides or ((1,) * dim,) + ((2,) * dim,) * (n - 1),
+        conv_per_stage=conv_per_stage, deep_supervision=deep_supervision,
+    )
+
+
+# (dim, patch) pairs; 3 stages of stride 2 need multiples of 4
+CASES = [(2, (32, 32)), (3, (16, 16, 16))]
+
+
+@pytest.mark.parametrize("dim,patch", CASES)
+def test_forward_backward_with_deep_supervision(dim: int, patch: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    net = build_network(topology(dim))
+    x = torch.randn(2, 2, *patch)
+    out = net(x)
+    assert isinstance(out, list) and len(out) == 2  # num_stages - 1
+    assert out[0].shape == (2, 3, *patch)
+    assert out[1].shape == (2, 3, *(p // 2 for p in patch))
+    sum(o.sum() for o in out).backward()
+    for name, p in net.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+    assert all(torch.isfinite(p.grad).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize("dim,patch", CASES)
+def test_forward_without_deep_supervision_returns_one_tensor(dim: int, patch: tuple[int, ...]) -> None:
+    net = build_network(topology(dim, deep_supervision=False))
+    out = net(torch.randn(1, 2, *patch))
+    assert isinstance(out, torch.Tensor)
+    assert out.shape == (1, 3, *patch)
+    conv_type = nn.Conv2d if dim == 2 else nn.Conv3d
+    assert any(isinstance(m, conv_type) for m in net.modules())
+
+
+def test_deep_supervision_can_be_toggled_after_construction() -> None:
+    torch.manual_seed(0)
+    net = build_network(topology(2, features=(4, 8, 16, 16))).eval()
+    x = torch.randn(1, 2, 32, 32)
+    with torch.no_grad():
+        outputs = net(x)
+        net.deep_supervision = False
+        single = net(x)
+    assert [tuple(o.shape[2:]) for o in outputs] == [(32, 32), (16, 16), (8, 8)]
+    assert isinstance(single, torch.Tensor)
+    assert torch.equal(single, outputs[0])  # the full-resolution output does not depend on the flag
+
+
+def test_anisotropic_strides_and_kernels() -> None:
+    topo = topology(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)),
+                    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)))
+    assert topo.patch_divisor() == (2, 4, 4)
+    net = build_network(topo)
+    out = net(torch.randn(1, 2, 6, 16, 12))
+    assert [tuple(o.shape) for o in out] == [(1, 3, 6, 16, 12), (1, 3, 6, 8, 6)]
+    first_conv = net.encoder[1][0][0]
+    assert first_conv.stride == (1, 2, 2)
+    assert net.encoder[0][0][0].kernel_size == (1, 3, 3) and net.encoder[0][0][0].padding == (0, 1, 1)
+    assert net.decoder[0].upsample.stride == (1, 2, 2)  # back from stage 1 to stage 0
+    assert net.decoder[1].upsample.kernel_size == (2, 2, 2)
+
+
+def test_stride_one_stage_is_upsampled_by_a_size_preserving_transposed_conv() -> None:
+    net = build_network(topology(2, strides=((1, 1), (2, 2), (1, 1)), deep_supervision=False))
+    assert net(torch.randn(1, 2, 8, 8)).shape == (1, 3, 8, 8)
+
+
+def _grads(net: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in net.named_parameters()}
+
+
+def _count_saved_tensors(net: nn.Module, x: torch.Tensor) -> int:
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = net(x)
+    sum(o.sum() for o in out).backward()
+    return len(saved)
+
+
+@pytest.mark.parametrize("dim,patch", CASES)
+def test_checkpointing_gives_same_outputs_and_gradients(dim: int, patch: tuple[int, ...]) -> None:
+    torch.manual_seed(0)
+    plain = build_network(topology(dim)).train()
+    ckpt = build_network(topology(dim), checkpointing=True).train()
+    ckpt.load_state_dict(plain.state_dict())
+    x = torch.randn(2, 2, *patch, requires_grad=True)
+    x_ckpt = x.detach().clone().requires_grad_(True)
+    out_plain, out_ckpt = plain(x), ckpt(x_ckpt)
+    for a, b in zip(out_plain, out_ckpt, strict=True):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+    weights = torch.randn_like(out_plain[0])
+    ((out_plain[0] * weights).sum() + out_plain[1].sum()).backward()
+    ((out_ckpt[0] * weights).sum() + out_ckpt[1].sum()).backward()
+    grads_plain, grads_ckpt = _grads(plain), _grads(ckpt)
+    for name in grads_plain:
+        assert torch.allclose(grads_plain[name], grads_ckpt[name], atol=1e-6, rtol=1e-4), name
+    assert torch.allclose(x.grad, x_ckpt.grad, atol=1e-6, rtol=1e-4)
+
+
+def test_checkpointing_stores_fewer_activations_and_is_off_outside_training() -> None:
+    torch.manual_seed(0)
+    plain = build_network(topology(2)).train()
+    ckpt = build_network(topology(2), checkpointing=True).train()
+    x = torch.randn(1, 2, 16, 16)
+    n_plain, n_ckpt = _count_saved_tensors(plain, x), _count_saved_tensors(ckpt, x)
+    assert n_ckpt < n_plain / 3  # only stage inputs and the seg heads' tensors stay
+    ckpt.eval()  # in eval mode the same graph as without checkpointing is built
+    assert _count_saved_tensors(ckpt, x) == n_plain
+
+
+def test_parameter_count_matches_hand_count() -> None:
+    topo = NetworkTopology(dim=2, in_channels=1, num_classes=2, features_per_stage=(2, 4),
+                           kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)), conv_per_stage=1)
+    # encoder 0: conv 1->2 (2*1*9 + 2) + norm (2 + 2) = 24;  encoder 1: conv 2->4 (4*2*9 + 4) + norm 8 = 84
+    # decoder 0: transposed 4->2 k2 (4*2*4 + 2) = 34, conv 4->2 (2*4*9 + 2) = 74, norm 4;  seg head 2->2 = 6
+    assert count_parameters(build_network(topo)) == 24 + 84 + (34 + 74 + 4) + 6
+
+
+def test_parameter_count_is_positive_and_grows_with_width() -> None:
+    narrow = count_parameters(build_network(topology(3, features=(4, 8, 16))))
+    wide = count_parameters(build_network(topology(3, features=(8, 16, 32))))
+    assert 0 < narrow < wide
+    net = build_network(topology(3))
+    net.seg_heads.requires_grad_(False)
+    assert count_parameters(net, trainable_only=True) < count_parameters(net)
+
+
+def test_weight_init_is_kaiming_normal_with_zero_bias() -> None:
+    torch.manual_seed(0)
+    net = build_network(topology(3, features=(16, 32, 32)))
+    conv = net.encoder[1][1][0]  # 32 -> 32, 3x3x3: fan_in = 864, 27,648 weights
+    expected_std = math.sqrt(2.0 / (1 + 1e-4)) / math.sqrt(32 * 27)
+    assert abs(conv.weight.std().item() / expected_std - 1) < 0.05
+    for m in net.modules():
+        if isinstance(m, (nn.Conv3d, nn.ConvTranspose3d)):
+            assert torch.count_nonzero(m.bias) == 0
+        if isinstance(m, nn.InstanceNorm3d):
+            assert m.affine and m.eps == 1e-5
+            assert torch.all(m.weight == 1) and torch.all(m.bias == 0)
+
+
+def test_registry_and_unknown_name() -> None:
+    assert "plain_unet" in NETWORKS
+    with pytest.raises(ValueError, match=r"unknown network 'resunet'.*plain_unet"):
+        build_network(topology(2), name="resunet")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"strides": ((2, 2), (2, 2), (2, 2))}, r"strides\[0\] is \(2, 2\).*all ones"),
+    ({"strides": ((1, 1), (2, 2))}, r"3 stages but kernel_sizes has 3 and strides 2"),
+    ({"kernel_sizes": ((3, 3), (3,), (3, 3))}, r"kernel_sizes\[1\] is \(3,\); expected 2"),
+    ({"kernel_sizes": ((3, 3), (2, 2), (3, 3))}, r"kernel_sizes\[1\].*must be odd"),
+    ({"dim": 4}, r"dim is 4"),
+    ({"conv_per_stage": 0}, r"conv_per_stage is 0"),
+])
+def test_invalid_topology_is_rejected_with_the_field_to_fix(changes: dict, message: str) -> None:
+    fields = dict(dim=2, in_channels=1, num_classes=2, features_per_stage=(4, 8, 16),
+                  kernel_sizes=((3, 3),) * 3, strides=((1, 1), (2, 2), (2, 2)))
+    with pytest.raises(ValueError, match=message):
+        build_network(NetworkTopology(**{**fields, **changes}))
+
+
+def test_bad_input_shape_says_what_to_change() -> None:
+    net = build_network(topology(2))
+    with pytest.raises(ValueError, match=r"\(18, 32\) is not a multiple of \(4, 4\)"):
+        net(torch.randn(1, 2, 18, 32))
+    with pytest.raises(ValueError, match=r"expected \(B, 2, \.\.\., \.\.\.\)"):
+        net(torch.randn(1, 3, 32, 32))
