@@ -96,7 +96,7 @@ def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_siz
     total = 0.0
     prev = topology.in_channels
     skip_voxels = []
-    for s, (f, k, st) in enumerate(zip(topology.features_per_stage, topology.kernel_sizes, topology.strides)):
+    for f, k, st in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides):
         voxels = voxels / np.array(st)
         kvol = float(np.prod(k))
         n = float(np.prod(voxels))

@@ -53,7 +53,8 @@ def export_segmentation(probabilities: torch.Tensor, props: CaseProperties) -> n
 
 
 def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, *,
-                 mirror: bool, tile_batch_size: int, device: str, step_fraction: float = 0.5) -> tuple[np.ndarray, CaseProperties]:
+                 mirror: bool, tile_batch_size: int, device: str,
+                 step_fraction: float = 0.5) -> tuple[np.ndarray, CaseProperties]:
     data, _, geometry = load_case(case)
     data, _, props = preprocess_case(data, None, geometry, plans, config, case.case_id)
     mirror_axes = tuple(range(config.dim)) if mirror else ()
@@ -75,8 +76,8 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
     if folds is None:
-        folds = tuple(sorted(int(p.name.split("_")[1]) for p in (workspace.root / "results" / config_name).glob("fold_*")
-                             if p.name.split("_")[1].isdigit() and (p / f"checkpoint_{checkpoint}.pt").is_file()))
+        trained = (workspace.root / "results" / config_name).glob(f"fold_*/checkpoint_{checkpoint}.pt")
+        folds = tuple(sorted(int(p.parent.name[5:]) for p in trained if p.parent.name[5:].isdigit()))
         if not folds:
             raise FileNotFoundError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")

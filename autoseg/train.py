@@ -97,54 +97,95 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     train_ids, val_ids = fold_cases(workspace, config_name, fold)
     out = workspace.results(config_name, fold)
     out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(run.seed)
+    handler = logging.FileHandler(out / "train.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    try:
+        return _train(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress)
+    finally:
+        log.removeHandler(handler)
+        handler.close()
+
+
+@dataclass
+class _Step:
+    """What one optimizer step needs (built once per run)."""
+
+    network: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    loss_fn: torch.nn.Module
+    device: torch.device
+    amp_dtype: torch.dtype | None  # autocast dtype on CUDA, None for fp32
+    accumulation_steps: int
+    grad_clip: float
+
+    def __call__(self, loader: BatchLoader) -> tuple[float, float]:
+        """One optimizer step over ``accumulation_steps`` micro-batches; returns (loss, seconds waiting for data)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss, wait = 0.0, 0.0
+        for _ in range(self.accumulation_steps):
+            tw = time.perf_counter()
+            batch = next(loader)
+            wait += time.perf_counter() - tw
+            x = batch["data"].to(self.device, non_blocking=True)
+            y = batch["target"].to(self.device, non_blocking=True)
+            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                                enabled=self.amp_dtype is not None):
+                loss = compute_loss(self.network(x), y, self.loss_fn) / self.accumulation_steps
+            self.scaler.scale(loss).backward()
+            step_loss += loss.item()  # syncs with the device
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.network.parameters(), self.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return step_loss, wait
+
+
+def _make_step(config: ConfigurationPlan, run: RunConfig) -> _Step:
     device = torch.device(run.device)
     network = build_network(config.network, checkpointing=config.checkpointing).to(device)
-    loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(config.network.num_stages - 1))
-    optimizer = torch.optim.SGD(network.parameters(), lr=run.initial_lr, momentum=run.momentum, nesterov=True,
-                                weight_decay=run.weight_decay)
-    use_amp = device.type == "cuda" and config.precision in ("fp16", "bf16")
-    amp_dtype = torch.float16 if config.precision == "fp16" else torch.bfloat16
-    scaler = torch.amp.GradScaler("cuda", enabled=use_amp and config.precision == "fp16")
+    amp = device.type == "cuda" and config.precision in ("fp16", "bf16")
+    amp_dtype = (torch.float16 if config.precision == "fp16" else torch.bfloat16) if amp else None
+    return _Step(
+        network=network,
+        optimizer=torch.optim.SGD(network.parameters(), lr=run.initial_lr, momentum=run.momentum, nesterov=True,
+                                  weight_decay=run.weight_decay),
+        scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16),
+        loss_fn=DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(config.network.num_stages - 1)),
+        device=device, amp_dtype=amp_dtype, accumulation_steps=config.accumulation_steps, grad_clip=run.grad_clip,
+    )
+
+
+def _train(workspace: Workspace, plans: Plans, config: ConfigurationPlan, config_name: str, fold: int | str,
+           train_ids: list[str], val_ids: list[str], out: Path, run: RunConfig, progress: bool) -> Path:
+    torch.manual_seed(run.seed)
+    step = _make_step(config, run)
     folder = workspace.preprocessed(config_name)
     train_loader = _loader(folder, train_ids, config, run, seed=run.seed, augment=True)
     val_loader = _loader(folder, val_ids, config, run, seed=run.seed + 1, augment=False)
     total_steps = run.epochs * run.iterations_per_epoch
     metrics: list[dict] = []
+    (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
     ema, best_ema = None, -1.0
     log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation, %d epochs x %d it",
              config_name, fold, len(train_ids), len(val_ids), config.patch_size, config.batch_size,
              config.accumulation_steps, run.epochs, run.iterations_per_epoch)
     try:
         for epoch in range(run.epochs):
-            t0, wait = time.perf_counter(), 0.0
-            network.train()
-            losses = []
+            t0, wait, losses = time.perf_counter(), 0.0, []
+            step.network.train()
             bar = tqdm(range(run.iterations_per_epoch), desc=f"epoch {epoch}", unit="it", disable=not progress,
                        leave=False)
             for it in bar:
                 lr = poly_lr(run.initial_lr, epoch * run.iterations_per_epoch + it, total_steps)
-                for group in optimizer.param_groups:
+                for group in step.optimizer.param_groups:
                     group["lr"] = lr
-                optimizer.zero_grad(set_to_none=True)
-                step_loss = 0.0
-                for _ in range(config.accumulation_steps):
-                    tw = time.perf_counter()
-                    batch = next(train_loader)
-                    wait += time.perf_counter() - tw
-                    x = batch["data"].to(device, non_blocking=True)
-                    y = batch["target"].to(device, non_blocking=True)
-                    with torch.autocast(device.type, dtype=amp_dtype, enabled=use_amp):
-                        loss = compute_loss(network(x), y, loss_fn) / config.accumulation_steps
-                    scaler.scale(loss).backward()
-                    step_loss += loss.item()  # syncs with the device
-                scaler.unscale_(optimizer)
-                torch.nn.utils.clip_grad_norm_(network.parameters(), run.grad_clip)
-                scaler.step(optimizer)
-                scaler.update()
-                losses.append(step_loss)
-                bar.set_postfix(loss=f"{step_loss:.3f}")
-            val_loss, dice = _validate(network, val_loader, loss_fn, run, device, plans.num_classes)
+                loss, waited = step(train_loader)
+                losses.append(loss)
+                wait += waited
+                bar.set_postfix(loss=f"{loss:.3f}")
+            val_loss, dice = _validate(step.network, val_loader, step.loss_fn, run, step.device, plans.num_classes)
             mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
             ema = mean_dice if ema is None else 0.9 * ema + 0.1 * mean_dice
             epoch_s = time.perf_counter() - t0
@@ -152,30 +193,40 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
                    "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ema, "lr": lr,
                    "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}
             metrics.append(row)
-            log.info("epoch %d  train loss %.4f  val loss %.4f  pseudo-Dice %s  (EMA %.4f)  lr %.2e  %.1f s  "
-                     "data wait %.0f%%", epoch, row["train_loss"], val_loss, np.round(dice, 4).tolist(), ema, lr,
-                     epoch_s, 100 * row["data_wait_fraction"])
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
-            plot_progress(metrics, out / "progress.png")
+            _log_epoch(row, out, metrics)
             if ema > best_ema:
                 best_ema = ema
-                save_checkpoint(out / "checkpoint_best.pt", network, optimizer, epoch, metrics, best_ema, config_name)
-            save_checkpoint(out / "checkpoint_latest.pt", network, optimizer, epoch, metrics, best_ema, config_name)
+                save_checkpoint(out / "checkpoint_best.pt", step.network, step.optimizer, epoch, metrics, best_ema,
+                                config_name)
+            save_checkpoint(out / "checkpoint_latest.pt", step.network, step.optimizer, epoch, metrics, best_ema,
+                            config_name)
     finally:
         train_loader.close()
         val_loader.close()
-    save_checkpoint(out / "checkpoint_final.pt", network, optimizer, run.epochs - 1, metrics, best_ema, config_name)
+    save_checkpoint(out / "checkpoint_final.pt", step.network, step.optimizer, run.epochs - 1, metrics, best_ema,
+                    config_name)
     (out / "run.json").write_text(json.dumps({"run": asdict(run), "fold": str(fold), "config": config_name}, indent=2))
     if run.validate:
         from autoseg.validation import validate_fold
 
-        validate_fold(workspace, plans, config_name, network, val_ids, out / "validation", run.device, progress)
+        validate_fold(workspace, plans, config_name, step.network, val_ids, out / "validation", run.device, progress)
     return out
 
 
+def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
+    """One readable log line, a metrics.jsonl row and a fresh progress.png."""
+    log.info("epoch %d  train loss %.4f  val loss %.4f  pseudo-Dice %s  (EMA %.4f)  lr %.2e  %.1f s  "
+             "data wait %.0f%%", row["epoch"], row["train_loss"], row["val_loss"],
+             [round(d, 4) for d in row["pseudo_dice"]], row["ema_pseudo_dice"], row["lr"], row["epoch_seconds"],
+             100 * row["data_wait_fraction"])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    plot_progress(metrics, out / "progress.png")
+
+
 @torch.no_grad()
-def _validate(network, loader: BatchLoader, loss_fn, run: RunConfig, device, num_classes: int) -> tuple[float, np.ndarray]:
+def _validate(network, loader: BatchLoader, loss_fn, run: RunConfig, device,
+              num_classes: int) -> tuple[float, np.ndarray]:
     """Mean loss and pseudo-Dice per foreground class over ``val_iterations`` un-augmented patches."""
     network.eval()
     counts = np.zeros((3, num_classes - 1))

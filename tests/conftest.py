@@ -22,3 +22,15 @@ def dataset_copy(tiny_dataset, tmp_path) -> Path:
     dst = tmp_path / tiny_dataset.name
     shutil.copytree(tiny_dataset, dst)
     return dst
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Unit tests run tiny tensors: one thread is as fast, and OpenMP threads spinning against another busy
+    process on a 2-core machine made small networks 10-17x slower (measured)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

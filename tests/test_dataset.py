@@ -44,7 +44,8 @@ def test_geometry_mismatch_names_case_file_and_difference(dataset_copy):
     image = sitk.ReadImage(str(path))
     image.SetOrigin(tuple(o + 5.0 for o in image.GetOrigin()))
     sitk.WriteImage(image, str(path))
-    with pytest.raises(DatasetError, match=r"case demo_001: demo_001_0000.nii.gz and label demo_001.nii.gz differ in origin"):
+    expected = r"case demo_001: demo_001_0000.nii.gz and label demo_001.nii.gz differ in origin"
+    with pytest.raises(DatasetError, match=expected):
         check_integrity(load_dataset(dataset_copy))
 
 

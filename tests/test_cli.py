@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from autoseg.cli import _fold, build_parser, main, parse_bytes
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("8GiB", 8 * GiB),
+        ("8 GiB", 8 * GiB),
+        ("8gib", 8 * GiB),
+        ("80GB", 80 * 10**9),
+        ("24", 24 * GiB),
+        ("1.5", int(1.5 * GiB)),
+        ("512MiB", 512 * 2**20),
+        ("500MB", 500 * 10**6),
+        ("2T", 2 * 2**40),
+        ("64KiB", 64 * 1024),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "eight", "8 PB", "-8GiB", "8GiB extra", "GiB"])
+def test_parse_bytes_rejects_bad_sizes(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="use e.g. 8GiB"):
+        parse_bytes(text)
+
+
+def test_bad_gpu_memory_flag_exits_with_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["plan", "data", "--gpu-memory", "lots"])
+    assert info.value.code == 2
+    assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [(["fold", "0"], 0), (["3"], 3), (["fold", "all"], "all"), (["all"], "all"), (["fold", "12"], 12)],
+)
+def test_fold_parsing(values: list[str], expected: int | str) -> None:
+    assert _fold(values) == expected
+
+
+@pytest.mark.parametrize("values", [["fold"], ["fold", "x"], ["fold", "0", "1"], ["-1"], ["fold", "All"]])
+def test_bad_fold_exits_with_a_hint(values: list[str]) -> None:
+    with pytest.raises(SystemExit, match="fold 0"):
+        _fold(values)
+
+
+def test_train_parser_accepts_fold_then_flags() -> None:
+    args = build_parser().parse_args(["train", "fold", "0", "-w", "ws", "--epochs", "1", "--no-validation"])
+    assert _fold(args.fold) == 0 and args.epochs == 1 and args.no_validation and args.workspace == "ws"
+
+
+def test_missing_dataset_returns_nonzero_naming_the_path(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "Dataset404_Nowhere"
+    code = main(["-q", "plan", str(missing), "-w", str(tmp_path / "ws"), "--device", "cpu", "--gpu-memory", "8"])
+    assert code != 0
+    err = capsys.readouterr().err
+    assert str(missing) in err and "dataset.json" in err
+    assert not (tmp_path / "ws" / "plans.json").exists()
+
+
+def test_predict_without_workspace_returns_nonzero(tmp_path: Path, capsys) -> None:
+    code = main(["-q", "predict", "-i", str(tmp_path), "-o", str(tmp_path / "out"), "-w", str(tmp_path / "ws"),
+                 "-c", "3d_fullres", "--device", "cpu"])
+    assert code != 0
+    assert "plans.json not found" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_end_to_end_plan_train_predict_evaluate(tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    raw = tmp_path / tiny_dataset.name
+    shutil.copytree(tiny_dataset, raw)
+    ws = tmp_path / "ws"
+    out = tmp_path / "pred"
+
+    assert main(["-q", "plan_and_preprocess", str(raw), "-w", str(ws), "--device", "cpu", "-c", "3d_fullres",
+                 "--gpu-memory", "8GiB", "--ram", "4GiB"]) == 0
+    assert "GPU memory 8.0 GiB, host RAM 4.0 GiB, training device cpu" in capsys.readouterr().out
+    for name in ("workspace.json", "fingerprint.json", "plans.json"):
+        assert (ws / name).is_file()
+    assert len(list((ws / "preprocessed" / "3d_fullres").glob("*.json"))) == 5
+    assert not (ws / "preprocessed" / "2d").exists()  # -c 3d_fullres only
+
+    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--device", "cpu", "--epochs", "1",
+                 "--iterations-per-epoch", "2", "--val-iterations", "1", "--no-validation"]) == 0
+    fold = ws / "results" / "3d_fullres" / "fold_0"
+    assert (ws / "splits.json").is_file()
+    for name in ("checkpoint_final.pt", "metrics.jsonl", "progress.png"):
+        assert (fold / name).is_file(), name
+    rows = [json.loads(line) for line in (fold / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [0]
+    assert not (fold / "validation").exists()
+
+    assert main(["-q", "predict", "-i", str(raw / "imagesTs"), "-o", str(out), "-w", str(ws), "--no-mirror",
+                 "--device", "cpu"]) == 0
+    assert "wrote 2 segmentation(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (raw / "labelsTs").iterdir())
+
+    assert main(["-q", "evaluate", str(out), str(raw / "labelsTs")]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["labels"] == {"organ": 1, "lesion": 2}
+    assert len(summary["cases"]) == 2

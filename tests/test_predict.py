@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import SimpleITK as sitk
+import torch
+
+from autoseg.imageio import Geometry
+from autoseg.network import build_network
+from autoseg.pipeline import plan_dataset, preprocess_workspace
+from autoseg.planner import Budget, GiB
+from autoseg.plans import Plans
+from autoseg.predict import export_segmentation, predict
+from autoseg.preprocess import CaseProperties
+from autoseg.workspace import Workspace
+
+
+def _rotation_xyz(angles_deg: tuple[float, float, float]) -> np.ndarray:
+    """Rotation matrix R = Rz @ Ry @ Rx (a proper rotation, so a valid direction cosine matrix)."""
+    ax, ay, az = (math.radians(a) for a in angles_deg)
+    rx = np.array([[1, 0, 0], [0, math.cos(ax), -math.sin(ax)], [0, math.sin(ax), math.cos(ax)]])
+    ry = np.array([[math.cos(ay), 0, math.sin(ay)], [0, 1, 0], [-math.sin(ay), 0, math.cos(ay)]])
+    rz = np.array([[math.cos(az), -math.sin(az), 0], [math.sin(az), math.cos(az), 0], [0, 0, 1]])
+    return rz @ ry @ rx
+
+
+def _rewrite(src: Path, dst: Path, origin_xyz: tuple[float, ...], angles_deg: tuple[float, float, float]) -> None:
+    image = sitk.ReadImage(str(src))
+    image.SetOrigin(origin_xyz)
+    image.SetDirection(tuple(float(v) for v in _rotation_xyz(angles_deg).ravel()))
+    sitk.WriteImage(image, str(dst))
+
+
+@pytest.fixture(scope="module")
+def trained_workspace(tiny_dataset: Path, tmp_path_factory) -> tuple[Workspace, Plans, Path]:
+    """Planned + preprocessed workspace with an untrained fold-0 checkpoint per configuration, and an
+    input folder: the two imagesTs cases, a rotated one with a far origin, and a rotated .nrrd one."""
+    root = tmp_path_factory.mktemp("predict")
+    raw = root / tiny_dataset.name
+    shutil.copytree(tiny_dataset, raw)
+    workspace = Workspace.at(root / "workspace")
+    plans = plan_dataset(raw, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    preprocess_workspace(workspace, ["3d_fullres"], processes=1, progress=False)
+    torch.manual_seed(0)
+    for name, config in plans.configurations.items():
+        network = build_network(config.network)
+        out = workspace.results(name, 0)
+        out.mkdir(parents=True)
+        torch.save({"network": network.state_dict()}, out / "checkpoint_final.pt")
+    inputs = root / "inputs"
+    shutil.copytree(raw / "imagesTs", inputs)
+    first = sorted(inputs.iterdir())[0]
+    _rewrite(first, inputs / "rotated_0000.nii.gz", (12.5, -40.25, 310.0), (10.0, -20.0, 30.0))
+    _rewrite(first, inputs / "nrrdcase_0000.nrrd", (-3.0, 7.5, -1.25), (0.0, 90.0, 45.0))
+    return workspace, plans, inputs
+
+
+def _assert_same_header(output: Path, reference: Path) -> None:
+    out, ref = sitk.ReadImage(str(output)), sitk.ReadImage(str(reference))
+    assert out.GetSize() == ref.GetSize()
+    np.testing.assert_allclose(out.GetSpacing(), ref.GetSpacing(), rtol=1e-6)
+    np.testing.assert_allclose(out.GetOrigin(), ref.GetOrigin(), rtol=0, atol=1e-4)
+    np.testing.assert_allclose(out.GetDirection(), ref.GetDirection(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("config_name", ["3d_fullres", "2d"])
+def test_prediction_has_the_input_geometry(trained_workspace, tmp_path: Path, config_name: str) -> None:
+    workspace, plans, inputs = trained_workspace
+    written = predict(workspace, inputs, tmp_path / "out", config_name=config_name, mirror=False, progress=False)
+    expected = sorted(p.name.replace("_0000", "") for p in inputs.iterdir())
+    assert sorted(p.name for p in written) == expected == sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "nrrdcase.nrrd" in expected and "rotated.nii.gz" in expected
+    for out in written:
+        source = inputs / out.name.replace(".n", "_0000.n", 1)
+        _assert_same_header(out, source)
+        labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out)))
+        assert labels.shape == sitk.GetArrayFromImage(sitk.ReadImage(str(source))).shape
+        assert labels.min() >= 0 and labels.max() <= plans.num_classes - 1
+
+
+def test_rotated_input_keeps_its_non_identity_direction(trained_workspace, tmp_path: Path) -> None:
+    workspace, _, inputs = trained_workspace
+    (out,) = predict(workspace, inputs / "rotated_0000.nii.gz", tmp_path, folds=(0,), mirror=False,
+                     progress=False)
+    assert out.name == "rotated.nii.gz"
+    direction = np.array(sitk.ReadImage(str(out)).GetDirection()).reshape(3, 3)
+    np.testing.assert_allclose(direction, _rotation_xyz((10.0, -20.0, 30.0)), atol=1e-5)
+    np.testing.assert_allclose(sitk.ReadImage(str(out)).GetOrigin(), (12.5, -40.25, 310.0), atol=1e-4)
+
+
+def test_missing_checkpoint_says_to_train(trained_workspace, tmp_path: Path) -> None:
+    workspace, _, inputs = trained_workspace
+    with pytest.raises(FileNotFoundError, match="autoseg train fold"):
+        predict(workspace, inputs, tmp_path, checkpoint="best", progress=False)
+
+
+def _export_case() -> CaseProperties:
+    """Original (6, 10, 12) volume, spacing (2, 1, 1) mm; crop z 1:5, y 2:8, x 3:11 -> (4, 6, 8);
+    resampled in-plane to 0.5 mm -> (4, 12, 16)."""
+    geometry = Geometry(ndim=3, size_xyz=(12, 10, 6), spacing_xyz=(1.0, 1.0, 2.0), origin_xyz=(0.0, 0.0, 0.0),
+                        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
+    return CaseProperties(case_id="hand", geometry=geometry, spacing_mm=(2.0, 1.0, 1.0),
+                          target_spacing_mm=(2.0, 0.5, 0.5), shape_before_crop=(6, 10, 12),
+                          crop_bbox=((1, 5), (2, 8), (3, 11)), shape_after_crop=(4, 6, 8),
+                          shape_after_resample=(4, 12, 16))
+
+
+def test_export_puts_the_most_probable_class_back_in_original_space() -> None:
+    props = _export_case()
+    probabilities = torch.full((3, 4, 12, 16), 0.1)
+    probabilities[0] = 0.5  # background elsewhere
+    probabilities[2, :2, :, :8] = 0.9  # class 2: first two cropped slices, left half (x < 4 voxels at 1 mm)
+    probabilities[1, 2:, 6:, :] = 0.8  # class 1: last two cropped slices, bottom half (y >= 3 voxels at 1 mm)
+    labels = export_segmentation(probabilities, props)
+    expected = np.zeros((6, 10, 12), dtype=np.uint8)
+    expected[1:3, 2:8, 3:7] = 2
+    expected[3:5, 5:8, 3:11] = 1
+    assert labels.dtype == np.uint8 and labels.shape == (6, 10, 12)
+    np.testing.assert_array_equal(labels, expected)
