@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autoseg.imageio import SUPPORTED_ENDINGS, read_geometry, read_image
+from autoseg.imageio import SUPPORTED_ENDINGS, Geometry, read_geometry, read_image
 
 
 class DatasetError(ValueError):
@@ -193,3 +193,19 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
     if problems:
         head = f"{dataset.root}: {len(problems)} problem(s) found; nothing was written. Fix these files:\n  "
         raise DatasetError(head + "\n  ".join(problems))
+
+
+def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, Geometry]:
+    """Read all channels (C, Z, Y, X) float32 and the label (1, Z, Y, X) int16 if the case has one."""
+    channels = []
+    geometry = None
+    for p in case.image_paths:
+        image, geometry = read_image(p)
+        channels.append(image)
+    data = np.stack(channels)
+    del channels
+    seg = None
+    if case.label_path is not None:
+        seg = read_image(case.label_path, dtype=np.int16)[0][None]
+    assert geometry is not None
+    return data, seg, geometry

@@ -9,8 +9,7 @@ from tqdm import tqdm
 
 from autoseg.artifacts import Artifact
 from autoseg.cropping import crop_to_nonzero
-from autoseg.dataset import RawDataset
-from autoseg.imageio import read_image
+from autoseg.dataset import RawDataset, load_case
 from autoseg.plans import IntensityProperties
 
 # Foreground voxels sampled per case and channel for the intensity statistics (as nnU-Net: 10,000).
@@ -57,15 +56,9 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True) -> Fi
     image_dim = 3
     num_classes = dataset.num_classes
     for case in tqdm(dataset.cases, desc="fingerprint", unit="case", disable=not progress):
-        channels = []
-        for p in case.image_paths:
-            image, geometry = read_image(p)
-            channels.append(image)
-        data = np.stack(channels)  # (C, Z, Y, X) float32
-        del channels
-        seg, _ = read_image(case.label_path, dtype=np.int16)
+        data, seg, geometry = load_case(case)  # (C, Z, Y, X) float32, (1, Z, Y, X) int16
         image_dim = geometry.ndim
-        cropped = crop_to_nonzero(data, seg[None])
+        cropped = crop_to_nonzero(data, seg)
         fg = cropped.seg[0] > 0
         for c in range(data.shape[0]):
             values = cropped.data[c][fg]

@@ -35,6 +35,8 @@ def plan_dataset(dataset_root: str | Path, workspace: Workspace, budget: Budget,
                  name, tuple(round(s, 3) for s in cfg.spacing_mm), cfg.patch_size, cfg.batch_size,
                  cfg.accumulation_steps, cfg.network.features_per_stage, cfg.network.strides,
                  cfg.memory.get("predicted_peak_bytes", 0) / 2**30)
+        for note in cfg.notes:
+            log.warning("plan %s: %s", name, note)
     return plans
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoseg.compute import conv_flops
 from autoseg.fingerprint import Fingerprint
 from autoseg.normalization import scheme_for_channel
 from autoseg.plans import ConfigurationPlan, NetworkTopology, Plans
@@ -88,29 +89,6 @@ def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_
     div = topology.patch_divisor()
     patch = tuple(int(math.ceil(p / d) * d) for p, d in zip(patch_size, div))
     return topology, patch
-
-
-def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
-    """FLOPs of one training step (forward + backward ~ 3x forward), counted over convolutions."""
-    voxels = np.array(patch_size, dtype=np.float64)
-    total = 0.0
-    prev = topology.in_channels
-    skip_voxels = []
-    for f, k, st in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides):
-        voxels = voxels / np.array(st)
-        kvol = float(np.prod(k))
-        n = float(np.prod(voxels))
-        total += 2 * kvol * prev * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
-        prev = f
-        skip_voxels.append(n)
-    for s in range(topology.num_stages - 2, -1, -1):
-        f, k, n = topology.features_per_stage[s], topology.kernel_sizes[s], skip_voxels[s]
-        kvol = float(np.prod(k))
-        total += 2 * prev * f * n  # transposed convolution, kernel = stride
-        total += 2 * kvol * 2 * f * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
-        total += 2 * f * topology.num_classes * n
-        prev = f
-    return 3.0 * total * batch_size
 
 
 def initial_patch(spacing_mm: tuple[float, ...], median_shape: tuple[int, ...], voxels: float) -> list[int]:
@@ -214,8 +192,13 @@ def _configuration(name: str, spacing_mm: tuple[float, float, float], median_sha
         max_batch=max_batch_for(dataset_voxels, initial, dim))
     accumulation = 2 if batch == 1 else 1  # keep an effective batch of at least 2
     seconds = conv_flops(topo, patch, batch) / budget.cpu_flops_per_second if budget.device == "cpu" else None
+    notes: tuple[str, ...] = ()
+    limit = budget.gpu_memory_bytes * (1 - budget.safety_margin)
+    if peak > limit:
+        notes = (f"even the smallest patch {patch} at batch 1 is predicted to need {peak / 2**20:.0f} MiB, more than "
+                 f"the {limit / 2**20:.0f} MiB this budget allows; give more memory with --gpu-memory",)
     return ConfigurationPlan(
         name=name, spacing_mm=spacing_mm, median_shape_zyx=tuple(median_shape_zyx), patch_size=patch,
         batch_size=batch, accumulation_steps=accumulation, network=topo, device=budget.device,
-        memory={"predicted_peak_bytes": float(peak)}, predicted_seconds_per_iteration=seconds,
+        memory={"predicted_peak_bytes": float(peak)}, predicted_seconds_per_iteration=seconds, notes=notes,
     )

@@ -15,12 +15,12 @@ import torch
 from tqdm import tqdm
 
 from autoseg.cropping import uncrop
-from autoseg.dataset import Case, list_prediction_inputs
+from autoseg.dataset import Case, list_prediction_inputs, load_case
 from autoseg.imageio import SUPPORTED_ENDINGS, write_image
 from autoseg.inference import sliding_window_predict
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
-from autoseg.preprocess import CaseProperties, load_case, preprocess_case
+from autoseg.preprocess import CaseProperties, preprocess_case
 from autoseg.resampling import resample_channel
 from autoseg.workspace import Workspace
 

@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 from autoseg.artifacts import Artifact, atomic_save_npy
 from autoseg.cropping import crop_to_nonzero
-from autoseg.dataset import Case, RawDataset
-from autoseg.imageio import Geometry, read_image
+from autoseg.dataset import Case, RawDataset, load_case
+from autoseg.imageio import Geometry
 from autoseg.normalization import normalize
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.resampling import compute_new_shape, resample_image, resample_segmentation
@@ -51,22 +51,6 @@ def case_target_spacing(config: ConfigurationPlan, spacing_mm: tuple[float, floa
     if config.dim == 2:
         return (spacing_mm[0], *config.spacing_mm[1:])
     return tuple(config.spacing_mm)
-
-
-def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, Geometry]:
-    """Read all channels (C, Z, Y, X) float32 and the label (1, Z, Y, X) int16 if the case has one."""
-    channels = []
-    geometry = None
-    for p in case.image_paths:
-        image, geometry = read_image(p)
-        channels.append(image)
-    data = np.stack(channels)
-    del channels
-    seg = None
-    if case.label_path is not None:
-        seg = read_image(case.label_path, dtype=np.int16)[0][None]
-    assert geometry is not None
-    return data, seg, geometry
 
 
 def preprocess_case(data: np.ndarray, seg: np.ndarray | None, geometry: Geometry, plans: Plans,

@@ -1,0 +1,79 @@
+"""Compute beside memory: FLOPs of a training step and this machine's measured CPU throughput.
+
+The planner needs seconds per iteration on CPU, where compute (not memory) is what limits the plan.
+``calibrate_cpu_throughput`` times a few real training steps of a small U-Net on this machine and
+returns the effective FLOP/s of such steps (norms, activations and the optimizer included), so that
+``conv_flops / throughput`` predicts the seconds of a planned step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from autoseg.plans import NetworkTopology
+
+
+def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
+    """FLOPs of one training step (forward + backward ~ 3x forward), counted over convolutions.
+
+    A k-voxel kernel from C_in to C_out channels over N output voxels costs 2 k C_in C_out N.
+    """
+    voxels = np.array(patch_size, dtype=np.float64)
+    total = 0.0
+    prev = topology.in_channels
+    skip_voxels = []
+    for f, k, st in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides):
+        voxels = voxels / np.array(st)
+        kvol = float(np.prod(k))
+        n = float(np.prod(voxels))
+        total += 2 * kvol * prev * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
+        prev = f
+        skip_voxels.append(n)
+    for s in range(topology.num_stages - 2, -1, -1):
+        f, k, n = topology.features_per_stage[s], topology.kernel_sizes[s], skip_voxels[s]
+        kvol = float(np.prod(k))
+        total += 2 * prev * f * n  # transposed convolution, kernel = stride
+        total += 2 * kvol * 2 * f * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
+        total += 2 * f * topology.num_classes * n  # segmentation head
+        prev = f
+    return 3.0 * total * batch_size
+
+
+CALIBRATION_TOPOLOGY = NetworkTopology(
+    dim=3, in_channels=1, num_classes=3, features_per_stage=(16, 32, 64, 128),
+    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
+)
+CALIBRATION_PATCH = (16, 48, 48)
+
+
+def time_training_step(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
+                       repeats: int = 3, seed: int = 0) -> float:
+    """Median wall seconds of a real training step (forward, Dice+CE with deep supervision, backward, SGD)."""
+    import torch
+
+    from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
+    from autoseg.network import build_network
+
+    gen = torch.Generator().manual_seed(seed)
+    network = build_network(topology)
+    optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.99, nesterov=True)
+    loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(topology.num_stages - 1))
+    x = torch.randn(batch_size, topology.in_channels, *patch_size, generator=gen)
+    y = torch.randint(0, topology.num_classes, (batch_size, 1, *patch_size), generator=gen)
+    times = []
+    for i in range(repeats + 1):  # the first step warms up kernels and allocator
+        t0 = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        compute_loss(network(x), y, loss_fn).backward()
+        optimizer.step()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def calibrate_cpu_throughput(repeats: int = 3) -> float:
+    """Effective FLOP/s of U-Net training steps on this machine's CPU (about 2-3 s to measure)."""
+    seconds = time_training_step(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2, repeats)
+    return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / seconds
