@@ -23,8 +23,8 @@ from autoseg.workspace import Workspace
 log = logging.getLogger("autoseg")
 
 DEMO_TARGET_DICE = 0.85
-DEMO_EPOCHS = 20
-DEMO_ITERATIONS = 25
+DEMO_EPOCHS = 30
+DEMO_ITERATIONS = 20
 DEMO_SHAPE_ZYX = (24, 64, 64)
 
 
