@@ -1,0 +1,297 @@
+"""One training step as live tensor bytes: simulated under ``FakeTensorMode`` or measured on real CPU tensors.
+
+The step is the trainer's (``autoseg.train``): ``zero_grad(set_to_none=True)``; per micro-batch a batch
+``(B, C, *patch)`` float32 with an int64 target ``(B, 1, *patch)``, ``compute_loss(network(x), y)``
+(Dice + CE with deep supervision) under autocast, ``/ accumulation_steps``, ``backward()``; then
+``clip_grad_norm_(12)`` and the optimizer step. The optimizer's state (SGD momentum, Adam moments) is
+allocated beforehand by one step on zero gradients, as it is in every step after the first. With
+``accumulation_steps > 1`` two micro-batches are run: the second one carries the first one's gradients,
+and every later one looks like it.
+
+Simulation and measurement run the same code; only the tensors differ (fake ones hold no memory). The
+difference between them is what the dispatcher cannot see (a CPU kernel's private scratch).
+
+Known differences from a CUDA run, all small or modelled elsewhere: CPU autocast's op policy is used
+(convolutions in the low-precision dtype, the loss in fp32 as the loss casts explicitly); the optimizer
+uses the foreach implementation that CUDA uses (it holds one extra gradient-sized list during the step;
+on CPU torch would loop per parameter, so the prediction is an upper bound there); fp16 is simulated
+with fp16 autocast, without the GradScaler (its state is a few scalars); the caching allocator's
+rounding, fragmentation and convolution workspaces are in ``autoseg.memory.device``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
+from autoseg.memory.tracker import StorageTracker
+from autoseg.network import build_network
+from autoseg.plans import NetworkTopology
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS = ("sgd", "adam")
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "batch", "activations")
+GRAD_CLIP_NORM = 12.0  # autoseg.train.RunConfig.grad_clip
+TARGET_DTYPE = torch.int64  # autoseg.augment hands the trainer int64 targets
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """Live tensor bytes of one training step at its peak, and where they go.
+
+    ``peak_bytes = parameter_bytes + gradient_bytes + optimizer_state_bytes + batch_bytes +
+    activation_bytes``, each term counted at the moment of the peak: ``gradient_bytes`` holds only the
+    gradients already computed then (the peak usually falls early in backward), ``activation_bytes``
+    everything else (saved activations, autocast weight copies, loss temporaries, gradients of
+    activations). ``stage_activation_bytes``: per top-level module (``encoder.s``, ``decoder.s``,
+    ``seg_heads.s``), the bytes of tensors created during its forward that are still alive when the
+    forward returns (what backward will need; ``network`` = created outside those modules).
+    ``largest_conv_output_bytes``: the largest convolution output of the forward, in the compute dtype.
+    ``peak_phase``: "forward", "loss", "backward" or "optimizer".
+    """
+
+    peak_bytes: int
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_state_bytes: int
+    batch_bytes: int
+    activation_bytes: int
+    stage_activation_bytes: dict[str, int] = field(default_factory=dict)
+    largest_conv_output_bytes: int = 0
+    live_allocations_at_peak: int = 0
+    peak_phase: str = ""
+
+    def breakdown(self) -> dict[str, int]:
+        """The terms of the peak and their ``total``."""
+        return {"parameters": self.parameter_bytes, "gradients": self.gradient_bytes,
+                "optimizer_state": self.optimizer_state_bytes, "batch": self.batch_bytes,
+                "activations": self.activation_bytes, "total": self.peak_bytes}
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """Everything that decides the memory of one training step."""
+
+    topology: NetworkTopology
+    batch_size: int
+    patch_size: tuple[int, ...]
+    precision: str = "fp32"
+    checkpointing: bool = False
+    optimizer: str = "sgd"
+    accumulation_steps: int = 1
+
+    def __post_init__(self) -> None:
+        check_step_arguments(self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer,
+                             self.accumulation_steps)
+
+
+def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
+                         precision: str, optimizer: str, accumulation_steps: int = 1) -> None:
+    """Raise ``ValueError`` naming the argument to change."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not known; use one of {sorted(PRECISIONS)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer {optimizer!r} is not known; use one of {list(OPTIMIZERS)}")
+    if batch_size < 1 or accumulation_steps < 1:
+        raise ValueError(f"batch_size ({batch_size}) and accumulation_steps ({accumulation_steps}) "
+                         "must be >= 1")
+    divisor = topology.patch_divisor()
+    if len(patch_size) != topology.dim or any(p < 1 or p % d for p, d in zip(patch_size, divisor)):
+        raise ValueError(f"patch_size {tuple(patch_size)} does not fit the {topology.dim}D network: expected "
+                         f"{topology.dim} sizes, each a multiple of {divisor} (the product of the strides)")
+    if math.prod(p // d for p, d in zip(patch_size, divisor)) < 2:
+        raise ValueError(f"patch_size {tuple(patch_size)} leaves one voxel at the lowest resolution, where "
+                         f"instance norm cannot train; make at least one axis a larger multiple of {divisor}")
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """The timeline of one recorded step (rows: the step's start, then after each of its events)."""
+
+    timeline: np.ndarray  # (T + 1, len(CATEGORIES)) int64 live bytes per category
+    live_count: np.ndarray  # (T + 1,) int64 live storages
+    phases: tuple[tuple[str, int], ...]  # (phase name, first row of the phase)
+    signature: np.ndarray  # (T, 2) int64 (storage number relative to the step's first, kind) per event
+    stage_bytes: dict[str, int]
+    largest_conv_output_bytes: int
+
+    def phase_at(self, row: int) -> str:
+        """Phase of the event that led to ``row`` (row 0: the step's start)."""
+        name = self.phases[0][0]
+        for phase, first in self.phases:
+            if first < max(row, 1):
+                name = phase
+        return name
+
+    def memory_at(self, row: int) -> TrainingMemory:
+        terms = dict(zip(CATEGORIES, (int(v) for v in self.timeline[row])))
+        return TrainingMemory(
+            peak_bytes=sum(terms.values()), parameter_bytes=terms["parameters"],
+            gradient_bytes=terms["gradients"],
+            optimizer_state_bytes=terms["optimizer_state"], batch_bytes=terms["batch"],
+            activation_bytes=terms["activations"], stage_activation_bytes=dict(self.stage_bytes),
+            largest_conv_output_bytes=self.largest_conv_output_bytes,
+            live_allocations_at_peak=int(self.live_count[row]), peak_phase=self.phase_at(row))
+
+    def peak(self) -> TrainingMemory:
+        return self.memory_at(int(np.argmax(self.timeline.sum(axis=1))))
+
+
+def stage_modules(network: nn.Module) -> dict[str, nn.Module]:
+    """Top-level submodules by name; the items of a ``ModuleList`` as ``name.i`` (``encoder.0``, ...)."""
+    out: dict[str, nn.Module] = {}
+    for name, child in network.named_children():
+        if isinstance(child, nn.ModuleList):
+            out.update({f"{name}.{i}": sub for i, sub in enumerate(child)})
+        else:
+            out[name] = child
+    return out
+
+
+def _make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The trainer's SGD (Nesterov, momentum 0.99, weight decay 3e-5), or AdamW; foreach as on CUDA."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-2, momentum=0.99, nesterov=True, weight_decay=3e-5, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, foreach=True)
+
+
+def _autocast(precision: str) -> contextlib.AbstractContextManager:
+    dtype = PRECISIONS[precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
+
+
+def _make_batch(cfg: StepConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (B, C, *patch) float32 and ``y`` (B, 1, *patch) int64 class labels."""
+    t = cfg.topology
+    x = torch.randn((cfg.batch_size, t.in_channels, *cfg.patch_size), generator=generator)
+    y = torch.randint(0, t.num_classes, (cfg.batch_size, 1, *cfg.patch_size), generator=generator,
+                      dtype=TARGET_DTYPE)
+    return x, y
+
+
+def _run_step(cfg: StepConfig, tracker: StorageTracker,
+              generator: torch.Generator | None) -> tuple[dict[str, set[int]], dict[str, int]]:
+    """Build everything and run one step inside ``tracker``; returns the storage numbers per category and
+    the bytes per stage alive at the end of the (last) forward."""
+    network = build_network(cfg.topology, checkpointing=cfg.checkpointing)
+    network.train()
+    params = list(network.parameters())
+    optimizer = _make_optimizer(cfg.optimizer, params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # the previous step: allocates momentum / moments
+    loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(cfg.topology.num_stages - 1))
+    handles = tracker.tag_modules(stage_modules(network))
+    batch_numbers: set[int] = set()
+    tracker.mark("step")
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(1 if cfg.accumulation_steps == 1 else 2):
+        tracker.mark("batch")
+        x, y = _make_batch(cfg, generator)
+        batch_numbers |= tracker.storage_numbers((x, y))
+        tracker.mark("forward")
+        with _autocast(cfg.precision):
+            tracker.tagging = True
+            output = network(x)
+            tracker.tagging = False
+            stage_bytes = tracker.live_bytes_by_tag()
+            tracker.mark("loss")
+            loss = compute_loss(output, y, loss_fn)
+            del output  # the trainer passes network(x) straight into compute_loss
+            loss = loss / cfg.accumulation_steps
+        tracker.mark("backward")
+        loss.backward()
+    tracker.mark("optimizer")
+    grads = [p.grad for p in params]
+    torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP_NORM)
+    optimizer.step()
+    tracker.mark("end")
+    for h in handles:
+        h.remove()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    numbers = {"parameters": tracker.storage_numbers(params), "gradients": tracker.storage_numbers(grads),
+               "optimizer_state": tracker.storage_numbers(state), "batch": batch_numbers}
+    return numbers, stage_bytes
+
+
+def record_training_step(cfg: StepConfig, fake: bool = True) -> StepRecord:
+    """Run the step under ``FakeTensorMode`` (``fake``) or for real on CPU, and return its timeline."""
+    tracker = StorageTracker()
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # frees happen by reference counting only: the same order in every run
+    try:
+        with torch.random.fork_rng(devices=[]):
+            mode = FakeTensorMode() if fake else contextlib.nullcontext()
+            generator = None if fake else torch.Generator().manual_seed(0)
+            with mode, tracker:
+                numbers, stage_bytes = _run_step(cfg, tracker, generator)
+                return _to_record(tracker, numbers, stage_bytes)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]],
+               stage_bytes: dict[str, int]) -> StepRecord:
+    start, stop = tracker.index_of("step"), tracker.index_of("end")
+    category_of = np.full(len(tracker.sizes), CATEGORIES.index("activations"), dtype=np.int64)
+    for name, members in numbers.items():
+        category_of[sorted(members)] = CATEGORIES.index(name)
+    timeline = tracker.timeline(category_of, len(CATEGORIES), stop)[start:]
+    live_count = tracker.live_count(stop)[start:]
+    storage = np.asarray(tracker.event_storage[start:stop], dtype=np.int64)
+    first_number = int(storage.min()) if len(storage) else 0
+    signature = np.stack([storage - first_number, np.asarray(tracker.event_kind[start:stop])], axis=1)
+    phases = tuple((name, index - start) for name, index in tracker.mark_list
+                   if start <= index and name not in ("step", "end"))
+    return StepRecord(timeline=timeline, live_count=live_count, phases=phases, signature=signature,
+                      stage_bytes=stage_bytes, largest_conv_output_bytes=tracker.largest_conv_output_bytes)
+
+
+def simulate_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], *,
+                           precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
+                           accumulation_steps: int = 1) -> TrainingMemory:
+    """Peak live tensor bytes of one training step, predicted without allocating (FakeTensorMode).
+
+    ``patch_size``: ``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``. About 0.1-1 s,
+    independent of the patch size.
+    """
+    cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
+                     accumulation_steps)
+    return record_training_step(cfg, fake=True).peak()
+
+
+def measure_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
+                          precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
+                          accumulation_steps: int = 1) -> int:
+    """The same step run for real on CPU tensors, tracked the same way: peak live tensor bytes.
+
+    Allocates and computes for real: keep the sizes small. The caller's RNG state is left untouched.
+    """
+    cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
+                     accumulation_steps)
+    return int(record_training_step(cfg, fake=False).timeline.sum(axis=1).max())
+
+
+def training_step_flops(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...]) -> int:
+    """Floating-point operations of forward + backward (convolutions and matrix products, as torch's
+    ``FlopCounterMode`` counts them; a multiply-add is 2), counted under FakeTensorMode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = StepConfig(topology, batch_size, tuple(patch_size))
+    with torch.random.fork_rng(devices=[]), FakeTensorMode():
+        network = build_network(topology)
+        loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(topology.num_stages - 1))
+        x, y = _make_batch(cfg, None)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            compute_loss(network(x), y, loss_fn).backward()
+    return int(counter.get_total_flops())
