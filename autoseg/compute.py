@@ -9,6 +9,7 @@ returns the effective FLOP/s of such steps (norms, activations and the optimizer
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -48,9 +49,10 @@ CALIBRATION_TOPOLOGY = NetworkTopology(
 CALIBRATION_PATCH = (16, 48, 48)
 
 
-def time_training_step(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
-                       repeats: int = 3, seed: int = 0) -> float:
-    """Median wall seconds of a real training step (forward, Dice+CE with deep supervision, backward, SGD)."""
+def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
+                          seed: int = 0) -> Callable[[], None]:
+    """A real training step (forward, Dice+CE with deep supervision, backward, SGD) on a fresh network and
+    random data, as a callable to time."""
     import torch
 
     from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
@@ -62,14 +64,25 @@ def time_training_step(topology: NetworkTopology, patch_size: tuple[int, ...], b
     loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(topology.num_stages - 1))
     x = torch.randn(batch_size, topology.in_channels, *patch_size, generator=gen)
     y = torch.randint(0, topology.num_classes, (batch_size, 1, *patch_size), generator=gen)
-    times = []
-    for i in range(repeats + 1):  # the first step warms up kernels and allocator
-        t0 = time.perf_counter()
+
+    def step() -> None:
         optimizer.zero_grad(set_to_none=True)
         compute_loss(network(x), y, loss_fn).backward()
         optimizer.step()
-        if i:
-            times.append(time.perf_counter() - t0)
+
+    return step
+
+
+def time_training_step(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
+                       repeats: int = 3, seed: int = 0) -> float:
+    """Median wall seconds of a real training step, after one warm-up step."""
+    step = training_step_closure(topology, patch_size, batch_size, seed)
+    step()  # warms up kernels and the allocator
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
     return float(np.median(times))
 
 
@@ -77,3 +90,28 @@ def calibrate_cpu_throughput(repeats: int = 3) -> float:
     """Effective FLOP/s of U-Net training steps on this machine's CPU (about 2-3 s to measure)."""
     seconds = time_training_step(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2, repeats)
     return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / seconds
+
+
+def fastest_thread_count(run_once: Callable[[], object], max_threads: int,
+                         repeats: int = 2) -> tuple[int, dict[int, float]]:
+    """Time ``run_once`` (e.g. one training step) with ``max_threads`` and with 1 torch thread; return the
+    faster count and the median seconds of each. With another busy process on the same cores, OpenMP threads
+    spinning against it made U-Net steps 4-17x slower than one thread (measured on 2 cores); on an idle
+    machine all threads win. The caller's thread count is restored."""
+    import torch
+
+    previous = torch.get_num_threads()
+    timings: dict[int, float] = {}
+    try:
+        for threads in sorted({max_threads, 1}, reverse=True):
+            torch.set_num_threads(threads)
+            run_once()  # warm-up
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                run_once()
+                times.append(time.perf_counter() - t0)
+            timings[threads] = float(np.median(times))
+    finally:
+        torch.set_num_threads(previous)
+    return min(timings, key=timings.get), timings

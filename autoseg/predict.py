@@ -8,12 +8,14 @@ original shape and folded into a running argmax, so host memory grows with the v
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from autoseg.compute import fastest_thread_count
 from autoseg.cropping import uncrop
 from autoseg.dataset import Case, list_prediction_inputs, load_case
 from autoseg.imageio import SUPPORTED_ENDINGS, write_image
@@ -22,7 +24,10 @@ from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.preprocess import CaseProperties, preprocess_case
 from autoseg.resampling import resample_channel
+from autoseg.resources import cpu_count
 from autoseg.workspace import Workspace
+
+log = logging.getLogger("autoseg")
 
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
@@ -86,6 +91,31 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     cases = list_prediction_inputs(inputs, len(plans.channel_names), None)
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        _choose_cpu_threads(networks[0], config, tile_batch_size)
+    try:
+        return _predict_cases(cases, networks, plans, config, output_dir, mirror, tile_batch_size, device, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _choose_cpu_threads(network: torch.nn.Module, config: ConfigurationPlan, tile_batch_size: int) -> None:
+    """All CPUs unless one thread measures faster for a tile batch (cores busy with another process)."""
+    x = torch.zeros(tile_batch_size, config.network.in_channels, *config.patch_size)
+
+    def forward() -> None:
+        with torch.inference_mode():
+            network(x)
+
+    chosen, timings = fastest_thread_count(forward, max_threads=cpu_count())
+    torch.set_num_threads(chosen)
+    log.info("CPU threads: %d (a tile batch measured %s)", chosen,
+             ", ".join(f"{t:.3f} s with {n}" for n, t in timings.items()))
+
+
+def _predict_cases(cases: list[Case], networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan,
+                   output_dir: Path, mirror: bool, tile_batch_size: int, device: str, progress: bool) -> list[Path]:
     written = []
     for case in tqdm(cases, desc="predict", unit="case", disable=not progress):
         labels, props = predict_case(case, networks, plans, config, mirror=mirror,

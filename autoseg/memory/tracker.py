@@ -58,7 +58,8 @@ class StorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.__name__
-        is_conv = name.startswith(("convolution", "_convolution")) and "backward" not in name
+        # inference_mode dispatches aten::conv2d/conv3d (not decomposed into aten::convolution)
+        is_conv = name.startswith(("convolution", "_convolution", "conv1d", "conv2d", "conv3d")) and "backward" not in name
         fp32_stats = "batch_norm" in name and "backward" not in name
         for i, t in enumerate(tree_flatten(out)[0]):
             if not isinstance(t, torch.Tensor):
