@@ -8,6 +8,8 @@ what was read. ``Augmenter`` turns such a batch into the training patch:
   noise, blur, brightness, contrast, simulated low resolution, gamma (inverted and plain), mirroring,
   then segmentation ``-1`` (outside the body mask, and outside the image) -> 0.
 - ``augment=False``: a centre crop to the patch and ``-1`` -> 0.
+- ``use_precomputed=True``: as ``augment=True`` without ``SpatialTransform``; the patches come from the
+  spatially augmented copies ``autoseg.precompute`` wrote, read at the patch size.
 
 batchgenerators draws its random numbers from NumPy's global state (and, for the noise variance, from
 Python's ``random``). ``Augmenter.__call__`` seeds both from the ``seed`` it is given and restores the
@@ -126,12 +128,9 @@ class _ChannelsToSlices(AbstractTransform):
         return batch
 
 
-def build_train_transforms(config: LoaderConfig) -> Compose:
-    """nnU-Net's default training transforms for ``config`` (probabilities and ranges from the config)."""
-    if config.dummy_2d:
-        spatial_patch, ignore_axes = tuple(config.patch_size[1:]), (0,)
-    else:
-        spatial_patch, ignore_axes = tuple(config.patch_size), None
+def _spatial_transforms(config: LoaderConfig) -> list[AbstractTransform]:
+    """Rotation and scaling (batchgenerators' SpatialTransform), cropping the enlarged patch to the patch."""
+    spatial_patch = tuple(config.patch_size[1:]) if config.dummy_2d else tuple(config.patch_size)
     angle = math.radians(config.rotation_deg_effective)
     transforms: list[AbstractTransform] = [_SlicesToChannels()] if config.dummy_2d else []
     transforms.append(
@@ -148,6 +147,16 @@ def build_train_transforms(config: LoaderConfig) -> Compose:
     )
     if config.dummy_2d:
         transforms.append(_ChannelsToSlices())
+    return transforms
+
+
+def build_train_transforms(config: LoaderConfig) -> Compose:
+    """nnU-Net's default training transforms for ``config`` (probabilities and ranges from the config).
+
+    ``config.use_precomputed``: no SpatialTransform (patches come from precomputed augmented copies, read
+    at the patch size); mirroring and the intensity transforms stay."""
+    ignore_axes = (0,) if config.dummy_2d else None
+    transforms = [] if config.use_precomputed else _spatial_transforms(config)
     transforms += [
         GaussianNoiseTransform(noise_variance=(0.0, 0.1), p_per_sample=config.p_noise),
         GaussianBlurTransform((0.5, 1.0), different_sigma_per_channel=True, p_per_sample=config.p_blur,
@@ -192,7 +201,7 @@ class Augmenter:
         finally:
             np.random.set_state(numpy_state)
             random.setstate(python_state)
-        seg = out["seg"]  # float32 from SpatialTransform, integral values
+        seg = out["seg"]  # float32 from SpatialTransform (integral values), else the sampled int8
         target = seg.astype(np.int64)
         del out["seg"], seg
         return {"data": np.ascontiguousarray(out["data"], dtype=np.float32), "target": target}

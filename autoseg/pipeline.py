@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from pathlib import Path
 
@@ -10,7 +11,9 @@ from autoseg.dataset import check_integrity, load_dataset
 from autoseg.fingerprint import Fingerprint, fingerprint
 from autoseg.planner import Budget, plan
 from autoseg.plans import Plans
-from autoseg.preprocess import preprocess
+from autoseg.precompute import PrecomputeConfig
+from autoseg.preprocess import case_peak_bytes, preprocess, processes_for
+from autoseg.resources import cpu_count
 from autoseg.workspace import Workspace, WorkspaceInfo
 
 log = logging.getLogger("autoseg")
@@ -41,13 +44,45 @@ def plan_dataset(dataset_root: str | Path, workspace: Workspace, budget: Budget,
 
 
 def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None, processes: int | None = None,
-                         progress: bool = True) -> None:
+                         progress: bool = True, precompute_augmentations: int = 0) -> None:
+    """Preprocess each configuration into ``preprocessed/<config>/``; ``processes=None`` derives the count
+    from the plan's RAM budget (``preprocessing_processes_for``). Also writes
+    ``preprocessed/<config>_report.json`` (per-case predicted and measured peak memory, seconds, disk)."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan"))
     dataset = load_dataset(workspace.dataset_root())
+    precompute = PrecomputeConfig(num_copies=precompute_augmentations)
     for name in configs or list(plans.configurations):
-        n = processes or plans.preprocessing_processes
-        out = preprocess(dataset, plans, name, workspace.preprocessed(name), processes=n, progress=progress)
-        log.info("preprocessed %s into %s (%d process(es))", name, out, n)
+        n = processes or preprocessing_processes_for(workspace, plans, name, precompute_augmentations)
+        out_dir = workspace.preprocessed(name)
+        preprocess(dataset, plans, name, out_dir, processes=n, progress=progress, precompute=precompute,
+                   report_path=out_dir.with_name(f"{name}_report.json"))
+        log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
+
+
+def preprocessing_processes_for(workspace: Workspace, plans: Plans, config_name: str,
+                                num_augmentations: int = 0) -> int:
+    """Processes for preprocessing ``config_name``: as many as fit the plan's RAM budget (less what this
+    process holds) given the largest case's predicted peak (``case_peak_bytes`` over the fingerprint's
+    shapes, augmented copies included), at most the CPU count, and at most the plan's
+    ``preprocessing_processes`` when that is above 1 (it may have been lowered by hand). Logs the numbers."""
+    fp = load_fingerprint(workspace)
+    config = plans.configuration(config_name)
+    peaks = {c.case_id: case_peak_bytes(c.shape_zyx, c.spacing_mm, config, len(fp.channel_names),
+                                        plans.num_classes, num_augmentations) for c in fp.cases}
+    largest = max(peaks, key=lambda c: peaks[c])
+    cpus = cpu_count()
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far (KiB)
+    n = processes_for(plans.host_ram_bytes - held, peaks[largest], cpus)
+    log.info("preprocess %s: %d process(es) fit: min(%d CPUs, (RAM budget %.1f GiB - %.2f GiB held here) "
+             "// largest case's predicted peak %.0f MiB (%s))", config_name, n, cpus,
+             plans.host_ram_bytes / 2**30, held / 2**30, peaks[largest] / 2**20, largest)
+    if plans.preprocessing_processes > 1 and plans.preprocessing_processes < n:
+        n = plans.preprocessing_processes
+        log.info("preprocess %s: %d process(es), as plans.json says", config_name, n)
+    if peaks[largest] > plans.host_ram_bytes:
+        log.warning("preprocess %s: case %s is predicted to need %.1f GiB, more than the RAM budget of "
+                    "%.1f GiB", config_name, largest, peaks[largest] / 2**30, plans.host_ram_bytes / 2**30)
+    return n
 
 
 def load_fingerprint(workspace: Workspace) -> Fingerprint:

@@ -1,0 +1,167 @@
+"""Preprocessing under faults: process count from the RAM budget, a worker killed by the OS, a run killed
+midway and rerun, temporary files of an interrupted run."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from killing_runner import VICTIM, die_on_victim
+
+from autoseg.artifacts import read_json
+from autoseg.dataset import RawDataset, load_dataset
+from autoseg.demo_data import make_demo_dataset
+from autoseg.fingerprint import fingerprint
+from autoseg.memory.host import preprocess_worker_bytes
+from autoseg.pipeline import preprocessing_processes_for
+from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
+from autoseg.preprocess import (
+    case_peak_bytes,
+    is_complete,
+    preprocess,
+    processes_for,
+)
+from autoseg.resampling import compute_new_shape
+from autoseg.resources import cpu_count
+from autoseg.workers import WorkerDiedError
+from autoseg.workspace import Workspace, WorkspaceInfo
+
+GiB = 1024**3
+
+
+def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2.75, 0.9, 0.9)) -> Plans:
+    """A hand-written plan (no planner run): one 3D configuration, z-score inside the body."""
+    topology = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(8, 16),
+                               kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
+    config = ConfigurationPlan(name="3d_fullres", spacing_mm=spacing_mm, median_shape_zyx=(12, 28, 28),
+                               patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology)
+    labels = {"background": 0, "organ": 1, "lesion": 2}
+    return Plans(dataset_name="Tiny", channel_names=("MRI",), labels=labels, file_ending=".nii.gz",
+                 normalization=("zscore",), use_nonzero_mask=(True,),
+                 intensity_properties=(IntensityProperties(100.0, 20.0, 50.0, 200.0),),
+                 configurations={"3d_fullres": config}, gpu_memory_bytes=8 * GiB,
+                 host_ram_bytes=host_ram_bytes)
+
+
+@pytest.fixture()
+def dataset(tiny_dataset: Path) -> RawDataset:
+    return load_dataset(tiny_dataset)
+
+
+def test_processes_for_divides_the_budget_by_the_largest_case() -> None:
+    assert processes_for(16 * GiB, 3 * GiB, cpu_count=8) == 5
+    assert processes_for(16 * GiB, 3 * GiB, cpu_count=2) == 2  # capped by the CPUs
+    assert processes_for(1 * GiB, 3 * GiB, cpu_count=8) == 1  # never 0, even if one case does not fit
+    with pytest.raises(ValueError, match="positive case peak"):
+        processes_for(16 * GiB, 0, cpu_count=8)
+
+
+def test_case_peak_bytes_is_the_worker_formula_plus_augmentation() -> None:
+    config = tiny_plans().configuration("3d_fullres")
+    shape, spacing = (60, 300, 300), (2.5, 0.7, 0.7)
+    after = compute_new_shape(shape, spacing, config.spacing_mm)
+    plain = case_peak_bytes(shape, spacing, config, num_channels=2, num_classes=3)
+    assert plain == preprocess_worker_bytes(shape, after, 2)["total"]
+    with_copies = case_peak_bytes(shape, spacing, config, num_channels=2, num_classes=3, num_augmentations=2)
+    assert with_copies >= plain
+
+
+def test_process_count_follows_the_fingerprint_and_budget(tiny_dataset: Path, tmp_path: Path, caplog) -> None:
+    workspace = Workspace.at(tmp_path / "ws")
+    workspace.root.mkdir()
+    WorkspaceInfo(dataset_root=str(tiny_dataset)).to_json(workspace.info_path)
+    fp = fingerprint(load_dataset(tiny_dataset), progress=False)
+    fp.to_json(workspace.fingerprint_path)
+    config = tiny_plans().configuration("3d_fullres")
+    largest = max(case_peak_bytes(c.shape_zyx, c.spacing_mm, config, 1, 3) for c in fp.cases)
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # what this process holds is reserved
+    budget = held + 2 * largest + largest // 2  # room for 2.5 workers beside this process
+    with caplog.at_level(logging.INFO, logger="autoseg"):
+        n = preprocessing_processes_for(workspace, tiny_plans(host_ram_bytes=budget), "3d_fullres")
+    assert n == min(2, cpu_count())
+    assert f"largest case's predicted peak {largest / 2**20:.0f} MiB" in caplog.text
+    small = tiny_plans(host_ram_bytes=256 * 2**20)  # less than one case needs beside this process
+    assert preprocessing_processes_for(workspace, small, "3d_fullres") == 1
+
+
+@pytest.mark.slow  # ~3 s: two spawned workers import numpy, scipy and SimpleITK
+def test_a_killed_worker_fails_the_run_at_once_naming_the_case(dataset: RawDataset, tmp_path: Path) -> None:
+    t0 = time.perf_counter()
+    with pytest.raises(WorkerDiedError) as error:
+        preprocess(dataset, tiny_plans(host_ram_bytes=3 * GiB), "3d_fullres", tmp_path / "out", processes=2,
+                   progress=False, case_runner=die_on_victim)
+    assert time.perf_counter() - t0 < 30  # no hang: BrokenProcessPool is noticed within a second
+    message = str(error.value)
+    assert f"{VICTIM} (predicted peak " in message and "MiB, killed by signal 9)" in message
+    assert "host RAM budget of 3.0 GiB" in message and "--processes" in message
+    assert error.value.in_flight == {VICTIM: -signal.SIGKILL}
+    assert not is_complete(tmp_path / "out", VICTIM)
+
+
+_KILLABLE_RUN = """
+import sys
+from autoseg.dataset import load_dataset
+from autoseg.plans import Plans
+from autoseg.preprocess import preprocess
+preprocess(load_dataset(sys.argv[1]), Plans.from_json(sys.argv[2]), "3d_fullres", sys.argv[3], progress=False)
+"""
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow  # ~5 s: a subprocess that imports autoseg, killed after its first case
+def test_a_run_killed_midway_then_rerun_writes_what_an_uninterrupted_run_writes(tmp_path: Path) -> None:
+    raw = make_demo_dataset(tmp_path / "raw", num_train=5, num_test=0, shape_zyx=(32, 80, 80), seed=5)
+    dataset, plans = load_dataset(raw), tiny_plans()
+    plans.to_json(tmp_path / "plans.json")
+    reference = preprocess(dataset, plans, "3d_fullres", tmp_path / "reference", progress=False)
+
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLABLE_RUN), str(raw),
+                             str(tmp_path / "plans.json"), str(out)])
+    deadline = time.monotonic() + 60
+    while not any(out.glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    proc.send_signal(signal.SIGKILL)  # like the OOM killer: no cleanup runs
+    proc.wait()
+    complete = [c.case_id for c in dataset.cases if is_complete(out, c.case_id)]
+    assert 1 <= len(complete) < len(dataset.cases), "the kill should land after the first case"
+
+    preprocess(dataset, plans, "3d_fullres", out, progress=False)
+    assert _files(out) == _files(reference)  # byte-equal arrays and JSON; no temporary files left
+
+
+def test_rerun_removes_temporaries_and_redoes_a_half_written_case(dataset: RawDataset,
+                                                                  tmp_path: Path) -> None:
+    small = dataclasses.replace(dataset, cases=dataset.cases[:2])
+    out = preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False)
+    reference = _files(out)
+    victim = small.cases[1].case_id
+    (out / f"{victim}.json").unlink()  # the kill came before the JSON ...
+    np.save(out / f"{victim}_data.npy", np.zeros(3))  # ... after a stale data file was in place
+    (out / f".{victim}_seg.npy.k1ll3d.tmp.npy").write_bytes(b"half a file")  # and mid-write of another
+    preprocess(small, tiny_plans(), "3d_fullres", out, progress=False)
+    assert _files(out) == reference
+
+
+def test_report_holds_predicted_and_measured_peaks(dataset: RawDataset, tmp_path: Path) -> None:
+    small = dataclasses.replace(dataset, cases=dataset.cases[:2])
+    preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False,
+               report_path=tmp_path / "report.json")
+    report = read_json(tmp_path / "report.json")
+    assert [c["case_id"] for c in report["cases"]] == [c.case_id for c in small.cases]
+    for case in report["cases"]:
+        assert case["predicted_peak_bytes"] > 0 and case["disk_bytes"] > 0
+        if sys.platform == "linux":  # VmHWM of this (test) process while it ran the case
+            assert case["measured_peak_rss_bytes"] > 50 * 2**20
