@@ -59,7 +59,8 @@ class StorageTracker(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         name = func.__name__
         # inference_mode dispatches aten::conv2d/conv3d (not decomposed into aten::convolution)
-        is_conv = name.startswith(("convolution", "_convolution", "conv1d", "conv2d", "conv3d")) and "backward" not in name
+        conv_names = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
+        is_conv = name.startswith(conv_names) and "backward" not in name
         fp32_stats = "batch_norm" in name and "backward" not in name
         for i, t in enumerate(tree_flatten(out)[0]):
             if not isinstance(t, torch.Tensor):
