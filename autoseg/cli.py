@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 GiB = 1024**3
@@ -39,6 +40,17 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", type=parse_bytes, default=None, help="host RAM budget; default: available memory")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="device training will run on (default: cuda if present, else cpu)")
+    p.add_argument("--cpu-flops", type=float, default=None,
+                   help="CPU training throughput in FLOP/s for --device cpu (default: measured once, then cached)")
+
+
+def _duration(text: str) -> float:
+    from autoseg.schedule import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         _add_budget(p)
         if name == "plan_and_preprocess":
             p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
-            p.add_argument("--processes", type=int, default=None, help="preprocessing processes (default: planned)")
+            p.add_argument("--processes", type=int, default=None,
+                           help="preprocessing processes (default: as many as the RAM budget fits, at most the CPUs)")
+            p.add_argument("--precompute-augmentations", type=int, default=0, metavar="K",
+                           help="write K spatially augmented copies per case (rotation, scaling, elastic), so "
+                                "training can skip the spatial transform (default: 0)")
 
     p = sub.add_parser("train", help="train one fold: `autoseg train fold 0` (or `fold all`)")
     p.add_argument("fold", nargs="+", help="'fold 0', '0' or 'all'")
@@ -65,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-validation", action="store_true", help="skip predicting the validation cases at the end")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the fold's checkpoint_latest.pt (the plan must be unchanged)")
+    p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
+                   help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: the number "
+                        "of epochs is chosen from the measured speed")
 
     p = sub.add_parser("predict", help="segment new scans with the trained folds")
     p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
@@ -87,6 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--iterations-per-epoch", type=int, default=None)
     p.add_argument("--num-train", type=int, default=None)
+
+    p = sub.add_parser("explain", help="where the memory of a planned configuration goes, and what-ifs")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-w", "--workspace", default=None, help="workspace folder (default: current directory)")
+    where.add_argument("--plans", default=None, help="a plans.json file instead of a workspace")
+    p.add_argument("-c", "--config", default=None,
+                   help="configuration (default: 3d_fullres if planned, else the first)")
+    p.add_argument("--json", action="store_true", help="print the same figures as JSON (bytes)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="device whose overheads to add (default: the one the configuration was planned for)")
 
     p = sub.add_parser("make-demo-dataset", help="write the synthetic demo dataset (nnU-Net layout)")
     p.add_argument("output", help="dataset folder to create")
@@ -118,6 +149,18 @@ def _budget(args: argparse.Namespace):
     ram = args.ram or available_ram_bytes()
     budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device)
     print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}")
+    if device == "cpu":
+        from autoseg.throughput import cached_cpu_throughput
+
+        flops, source = (args.cpu_flops, "--cpu-flops") if args.cpu_flops else \
+            cached_cpu_throughput(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoseg")
+        budget = replace(budget, cpu_flops_per_second=flops)
+        print(f"CPU throughput {flops / 1e9:.1f} GFLOP/s ({source}); planning for "
+              f"{budget.cpu_seconds_per_iteration:g} s per iteration")
+    else:
+        from autoseg.throughput import cuda_device_name
+
+        budget = replace(budget, gpu_name=cuda_device_name())
     return budget
 
 
@@ -149,7 +192,8 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
         print(f"workspace: {ws.root}")
         plan_dataset(args.dataset, ws, _budget(args), progress=progress)
         if args.command == "plan_and_preprocess":
-            preprocess_workspace(ws, args.configs, args.processes, progress=progress)
+            preprocess_workspace(ws, args.configs, args.processes, progress=progress,
+                                 precompute_augmentations=args.precompute_augmentations)
         return 0
     if args.command == "train":
         from autoseg.train import RunConfig, train
@@ -162,7 +206,7 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
             iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
             val_iterations=args.val_iterations or defaults.val_iterations,
             seed=args.seed, device=args.device or default_device(), validate=not args.no_validation,
-            loader_workers=0,
+            loader_workers=0, resume=args.resume, time_budget_s=args.time_budget,
         )
         print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}")
         train(ws, config, _fold(args.fold), run, progress=progress)
@@ -185,6 +229,24 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
         summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
         print(format_table(summary))
         print(f"summary: {out}")
+        return 0
+    if args.command == "explain":
+        import json
+
+        from autoseg.explain import explain, format_explanation
+        from autoseg.fingerprint import Fingerprint
+        from autoseg.plans import Plans
+
+        ws = Workspace.at(args.workspace or ".")
+        plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
+        plans = Plans.from_json(plans_path)
+        config = args.config or ("3d_fullres" if "3d_fullres" in plans.configurations
+                                 else next(iter(plans.configurations)))
+        fp_path = plans_path.parent / "fingerprint.json"  # a workspace keeps it beside plans.json
+        fingerprint = Fingerprint.from_json(fp_path) if fp_path.is_file() else None
+        explanation = explain(plans, config, device=args.device, fingerprint=fingerprint)
+        text = json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation)
+        print(text.rstrip("\n"))
         return 0
     if args.command == "make-demo-dataset":
         from autoseg.demo_data import make_demo_dataset

@@ -2,7 +2,12 @@
 
 Per epoch: ``iterations_per_epoch`` optimizer steps (each ``accumulation_steps`` micro-batches),
 a pseudo-Dice on validation patches, one log line, metrics.jsonl, progress.png and an atomic
-checkpoint. At the end the fold's validation cases are predicted and evaluated.
+checkpoint (``autoseg.checkpoint``: enough to resume bit for bit). At the end the fold's validation
+cases are predicted and evaluated.
+
+Safety: an out-of-memory error in a step is never fatal; the step is retried with a degraded
+configuration (``autoseg.degrade``), recorded in run.json and the checkpoints. ``time_budget_s`` sets
+the number of epochs from measured speed (``autoseg.schedule``).
 """
 
 from __future__ import annotations
@@ -10,29 +15,44 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from autoseg.artifacts import atomic_path
+from autoseg.artifacts import atomic_write_text
+from autoseg.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.compute import fastest_thread_count, training_step_closure
+from autoseg.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.loader import BatchLoader, LoaderConfig
 from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.progress import plot_progress
 from autoseg.resources import cpu_count
+from autoseg.schedule import TimeBudget, poly_lr
 from autoseg.workspace import Workspace, load_or_create_splits
+
+__all__ = ["RunConfig", "fold_cases", "poly_lr", "pseudo_dice_counts", "save_checkpoint", "train"]
 
 log = logging.getLogger("autoseg.train")
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Knobs of one training run that are not part of the plan."""
+    """Knobs of one training run that are not part of the plan.
+
+    ``resume``: continue from the fold's checkpoint_latest.pt (its schedule, degradations and random
+    states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
+    and the final validation end within this many seconds (``epochs`` is then only the first guess).
+    ``cpu_threads``: torch threads on CPU (None: the fastest of a short measurement).
+    Testing aids: ``stop_after_epochs`` returns after that many epochs of this call, as if the process were
+    killed after the epoch's checkpoint; ``inject_oom_at_step`` raises ``torch.OutOfMemoryError`` once in
+    the optimizer step of that (global, 0-based) index.
+    """
 
     epochs: int = 1000
     iterations_per_epoch: int = 250
@@ -45,10 +65,11 @@ class RunConfig:
     device: str = "cpu"
     loader_workers: int = 0
     validate: bool = True  # predict and evaluate the fold's validation cases at the end
-
-
-def poly_lr(initial_lr: float, step: int, total_steps: int, exponent: float = 0.9) -> float:
-    return initial_lr * (1 - step / max(total_steps, 1)) ** exponent
+    resume: bool = False
+    time_budget_s: float | None = None
+    cpu_threads: int | None = None
+    stop_after_epochs: int | None = None  # testing aid
+    inject_oom_at_step: int | None = None  # testing aid
 
 
 def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple[list[str], list[str]]:
@@ -77,34 +98,27 @@ def pseudo_dice_counts(logits: torch.Tensor, target: torch.Tensor, num_classes: 
     return counts
 
 
-def save_checkpoint(path: Path, network, optimizer, epoch: int, metrics: list[dict], best_ema: float,
-                    config_name: str) -> None:
-    state = {"network": network.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch,
-             "best_ema_dice": best_ema, "config": config_name, "metrics_json": json.dumps(metrics),
-             "torch_rng": torch.get_rng_state()}
-    with atomic_path(path, suffix=".pt") as tmp:
-        torch.save(state, tmp)
-
-
-def _loader(folder: Path, cases: list[str], config: ConfigurationPlan, run: RunConfig, seed: int,
-            augment: bool) -> BatchLoader:
-    cfg = LoaderConfig(patch_size=tuple(config.patch_size), batch_size=config.batch_size, augment=augment)
-    return BatchLoader(folder, cases, cfg, seed=seed, num_workers=run.loader_workers if augment else 0)
-
-
 def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True) -> Path:
     """Train one fold; returns the fold's results folder."""
+    started = time.perf_counter()
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
     train_ids, val_ids = fold_cases(workspace, config_name, fold)
     out = workspace.results(config_name, fold)
+    resumed = None
+    if run.resume:
+        latest = out / "checkpoint_latest.pt"
+        resumed = load_checkpoint(latest)
+        check_same_plan(resumed, config, config_name, latest)
     out.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(out / "train.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     log.addHandler(handler)
     threads = torch.get_num_threads()
     try:
-        return _train(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress)
+        ctx = _setup(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, resumed)
+        ctx.started = started
+        return _train(ctx)
     finally:
         torch.set_num_threads(threads)
         log.removeHandler(handler)
@@ -123,6 +137,7 @@ class _Step:
     amp_dtype: torch.dtype | None  # autocast dtype on CUDA, None for fp32
     accumulation_steps: int
     grad_clip: float
+    inject_oom: bool = False  # testing aid: the next micro-batch raises torch.OutOfMemoryError
 
     def __call__(self, loader: BatchLoader) -> tuple[float, float]:
         """One optimizer step over ``accumulation_steps`` micro-batches; returns (loss, seconds waiting for data)."""
@@ -137,6 +152,9 @@ class _Step:
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                 enabled=self.amp_dtype is not None):
                 loss = compute_loss(self.network(x), y, self.loss_fn) / self.accumulation_steps
+            if self.inject_oom:
+                self.inject_oom = False
+                raise torch.OutOfMemoryError("CUDA out of memory (injected by RunConfig.inject_oom_at_step)")
             self.scaler.scale(loss).backward()
             step_loss += loss.item()  # syncs with the device
         self.scaler.unscale_(self.optimizer)
@@ -161,62 +179,187 @@ def _make_step(config: ConfigurationPlan, run: RunConfig) -> _Step:
     )
 
 
-def _train(workspace: Workspace, plans: Plans, config: ConfigurationPlan, config_name: str, fold: int | str,
-           train_ids: list[str], val_ids: list[str], out: Path, run: RunConfig, progress: bool) -> Path:
+@dataclass
+class _Context:
+    """One run: the plan, where it writes, the step, and the progress a checkpoint keeps."""
+
+    workspace: Workspace
+    plans: Plans
+    planned: ConfigurationPlan  # as in plans.json
+    config: ConfigurationPlan  # after degradations
+    config_name: str
+    fold: int | str
+    train_ids: list[str]
+    val_ids: list[str]
+    out: Path
+    run: RunConfig
+    progress: bool
+    step: _Step
+    epochs: int
+    iterations_per_epoch: int
+    first_epoch: int = 0
+    metrics: list[dict] = field(default_factory=list)
+    ema: float | None = None
+    best_ema: float = -1.0
+    degradations: list[dict[str, Any]] = field(default_factory=list)
+    budget: TimeBudget | None = None
+    budget_decisions: list[dict[str, Any]] = field(default_factory=list)
+    oom_injected: bool = False
+    started: float = 0.0
+
+    def loader(self, epoch: int, augment: bool) -> BatchLoader:
+        seed = loader_seed(self.run.seed, epoch, 0 if augment else 1, len(self.degradations))
+        cfg = LoaderConfig(patch_size=tuple(self.config.patch_size), batch_size=self.config.batch_size,
+                           augment=augment)
+        return BatchLoader(self.workspace.preprocessed(self.config_name), self.train_ids if augment else self.val_ids,
+                           cfg, seed=seed, num_workers=self.run.loader_workers if augment else 0)
+
+    def progress_state(self, epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
+                "ema": self.ema, "best_ema": self.best_ema, "metrics": self.metrics,
+                "degradations": self.degradations, "time_budget": self.budget_decisions}
+
+    def save(self, name: str, epoch: int) -> None:
+        save_checkpoint(self.out / name, self.step.network, self.step.optimizer, self.step.scaler, self.planned,
+                        self.config_name, self.progress_state(epoch))
+
+
+def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, config_name: str, fold: int | str,
+           train_ids: list[str], val_ids: list[str], out: Path, run: RunConfig, progress: bool,
+           resumed: dict[str, Any] | None) -> _Context:
+    """Threads, seed, network and optimizer; from the checkpoint when resuming (random states last)."""
+    config = apply_degradations(planned, resumed["degradations"]) if resumed else planned
     if run.device == "cpu":
-        _choose_cpu_threads(config)
+        if run.cpu_threads is None:
+            _choose_cpu_threads(config)
+        else:
+            torch.set_num_threads(run.cpu_threads)
     torch.manual_seed(run.seed)
-    step = _make_step(config, run)
-    folder = workspace.preprocessed(config_name)
-    train_loader = _loader(folder, train_ids, config, run, seed=run.seed, augment=True)
-    val_loader = _loader(folder, val_ids, config, run, seed=run.seed + 1, augment=False)
-    total_steps = run.epochs * run.iterations_per_epoch
-    metrics: list[dict] = []
-    (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
-    ema, best_ema = None, -1.0
+    ctx = _Context(workspace, plans, planned, config, config_name, fold, train_ids, val_ids, out, run, progress,
+                   step=_make_step(config, run), epochs=run.epochs, iterations_per_epoch=run.iterations_per_epoch)
+    if resumed is None:
+        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
+        if run.time_budget_s is not None:
+            shapes = [_case_shape(workspace.preprocessed(config_name), c) for c in val_ids] if run.validate else []
+            ctx.budget = TimeBudget(run.time_budget_s, time.perf_counter(), run.iterations_per_epoch,
+                                    run.val_iterations, config.accumulation_steps, config.batch_size,
+                                    config.patch_size, shapes)
+        return ctx
+    ctx.step.network.load_state_dict(resumed["network"])
+    ctx.step.optimizer.load_state_dict(resumed["optimizer"])
+    ctx.step.scaler.load_state_dict(resumed["grad_scaler"])
+    ctx.epochs = resumed["schedule"]["epochs"]
+    ctx.iterations_per_epoch = resumed["schedule"]["iterations_per_epoch"]
+    ctx.first_epoch = resumed["epoch"] + 1
+    ctx.metrics = [r for r in resumed["metrics"] if r["epoch"] <= resumed["epoch"]]
+    ctx.ema, ctx.best_ema = resumed["ema"], resumed["best_ema_dice"]
+    ctx.degradations, ctx.budget_decisions = resumed["degradations"], resumed["time_budget"] or []
+    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in ctx.metrics))
+    if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
+        log.info("resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs,
+                 ctx.iterations_per_epoch)
+    log.info("resumed %s fold %s from %s after epoch %d", config_name, fold, out / "checkpoint_latest.pt",
+             resumed["epoch"])
+    restore_rng_states(resumed["rng"])
+    return ctx
+
+
+def _case_shape(folder: Path, case_id: str) -> tuple[int, ...]:
+    """(Z, Y, X) of a preprocessed case, read from the .npy header."""
+    return tuple(np.load(folder / f"{case_id}_data.npy", mmap_mode="r").shape[1:])
+
+
+def _train(ctx: _Context) -> Path:
+    config, run = ctx.config, ctx.run
     log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation, %d epochs x %d it",
-             config_name, fold, len(train_ids), len(val_ids), config.patch_size, config.batch_size,
-             config.accumulation_steps, run.epochs, run.iterations_per_epoch)
-    try:
-        for epoch in range(run.epochs):
-            t0, wait, losses = time.perf_counter(), 0.0, []
-            step.network.train()
-            bar = tqdm(range(run.iterations_per_epoch), desc=f"epoch {epoch}", unit="it", disable=not progress,
-                       leave=False)
-            for it in bar:
-                lr = poly_lr(run.initial_lr, epoch * run.iterations_per_epoch + it, total_steps)
-                for group in step.optimizer.param_groups:
-                    group["lr"] = lr
-                loss, waited = step(train_loader)
-                losses.append(loss)
-                wait += waited
-                bar.set_postfix(loss=f"{loss:.3f}")
-            val_loss, dice = _validate(step.network, val_loader, step.loss_fn, run, step.device, plans.num_classes)
-            mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
-            ema = mean_dice if ema is None else 0.9 * ema + 0.1 * mean_dice
-            epoch_s = time.perf_counter() - t0
-            row = {"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": val_loss,
-                   "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ema, "lr": lr,
-                   "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}
-            metrics.append(row)
-            _log_epoch(row, out, metrics)
-            if ema > best_ema:
-                best_ema = ema
-                save_checkpoint(out / "checkpoint_best.pt", step.network, step.optimizer, epoch, metrics, best_ema,
-                                config_name)
-            save_checkpoint(out / "checkpoint_latest.pt", step.network, step.optimizer, epoch, metrics, best_ema,
-                            config_name)
-    finally:
-        train_loader.close()
-        val_loader.close()
-    save_checkpoint(out / "checkpoint_final.pt", step.network, step.optimizer, run.epochs - 1, metrics, best_ema,
-                    config_name)
-    (out / "run.json").write_text(json.dumps({"run": asdict(run), "fold": str(fold), "config": config_name}, indent=2))
+             ctx.config_name, ctx.fold, len(ctx.train_ids), len(ctx.val_ids), config.patch_size, config.batch_size,
+             config.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
+    epoch = ctx.first_epoch
+    while epoch < ctx.epochs:
+        t0 = time.perf_counter()
+        row = _run_epoch(ctx, epoch, t0)
+        ctx.metrics.append(row)
+        _log_epoch(row, ctx.out, ctx.metrics)
+        if ctx.ema > ctx.best_ema:
+            ctx.best_ema = ctx.ema
+            ctx.save("checkpoint_best.pt", epoch)
+        if ctx.budget is not None:
+            ctx.epochs = ctx.budget.epoch_done(epoch, time.perf_counter() - t0, time.perf_counter(), ctx.epochs)
+            ctx.budget_decisions = [d.to_dict() for d in ctx.budget.decisions]
+        ctx.save("checkpoint_latest.pt", epoch)
+        epoch += 1
+        if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
+            return ctx.out  # testing aid: as if killed after the checkpoint
+    ctx.save("checkpoint_final.pt", ctx.epochs - 1)
+    record = {"run": asdict(run), "fold": str(ctx.fold), "config": ctx.config_name,
+              "schedule": {"epochs": ctx.epochs, "iterations_per_epoch": ctx.iterations_per_epoch},
+              "degradations": ctx.degradations, "time_budget": ctx.budget_decisions,
+              "effective_configuration": {"batch_size": ctx.config.batch_size,
+                                          "accumulation_steps": ctx.config.accumulation_steps,
+                                          "checkpointing": ctx.config.checkpointing}}
+    atomic_write_text(ctx.out / "run.json", json.dumps(record, indent=2))
     if run.validate:
         from autoseg.validation import validate_fold
 
-        validate_fold(workspace, plans, config_name, step.network, val_ids, out / "validation", run.device, progress)
-    return out
+        validate_fold(ctx.workspace, ctx.plans, ctx.config_name, ctx.step.network, ctx.val_ids,
+                      ctx.out / "validation", run.device, ctx.progress)
+    return ctx.out
+
+
+def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any]:
+    """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row."""
+    step, run, ipe = ctx.step, ctx.run, ctx.iterations_per_epoch
+    wait, losses, lr = 0.0, [], run.initial_lr
+    train_loader = ctx.loader(epoch, augment=True)
+    try:
+        step.network.train()
+        bar = tqdm(range(ipe), desc=f"epoch {epoch}", unit="it", disable=not ctx.progress, leave=False)
+        for it in bar:
+            lr = poly_lr(run.initial_lr, epoch * ipe + it, ctx.epochs * ipe)
+            for group in step.optimizer.param_groups:
+                group["lr"] = lr
+            if run.inject_oom_at_step == epoch * ipe + it and not ctx.oom_injected:
+                step.inject_oom, ctx.oom_injected = True, True
+            (loss, waited), train_loader = _step_or_degrade(ctx, train_loader, epoch, it)
+            losses.append(loss)
+            wait += waited
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if ctx.budget is not None and epoch == ctx.first_epoch:
+                decided = ctx.budget.iteration_done(time.perf_counter(), t0)
+                if decided is not None:
+                    ctx.epochs = decided
+    finally:
+        train_loader.close()
+    with ctx.loader(epoch, augment=False) as val_loader:
+        val_loss, dice = _validate(step.network, val_loader, step.loss_fn, run, step.device, ctx.plans.num_classes)
+    mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
+    ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
+    epoch_s = time.perf_counter() - t0
+    return {"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": val_loss,
+            "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ctx.ema, "lr": lr,
+            "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}
+
+
+def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
+                     iteration: int) -> tuple[tuple[float, float], BatchLoader]:
+    """One step; on out-of-memory degrade the configuration (``autoseg.degrade``), rebuild the loader
+    with the new micro-batch and retry. Returns ((loss, data wait seconds), the loader now in use)."""
+    while True:
+        try:
+            return ctx.step(loader), loader
+        except torch.OutOfMemoryError:
+            ctx.step.optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
+            if ctx.step.device.type == "cuda":
+                torch.cuda.empty_cache()
+            degraded, record = choose_degradation(ctx.config, ctx.step.device)
+            record.update(epoch=epoch, iteration=iteration)
+            log_degradation(record)
+            ctx.config = degraded
+            ctx.degradations.append(record)
+            ctx.step.accumulation_steps = degraded.accumulation_steps
+            ctx.step.network.checkpointing = degraded.checkpointing
+            loader.close()
+            loader = ctx.loader(epoch, augment=True)
 
 
 def _choose_cpu_threads(config: ConfigurationPlan) -> None:

@@ -1,0 +1,189 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from autoseg.checkpoint import load_checkpoint
+from autoseg.degrade import choose_degradation
+from autoseg.memory import predict_device_peak, simulate_training_step
+from autoseg.pipeline import plan_dataset, preprocess_workspace
+from autoseg.planner import Budget, GiB
+from autoseg.plans import NetworkTopology, Plans
+from autoseg.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
+from autoseg.train import RunConfig, train
+from autoseg.workspace import Workspace
+
+CONFIG = "3d_fullres"
+TINY = dict(epochs=3, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
+
+
+def _tiny_topology(num_classes: int) -> NetworkTopology:
+    return NetworkTopology(dim=3, in_channels=1, num_classes=num_classes, features_per_stage=(4, 8),
+                           kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
+
+
+def _set_plan(workspace: Workspace, **changes) -> None:
+    plans = Plans.from_json(workspace.plans_path)
+    config = plans.configuration(CONFIG).with_(**changes)
+    dataclasses.replace(plans, configurations={**plans.configurations, CONFIG: config}).to_json(workspace.plans_path)
+
+
+@pytest.fixture(scope="module")
+def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
+    """A preprocessed workspace whose 3d_fullres plan is a 2-stage U-Net (4, 8 features) on (8, 16, 16)
+    patches, micro-batch 2, checkpointing on. Tests copy it."""
+    root = tmp_path_factory.mktemp("train")
+    workspace = Workspace.at(root / "ws")
+    plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
+    _set_plan(workspace, network=_tiny_topology(plans.num_classes), patch_size=(8, 16, 16), batch_size=2,
+              accumulation_steps=1, checkpointing=True)
+    return workspace.root
+
+
+@pytest.fixture()
+def workspace(prepared: Path, tmp_path: Path) -> Workspace:
+    shutil.copytree(prepared, tmp_path / "ws")
+    return Workspace.at(tmp_path / "ws")
+
+
+def _rows(fold: Path) -> list[dict]:
+    return [json.loads(line) for line in (fold / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace: Workspace) -> None:
+    fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
+    reference = fold.with_name("reference")
+    fold.rename(reference)
+
+    train(workspace, CONFIG, 0, RunConfig(**TINY, stop_after_epochs=2), progress=False)  # "killed" after epoch 1
+    assert not (fold / "checkpoint_final.pt").exists()
+    assert load_checkpoint(fold / "checkpoint_latest.pt")["epoch"] == 1
+    with open(fold / "metrics.jsonl", "a") as f:  # killed after the epoch-2 row, before its checkpoint
+        f.write(json.dumps({"epoch": 2, "train_loss": 0.0}) + "\n")
+    train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 50}, resume=True), progress=False)
+
+    expected, got = (load_checkpoint(p / "checkpoint_final.pt") for p in (reference, fold))
+    assert expected["network"].keys() == got["network"].keys()
+    for name, tensor in expected["network"].items():
+        assert torch.equal(tensor, got["network"][name]), name
+    momentum = [s["momentum_buffer"] for s in expected["optimizer"]["state"].values()]
+    assert all(torch.equal(a, s["momentum_buffer"]) for a, s in zip(momentum, got["optimizer"]["state"].values()))
+    assert got["schedule"] == {"epochs": 3, "iterations_per_epoch": 2}  # the checkpoint's, not epochs=50
+    rows, reference_rows = _rows(fold), _rows(reference)
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in reference_rows]
+    assert [r["lr"] for r in rows] == [r["lr"] for r in reference_rows]
+
+
+def test_resume_without_checkpoint_names_the_file(workspace: Workspace) -> None:
+    missing = workspace.results(CONFIG, 0) / "checkpoint_latest.pt"
+    with pytest.raises(FileNotFoundError, match="checkpoint_latest.pt not found") as info:
+        train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
+    assert str(missing) in str(info.value)
+
+
+def test_resume_refuses_a_changed_plan(workspace: Workspace) -> None:
+    train(workspace, CONFIG, 0, RunConfig(**TINY, stop_after_epochs=1), progress=False)
+    _set_plan(workspace, batch_size=3)
+    with pytest.raises(ValueError, match=r"differs .*batch_size: 2 -> 3"):
+        train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
+
+
+def test_out_of_memory_halves_the_micro_batch_and_is_recorded(workspace: Workspace) -> None:
+    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 2}, inject_oom_at_step=1), progress=False)
+    run = json.loads((fold / "run.json").read_text())
+    (record,) = run["degradations"]
+    assert record["action"] == "halve_micro_batch" and (record["epoch"], record["iteration"]) == (0, 1)
+    assert record["from"]["batch_size"] == 2 and record["from"]["accumulation_steps"] == 1
+    assert record["to"]["batch_size"] == 1 and record["to"]["accumulation_steps"] == 2
+    assert record["to"]["checkpointing"] is True  # it was on already: halving was the only option
+    assert record["to"]["predicted_bytes"] < record["from"]["predicted_bytes"]
+    assert run["effective_configuration"] == {"batch_size": 1, "accumulation_steps": 2, "checkpointing": True}
+    assert [r["epoch"] for r in _rows(fold)] == [0, 1]  # training went on
+    assert load_checkpoint(fold / "checkpoint_final.pt")["degradations"] == [record]
+
+
+def test_out_of_memory_degradation_after_resume_is_kept(workspace: Workspace) -> None:
+    train(workspace, CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=0, stop_after_epochs=1), progress=False)
+    fold = train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
+    run = json.loads((fold / "run.json").read_text())
+    assert len(run["degradations"]) == 1
+    assert run["effective_configuration"]["batch_size"] == 1
+
+
+def test_degradation_takes_the_option_with_the_lower_predicted_peak(prepared: Path) -> None:
+    config = Plans.from_json(Workspace.at(prepared).plans_path).configuration(CONFIG).with_(checkpointing=False)
+    chosen, record = choose_degradation(config, torch.device("cpu"))
+    halved, checkpointed = (predict_device_peak(simulate_training_step(
+        config.network, b, config.patch_size, checkpointing=c, accumulation_steps=a), "cpu")["total"]
+        for b, c, a in [(1, False, 2), (2, True, 1)])
+    assert halved != checkpointed
+    expected = "halve_micro_batch" if halved < checkpointed else "activation_checkpointing"
+    assert record["action"] == expected
+    assert record["to"]["predicted_bytes"] == min(halved, checkpointed)
+    assert chosen.batch_size * chosen.accumulation_steps == 2  # the effective batch is kept
+
+
+def test_nothing_left_to_degrade_explains_what_to_change(prepared: Path) -> None:
+    config = Plans.from_json(Workspace.at(prepared).plans_path).configuration(CONFIG)
+    with pytest.raises(torch.OutOfMemoryError, match=r"micro-batch of 1 .*predicts .*GiB.*--gpu-memory.*patch_size"):
+        choose_degradation(config.with_(batch_size=1, checkpointing=True), torch.device("cpu"))
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("2h", 7200), ("30m", 1800), ("90s", 90), ("1h30m", 5400),
+                                               ("1.5h", 5400), ("45", 45)])
+def test_parse_duration(text: str, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "2 hours", "h", "0s", "1h 30"])
+def test_parse_duration_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="duration|positive"):
+        parse_duration(text)
+
+
+def test_epochs_within_budget() -> None:
+    # 100 s budget, 10 s spent, 20 s kept for the final validation: 70 s of 7 s epochs -> 10
+    assert epochs_within_budget(100, 10, 0, 7, 20) == 10
+    # 0.5 of the first epoch done: its other half (3.5 s) is paid first -> 1 + floor(66.5 / 7) = 10
+    assert epochs_within_budget(100, 10, 0.5, 7, 20) == 10
+    assert epochs_within_budget(100, 99, 3, 7, 20) == 3  # over budget: stop after the epochs done
+    assert epochs_within_budget(1, 5, 0.1, 7, 0) == 1  # never fewer than one epoch
+    assert final_validation_seconds([(12, 28, 28)], (8, 16, 16), 0.3) == pytest.approx(1.5 * 2 * 3 * 3 * 8 * 0.1)
+    assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5 ** 0.9) and poly_lr(0.01, 10, 10) == 0.0
+
+
+def test_time_budget_sets_the_epochs_from_measured_speed(workspace: Workspace) -> None:
+    budget_s = 6.0
+    t0 = time.perf_counter()
+    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1000}, time_budget_s=budget_s),
+                 progress=False)
+    elapsed = time.perf_counter() - t0
+    run = json.loads((fold / "run.json").read_text())
+    decisions = run["time_budget"]
+    epochs = run["schedule"]["epochs"]
+    assert [d["source"] for d in decisions[:2]] == ["first iterations", "first epoch"]
+    assert decisions[-1]["epochs"] == epochs == len(_rows(fold))
+    assert 1 < epochs < 1000
+    first = decisions[1]  # from the first epoch's measured time
+    assert first["epochs"] == epochs_within_budget(budget_s, first["elapsed_seconds"], 1,
+                                                   first["seconds_per_epoch"], first["final_validation_seconds"])
+    assert decisions[0]["seconds_per_iteration"] > 0
+    assert elapsed < budget_s + 3.0, elapsed
+    assert _rows(fold)[-1]["lr"] == pytest.approx(poly_lr(1e-2, epochs * 2 - 1, epochs * 2))
+
+
+def test_train_cli_reads_resume_and_time_budget() -> None:
+    from autoseg.cli import build_parser
+
+    args = build_parser().parse_args(["train", "fold", "0", "--resume", "--time-budget", "1h30m"])
+    assert args.resume and args.time_budget == 5400
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "fold", "0", "--time-budget", "soon"])
