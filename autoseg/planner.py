@@ -1,44 +1,111 @@
 """The planner: from a fingerprint and a budget (device memory, host RAM, device kind) to Plans.
 
-Per configuration it derives the target spacing, the network topology (pooling per axis and kernel
-sizes from the spacing), and searches patch size and micro-batch so that the predicted peak of one
-training step stays under the budget (and, on CPU, an iteration stays within a time target).
+Per configuration it derives the target spacing, then searches network depth and pooling per axis (from
+the patch and the spacing), width, patch size, micro-batch, gradient accumulation, precision and
+activation checkpointing (``autoseg.patch_search``) so that the predicted device peak of one training step
+(``autoseg.memory``: simulated, with the device's own overheads) stays under the budget minus the safety
+margin, and on CPU an iteration stays within a time target. Configurations: ``3d_fullres`` (3D data),
+``3d_lowres`` (when the fullres patch covers less than a quarter of the median image; planned for a
+cascade that autoseg does not train yet), ``2d``.
+
+Settings are tried in order of cost, the first whose patch is large enough wins (see ``_settings``):
+CUDA: fp16 autocast with fp32 master weights (nnU-Net's AMP), then + activation checkpointing (about a
+third more compute), then + micro-batch 1 with 2 accumulation steps. CPU: fp32, base width 16, then 8.
+"Large enough": covers the whole median image or holds ``MIN_PATCH_VOXELS`` voxels.
+
+Host RAM: preprocessing processes and loader workers are as many as ``HOST_RAM_FRACTION`` of the host
+RAM budget holds (``autoseg.memory.host`` formulas), capped by the CPU count; no loader workers when
+training on CPU (they would take the cores the training step uses).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autoseg.compute import conv_flops
 from autoseg.fingerprint import Fingerprint
+from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
+from autoseg.memory.host import loader_worker_bytes, preprocess_worker_bytes
 from autoseg.normalization import scheme_for_channel
-from autoseg.plans import ConfigurationPlan, NetworkTopology, Plans
+from autoseg.patch_search import (  # noqa: F401  (re-exported: the planner's public names)
+    FEATURE_CAP,
+    MAX_STAGES,
+    MIN_FEATURE_MAP,
+    Candidate,
+    Limits,
+    PeakFn,
+    SearchSpace,
+    Setting,
+    StepCost,
+    canonical,
+    rough_training_peak_bytes,
+    search,
+    topology_for,
+)
+from autoseg.plans import ConfigurationPlan, Plans
+from autoseg.resources import cpu_count
+from autoseg.throughput import cuda_flops_per_second, gpu_spec
 
 GiB = 1024**3
-MIN_FEATURE_MAP = 4  # no axis is pooled below this many voxels
 ANISOTROPY_RATIO = 3.0  # an axis whose spacing is > 3x the finest is "strongly anisotropic"
-MAX_STAGES = {2: 7, 3: 6}
-FEATURE_CAP = {2: 512, 3: 320}
+MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
+CPU_BASE_FEATURES = (16, 8)
+LOWRES_THRESHOLD = 0.25  # plan 3d_lowres when the fullres patch covers less of the median image
+LOWRES_TARGET = 0.5  # ... with a spacing at which a patch of that size covers this much
+LOWRES_STEP = 1.03
+HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or loader workers
+TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
+LOADER_QUEUE_DEPTH = 2  # autoseg.loader.BatchLoader's default
+FILL_TARGET = 0.85  # a memory-limited plan's predicted peak is at least this fraction of the budget
 
 
 @dataclass(frozen=True)
 class Budget:
-    """What the plan must fit in. ``device`` is where training runs: "cuda" or "cpu"."""
+    """What the plan must fit in. ``device`` is where training runs: "cuda" or "cpu".
+
+    ``safety_margin``: the fraction of the memory budget kept free (5%): the device model's error
+    (fragmentation is modelled as 15% of the tensor bytes, measured 12-19%) and what the plan does not
+    see (another process on the GPU, a display). A memory-limited plan's predicted peak then lies
+    between ``FILL_TARGET`` (85%) and 95% of the budget. The memory budget is ``gpu_memory_bytes`` on
+    CUDA and ``host_ram_bytes`` on CPU (the step's tensors live in host RAM there).
+    ``cpu_seconds_per_iteration`` / ``cpu_flops_per_second``: on CPU compute, not memory, is the limit;
+    the CLI measures the throughput with ``autoseg.compute.calibrate_cpu_throughput``.
+    ``gpu_name``: for the throughput table (``autoseg.throughput``); None: a typical GPU of this memory.
+    ``cpu_count``: None = this machine's (``autoseg.resources.cpu_count``).
+    """
 
     gpu_memory_bytes: int = 8 * GiB
     host_ram_bytes: int = 16 * GiB
     device: str = "cuda"
-    safety_margin: float = 0.10  # fraction of gpu_memory_bytes kept free
-    cpu_seconds_per_iteration: float = 1.0  # target on CPU (compute, not memory, is the limit there)
-    cpu_flops_per_second: float = 20e9  # measured by calibrate_cpu_throughput() when planning for CPU
-    base_features: int | None = None  # None: 32 on CUDA, 16 on CPU
+    safety_margin: float = 0.05
+    cpu_seconds_per_iteration: float = 1.0
+    cpu_flops_per_second: float = 20e9
+    base_features: int | None = None  # None: 32 on CUDA; on CPU 16, or 8 if 16 leaves too small a patch
+    precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
+    gpu_name: str | None = None
+    cpu_count: int | None = None
 
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
+        if not 0.0 <= self.safety_margin < 0.5:
+            raise ValueError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
+        if self.precision not in (None, "fp32", "fp16", "bf16"):
+            raise ValueError(f"Budget.precision {self.precision!r}: use 'fp32', 'fp16' or 'bf16'")
+        if self.device == "cpu" and self.precision not in (None, "fp32"):
+            raise ValueError("training on CPU runs in fp32 (autoseg.train uses autocast on CUDA only); "
+                             "leave Budget.precision unset for device 'cpu'")
 
-PeakFn = Callable[[NetworkTopology, int, tuple[int, ...], str, bool], int]
+    @property
+    def memory_bytes(self) -> int:
+        """The memory the training step must fit in: GPU memory on CUDA, host RAM on CPU."""
+        return int(self.gpu_memory_bytes if self.device == "cuda" else self.host_ram_bytes)
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.safety_margin)
 
 
 def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[float, float, float]:
@@ -56,149 +123,242 @@ def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[flo
     return tuple(float(v) for v in target)  # type: ignore[return-value]
 
 
-def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_channels: int,
-                 num_classes: int, base_features: int, max_features: int) -> tuple[NetworkTopology, tuple[int, ...]]:
-    """Pooling per axis and kernel sizes from the spacing (nnU-Net's rule, our code).
-
-    An axis is pooled while its current spacing is at most twice the finest one and its feature map
-    stays >= MIN_FEATURE_MAP voxels; its kernel is 3 once its spacing is within 2x of the finest,
-    else 1 (in-plane only convolutions for thick slices). Returns the topology and the patch size
-    rounded up to a multiple of the total stride per axis.
-    """
-    dim = len(patch_size)
-    spacing = list(spacing_mm)
-    size = list(patch_size)
-    strides: list[tuple[int, ...]] = [tuple([1] * dim)]
-    kernels: list[tuple[int, ...]] = []
-    kernel = [3 if s <= 2 * min(spacing) else 1 for s in spacing]
-    kernels.append(tuple(kernel))
-    while len(strides) < MAX_STAGES[dim]:
-        finest = min(spacing)
-        pool = [1 if (spacing[a] > 2 * finest or size[a] < 2 * MIN_FEATURE_MAP) else 2 for a in range(dim)]
-        if all(p == 1 for p in pool):
-            break
-        spacing = [s * p for s, p in zip(spacing, pool)]
-        size = [math.ceil(n / p) for n, p in zip(size, pool)]
-        finest = min(spacing)
-        kernel = [3 if (k == 3 or s <= 2 * finest) else 1 for k, s in zip(kernel, spacing)]
-        strides.append(tuple(pool))
-        kernels.append(tuple(kernel))
-    features = tuple(min(base_features * 2**s, max_features) for s in range(len(strides)))
-    topology = NetworkTopology(dim=dim, in_channels=in_channels, num_classes=num_classes,
-                               features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides))
-    div = topology.patch_divisor()
-    patch = tuple(int(math.ceil(p / d) * d) for p, d in zip(patch_size, div))
-    return topology, patch
-
-
-def initial_patch(spacing_mm: tuple[float, ...], median_shape: tuple[int, ...], voxels: float) -> list[int]:
-    """A patch with the aspect ratio of 1/spacing, ``voxels`` large, capped by the median shape."""
-    inv = 1.0 / np.array(spacing_mm)
-    shape = inv / np.prod(inv) ** (1.0 / len(inv)) * voxels ** (1.0 / len(inv))
-    return [int(min(round(s), m)) for s, m in zip(shape, median_shape)]
-
-
-def search_patch_and_batch(spacing_mm: tuple[float, ...], median_shape: tuple[int, ...], in_channels: int,
-                           num_classes: int, budget: Budget, peak_fn: PeakFn, dim: int,
-                           max_batch: int) -> tuple[NetworkTopology, tuple[int, ...], int, int]:
-    """Shrink the patch (largest axis relative to the median shape first) until batch 2 fits, then
-    grow the batch while it fits. Returns (topology, patch, micro-batch, predicted peak bytes)."""
-    base = budget.base_features or (32 if budget.device == "cuda" else 16)
-    limit = budget.gpu_memory_bytes * (1 - budget.safety_margin)
-    patch = initial_patch(spacing_mm, median_shape, 256.0**dim if dim == 3 else 2048.0**2)
-
-    def cost(topo: NetworkTopology, p: tuple[int, ...], b: int) -> tuple[bool, int]:
-        peak = peak_fn(topo, b, p, "fp32", False)
-        fits = peak <= limit
-        if budget.device == "cpu":
-            fits = fits and conv_flops(topo, p, b) / budget.cpu_flops_per_second <= budget.cpu_seconds_per_iteration
-        return fits, peak
-
-    while True:
-        topo, p = topology_for(tuple(patch), spacing_mm, in_channels, num_classes, base, FEATURE_CAP[dim])
-        fits, peak = cost(topo, p, 2)
-        if fits or all(v <= MIN_FEATURE_MAP * 2 for v in patch):
-            break
-        ratios = [pv / m for pv, m in zip(p, median_shape)]
-        axis = int(np.argmax([r if patch[a] > MIN_FEATURE_MAP * 2 else -1 for a, r in enumerate(ratios)]))
-        patch[axis] = max(MIN_FEATURE_MAP * 2, int(patch[axis] * 0.9))
-    batch = 2 if fits else 1
-    peak = cost(topo, p, batch)[1]
-    while batch < max_batch:
-        fits_next, peak_next = cost(topo, p, batch + 1)
-        if not fits_next:
-            break
-        batch, peak = batch + 1, peak_next
-    return topo, p, batch, peak
-
-
-def max_batch_for(dataset_voxels: float, patch: tuple[int, ...] | list[int], dim: int) -> int:
-    """nnU-Net's rule: one batch covers at most 5% of the dataset's voxels (avoids overfitting)."""
-    return max(2, int(0.05 * dataset_voxels / float(np.prod(patch))))
-
-
-def rough_training_peak_bytes(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
-                              precision: str = "fp32", checkpointing: bool = False) -> int:
-    """A first-order estimate (used until the simulated memory model is given as ``peak_fn``):
-    parameters x 4 (weights, gradients, momentum, transient) + ~6 stored tensors per convolution block
-    at each resolution, encoder and decoder, in fp32."""
-    voxels = float(np.prod(patch_size)) * batch_size
-    params = 0.0
-    act = 0.0
-    prev = topology.in_channels
-    for f, k, st in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides):
-        voxels /= float(np.prod(st))
-        params += float(np.prod(k)) * (prev * f + (topology.conv_per_stage - 1) * f * f)
-        act += 3 * topology.conv_per_stage * f * voxels * 2  # encoder + decoder
-        prev = f
-    bytes_per = 2 if precision in ("bf16", "fp16") else 4
-    return int(16 * params + act * bytes_per * (0.6 if checkpointing else 1.0))
+def model_peak_fn(device: str) -> PeakFn:
+    """The simulated memory model (``autoseg.memory.predicted_training_bytes``) as the search's peak_fn."""
+    def peak(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
+        return predicted_training_bytes(topology, batch, patch, precision, checkpointing, device=device,
+                                        accumulation_steps=accumulation_steps)
+    return peak
 
 
 def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plans:
-    """Plans for every configuration that suits the dataset (3d_fullres for 3D data, and 2d)."""
-    peak_fn = peak_fn or rough_training_peak_bytes
+    """Plans for every configuration that suits the dataset. ``peak_fn`` replaces the simulated memory
+    model (e.g. ``rough_training_peak_bytes`` for a fast, approximate plan)."""
     spacing = target_spacing(fp.spacings, fp.cropped_shapes)
     in_ch, num_classes = len(fp.channel_names), max(fp.labels.values()) + 1
-    resampled = fp.cropped_shapes * fp.spacings / np.array(spacing)
-    median_shape = tuple(int(round(v)) for v in np.median(resampled, axis=0))
-    dataset_voxels = float(np.sum(np.prod(resampled, axis=1)))
     configs: dict[str, ConfigurationPlan] = {}
-    if fp.image_dim == 3 and median_shape[0] > 1:
-        configs["3d_fullres"] = _configuration("3d_fullres", spacing, median_shape, spacing, median_shape,
-                                               in_ch, num_classes, budget, peak_fn, dataset_voxels)
+    if fp.image_dim == 3:
+        full = _plan_3d(fp, "3d_fullres", spacing, in_ch, num_classes, budget, peak_fn)
+        if full is not None:
+            configs["3d_fullres"] = full
+            coverage = math.prod(min(p / m, 1.0) for p, m in zip(full.patch_size, full.median_shape_zyx))
+            if coverage < LOWRES_THRESHOLD:
+                low = lowres_spacing(spacing, full.median_shape_zyx, math.prod(full.patch_size))
+                lowres = _plan_3d(fp, "3d_lowres", low, in_ch, num_classes, budget, peak_fn)
+                configs["3d_lowres"] = lowres.with_(notes=lowres.notes + (
+                    f"planned because 3d_fullres's patch covers {coverage:.0%} of the median image; the "
+                    "cascade (3d_lowres, then 3d_fullres given its prediction) is not trained or predicted "
+                    "by autoseg yet",))
     # 2d: in-plane spacing of 3d_fullres, slices kept as they are (z spacing is each case's own)
     spacing_2d = (float(np.median(fp.spacings[:, 0])), spacing[1], spacing[2])
-    shape_2d = tuple(int(round(v)) for v in np.median(fp.cropped_shapes * fp.spacings / np.array(spacing_2d), axis=0))
-    configs["2d"] = _configuration("2d", spacing_2d, shape_2d, spacing_2d[1:], shape_2d[1:], in_ch,
-                                   num_classes, budget, peak_fn, dataset_voxels)
+    resampled = fp.cropped_shapes * fp.spacings / np.array(spacing_2d)
+    shape_2d = tuple(int(round(v)) for v in np.median(resampled, axis=0))
+    space = SearchSpace(spacing_2d[1:], shape_2d[1:], in_ch, num_classes, float(np.sum(np.prod(resampled, axis=1))))
+    configs["2d"] = configuration("2d", spacing_2d, shape_2d, space, budget, peak_fn)
     normalization = tuple(scheme_for_channel(c) for c in fp.channel_names)
     use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
+    processes, workers, host = host_workers(fp, configs, budget)
     return Plans(
         dataset_name=fp.dataset_name, channel_names=fp.channel_names, labels=dict(fp.labels),
         file_ending=fp.file_ending, normalization=normalization, use_nonzero_mask=use_mask,
         intensity_properties=fp.foreground_intensity, configurations=configs,
         gpu_memory_bytes=int(budget.gpu_memory_bytes), host_ram_bytes=int(budget.host_ram_bytes),
+        preprocessing_processes=processes, loader_workers=workers, host_memory=host,
     )
 
 
-def _configuration(name: str, spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
-                   net_spacing: tuple[float, ...], net_shape: tuple[int, ...], in_ch: int, num_classes: int,
-                   budget: Budget, peak_fn: PeakFn, dataset_voxels: float) -> ConfigurationPlan:
-    dim = len(net_shape)
-    initial = initial_patch(net_spacing, net_shape, 256.0**dim if dim == 3 else 2048.0**2)
-    topo, patch, batch, peak = search_patch_and_batch(
-        net_spacing, net_shape, in_ch, num_classes, budget, peak_fn, dim,
-        max_batch=max_batch_for(dataset_voxels, initial, dim))
-    accumulation = 2 if batch == 1 else 1  # keep an effective batch of at least 2
-    seconds = conv_flops(topo, patch, batch) / budget.cpu_flops_per_second if budget.device == "cpu" else None
-    notes: tuple[str, ...] = ()
-    limit = budget.gpu_memory_bytes * (1 - budget.safety_margin)
-    if peak > limit:
-        notes = (f"even the smallest patch {patch} at batch 1 is predicted to need {peak / 2**20:.0f} MiB, more than "
-                 f"the {limit / 2**20:.0f} MiB this budget allows; give more memory with --gpu-memory",)
+def _plan_3d(fp: Fingerprint, name: str, spacing: tuple[float, float, float], in_ch: int, num_classes: int,
+             budget: Budget, peak_fn: PeakFn | None) -> ConfigurationPlan | None:
+    resampled = fp.cropped_shapes * fp.spacings / np.array(spacing)
+    median = tuple(int(round(v)) for v in np.median(resampled, axis=0))
+    if median[0] <= 1:
+        return None
+    space = SearchSpace(tuple(spacing), median, in_ch, num_classes, float(np.sum(np.prod(resampled, axis=1))))
+    return configuration(name, spacing, median, space, budget, peak_fn)
+
+
+def lowres_spacing(spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
+                   patch_voxels: float) -> tuple[float, float, float]:
+    """Coarser spacing (LOWRES_STEP at a time; axes finer than half the coarsest first, as nnU-Net) until a
+    patch of ``patch_voxels`` covers LOWRES_TARGET of the median image at that spacing."""
+    spacing = np.array(spacing_mm, dtype=np.float64)
+    physical = np.array(median_shape_zyx) * spacing
+    for _ in range(1000):
+        if patch_voxels / float(np.prod(physical / spacing)) >= LOWRES_TARGET:
+            break
+        grow = spacing * 2 < spacing.max()
+        spacing[grow if grow.any() else slice(None)] *= LOWRES_STEP
+    return tuple(float(s) for s in spacing)  # type: ignore[return-value]
+
+
+def _settings(budget: Budget, dim: int) -> list[Setting]:
+    """The settings to try, cheapest first (see the module docstring)."""
+    cap = FEATURE_CAP[dim]
+    if budget.device == "cuda":
+        base, precision = budget.base_features or 32, budget.precision or "fp16"
+        return [Setting(base, cap, precision, False, False), Setting(base, cap, precision, True, False),
+                Setting(base, cap, precision, True, True)]
+    bases = (budget.base_features,) if budget.base_features else CPU_BASE_FEATURES
+    return [Setting(b, cap, "fp32", False, False) for b in bases]
+
+
+def _limits(budget: Budget, precision: str) -> tuple[Limits, str]:
+    """Memory and time limits, and where the throughput comes from (for the plan's notes)."""
+    fill_bytes = (FILL_TARGET + 0.01) * budget.memory_bytes
+    if budget.device == "cpu":
+        return (Limits(budget.memory_limit_bytes, budget.cpu_seconds_per_iteration, budget.cpu_flops_per_second,
+                       fill_bytes), f"CPU throughput {budget.cpu_flops_per_second / 1e9:.1f} GFLOP/s")
+    spec, matched = gpu_spec(budget.gpu_name, budget.gpu_memory_bytes)
+    source = f"{spec.name}'s tabulated throughput" + ("" if matched else " (a typical GPU of this memory)")
+    return Limits(budget.memory_limit_bytes, None, cuda_flops_per_second(spec, precision), fill_bytes), source
+
+
+def _search(space: SearchSpace, setting: Setting, limits: Limits, peak_fn: PeakFn, device: str
+            ) -> tuple[Candidate | None, bool]:
+    """``search`` under one setting; returns (candidate, limited by time). On CPU the time limit is searched
+    first and the bytes checked at the end (searched with bytes too only if they do not fit)."""
+    if device == "cuda":
+        return search(space, setting, StepCost(peak_fn, setting, limits)), False
+    found = search(space, setting, StepCost(peak_fn, setting, limits, use_memory=False))
+    if found is None:
+        return None, True
+    cost = StepCost(peak_fn, setting, limits)
+    peak = cost.peak(found.topology, found.batch, found.patch)
+    if peak <= limits.memory_bytes:
+        return replace(found, peak_bytes=peak), True
+    return search(space, setting, cost), False
+
+
+def configuration(name: str, spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
+                  space: SearchSpace, budget: Budget, peak_fn: PeakFn | None = None) -> ConfigurationPlan:
+    """Plan one configuration over ``space`` (its network's axes)."""
+    model_backed = peak_fn is None
+    peak_fn = peak_fn or model_peak_fn(budget.device)
+    dim = len(space.median_shape)
+    minimum = min(MIN_PATCH_VOXELS[budget.device][dim], math.prod(space.median_shape))
+    settings = _settings(budget, dim)
+    limits, source = _limits(budget, settings[0].precision)
+    attempts: list[tuple[Setting, Candidate | None, bool]] = []
+    for setting in settings:
+        found, by_time = _search(space, setting, limits, peak_fn, budget.device)
+        attempts.append((setting, found, by_time))
+        if found is not None and (found.coverage >= 1.0 or math.prod(found.patch) >= minimum):
+            break
+    tried = [a for a in attempts if a[1] is not None]
+    if tried:
+        large = [t for t in tried if t[1].coverage >= 1.0 or math.prod(t[1].patch) >= minimum]
+        setting, chosen, by_time = large[0] if large else max(tried, key=lambda t: t[1].coverage)
+        notes = _setting_notes(attempts[: [a[0] for a in attempts].index(setting) + 1], minimum)
+        limited_by = _limited_by(chosen, by_time)
+    else:
+        setting = settings[-1]
+        chosen, limited_by = _smallest(space, setting, StepCost(peak_fn, setting, limits)), "nothing_fits"
+        notes = (f"even the smallest patch {chosen.patch} at batch 1 is predicted to need "
+                 f"{chosen.peak_bytes / 2**20:.0f} MiB (or more time than allowed), over the "
+                 f"{limits.memory_bytes / 2**20:.0f} MiB this budget allows; give more memory with --gpu-memory",)
+    memory = _memory_terms(chosen, setting, budget.device) if model_backed else \
+        {"predicted_peak_bytes": float(chosen.peak_bytes)}
+    notes += _limit_notes(chosen, limited_by, budget, limits, source)
     return ConfigurationPlan(
-        name=name, spacing_mm=spacing_mm, median_shape_zyx=tuple(median_shape_zyx), patch_size=patch,
-        batch_size=batch, accumulation_steps=accumulation, network=topo, device=budget.device,
-        memory={"predicted_peak_bytes": float(peak)}, predicted_seconds_per_iteration=seconds, notes=notes,
+        name=name, spacing_mm=spacing_mm, median_shape_zyx=tuple(median_shape_zyx), patch_size=chosen.patch,
+        batch_size=chosen.batch, accumulation_steps=chosen.accumulation_steps, network=chosen.topology,
+        precision=setting.precision, checkpointing=setting.checkpointing, device=budget.device, memory=memory,
+        predicted_seconds_per_iteration=chosen.flops / limits.flops_per_second,
+        flops_per_iteration=chosen.flops, limited_by=limited_by, notes=notes,
     )
+
+
+def _setting_notes(attempts: list[tuple[Setting, Candidate | None, bool]], minimum: int) -> tuple[str, ...]:
+    """Why the last setting of ``attempts`` was needed: what each earlier one left."""
+    chosen = attempts[-1][0]
+    uses = [what for what, used in (
+        ("activation checkpointing (about 1/3 more compute)", chosen.checkpointing),
+        ("micro-batch 1 with 2 accumulation steps (effective batch 2)", chosen.single),
+        (f"base width {chosen.base_features} instead of {attempts[0][0].base_features}",
+         chosen.base_features != attempts[0][0].base_features)) if used]
+    if not uses:
+        return ()
+    left = [f"nothing fits with {_describe(s)}" if c is None else
+            f"with {_describe(s)} the largest patch that fits is {c.patch} at batch {c.batch} "
+            f"({math.prod(c.patch)} voxels)" for s, c, _ in attempts[:-1]]
+    return (f"{' and '.join(uses)}: {'; '.join(left)}, fewer than the minimum {minimum} voxels",)
+
+
+def _describe(setting: Setting) -> str:
+    return (f"{setting.precision}, base width {setting.base_features}, checkpointing "
+            f"{'on' if setting.checkpointing else 'off'}, micro-batch {'1' if setting.single else '>= 2'}")
+
+
+def _limited_by(chosen: Candidate, by_time: bool) -> str:
+    """What stopped the plan from growing: "median_shape" / "batch_cap" (the patch covers the median image,
+    the batch is limited by memory / by the 5% rule), "time" (CPU), or "memory"."""
+    if chosen.coverage >= 1.0:
+        return "batch_cap" if chosen.batch >= chosen.max_batch and chosen.accumulation_steps == 1 else "median_shape"
+    return "time" if by_time else "memory"
+
+
+def _limit_notes(chosen: Candidate, limited_by: str, budget: Budget, limits: Limits, source: str) -> tuple[str, ...]:
+    seconds = chosen.flops / limits.flops_per_second
+    notes = [f"predicted {seconds:.2f} s per iteration from {source}"]
+    if limited_by == "median_shape":
+        what = "memory" if budget.device == "cuda" else "the time target"
+        notes.append(f"the patch covers the whole median image; the batch is as large as {what} allows, so the "
+                     f"predicted peak may stay under {FILL_TARGET:.0%} of the budget (exempt)")
+    elif limited_by == "batch_cap":
+        notes.append(f"the patch covers the whole median image and the batch is capped at {chosen.batch} (one "
+                     "batch covers at most 5% of the dataset's voxels); the rest of the budget is not needed (exempt)")
+    elif limited_by == "time":
+        notes.append(f"sized for time on CPU: target {limits.seconds} s per iteration; memory is not the limit")
+    return tuple(notes)
+
+
+def _smallest(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate:
+    topology, patch = canonical(space, setting, tuple(min(m, 2 * MIN_FEATURE_MAP) for m in space.median_shape))
+    return Candidate(topology=topology, patch=patch, batch=1, accumulation_steps=2,
+                     peak_bytes=cost.peak(topology, 1, patch), flops=cost.flops(topology, 1, patch),
+                     coverage=space.coverage(patch), max_batch=space.max_batch(patch))
+
+
+def _memory_terms(chosen: Candidate, setting: Setting, device: str) -> dict[str, float]:
+    """The predicted peak and its terms in bytes: the device's (``predict_device_peak``) and the tensors'
+    (``TrainingMemory.breakdown``)."""
+    model = training_memory_model(chosen.topology, setting.precision, setting.checkpointing, "sgd",
+                                  chosen.accumulation_steps)
+    step = model.predict(chosen.batch, chosen.patch)
+    device_terms = predict_device_peak(step, device)
+    terms = {"predicted_peak_bytes": float(device_terms.pop("total"))}
+    terms.update({k: float(v) for k, v in device_terms.items()})
+    terms.update({k: float(v) for k, v in step.breakdown().items() if k != "total"})
+    return terms
+
+
+def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget: Budget
+                 ) -> tuple[int, int, dict[str, float]]:
+    """(preprocessing processes, loader workers, their byte figures) from the host RAM budget.
+
+    Processes: HOST_RAM_FRACTION of the RAM over one worker's peak on the largest case (the finest
+    configuration's resampled shape), between 1 and the CPU count. Loader workers (CUDA only): the same
+    fraction minus the training process (TRAINER_HOST_BYTES) over one worker's bytes at the largest
+    planned batch, between 0 and CPU count - 1 (one core feeds the GPU)."""
+    from autoseg.loader import LoaderConfig
+
+    cpus = budget.cpu_count or cpu_count()
+    usable = budget.host_ram_bytes * HOST_RAM_FRACTION
+    largest = max(fp.cases, key=lambda c: math.prod(c.shape_zyx))
+    channels = len(fp.channel_names)
+    per_process = 0
+    for cfg in configs.values():
+        target = (largest.spacing_mm[0], *cfg.spacing_mm[1:]) if cfg.dim == 2 else cfg.spacing_mm
+        after = tuple(max(1, round(s * sp / t)) for s, sp, t in zip(largest.cropped_shape_zyx, largest.spacing_mm,
+                                                                      target))
+        per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
+    processes = max(1, min(cpus, int(usable // per_process)))
+    per_worker = 0
+    for cfg in configs.values():
+        enlarged = LoaderConfig(patch_size=tuple(cfg.patch_size), batch_size=cfg.batch_size).enlarged_patch_size
+        per_worker = max(per_worker, loader_worker_bytes(enlarged, cfg.patch_size, cfg.batch_size, channels,
+                                                         LOADER_QUEUE_DEPTH)["total"])
+    workers = 0 if budget.device == "cpu" else max(0, min(cpus - 1, int((usable - TRAINER_HOST_BYTES) // per_worker)))
+    host = {"preprocess_worker_bytes": float(per_process), "loader_worker_bytes": float(per_worker),
+            "usable_host_ram_bytes": float(usable), "cpu_count": float(cpus)}
+    return processes, workers, host

@@ -65,6 +65,11 @@ class ConfigurationPlan:
     device: str = "cpu"  # the device this configuration was planned for: "cpu" | "cuda"
     memory: dict[str, float] = field(default_factory=dict)  # predicted bytes by term
     predicted_seconds_per_iteration: float | None = None
+    flops_per_iteration: float | None = None  # one optimizer step: all micro-batches, recomputation included
+    # what stopped the plan from growing: "memory", "time" (CPU), "median_shape" (the patch covers the
+    # median image, the batch is limited by memory), "batch_cap" (... by the 5%-of-the-dataset rule),
+    # "nothing_fits"; "" for plans written by hand
+    limited_by: str = ""
     notes: tuple[str, ...] = ()
 
     @property
@@ -92,6 +97,7 @@ class Plans(Artifact):
     host_ram_bytes: int
     preprocessing_processes: int = 1
     loader_workers: int = 0
+    host_memory: dict[str, float] = field(default_factory=dict)  # the byte figures behind the two counts
 
     @property
     def num_classes(self) -> int:

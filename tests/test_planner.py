@@ -7,16 +7,20 @@ import numpy as np
 import pytest
 
 from autoseg.fingerprint import CaseFingerprint, Fingerprint
+from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
 from autoseg.planner import (
+    FILL_TARGET,
     MAX_STAGES,
+    MIN_PATCH_VOXELS,
     Budget,
     GiB,
+    lowres_spacing,
     plan,
     rough_training_peak_bytes,
     target_spacing,
     topology_for,
 )
-from autoseg.plans import IntensityProperties, Plans
+from autoseg.plans import ConfigurationPlan, IntensityProperties, Plans
 
 # --- target_spacing ---------------------------------------------------------------------------------
 
@@ -136,49 +140,113 @@ def _fingerprint_2d() -> Fingerprint:
                        (props, props), 0.9)
 
 
+def _rough_plan(gib: float, fp: Fingerprint | None = None, **budget) -> Plans:
+    """A plan with the first-order memory estimate instead of simulations (milliseconds, same search)."""
+    budget.setdefault("cpu_count", 8)
+    return plan(fp or _fingerprint_3d(), Budget(gpu_memory_bytes=int(gib * GiB), **budget),
+                peak_fn=rough_training_peak_bytes)
+
+
+def _fill_exempt(cfg: ConfigurationPlan) -> bool:
+    """The 85% rule does not apply: the patch covers the median image (then the batch is what is left)."""
+    return cfg.limited_by in ("median_shape", "batch_cap")
+
+
+def _check_fill(cfg: ConfigurationPlan, budget_bytes: float) -> None:
+    peak = cfg.memory["predicted_peak_bytes"]
+    assert peak <= budget_bytes * (1 - Budget().safety_margin), (cfg.name, peak / GiB)
+    if _fill_exempt(cfg):
+        median = cfg.median_shape_zyx[-cfg.dim:]
+        assert all(p >= m for p, m in zip(cfg.patch_size, median)), (cfg.name, cfg.patch_size, median)
+        assert any("exempt" in n for n in cfg.notes)
+    else:
+        assert cfg.limited_by == "memory"
+        assert peak >= FILL_TARGET * budget_bytes, (cfg.name, cfg.patch_size, cfg.batch_size, peak / budget_bytes)
+
+
 @pytest.fixture(scope="module")
-def plans_by_budget() -> dict[int, Plans]:
+def rough_plans() -> dict[int, Plans]:
     fp = _fingerprint_3d()
-    return {gib: plan(fp, Budget(gpu_memory_bytes=gib * GiB, device="cuda")) for gib in (2, 8, 24)}
+    return {gib: _rough_plan(gib, fp) for gib in (2, 4, 8, 16, 24, 40, 80)}
 
 
-def test_3d_dataset_gets_3d_fullres_and_2d(plans_by_budget: dict[int, Plans]) -> None:
-    for plans in plans_by_budget.values():
-        assert set(plans.configurations) == {"3d_fullres", "2d"}
+def test_3d_dataset_gets_3d_fullres_and_2d(rough_plans: dict[int, Plans]) -> None:
+    for plans in rough_plans.values():
+        assert {"3d_fullres", "2d"} <= set(plans.configurations) <= {"3d_fullres", "3d_lowres", "2d"}
         full, flat = plans.configuration("3d_fullres"), plans.configuration("2d")
         assert full.dim == 3 and len(full.patch_size) == 3
         assert flat.dim == 2 and len(flat.patch_size) == 2
         assert full.spacing_mm[1:] == flat.spacing_mm[1:] == pytest.approx((0.8, 0.8))
         assert full.network.in_channels == 1 and full.network.num_classes == 3
-        assert full.device == "cuda"
+        assert full.device == "cuda" and full.precision == "fp16"  # AMP, as nnU-Net
 
 
-def test_plan_patches_fit_network_and_budget(plans_by_budget: dict[int, Plans]) -> None:
-    for gib, plans in plans_by_budget.items():
-        limit = gib * GiB * (1 - Budget().safety_margin)
+def test_every_budget_is_filled_or_exempt(rough_plans: dict[int, Plans]) -> None:
+    for gib, plans in rough_plans.items():
         for cfg in plans.configurations.values():
             div = cfg.network.patch_divisor()
             assert all(p % d == 0 for p, d in zip(cfg.patch_size, div)), (gib, cfg.name, cfg.patch_size, div)
-            peak = cfg.memory["predicted_peak_bytes"]
-            assert 0 < peak <= limit, (gib, cfg.name, peak / GiB)
-            # the recorded peak is the one of the planned topology, batch and patch
-            assert peak == rough_training_peak_bytes(cfg.network, cfg.batch_size, cfg.patch_size)
-            assert cfg.batch_size >= 2 or cfg.batch_size * cfg.accumulation_steps >= 2
+            _check_fill(cfg, gib * GiB)
+            # the recorded peak is the one of the planned topology, batch, patch and settings
+            assert cfg.memory["predicted_peak_bytes"] == rough_training_peak_bytes(
+                cfg.network, cfg.batch_size, cfg.patch_size, cfg.precision, cfg.checkpointing, cfg.accumulation_steps)
 
 
-def test_larger_budget_never_gives_less_voxels_per_step(plans_by_budget: dict[int, Plans]) -> None:
+def test_effective_batch_is_at_least_two(rough_plans: dict[int, Plans]) -> None:
+    for plans in [*rough_plans.values(), _rough_plan(1)]:
+        for cfg in plans.configurations.values():
+            assert cfg.batch_size * cfg.accumulation_steps >= 2
+            assert cfg.accumulation_steps == (2 if cfg.batch_size == 1 else 1)
+
+
+def test_small_budget_checkpoints_then_accumulates() -> None:
+    # the rough estimate has no CUDA context, so 1-2 GiB here is as tight as 2-4 GiB with the model
+    ckpt = _rough_plan(2).configuration("3d_fullres")
+    assert ckpt.checkpointing and ckpt.batch_size == 2 and math.prod(ckpt.patch_size) >= 96**3
+    assert any(n.startswith("activation checkpointing") and "fewer than the minimum 884736" in n for n in ckpt.notes)
+    single = _rough_plan(1).configuration("3d_fullres")
+    assert single.checkpointing and single.batch_size == 1 and single.accumulation_steps == 2
+    assert any("micro-batch 1 with 2 accumulation steps" in n for n in single.notes)
+    assert math.prod(single.patch_size) > 1.5 * 48 * 112 * 96  # larger than the patch batch 2 left
+
+
+def test_larger_budget_never_gives_less_voxels_per_step(rough_plans: dict[int, Plans]) -> None:
     for name in ("3d_fullres", "2d"):
         voxels = [math.prod(p.configuration(name).patch_size) * p.configuration(name).batch_size
-                  for _, p in sorted(plans_by_budget.items())]
+                  for _, p in sorted(rough_plans.items())]
         assert voxels == sorted(voxels), (name, voxels)
-        assert voxels[0] < voxels[-1]  # 2 GiB really constrains this dataset
-    small = plans_by_budget[2].configuration("3d_fullres").patch_size
-    median = plans_by_budget[2].configuration("3d_fullres").median_shape_zyx
-    assert math.prod(small) < math.prod(median)
+        assert voxels[0] < voxels[-1]
+    full_80 = rough_plans[80].configuration("3d_fullres")
+    assert full_80.limited_by == "batch_cap"  # covers the median image; 5% of 20 cases is batch 2
+    assert full_80.memory["predicted_peak_bytes"] < FILL_TARGET * 80 * GiB
 
 
-def test_plan_normalization_and_json_round_trip(plans_by_budget: dict[int, Plans], tmp_path: Path) -> None:
-    plans = plans_by_budget[8]
+def test_lowres_only_when_fullres_covers_under_a_quarter(rough_plans: dict[int, Plans]) -> None:
+    for gib, plans in rough_plans.items():
+        full = plans.configuration("3d_fullres")
+        coverage = math.prod(min(p / m, 1) for p, m in zip(full.patch_size, full.median_shape_zyx))
+        assert ("3d_lowres" in plans.configurations) == (coverage < 0.25), (gib, coverage)
+        if "3d_lowres" in plans.configurations:
+            low = plans.configuration("3d_lowres")
+            assert all(a >= b for a, b in zip(low.spacing_mm, full.spacing_mm)) and low.spacing_mm != full.spacing_mm
+            low_cov = math.prod(min(p / m, 1) for p, m in zip(low.patch_size, low.median_shape_zyx))
+            assert low_cov > 2 * coverage
+            assert any("cascade" in n for n in low.notes)
+
+
+def test_lowres_spacing_grows_fine_axes_first() -> None:
+    # thick slices: z (3 mm) stays while y and x (0.8 mm) grow by 3% steps (up to half of z's spacing)
+    z, y, x = lowres_spacing((3.0, 0.8, 0.8), (100, 400, 400), patch_voxels=3e6)
+    assert z == 3.0 and y == x and y < 1.5
+    assert 3e6 / (100 * 400 * 400 * 0.64 / (y * x)) >= 0.5  # a 3 M voxel patch covers half
+    assert 3e6 / (100 * 400 * 400 * 0.64 / (y / 1.03 * x / 1.03)) < 0.5  # one step fewer would not
+    z, y, x = lowres_spacing((3.0, 0.8, 0.8), (100, 400, 400), patch_voxels=1e6)
+    assert z > 3.0 and y == x >= z / 2 * 0.99  # then all axes grow
+    assert lowres_spacing((1.0, 1.0, 1.0), (100, 100, 100), patch_voxels=1e6) == (1.0, 1.0, 1.0)
+
+
+def test_plan_normalization_and_json_round_trip(rough_plans: dict[int, Plans], tmp_path: Path) -> None:
+    plans = rough_plans[8]
     assert plans.normalization == ("ct",)
     assert plans.use_nonzero_mask == (False,)  # only z-score channels use the mask
     assert plans.intensity_properties[0].percentile_99_5 == 250.0
@@ -188,13 +256,12 @@ def test_plan_normalization_and_json_round_trip(plans_by_budget: dict[int, Plans
 
 
 def test_zscore_channel_uses_nonzero_mask_when_cropping_removes_much() -> None:
-    fp = _fingerprint_3d(channel="T2")
-    plans = plan(fp, Budget())
+    plans = _rough_plan(8, _fingerprint_3d(channel="T2"))
     assert plans.normalization == ("zscore",) and plans.use_nonzero_mask == (True,)  # median crop 0.7 < 0.75
 
 
 def test_2d_data_gets_only_a_2d_configuration() -> None:
-    plans = plan(_fingerprint_2d(), Budget(gpu_memory_bytes=8 * GiB))
+    plans = _rough_plan(8, _fingerprint_2d())
     assert list(plans.configurations) == ["2d"]
     cfg = plans.configuration("2d")
     assert cfg.dim == 2 and len(cfg.patch_size) == 2
@@ -203,5 +270,146 @@ def test_2d_data_gets_only_a_2d_configuration() -> None:
     assert all(p % d == 0 for p, d in zip(cfg.patch_size, cfg.network.patch_divisor()))
     assert plans.normalization == ("zscore", "ct")
     assert cfg.network.in_channels == 2 and cfg.network.num_classes == 2
+    assert cfg.limited_by == "batch_cap" and cfg.batch_size == 2  # 10 small images: 5% of them is one patch
     with pytest.raises(KeyError, match="3d_fullres"):
         plans.configuration("3d_fullres")
+
+
+# --- compute: FLOPs and seconds ---------------------------------------------------------------------
+
+
+def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
+    flops = 10e9
+    for target in (0.5, 2.0):
+        plans = _rough_plan(8, device="cpu", cpu_flops_per_second=flops, cpu_seconds_per_iteration=target)
+        for cfg in plans.configurations.values():
+            assert cfg.device == "cpu" and cfg.precision == "fp32" and not cfg.checkpointing
+            assert cfg.predicted_seconds_per_iteration == pytest.approx(cfg.flops_per_iteration / flops)
+            assert cfg.predicted_seconds_per_iteration <= target
+            assert cfg.network.features_per_stage[0] in (16, 8)
+        full = plans.configuration("3d_fullres")
+        assert full.limited_by == "time" and full.predicted_seconds_per_iteration > 0.5 * target
+        assert plans.loader_workers == 0  # workers would take the cores the CPU training step uses
+
+
+def test_cpu_width_drops_to_8_only_when_16_leaves_too_small_a_patch() -> None:
+    roomy = _rough_plan(8, device="cpu", cpu_flops_per_second=20e9, cpu_seconds_per_iteration=2.0)
+    assert roomy.configuration("3d_fullres").network.features_per_stage[0] == 16
+    tight = _rough_plan(8, device="cpu", cpu_flops_per_second=1e9, cpu_seconds_per_iteration=0.5)
+    cfg = tight.configuration("3d_fullres")
+    assert cfg.network.features_per_stage[0] == 8
+    assert any("base width 8 instead of 16" in n for n in cfg.notes)
+
+
+def test_cuda_seconds_come_from_the_tabulated_device() -> None:
+    a100 = _rough_plan(40, gpu_name="NVIDIA A100-SXM4-40GB").configuration("3d_fullres")
+    t4 = _rough_plan(40, gpu_name="Tesla T4").configuration("3d_fullres")
+    assert a100.flops_per_iteration == t4.flops_per_iteration  # same plan: the name only changes the seconds
+    assert a100.predicted_seconds_per_iteration * 312 == pytest.approx(t4.predicted_seconds_per_iteration * 65)
+    assert any("A100" in n for n in a100.notes)
+
+
+def test_checkpointing_adds_a_third_of_the_flops() -> None:
+    from autoseg.compute import conv_flops
+
+    for cfg in (_rough_plan(1).configuration("3d_fullres"), _rough_plan(8).configuration("3d_fullres")):
+        step = conv_flops(cfg.network, cfg.patch_size, cfg.batch_size) * cfg.accumulation_steps
+        assert cfg.flops_per_iteration == pytest.approx(step * (4 / 3 if cfg.checkpointing else 1))
+    assert _rough_plan(1).configuration("3d_fullres").checkpointing
+
+
+# --- host RAM: processes and workers ----------------------------------------------------------------
+
+
+def test_small_ram_gives_one_process_and_no_workers() -> None:
+    plans = _rough_plan(8, host_ram_bytes=1 * GiB)
+    assert plans.preprocessing_processes == 1 and plans.loader_workers == 0
+    assert plans.host_memory["preprocess_worker_bytes"] > 0.8 * GiB / 2
+
+
+def test_processes_and_workers_follow_ram_and_cpu_count() -> None:
+    plans = _rough_plan(8, host_ram_bytes=8 * GiB, cpu_count=64)
+    host = plans.host_memory
+    usable = 8 * GiB * 0.8
+    assert host["usable_host_ram_bytes"] == usable and host["cpu_count"] == 64
+    assert plans.preprocessing_processes == int(usable // host["preprocess_worker_bytes"])
+    assert plans.loader_workers == int((usable - 2 * GiB) // host["loader_worker_bytes"])
+    assert 1 < plans.preprocessing_processes < 64 and 0 < plans.loader_workers < 63
+    capped = _rough_plan(8, host_ram_bytes=512 * GiB, cpu_count=4)
+    assert capped.preprocessing_processes == 4 and capped.loader_workers == 3  # one core feeds the GPU
+
+
+# --- Budget -------------------------------------------------------------------------------------------
+
+
+def test_budget_errors_name_what_to_change() -> None:
+    with pytest.raises(ValueError, match="use 'cuda' or 'cpu'"):
+        Budget(device="tpu")
+    with pytest.raises(ValueError, match="leave Budget.precision unset"):
+        Budget(device="cpu", precision="bf16")
+    with pytest.raises(ValueError, match=r"safety_margin .* must be in \[0, 0.5\)"):
+        Budget(safety_margin=0.6)
+    assert Budget(device="cpu", host_ram_bytes=4 * GiB).memory_bytes == 4 * GiB
+
+
+# --- with the simulated memory model ------------------------------------------------------------------
+
+
+def _check_model_memory(cfg: ConfigurationPlan) -> None:
+    """The recorded peak and terms are the memory model's for the planned step."""
+    peak = predicted_training_bytes(cfg.network, cfg.batch_size, cfg.patch_size, cfg.precision, cfg.checkpointing,
+                                    device=cfg.device, accumulation_steps=cfg.accumulation_steps)
+    mem = cfg.memory
+    assert mem["predicted_peak_bytes"] == peak
+    step = training_memory_model(cfg.network, cfg.precision, cfg.checkpointing, "sgd",
+                                 cfg.accumulation_steps).predict(cfg.batch_size, cfg.patch_size)
+    device_terms = {k: v for k, v in predict_device_peak(step, cfg.device).items() if k != "total"}
+    assert sum(mem[k] for k in device_terms) == peak
+    tensor_terms = ("parameters", "gradients", "optimizer_state", "batch", "activations")
+    assert sum(mem[k] for k in tensor_terms) == mem["tensors"] == step.peak_bytes
+
+
+def test_model_backed_configuration_records_the_models_terms() -> None:
+    """A tiny 3D space (a 3-stage network: three quick simulations)."""
+    from autoseg.planner import SearchSpace, configuration
+
+    space = SearchSpace((1.0, 1.0, 1.0), (16, 24, 24), 1, 2, dataset_voxels=40 * 16 * 24 * 24)
+    cfg = configuration("3d_fullres", (1.0, 1.0, 1.0), (16, 24, 24), space,
+                        Budget(gpu_memory_bytes=2 * GiB, cpu_count=2))
+    assert cfg.patch_size == (16, 24, 24) and cfg.network.num_stages == 3
+    assert cfg.limited_by == "batch_cap" and cfg.batch_size == 2  # 5% of 40 cases is 2 of them
+    _check_model_memory(cfg)
+    assert cfg.memory["cuda_context"] == 512 * 2**20
+
+
+@pytest.mark.slow
+def test_model_backed_plan_of_a_small_dataset() -> None:
+    """Hippocampus-sized images: the patch covers them at every budget, the batch fills the rest."""
+    cases = tuple(CaseFingerprint(f"c{i}", (1.0, 1.0, 1.0), (36, 50, 35), (36, 50, 35), (900, 50, 50))
+                  for i in range(40))
+    props = IntensityProperties(0.0, 1.0, -1.0, 1.0)
+    fp = Fingerprint("Dataset004_Small", ("MRI",), {"background": 0, "a": 1, "b": 2}, ".nii.gz", 3, cases,
+                     (props,), 1.0)
+    plans = plan(fp, Budget(gpu_memory_bytes=4 * GiB, cpu_count=4))
+    full = plans.configuration("3d_fullres")
+    assert full.patch_size == (40, 56, 40) and full.limited_by in ("median_shape", "batch_cap")
+    _check_model_memory(full)
+    _check_fill(full, 4 * GiB)
+
+
+@pytest.mark.slow
+def test_model_backed_plans_fill_every_budget() -> None:
+    """The CT-like dataset at 2-80 GiB with the simulated memory model (about a minute: ~12 networks)."""
+    fp = _fingerprint_3d()
+    voxels = []
+    for gib in (2, 4, 8, 16, 24, 40, 80):
+        plans = plan(fp, Budget(gpu_memory_bytes=gib * GiB, cpu_count=8))
+        for cfg in plans.configurations.values():
+            _check_model_memory(cfg)
+            _check_fill(cfg, gib * GiB)
+            assert cfg.batch_size * cfg.accumulation_steps >= 2
+        full = plans.configuration("3d_fullres")
+        voxels.append(math.prod(full.patch_size) * full.batch_size)
+        if math.prod(full.patch_size) < min(MIN_PATCH_VOXELS["cuda"][3], math.prod(full.median_shape_zyx)):
+            assert full.checkpointing and full.batch_size == 1
+    assert voxels == sorted(voxels)
