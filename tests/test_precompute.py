@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from batchgenerators.transforms.spatial_transforms import MirrorTransform, SpatialTransform
+from factories import tiny_plans
 from scipy import ndimage
 
 from autoseg.augment import build_train_transforms
 from autoseg.dataset import load_dataset
 from autoseg.loader import BatchLoader, LoaderConfig, PatchSampler
-from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
 from autoseg.precompute import (
     PrecomputeConfig,
     SpatialParams,
@@ -27,21 +27,6 @@ from autoseg.precompute import (
     rotation_matrix,
 )
 from autoseg.preprocess import CaseProperties, is_complete, preprocess
-
-GiB = 1024**3
-
-
-def tiny_plans(spacing_mm: tuple[float, ...] = (2.75, 0.9, 0.9)) -> Plans:
-    """A hand-written plan (no planner run): one 3D configuration, z-score inside the body."""
-    topology = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(8, 16),
-                               kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
-    config = ConfigurationPlan(name="3d_fullres", spacing_mm=spacing_mm, median_shape_zyx=(12, 28, 28),
-                               patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology)
-    labels = {"background": 0, "organ": 1, "lesion": 2}
-    return Plans(dataset_name="Tiny", channel_names=("MRI",), labels=labels, file_ending=".nii.gz",
-                 normalization=("zscore",), use_nonzero_mask=(True,),
-                 intensity_properties=(IntensityProperties(100.0, 20.0, 50.0, 200.0),),
-                 configurations={"3d_fullres": config}, gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB)
 
 
 def random_case(shape_zyx: tuple[int, ...] = (9, 11, 11), seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import GiB, tiny_plans
 from killing_runner import VICTIM, die_on_victim
 
 from autoseg.artifacts import read_json
@@ -23,7 +24,6 @@ from autoseg.demo_data import make_demo_dataset
 from autoseg.fingerprint import fingerprint
 from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.pipeline import preprocessing_processes_for
-from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
 from autoseg.preprocess import (
     case_peak_bytes,
     is_complete,
@@ -34,22 +34,6 @@ from autoseg.resampling import compute_new_shape
 from autoseg.resources import cpu_count
 from autoseg.workers import WorkerDiedError
 from autoseg.workspace import Workspace, WorkspaceInfo
-
-GiB = 1024**3
-
-
-def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2.75, 0.9, 0.9)) -> Plans:
-    """A hand-written plan (no planner run): one 3D configuration, z-score inside the body."""
-    topology = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(8, 16),
-                               kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
-    config = ConfigurationPlan(name="3d_fullres", spacing_mm=spacing_mm, median_shape_zyx=(12, 28, 28),
-                               patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology)
-    labels = {"background": 0, "organ": 1, "lesion": 2}
-    return Plans(dataset_name="Tiny", channel_names=("MRI",), labels=labels, file_ending=".nii.gz",
-                 normalization=("zscore",), use_nonzero_mask=(True,),
-                 intensity_properties=(IntensityProperties(100.0, 20.0, 50.0, 200.0),),
-                 configurations={"3d_fullres": config}, gpu_memory_bytes=8 * GiB,
-                 host_ram_bytes=host_ram_bytes)
 
 
 @pytest.fixture()
