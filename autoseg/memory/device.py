@@ -1,7 +1,7 @@
 """From live tensor bytes to what a device shows: a small model of the runtime's own costs.
 
 The simulation counts tensor bytes exactly. A CUDA device holds more; the terms below are a starting
-model (see docs and /work/shared/notes/memory-simulation.md), to be calibrated on a real GPU:
+model (see docs and shared/notes/memory-simulation.md), to be calibrated on a real GPU:
 
 - ``allocator_rounding``: the caching allocator rounds every allocation up to 512 bytes; on average half a
   block per live allocation (about 0.001% of a U-Net's peak).
