@@ -11,6 +11,7 @@ from autoseg.artifacts import Artifact
 from autoseg.cropping import crop_to_nonzero
 from autoseg.dataset import RawDataset, load_case
 from autoseg.plans import IntensityProperties
+from autoseg.workers import run_in_processes
 
 # Foreground voxels sampled per case and channel for the intensity statistics (as nnU-Net: 10,000).
 SAMPLES_PER_CASE = 10_000
@@ -48,43 +49,60 @@ class Fingerprint(Artifact):
         return np.array([c.cropped_shape_zyx for c in self.cases], dtype=np.int64)
 
 
-def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True) -> Fingerprint:
-    """Read every training case once and summarise it. Holds one case in memory at a time."""
-    rng = np.random.default_rng(seed)
-    samples: list[list[np.ndarray]] = [[] for _ in dataset.channel_names]
-    cases = []
-    image_dim = 3
-    num_classes = dataset.num_classes
-    for case in tqdm(dataset.cases, desc="fingerprint", unit="case", disable=not progress):
-        data, seg, geometry = load_case(case)  # (C, Z, Y, X) float32, (1, Z, Y, X) int16
-        image_dim = geometry.ndim
-        cropped = crop_to_nonzero(data, seg)
-        fg = cropped.seg[0] > 0
-        for c in range(data.shape[0]):
-            values = cropped.data[c][fg]
-            if values.size:
-                take = min(SAMPLES_PER_CASE, values.size)
-                samples[c].append(rng.choice(values, take, replace=False))
-        counts = np.bincount(np.clip(cropped.seg.ravel(), 0, None), minlength=num_classes)[:num_classes]
-        cases.append(CaseFingerprint(
-            case_id=case.case_id,
-            spacing_mm=geometry.spacing_zyx,
-            shape_zyx=tuple(int(v) for v in data.shape[1:]),
-            cropped_shape_zyx=tuple(int(v) for v in cropped.data.shape[1:]),
-            class_voxels=tuple(int(v) for v in counts),
-        ))
-    intensity = tuple(_intensity_properties(s) for s in samples)
+def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, processes: int = 1) -> Fingerprint:
+    """Read every training case once and summarise it, in ``processes`` worker processes (each holds one
+    case at a time). The result does not depend on ``processes``: each case samples its intensities from
+    its own generator, seeded by (seed, case index)."""
+    tasks = [(case, dataset.num_classes, seed, index) for index, case in enumerate(dataset.cases)]
+    with tqdm(total=len(tasks), desc="fingerprint", unit="case", disable=not progress) as bar:
+        if processes <= 1:
+            results = []
+            for task in tasks:
+                results.append(_summarise_case(task))
+                bar.update()
+        else:
+            results = run_in_processes(
+                _summarise_case, tasks, [c.case_id for c in dataset.cases], processes,
+                on_result=lambda _: bar.update(),
+                describe_death=lambda in_flight: (f"a fingerprint worker died (killed by the OS for lack of memory?) "
+                                                  f"while reading {sorted(in_flight)}; rerun with fewer --processes"))
+    results.sort(key=lambda r: r[0])  # completion order -> case order
+    cases = tuple(r[1] for r in results)
+    samples = [[r[2][c] for r in results if r[2][c].size] for c in range(dataset.num_channels)]
     rel = [np.prod(c.cropped_shape_zyx) / np.prod(c.shape_zyx) for c in cases]
     return Fingerprint(
         dataset_name=dataset.name,
         channel_names=dataset.channel_names,
         labels=dict(dataset.labels),
         file_ending=dataset.file_ending,
-        image_dim=image_dim,
-        cases=tuple(cases),
-        foreground_intensity=intensity,
+        image_dim=results[0][3] if results else 3,
+        cases=cases,
+        foreground_intensity=tuple(_intensity_properties(s) for s in samples),
         median_relative_crop_volume=float(np.median(rel)),
     )
+
+
+def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint, list[np.ndarray], int]:
+    """(index, fingerprint of the case, up to SAMPLES_PER_CASE foreground intensities per channel, image dim)."""
+    case, num_classes, seed, index = task
+    rng = np.random.default_rng([seed, index])
+    data, seg, geometry = load_case(case)  # (C, Z, Y, X) float32, (1, Z, Y, X) int16
+    cropped = crop_to_nonzero(data, seg)
+    fg = cropped.seg[0] > 0
+    samples = []
+    for c in range(data.shape[0]):
+        values = cropped.data[c][fg]
+        take = min(SAMPLES_PER_CASE, values.size)
+        samples.append(rng.choice(values, take, replace=False) if take else values)
+    counts = np.bincount(np.clip(cropped.seg.ravel(), 0, None), minlength=num_classes)[:num_classes]
+    summary = CaseFingerprint(
+        case_id=case.case_id,
+        spacing_mm=geometry.spacing_zyx,
+        shape_zyx=tuple(int(v) for v in data.shape[1:]),
+        cropped_shape_zyx=tuple(int(v) for v in cropped.data.shape[1:]),
+        class_voxels=tuple(int(v) for v in counts),
+    )
+    return index, summary, samples, geometry.ndim
 
 
 def _intensity_properties(samples: list[np.ndarray]) -> IntensityProperties:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import logging
+import math
 import resource
 import time
 from pathlib import Path
 
-from autoseg.dataset import check_integrity, load_dataset
+from autoseg.dataset import RawDataset, check_integrity, load_dataset
 from autoseg.fingerprint import Fingerprint, fingerprint
+from autoseg.imageio import read_geometry
+from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.planner import Budget, plan
 from autoseg.plans import Plans
 from autoseg.precompute import PrecomputeConfig
@@ -28,7 +31,7 @@ def plan_dataset(dataset_root: str | Path, workspace: Workspace, budget: Budget,
              len(dataset.cases), dataset.num_channels, list(dataset.channel_names), dataset.labels,
              time.perf_counter() - t0)
     workspace.root.mkdir(parents=True, exist_ok=True)
-    fp = fingerprint(dataset, progress=progress)
+    fp = fingerprint(dataset, progress=progress, processes=fingerprint_processes(dataset, budget))
     WorkspaceInfo(dataset_root=str(dataset.root)).to_json(workspace.info_path)
     fp.to_json(workspace.fingerprint_path)
     plans = plan(fp, budget)
@@ -41,6 +44,17 @@ def plan_dataset(dataset_root: str | Path, workspace: Workspace, budget: Budget,
         for note in cfg.notes:
             log.warning("plan %s: %s", name, note)
     return plans
+
+
+def fingerprint_processes(dataset: RawDataset, budget: Budget) -> int:
+    """Processes for the fingerprint: as many as the RAM budget fits (at most the CPUs), each bounded by a
+    preprocessing worker's predicted peak on the largest case (the fingerprint does less: no resampling)."""
+    largest = max((read_geometry(c.label_path).shape_zyx for c in dataset.cases), key=math.prod)
+    peak = preprocess_worker_bytes(largest, largest, dataset.num_channels)["total"]
+    n = processes_for(budget.host_ram_bytes, peak, budget.cpu_count or cpu_count())
+    log.info("fingerprint: %d process(es) (largest case %s needs at most %.0f MiB, RAM budget %.1f GiB)",
+             n, "x".join(map(str, largest)), peak / 2**20, budget.host_ram_bytes / 2**30)
+    return n
 
 
 def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None, processes: int | None = None,

@@ -85,3 +85,10 @@ def test_json_round_trip(fp: Fingerprint, tmp_path: Path) -> None:
     loaded = Fingerprint.from_json(path)
     assert loaded == fp
     np.testing.assert_array_equal(loaded.spacings, fp.spacings)
+
+
+@pytest.mark.slow
+def test_fingerprint_in_processes_equals_one_process(tiny_dataset):
+    """Each case samples from its own seeded generator, so worker processes change nothing."""
+    dataset = load_dataset(tiny_dataset)
+    assert fingerprint(dataset, progress=False, processes=2) == fingerprint(dataset, progress=False, processes=1)
