@@ -41,6 +41,7 @@ from autoseg.precompute import (
     draw_spatial_params,
 )
 from autoseg.resampling import compute_new_shape, out_of_plane_axis, resample_image, resample_segmentation
+from autoseg.resources import proc_field_bytes
 from autoseg.workers import run_in_processes
 
 log = logging.getLogger("autoseg")
@@ -220,13 +221,7 @@ def _reset_peak_rss() -> None:
 
 
 def _peak_rss_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    return proc_field_bytes("/proc/self/status", "VmHWM")
 
 
 def run_case(task: CaseTask) -> CaseResult:

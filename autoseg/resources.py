@@ -26,14 +26,19 @@ def cgroup_memory_limit_bytes() -> int | None:
     return None
 
 
-def meminfo_available_bytes() -> int | None:
+def proc_field_bytes(path: str, key: str) -> int | None:
+    """A "Key:  N kB" line of a /proc file (meminfo, self/status) in bytes; None where there is none."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def meminfo_available_bytes() -> int | None:
+    return proc_field_bytes("/proc/meminfo", "MemAvailable")
 
 
 def available_ram_bytes() -> int:
