@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autoseg.imageio import SUPPORTED_ENDINGS, Geometry, read_geometry, read_image
+from autoseg.imageio import SUPPORTED_ENDINGS, Geometry, read_geometry, read_image, supported_ending
 
 
 class DatasetError(ValueError):
@@ -125,7 +125,7 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         if num_channels != 1:
             raise DatasetError(f"{path}: the model expects {num_channels} channels; pass the folder holding "
                                f"{{case}}_0000 ... {{case}}_{num_channels - 1:04d} instead of one file")
-        ending = next((e for e in SUPPORTED_ENDINGS if path.name.lower().endswith(e)), None)
+        ending = supported_ending(path.name)
         if ending is None:
             raise DatasetError(f"{path}: not a supported image ({', '.join(SUPPORTED_ENDINGS)})")
         case_id = path.name[: -len(ending)]

@@ -62,8 +62,9 @@ def _fmt(values: tuple[float, ...]) -> str:
     return "(" + ", ".join(f"{v:.4g}" for v in values) + ")"
 
 
-def has_supported_ending(path: str | Path) -> bool:
-    return str(path).lower().endswith(SUPPORTED_ENDINGS)
+def supported_ending(path: str | Path) -> str | None:
+    """The file's image ending (".nii.gz", ".nrrd", ...; the longest that matches), or None."""
+    return next((e for e in SUPPORTED_ENDINGS if str(path).lower().endswith(e)), None)
 
 
 def read_geometry(path: str | Path) -> Geometry:
@@ -120,7 +121,7 @@ def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> 
     image.SetSpacing(geometry.spacing_xyz)
     image.SetOrigin(geometry.origin_xyz)
     image.SetDirection(geometry.direction)
-    suffix = next((e for e in SUPPORTED_ENDINGS if str(path).lower().endswith(e)), "")
+    suffix = supported_ending(path) or ""
     with atomic_path(path, suffix=suffix) as tmp:
         sitk.WriteImage(image, str(tmp), useCompression=True)
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from autoseg.compute import fastest_thread_count
 from autoseg.cropping import uncrop
 from autoseg.dataset import Case, list_prediction_inputs, load_case
-from autoseg.imageio import SUPPORTED_ENDINGS, write_image
+from autoseg.imageio import supported_ending, write_image
 from autoseg.inference import sliding_window_predict
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
@@ -120,7 +120,7 @@ def _predict_cases(cases: list[Case], networks: list[torch.nn.Module], plans: Pl
     for case in tqdm(cases, desc="predict", unit="case", disable=not progress):
         labels, props = predict_case(case, networks, plans, config, mirror=mirror,
                                      tile_batch_size=tile_batch_size, device=device)
-        ending = next(e for e in SUPPORTED_ENDINGS if case.image_paths[0].name.lower().endswith(e))
+        ending = supported_ending(case.image_paths[0].name)
         out = output_dir / f"{case.case_id}{ending}"
         write_image(out, labels, props.geometry)
         written.append(out)
