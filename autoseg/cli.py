@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
                    help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: the number "
                         "of epochs is chosen from the measured speed")
+    p.add_argument("--loader-workers", type=int, default=None, metavar="N",
+                   help="processes building training batches (default: the plan's, sized by its host RAM budget)")
+    pre = p.add_mutually_exclusive_group()
+    pre.add_argument("--use-precomputed", dest="use_precomputed", action="store_true", default=None,
+                     help="sample the precomputed augmented copies (default: when every case has them)")
+    pre.add_argument("--no-precomputed", dest="use_precomputed", action="store_false",
+                     help="rotate and scale on the fly even if precomputed copies exist")
 
     p = sub.add_parser("predict", help="segment new scans with the trained folds")
     p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
@@ -206,7 +213,8 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
             iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
             val_iterations=args.val_iterations or defaults.val_iterations,
             seed=args.seed, device=args.device or default_device(), validate=not args.no_validation,
-            loader_workers=0, resume=args.resume, time_budget_s=args.time_budget,
+            loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
+            time_budget_s=args.time_budget,
         )
         print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}")
         train(ws, config, _fold(args.fold), run, progress=progress)

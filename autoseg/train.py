@@ -27,13 +27,14 @@ from autoseg.artifacts import atomic_write_text
 from autoseg.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.compute import fastest_thread_count, training_step_closure
 from autoseg.degrade import apply_degradations, choose_degradation, log_degradation
-from autoseg.loader import BatchLoader, LoaderConfig
+from autoseg.loader import BatchLoader
 from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.progress import plot_progress
 from autoseg.resources import cpu_count
 from autoseg.schedule import TimeBudget, poly_lr
+from autoseg.train_data import LOADER_QUEUE_DEPTH, loader_config, precomputed_copies
 from autoseg.workspace import Workspace, load_or_create_splits
 
 __all__ = ["RunConfig", "fold_cases", "poly_lr", "pseudo_dice_counts", "save_checkpoint", "train"]
@@ -49,6 +50,9 @@ class RunConfig:
     states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
     and the final validation end within this many seconds (``epochs`` is then only the first guess).
     ``cpu_threads``: torch threads on CPU (None: the fastest of a short measurement).
+    ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
+    ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
+    on the fly (None: yes when every training case has copies; True fails if a case has none).
     Testing aids: ``stop_after_epochs`` returns after that many epochs of this call, as if the process were
     killed after the epoch's checkpoint; ``inject_oom_at_step`` raises ``torch.OutOfMemoryError`` once in
     the optimizer step of that (global, 0-based) index.
@@ -63,7 +67,8 @@ class RunConfig:
     grad_clip: float = 12.0
     seed: int = 0
     device: str = "cpu"
-    loader_workers: int = 0
+    loader_workers: int | None = None  # None: the plan's loader_workers
+    use_precomputed: bool | None = None  # None: when every training case has precomputed augmented copies
     validate: bool = True  # predict and evaluate the fold's validation cases at the end
     resume: bool = False
     time_budget_s: float | None = None
@@ -207,12 +212,16 @@ class _Context:
     oom_injected: bool = False
     started: float = 0.0
 
+    loader_workers: int = 0
+    use_precomputed: bool = False
+
     def loader(self, epoch: int, augment: bool) -> BatchLoader:
+        """Training batches (augmented, in ``loader_workers`` processes) or validation batches (in-process)."""
         seed = loader_seed(self.run.seed, epoch, 0 if augment else 1, len(self.degradations))
-        cfg = LoaderConfig(patch_size=tuple(self.config.patch_size), batch_size=self.config.batch_size,
-                           augment=augment)
+        cfg = loader_config(self.config, augment, self.use_precomputed and augment)
         return BatchLoader(self.workspace.preprocessed(self.config_name), self.train_ids if augment else self.val_ids,
-                           cfg, seed=seed, num_workers=self.run.loader_workers if augment else 0)
+                           cfg, seed=seed, num_workers=self.loader_workers if augment else 0,
+                           queue_depth=LOADER_QUEUE_DEPTH, pin_memory=self.step.device.type == "cuda")
 
     def progress_state(self, epoch: int) -> dict[str, Any]:
         return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
@@ -237,6 +246,7 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
     torch.manual_seed(run.seed)
     ctx = _Context(workspace, plans, planned, config, config_name, fold, train_ids, val_ids, out, run, progress,
                    step=_make_step(config, run), epochs=run.epochs, iterations_per_epoch=run.iterations_per_epoch)
+    _choose_data_pipeline(ctx)
     if resumed is None:
         (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
         if run.time_budget_s is not None:
@@ -262,6 +272,23 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
              resumed["epoch"])
     restore_rng_states(resumed["rng"])
     return ctx
+
+
+def _choose_data_pipeline(ctx: _Context) -> None:
+    """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
+    run, folder = ctx.run, ctx.workspace.preprocessed(ctx.config_name)
+    ctx.loader_workers = ctx.plans.loader_workers if run.loader_workers is None else run.loader_workers
+    copies = precomputed_copies(folder, ctx.train_ids)
+    if run.use_precomputed and copies == 0:
+        raise ValueError(f"{folder}: some training cases have no precomputed augmented copies; run "
+                         "`autoseg plan_and_preprocess --precompute-augmentations K` or train without "
+                         "--use-precomputed")
+    ctx.use_precomputed = copies > 0 if run.use_precomputed is None else run.use_precomputed
+    cfg = loader_config(ctx.config, augment=True, use_precomputed=ctx.use_precomputed)
+    spatial = (f"precomputed copies ({copies} per case)" if ctx.use_precomputed
+               else "in-plane (dummy 2D)" if cfg.dummy_2d else "3D on the fly")
+    log.info("data: %d loader worker(s) x %d queued batches; spatial augmentation %s", ctx.loader_workers,
+             LOADER_QUEUE_DEPTH, spatial)
 
 
 def _case_shape(folder: Path, case_id: str) -> tuple[int, ...]:
@@ -296,7 +323,8 @@ def _train(ctx: _Context) -> Path:
               "degradations": ctx.degradations, "time_budget": ctx.budget_decisions,
               "effective_configuration": {"batch_size": ctx.config.batch_size,
                                           "accumulation_steps": ctx.config.accumulation_steps,
-                                          "checkpointing": ctx.config.checkpointing}}
+                                          "checkpointing": ctx.config.checkpointing},
+              "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed}}
     atomic_write_text(ctx.out / "run.json", json.dumps(record, indent=2))
     if run.validate:
         from autoseg.validation import validate_fold

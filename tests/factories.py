@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
+from autoseg.workspace import Workspace
 
 GiB = 1024**3
 
@@ -19,3 +22,16 @@ def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2
                  intensity_properties=(IntensityProperties(100.0, 20.0, 50.0, 200.0),),
                  configurations={"3d_fullres": config}, gpu_memory_bytes=8 * GiB,
                  host_ram_bytes=host_ram_bytes)
+
+
+def tiny_topology(num_classes: int) -> NetworkTopology:
+    """A 2-stage 3D U-Net with 4 and 8 features: a training step takes milliseconds."""
+    return NetworkTopology(dim=3, in_channels=1, num_classes=num_classes, features_per_stage=(4, 8),
+                           kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
+
+
+def set_configuration(workspace: Workspace, name: str, **changes) -> None:
+    """Rewrite configuration ``name`` of the workspace's plans.json with ``changes``."""
+    plans = Plans.from_json(workspace.plans_path)
+    config = plans.configuration(name).with_(**changes)
+    dataclasses.replace(plans, configurations={**plans.configurations, name: config}).to_json(workspace.plans_path)

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import dataclasses
 import json
 import shutil
 import time
@@ -8,13 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import set_configuration, tiny_topology
 
 from autoseg.checkpoint import load_checkpoint
 from autoseg.degrade import choose_degradation
 from autoseg.memory import predict_device_peak, simulate_training_step
 from autoseg.pipeline import plan_dataset, preprocess_workspace
 from autoseg.planner import Budget, GiB
-from autoseg.plans import NetworkTopology, Plans
+from autoseg.plans import Plans
 from autoseg.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
 from autoseg.train import RunConfig, train
 from autoseg.workspace import Workspace
@@ -23,15 +23,8 @@ CONFIG = "3d_fullres"
 TINY = dict(epochs=3, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
 
 
-def _tiny_topology(num_classes: int) -> NetworkTopology:
-    return NetworkTopology(dim=3, in_channels=1, num_classes=num_classes, features_per_stage=(4, 8),
-                           kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
-
-
 def _set_plan(workspace: Workspace, **changes) -> None:
-    plans = Plans.from_json(workspace.plans_path)
-    config = plans.configuration(CONFIG).with_(**changes)
-    dataclasses.replace(plans, configurations={**plans.configurations, CONFIG: config}).to_json(workspace.plans_path)
+    set_configuration(workspace, CONFIG, **changes)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,7 @@ def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
     workspace = Workspace.at(root / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
-    _set_plan(workspace, network=_tiny_topology(plans.num_classes), patch_size=(8, 16, 16), batch_size=2,
+    _set_plan(workspace, network=tiny_topology(plans.num_classes), patch_size=(8, 16, 16), batch_size=2,
               accumulation_steps=1, checkpointing=True)
     return workspace.root
 

@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from factories import set_configuration, tiny_plans, tiny_topology
+
+from autoseg.pipeline import plan_dataset, preprocess_workspace
+from autoseg.planner import Budget, GiB
+from autoseg.train import RunConfig, train
+from autoseg.train_data import loader_config, precomputed_copies, uses_dummy_2d
+from autoseg.workspace import Workspace
+
+CONFIG = "3d_fullres"
+
+
+def test_dummy_2d_for_patches_more_than_3x_thinner_along_z() -> None:
+    assert uses_dummy_2d((8, 64, 64)) and uses_dummy_2d((4, 16, 13))
+    assert not uses_dummy_2d((32, 64, 96)) and not uses_dummy_2d((16, 48, 48))
+    assert not uses_dummy_2d((16, 160))  # a 2D patch
+
+
+def test_loader_config_follows_the_plan() -> None:
+    config = tiny_plans().configuration(CONFIG).with_(patch_size=(4, 32, 32))
+    train_cfg = loader_config(config, augment=True)
+    assert train_cfg.patch_size == (4, 32, 32) and train_cfg.batch_size == 2 and train_cfg.dummy_2d
+    assert train_cfg.enlarged_patch_size[0] == 4  # in-plane rotation keeps the z extent
+    val_cfg = loader_config(config, augment=False)
+    assert not val_cfg.dummy_2d and val_cfg.enlarged_patch_size == (4, 32, 32)
+    assert loader_config(config, augment=True, use_precomputed=True).enlarged_patch_size == (4, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def precomputed(tiny_dataset: Path, tmp_path_factory) -> Workspace:
+    """A preprocessed workspace with one precomputed augmented copy per case and a tiny network."""
+    workspace = Workspace.at(tmp_path_factory.mktemp("train_data") / "ws")
+    plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    preprocess_workspace(workspace, [CONFIG], processes=1, progress=False, precompute_augmentations=1)
+    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_classes), patch_size=(8, 16, 16),
+                      batch_size=2, accumulation_steps=1, checkpointing=False)
+    return workspace
+
+
+def test_precomputed_copies_counts_the_fewest(precomputed: Workspace) -> None:
+    folder = precomputed.preprocessed(CONFIG)
+    cases = sorted(p.name[:-5] for p in folder.glob("*.json"))
+    assert precomputed_copies(folder, cases) == 1
+    props = folder / f"{cases[0]}.json"
+    meta = json.loads(props.read_text())
+    props.write_text(json.dumps({**meta, "augmentations": []}))
+    try:
+        assert precomputed_copies(folder, cases) == 0
+    finally:
+        props.write_text(json.dumps(meta))
+
+
+def test_training_samples_precomputed_copies_in_a_worker_process(precomputed: Workspace, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="autoseg.train")
+    run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1,
+                    loader_workers=1)
+    fold = train(precomputed, CONFIG, 0, run, progress=False)
+    record = json.loads((fold / "run.json").read_text())
+    assert record["data"] == {"loader_workers": 1, "use_precomputed": True}
+    assert "1 loader worker(s) x 2 queued batches; spatial augmentation precomputed copies (1 per case)" in caplog.text
+
+
+def test_use_precomputed_without_copies_names_the_flag(tiny_dataset: Path, tmp_path: Path) -> None:
+    workspace = Workspace.at(tmp_path / "ws")
+    plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
+    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_classes), patch_size=(8, 16, 16),
+                      batch_size=2, accumulation_steps=1)
+    run = RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1,
+                    use_precomputed=True)
+    with pytest.raises(ValueError, match="--precompute-augmentations"):
+        train(workspace, CONFIG, 0, run, progress=False)
