@@ -86,10 +86,15 @@ def time_training_step(topology: NetworkTopology, patch_size: tuple[int, ...], b
     return float(np.median(times))
 
 
-def calibrate_cpu_throughput(repeats: int = 3) -> float:
-    """Effective FLOP/s of U-Net training steps on this machine's CPU (about 2-3 s to measure)."""
-    seconds = time_training_step(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2, repeats)
-    return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / seconds
+def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> float:
+    """Effective FLOP/s of U-Net training steps on this machine's CPU (a few seconds to measure), with the
+    faster of all threads and one (as the trainer chooses): with all threads against another busy process
+    the step measured up to 20x slower (3.2 instead of 65 GFLOP/s on 2 cores), which would shrink the plan."""
+    from autoseg.resources import cpu_count
+
+    step = training_step_closure(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
+    _, timings = fastest_thread_count(step, max_threads or cpu_count(), repeats)
+    return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / min(timings.values())
 
 
 def fastest_thread_count(run_once: Callable[[], object], max_threads: int,

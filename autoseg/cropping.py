@@ -38,7 +38,13 @@ def nonzero_mask(data: np.ndarray) -> np.ndarray:
     mask = np.zeros(data.shape[1:], dtype=bool)
     for c in range(data.shape[0]):
         mask |= data[c] != 0
-    return binary_fill_holes(mask)
+    if mask.all():  # typical for CT and most MRI: nothing to fill
+        return mask
+    # Holes lie inside the mask's bounding box, and background touching the box's faces reaches the array
+    # border outside it, so filling inside the box alone gives the same mask (0.3 s -> a fraction of it).
+    box = _slices(bounding_box(mask))
+    mask[box] = binary_fill_holes(mask[box])
+    return mask
 
 
 def bounding_box(mask: np.ndarray) -> BBox:

@@ -12,6 +12,7 @@ the real device where it matters.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import re
 from dataclasses import dataclass
@@ -92,7 +93,10 @@ def cached_cpu_throughput(cache_dir: Path) -> tuple[float, str]:
             return float(cached["flops_per_second"]), f"cached in {path}"
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    load_before = os.getloadavg()[0]
     flops = calibrate_cpu_throughput(repeats=1)
+    if load_before > 0.5 * cpu_count():  # other processes were running: the figure is too low to keep
+        return flops, f"measured now under load {load_before:.1f}, not cached; --cpu-flops overrides"
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"key": key, "flops_per_second": flops}) + "\n")

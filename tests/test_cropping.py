@@ -32,6 +32,22 @@ def test_nonzero_mask_unites_channels_and_fills_holes():
         nonzero_mask(np.zeros((6, 8, 9)))
 
 
+def test_nonzero_mask_fills_holes_like_scipy_on_the_whole_array():
+    """Filling inside the mask's bounding box only gives scipy's whole-array result (random masks, some
+    touching the border, some with a background margin)."""
+    from scipy.ndimage import binary_fill_holes
+
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        shape = tuple(int(n) for n in rng.integers(3, 12, 3))
+        data = (rng.random(shape) < rng.uniform(0.3, 0.95)).astype(np.float32)
+        if trial % 2:
+            data[:, :2] = 0
+            data[-1:] = 0
+        assert np.array_equal(nonzero_mask(data[None]), binary_fill_holes(data != 0)), trial
+    assert nonzero_mask(np.ones((1, 3, 4, 5), np.float32)).all()
+
+
 def test_bounding_box_and_empty_mask():
     mask = np.zeros((6, 8, 9), dtype=bool)
     assert bounding_box(mask) == ((0, 6), (0, 8), (0, 9))
