@@ -242,10 +242,28 @@ def segmentation_resampling_peak_bytes(
     output = label_itemsize * n_out
     if order == 0 or num_labels < 2:
         return output + _CALL_OVERHEAD_BYTES
+    if order <= 1 and order_z <= 1:  # separable path: running sum and best score, one label's box at a time
+        # taps: per output index along each axis a float64 coordinate, int64 indices and a float32 weight,
+        # kept for the volume and for the label's box
+        taps = 2 * 40 * sum(new_shape)
+        return output + 8 * n_out + _separable_temp_bytes(shape, new_shape) + taps + _CALL_OVERHEAD_BYTES
     best_score_response_better = (4 + 4 + 1) * n_out
     mask = 4 * n_in
     channel_temp = resampling_peak_bytes(shape, new_shape, 1, spacing_mm, order, order_z) - 4 * n_out
     return output + best_score_response_better + mask + channel_temp
+
+
+def _separable_temp_bytes(shape: tuple[int, ...], new_shape: tuple[int, ...]) -> int:
+    """Peak temporaries of ``_resample_labels_separable`` beside its output, running sum and best score,
+    for a label whose box is the whole volume: the largest of its bool + float32 mask (5 B per input voxel);
+    a pass of ``_interpolate_separable`` (the mask, the pass's float32 input and two gathered float32 arrays
+    of its output size; passes go z, y, x); the response with its comparison and selection (9 B per output voxel); the
+    final comparisons (4 bool arrays)."""
+    n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
+    sizes = [n_in] + [int(np.prod(new_shape[: a + 1]) * np.prod(shape[a + 1:])) for a in range(3)]
+    # the caller's argument (the mask) stays referenced until the call returns
+    passes = max(4 * (sizes[a] + 2 * sizes[a + 1]) + (4 * n_in if a else 0) for a in range(3))
+    return max(5 * n_in, passes, 9 * n_out, 4 * n_out)
 
 
 def _present_labels(seg_zyx: np.ndarray) -> list[int]:
@@ -270,6 +288,12 @@ def resample_segmentation(
     voxel takes the label of the largest response (ties go to the smaller label). Memory beyond the
     input: the output, a float32 running best score, a float32 response, a bool comparison buffer (all
     output-sized), one float32 input-sized mask, and ``resample_channel``'s temporaries.
+
+    Linear / nearest (``order`` and ``order_z`` <= 1, what preprocessing uses) take a faster path with the
+    same result up to float32 rounding (ties may break differently): each label's response is computed
+    only inside the output box its voxels can reach (``_interpolate_separable``), and the most frequent
+    label's response is not computed at all but is one minus the others' (linear weights sum to one).
+    Memory: a float32 running sum instead of the response; one label's box at a time.
     """
     if seg.ndim != 4 or seg.shape[0] != 1:
         raise ValueError(f"resample_segmentation expects (1, Z, Y, X); got an array of shape {seg.shape}")
@@ -289,6 +313,12 @@ def resample_segmentation(
     out.fill(labels[0])
     if len(labels) == 1:
         return out
+    if order <= 1 and order_z <= 1:
+        orders = [order] * 3
+        axis = out_of_plane_axis(spacing_mm)
+        if axis is not None:
+            orders[axis] = order_z
+        return _resample_labels_separable(seg, labels, out, tuple(orders))
     mask = np.empty(seg.shape[1:], dtype=np.float32)
     np.equal(seg[0], labels[0], out=mask)
     best_score = resample_channel(mask, new_shape, spacing_mm, order, order_z)
@@ -301,3 +331,93 @@ def resample_segmentation(
         np.copyto(best_score, response, where=better)
         np.copyto(out[0], label, where=better)
     return out
+
+
+def _axis_taps(n_in: int, n_out: int, order: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For each output index along an axis: the two input indices it interpolates (clamped to the edge)
+    and the weight of the second (0 for nearest), on the grid of the module docstring."""
+    coord = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
+    if order == 0:
+        nearest = np.clip(np.floor(coord + 0.5), 0, n_in - 1).astype(np.intp)
+        return nearest, nearest, np.zeros(n_out, np.float32)
+    low = np.floor(coord)
+    weight = (coord - low).astype(np.float32)
+    low = low.astype(np.intp)
+    return np.clip(low, 0, n_in - 1), np.clip(low + 1, 0, n_in - 1), weight
+
+
+def _interpolate_separable(block: np.ndarray, taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                           ) -> np.ndarray:
+    """Linear / nearest interpolation of float32 ``block`` one axis at a time with precomputed ``taps``
+    (indices into ``block`` and weights per axis)."""
+    for axis, (low, high, weight) in enumerate(taps):
+        shape = [1] * block.ndim
+        shape[axis] = -1
+        w = weight.reshape(shape)
+        lo = np.take(block, low, axis=axis)
+        if np.any(weight):
+            hi = np.take(block, high, axis=axis)
+            hi -= lo
+            hi *= w
+            lo += hi
+            del hi
+        block = lo
+    return block
+
+
+def _resample_labels_separable(seg: np.ndarray, labels: list[int], out: np.ndarray,
+                               orders: tuple[int, ...]) -> np.ndarray:
+    """``resample_segmentation``'s fast path (see its docstring) into ``out`` ``(1, *new_shape)``."""
+    shape, new_shape = seg.shape[1:], out.shape[1:]
+    taps = [_axis_taps(n_in, n_out, o) for n_in, n_out, o in zip(shape, new_shape, orders, strict=True)]
+    counts = {label: 0 for label in labels}
+    for k in range(shape[0]):  # slice by slice: no volume-sized temporaries
+        values, n = np.unique(seg[0, k], return_counts=True)
+        for v, c in zip(values.tolist(), n.tolist(), strict=True):
+            counts[v] += c
+    dominant = max(labels, key=lambda v: (counts[v], -v))
+    others_sum = np.zeros(new_shape, np.float32)
+    best_score = np.zeros(new_shape, np.float32)
+    out.fill(dominant)
+    for label in labels:
+        if label == dominant:
+            continue
+        box_in, box_out, box_taps = _label_box(seg[0], label, taps)
+        response = _interpolate_separable((seg[0][box_in] == label).astype(np.float32), box_taps)
+        others_sum[box_out] += response
+        best = best_score[box_out]  # a view: updated in place
+        better = response > best
+        best[better] = response[better]
+        out[0][box_out][better] = label
+        del response, better, best  # before the next label's passes
+    # The dominant label's response is 1 - (the others' sum): it wins where that is larger than the best
+    # other response, and on a tie with a larger label value.
+    dominant_score = np.subtract(1.0, others_sum, out=others_sum)
+    wins = dominant_score > best_score
+    wins |= (dominant_score == best_score) & (out[0] > dominant)
+    out[0][wins] = dominant
+    return out
+
+
+def _label_box(seg_zyx: np.ndarray, label: int, taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+               ) -> tuple[tuple[slice, ...], tuple[slice, ...], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+    """The input box holding ``label`` (plus one voxel per side, so every tap of an output voxel that reads
+    the label falls inside it), the output box of those voxels, and the taps relative to the input box."""
+    present = [np.zeros(n, bool) for n in seg_zyx.shape]
+    for k in range(seg_zyx.shape[0]):
+        hit = seg_zyx[k] == label
+        if hit.any():
+            present[0][k] = True
+            present[1] |= hit.any(axis=1)
+            present[2] |= hit.any(axis=0)
+    box_in, box_out, box_taps = [], [], []
+    for axis_present, (low, high, weight) in zip(present, taps, strict=True):
+        where = np.flatnonzero(axis_present)
+        a, b = int(where[0]), int(where[-1]) + 1
+        reach = np.flatnonzero((high >= a) & (low < b))  # output voxels that read a voxel of [a, b)
+        j0, j1 = int(reach[0]), int(reach[-1]) + 1
+        a0, b0 = max(0, a - 1), min(len(axis_present), b + 1)
+        box_in.append(slice(a0, b0))
+        box_out.append(slice(j0, j1))
+        box_taps.append((low[j0:j1] - a0, high[j0:j1] - a0, weight[j0:j1]))
+    return tuple(box_in), tuple(box_out), box_taps
