@@ -2,10 +2,11 @@
 
 A checkpoint holds the network, optimizer and grad-scaler state dicts, the schedule position (``epoch``:
 the last finished epoch; ``schedule``: total epochs and iterations per epoch), the EMA and best pseudo-Dice,
-the metrics so far (JSON text), the degradations made after out-of-memory errors, the plan configuration it
-was trained with (JSON text) and the state of every random generator the trainer touches (torch CPU and
-CUDA, numpy's global and Python's ``random``). The data loaders need no state: the trainer re-creates them
-at every epoch from ``loader_seed(run seed, epoch, degradations)``, so a resumed run draws the same batches.
+the metrics so far (JSON text), the degradations made after out-of-memory errors (per-rank micro-batches),
+the number of processes (``world_size``), the plan configuration it was trained with (JSON text) and the
+state of every random generator the trainer touches (torch CPU and CUDA, numpy's global and Python's
+``random``). The data loaders need no state: the trainer re-creates them at every epoch from
+``loader_seed(run seed, epoch, degradations, rank)``, so a resumed run draws the same batches.
 Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(weights_only=True)`` reads it.
 """
 
@@ -25,10 +26,12 @@ from autoseg.plans import ConfigurationPlan
 CHECKPOINT_VERSION = 2
 
 
-def loader_seed(run_seed: int, epoch: int, stream: int, generation: int = 0) -> int:
+def loader_seed(run_seed: int, epoch: int, stream: int, generation: int = 0, rank: int = 0) -> int:
     """Seed of a loader: ``stream`` 0 for training, 1 for the pseudo-Dice patches; ``generation`` counts
-    the loader rebuilds after out-of-memory degradations. Independent streams via ``SeedSequence``."""
-    return int(np.random.SeedSequence([run_seed, epoch, stream, generation]).generate_state(1)[0])
+    the loader rebuilds after out-of-memory degradations; ``rank``: the process of a distributed run (rank 0
+    draws what a single process draws). Independent streams via ``SeedSequence``."""
+    entropy = [run_seed, epoch, stream, generation] + ([rank] if rank else [])
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0])
 
 
 def plan_configuration_json(config: ConfigurationPlan) -> str:
@@ -77,6 +80,7 @@ def save_checkpoint(path: Path, network: torch.nn.Module, optimizer: torch.optim
         "metrics_json": json.dumps(progress["metrics"]),
         "degradations_json": json.dumps(progress["degradations"]),
         "time_budget_json": json.dumps(progress.get("time_budget")),
+        "world_size": int(progress.get("world_size", 1)),
         "rng": rng_states(),
     }
     with atomic_path(path, suffix=".pt") as tmp:
@@ -96,6 +100,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     state["degradations"] = json.loads(state.pop("degradations_json"))
     state["time_budget"] = json.loads(state.pop("time_budget_json"))
     state["ema"] = None if state["ema_dice"] < 0 else state["ema_dice"]
+    state.setdefault("world_size", 1)  # written before distributed training
     return state
 
 

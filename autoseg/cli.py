@@ -6,7 +6,9 @@ import argparse
 import logging
 import os
 import re
+import shlex
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -93,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="sample the precomputed augmented copies (default: when every case has them)")
     pre.add_argument("--no-precomputed", dest="use_precomputed", action="store_false",
                      help="rotate and scale on the fly even if precomputed copies exist")
+    p.add_argument("--gpus", type=int, default=None, metavar="N",
+                   help="train on N GPUs of this node: runs this command under torchrun, one process per GPU "
+                        "(with --device cpu: N CPU processes). Several nodes: start `torchrun ... -m autoseg train "
+                        "...` on each yourself")
 
     p = sub.add_parser("predict", help="segment new scans with the trained folds")
     p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
@@ -178,11 +184,82 @@ def _default_config(workspace) -> str:
     return "3d_fullres" if "3d_fullres" in plans.configurations else next(iter(plans.configurations))
 
 
+def _without_gpus(argv: Sequence[str]) -> list[str]:
+    """``argv`` without ``--gpus N`` / ``--gpus=N`` (or an abbreviation argparse accepts, e.g. ``--gp 2``)."""
+    kept, skip_value = [], False
+    for token in argv:
+        if skip_value:
+            skip_value = False
+            continue
+        name = token.split("=", 1)[0]
+        if len(name) >= 3 and "--gpus".startswith(name):
+            skip_value = "=" not in token
+            continue
+        kept.append(token)
+    return kept
+
+
+def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | None:
+    """``train --gpus N``: check N against the visible CUDA devices, then run the same command (without
+    ``--gpus``) under torchrun, N processes on this node; its exit code. None for N = 1: this process trains."""
+    import subprocess
+
+    import torch
+
+    from autoseg.distributed import torchrun_command
+
+    n = args.gpus
+    if "WORLD_SIZE" in os.environ:
+        raise ValueError("--gpus starts torchrun itself; when launching with torchrun leave --gpus out")
+    if n < 1:
+        raise ValueError(f"--gpus {n}: give the number of processes, at least 1")
+    if args.device != "cpu":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise ValueError(f"--gpus {n}: no CUDA device is visible; add --device cpu to train in {n} CPU processes")
+        if n > visible:
+            raise ValueError(f"--gpus {n} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES, "
+                             f"nvidia-smi); use --gpus {visible} or fewer")
+    if n == 1:
+        return None
+    command = torchrun_command(n, _without_gpus(argv))
+    print(f"launching {n} processes: {shlex.join(command)}", flush=True)
+    return subprocess.run(command).returncode
+
+
+def _distributed_context(environ: Mapping[str, str], device: str):
+    """This process's place in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); a single
+    process when WORLD_SIZE is not set."""
+    from autoseg.distributed import SINGLE_PROCESS, DistributedContext, backend_for
+
+    if "WORLD_SIZE" not in environ:
+        return SINGLE_PROCESS
+    try:
+        context = DistributedContext(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
+                                     local_rank=int(environ["LOCAL_RANK"]),
+                                     local_world_size=int(environ["LOCAL_WORLD_SIZE"]), backend=backend_for(device))
+    except (KeyError, ValueError) as e:
+        raise ValueError(f"cannot read the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE): "
+                         f"{e}; launch with torchrun or `autoseg train ... --gpus N`") from e
+    if context.is_distributed and context.backend == "nccl":
+        import torch
+
+        if context.local_rank >= torch.cuda.device_count():
+            raise ValueError(f"local rank {context.local_rank} has no CUDA device ({torch.cuda.device_count()} "
+                             "visible); start at most one process per GPU (--nproc_per_node)")
+    return context
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     progress = not args.quiet and sys.stderr.isatty()
     try:
+        if args.command == "train" and args.gpus is not None:
+            code = _launch_processes(args, argv)
+            if code is not None:
+                return code
         return _dispatch(args, progress)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         print(f"autoseg {args.command}: error: {e}", file=sys.stderr)
@@ -203,21 +280,30 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
                                  precompute_augmentations=args.precompute_augmentations)
         return 0
     if args.command == "train":
+        from autoseg.distributed import process_group
         from autoseg.train import RunConfig, train
 
         ws = Workspace.at(args.workspace)
         config = args.config or _default_config(ws)
+        device = args.device or default_device()
+        distributed = _distributed_context(os.environ, device)
         defaults = RunConfig()
         run = RunConfig(
             epochs=args.epochs or defaults.epochs,
             iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
             val_iterations=args.val_iterations or defaults.val_iterations,
-            seed=args.seed, device=args.device or default_device(), validate=not args.no_validation,
+            seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
             loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
             time_budget_s=args.time_budget,
         )
-        print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}")
-        train(ws, config, _fold(args.fold), run, progress=progress)
+        if distributed.is_main:
+            print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}\nprocesses: {distributed.world_size}"
+                  f" ({distributed.backend if distributed.is_distributed else 'single process'})")
+        else:  # rank 0 reports
+            logging.getLogger().setLevel(logging.WARNING)
+            progress = False
+        with process_group(distributed):
+            train(ws, config, _fold(args.fold), run, progress=progress, distributed=distributed)
         return 0
     if args.command == "predict":
         from autoseg.predict import predict

@@ -55,13 +55,14 @@ def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...]
     random data, as a callable to time."""
     import torch
 
-    from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
+    from autoseg.labels import LabelScheme
+    from autoseg.loss import compute_loss, training_loss
     from autoseg.network import build_network
 
     gen = torch.Generator().manual_seed(seed)
     network = build_network(topology)
     optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.99, nesterov=True)
-    loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(topology.num_stages - 1))
+    loss_fn = training_loss(LabelScheme.for_outputs(topology.num_classes), topology.num_stages - 1)
     x = torch.randn(batch_size, topology.in_channels, *patch_size, generator=gen)
     y = torch.randint(0, topology.num_classes, (batch_size, 1, *patch_size), generator=gen)
 

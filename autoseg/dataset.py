@@ -3,7 +3,8 @@
 Layout::
 
     Dataset001_Name/
-      dataset.json            channel_names, labels, numTraining, file_ending
+      dataset.json            channel_names, labels, numTraining, file_ending (regions_class_order for
+                              region-based labels; see ``autoseg.labels``)
       imagesTr/{case}_{0000..}.{ending}
       labelsTr/{case}.{ending}
       imagesTs/ (optional)
@@ -12,12 +13,14 @@ Layout::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 
 from autoseg.imageio import SUPPORTED_ENDINGS, Geometry, read_geometry, read_image, supported_ending
+from autoseg.labels import LabelError, LabelScheme, LabelValue
 
 
 class DatasetError(ValueError):
@@ -36,22 +39,28 @@ class RawDataset:
     root: Path
     name: str
     channel_names: tuple[str, ...]  # in channel order, e.g. ("CT",) or ("T2", "ADC")
-    labels: dict[str, int]  # name -> value, "background": 0 included
+    labels: dict[str, LabelValue]  # name -> value (a tuple for a region), "background": 0 included
     file_ending: str
     cases: tuple[Case, ...]
+    regions_class_order: tuple[int, ...] = ()  # region-based labels only
 
     @property
     def num_channels(self) -> int:
         return len(self.channel_names)
 
     @property
+    def label_scheme(self) -> LabelScheme:
+        return LabelScheme.from_labels(self.labels, self.regions_class_order, where=str(self.root / "dataset.json"))
+
+    @property
     def num_classes(self) -> int:
-        """Number of output channels of the network (background included)."""
-        return max(self.labels.values()) + 1
+        """Highest label value + 1, ignore included (network outputs: ``label_scheme.num_outputs``)."""
+        return self.label_scheme.num_label_values
 
     @property
     def label_values(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.labels.values())))
+        """Every value a label file may hold (background, classes or region values, ignore)."""
+        return self.label_scheme.label_values
 
 
 def image_files_for(folder: Path, case_id: str, num_channels: int, file_ending: str) -> tuple[Path, ...]:
@@ -79,18 +88,11 @@ def load_dataset(root: str | Path) -> RawDataset:
         raise DatasetError(f"{meta_path}: channel_names keys must be '0', '1', ...; found {list(channels)}") from e
     if [int(k) for k in sorted(channels, key=int)] != list(range(len(channels))):
         raise DatasetError(f"{meta_path}: channel_names keys must be consecutive from '0'; found {list(channels)}")
-    labels = meta["labels"]
-    if any(isinstance(v, (list, tuple)) for v in labels.values()):
-        raise DatasetError(f"{meta_path}: region-based labels (lists of values) are not supported yet")
-    if not all(isinstance(v, int) for v in labels.values()):
-        raise DatasetError(f"{meta_path}: label values must be integers; found {labels}")
-    if labels.get("background", 0) != 0 or 0 not in labels.values():
-        raise DatasetError(f"{meta_path}: labels must map 'background' to 0; found {labels}")
-    if "ignore" in labels:
-        raise DatasetError(f"{meta_path}: the 'ignore' label is not supported yet")
-    values = sorted(labels.values())
-    if values != list(range(len(values))):
-        raise DatasetError(f"{meta_path}: label values must be consecutive integers from 0; found {values}")
+    try:
+        scheme = LabelScheme.from_labels(meta["labels"], meta.get("regions_class_order"), where=str(meta_path))
+    except LabelError as e:
+        raise DatasetError(str(e)) from e
+    labels = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["labels"].items()}
     ending = meta["file_ending"]
     if ending not in SUPPORTED_ENDINGS:
         raise DatasetError(f"{meta_path}: file_ending {ending!r} is not one of {SUPPORTED_ENDINGS}")
@@ -101,8 +103,8 @@ def load_dataset(root: str | Path) -> RawDataset:
     if num_training is not None and num_training != len(cases):
         raise DatasetError(f"{meta_path}: numTraining is {num_training} but labelsTr holds {len(cases)} cases; "
                            "fix numTraining or add the missing cases")
-    return RawDataset(root=root, name=root.name, channel_names=channel_names, labels=dict(labels),
-                      file_ending=ending, cases=tuple(cases))
+    return RawDataset(root=root, name=root.name, channel_names=channel_names, labels=labels,
+                      file_ending=ending, cases=tuple(cases), regions_class_order=scheme.regions_class_order)
 
 
 def _list_cases(root: Path, num_channels: int, ending: str) -> list[Case]:
@@ -159,10 +161,10 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
     """Check every training case before anything is written; raise DatasetError listing all problems.
 
     Checks: all channel files and the label exist; channels and label agree in size, spacing, origin
-    and direction (within tolerance); label values are among the declared ones; no NaN/Inf in images.
+    and direction (within tolerance); with ``read_voxels``, also what ``voxel_problems`` checks (the
+    pipeline leaves that to the fingerprint, which reads every case anyway).
     """
     problems: list[str] = []
-    declared = set(dataset.label_values)
     for case in dataset.cases:
         missing = [str(p) for p in (*case.image_paths, case.label_path) if p is None or not p.is_file()]
         if missing:
@@ -174,25 +176,48 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
                 diff = read_geometry(p).matches(label_geo)
                 if diff:
                     problems.append(f"case {case.case_id}: {p.name} and label {case.label_path.name} differ in {diff}")
-            if not read_voxels:
-                continue
-            label, _ = read_image(case.label_path, dtype=np.float64)
-            if not np.all(np.isfinite(label)) or np.any(label != np.round(label)):
-                problems.append(f"case {case.case_id}: {case.label_path} holds non-integer values")
-                continue
-            unexpected = set(np.unique(label).astype(int).tolist()) - declared
-            if unexpected:
-                problems.append(f"case {case.case_id}: {case.label_path} holds label value(s) {sorted(unexpected)} "
-                                f"not declared in dataset.json labels {dataset.labels}")
-            for p in case.image_paths:
-                image, _ = read_image(p)
-                if not np.all(np.isfinite(image)):
-                    problems.append(f"case {case.case_id}: {p} holds NaN or Inf values")
+            if read_voxels:
+                problems += load_training_case(case, dataset.label_values)[3]
         except ValueError as e:
             problems.append(f"case {case.case_id}: {e}")
+    raise_problems(dataset, problems)
+
+
+def raise_problems(dataset: RawDataset, problems: list[str]) -> None:
+    """Raise one DatasetError listing ``problems`` (nothing if there are none)."""
     if problems:
         head = f"{dataset.root}: {len(problems)} problem(s) found; nothing was written. Fix these files:\n  "
         raise DatasetError(head + "\n  ".join(problems))
+
+
+def voxel_problems(case: Case, label_values: Sequence[int], label: np.ndarray, images: np.ndarray) -> list[str]:
+    """What is wrong with a case's voxels: a label map (as stored) with non-integer values or values other
+    than the declared ``label_values``; images (C, Z, Y, X) float32 holding NaN or Inf."""
+    problems = []
+    if label.dtype.kind == "f" and (not np.all(np.isfinite(label)) or np.any(label != np.round(label))):
+        problems.append(f"case {case.case_id}: {case.label_path} holds non-integer values")
+    else:
+        lowest = int(label.min())
+        present = np.flatnonzero(np.bincount((label.ravel() - lowest).astype(np.intp))) + lowest
+        unexpected = set(present.tolist()) - set(label_values)
+        if unexpected:
+            problems.append(f"case {case.case_id}: {case.label_path} holds label value(s) {sorted(unexpected)} "
+                            f"not declared in dataset.json labels (declared: {sorted(label_values)})")
+    for path, image in zip(case.image_paths, images, strict=True):
+        if not np.all(np.isfinite(image)):
+            problems.append(f"case {case.case_id}: {path} holds NaN or Inf values")
+    return problems
+
+
+def load_training_case(case: Case, label_values: Sequence[int]
+                       ) -> tuple[np.ndarray, np.ndarray | None, Geometry, list[str]]:
+    """``load_case`` of a training case, checked: also the ``voxel_problems`` found (when there are any,
+    the label map is returned as None)."""
+    data, _, geometry = load_case(replace(case, label_path=None))
+    label, _ = read_image(case.label_path, dtype=None)  # as stored: float labels are checked for integers
+    problems = voxel_problems(case, label_values, label, data)
+    seg = None if problems else label.astype(np.int16, copy=False)[None]
+    return data, seg, geometry, problems
 
 
 def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, Geometry]:

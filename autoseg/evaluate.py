@@ -3,6 +3,10 @@
 Per case and per foreground class: Dice, IoU, TP/FP/FN voxel counts and the volumes of prediction and
 reference. Then the mean per class over cases and the mean foreground Dice (mean of the class means).
 
+Labels as in dataset.json (``autoseg.labels``): a region (a list of values) is scored as the union of its
+values in both prediction and reference; voxels holding the ignore label in the reference are left out of
+every count (whatever the prediction says there).
+
 Empty-vs-empty convention: when a class is absent from both the prediction and the reference of a case,
 its Dice and IoU are undefined and stored as NaN in memory (``null`` in summary.json, which keeps the file
 standard JSON). Such entries are left out of the class means; a class undefined in every case has a NaN
@@ -22,6 +26,7 @@ import numpy as np
 
 from autoseg.artifacts import Artifact, read_json, to_dict, write_json
 from autoseg.imageio import read_geometry, read_image
+from autoseg.labels import IGNORE, LabelValue, foreground_entries
 
 
 class EvaluationError(ValueError):
@@ -65,10 +70,11 @@ class EvaluationSummary(Artifact):
 
     pred_dir: str
     gt_dir: str
-    labels: dict[str, int]  # foreground classes evaluated, name -> label value
+    labels: dict[str, LabelValue]  # foreground classes evaluated, name -> label value (a tuple for a region)
     cases: tuple[CaseMetrics, ...]
     mean: dict[str, MeanMetrics]  # class name -> mean over cases
     mean_foreground_dice: float  # mean of the defined class mean Dice values
+    ignore_value: int | None = None  # reference voxels with this value were not counted
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write as JSON; NaN values become ``null`` so any JSON reader accepts the file."""
@@ -76,19 +82,22 @@ class EvaluationSummary(Artifact):
 
     @classmethod
     def from_payload(cls, data: Any, where: str) -> EvaluationSummary:
-        return super().from_payload(_none_to_nan(data), where)
+        if isinstance(data, dict):  # null is NaN for metrics, but "no ignore label" for ignore_value
+            data = {k: v if k == "ignore_value" else _none_to_nan(v) for k, v in data.items()}
+        return super().from_payload(data, where)
 
 
 def evaluate_folder(
     pred_dir: str | Path,
     gt_dir: str | Path,
-    labels: dict[str, int] | None = None,
+    labels: dict[str, Any] | None = None,
     file_ending: str = ".nii.gz",
     output_json: str | Path | None = None,
 ) -> EvaluationSummary:
     """Evaluate every reference ``gt_dir/{case}{file_ending}`` against ``pred_dir/{case}{file_ending}``.
 
-    ``labels`` maps class names to label values (background, value 0, is skipped). When None, they come
+    ``labels`` maps class names to label values as in dataset.json (background, value 0, is skipped; a list
+    of values is a region; ``"ignore"`` names the ignore label). When None, they come
     from a dataset.json in ``gt_dir`` or its parent, else from the values found in the images (named by
     their value). Raises EvaluationError, before reading any voxels, when predictions are missing or a
     prediction's geometry differs from its reference. Writes the summary to ``output_json`` if given.
@@ -102,7 +111,7 @@ def evaluate_folder(
 
 def evaluate_pairs(
     pairs: list[tuple[Path, Path]],
-    labels: dict[str, int] | None,
+    labels: dict[str, Any] | None,
     file_ending: str = ".nii.gz",
     output_json: str | Path | None = None,
     pred_dir: str = "",
@@ -110,19 +119,22 @@ def evaluate_pairs(
 ) -> EvaluationSummary:
     """Evaluate explicit (prediction, reference) file pairs; see ``evaluate_folder``."""
     _check_geometries(pairs)
-    counts_per_case = []
+    ignore = labels.get(IGNORE) if labels is not None else None
+    confusions = []
     for pred_path, ref_path in pairs:
         pred, _ = read_image(pred_path, dtype=np.int16)
         ref, geometry = read_image(ref_path, dtype=np.int16)
         voxel_mm3 = float(np.prod(geometry.spacing_xyz))
-        counts_per_case.append((_class_counts(pred, ref, pred_path, ref_path), voxel_mm3))
+        confusions.append((_confusion(pred, ref, pred_path, ref_path, ignore), voxel_mm3))
     if labels is None:  # name classes by the values found
-        found = sorted({v for counts, _ in counts_per_case for v in counts} - {0})
+        found = sorted({v for c, _ in confusions for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
         labels = {str(v): v for v in found}
-    foreground = {name: int(v) for name, v in sorted(labels.items(), key=lambda kv: kv[1]) if v != 0}
+    foreground = foreground_entries(labels)
+    if not any(isinstance(v, tuple) for v in foreground.values()):  # plain classes: in value order
+        foreground = dict(sorted(foreground.items(), key=lambda kv: kv[1]))
     cases = []
-    for (pred_path, ref_path), (counts, voxel_mm3) in zip(pairs, counts_per_case, strict=True):
-        classes = {name: _metrics(*counts.get(v, (0, 0, 0)), voxel_mm3) for name, v in foreground.items()}
+    for (pred_path, ref_path), (confusion, voxel_mm3) in zip(pairs, confusions, strict=True):
+        classes = {name: _metrics(*_counts(confusion, v), voxel_mm3) for name, v in foreground.items()}
         cases.append(CaseMetrics(ref_path.name[: -len(file_ending)], str(pred_path), str(ref_path), classes))
     mean = {name: _mean_over_cases([c.classes[name] for c in cases]) for name in foreground}
     summary = EvaluationSummary(
@@ -132,6 +144,7 @@ def evaluate_pairs(
         cases=tuple(cases),
         mean=mean,
         mean_foreground_dice=_nanmean([m.dice for m in mean.values()]),
+        ignore_value=ignore,
     )
     if output_json is not None:
         summary.to_json(output_json)
@@ -139,14 +152,22 @@ def evaluate_pairs(
 
 
 def format_table(summary: EvaluationSummary) -> str:
-    """Plain-text table: a row per foreground class (mean Dice, mean IoU), then the mean foreground Dice."""
-    width = max([len("class"), *(len(name) for name in summary.labels)])
-    lines = [f"{'class':<{width}}  value  mean Dice  mean IoU  cases"]
-    for name, value in summary.labels.items():
+    """Plain-text table: a row per foreground class or region (mean Dice, mean IoU), then the mean
+    foreground Dice."""
+    regions = any(isinstance(v, tuple) for v in summary.labels.values())
+    values = {name: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for name, v in summary.labels.items()}
+    kind = "region" if regions else "class"
+    width = max([len(kind), *(len(name) for name in summary.labels)])
+    value_width = max([5, *(len(v) for v in values.values())])
+    lines = [f"{kind:<{width}}  {'value':>{value_width}}  mean Dice  mean IoU  cases"]
+    for name in summary.labels:
         m = summary.mean[name]
-        lines.append(f"{name:<{width}}  {value:>5}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}  {m.num_cases:>5}")
+        lines.append(f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}  "
+                     f"{m.num_cases:>5}")
+    ignored = "" if summary.ignore_value is None else f"; ignore label {summary.ignore_value} not counted"
     lines.append(f"mean foreground Dice: {_fmt(summary.mean_foreground_dice)} "
-                 f"({len(summary.labels)} classes, {len(summary.cases)} cases)")
+                 f"({len(summary.labels)} {'regions' if regions else 'classes'}, {len(summary.cases)} cases"
+                 f"{ignored})")
     return "\n".join(lines)
 
 
@@ -184,31 +205,46 @@ def _check_geometries(pairs: list[tuple[Path, Path]]) -> None:
                               "predictions on the reference image grid):\n  " + "\n  ".join(problems))
 
 
-def _labels_from_dataset_json(gt_dir: Path) -> dict[str, int] | None:
+def _labels_from_dataset_json(gt_dir: Path) -> dict[str, Any] | None:
     for folder in (gt_dir, gt_dir.parent):
         path = folder / "dataset.json"
         if path.is_file():
             labels = read_json(path).get("labels")
-            if not isinstance(labels, dict) or not all(isinstance(v, int) for v in labels.values()):
-                raise EvaluationError(f"{path}: 'labels' must map class names to integer values; "
-                                      f"found {labels!r}; pass labels explicitly")
+            ok = isinstance(labels, dict) and all(
+                isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(x, int) for x in v))
+                for v in labels.values())
+            if not ok:
+                raise EvaluationError(f"{path}: 'labels' must map class names to integer values (or lists of "
+                                      f"them for regions); found {labels!r}; pass labels explicitly")
             return labels
     return None
 
 
-def _class_counts(pred: np.ndarray, ref: np.ndarray, pred_path: Path,
-                  ref_path: Path) -> dict[int, tuple[int, int, int]]:
-    """Label value -> (tp, n_pred, n_ref) voxel counts, for every value present in either image."""
+def _confusion(pred: np.ndarray, ref: np.ndarray, pred_path: Path, ref_path: Path,
+               ignore: int | None) -> np.ndarray:
+    """int64 (V, V) voxel counts: row = reference value, column = predicted value; the row of the ignore
+    value is zeroed (those reference voxels are not counted). Temporary: 8 bytes per voxel."""
     for array, path in ((pred, pred_path), (ref, ref_path)):
         if array.size and array.min() < 0:
             raise EvaluationError(f"{path}: holds negative label value {int(array.min())}; "
                                   "labels must be 0, 1, 2, ...")
-    n_pred = np.bincount(pred.ravel())
-    n_ref = np.bincount(ref.ravel())
-    tp = np.bincount(ref[ref == pred])
-    size = max(len(n_pred), len(n_ref))
-    n_pred, n_ref, tp = (np.pad(a, (0, size - len(a))) for a in (n_pred, n_ref, tp))
-    return {v: (int(tp[v]), int(n_pred[v]), int(n_ref[v])) for v in range(size) if n_pred[v] or n_ref[v]}
+    size = int(max(pred.max(initial=0), ref.max(initial=0))) + 1
+    pair = ref.astype(np.int64).ravel()  # V int64: the only voxel-sized temporary
+    pair *= size
+    pair += pred.ravel()
+    confusion = np.bincount(pair, minlength=size * size).reshape(size, size)
+    if ignore is not None and ignore < size:
+        confusion[ignore] = 0
+    return confusion
+
+
+def _counts(confusion: np.ndarray, value: LabelValue) -> tuple[int, int, int]:
+    """(tp, n_pred, n_ref) of a class value or of a region (the union of its values)."""
+    values = [v for v in ((value,) if isinstance(value, int) else value) if v < len(confusion)]
+    if not values:
+        return 0, 0, 0
+    return (int(confusion[np.ix_(values, values)].sum()), int(confusion[:, values].sum()),
+            int(confusion[values, :].sum()))
 
 
 def _metrics(tp: int, n_pred: int, n_ref: int, voxel_mm3: float) -> ClassMetrics:

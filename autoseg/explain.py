@@ -34,12 +34,12 @@ from autoseg.memory import (
     simulate_training_step,
 )
 from autoseg.memory.device import DEVICES
+from autoseg.planner import AMP_PRECISION
 from autoseg.plans import ConfigurationPlan, NetworkTopology, Plans
 
 MiB = 1024**2
 GiB = 1024**3
 QUEUE_DEPTH = 2  # autoseg.loader.BatchLoader's default: finished batches waiting per worker
-AMP_PRECISION = "bf16"  # the autocast dtype a what-if switches an fp32 plan to
 __all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "format_bytes",
            "format_explanation", "next_patch_up"]
 
@@ -231,7 +231,7 @@ def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
     """Sliding-window prediction of the median image as ``autoseg.predict`` runs it (tile batch 1,
     mirroring on every axis): the terms of the phase holding the peak, then the device's terms."""
     mem = _inference_cached(config.network, tuple(config.patch_size), tuple(config.median_shape_zyx),
-                            plans.num_classes, precision)
+                            plans.label_scheme.num_outputs, precision)
     tiles = {"parameters": mem.parameter_bytes, "tile_prediction": mem.tile_bytes,
              "padded_input": mem.padded_input_bytes, "accumulator": mem.accumulator_bytes,
              "weight_map": mem.weight_map_bytes, "gaussian": mem.gaussian_bytes}
@@ -257,7 +257,7 @@ def _resampled_shape(config: ConfigurationPlan, cropped_zyx: tuple[int, ...],
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
-    channels, classes = len(plans.channel_names), plans.num_classes
+    channels, classes = len(plans.channel_names), plans.label_scheme.num_outputs  # export streams outputs
     if fp is None or not fp.cases:
         shape = tuple(config.median_shape_zyx)
         picks = [("median shape (plan; no fingerprint)", shape, shape)]

@@ -9,7 +9,8 @@ from tqdm import tqdm
 
 from autoseg.artifacts import Artifact
 from autoseg.cropping import crop_to_nonzero
-from autoseg.dataset import RawDataset, load_case
+from autoseg.dataset import RawDataset, load_training_case, raise_problems
+from autoseg.labels import LabelValue
 from autoseg.plans import IntensityProperties
 from autoseg.workers import run_in_processes
 
@@ -23,7 +24,7 @@ class CaseFingerprint:
     spacing_mm: tuple[float, float, float]  # (z, y, x)
     shape_zyx: tuple[int, int, int]  # before cropping
     cropped_shape_zyx: tuple[int, int, int]  # after crop to nonzero
-    class_voxels: tuple[int, ...]  # voxel count per label value 0..K-1 (after cropping)
+    class_voxels: tuple[int, ...]  # voxel count per label value 0..K-1, ignore included (after cropping)
 
 
 @dataclass(frozen=True)
@@ -33,12 +34,13 @@ class Fingerprint(Artifact):
 
     dataset_name: str
     channel_names: tuple[str, ...]
-    labels: dict[str, int]
+    labels: dict[str, LabelValue]  # as in dataset.json; a region's values as a tuple
     file_ending: str
     image_dim: int  # 2 or 3: the dimension of the image files
     cases: tuple[CaseFingerprint, ...]
     foreground_intensity: tuple[IntensityProperties, ...]  # per channel, over all cases' foreground voxels
     median_relative_crop_volume: float  # median of cropped volume / original volume
+    regions_class_order: tuple[int, ...] = ()  # region-based labels only
 
     @property
     def spacings(self) -> np.ndarray:
@@ -53,7 +55,8 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
     """Read every training case once and summarise it, in ``processes`` worker processes (each holds one
     case at a time). The result does not depend on ``processes``: each case samples its intensities from
     its own generator, seeded by (seed, case index)."""
-    tasks = [(case, dataset.num_classes, seed, index) for index, case in enumerate(dataset.cases)]
+    ignore = dataset.label_scheme.ignore_value
+    tasks = [(case, dataset.label_values, ignore, seed, index) for index, case in enumerate(dataset.cases)]
     with tqdm(total=len(tasks), desc="fingerprint", unit="case", disable=not progress) as bar:
         if processes <= 1:
             results = []
@@ -67,6 +70,7 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
                 describe_death=lambda in_flight: (f"a fingerprint worker died (killed by the OS for lack of memory?) "
                                                   f"while reading {sorted(in_flight)}; rerun with fewer --processes"))
     results.sort(key=lambda r: r[0])  # completion order -> case order
+    raise_problems(dataset, [p for r in results for p in r[4]])  # the voxels of every case are checked here
     cases = tuple(r[1] for r in results)
     samples = [[r[2][c] for r in results if r[2][c].size] for c in range(dataset.num_channels)]
     rel = [np.prod(c.cropped_shape_zyx) / np.prod(c.shape_zyx) for c in cases]
@@ -74,6 +78,7 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
         dataset_name=dataset.name,
         channel_names=dataset.channel_names,
         labels=dict(dataset.labels),
+        regions_class_order=dataset.regions_class_order,
         file_ending=dataset.file_ending,
         image_dim=results[0][3] if results else 3,
         cases=cases,
@@ -82,13 +87,20 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
     )
 
 
-def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint, list[np.ndarray], int]:
-    """(index, fingerprint of the case, up to SAMPLES_PER_CASE foreground intensities per channel, image dim)."""
-    case, num_classes, seed, index = task
+def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint | None, list[np.ndarray], int, list[str]]:
+    """(index, fingerprint of the case, up to SAMPLES_PER_CASE foreground intensities per channel, image dim,
+    problems with its voxels (``dataset.voxel_problems``; then nothing else is computed)).
+    Foreground: labelled voxels other than background, -1 and the ignore label (unlabelled, not sampled)."""
+    case, label_values, ignore, seed, index = task
+    num_classes = max(label_values) + 1
     rng = np.random.default_rng([seed, index])
-    data, seg, geometry = load_case(case)  # (C, Z, Y, X) float32, (1, Z, Y, X) int16
+    data, seg, geometry, problems = load_training_case(case, label_values)  # float32 (C, Z, Y, X), int16
+    if problems:
+        return index, None, [], geometry.ndim, problems
     cropped = crop_to_nonzero(data, seg)
     fg = cropped.seg[0] > 0
+    if ignore is not None:
+        fg &= cropped.seg[0] != ignore
     samples = []
     for c in range(data.shape[0]):
         values = cropped.data[c][fg]
@@ -102,7 +114,7 @@ def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint, list[np.ndarray]
         cropped_shape_zyx=tuple(int(v) for v in cropped.data.shape[1:]),
         class_voxels=tuple(int(v) for v in counts),
     )
-    return index, summary, samples, geometry.ndim
+    return index, summary, samples, geometry.ndim, []
 
 
 def _intensity_properties(samples: list[np.ndarray]) -> IntensityProperties:

@@ -84,8 +84,9 @@ def read_geometry(path: str | Path) -> Geometry:
     )
 
 
-def read_image(path: str | Path, dtype: type = np.float32) -> tuple[np.ndarray, Geometry]:
-    """Read one single-component image. Returns the array, shape (Z, Y, X), and its geometry."""
+def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.ndarray, Geometry]:
+    """Read one single-component image. Returns the array, shape (Z, Y, X), in ``dtype`` (None: the file's
+    own), and its geometry."""
     try:
         image = sitk.ReadImage(str(path))
     except RuntimeError as e:
@@ -105,7 +106,7 @@ def read_image(path: str | Path, dtype: type = np.float32) -> tuple[np.ndarray, 
         direction=tuple(float(v) for v in image.GetDirection()),
     )
     array = sitk.GetArrayFromImage(image)
-    if array.dtype != dtype:
+    if dtype is not None and array.dtype != dtype:
         array = array.astype(dtype, copy=False)
     return array.reshape(geometry.shape_zyx), geometry
 

@@ -1,8 +1,9 @@
-"""Sliding-window prediction of one preprocessed image: Gaussian-weighted tiles, mirror TTA, softmax.
+"""Sliding-window prediction of one preprocessed image: Gaussian-weighted tiles, mirror TTA, softmax (classes)
+or sigmoid (regions).
 
 The core holds no file IO: it takes a normalized, resampled ``(C, Z, Y, X)`` float32 array and returns
-``(num_classes, Z, Y, X)`` float32 softmax probabilities on the CPU. Reading, preprocessing and exporting
-live in ``autoseg.predict``.
+``(num_classes, Z, Y, X)`` float32 probabilities on the CPU (``num_classes``: the network's outputs).
+Reading, preprocessing and exporting live in ``autoseg.predict``.
 
 A 3D network sees ``(B, C, pz, py, px)`` tiles. A 2D network (``patch_size`` of 2 values) sees
 ``(B, C, py, px)`` tiles cut from single slices; tiles from different slices share a batch.
@@ -28,6 +29,7 @@ from torch import nn
 from tqdm import tqdm
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
 _FP32_BYTES = 4
 
 # One tile's region in the padded (Z, Y, X) volume: 3 slices (3D), or (z index, y slice, x slice) (2D).
@@ -224,8 +226,10 @@ def sliding_window_predict(
     use_gaussian: bool = True,
     precision: str = "fp32",
     progress: bool = False,
+    activation: str = "softmax",
 ) -> torch.Tensor:
-    """Predict softmax probabilities ``(num_classes, Z, Y, X)`` float32 (CPU) for one image.
+    """Predict probabilities ``(num_classes, Z, Y, X)`` float32 (CPU) for one image: ``activation``
+    "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the averaged logits.
 
     ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
     network or (y, x) for a 2D network (then each slice is tiled; tiles of several slices share a batch).
@@ -239,6 +243,8 @@ def sliding_window_predict(
     device = torch.device(device)
     data_t = _as_float_tensor(data)
     _check_args(data_t, patch, num_classes, step_fraction, mirror, tile_batch_size, precision)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
 
     was_training = network.training
     network.eval()
@@ -249,10 +255,12 @@ def sliding_window_predict(
             accumulator = _accumulate(network, buffers, patch, num_classes, step_fraction, mirror,
                                       tile_batch_size, precision, progress)
             del buffers  # frees the padded input (C x Zp x Yp x Xp) before the softmax temporaries
-            # In-place softmax over classes: temporaries are one Zp x Yp x Xp fp32 map each.
-            accumulator -= accumulator.amax(dim=0, keepdim=True)
-            accumulator.exp_()
-            accumulator /= accumulator.sum(dim=0, keepdim=True)
+            if activation == "sigmoid":
+                accumulator.sigmoid_()  # in place, per region: no temporaries
+            else:  # in-place softmax over classes: temporaries are one Zp x Yp x Xp fp32 map each
+                accumulator -= accumulator.amax(dim=0, keepdim=True)
+                accumulator.exp_()
+                accumulator /= accumulator.sum(dim=0, keepdim=True)
             probabilities = accumulator[(slice(None), *crop)].cpu()  # device -> host sync
             return probabilities.contiguous()  # copies only when padding was cropped off
     finally:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from autoseg.fingerprint import Fingerprint
+from autoseg.labels import LabelScheme
 from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
 from autoseg.memory.host import loader_worker_bytes, preprocess_worker_bytes
 from autoseg.normalization import scheme_for_channel
@@ -58,6 +59,7 @@ LOWRES_STEP = 1.03
 HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or loader workers
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 LOADER_QUEUE_DEPTH = 2  # autoseg.loader.BatchLoader's default
+AMP_PRECISION = "fp16"  # the autocast dtype planned on CUDA (nnU-Net's AMP); Budget.precision overrides
 FILL_TARGET = 0.85  # a memory-limited plan's predicted peak is at least this fraction of the budget
 
 
@@ -131,11 +133,22 @@ def model_peak_fn(device: str) -> PeakFn:
     return peak
 
 
+def checked_peak_fn(device: str) -> PeakFn:
+    """The device peak of one step, simulated for just that step unless the setting's model is fitted
+    already: the CPU search checks one chosen step, where fitting would cost three simulations."""
+    def peak(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
+        model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps)
+        return predict_device_peak(model.predict_or_simulate(batch, tuple(patch)), device)["total"]
+    return peak
+
+
 def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plans:
     """Plans for every configuration that suits the dataset. ``peak_fn`` replaces the simulated memory
     model (e.g. ``rough_training_peak_bytes`` for a fast, approximate plan)."""
     spacing = target_spacing(fp.spacings, fp.cropped_shapes)
-    in_ch, num_classes = len(fp.channel_names), max(fp.labels.values()) + 1
+    # network outputs: classes with background, or regions (ignore is never one)
+    in_ch, num_classes = len(fp.channel_names), LabelScheme.from_labels(
+        fp.labels, fp.regions_class_order, where="fingerprint.json labels").num_outputs
     configs: dict[str, ConfigurationPlan] = {}
     if fp.image_dim == 3:
         full = _plan_3d(fp, "3d_fullres", spacing, in_ch, num_classes, budget, peak_fn)
@@ -160,6 +173,7 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     processes, workers, host = host_workers(fp, configs, budget)
     return Plans(
         dataset_name=fp.dataset_name, channel_names=fp.channel_names, labels=dict(fp.labels),
+        regions_class_order=fp.regions_class_order,
         file_ending=fp.file_ending, normalization=normalization, use_nonzero_mask=use_mask,
         intensity_properties=fp.foreground_intensity, configurations=configs,
         gpu_memory_bytes=int(budget.gpu_memory_bytes), host_ram_bytes=int(budget.host_ram_bytes),
@@ -195,7 +209,7 @@ def _settings(budget: Budget, dim: int) -> list[Setting]:
     """The settings to try, cheapest first (see the module docstring)."""
     cap = FEATURE_CAP[dim]
     if budget.device == "cuda":
-        base, precision = budget.base_features or 32, budget.precision or "fp16"
+        base, precision = budget.base_features or 32, budget.precision or AMP_PRECISION
         return [Setting(base, cap, precision, False, False), Setting(base, cap, precision, True, False),
                 Setting(base, cap, precision, True, True)]
     bases = (budget.base_features,) if budget.base_features else CPU_BASE_FEATURES
@@ -213,17 +227,18 @@ def _limits(budget: Budget, precision: str) -> tuple[Limits, str]:
     return Limits(budget.memory_limit_bytes, None, cuda_flops_per_second(spec, precision), fill_bytes), source
 
 
-def _search(space: SearchSpace, setting: Setting, limits: Limits, peak_fn: PeakFn, device: str
-            ) -> tuple[Candidate | None, bool]:
+def _search(space: SearchSpace, setting: Setting, limits: Limits, peak_fn: PeakFn, device: str,
+            check_fn: PeakFn | None = None) -> tuple[Candidate | None, bool]:
     """``search`` under one setting; returns (candidate, limited by time). On CPU the time limit is searched
-    first and the bytes checked at the end (searched with bytes too only if they do not fit)."""
+    first and the bytes checked at the end with ``check_fn`` (default ``peak_fn``), and searched with bytes
+    too only if they do not fit."""
     if device == "cuda":
         return search(space, setting, StepCost(peak_fn, setting, limits)), False
     found = search(space, setting, StepCost(peak_fn, setting, limits, use_memory=False))
     if found is None:
         return None, True
+    peak = StepCost(check_fn or peak_fn, setting, limits).peak(found.topology, found.batch, found.patch)
     cost = StepCost(peak_fn, setting, limits)
-    peak = cost.peak(found.topology, found.batch, found.patch)
     if peak <= limits.memory_bytes:
         return replace(found, peak_bytes=peak), True
     return search(space, setting, cost), False
@@ -234,13 +249,14 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
     """Plan one configuration over ``space`` (its network's axes)."""
     model_backed = peak_fn is None
     peak_fn = peak_fn or model_peak_fn(budget.device)
+    check_fn = checked_peak_fn(budget.device) if model_backed else peak_fn
     dim = len(space.median_shape)
     minimum = min(MIN_PATCH_VOXELS[budget.device][dim], math.prod(space.median_shape))
     settings = _settings(budget, dim)
     limits, source = _limits(budget, settings[0].precision)
     attempts: list[tuple[Setting, Candidate | None, bool]] = []
     for setting in settings:
-        found, by_time = _search(space, setting, limits, peak_fn, budget.device)
+        found, by_time = _search(space, setting, limits, peak_fn, budget.device, check_fn)
         attempts.append((setting, found, by_time))
         if found is not None and (found.coverage >= 1.0 or math.prod(found.patch) >= minimum):
             break
@@ -324,7 +340,7 @@ def _memory_terms(chosen: Candidate, setting: Setting, device: str) -> dict[str,
     (``TrainingMemory.breakdown``)."""
     model = training_memory_model(chosen.topology, setting.precision, setting.checkpointing, "sgd",
                                   chosen.accumulation_steps)
-    step = model.predict(chosen.batch, chosen.patch)
+    step = model.predict_or_simulate(chosen.batch, chosen.patch)
     device_terms = predict_device_peak(step, device)
     terms = {"predicted_peak_bytes": float(device_terms.pop("total"))}
     terms.update({k: float(v) for k, v in device_terms.items()})

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autoseg.artifacts import Artifact
+from autoseg.labels import LabelScheme, LabelValue
 
 
 @dataclass(frozen=True)
@@ -22,7 +23,7 @@ class NetworkTopology:
 
     dim: int  # 2 or 3 (number of spatial axes)
     in_channels: int
-    num_classes: int  # output channels, background included
+    num_classes: int  # network output channels: LabelScheme.num_outputs (classes with background, or regions)
     features_per_stage: tuple[int, ...]
     kernel_sizes: tuple[tuple[int, ...], ...]
     strides: tuple[tuple[int, ...], ...]
@@ -87,7 +88,7 @@ class Plans(Artifact):
 
     dataset_name: str
     channel_names: tuple[str, ...]
-    labels: dict[str, int]
+    labels: dict[str, LabelValue]  # as in dataset.json; a region's values as a tuple
     file_ending: str
     normalization: tuple[str, ...]  # per channel: "ct" | "zscore" | "rescale" | "none"
     use_nonzero_mask: tuple[bool, ...]  # per channel: normalize only inside the crop region
@@ -98,10 +99,18 @@ class Plans(Artifact):
     preprocessing_processes: int = 1
     loader_workers: int = 0
     host_memory: dict[str, float] = field(default_factory=dict)  # the byte figures behind the two counts
+    regions_class_order: tuple[int, ...] = ()  # region-based labels: the value painted for each region
+
+    @property
+    def label_scheme(self) -> LabelScheme:
+        """What the labels mean for the network, loss, sampling and export (``autoseg.labels``)."""
+        return LabelScheme.from_labels(self.labels, self.regions_class_order, where="plans.json labels")
 
     @property
     def num_classes(self) -> int:
-        return max(self.labels.values()) + 1
+        """Highest label value + 1, ignore included: sizes label maps and per-value counts. The network's
+        output channels are ``label_scheme.num_outputs``."""
+        return self.label_scheme.num_label_values
 
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:

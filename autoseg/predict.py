@@ -1,9 +1,11 @@
 """Prediction of new scans: preprocess, sliding window over every fold's network, export in the
 input's exact geometry (size, spacing, origin, direction).
 
-Export streams one class at a time: each class's probability map is resampled back to the cropped
-original shape and folded into a running argmax, so host memory grows with the volume
-(best score fp32 + label int16), not with volume x classes.
+Export streams one output channel at a time: each class's probability map is resampled back to the
+cropped original shape and folded into a running argmax (plain labels), or each region's map is
+resampled, thresholded at 0.5 and painted with its ``regions_class_order`` value over the regions before
+it (region-based labels; ``autoseg.labels``). Host memory grows with the volume (one resampled map, best
+score fp32, labels), not with volume x channels.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from autoseg.cropping import uncrop
 from autoseg.dataset import Case, list_prediction_inputs, load_case
 from autoseg.imageio import supported_ending, write_image
 from autoseg.inference import sliding_window_predict
+from autoseg.labels import LabelScheme
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.preprocess import CaseProperties, preprocess_case
@@ -39,15 +42,24 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
     return network.to(device).eval()
 
 
-def export_segmentation(probabilities: torch.Tensor, props: CaseProperties) -> np.ndarray:
-    """(K, Z', Y', X') probabilities in preprocessed space -> label map (Z, Y, X) uint8/int16 in the
-    original image's array space. Peak extra memory: one resampled class map + best score + labels."""
+def export_segmentation(probabilities: torch.Tensor, props: CaseProperties,
+                        scheme: LabelScheme | None = None) -> np.ndarray:
+    """(K, Z', Y', X') probabilities in preprocessed space -> label map (Z, Y, X) of label values
+    (``scheme.label_map_dtype()``) in the original image's array space. ``scheme`` None: plain classes
+    0 .. K-1 (``LabelScheme.for_outputs``). Peak extra memory: one resampled channel + best score (plain
+    labels only) + labels."""
     num_classes = probabilities.shape[0]
+    scheme = scheme or LabelScheme.for_outputs(num_classes)
+    if scheme.num_outputs != num_classes:
+        raise ValueError(f"{num_classes} probability maps for labels with {scheme.num_outputs} outputs")
     best_score = None
-    labels = np.zeros(props.shape_after_crop, dtype=np.int16 if num_classes > 127 else np.uint8)
+    labels = np.zeros(props.shape_after_crop, dtype=scheme.label_map_dtype())
     for k in range(num_classes):
         channel = probabilities[k].numpy().astype(np.float32, copy=False)
         resampled = resample_channel(channel, props.shape_after_crop, props.target_spacing_mm, order=1, order_z=0)
+        if scheme.has_regions:
+            scheme.paint_region(labels, k, resampled)  # later regions overwrite earlier ones
+            continue
         if best_score is None:
             best_score = resampled
             continue
@@ -63,15 +75,17 @@ def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, conf
     data, _, geometry = load_case(case)
     data, _, props = preprocess_case(data, None, geometry, plans, config, case.case_id)
     mirror_axes = tuple(range(config.dim)) if mirror else ()
+    scheme = plans.label_scheme
     probabilities = None
-    for network in networks:  # fold ensemble: mean of softmax probabilities
-        p = sliding_window_predict(network, data, config.patch_size, plans.num_classes, step_fraction=step_fraction,
+    for network in networks:  # fold ensemble: mean of softmax (classes) / sigmoid (regions) probabilities
+        p = sliding_window_predict(network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
                                    mirror_axes=mirror_axes, tile_batch_size=tile_batch_size, device=device,
-                                   precision=config.precision if device == "cuda" else "fp32")
+                                   precision=config.precision if device == "cuda" else "fp32",
+                                   activation="sigmoid" if scheme.has_regions else "softmax")
         probabilities = p if probabilities is None else probabilities.add_(p)
     assert probabilities is not None
     probabilities /= len(networks)
-    return export_segmentation(probabilities, props), props
+    return export_segmentation(probabilities, props, scheme), props
 
 
 def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str = "3d_fullres",

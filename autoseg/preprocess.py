@@ -31,6 +31,7 @@ from autoseg.artifacts import Artifact, atomic_save_npy, write_json
 from autoseg.cropping import crop_to_nonzero
 from autoseg.dataset import Case, RawDataset, load_case
 from autoseg.imageio import Geometry, read_geometry
+from autoseg.labels import LabelScheme
 from autoseg.normalization import normalize
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.precompute import (
@@ -122,23 +123,35 @@ def class_voxels_per_slice(seg: np.ndarray, num_classes: int) -> np.ndarray:
     return counts
 
 
-def class_locations(seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Generator) -> dict[str, tuple]:
-    """Up to LOCATIONS_PER_CLASS (z, y, x) voxels of each foreground class, drawn uniformly without
-    replacement, in array order. ``per_slice``: ``class_voxels_per_slice(seg)``. Works a slice at a time."""
+def class_locations(seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Generator,
+                    scheme: LabelScheme | None = None) -> dict[str, tuple]:
+    """Up to LOCATIONS_PER_CLASS (z, y, x) voxels of each foreground class or region, drawn uniformly
+    without replacement, in array order. ``per_slice``: ``class_voxels_per_slice(seg)``. Works a slice at
+    a time.
+
+    Keys are the network output channel of the class or region (``scheme.foreground_channels``): the label
+    value for plain classes, the region's index for region-based labels (a region's voxels: any of its
+    values). The ignore label is no key, so the loader never centres a patch on an ignored voxel.
+    ``scheme`` None: plain classes ``1 .. K-1``, K = ``per_slice.shape[1]``.
+    """
+    scheme = scheme or LabelScheme.plain(per_slice.shape[1])
     out = {}
-    for c in range(1, per_slice.shape[1]):
-        total = int(per_slice[:, c].sum())
+    for key, values in zip(scheme.foreground_channels, scheme.foreground_values, strict=True):
+        values = [v for v in values if v < per_slice.shape[1]]
+        counts = per_slice[:, values].sum(1)  # (Z,) voxels of the class or region per slice
+        total = int(counts.sum())
         ranks = np.arange(total) if total <= LOCATIONS_PER_CLASS else np.sort(
             rng.choice(total, LOCATIONS_PER_CLASS, replace=False))
-        ends = np.cumsum(per_slice[:, c])
+        ends = np.cumsum(counts)
         slice_of_rank = np.searchsorted(ends, ranks, side="right")
         found = []
         for k in np.unique(slice_of_rank):
-            local = ranks[slice_of_rank == k] - (ends[k] - per_slice[k, c])
-            flat = np.flatnonzero(seg[0, k] == c)[local]
+            local = ranks[slice_of_rank == k] - (ends[k] - counts[k])
+            member = seg[0, k] == values[0] if len(values) == 1 else np.isin(seg[0, k], values)
+            flat = np.flatnonzero(member)[local]
             y, x = np.unravel_index(flat, seg.shape[2:])
             found += [(int(k), int(a), int(b)) for a, b in zip(y, x, strict=True)]
-        out[str(c)] = tuple(found)
+        out[str(key)] = tuple(found)
     return out
 
 
@@ -236,8 +249,9 @@ def run_case(task: CaseTask) -> CaseResult:
     seg = seg.astype(np.int8 if plans.num_classes <= 127 else np.int16, copy=False)  # smallest for -1..K-1
     crc = zlib.crc32(case.case_id.encode())
     per_slice = class_voxels_per_slice(seg, plans.num_classes)
+    scheme = plans.label_scheme
     props = replace(props, class_voxels=tuple(int(v) for v in per_slice.sum(0)),
-                    class_locations=class_locations(seg, per_slice, np.random.default_rng([task.seed, crc])))
+                    class_locations=class_locations(seg, per_slice, np.random.default_rng([task.seed, crc]), scheme))
     written = [out_dir / f"{case.case_id}_data.npy", out_dir / f"{case.case_id}_seg.npy"]
     atomic_save_npy(written[0], data)
     atomic_save_npy(written[1], seg)
@@ -252,7 +266,7 @@ def run_case(task: CaseTask) -> CaseResult:
         atomic_save_npy(aug_paths[-3], aug_data)
         atomic_save_npy(aug_paths[-2], aug_seg)
         counts = class_voxels_per_slice(aug_seg, plans.num_classes)
-        locations = class_locations(aug_seg, counts, np.random.default_rng([task.seed, crc, 2, k]))
+        locations = class_locations(aug_seg, counts, np.random.default_rng([task.seed, crc, 2, k]), scheme)
         atomic_save_npy(aug_paths[-1], copy_locations_array(locations))
         copies.append(AugmentedCopy(k, params, tuple(int(v) for v in counts.sum(0))))
         del aug_data, aug_seg

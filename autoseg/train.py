@@ -8,6 +8,11 @@ cases are predicted and evaluated.
 Safety: an out-of-memory error in a step is never fatal; the step is retried with a degraded
 configuration (``autoseg.degrade``), recorded in run.json and the checkpoints. ``time_budget_s`` sets
 the number of epochs from measured speed (``autoseg.schedule``).
+
+Distributed (torchrun, ``autoseg.distributed``): each rank takes its share of the planned global batch
+(``rank_batch``) from its own loader stream; the loss's Dice sums and, after backward, the gradients are
+summed over ranks; an out-of-memory error on any rank degrades every rank. Only rank 0 writes (train.log,
+metrics, progress.png, checkpoints, run.json) and validates; its time-budget decisions are broadcast.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ from autoseg.artifacts import atomic_write_text
 from autoseg.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.compute import fastest_thread_count, training_step_closure
 from autoseg.degrade import apply_degradations, choose_degradation, log_degradation
+from autoseg.distributed import SINGLE_PROCESS, DistributedContext, PeerOutOfMemoryError, Ranks, rank_batch
+from autoseg.labels import LabelScheme
 from autoseg.loader import BatchLoader
-from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
+from autoseg.loss import compute_loss, training_loss
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.progress import plot_progress
@@ -92,19 +99,27 @@ def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple
     return list(split.train), list(split.val)
 
 
-def pseudo_dice_counts(logits: torch.Tensor, target: torch.Tensor, num_classes: int) -> np.ndarray:
-    """(3, K-1) true positive, false positive, false negative voxel counts per foreground class."""
-    pred = logits.argmax(1)
-    tgt = target[:, 0]
-    counts = np.zeros((3, num_classes - 1))
-    for k in range(1, num_classes):
-        p, t = pred == k, tgt == k
-        counts[:, k - 1] = [(p & t).sum().item(), (p & ~t).sum().item(), (~p & t).sum().item()]  # syncs
-    return counts
+def pseudo_dice_counts(logits: torch.Tensor, target: torch.Tensor, scheme: LabelScheme) -> np.ndarray:
+    """(3, F) true positive, false positive, false negative voxel counts per foreground class (argmax of
+    ``logits`` (B, C, *spatial)) or region (logit > 0, i.e. sigmoid > 0.5); ignore voxels are not counted."""
+    tgt = scheme.target_to_regions(target)  # B x F x spatial bool
+    if scheme.has_regions:
+        pred = logits > 0
+    else:
+        channels = torch.tensor(scheme.foreground_channels, device=logits.device)
+        pred = logits.argmax(1, keepdim=True) == channels.view(1, -1, *[1] * (logits.ndim - 2))
+    valid = scheme.valid_mask(target)
+    if valid is not None:
+        pred &= valid
+    axes = [0, *range(2, logits.ndim)]
+    counts = torch.stack([(pred & tgt).sum(axes), (pred & ~tgt).sum(axes), (~pred & tgt).sum(axes)])
+    return counts.cpu().numpy().astype(np.float64)  # syncs
 
 
-def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True) -> Path:
-    """Train one fold; returns the fold's results folder."""
+def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True,
+          distributed: DistributedContext = SINGLE_PROCESS) -> Path:
+    """Train one fold; returns the fold's results folder. ``distributed``: this process's rank in a torchrun
+    launch, its process group open (``autoseg.distributed.process_group``)."""
     started = time.perf_counter()
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
@@ -115,13 +130,18 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
         latest = out / "checkpoint_latest.pt"
         resumed = load_checkpoint(latest)
         check_same_plan(resumed, config, config_name, latest)
+        if resumed["world_size"] != distributed.world_size:
+            raise ValueError(f"{latest} was trained on {resumed['world_size']} process(es), this run has "
+                             f"{distributed.world_size} (the micro-batches and data streams are per process); "
+                             f"resume with --gpus {resumed['world_size']}, or train again without --resume")
     out.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(out / "train.log")
+    handler = logging.FileHandler(out / "train.log") if distributed.is_main else logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     log.addHandler(handler)
     threads = torch.get_num_threads()
     try:
-        ctx = _setup(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, resumed)
+        ctx = _setup(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, resumed,
+                     distributed)
         ctx.started = started
         return _train(ctx)
     finally:
@@ -143,10 +163,34 @@ class _Step:
     accumulation_steps: int
     grad_clip: float
     inject_oom: bool = False  # testing aid: the next micro-batch raises torch.OutOfMemoryError
+    ranks: Ranks | None = None  # the collectives of a distributed run (None: a single process)
+
+    def __post_init__(self) -> None:
+        if self.ranks is None:
+            self.ranks = Ranks(SINGLE_PROCESS, self.device)
 
     def __call__(self, loader: BatchLoader) -> tuple[float, float]:
-        """One optimizer step over ``accumulation_steps`` micro-batches; returns (loss, seconds waiting for data)."""
+        """One optimizer step over ``accumulation_steps`` micro-batches; returns (loss, seconds waiting for data).
+        Distributed: gradients are averaged over ranks once every rank got through its micro-batches; an
+        out-of-memory error here is signalled to the other ranks, which then raise ``PeerOutOfMemoryError``."""
         self.optimizer.zero_grad(set_to_none=True)
+        try:
+            with self.ranks.step_collectives():
+                step_loss, wait = self._micro_batches(loader)
+                self.ranks.check()  # every rank's micro-batches fit
+        except torch.OutOfMemoryError as e:
+            if not isinstance(e, PeerOutOfMemoryError):
+                self.ranks.signal_failure()
+            raise
+        self.ranks.average_gradients(self.network.parameters())  # parameter bytes, once per step
+        self.scaler.unscale_(self.optimizer)
+        torch.nn.utils.clip_grad_norm_(self.network.parameters(), self.grad_clip)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        return step_loss, wait
+
+    def _micro_batches(self, loader: BatchLoader) -> tuple[float, float]:
+        """Forward and backward of ``accumulation_steps`` micro-batches (gradients accumulate)."""
         step_loss, wait = 0.0, 0.0
         for _ in range(self.accumulation_steps):
             tw = time.perf_counter()
@@ -162,14 +206,10 @@ class _Step:
                 raise torch.OutOfMemoryError("CUDA out of memory (injected by RunConfig.inject_oom_at_step)")
             self.scaler.scale(loss).backward()
             step_loss += loss.item()  # syncs with the device
-        self.scaler.unscale_(self.optimizer)
-        torch.nn.utils.clip_grad_norm_(self.network.parameters(), self.grad_clip)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
         return step_loss, wait
 
 
-def _make_step(config: ConfigurationPlan, run: RunConfig) -> _Step:
+def _make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -> _Step:
     device = torch.device(run.device)
     network = build_network(config.network, checkpointing=config.checkpointing).to(device)
     amp = device.type == "cuda" and config.precision in ("fp16", "bf16")
@@ -179,7 +219,7 @@ def _make_step(config: ConfigurationPlan, run: RunConfig) -> _Step:
         optimizer=torch.optim.SGD(network.parameters(), lr=run.initial_lr, momentum=run.momentum, nesterov=True,
                                   weight_decay=run.weight_decay),
         scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16),
-        loss_fn=DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(config.network.num_stages - 1)),
+        loss_fn=training_loss(scheme, config.network.num_stages - 1),
         device=device, amp_dtype=amp_dtype, accumulation_steps=config.accumulation_steps, grad_clip=run.grad_clip,
     )
 
@@ -215,9 +255,14 @@ class _Context:
     loader_workers: int = 0
     use_precomputed: bool = False
 
+    @property
+    def ranks(self) -> Ranks:
+        return self.step.ranks
+
     def loader(self, epoch: int, augment: bool) -> BatchLoader:
-        """Training batches (augmented, in ``loader_workers`` processes) or validation batches (in-process)."""
-        seed = loader_seed(self.run.seed, epoch, 0 if augment else 1, len(self.degradations))
+        """Training batches (augmented, in ``loader_workers`` processes) or validation batches (in-process).
+        Each rank draws its own stream from all training cases (see docs/architecture.md, Multi-GPU)."""
+        seed = loader_seed(self.run.seed, epoch, 0 if augment else 1, len(self.degradations), self.ranks.context.rank)
         cfg = loader_config(self.config, augment, self.use_precomputed and augment)
         return BatchLoader(self.workspace.preprocessed(self.config_name), self.train_ids if augment else self.val_ids,
                            cfg, seed=seed, num_workers=self.loader_workers if augment else 0,
@@ -226,29 +271,40 @@ class _Context:
     def progress_state(self, epoch: int) -> dict[str, Any]:
         return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
                 "ema": self.ema, "best_ema": self.best_ema, "metrics": self.metrics,
-                "degradations": self.degradations, "time_budget": self.budget_decisions}
+                "degradations": self.degradations, "time_budget": self.budget_decisions,
+                "world_size": self.ranks.world_size}
 
     def save(self, name: str, epoch: int) -> None:
+        """Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
+        if not self.ranks.is_main:
+            return
         save_checkpoint(self.out / name, self.step.network, self.step.optimizer, self.step.scaler, self.planned,
                         self.config_name, self.progress_state(epoch))
 
 
 def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, config_name: str, fold: int | str,
            train_ids: list[str], val_ids: list[str], out: Path, run: RunConfig, progress: bool,
-           resumed: dict[str, Any] | None) -> _Context:
+           resumed: dict[str, Any] | None, distributed: DistributedContext) -> _Context:
     """Threads, seed, network and optimizer; from the checkpoint when resuming (random states last)."""
-    config = apply_degradations(planned, resumed["degradations"]) if resumed else planned
+    micro, accumulation = rank_batch(planned.batch_size, planned.accumulation_steps, distributed.world_size)
+    share = planned.with_(batch_size=micro, accumulation_steps=accumulation)  # this rank's part of a step
+    config = apply_degradations(share, resumed["degradations"]) if resumed else share
     if run.device == "cpu":
-        if run.cpu_threads is None:
-            _choose_cpu_threads(config)
-        else:
+        if run.cpu_threads is not None:
             torch.set_num_threads(run.cpu_threads)
+        elif distributed.local_world_size > 1:  # the node's cores shared by its ranks, not measured
+            torch.set_num_threads(max(1, cpu_count() // distributed.local_world_size))
+        else:
+            _choose_cpu_threads(config)
     torch.manual_seed(run.seed)
     ctx = _Context(workspace, plans, planned, config, config_name, fold, train_ids, val_ids, out, run, progress,
-                   step=_make_step(config, run), epochs=run.epochs, iterations_per_epoch=run.iterations_per_epoch)
+                   step=_make_step(config, run, plans.label_scheme), epochs=run.epochs,
+                   iterations_per_epoch=run.iterations_per_epoch)
+    _distribute(ctx.step, distributed)
     _choose_data_pipeline(ctx)
     if resumed is None:
-        (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
+        if ctx.ranks.is_main:
+            (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
         if run.time_budget_s is not None:
             shapes = [_case_shape(workspace.preprocessed(config_name), c) for c in val_ids] if run.validate else []
             ctx.budget = TimeBudget(run.time_budget_s, time.perf_counter(), run.iterations_per_epoch,
@@ -264,7 +320,8 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
     ctx.metrics = [r for r in resumed["metrics"] if r["epoch"] <= resumed["epoch"]]
     ctx.ema, ctx.best_ema = resumed["ema"], resumed["best_ema_dice"]
     ctx.degradations, ctx.budget_decisions = resumed["degradations"], resumed["time_budget"] or []
-    atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in ctx.metrics))
+    if ctx.ranks.is_main:
+        atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in ctx.metrics))
     if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
         log.info("resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs,
                  ctx.iterations_per_epoch)
@@ -274,10 +331,21 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
     return ctx
 
 
+def _distribute(step: _Step, distributed: DistributedContext) -> None:
+    """Give the step its rank's collectives: the loss's batch-Dice sums are summed over ranks before the Dice
+    ratio (the single-process loss of the global micro-batch; the trainer's loss is a ``DeepSupervisionLoss``
+    around a Dice loss), and every rank starts from rank 0's weights."""
+    step.ranks = Ranks(distributed, step.device)
+    if distributed.is_distributed:
+        step.loss_fn.base_loss.reduce_sums = step.ranks.reduce_sums
+    step.ranks.broadcast_module(step.network)
+
+
 def _choose_data_pipeline(ctx: _Context) -> None:
     """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
     run, folder = ctx.run, ctx.workspace.preprocessed(ctx.config_name)
-    ctx.loader_workers = ctx.plans.loader_workers if run.loader_workers is None else run.loader_workers
+    node_share = ctx.plans.loader_workers // ctx.ranks.context.local_world_size  # the plan's are for one node
+    ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
     copies = precomputed_copies(folder, ctx.train_ids)
     if run.use_precomputed and copies == 0:
         raise ValueError(f"{folder}: some training cases have no precomputed augmented copies; run "
@@ -297,34 +365,41 @@ def _case_shape(folder: Path, case_id: str) -> tuple[int, ...]:
 
 
 def _train(ctx: _Context) -> Path:
-    config, run = ctx.config, ctx.run
-    log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation, %d epochs x %d it",
-             ctx.config_name, ctx.fold, len(ctx.train_ids), len(ctx.val_ids), config.patch_size, config.batch_size,
-             config.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
+    config, run, world = ctx.config, ctx.run, ctx.ranks.world_size
+    global_batch = world * config.batch_size * config.accumulation_steps
+    log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation x %d process(es) = "
+             "global batch %d (planned %d), %d epochs x %d it", ctx.config_name, ctx.fold, len(ctx.train_ids),
+             len(ctx.val_ids), config.patch_size, config.batch_size, config.accumulation_steps, world, global_batch,
+             ctx.planned.batch_size * ctx.planned.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
     epoch = ctx.first_epoch
     while epoch < ctx.epochs:
         t0 = time.perf_counter()
         row = _run_epoch(ctx, epoch, t0)
-        ctx.metrics.append(row)
-        _log_epoch(row, ctx.out, ctx.metrics)
-        if ctx.ema > ctx.best_ema:
-            ctx.best_ema = ctx.ema
-            ctx.save("checkpoint_best.pt", epoch)
+        if ctx.ranks.is_main:  # the other ranks have no row
+            ctx.metrics.append(row)
+            _log_epoch(row, ctx.out, ctx.metrics)
+            if ctx.ema > ctx.best_ema:
+                ctx.best_ema = ctx.ema
+                ctx.save("checkpoint_best.pt", epoch)
         if ctx.budget is not None:
-            ctx.epochs = ctx.budget.epoch_done(epoch, time.perf_counter() - t0, time.perf_counter(), ctx.epochs)
+            epochs = ctx.budget.epoch_done(epoch, time.perf_counter() - t0, time.perf_counter(), ctx.epochs)
+            ctx.epochs = ctx.ranks.broadcast_int(epochs)  # rank 0's decision, so all ranks run as many epochs
             ctx.budget_decisions = [d.to_dict() for d in ctx.budget.decisions]
         ctx.save("checkpoint_latest.pt", epoch)
         epoch += 1
         if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
             return ctx.out  # testing aid: as if killed after the checkpoint
     ctx.save("checkpoint_final.pt", ctx.epochs - 1)
+    if not ctx.ranks.is_main:
+        return ctx.out  # rank 0 writes run.json and runs the final validation alone
     record = {"run": asdict(run), "fold": str(ctx.fold), "config": ctx.config_name,
               "schedule": {"epochs": ctx.epochs, "iterations_per_epoch": ctx.iterations_per_epoch},
               "degradations": ctx.degradations, "time_budget": ctx.budget_decisions,
               "effective_configuration": {"batch_size": ctx.config.batch_size,
                                           "accumulation_steps": ctx.config.accumulation_steps,
                                           "checkpointing": ctx.config.checkpointing},
-              "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed}}
+              "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
+              "distributed": {"world_size": world, "global_batch": global_batch}}
     atomic_write_text(ctx.out / "run.json", json.dumps(record, indent=2))
     if run.validate:
         from autoseg.validation import validate_fold
@@ -334,8 +409,9 @@ def _train(ctx: _Context) -> Path:
     return ctx.out
 
 
-def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any]:
-    """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row."""
+def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
+    """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row (rank 0; the
+    other ranks skip the pseudo-Dice and return None)."""
     step, run, ipe = ctx.step, ctx.run, ctx.iterations_per_epoch
     wait, losses, lr = 0.0, [], run.initial_lr
     train_loader = ctx.loader(epoch, augment=True)
@@ -347,23 +423,26 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any]:
             for group in step.optimizer.param_groups:
                 group["lr"] = lr
             if run.inject_oom_at_step == epoch * ipe + it and not ctx.oom_injected:
-                step.inject_oom, ctx.oom_injected = True, True
+                step.inject_oom, ctx.oom_injected = ctx.ranks.is_main, True  # rank 0 only: the others follow
             (loss, waited), train_loader = _step_or_degrade(ctx, train_loader, epoch, it)
             losses.append(loss)
             wait += waited
             bar.set_postfix(loss=f"{loss:.3f}")
             if ctx.budget is not None and epoch == ctx.first_epoch:
                 decided = ctx.budget.iteration_done(time.perf_counter(), t0)
-                if decided is not None:
-                    ctx.epochs = decided
+                if decided is not None:  # at the same iteration on every rank
+                    ctx.epochs = ctx.ranks.broadcast_int(decided)
     finally:
         train_loader.close()
+    train_loss = ctx.ranks.mean(float(np.mean(losses)))  # the global batch's loss
+    if not ctx.ranks.is_main:
+        return None
     with ctx.loader(epoch, augment=False) as val_loader:
-        val_loss, dice = _validate(step.network, val_loader, step.loss_fn, run, step.device, ctx.plans.num_classes)
+        val_loss, dice = _validate(step.network, val_loader, step.loss_fn, run, step.device, ctx.plans.label_scheme)
     mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
     ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
     epoch_s = time.perf_counter() - t0
-    return {"epoch": epoch, "train_loss": float(np.mean(losses)), "val_loss": val_loss,
+    return {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss,
             "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ctx.ema, "lr": lr,
             "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}
 
@@ -412,17 +491,17 @@ def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
 
 @torch.no_grad()
 def _validate(network, loader: BatchLoader, loss_fn, run: RunConfig, device,
-              num_classes: int) -> tuple[float, np.ndarray]:
-    """Mean loss and pseudo-Dice per foreground class over ``val_iterations`` un-augmented patches."""
+              scheme: LabelScheme) -> tuple[float, np.ndarray]:
+    """Mean loss and pseudo-Dice per foreground class (or region) over ``val_iterations`` un-augmented patches."""
     network.eval()
-    counts = np.zeros((3, num_classes - 1))
+    counts = np.zeros((3, len(scheme.names)))
     losses = []
     for _ in range(run.val_iterations):
         batch = next(loader)
         x, y = batch["data"].to(device), batch["target"].to(device)
         out = network(x)
         losses.append(compute_loss(out, y, loss_fn).item())
-        counts += pseudo_dice_counts(out[0] if isinstance(out, list) else out, y, num_classes)
+        counts += pseudo_dice_counts(out[0] if isinstance(out, list) else out, y, scheme)
     tp, fp, fn = counts
     with np.errstate(invalid="ignore", divide="ignore"):
         dice = 2 * tp / (2 * tp + fp + fn)

@@ -113,3 +113,40 @@ def test_end_to_end_plan_train_predict_evaluate(tiny_dataset: Path, tmp_path: Pa
     summary = json.loads((out / "summary.json").read_text())
     assert summary["labels"] == {"organ": 1, "lesion": 2}
     assert len(summary["cases"]) == 2
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message for a machine without CUDA")
+def test_train_gpus_without_cuda_asks_for_device_cpu(tmp_path: Path, capsys) -> None:
+    assert main(["-q", "train", "fold", "0", "-w", str(tmp_path), "--gpus", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus 2: no CUDA device is visible; add --device cpu to train in 2 CPU processes" in err
+
+
+def test_train_gpus_rejects_zero_and_a_torchrun_launch(tmp_path: Path, capsys, monkeypatch) -> None:
+    assert main(["-q", "train", "fold", "0", "-w", str(tmp_path), "--gpus", "0", "--device", "cpu"]) == 2
+    assert "--gpus 0: give the number of processes, at least 1" in capsys.readouterr().err
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["-q", "train", "fold", "0", "-w", str(tmp_path), "--gpus", "2", "--device", "cpu"]) == 2
+    assert "when launching with torchrun leave --gpus out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("gpus", [["--gpus", "2"], ["--gpus=2"], ["--gp", "2"]])
+def test_relaunched_command_drops_gpus(gpus: list[str]) -> None:
+    from autoseg.cli import _without_gpus
+
+    argv = ["-q", "train", "fold", "0", *gpus, "--device", "cpu", "--epochs", "2"]
+    assert build_parser().parse_args(argv).gpus == 2
+    assert _without_gpus(argv) == ["-q", "train", "fold", "0", "--device", "cpu", "--epochs", "2"]
+
+
+def test_distributed_context_from_the_torchrun_environment() -> None:
+    from autoseg.cli import _distributed_context
+    from autoseg.distributed import SINGLE_PROCESS
+
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    context = _distributed_context(env, "cpu")
+    assert (context.rank, context.world_size, context.local_rank, context.local_world_size) == (3, 4, 1, 2)
+    assert context.backend == "gloo" and not context.is_main
+    assert _distributed_context({}, "cpu") is SINGLE_PROCESS
+    with pytest.raises(ValueError, match="cannot read the torchrun environment .*'LOCAL_WORLD_SIZE'"):
+        _distributed_context({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "cpu")

@@ -58,6 +58,29 @@ def test_undeclared_label_value(dataset_copy):
         check_integrity(load_dataset(dataset_copy))
 
 
+def test_planning_checks_voxels_while_fingerprinting_and_writes_nothing(dataset_copy, tmp_path):
+    """plan_dataset reads each case once: the fingerprint reports every case's voxel problems together."""
+    from autoseg.pipeline import plan_dataset
+    from autoseg.planner import Budget, GiB
+    from autoseg.workspace import Workspace
+
+    for case, value in (("demo_001", 7), ("demo_003", 5)):
+        path = dataset_copy / "labelsTr" / f"{case}.nii.gz"
+        seg, geo = read_image(path, dtype=np.uint8)
+        seg[0, 0, 0] = value
+        write_image(path, seg, geo)
+    path = dataset_copy / "labelsTr" / "demo_002.nii.gz"
+    seg, geo = read_image(path)
+    seg[0, 0, 0] = 0.5
+    write_image(path, seg, geo)  # float32 label map
+    workspace = Workspace.at(tmp_path / "ws")
+    with pytest.raises(DatasetError, match=r"3 problem\(s\) found; nothing was written") as err:
+        plan_dataset(dataset_copy, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    assert "demo_001.nii.gz holds label value(s) [7]" in str(err.value)
+    assert "demo_002.nii.gz holds non-integer values" in str(err.value)
+    assert not workspace.fingerprint_path.exists() and not workspace.plans_path.exists()
+
+
 def _convert_to_nrrd(root):
     """Rewrite the dataset with .nrrd files (SimpleITK's NIfTI reader turns NaN into 0, NRRD keeps it)."""
     for folder in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):
@@ -87,3 +110,48 @@ def test_prediction_inputs_folder_and_file(tiny_dataset):
     assert single[0].case_id == "demo_005"
     with pytest.raises(DatasetError, match="expects 2 channels"):
         list_prediction_inputs(tiny_dataset / "imagesTs" / "demo_005_0000.nii.gz", num_channels=2)
+
+
+def _set_labels(root, labels, regions_class_order=None):
+    meta = json.loads((root / "dataset.json").read_text())
+    meta["labels"] = labels
+    meta.pop("regions_class_order", None)
+    if regions_class_order is not None:
+        meta["regions_class_order"] = regions_class_order
+    (root / "dataset.json").write_text(json.dumps(meta))
+
+
+def test_region_labels_with_ignore_are_read(dataset_copy):
+    _set_labels(dataset_copy, {"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, [1, 2])
+    path = dataset_copy / "labelsTr" / "demo_003.nii.gz"
+    seg, geo = read_image(path, dtype=np.uint8)
+    seg[:2] = 3  # two unlabelled slices
+    write_image(path, seg, geo)
+    ds = load_dataset(dataset_copy)
+    assert ds.labels == {"background": 0, "organ": (1, 2), "lesion": 2, "ignore": 3}
+    assert ds.regions_class_order == (1, 2) and ds.label_values == (0, 1, 2, 3) and ds.num_classes == 4
+    assert ds.label_scheme.num_outputs == 2 and ds.label_scheme.ignore_value == 3
+    check_integrity(ds)  # the ignore value is a declared value
+    seg[0, 0, 0] = 4
+    write_image(path, seg, geo)
+    with pytest.raises(DatasetError, match=r"demo_003.nii.gz holds label value\(s\) \[4\] not declared"):
+        check_integrity(load_dataset(dataset_copy))
+
+
+def test_plain_labels_with_ignore_are_read(dataset_copy):
+    _set_labels(dataset_copy, {"background": 0, "organ": 1, "lesion": 2, "ignore": 3})
+    ds = load_dataset(dataset_copy)
+    assert ds.label_scheme.num_outputs == 3 and ds.num_classes == 4 and not ds.label_scheme.has_regions
+
+
+@pytest.mark.parametrize("labels, order, message", [
+    ({"background": 0, "organ": [1, 2], "lesion": 2}, None, r'need a top-level "regions_class_order"'),
+    ({"background": 0, "organ": 1, "ignore": 1}, None, r"'ignore' is 1 but must be the highest label value"),
+    ({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 3], r"regions_class_order\[1\] is 3, which is not a value"),
+    ({"background": 0, "organ": 1, "lesion": 3}, None, r"consecutive integers from 0"),
+])
+def test_bad_labels_name_dataset_json(dataset_copy, labels, order, message):
+    _set_labels(dataset_copy, labels, order)
+    with pytest.raises(DatasetError, match=message) as info:
+        load_dataset(dataset_copy)
+    assert str(info.value).startswith(str(dataset_copy / "dataset.json"))

@@ -131,3 +131,39 @@ def test_empty_reference_folder_is_an_error(tmp_path: Path) -> None:
     (tmp_path / "pred").mkdir()
     with pytest.raises(EvaluationError, match="no reference segmentations"):
         evaluate_folder(tmp_path / "pred", tmp_path / "gt")
+
+
+def test_regions_and_ignore_from_dataset_json(tmp_path: Path) -> None:
+    """Regions score the union of their values in both images; reference ignore voxels count nowhere.
+
+    reference  0 1 2 2 3 3 1 0   (3 = ignore)
+    prediction 0 1 1 2 2 0 2 2
+    whole = {1, 2}: counted voxels 0,1,2,3,6,7 -> ref 1,2,3,6; pred 1,2,3,6,7 -> tp 4, fp 1, fn 0
+    core = {2}: ref 2,3; pred 3,6,7 -> tp 1, fp 2, fn 1
+    """
+    gt, pred = tmp_path / "labelsTr", tmp_path / "pred"
+    _write(gt / "a.nii.gz", np.array([[[0, 1, 2, 2, 3, 3, 1, 0]]]))
+    _write(pred / "a.nii.gz", np.array([[[0, 1, 1, 2, 2, 0, 2, 2]]]))
+    meta = {"labels": {"background": 0, "whole": [1, 2], "core": 2, "ignore": 3}, "regions_class_order": [1, 2]}
+    (tmp_path / "dataset.json").write_text(json.dumps(meta))
+    summary = evaluate_folder(pred, gt, output_json=pred / "summary.json")
+    assert summary.labels == {"whole": (1, 2), "core": 2} and summary.ignore_value == 3
+    whole, core = summary.cases[0].classes["whole"], summary.cases[0].classes["core"]
+    assert (whole.tp, whole.fp, whole.fn) == (4, 1, 0) and whole.dice == pytest.approx(8 / 9)
+    assert (core.tp, core.fp, core.fn) == (1, 2, 1) and core.dice == pytest.approx(2 / 5)
+    assert whole.volume_ref_mm3 == pytest.approx(4 * 6.0)
+    loaded = EvaluationSummary.from_json(pred / "summary.json")
+    assert loaded.labels == summary.labels and loaded.ignore_value == 3
+    lines = format_table(summary).splitlines()
+    assert lines[0].split()[:2] == ["region", "value"] and lines[1].split()[:2] == ["whole", "1,2"]
+    assert "(2 regions, 1 cases; ignore label 3 not counted)" in lines[-1]
+
+
+def test_ignore_with_plain_classes_excludes_reference_voxels(tmp_path: Path) -> None:
+    _write(tmp_path / "gt" / "c.nii.gz", np.array([[[1, 1, 2, 2, 2]]]))
+    _write(tmp_path / "pred" / "c.nii.gz", np.array([[[1, 0, 1, 1, 0]]]))
+    labels = {"background": 0, "organ": 1, "ignore": 2}
+    summary = evaluate_folder(tmp_path / "pred", tmp_path / "gt", labels=labels)
+    organ = summary.cases[0].classes["organ"]
+    assert summary.labels == {"organ": 1}  # ignore is not a class
+    assert (organ.tp, organ.fp, organ.fn) == (1, 0, 1)  # predictions on ignored voxels are not false positives

@@ -73,7 +73,7 @@ def test_what_ifs_move_the_peak_the_expected_way(explanation: Explanation) -> No
     assert what_if(e, "batch 3").total_bytes > planned
     assert what_if(e, "batch 1").batch_size == 1 and what_if(e, "batch 1").total_bytes < planned
     assert what_if(e, "checkpointing on").total_bytes < planned
-    assert what_if(e, "bf16").total_bytes < planned
+    assert what_if(e, "fp16").total_bytes < planned
     bigger = what_if(e, "patch")
     assert math.prod(bigger.patch_size) > 16**3 and bigger.total_bytes > planned
     least = what_if(e, "batch 1 + AMP + checkpointing")

@@ -92,3 +92,26 @@ def test_fingerprint_in_processes_equals_one_process(tiny_dataset):
     """Each case samples from its own seeded generator, so worker processes change nothing."""
     dataset = load_dataset(tiny_dataset)
     assert fingerprint(dataset, progress=False, processes=2) == fingerprint(dataset, progress=False, processes=1)
+
+
+def test_regions_and_ignore_are_recorded_and_ignored_voxels_are_not_foreground(dataset_copy) -> None:
+    import json
+
+    from autoseg.imageio import write_image
+
+    meta = json.loads((dataset_copy / "dataset.json").read_text())
+    meta.update(labels={"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, regions_class_order=[1, 2])
+    (dataset_copy / "dataset.json").write_text(json.dumps(meta))
+    ds = load_dataset(dataset_copy)
+    values = []
+    for case in ds.cases:
+        label, geometry = read_image(case.label_path, dtype=np.int16)
+        label[label == 2] = 3  # the lesions are unlabelled now
+        write_image(case.label_path, label.astype(np.uint8), geometry)
+        image, _ = read_image(case.image_paths[0])
+        values.append(image[label == 1])
+    fp = fingerprint(ds, seed=0, progress=False)
+    assert fp.labels["organ"] == (1, 2) and fp.regions_class_order == (1, 2)
+    assert all(len(c.class_voxels) == 4 and c.class_voxels[2] == 0 and c.class_voxels[3] > 0 for c in fp.cases)
+    # intensities come from labelled foreground only: the organ, not the ignored lesions
+    assert fp.foreground_intensity[0].mean == pytest.approx(np.concatenate(values).astype(np.float64).mean(), rel=1e-6)

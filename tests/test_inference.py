@@ -325,3 +325,13 @@ def test_buffer_estimate_matches_the_tensors_allocated(
                                       in_channels=shape[0])
     assert expected.pop("total") == sum(expected.values())
     assert seen == expected
+
+
+def test_sigmoid_activation_for_regions() -> None:
+    data = _random_image((1, 5, 6, 7))
+    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_classes=2,
+                                   activation="sigmoid")
+    expected = torch.sigmoid(torch.tensor([1.0, -2.0]))  # per channel: need not sum to 1
+    torch.testing.assert_close(probs, expected[:, None, None, None].expand(2, 5, 6, 7), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_classes=2, activation="relu")

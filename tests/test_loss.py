@@ -8,13 +8,20 @@ import pytest
 import torch
 from torch import nn
 
+from autoseg.labels import LabelScheme
 from autoseg.loss import (
     DeepSupervisionLoss,
     DiceCELoss,
+    RegionDiceBCELoss,
     compute_loss,
     deep_supervision_weights,
     downsample_targets,
+    training_loss,
 )
+
+PLAIN_IGNORE = LabelScheme.from_labels({"background": 0, "organ": 1, "lesion": 2, "ignore": 3})
+REGIONS = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2])
+REGIONS_IGNORE = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, [1, 2])
 
 
 def random_target(shape: tuple[int, ...], num_classes: int, seed: int = 0) -> torch.Tensor:
@@ -145,3 +152,73 @@ def test_compute_loss_with_network_outputs() -> None:
     assert compute_loss(outputs[0], target, ds_loss).item() < 1e-4  # deep supervision switched off
     with pytest.raises(ValueError, match="wrap it in DeepSupervisionLoss"):
         compute_loss(outputs, target, DiceCELoss())
+
+
+@pytest.mark.parametrize("scheme", [PLAIN_IGNORE, REGIONS_IGNORE], ids=["classes", "regions"])
+def test_ignore_voxels_have_no_effect_on_loss_or_gradient(scheme: LabelScheme) -> None:
+    target = random_target((2, 1, 6, 6), 4, seed=3)  # values 0..3, 3 = ignore (about a quarter)
+    target[0, 0, 0, :3] = -1
+    ignored = (target == 3).expand(-1, scheme.num_outputs, -1, -1)
+    loss = training_loss(scheme, 1).base_loss
+    logits = torch.randn(2, scheme.num_outputs, 6, 6, generator=torch.Generator().manual_seed(4), requires_grad=True)
+    value = loss(logits, target)
+    value.backward()
+    assert torch.count_nonzero(logits.grad[ignored]) == 0 and torch.count_nonzero(logits.grad[~ignored]) > 0
+    changed = logits.detach().clone()
+    changed[ignored] = 50 * torch.randn(int(ignored.sum()), generator=torch.Generator().manual_seed(5))
+    assert loss(changed, target).item() == pytest.approx(value.item(), abs=1e-6)
+
+
+@pytest.mark.parametrize("scheme", [PLAIN_IGNORE, REGIONS_IGNORE], ids=["classes", "regions"])
+def test_ignore_equals_leaving_the_voxels_out(scheme: LabelScheme) -> None:
+    target = torch.tensor([[[0, 1, 2, 3, 2, 3, 1, 0]]])
+    logits = torch.randn(1, scheme.num_outputs, 8, generator=torch.Generator().manual_seed(6))
+    kept = (target[0, 0] != 3).nonzero()[:, 0]
+    without = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2]) \
+        if scheme.has_regions else LabelScheme.plain(3)
+    expected = training_loss(without, 1).base_loss(logits[:, :, kept], target[:, :, kept])
+    assert training_loss(scheme, 1).base_loss(logits, target).item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_all_ignored_patch_gives_a_finite_loss() -> None:
+    target = torch.full((1, 1, 4, 4), 3)
+    for scheme in (PLAIN_IGNORE, REGIONS_IGNORE):
+        value = training_loss(scheme, 1).base_loss(torch.randn(1, scheme.num_outputs, 4, 4), target)
+        assert math.isfinite(value.item())
+
+
+def test_region_loss_matches_a_hand_computation() -> None:
+    # regions organ = {1, 2}, lesion = {2}; 4 voxels with labels 0, 1, 2, 2 (and -1 = background)
+    target = torch.tensor([[[0, 1, 2, -1]]])
+    logits = torch.tensor([[[2.0, -1.0, 0.0, 1.0], [0.0, 0.5, 3.0, -2.0]]])
+    g = [[0, 1, 1, 0], [0, 0, 1, 0]]
+    bce = 0.0
+    dice = []
+    for r in range(2):
+        p = [1 / (1 + math.exp(-z)) for z in logits[0, r].tolist()]
+        bce += sum(-(gi * math.log(pi) + (1 - gi) * math.log(1 - pi)) for gi, pi in zip(g[r], p))
+        dice.append((2 * sum(pi * gi for pi, gi in zip(p, g[r])) + 1e-5) / (sum(p) + sum(g[r]) + 1e-5))
+    expected = bce / 8 + 1 - sum(dice) / 2
+    assert RegionDiceBCELoss(REGIONS)(logits, target).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_region_loss_near_zero_for_confident_right_regions() -> None:
+    target = random_target((2, 1, 6, 6), 3, seed=7)
+    logits = 30 * (2 * REGIONS.target_to_regions(target).float() - 1)
+    assert RegionDiceBCELoss(REGIONS)(logits, target).item() < 1e-4
+    with pytest.raises(ValueError, match=r"expected \(B, 2, \*spatial\), one channel per region"):
+        RegionDiceBCELoss(REGIONS)(torch.zeros(2, 3, 6, 6), target)
+    with pytest.raises(ValueError, match="needs region-based labels"):
+        RegionDiceBCELoss(PLAIN_IGNORE)
+
+
+@pytest.mark.parametrize("scheme", [PLAIN_IGNORE, REGIONS_IGNORE], ids=["classes", "regions"])
+def test_deep_supervision_keeps_the_ignore_label(scheme: LabelScheme) -> None:
+    target = random_target((1, 1, 8, 8), 4, seed=8)
+    low = downsample_targets(target, [(4, 4)])[0]
+    assert torch.equal(low, target[:, :, ::2, ::2]) and (low == 3).any()  # nearest: ignore stays ignore
+    outputs = [torch.randn(1, scheme.num_outputs, 8, 8), torch.randn(1, scheme.num_outputs, 4, 4)]
+    loss = training_loss(scheme, 2)  # weights 1, 0 -> only full resolution counts
+    changed = [o.clone() for o in outputs]
+    changed[0][(target == 3).expand_as(changed[0])] = 100.0
+    assert compute_loss(changed, target, loss).item() == pytest.approx(compute_loss(outputs, target, loss).item())

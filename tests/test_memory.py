@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoseg.labels import LabelScheme
 from autoseg.memory import (
     TrainingMemoryModel,
     export_bytes,
@@ -58,6 +59,11 @@ SEVEN2D = topo(2, (4, 4, 8, 8, 8, 16, 16), [(1, 1), (2, 2), (2, 2), (1, 2), (2, 
                in_channels=3, num_classes=14)
 FOUR2D_NO_DS = topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_classes=2, deep_supervision=False)
 
+# Three sigmoid region outputs + an ignore label, and three softmax classes + an ignore label (ISO3D's 3 outputs).
+REGIONS_IGNORE = LabelScheme.from_labels({"background": 0, "wt": [1, 2, 3], "tc": [2, 3], "et": 3, "ignore": 4},
+                                         [1, 2, 3])
+CLASSES_IGNORE = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2, "ignore": 3})
+
 # (name, topology, batch, patch, keyword arguments)
 CONFIGS = [
     ("3d-iso-4st-b2-fp32", ISO3D, 2, (16, 16, 16), {}),
@@ -70,6 +76,9 @@ CONFIGS = [
     ("3d-iso-4st-b2-accumulation-adam", ISO3D, 2, (16, 16, 16),
      {"accumulation_steps": 2, "optimizer": "adam"}),
     ("3d-iso-4st-b1-bf16", ISO3D, 1, (16, 16, 32), {"precision": "bf16"}),
+    ("3d-iso-4st-b2-regions-ignore", ISO3D, 2, (16, 16, 16), {"labels": REGIONS_IGNORE}),
+    ("3d-iso-4st-b2-classes-ignore-bf16", ISO3D, 2, (16, 16, 16), {"labels": CLASSES_IGNORE, "precision": "bf16"}),
+    ("2d-4st-b2-one-output", topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_classes=1), 2, (32, 32), {}),
 ]
 
 
@@ -165,6 +174,7 @@ def test_device_terms():
     ((ISO3D, 1, (8, 8, 8), {}), "one voxel at the lowest resolution"),
     ((ISO3D, 0, (16, 16, 16), {}), "must be >= 1"),
     ((ISO3D, 2, (16, 16, 16), {"optimizer": "lion"}), "optimizer 'lion' is not known"),
+    ((ISO3D, 2, (16, 16, 16), {"labels": LabelScheme.plain(2)}), "the labels have 2 network outputs"),
 ])
 def test_bad_arguments_say_what_to_change(args, message):
     topology, batch, patch, kwargs = args

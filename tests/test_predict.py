@@ -121,3 +121,20 @@ def test_export_puts_the_most_probable_class_back_in_original_space() -> None:
     expected[3:5, 5:8, 3:11] = 1
     assert labels.dtype == np.uint8 and labels.shape == (6, 10, 12)
     np.testing.assert_array_equal(labels, expected)
+
+
+def test_export_paints_regions_in_order_in_original_space() -> None:
+    from autoseg.labels import LabelScheme
+
+    scheme = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2])
+    props = _export_case()
+    probabilities = torch.full((2, 4, 12, 16), 0.1)
+    probabilities[0, :2] = 0.9  # organ region: first two cropped slices
+    probabilities[1, 1:3, :, :8] = 0.8  # lesion region: slices 1-2, left half; painted over the organ
+    labels = export_segmentation(probabilities, props, scheme)
+    expected = np.zeros((6, 10, 12), dtype=np.uint8)
+    expected[1:3, 2:8, 3:11] = 1
+    expected[2:4, 2:8, 3:7] = 2
+    np.testing.assert_array_equal(labels, expected)
+    with pytest.raises(ValueError, match="3 probability maps for labels with 2 outputs"):
+        export_segmentation(torch.zeros(3, 4, 12, 16), props, scheme)

@@ -149,3 +149,18 @@ def test_two_processes_write_the_same_files_as_one(planned, tmp_path: Path) -> N
             np.testing.assert_array_equal(np.load(path), np.load(two / path.name))
         else:
             assert path.read_text() == (two / path.name).read_text()
+
+
+def test_class_locations_per_region_never_at_ignore_voxels() -> None:
+    from autoseg.labels import LabelScheme
+    from autoseg.preprocess import class_locations, class_voxels_per_slice
+
+    scheme = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, [1, 2])
+    seg = np.array([[[[0, 1, 2], [3, 3, 1]], [[2, -1, 3], [0, 0, 0]]]], dtype=np.int8)  # (1, 2, 2, 3)
+    locations = class_locations(seg, class_voxels_per_slice(seg, 4), np.random.default_rng(0), scheme)
+    assert set(locations) == {"0", "1"}  # keyed by region index (the output channel)
+    assert sorted(locations["0"]) == [(0, 0, 1), (0, 0, 2), (0, 1, 2), (1, 0, 0)]  # values 1 or 2
+    assert sorted(locations["1"]) == [(0, 0, 2), (1, 0, 0)]
+    plain = LabelScheme.from_labels({"background": 0, "organ": 1, "lesion": 2, "ignore": 3})
+    by_class = class_locations(seg, class_voxels_per_slice(seg, 4), np.random.default_rng(0), plain)
+    assert set(by_class) == {"1", "2"} and sorted(by_class["2"]) == [(0, 0, 2), (1, 0, 0)]  # no key "3"

@@ -118,6 +118,7 @@ class TrainingMemoryModel:
         self.simulations = 0
         self.fallback: dict[bool, bool] = {}
         self._lines: dict[bool, _Lines | None] = {}  # key: batch_size == 1
+        self._simulated: dict[tuple[int, tuple[int, ...]], TrainingMemory] = {}  # predict_or_simulate's steps
 
     def _config(self, batch_size: int, patch_size: tuple[int, ...]) -> StepConfig:
         return StepConfig(self.topology, batch_size, tuple(patch_size), self.precision, self.checkpointing,
@@ -135,6 +136,21 @@ class TrainingMemoryModel:
             points = [(b, math.prod(p)) for b, p in shapes]
             self._lines[single] = None if self.fallback[single] else _fit(records, points)
         return self._lines[single]
+
+    def is_fitted(self, batch_size: int) -> bool:
+        """Whether the lines for ``batch_size`` exist, so that ``predict`` costs no simulation."""
+        return self._lines.get(batch_size == 1) is not None
+
+    def predict_or_simulate(self, batch_size: int, patch_size: tuple[int, ...]) -> TrainingMemory:
+        """``predict`` from fitted lines if they exist, else one simulation of just this step (a third of
+        what fitting costs: the planner's CPU plans check one chosen step and need no lines)."""
+        if self.is_fitted(batch_size):
+            return self.predict(batch_size, patch_size)
+        key = (batch_size, tuple(patch_size))
+        if key not in self._simulated:
+            self.simulations += 1
+            self._simulated[key] = record_training_step(self._config(batch_size, patch_size)).peak()
+        return self._simulated[key]
 
     def peak_bytes(self, batch_size: int, patch_size: tuple[int, ...]) -> int:
         """Peak live tensor bytes of one training step (as ``simulate_training_step(...).peak_bytes``)."""

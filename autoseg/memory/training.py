@@ -2,7 +2,8 @@
 
 The step is the trainer's (``autoseg.train``): ``zero_grad(set_to_none=True)``; per micro-batch a batch
 ``(B, C, *patch)`` float32 with an int64 target ``(B, 1, *patch)``, ``compute_loss(network(x), y)``
-(Dice + CE with deep supervision) under autocast, ``/ accumulation_steps``, ``backward()``; then
+(``autoseg.loss.training_loss`` of the labels: Dice + CE, or Dice + BCE for regions, ignore label masked;
+with deep supervision) under autocast, ``/ accumulation_steps``, ``backward()``; then
 ``clip_grad_norm_(12)`` and the optimizer step. The optimizer's state (SGD momentum, Adam moments) is
 allocated beforehand by one step on zero gradients, as it is in every step after the first. With
 ``accumulation_steps > 1`` two micro-batches are run: the second one carries the first one's gradients,
@@ -31,7 +32,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoseg.loss import DeepSupervisionLoss, DiceCELoss, compute_loss, deep_supervision_weights
+from autoseg.labels import LabelScheme
+from autoseg.loss import compute_loss, training_loss
 from autoseg.memory.tracker import StorageTracker
 from autoseg.network import build_network
 from autoseg.plans import NetworkTopology
@@ -87,10 +89,18 @@ class StepConfig:
     checkpointing: bool = False
     optimizer: str = "sgd"
     accumulation_steps: int = 1
+    labels: LabelScheme | None = None  # the plan's labels; None: LabelScheme.for_outputs(num_classes)
 
     def __post_init__(self) -> None:
         check_step_arguments(self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer,
                              self.accumulation_steps)
+        if self.labels is not None and self.labels.num_outputs != self.topology.num_classes:
+            raise ValueError(f"the labels have {self.labels.num_outputs} network outputs but the topology has "
+                             f"num_classes {self.topology.num_classes}; plan with the same dataset.json labels")
+
+    @property
+    def scheme(self) -> LabelScheme:
+        return self.labels if self.labels is not None else LabelScheme.for_outputs(self.topology.num_classes)
 
 
 def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
@@ -169,10 +179,10 @@ def _autocast(precision: str) -> contextlib.AbstractContextManager:
 
 
 def _make_batch(cfg: StepConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (B, C, *patch) float32 and ``y`` (B, 1, *patch) int64 class labels."""
+    """``x`` (B, C, *patch) float32 and ``y`` (B, 1, *patch) int64 label values (ignore included)."""
     t = cfg.topology
     x = torch.randn((cfg.batch_size, t.in_channels, *cfg.patch_size), generator=generator)
-    y = torch.randint(0, t.num_classes, (cfg.batch_size, 1, *cfg.patch_size), generator=generator,
+    y = torch.randint(0, cfg.scheme.num_label_values, (cfg.batch_size, 1, *cfg.patch_size), generator=generator,
                       dtype=TARGET_DTYPE)
     return x, y
 
@@ -188,7 +198,7 @@ def _run_step(cfg: StepConfig, tracker: StorageTracker,
     for p in params:
         p.grad = torch.zeros_like(p)
     optimizer.step()  # the previous step: allocates momentum / moments
-    loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(cfg.topology.num_stages - 1))
+    loss_fn = training_loss(cfg.scheme, cfg.topology.num_stages - 1)
     handles = tracker.tag_modules(stage_modules(network))
     batch_numbers: set[int] = set()
     tracker.mark("step")
@@ -258,26 +268,27 @@ def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]],
 
 def simulate_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], *,
                            precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
-                           accumulation_steps: int = 1) -> TrainingMemory:
+                           accumulation_steps: int = 1, labels: LabelScheme | None = None) -> TrainingMemory:
     """Peak live tensor bytes of one training step, predicted without allocating (FakeTensorMode).
 
-    ``patch_size``: ``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``. About 0.1-1 s,
-    independent of the patch size.
+    ``patch_size``: ``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``. ``labels``: the
+    plan's ``LabelScheme`` (regions and the ignore label change the loss); None: plain classes (one region
+    for a single-output network). About 0.1-1 s, independent of the patch size.
     """
     cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
-                     accumulation_steps)
+                     accumulation_steps, labels)
     return record_training_step(cfg, fake=True).peak()
 
 
 def measure_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
                           precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
-                          accumulation_steps: int = 1) -> int:
+                          accumulation_steps: int = 1, labels: LabelScheme | None = None) -> int:
     """The same step run for real on CPU tensors, tracked the same way: peak live tensor bytes.
 
     Allocates and computes for real: keep the sizes small. The caller's RNG state is left untouched.
     """
     cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
-                     accumulation_steps)
+                     accumulation_steps, labels)
     return int(record_training_step(cfg, fake=False).timeline.sum(axis=1).max())
 
 
@@ -289,7 +300,7 @@ def training_step_flops(topology: NetworkTopology, batch_size: int, patch_size: 
     cfg = StepConfig(topology, batch_size, tuple(patch_size))
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
         network = build_network(topology)
-        loss_fn = DeepSupervisionLoss(DiceCELoss(), deep_supervision_weights(topology.num_stages - 1))
+        loss_fn = training_loss(cfg.scheme, topology.num_stages - 1)
         x, y = _make_batch(cfg, None)
         counter = FlopCounterMode(display=False)
         with counter:
