@@ -5,7 +5,7 @@
 LOCAL_WORLD_SIZE, which ``cli.py`` turns into a ``DistributedContext``. ``process_group`` opens the group:
 NCCL with device ``cuda:LOCAL_RANK`` for CUDA, gloo for CPU.
 
-How a step is shared (``Ranks``; the trainer's ``_Step`` calls it):
+How a step is shared (``Ranks``; the trainer's ``TrainStep`` calls it):
 
 - Every rank runs its micro-batches with no communication but the loss's batch-Dice sums
   (``Ranks.reduce_sums``: one all-reduce per deep-supervision output, so the Dice of a global micro-batch

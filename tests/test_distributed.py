@@ -29,7 +29,8 @@ from autoseg.distributed import (
     torchrun_command,
 )
 from autoseg.plans import NetworkTopology
-from autoseg.train import RunConfig, _distribute, _make_step, train
+from autoseg.train import RunConfig, train
+from autoseg.train_step import distribute, make_step
 from autoseg.workspace import Workspace
 
 # 4 stages: 3 deep-supervision outputs, weights (2/3, 1/3, 0): two Dice terms and an unused head
@@ -78,14 +79,14 @@ def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _one_step(distributed: DistributedContext, reduce_dice: bool = True) -> dict:
-    """One optimizer step of the trainer's ``_Step`` on this rank's share of the global batch."""
+    """One optimizer step of the trainer's ``TrainStep`` on this rank's share of the global batch."""
     world, rank = distributed.world_size, distributed.rank
     plans = tiny_plans()
     config = plans.configuration(CONFIG).with_(network=DS_TOPOLOGY, batch_size=GLOBAL_BATCH // world,
                                                accumulation_steps=1, checkpointing=False)
     torch.manual_seed(0)
-    step = _make_step(config, RunConfig(device="cpu"), plans.label_scheme)
-    _distribute(step, distributed)
+    step = make_step(config, RunConfig(device="cpu"), plans.label_scheme)
+    distribute(step, distributed)
     if not reduce_dice:  # the control: per-rank Dice, as if ranks averaged their own losses
         step.loss_fn.base_loss.reduce_sums = None
     data, target = _global_batch()
