@@ -270,10 +270,12 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.workspace import Workspace
 
     if args.command in ("plan", "plan_and_preprocess"):
+        from autoseg.dataset import load_dataset
         from autoseg.pipeline import plan_dataset, preprocess_workspace
 
         ws = Workspace.at(args.workspace)
         print(f"workspace: {ws.root}")
+        load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before the CPU is calibrated
         plan_dataset(args.dataset, ws, _budget(args), progress=progress)
         if args.command == "plan_and_preprocess":
             preprocess_workspace(ws, args.configs, args.processes, progress=progress,
