@@ -21,86 +21,13 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-
-MiB = 1024**2
-NNUNET_DATASET_ID = 977
-
-
-def make_dataset(root: Path, num_cases: int, shape_zyx: tuple[int, int, int]) -> Path:
-    """The nnU-Net-layout dataset, generated once per (cases, shape)."""
-    from autoseg.demo_data import make_demo_dataset
-
-    tag = f"{num_cases}x{'x'.join(map(str, shape_zyx))}"
-    dataset = root / f"Dataset{NNUNET_DATASET_ID:03d}_Bench{tag}"
-    marker = dataset / ".complete"
-    if not marker.is_file():
-        t0 = time.perf_counter()
-        make_demo_dataset(dataset, num_train=num_cases, num_test=0, shape_zyx=shape_zyx, seed=0)
-        marker.write_text(tag)
-        seconds = time.perf_counter() - t0
-        print(f"generated {num_cases} cases of about {shape_zyx} in {seconds:.0f} s: {dataset}")
-    return dataset
-
-
-def _children(pid: int) -> list[int]:
-    """``pid`` and all its descendants (from /proc/*/stat)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += parents.get(p, [])
-    return tree
-
-
-def _memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) bytes of one process, 0 if it is gone."""
-    try:
-        rss = pss = 0
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1]) * 1024
-        return rss, pss
-    except (OSError, ValueError):
-        return 0, 0
-
-
-def run_measured(cmd: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> dict:
-    """Run ``cmd``; wall seconds and the peak summed RSS / PSS of its process tree (polled every 0.1 s)."""
-    out = open(log_path, "w") if log_path else subprocess.DEVNULL
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    peak_rss = peak_pss = peak_procs = 0
-    while proc.poll() is None:
-        tree = _children(proc.pid)
-        usage = [_memory(p) for p in tree]
-        peak_rss = max(peak_rss, sum(u[0] for u in usage))
-        peak_pss = max(peak_pss, sum(u[1] for u in usage))
-        peak_procs = max(peak_procs, len(tree))
-        time.sleep(0.1)
-    seconds = time.perf_counter() - t0
-    if log_path:
-        out.close()
-    if proc.returncode != 0:
-        tail = log_path.read_text()[-3000:] if log_path else ""
-        raise SystemExit(f"{cmd[:3]} ... failed with exit code {proc.returncode}\n{tail}")
-    return {"seconds": seconds, "peak_rss_bytes": peak_rss, "peak_pss_bytes": peak_pss,
-            "processes": peak_procs}
+from _common import MiB, make_dataset, nnunet_python, run_measured, run_nnunet
 
 
 def run_autoseg(dataset: Path, work: Path, processes: int, configs: list[str], augmentations: int) -> dict:
@@ -114,31 +41,6 @@ def run_autoseg(dataset: Path, work: Path, processes: int, configs: list[str], a
     result["reports"] = {c: json.loads(p.read_text()) for c, p in reports.items()}
     result["workspace"] = ws
     return result
-
-
-def nnunet_python(requested: str | None) -> str | None:
-    if requested:
-        return requested
-    try:
-        import nnunetv2  # noqa: F401
-    except ImportError:
-        return None
-    return sys.executable
-
-
-def run_nnunet(python: str, dataset: Path, work: Path, processes: int, configs: list[str]) -> dict:
-    """nnUNetv2_plan_and_preprocess on the same files (linked into a fresh nnUNet_raw)."""
-    raw, pre, res = work / "nnUNet_raw", work / "nnUNet_preprocessed", work / "nnUNet_results"
-    for d in (raw, pre, res):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-    (raw / dataset.name).symlink_to(dataset)
-    env = {**os.environ, "nnUNet_raw": str(raw), "nnUNet_preprocessed": str(pre), "nnUNet_results": str(res)}
-    entry = ("from nnunetv2.experiment_planning.plan_and_preprocess_entrypoints import "
-             "plan_and_preprocess_entry; plan_and_preprocess_entry()")
-    cmd = [python, "-c", entry, "-d", str(NNUNET_DATASET_ID), "-c", *configs,
-           "-np", *[str(processes)] * len(configs), "-npfp", str(processes), "--verify_dataset_integrity"]
-    return run_measured(cmd, env=env, log_path=work / "nnunet.log")
 
 
 def storage_comparison(folder: Path, patch_zyx: tuple[int, ...], reads: int = 400) -> list[dict]:

@@ -13,6 +13,7 @@ import torch
 from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
 
 import autoseg.loader as loader_module
+from autoseg.augment import draw_patch_transform
 from autoseg.loader import (
     Augmenter,
     BatchLoader,
@@ -21,6 +22,7 @@ from autoseg.loader import (
     batch_bytes,
     batch_bytes_terms,
     enlarged_patch_size,
+    read_size,
 )
 
 SHAPE_ZYX = (12, 20, 20)
@@ -73,24 +75,60 @@ def expected_box(data: np.ndarray, origin: tuple[int, ...], size: tuple[int, ...
 
 def test_3d_shapes_dtypes_and_values(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_channels=2)
-    config = LoaderConfig((8, 16, 16), batch_size=3)
+    config = LoaderConfig((8, 16, 16), batch_size=2)
     sampler = PatchSampler(tmp_path, ids, config, np.random.default_rng(0))
-    e = sampler.enlarged_patch_size
-    assert len(e) == 3 and all(a > p and (a - p) % 2 == 0 for a, p in zip(e, (8, 16, 16), strict=True))
-    batch = sampler.sample_batch()
-    assert batch["data"].shape == (3, 2, *e) and batch["data"].dtype == np.float32
-    assert batch["seg"].shape == (3, 1, *e) and batch["seg"].dtype == np.int8
-    for i in range(3):  # each sample is the case's region at its origin, padded 0 / -1
-        case = tmp_path / f"{batch['case_ids'][i]}"
-        full_data, full_seg = np.load(f"{case}_data.npy"), np.load(f"{case}_seg.npy")
-        origin = tuple(batch["origins"][i])
-        np.testing.assert_array_equal(batch["data"][i], expected_box(full_data, origin, e, 0.0))
-        np.testing.assert_array_equal(batch["seg"][i], expected_box(full_seg, origin, e, -1))
+    worst = sampler.enlarged_patch_size
+    assert len(worst) == 3 and all(a > p and (a - p) % 2 == 0 for a, p in zip(worst, (8, 16, 16), strict=True))
+    boxes = set()
+    for _ in range(12):
+        batch = sampler.sample_batch()
+        e = batch["data"].shape[2:]  # the largest box the batch's transforms need, the patch if none
+        needs = [read_size((8, 16, 16), t) for t in batch["transforms"]]
+        assert e == tuple(max(n) for n in zip(*needs, strict=True)) and all(a <= w for a, w in zip(e, worst))
+        boxes.add(e)
+        assert batch["data"].shape == (2, 2, *e) and batch["data"].dtype == np.float32
+        assert batch["seg"].shape == (2, 1, *e) and batch["seg"].dtype == np.int8
+        for i, need in enumerate(needs):  # the case in the centre part the sample needs, padded 0 / -1
+            case = tmp_path / f"{batch['case_ids'][i]}"
+            full_data, full_seg = np.load(f"{case}_data.npy"), np.load(f"{case}_seg.npy")
+            inner = tuple(slice((a - n) // 2, (a - n) // 2 + n) for a, n in zip(e, need, strict=True))
+            origin = tuple(o + s.start for o, s in zip(batch["origins"][i], inner, strict=True))
+            np.testing.assert_array_equal(batch["data"][i][(slice(None), *inner)],
+                                          expected_box(full_data, origin, need, 0.0))
+            np.testing.assert_array_equal(batch["seg"][i][(slice(None), *inner)],
+                                          expected_box(full_seg, origin, need, -1))
+            outside = np.ones(e, dtype=bool)
+            outside[inner] = False
+            assert np.all(batch["data"][i][:, outside] == 0) and np.all(batch["seg"][i][:, outside] == -1)
+    assert (8, 16, 16) in boxes and len(boxes) > 1  # untransformed batches read only the patch
     with BatchLoader(tmp_path, ids, config, seed=0) as loader:
         out = next(loader)
-    assert out["data"].shape == (3, 2, 8, 16, 16) and out["data"].dtype == torch.float32
-    assert out["target"].shape == (3, 1, 8, 16, 16) and out["target"].dtype == torch.int64
+    assert out["data"].shape == (2, 2, 8, 16, 16) and out["data"].dtype == torch.float32
+    assert out["target"].shape == (2, 1, 8, 16, 16) and out["target"].dtype == torch.int8  # the labels' dtype
     assert set(out["target"].unique().tolist()) <= {0, 1}
+
+
+def test_rotated_and_scaled_patches_of_a_constant_image_hold_no_padding(tmp_path: Path) -> None:
+    """Every sample whose box lies inside the image: the augmented patch is the image's value and label."""
+    shape = (30, 60, 60)
+    write_case(tmp_path, "flat", np.full((1, *shape), 5.0), np.ones((1, *shape)))
+    no_intensity = dict(p_noise=0, p_blur=0, p_brightness=0, p_contrast=0, p_low_res=0, p_gamma=0,
+                        p_gamma_inverted=0)
+    for patch, dummy_2d in (((8, 12, 16), False), ((4, 16, 12), True), ((16, 12), False)):
+        config = LoaderConfig(patch, batch_size=4, dummy_2d=dummy_2d, p_rotation=1.0, p_scale=1.0,
+                              oversample_foreground=0.0, **no_intensity)
+        sampler, augmenter = PatchSampler(tmp_path, ["flat"], config, np.random.default_rng(1)), Augmenter(config)
+        inside = 0
+        for seed in range(6):
+            batch = sampler.sample_batch()
+            box, origins = batch["data"].shape[2:], batch["origins"][:, -len(patch):]
+            out = augmenter(batch, seed)
+            for i, origin in enumerate(origins):
+                if np.all(origin >= 0) and np.all(origin + box <= shape[-len(patch):]):
+                    inside += 1
+                    np.testing.assert_allclose(out["data"][i], 5.0, rtol=1e-5)
+                    assert np.all(out["target"][i] == 1)
+        assert inside >= 8, f"{patch}: only {inside} samples had their box inside the image"
 
 
 def test_2d_samples_one_slice(tmp_path: Path) -> None:
@@ -130,7 +168,7 @@ def test_padding_when_patch_exceeds_image(tmp_path: Path) -> None:
         assert inside.sum() == full_data.size
         assert np.all(batch["data"][i][~inside] == 0) and np.all(batch["seg"][i][~inside[:1]] == -1)
     target = Augmenter(config)(batch, seed=0)["target"]
-    assert target.dtype == np.int64 and target.min() == 0  # -1 (padding, outside the mask) -> 0
+    assert target.dtype == np.int8 and target.min() == 0  # -1 (padding, outside the mask) -> 0
 
 
 @pytest.mark.parametrize("patch_size", [(8, 16, 16), (16, 16)])
@@ -170,7 +208,8 @@ def test_same_seed_same_batches_and_replay_from_seed(tmp_path: Path) -> None:
     assert not torch.equal(runs[0][0]["data"], runs[2][0]["data"])
 
     sampled = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)).sample_batch()
-    copy = {k: np.copy(v) for k, v in sampled.items() if k in ("data", "seg")}
+    copy = {"data": sampled["data"].copy(), "seg": sampled["seg"].copy(), "transforms": sampled["transforms"]}
+    assert all(t is not None for t in sampled["transforms"])  # the spatial part travels with the batch
     np.random.seed(123)
     before = np.random.get_state()[1].copy()
     augmenter = Augmenter(config)
@@ -241,6 +280,10 @@ def test_enlarged_patch_size_covers_every_rotation_and_scale() -> None:
         for d in range(3):
             centre = size[d] / 2 - 0.5
             assert 0 <= coords[d].min() + centre and coords[d].max() + centre <= size[d] - 1
+    config = LoaderConfig(patch, batch_size=1, p_rotation=1.0, p_scale=1.0)
+    draws = [draw_patch_transform(rng, config) for _ in range(2000)]  # what samples read stays within it
+    needs = np.array([read_size(patch, t) for t in draws])
+    assert np.all(needs <= size) and np.all(needs.max(axis=0) >= np.array(size) - 6)
 
 
 def test_batch_bytes_matches_allocated_buffers_and_peak(tmp_path: Path) -> None:
@@ -250,16 +293,17 @@ def test_batch_bytes_matches_allocated_buffers_and_peak(tmp_path: Path) -> None:
     config = LoaderConfig((8, 16, 16), batch_size=2, oversample_foreground=0.0, **every)
     sampler, augmenter = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)), Augmenter(config)
     augmenter(sampler.sample_batch(), seed=0)  # warm up lazy imports and caches
-    terms = batch_bytes_terms((8, 16, 16), sampler.enlarged_patch_size, 2, 2)
     tracemalloc.start()
     try:
         batch = sampler.sample_batch()
+        box = batch["data"].shape[2:]  # the estimate for this batch's box; the planner uses the largest
+        terms = batch_bytes_terms((8, 16, 16), box, 2, 2)
         assert batch["data"].nbytes == terms["enlarged_data"] and batch["seg"].nbytes == terms["enlarged_seg"]
         out = augmenter(batch, seed=1)
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert out["data"].nbytes == terms["augmented_data"] and out["target"].nbytes == terms["target"]
-    estimate = batch_bytes((8, 16, 16), sampler.enlarged_patch_size, 2, 2)
+    assert out["data"].nbytes == terms["augmented_data"] and out["target"].nbytes == terms["augmented_seg"]
+    estimate = batch_bytes((8, 16, 16), box, 2, 2)
     assert estimate == sum(terms.values())
     assert peak <= estimate <= 1.35 * peak, f"measured peak {peak} B, estimate {estimate} B"

@@ -96,7 +96,7 @@ def test_breakdown_sums_to_total_and_counts_parameters():
     assert sum(v for k, v in parts.items() if k != "total") == parts["total"] == m.peak_bytes
     assert m.parameter_bytes == 4 * count_parameters(build_network(ISO3D))
     assert m.optimizer_state_bytes == m.parameter_bytes  # SGD momentum: one fp32 buffer per parameter
-    assert m.batch_bytes == 2 * 16**3 * (1 * 4 + 8)  # float32 input + int64 target
+    assert m.batch_bytes == 2 * 16**3 * (1 * 4 + 1)  # float32 input + int8 target
     assert m.peak_phase == "backward"
     assert 0 < m.gradient_bytes <= m.parameter_bytes
 
@@ -235,7 +235,7 @@ def test_export_streams_classes():
 def test_loader_worker_bytes():
     one = loader_worker_bytes((40, 80, 80), (32, 64, 64), 2, 1, queue_depth=0)
     deep = loader_worker_bytes((40, 80, 80), (32, 64, 64), 2, 1, queue_depth=3)
-    batch_out = 2 * (32 * 64 * 64 * 4 + 32 * 64 * 64 * 8)  # float32 data + int64 target
+    batch_out = 2 * (32 * 64 * 64 * 4 + 32 * 64 * 64)  # float32 data + int8 target
     assert one["output"] == batch_out and deep["total"] - one["total"] == 3 * batch_out
     assert one["sampled"] == 2 * (40 * 80 * 80 * 4 + 40 * 80 * 80)
     with pytest.raises(ValueError, match="queue_depth"):

@@ -11,11 +11,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from batchgenerators.transforms.spatial_transforms import MirrorTransform, SpatialTransform
 from factories import tiny_plans
 from scipy import ndimage
 
-from autoseg.augment import build_train_transforms
+from autoseg.augment import Mirror, PatchSpatialTransform, build_train_transforms
 from autoseg.dataset import load_dataset
 from autoseg.loader import BatchLoader, LoaderConfig, PatchSampler
 from autoseg.precompute import (
@@ -171,8 +170,8 @@ def test_use_precomputed_drops_the_spatial_transform_only() -> None:
     plain = LoaderConfig(patch_size=(8, 16, 16), batch_size=2)
     precomputed = dataclasses.replace(plain, use_precomputed=True)
     kinds = [type(t) for t in build_train_transforms(precomputed).transforms]
-    assert SpatialTransform in [type(t) for t in build_train_transforms(plain).transforms]
-    assert SpatialTransform not in kinds and MirrorTransform in kinds and len(kinds) >= 8
+    assert PatchSpatialTransform in [type(t) for t in build_train_transforms(plain).transforms]
+    assert PatchSpatialTransform not in kinds and Mirror in kinds and len(kinds) >= 8
     assert precomputed.enlarged_patch_size == (8, 16, 16) != plain.enlarged_patch_size
 
 

@@ -62,14 +62,14 @@ def loader_worker_bytes(enlarged_patch: Sequence[int], patch: Sequence[int], bat
     Terms: ``sampled`` the batch read at the enlarged patch E (float32 data, int8 label);
     ``spatial`` SpatialTransform's outputs at the patch P (float32 data and label) and its coordinate
     grids (2 x dim x P float64, one sample at a time); ``intensity`` one data-sized float32 temporary of
-    the intensity transforms; ``output`` the finished batch (float32 data, int64 target); ``queued``
+    the intensity transforms; ``output`` the finished batch (float32 data, int8 target); ``queued``
     ``queue_depth`` finished batches waiting for the trainer; ``runtime`` the process itself.
     """
     ve, vp, b, c = _voxels(enlarged_patch), _voxels(patch), int(batch), int(channels)
     if queue_depth < 0 or b < 1 or c < 1:
         raise ValueError(f"batch ({batch}) and channels ({channels}) must be >= 1, "
                          f"queue_depth ({queue_depth}) >= 0")
-    out_batch = b * (c * vp * _F32 + vp * _I64)
+    out_batch = b * (c * vp * _F32 + vp)  # the target in the labels' int8
     terms = {
         "runtime": WORKER_RUNTIME_BYTES,
         "sampled": b * (c * ve * _F32 + ve),

@@ -42,7 +42,7 @@ PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat1
 OPTIMIZERS = ("sgd", "adam")
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "batch", "activations")
 GRAD_CLIP_NORM = 12.0  # autoseg.train.RunConfig.grad_clip
-TARGET_DTYPE = torch.int64  # autoseg.augment hands the trainer int64 targets
+TARGET_DTYPE = torch.int8  # autoseg.augment hands the trainer the labels' int8 (int16 beyond 127 labels)
 
 
 @dataclass(frozen=True)
