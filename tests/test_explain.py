@@ -108,7 +108,7 @@ def test_host_rows_use_the_median_shape_without_a_fingerprint(explanation: Expla
     (case,) = explanation.host_cases
     assert case.shape_zyx_before == case.shape_zyx_after == (20, 24, 40)
     assert case.export["probabilities"] == 3 * 20 * 24 * 40 * 4
-    assert explanation.loader_worker["output"] == 2 * 16**3 * (4 + 8)  # float32 data + int64 target
+    assert explanation.loader_worker["output"] == 2 * 16**3 * (4 + 1)  # float32 data + int8 target
 
 
 def test_host_rows_of_the_median_and_largest_case_from_the_fingerprint(tmp_path: Path, capsys) -> None:
