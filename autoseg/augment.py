@@ -424,25 +424,32 @@ def _gamma_in_place(x: np.ndarray, gamma: float, invert: bool) -> None:
 
 class Mirror(AbstractTransform):
     """batchgenerators' MirrorTransform (each axis flipped with p = 0.5; the same draws), all of a sample's
-    flips in one copy instead of one per axis."""
+    flips in one copy instead of one per axis. ``Augmenter`` draws the flips (``draw``) and flips while it
+    writes its output, without this extra copy."""
 
     def __init__(self, axes: tuple[int, ...]) -> None:
         self.axes = axes
 
+    def draw(self, batch_size: int, spatial_dims: int) -> list[tuple[slice, ...]]:
+        """Per sample the index that flips it: a slice per spatial axis, reversed for a flipped axis."""
+        out = []
+        for _ in range(batch_size):
+            np.random.uniform()  # MirrorTransform's per-sample draw (p_per_sample = 1)
+            flips = [a for a in range(min(spatial_dims, 3)) if a in self.axes and np.random.uniform() < 0.5]
+            out.append(tuple(slice(None, None, -1) if a in flips else slice(None) for a in range(spatial_dims)))
+        return out
+
     def __call__(self, **batch: Any) -> dict[str, Any]:
         data, seg = batch["data"], batch["seg"]
-        spatial = data.ndim - 2
-        for b in range(len(data)):
-            np.random.uniform()  # MirrorTransform's per-sample draw (p_per_sample = 1)
-            flips = [a for a in range(min(spatial, 3)) if a in self.axes and np.random.uniform() < 0.5]
-            if flips:
-                index = (slice(None), *(slice(None, None, -1) if a in flips else slice(None) for a in range(spatial)))
-                data[b], seg[b] = data[b][index], seg[b][index]
+        for b, index in enumerate(self.draw(len(data), data.ndim - 2)):
+            if any(i.step == -1 for i in index):
+                data[b], seg[b] = data[b][(slice(None), *index)], seg[b][(slice(None), *index)]
         return batch
 
 
 def build_train_transforms(config: LoaderConfig) -> Compose:
-    """nnU-Net's default training transforms for ``config`` (probabilities and ranges from the config).
+    """nnU-Net's default training transforms for ``config`` (probabilities and ranges from the config),
+    except mirroring, which ``Augmenter`` applies last, as nnU-Net does, while writing its output.
 
     ``config.use_precomputed``: no spatial step (patches come from precomputed augmented copies, read
     at the patch size); mirroring and the intensity transforms stay."""
@@ -459,8 +466,6 @@ def build_train_transforms(config: LoaderConfig) -> Compose:
         Gamma((0.7, 1.5), invert_image=True, p_per_sample=config.p_gamma_inverted),
         Gamma((0.7, 1.5), invert_image=False, p_per_sample=config.p_gamma),
     ]
-    if config.mirror_axes_effective:
-        transforms.append(Mirror(config.mirror_axes_effective))
     return Compose(transforms)
 
 
@@ -471,35 +476,54 @@ class Augmenter:
     ``transforms`` (one ``PatchTransform`` or None per sample). Output: ``data`` float32 (B, C, *patch) and
     ``target`` (B, 1, *patch) in the seg's dtype with -1 mapped to 0 (the loss casts it to int64 on the
     device; an int64 target here made moving a batch out of a worker cost 70 instead of 45 ms of CPU for
-    (2, 1, 56, 192, 192)). The input arrays may be modified or released.
+    (2, 1, 56, 192, 192)), written into ``out`` when given (e.g. a worker's shared-memory slot), mirrored on
+    the way. The input arrays may be modified or released.
     """
 
     def __init__(self, config: LoaderConfig) -> None:
         self.config = config
         self.transforms = build_train_transforms(config) if config.augment else None
+        axes = config.mirror_axes_effective if config.augment else ()
+        self.mirror = Mirror(axes) if axes else None
 
-    def __call__(self, batch: dict[str, Any], seed: int) -> dict[str, np.ndarray]:
+    def __call__(self, batch: dict[str, Any], seed: int,
+                 out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
         """Augment ``batch``; the result depends only on (batch, seed), so a batch replays from its seed."""
         if self.transforms is None:
-            return center_crop(batch["data"], batch["seg"], self.config.patch_size)
+            data, seg = center_crop(batch["data"], batch["seg"], self.config.patch_size)
+            return _write_output(data, seg, [()] * len(data), out)
         numpy_state, python_state = np.random.get_state(), random.getstate()
         np.random.seed(int(seed) % 2**32)
         random.seed(int(seed))  # GaussianNoiseTransform draws its variance from Python's random
         try:
-            out = self.transforms(data=batch.pop("data"), seg=batch.pop("seg"),
-                                  transforms=batch.get("transforms"))
+            done = self.transforms(data=batch.pop("data"), seg=batch.pop("seg"), transforms=batch.get("transforms"))
+            data, seg = done["data"], done["seg"]
+            flips = self.mirror.draw(len(data), data.ndim - 2) if self.mirror else [()] * len(data)
         finally:
             np.random.set_state(numpy_state)
             random.setstate(python_state)
-        target = np.maximum(out["seg"], 0, out=out["seg"])  # -1 (outside the mask or the image) -> 0
-        return {"data": np.ascontiguousarray(out["data"], dtype=np.float32), "target": target}
+        return _write_output(data, seg, flips, out)
 
 
-def center_crop(data: np.ndarray, seg: np.ndarray, patch_size: tuple[int, ...]) -> dict[str, np.ndarray]:
-    """Centre crop (B, C, *E) / (B, 1, *E) to ``patch_size``: float32 data, target (seg dtype) with -1 -> 0."""
+def _write_output(data: np.ndarray, seg: np.ndarray, flips: list[tuple[slice, ...]],
+                  out: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+    """``data`` as float32 and ``seg`` with -1 -> 0, each sample flipped by its index, into ``out`` (new
+    arrays if None): one pass over each."""
+    if out is None:
+        out = {"data": np.empty(data.shape, np.float32), "target": np.empty(seg.shape, seg.dtype)}
+    if out["data"].shape != data.shape or out["target"].shape != seg.shape:
+        raise ValueError(f"output buffers {out['data'].shape} / {out['target'].shape} do not fit the batch "
+                         f"{data.shape} / {seg.shape}")
+    for b, index in enumerate(flips):
+        np.copyto(out["data"][b], data[b][(slice(None), *index)], casting="same_kind")
+        np.maximum(seg[b][(slice(None), *index)], 0, out=out["target"][b])
+    return out
+
+
+def center_crop(data: np.ndarray, seg: np.ndarray, patch_size: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Views of (B, C, *E) / (B, 1, *E) cropped to ``patch_size`` at the centre."""
     starts = [(e - p) // 2 for e, p in zip(data.shape[2:], patch_size, strict=True)]
     if any(s < 0 for s in starts):
         raise ValueError(f"cannot crop {data.shape[2:]} to the larger patch {tuple(patch_size)}")
     window = (slice(None), slice(None), *(slice(s, s + p) for s, p in zip(starts, patch_size, strict=True)))
-    target = np.maximum(seg[window], 0)
-    return {"data": np.array(data[window], dtype=np.float32), "target": target}
+    return data[window], seg[window]

@@ -20,15 +20,14 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+from autoseg.batch_loader import worker_bytes
 from autoseg.explain_format import DEVICE_TERMS, format_bytes, format_explanation
 from autoseg.fingerprint import Fingerprint
-from autoseg.loader import LoaderConfig
 from autoseg.memory import (
     InferenceMemory,
     TrainingMemory,
     export_bytes,
     inference_memory,
-    loader_worker_bytes,
     predict_device_peak,
     preprocess_worker_bytes,
     simulate_training_step,
@@ -36,10 +35,10 @@ from autoseg.memory import (
 from autoseg.memory.device import DEVICES
 from autoseg.planner import AMP_PRECISION
 from autoseg.plans import ConfigurationPlan, NetworkTopology, Plans
+from autoseg.train_data import loader_config
 
 MiB = 1024**2
 GiB = 1024**3
-QUEUE_DEPTH = 2  # autoseg.loader.BatchLoader's default: finished batches waiting per worker
 __all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "format_bytes",
            "format_explanation", "next_patch_up"]
 
@@ -117,7 +116,8 @@ class Explanation:
     host_ram_bytes: int
     preprocessing_processes: int
     loader_workers: int
-    loader_worker: dict[str, int]
+    loader_queue_depth: int
+    loader_worker: dict[str, int]  # autoseg.batch_loader.worker_bytes
     host_cases: tuple[HostCase, ...]
     what_ifs: tuple[WhatIf, ...]
 
@@ -152,7 +152,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
     step = _simulate(config, config.batch_size, tuple(config.patch_size), precision, config.checkpointing)
     terms = _training_terms(step, device)
     inference_phase, inference_terms = _inference_terms(plans, config, device, precision)
-    loader = LoaderConfig(patch_size=tuple(config.patch_size), batch_size=config.batch_size)  # train.py's
+    loader = loader_config(config, augment=True)  # the trainer's, on the fly
     return Explanation(
         config_name=config_name, device=device, patch_size=tuple(config.patch_size),
         batch_size=config.batch_size, accumulation_steps=config.accumulation_steps, precision=precision,
@@ -162,9 +162,10 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
         inference_image_shape_zyx=tuple(config.median_shape_zyx), inference_precision=precision,
         inference_phase=inference_phase, inference_terms=inference_terms,
         inference_total_bytes=sum(inference_terms.values()), host_ram_bytes=int(plans.host_ram_bytes),
-        preprocessing_processes=plans.preprocessing_processes, loader_workers=plans.loader_workers,
-        loader_worker=loader_worker_bytes(loader.enlarged_patch_size, config.patch_size, config.batch_size,
-                                          len(plans.channel_names), QUEUE_DEPTH),
+        preprocessing_processes=plans.preprocessing_processes, loader_workers=config.loader_workers,
+        loader_queue_depth=config.loader_queue_depth,
+        loader_worker=worker_bytes(config.patch_size, loader.enlarged_patch_size, config.batch_size,
+                                   len(plans.channel_names), config.loader_queue_depth, dummy_2d=loader.dummy_2d),
         host_cases=_host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
     )

@@ -147,11 +147,13 @@ def _inference_section(e: Explanation) -> list[str]:
 
 
 def _host_section(e: Explanation) -> list[str]:
-    queued = e.loader_worker["queued"] // max(e.loader_worker["output"], 1)
-    where = "worker" if e.loader_workers else "in the trainer (no workers)"
-    rows = [[f"training loader {where}: one batch in flight + {queued} queued", str(max(e.loader_workers, 1)),
-             format_bytes(e.loader_worker["total"]),
-             format_bytes(max(e.loader_workers, 1) * e.loader_worker["total"])]]
+    if e.loader_workers:
+        what = f"training loader worker: one batch in flight + {e.loader_queue_depth + 1} shared batch slots"
+        per = e.loader_worker["total"]
+    else:
+        what = "training loader in the trainer (no workers): one batch in flight"
+        per = e.loader_worker["in_flight"]
+    rows = [[what, str(max(e.loader_workers, 1)), format_bytes(per), format_bytes(max(e.loader_workers, 1) * per)]]
     for case in e.host_cases:
         worker = case.preprocess_worker["total"]
         rows.append([f"preprocessing worker, {case.label} {_shape(case.shape_zyx_before)} -> "

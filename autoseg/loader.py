@@ -9,15 +9,16 @@ Stages, each usable alone:
   ``open_npy_for_patches``), padded with 0 (data) / -1 (seg) outside the image; with ``use_precomputed``,
   at the patch size from the case or one of its augmented copies.
 - ``Augmenter(batch, seed)`` (``autoseg.augment``): nnU-Net's default augmentation, cropping to the patch.
-- ``BatchLoader``: an endless iterator of torch batches, in-process or in worker processes.
+- ``autoseg.batch_loader.BatchLoader``: an endless iterator of torch batches, in-process or in worker
+  processes.
 
 Randomness: a stream (seed, worker_id) owns one ``np.random.Generator``. Per batch it draws the patches
 and their spatial transforms, then a batch seed for the other transforms; so every batch replays from
 (stream seed, batch index), and its augmentation from (sampled batch, batch seed). ``num_workers=0`` and
 ``num_workers=1`` yield the same batches; with N workers the batches of streams 0..N-1 interleave in order.
 
-Host memory of the loader: per worker one batch in flight (``batch_bytes``) plus up to ``queue_depth``
-finished batches (``output_batch_bytes`` each) waiting for the trainer.
+Host memory: one batch in flight (``batch_bytes``) per process that builds batches, plus the finished
+batches (``output_batch_bytes`` each) that wait for the trainer (``autoseg.batch_loader.worker_bytes``).
 """
 
 from __future__ import annotations
@@ -27,15 +28,12 @@ import json
 import math
 import mmap
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from threadpoolctl import ThreadpoolController
-from torch.utils.data import DataLoader, IterableDataset, default_collate, get_worker_info
 
 from autoseg.augment import (
     LABELS_PER_CALL,
@@ -47,7 +45,7 @@ from autoseg.augment import (
 )
 
 __all__ = [
-    "LoaderConfig", "PatchSampler", "BatchLoader", "Augmenter", "open_npy_for_patches",
+    "LoaderConfig", "PatchSampler", "Augmenter", "open_npy_for_patches",
     "batch_bytes", "batch_bytes_terms", "output_batch_bytes", "enlarged_patch_size", "read_size",
 ]
 
@@ -421,104 +419,3 @@ class PatchSampler:
         if len(voxel) != 3 or any(not 0 <= v < s for v, s in zip(voxel, shape_zyx, strict=True)):
             raise ValueError(f"{props_path}: class location {voxel} is not a (z, y, x) inside {shape_zyx}")
         return voxel  # type: ignore[return-value]
-
-
-def _to_torch(batch: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """One copy of the samples into torch-allocated memory (``default_collate``); in a worker straight into
-    shared memory, so handing the batch to the trainer copies nothing more (``torch.tensor`` and then the
-    queue's move to shared memory: 100 ms per (2, 1, 56, 192, 192) batch, this 40 ms). Tensors wrapping
-    numpy's buffers (``torch.from_numpy``) made a CPU training step 2.5x slower (0.73 s vs 0.29 s, 3D U-Net,
-    2 x 16x40x40): torch's allocation is 64-byte aligned."""
-    return {key: default_collate([torch.from_numpy(sample) for sample in batch[key]]) for key in ("data", "target")}
-
-
-class _BatchStream(IterableDataset):
-    """Endless batches of stream (seed, worker_id); picklable, opens files in the iterating process.
-
-    BLAS runs one thread while a batch is built (OpenBLAS threads spinning against another busy process
-    made a (56, 192, 192) float32 matrix product take 0.9 s instead of 0.01 s on the 2-core machine)."""
-
-    def __init__(self, folder: Path, case_ids: tuple[str, ...], config: LoaderConfig, seed: int) -> None:
-        self.folder, self.case_ids, self.config, self.seed = folder, case_ids, config, seed
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        info = get_worker_info()
-        worker_id = 0 if info is None else info.id
-        rng = np.random.default_rng(np.random.SeedSequence([self.seed, worker_id]))
-        sampler = PatchSampler(self.folder, self.case_ids, self.config, rng)
-        augmenter = Augmenter(self.config)
-        threads = ThreadpoolController()
-        while True:
-            with threads.limit(limits=1):
-                batch = sampler.sample_batch()
-                out = _to_torch(augmenter(batch, int(rng.integers(2**31))))
-            yield out
-
-
-def _init_worker(worker_id: int) -> None:
-    """One torch thread per worker: the workers already run in parallel."""
-    torch.set_num_threads(1)
-
-
-class BatchLoader:
-    """Endless iterator of {"data": float32 (B, C, *patch), "target": (B, 1, *patch)} torch batches; the target
-    has the preprocessed labels' dtype (int8; int16 beyond 127 classes), -1 mapped to 0; cast it to int64 on
-    the device (the losses do).
-
-    ``num_workers=0`` builds batches in this process; ``num_workers > 0`` in worker processes (a torch
-    DataLoader over an endless IterableDataset), each holding at most ``queue_depth`` finished batches
-    ahead. A worker that raises re-raises here; one that dies raises RuntimeError here instead of hanging.
-    Use as a context manager or call ``close()`` to stop the workers.
-    """
-
-    def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig, seed: int,
-                 num_workers: int = 0, queue_depth: int = 2, pin_memory: bool = False) -> None:
-        if num_workers < 0 or queue_depth < 1:
-            raise ValueError(f"need num_workers >= 0 and queue_depth >= 1; got {num_workers}, {queue_depth}")
-        folder = Path(folder)
-        probe = PatchSampler(folder, case_ids, config, np.random.default_rng(0))  # fail here, not in a worker
-        self.config, self.num_workers, self.queue_depth = config, num_workers, queue_depth
-        self.num_channels, self.enlarged_patch_size = probe.num_channels, probe.enlarged_patch_size
-        self.seg_itemsize = probe.seg_dtype.itemsize
-        self._loader = DataLoader(
-            _BatchStream(folder, tuple(case_ids), config, int(seed)),
-            batch_size=None,  # the stream yields whole batches
-            num_workers=num_workers,
-            prefetch_factor=queue_depth if num_workers > 0 else None,
-            worker_init_fn=_init_worker if num_workers > 0 else None,
-            pin_memory=pin_memory and torch.cuda.is_available(),
-            generator=torch.Generator().manual_seed(int(seed)),  # leave the global torch RNG alone
-        )
-        self._iterator: Iterator[dict[str, torch.Tensor]] | None = iter(self._loader)
-
-    def host_bytes(self) -> int:
-        """Upper bound of the workers' host bytes: per worker one batch in flight + ``queue_depth`` done."""
-        p, b, c = self.config.patch_size, self.config.batch_size, self.num_channels
-        in_flight = batch_bytes(p, self.enlarged_patch_size, b, c, seg_itemsize=self.seg_itemsize,
-                                dummy_2d=self.config.dummy_2d)
-        queued = self.queue_depth * output_batch_bytes(p, b, c, self.seg_itemsize)
-        return max(1, self.num_workers) * (in_flight + queued)
-
-    def __iter__(self) -> BatchLoader:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        if self._iterator is None:
-            raise RuntimeError("this BatchLoader is closed; create a new one")
-        return next(self._iterator)
-
-    def close(self) -> None:
-        """Stop the worker processes (idempotent)."""
-        iterator, self._iterator = getattr(self, "_iterator", None), None
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-
-    def __enter__(self) -> BatchLoader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        self.close()

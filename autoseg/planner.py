@@ -13,9 +13,10 @@ CUDA: fp16 autocast with fp32 master weights (nnU-Net's AMP), then + activation 
 third more compute), then + micro-batch 1 with 2 accumulation steps. CPU: fp32, base width 16, then 8.
 "Large enough": covers the whole median image or holds ``MIN_PATCH_VOXELS`` voxels.
 
-Host RAM: preprocessing processes and loader workers are as many as ``HOST_RAM_FRACTION`` of the host
-RAM budget holds (``autoseg.memory.host`` formulas), capped by the CPU count; no loader workers when
-training on CPU (they would take the cores the training step uses).
+Host RAM: preprocessing processes, and each configuration's loader workers, are as many as
+``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.memory.host``,
+``autoseg.batch_loader.worker_bytes``), capped by the CPU count; no loader workers when training on CPU
+(they would take the cores the training step uses).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import numpy as np
 from autoseg.fingerprint import Fingerprint
 from autoseg.labels import LabelScheme
 from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
-from autoseg.memory.host import loader_worker_bytes, preprocess_worker_bytes
+from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.normalization import scheme_for_channel
 from autoseg.patch_search import (  # noqa: F401  (re-exported: the planner's public names)
     FEATURE_CAP,
@@ -58,7 +59,7 @@ LOWRES_TARGET = 0.5  # ... with a spacing at which a patch of that size covers t
 LOWRES_STEP = 1.03
 HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or loader workers
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
-LOADER_QUEUE_DEPTH = 2  # autoseg.loader.BatchLoader's default
+LOADER_QUEUE_DEPTH = 2  # finished batches per loader worker, unless 1 leaves room for more workers
 AMP_PRECISION = "fp16"  # the autocast dtype planned on CUDA (nnU-Net's AMP); Budget.precision overrides
 FILL_TARGET = 0.85  # a memory-limited plan's predicted peak is at least this fraction of the budget
 
@@ -170,14 +171,15 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     configs["2d"] = configuration("2d", spacing_2d, shape_2d, space, budget, peak_fn)
     normalization = tuple(scheme_for_channel(c) for c in fp.channel_names)
     use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
-    processes, workers, host = host_workers(fp, configs, budget)
+    processes, host = host_workers(fp, configs, budget)
+    configs = {name: cfg.with_(**loader_workers(cfg, len(fp.channel_names), budget)) for name, cfg in configs.items()}
     return Plans(
         dataset_name=fp.dataset_name, channel_names=fp.channel_names, labels=dict(fp.labels),
         regions_class_order=fp.regions_class_order,
         file_ending=fp.file_ending, normalization=normalization, use_nonzero_mask=use_mask,
         intensity_properties=fp.foreground_intensity, configurations=configs,
         gpu_memory_bytes=int(budget.gpu_memory_bytes), host_ram_bytes=int(budget.host_ram_bytes),
-        preprocessing_processes=processes, loader_workers=workers, host_memory=host,
+        preprocessing_processes=processes, host_memory=host,
     )
 
 
@@ -349,15 +351,10 @@ def _memory_terms(chosen: Candidate, setting: Setting, device: str) -> dict[str,
 
 
 def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget: Budget
-                 ) -> tuple[int, int, dict[str, float]]:
-    """(preprocessing processes, loader workers, their byte figures) from the host RAM budget.
-
-    Processes: HOST_RAM_FRACTION of the RAM over one worker's peak on the largest case (the finest
-    configuration's resampled shape), between 1 and the CPU count. Loader workers (CUDA only): the same
-    fraction minus the training process (TRAINER_HOST_BYTES) over one worker's bytes at the largest
-    planned batch, between 0 and CPU count - 1 (one core feeds the GPU)."""
-    from autoseg.loader import LoaderConfig
-
+                 ) -> tuple[int, dict[str, float]]:
+    """(preprocessing processes, the figures behind the count): HOST_RAM_FRACTION of the RAM over one
+    worker's peak on the largest case (the finest configuration's resampled shape), between 1 and the CPU
+    count."""
     cpus = budget.cpu_count or cpu_count()
     usable = budget.host_ram_bytes * HOST_RAM_FRACTION
     largest = max(fp.cases, key=lambda c: math.prod(c.shape_zyx))
@@ -369,12 +366,30 @@ def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget:
                                                                       target))
         per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
     processes = max(1, min(cpus, int(usable // per_process)))
-    per_worker = 0
-    for cfg in configs.values():
-        enlarged = LoaderConfig(patch_size=tuple(cfg.patch_size), batch_size=cfg.batch_size).enlarged_patch_size
-        per_worker = max(per_worker, loader_worker_bytes(enlarged, cfg.patch_size, cfg.batch_size, channels,
-                                                         LOADER_QUEUE_DEPTH)["total"])
-    workers = 0 if budget.device == "cpu" else max(0, min(cpus - 1, int((usable - TRAINER_HOST_BYTES) // per_worker)))
-    host = {"preprocess_worker_bytes": float(per_process), "loader_worker_bytes": float(per_worker),
-            "usable_host_ram_bytes": float(usable), "cpu_count": float(cpus)}
-    return processes, workers, host
+    return processes, {"preprocess_worker_bytes": float(per_process), "usable_host_ram_bytes": float(usable),
+                       "cpu_count": float(cpus)}
+
+
+def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget) -> dict[str, float]:
+    """``config``'s training-data workers, from the host RAM budget: HOST_RAM_FRACTION of the RAM minus the
+    training process (TRAINER_HOST_BYTES) over one worker's bytes (``autoseg.batch_loader.worker_bytes``,
+    on-the-fly augmentation), between 0 and CPU count - 1 (one core feeds the GPU); none on CPU, where the
+    training step takes the cores. Each queues LOADER_QUEUE_DEPTH batches, or 1 where that fits more
+    workers."""
+    from autoseg.batch_loader import worker_bytes
+    from autoseg.train_data import loader_config
+
+    loader = loader_config(config, augment=True)
+    cpus = budget.cpu_count or cpu_count()
+    room = budget.host_ram_bytes * HOST_RAM_FRACTION - TRAINER_HOST_BYTES
+
+    def per_worker(depth: int) -> int:
+        return worker_bytes(loader.patch_size, loader.enlarged_patch_size, loader.batch_size, num_channels, depth,
+                            dummy_2d=loader.dummy_2d)["total"]
+
+    def workers(depth: int) -> int:
+        return 0 if budget.device == "cpu" else max(0, min(cpus - 1, int(room // per_worker(depth))))
+
+    depth = LOADER_QUEUE_DEPTH if workers(LOADER_QUEUE_DEPTH) >= workers(1) else 1
+    return {"loader_workers": workers(depth), "loader_queue_depth": depth,
+            "loader_worker_bytes": float(per_worker(depth))}

@@ -72,6 +72,11 @@ class ConfigurationPlan:
     # "nothing_fits"; "" for plans written by hand
     limited_by: str = ""
     notes: tuple[str, ...] = ()
+    # training-data worker processes (CUDA; 0 on CPU) and the finished batches each holds ahead, sized by
+    # the host RAM budget and the CPU count from one worker's bytes (autoseg.batch_loader.worker_bytes)
+    loader_workers: int = 0
+    loader_queue_depth: int = 2
+    loader_worker_bytes: float = 0.0
 
     @property
     def dim(self) -> int:
@@ -83,7 +88,7 @@ class ConfigurationPlan:
 
 @dataclass(frozen=True)
 class Plans(Artifact):
-    SCHEMA_VERSION = 1
+    SCHEMA_VERSION = 2  # 2: loader workers per configuration
     KIND = "plans"
 
     dataset_name: str
@@ -97,8 +102,7 @@ class Plans(Artifact):
     gpu_memory_bytes: int
     host_ram_bytes: int
     preprocessing_processes: int = 1
-    loader_workers: int = 0
-    host_memory: dict[str, float] = field(default_factory=dict)  # the byte figures behind the two counts
+    host_memory: dict[str, float] = field(default_factory=dict)  # the figures behind the process counts
     regions_class_order: tuple[int, ...] = ()  # region-based labels: the value painted for each region
 
     @property

@@ -29,16 +29,16 @@ import torch
 from tqdm import tqdm
 
 from autoseg.artifacts import atomic_write_text
+from autoseg.batch_loader import BatchLoader
 from autoseg.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.compute import fastest_thread_count, training_step_closure
 from autoseg.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
-from autoseg.loader import BatchLoader
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.progress import plot_progress
 from autoseg.resources import cpu_count
 from autoseg.schedule import TimeBudget, poly_lr
-from autoseg.train_data import LOADER_QUEUE_DEPTH, loader_config, precomputed_copies
+from autoseg.train_data import loader_config, precomputed_copies
 from autoseg.train_step import TrainStep, distribute, make_step, pseudo_dice_counts, validate_patches
 from autoseg.workspace import Workspace, load_or_create_splits
 
@@ -72,7 +72,7 @@ class RunConfig:
     grad_clip: float = 12.0
     seed: int = 0
     device: str = "cpu"
-    loader_workers: int | None = None  # None: the plan's loader_workers
+    loader_workers: int | None = None  # None: the configuration's planned loader_workers
     use_precomputed: bool | None = None  # None: when every training case has precomputed augmented copies
     validate: bool = True  # predict and evaluate the fold's validation cases at the end
     resume: bool = False
@@ -173,7 +173,7 @@ class _Context:
         cfg = loader_config(self.config, augment, self.use_precomputed and augment)
         return BatchLoader(self.workspace.preprocessed(self.config_name), self.train_ids if augment else self.val_ids,
                            cfg, seed=seed, num_workers=self.loader_workers if augment else 0,
-                           queue_depth=LOADER_QUEUE_DEPTH, pin_memory=self.step.device.type == "cuda")
+                           queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda")
 
     def progress_state(self, epoch: int) -> dict[str, Any]:
         return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
@@ -241,7 +241,7 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
 def _choose_data_pipeline(ctx: _Context) -> None:
     """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
     run, folder = ctx.run, ctx.workspace.preprocessed(ctx.config_name)
-    node_share = ctx.plans.loader_workers // ctx.ranks.context.local_world_size  # the plan's are for one node
+    node_share = ctx.config.loader_workers // ctx.ranks.context.local_world_size  # the plan's are for one node
     ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
     copies = precomputed_copies(folder, ctx.train_ids)
     if run.use_precomputed and copies == 0:
@@ -253,7 +253,7 @@ def _choose_data_pipeline(ctx: _Context) -> None:
     spatial = (f"precomputed copies ({copies} per case)" if ctx.use_precomputed
                else "in-plane (dummy 2D)" if cfg.dummy_2d else "3D on the fly")
     log.info("data: %d loader worker(s) x %d queued batches; spatial augmentation %s", ctx.loader_workers,
-             LOADER_QUEUE_DEPTH, spatial)
+             ctx.config.loader_queue_depth, spatial)
 
 
 def _case_shape(folder: Path, case_id: str) -> tuple[int, ...]:

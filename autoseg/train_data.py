@@ -6,8 +6,9 @@
 - Precomputed copies: with ``autoseg plan_and_preprocess --precompute-augmentations K`` every case has K
   spatially augmented copies; the trainer samples them (no rotation/scaling on the fly) when every training
   case has at least one.
-- Workers: the plan's ``loader_workers`` (sized by its host RAM budget and CPU count), each holding up to
-  ``LOADER_QUEUE_DEPTH`` finished batches; ``RunConfig`` may override both choices.
+- Workers: the configuration's planned ``loader_workers``, each holding up to ``loader_queue_depth``
+  finished batches (both sized by the plan's host RAM budget and CPU count); ``RunConfig`` may override the
+  worker count.
 """
 
 from __future__ import annotations
@@ -17,10 +18,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from autoseg.loader import LoaderConfig
-from autoseg.planner import LOADER_QUEUE_DEPTH
 from autoseg.plans import ConfigurationPlan
 
-__all__ = ["DUMMY_2D_ANISOTROPY", "LOADER_QUEUE_DEPTH", "loader_config", "precomputed_copies", "uses_dummy_2d"]
+__all__ = ["DUMMY_2D_ANISOTROPY", "loader_config", "precomputed_copies", "uses_dummy_2d"]
 
 DUMMY_2D_ANISOTROPY = 3.0
 

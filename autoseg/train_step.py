@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from autoseg.batch_loader import BatchLoader
 from autoseg.distributed import SINGLE_PROCESS, DistributedContext, PeerOutOfMemoryError, Ranks
 from autoseg.labels import LabelScheme
-from autoseg.loader import BatchLoader
 from autoseg.loss import compute_loss, training_loss
 from autoseg.network import build_network
 from autoseg.plans import ConfigurationPlan

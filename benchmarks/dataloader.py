@@ -99,8 +99,7 @@ def child_autoseg(spec: dict) -> dict:
 
     import torch
 
-    from autoseg.loader import BatchLoader
-    from autoseg.planner import LOADER_QUEUE_DEPTH
+    from autoseg.batch_loader import BatchLoader
     from autoseg.plans import Plans
     from autoseg.train import fold_cases
     from autoseg.train_data import loader_config
@@ -115,7 +114,7 @@ def child_autoseg(spec: dict) -> dict:
     with TreeMemoryPeak(os.getpid(), interval_s=0.5) as memory:
         t0 = time.perf_counter()
         loader = BatchLoader(workspace.preprocessed(CONFIG), train_ids, config, seed=0,
-                             num_workers=spec["workers"], queue_depth=LOADER_QUEUE_DEPTH)
+                             num_workers=spec["workers"], queue_depth=planned.loader_queue_depth)
         first = next(loader)
         startup_s = time.perf_counter() - t0
         timing = time_batches(lambda: next(loader), spec["warmup"], spec["batches"])
@@ -123,7 +122,7 @@ def child_autoseg(spec: dict) -> dict:
     shapes = {k: list(v.shape) for k, v in first.items()}
     return {**timing, **memory.as_dict(), "startup_s": startup_s, "shapes": shapes, "cases": len(train_ids),
             "dummy_2d": config.dummy_2d, "read_box_max": list(config.enlarged_patch_size),
-            "queue_depth": LOADER_QUEUE_DEPTH}
+            "queue_depth": planned.loader_queue_depth}
 
 
 def child_nnunet(spec: dict) -> dict:

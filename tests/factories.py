@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
 
 from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
 from autoseg.workspace import Workspace
@@ -35,3 +39,39 @@ def set_configuration(workspace: Workspace, name: str, **changes) -> None:
     plans = Plans.from_json(workspace.plans_path)
     config = plans.configuration(name).with_(**changes)
     dataclasses.replace(plans, configurations={**plans.configurations, name: config}).to_json(workspace.plans_path)
+
+
+SHAPE_ZYX = (12, 20, 20)
+
+
+def write_case(folder: Path, case_id: str, data: np.ndarray, seg: np.ndarray) -> None:
+    """A preprocessed case: data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), class_locations from seg."""
+    np.save(folder / f"{case_id}_data.npy", data.astype(np.float32))
+    np.save(folder / f"{case_id}_seg.npy", seg.astype(np.int8))
+    locations = {str(c): np.argwhere(seg[0] == c).tolist() for c in (1, 2)}
+    (folder / f"{case_id}.json").write_text(json.dumps({"class_locations": locations}))
+
+
+def make_cases(
+    folder: Path,
+    num_cases: int = 2,
+    shape_zyx: tuple[int, ...] = SHAPE_ZYX,
+    num_channels: int = 1,
+    foreground: str = "blob",
+    seed: int = 0,
+) -> list[str]:
+    """Data = a ramp that encodes the voxel position (so a patch can be located); seg -1 on the y=0 rows."""
+    rng = np.random.default_rng(seed)
+    z, y, x = np.meshgrid(*(np.arange(s) for s in shape_zyx), indexing="ij")
+    ids = []
+    for i in range(num_cases):
+        data = np.stack([1 + z * 10000 + y * 100 + x + 0.5 * c for c in range(num_channels)]) + 1000000 * i
+        seg = np.zeros((1, *shape_zyx), dtype=np.int8)
+        if foreground == "blob":  # a small cube in a corner: rarely hit by a uniform patch
+            seg[0, -2:, -3:, -3:] = 1
+        elif foreground == "scatter":  # 10 % of voxels, spread uniformly
+            seg[0] = rng.random(shape_zyx) < 0.1
+        seg[0, :, 0, :] = -1
+        write_case(folder, f"case_{i}", data, seg)
+        ids.append(f"case_{i}")
+    return ids

@@ -3,6 +3,7 @@ simulation against batchgenerators'."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -14,6 +15,7 @@ from batchgenerators.transforms.spatial_transforms import MirrorTransform, Spati
 from scipy import ndimage
 
 from autoseg.augment import (
+    Augmenter,
     Gamma,
     GaussianNoise,
     Mirror,
@@ -167,6 +169,28 @@ def test_mirror_matches_batchgenerators(shape: tuple[int, ...], axes: tuple[int,
     theirs = MirrorTransform(axes)(data=data.copy(), seg=seg.copy())
     np.testing.assert_array_equal(ours["data"], theirs["data"])
     np.testing.assert_array_equal(ours["seg"], theirs["seg"])
+
+
+def test_augmenter_mirrors_while_writing_its_output() -> None:
+    """Only mirroring on: each sample comes out as its input flipped along some axes (the target -1 -> 0),
+    written into the given buffers; over the seeds every axis is flipped sometimes and sometimes not."""
+    off = dict(p_rotation=0.0, p_scale=0.0, p_noise=0.0, p_blur=0.0, p_brightness=0.0, p_contrast=0.0,
+               p_low_res=0.0, p_gamma=0.0, p_gamma_inverted=0.0)
+    config = LoaderConfig((4, 6, 8), batch_size=2, **off)
+    data = np.arange(2 * 4 * 6 * 8, dtype=np.float32).reshape(2, 1, 4, 6, 8)
+    seg = (data % 3 - 1).astype(np.int8)
+    seen: set[tuple[bool, ...]] = set()
+    for seed in range(12):
+        out = {"data": np.empty_like(data), "target": np.empty_like(seg)}
+        got = Augmenter(config)({"data": data.copy(), "seg": seg.copy(), "transforms": None}, seed, out=out)
+        assert got is out
+        for b in range(2):
+            flipped = next(f for f in itertools.product((False, True), repeat=3)
+                           if np.array_equal(out["data"][b], np.flip(data[b], [1 + a for a in range(3) if f[a]])))
+            axes = [1 + a for a in range(3) if flipped[a]]
+            np.testing.assert_array_equal(out["target"][b], np.maximum(np.flip(seg[b], axes), 0))
+            seen.add(flipped)
+    assert all({f[a] for f in seen} == {False, True} for a in range(3))
 
 
 def test_gaussian_noise_replays_and_has_the_drawn_spread() -> None:

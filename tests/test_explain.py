@@ -22,13 +22,13 @@ def tiny_plans(device: str = "cuda", gpu_memory_bytes: int = 8 * GiB) -> Plans:
     """One 3d_fullres configuration: 3 stages (8-16-32 features), patch 16^3, batch 2, median 20x24x40."""
     config = ConfigurationPlan(name="3d_fullres", spacing_mm=(1.0, 1.0, 1.0), median_shape_zyx=(20, 24, 40),
                                patch_size=(16, 16, 16), batch_size=2, accumulation_steps=1, network=TOPOLOGY,
-                               device=device)
+                               device=device, loader_workers=2)
     return Plans(dataset_name="Dataset001_Tiny", channel_names=("CT",),
                  labels={"background": 0, "a": 1, "b": 2}, file_ending=".nii.gz", normalization=("ct",),
                  use_nonzero_mask=(False,),
                  intensity_properties=(IntensityProperties(0.0, 1.0, -1.0, 1.0),),
                  configurations={"3d_fullres": config}, gpu_memory_bytes=gpu_memory_bytes,
-                 host_ram_bytes=16 * GiB, loader_workers=2)
+                 host_ram_bytes=16 * GiB)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +108,7 @@ def test_host_rows_use_the_median_shape_without_a_fingerprint(explanation: Expla
     (case,) = explanation.host_cases
     assert case.shape_zyx_before == case.shape_zyx_after == (20, 24, 40)
     assert case.export["probabilities"] == 3 * 20 * 24 * 40 * 4
-    assert explanation.loader_worker["output"] == 2 * 16**3 * (4 + 1)  # float32 data + int8 target
+    assert explanation.loader_worker["slots"] == 3 * 2 * 16**3 * (4 + 1)  # queue depth 2 + 1 slots: float32 + int8
 
 
 def test_host_rows_of_the_median_and_largest_case_from_the_fingerprint(tmp_path: Path, capsys) -> None:

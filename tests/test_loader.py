@@ -1,9 +1,6 @@
 from __future__ import annotations
 
-import json
 import math
-import multiprocessing
-import os
 import tracemalloc
 from pathlib import Path
 
@@ -11,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
+from factories import make_cases, write_case
 
-import autoseg.loader as loader_module
 from autoseg.augment import draw_patch_transform
+from autoseg.batch_loader import BatchLoader
 from autoseg.loader import (
     Augmenter,
-    BatchLoader,
     LoaderConfig,
     PatchSampler,
     batch_bytes,
@@ -24,41 +21,6 @@ from autoseg.loader import (
     enlarged_patch_size,
     read_size,
 )
-
-SHAPE_ZYX = (12, 20, 20)
-
-
-def write_case(folder: Path, case_id: str, data: np.ndarray, seg: np.ndarray) -> None:
-    """A preprocessed case: data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), class_locations from seg."""
-    np.save(folder / f"{case_id}_data.npy", data.astype(np.float32))
-    np.save(folder / f"{case_id}_seg.npy", seg.astype(np.int8))
-    locations = {str(c): np.argwhere(seg[0] == c).tolist() for c in (1, 2)}
-    (folder / f"{case_id}.json").write_text(json.dumps({"class_locations": locations}))
-
-
-def make_cases(
-    folder: Path,
-    num_cases: int = 2,
-    shape_zyx: tuple[int, ...] = SHAPE_ZYX,
-    num_channels: int = 1,
-    foreground: str = "blob",
-    seed: int = 0,
-) -> list[str]:
-    """Data = a ramp that encodes the voxel position (so a patch can be located); seg -1 on the y=0 rows."""
-    rng = np.random.default_rng(seed)
-    z, y, x = np.meshgrid(*(np.arange(s) for s in shape_zyx), indexing="ij")
-    ids = []
-    for i in range(num_cases):
-        data = np.stack([1 + z * 10000 + y * 100 + x + 0.5 * c for c in range(num_channels)]) + 1000000 * i
-        seg = np.zeros((1, *shape_zyx), dtype=np.int8)
-        if foreground == "blob":  # a small cube in a corner: rarely hit by a uniform patch
-            seg[0, -2:, -3:, -3:] = 1
-        elif foreground == "scatter":  # 10 % of voxels, spread uniformly
-            seg[0] = rng.random(shape_zyx) < 0.1
-        seg[0, :, 0, :] = -1
-        write_case(folder, f"case_{i}", data, seg)
-        ids.append(f"case_{i}")
-    return ids
 
 
 def expected_box(data: np.ndarray, origin: tuple[int, ...], size: tuple[int, ...], pad: float) -> np.ndarray:
@@ -217,39 +179,6 @@ def test_same_seed_same_batches_and_replay_from_seed(tmp_path: Path) -> None:
     np.testing.assert_array_equal(first["data"], replay["data"])
     np.testing.assert_array_equal(first["target"], replay["target"])
     np.testing.assert_array_equal(np.random.get_state()[1], before)  # the caller's global state is untouched
-
-
-def test_one_worker_yields_the_in_process_batches_and_closes(tmp_path: Path) -> None:
-    ids = make_cases(tmp_path)
-    config = LoaderConfig((8, 16, 16), batch_size=2)
-    with BatchLoader(tmp_path, ids, config, seed=3, num_workers=0) as loader:
-        expected = [next(loader) for _ in range(2)]
-    loader = BatchLoader(tmp_path, ids, config, seed=3, num_workers=1, queue_depth=1)
-    got = [next(loader) for _ in range(2)]
-    assert multiprocessing.active_children(), "expected a worker process"
-    loader.close()
-    assert multiprocessing.active_children() == []
-    loader.close()  # idempotent
-    for a, b in zip(expected, got, strict=True):
-        assert torch.equal(a["data"], b["data"]) and torch.equal(a["target"], b["target"])
-    with pytest.raises(RuntimeError, match="closed"):
-        next(loader)
-
-
-def test_dead_worker_raises_instead_of_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ids = make_cases(tmp_path, num_cases=1)
-    monkeypatch.setattr(loader_module.PatchSampler, "sample_batch", lambda self: os._exit(3))
-    with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
-        with pytest.raises(RuntimeError, match="exited unexpectedly"):
-            next(loader)
-
-
-def test_worker_error_is_reraised(tmp_path: Path) -> None:
-    ids = make_cases(tmp_path, num_cases=1)
-    with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
-        (tmp_path / "case_0_seg.npy").unlink()  # vanishes after the loader checked it
-        with pytest.raises(FileNotFoundError, match="case_0_seg.npy"):
-            next(loader)
 
 
 def test_errors_say_what_to_change(tmp_path: Path) -> None:

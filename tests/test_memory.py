@@ -14,7 +14,6 @@ from autoseg.memory import (
     TrainingMemoryModel,
     export_bytes,
     inference_memory,
-    loader_worker_bytes,
     measure_inference_bytes,
     measure_training_step,
     predict_device_peak,
@@ -230,16 +229,6 @@ def test_export_streams_classes():
     assert large["total"] - small["total"] == 10 * 30 * 40 * 50 * 4
     assert large["best_score"] == small["best_score"] == 40 * 50 * 60 * 4
     assert export_bytes((4, 5, 6), (4, 5, 6), 200)["labels"] == 2 * 120 * 2  # int16 labels beyond 127 classes
-
-
-def test_loader_worker_bytes():
-    one = loader_worker_bytes((40, 80, 80), (32, 64, 64), 2, 1, queue_depth=0)
-    deep = loader_worker_bytes((40, 80, 80), (32, 64, 64), 2, 1, queue_depth=3)
-    batch_out = 2 * (32 * 64 * 64 * 4 + 32 * 64 * 64)  # float32 data + int8 target
-    assert one["output"] == batch_out and deep["total"] - one["total"] == 3 * batch_out
-    assert one["sampled"] == 2 * (40 * 80 * 80 * 4 + 40 * 80 * 80)
-    with pytest.raises(ValueError, match="queue_depth"):
-        loader_worker_bytes((8, 8), (8, 8), 1, 1, queue_depth=-1)
 
 
 def test_preprocess_worker_bytes_phases():

@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.batch_loader import worker_bytes
 from autoseg.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
 from autoseg.planner import (
@@ -14,6 +15,7 @@ from autoseg.planner import (
     MIN_PATCH_VOXELS,
     Budget,
     GiB,
+    loader_workers,
     lowres_spacing,
     plan,
     rough_training_peak_bytes,
@@ -21,6 +23,7 @@ from autoseg.planner import (
     topology_for,
 )
 from autoseg.plans import ConfigurationPlan, IntensityProperties, Plans
+from autoseg.train_data import loader_config
 
 # --- target_spacing ---------------------------------------------------------------------------------
 
@@ -289,7 +292,7 @@ def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
             assert cfg.network.features_per_stage[0] in (16, 8)
         full = plans.configuration("3d_fullres")
         assert full.limited_by == "time" and full.predicted_seconds_per_iteration > 0.5 * target
-        assert plans.loader_workers == 0  # workers would take the cores the CPU training step uses
+        assert cfg.loader_workers == 0  # workers would take the cores the CPU training step uses
 
 
 def test_cpu_width_drops_to_8_only_when_16_leaves_too_small_a_patch() -> None:
@@ -323,8 +326,15 @@ def test_checkpointing_adds_a_third_of_the_flops() -> None:
 
 def test_small_ram_gives_one_process_and_no_workers() -> None:
     plans = _rough_plan(8, host_ram_bytes=1 * GiB)
-    assert plans.preprocessing_processes == 1 and plans.loader_workers == 0
+    assert plans.preprocessing_processes == 1
+    assert all(cfg.loader_workers == 0 for cfg in plans.configurations.values())
     assert plans.host_memory["preprocess_worker_bytes"] > 0.8 * GiB / 2
+
+
+def _worker_bytes(cfg: ConfigurationPlan, depth: int) -> int:
+    """One loader worker of ``cfg`` (1 channel), on-the-fly augmentation: what the planner sizes by."""
+    c = loader_config(cfg, augment=True)
+    return worker_bytes(c.patch_size, c.enlarged_patch_size, c.batch_size, 1, depth, dummy_2d=c.dummy_2d)["total"]
 
 
 def test_processes_and_workers_follow_ram_and_cpu_count() -> None:
@@ -333,10 +343,26 @@ def test_processes_and_workers_follow_ram_and_cpu_count() -> None:
     usable = 8 * GiB * 0.8
     assert host["usable_host_ram_bytes"] == usable and host["cpu_count"] == 64
     assert plans.preprocessing_processes == int(usable // host["preprocess_worker_bytes"])
-    assert plans.loader_workers == int((usable - 2 * GiB) // host["loader_worker_bytes"])
-    assert 1 < plans.preprocessing_processes < 64 and 0 < plans.loader_workers < 63
+    assert 1 < plans.preprocessing_processes < 64
+    for cfg in plans.configurations.values():  # each configuration its own: a 2d batch may be much larger
+        assert cfg.loader_worker_bytes == _worker_bytes(cfg, cfg.loader_queue_depth)
+        assert cfg.loader_workers == int((usable - 2 * GiB) // cfg.loader_worker_bytes)
+        assert 0 < cfg.loader_workers < 63
     capped = _rough_plan(8, host_ram_bytes=512 * GiB, cpu_count=4)
-    assert capped.preprocessing_processes == 4 and capped.loader_workers == 3  # one core feeds the GPU
+    assert capped.preprocessing_processes == 4
+    assert all(c.loader_workers == 3 and c.loader_queue_depth == 2  # one core feeds the GPU
+               for c in capped.configurations.values())
+
+
+def test_queue_depth_drops_to_one_where_that_fits_more_workers() -> None:
+    """Each worker's bytes: its process, a batch in flight, queue depth + 1 shared slots (worker_bytes)."""
+    cfg = _rough_plan(8, cpu_count=4).configuration("3d_fullres")
+    ram = int((2 * GiB + 3 * _worker_bytes(cfg, 1) + 2**20) / 0.8)  # 3 workers fit at depth 1, 2 at depth 2
+    assert 3 * _worker_bytes(cfg, 2) > 0.8 * ram - 2 * GiB
+    tight = loader_workers(cfg, 1, Budget(host_ram_bytes=ram, cpu_count=4))
+    assert tight == {"loader_workers": 3, "loader_queue_depth": 1, "loader_worker_bytes": _worker_bytes(cfg, 1)}
+    roomy = loader_workers(cfg, 1, Budget(host_ram_bytes=4 * ram, cpu_count=4))
+    assert roomy["loader_workers"] == 3 and roomy["loader_queue_depth"] == 2
 
 
 # --- Budget -------------------------------------------------------------------------------------------

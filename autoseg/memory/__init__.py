@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel, predicted_training_bytes, training_memory_model
-from autoseg.memory.host import export_bytes, loader_worker_bytes, preprocess_worker_bytes
+from autoseg.memory.host import export_bytes, preprocess_worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory, measure_inference_bytes
 from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import (
@@ -34,7 +34,6 @@ __all__ = [
     "TrainingMemoryModel",
     "export_bytes",
     "inference_memory",
-    "loader_worker_bytes",
     "measure_inference_bytes",
     "measure_training_step",
     "predict_device_peak",

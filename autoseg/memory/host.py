@@ -2,7 +2,7 @@
 
 Each function returns its terms and their ``total``; a stage that runs in phases reports each phase and
 the ``total`` is the largest. They follow the code they model (``autoseg.preprocess``,
-``autoseg.augment`` / ``autoseg.loader``, ``autoseg.predict.export_segmentation``) and are meant to be
+``autoseg.predict.export_segmentation``) and are meant to be
 held against measurements of those modules; where a quantity is not known (the crop, the exact path of
 a resampling) they take the larger case.
 
@@ -53,33 +53,6 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
                          + max(seg_temps, 0)),
     }
     return {"runtime": WORKER_RUNTIME_BYTES, **phases, "total": WORKER_RUNTIME_BYTES + max(phases.values())}
-
-
-def loader_worker_bytes(enlarged_patch: Sequence[int], patch: Sequence[int], batch: int, channels: int,
-                        queue_depth: int) -> dict[str, int]:
-    """RAM of one training-data worker (sampling enlarged patches, augmenting, queueing batches).
-
-    Terms: ``sampled`` the batch read at the enlarged patch E (float32 data, int8 label);
-    ``spatial`` SpatialTransform's outputs at the patch P (float32 data and label) and its coordinate
-    grids (2 x dim x P float64, one sample at a time); ``intensity`` one data-sized float32 temporary of
-    the intensity transforms; ``output`` the finished batch (float32 data, int8 target); ``queued``
-    ``queue_depth`` finished batches waiting for the trainer; ``runtime`` the process itself.
-    """
-    ve, vp, b, c = _voxels(enlarged_patch), _voxels(patch), int(batch), int(channels)
-    if queue_depth < 0 or b < 1 or c < 1:
-        raise ValueError(f"batch ({batch}) and channels ({channels}) must be >= 1, "
-                         f"queue_depth ({queue_depth}) >= 0")
-    out_batch = b * (c * vp * _F32 + vp)  # the target in the labels' int8
-    terms = {
-        "runtime": WORKER_RUNTIME_BYTES,
-        "sampled": b * (c * ve * _F32 + ve),
-        "spatial": b * (c * vp * _F32 + vp * _F32) + 2 * len(patch) * vp * _F64,
-        "intensity": b * c * vp * _F32,
-        "output": out_batch,
-        "queued": int(queue_depth) * out_batch,
-    }
-    terms["total"] = sum(terms.values())
-    return terms
 
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
