@@ -111,14 +111,16 @@ class _BatchStream(IterableDataset):
         sampler = PatchSampler(self.folder, self.case_ids, self.config, rng)
         augmenter = Augmenter(self.config)
         threads = ThreadpoolController()
+        b, patch = self.config.batch_size, self.config.patch_size
+        patches = {"data": np.empty((b, sampler.num_channels, *patch), np.float32),  # reused for every batch
+                   "seg": np.empty((b, 1, *patch), sampler.seg_dtype)}
         for index in range(2**62):
             with threads.limit(limits=1):
-                batch, seed = sampler.sample_batch(), int(rng.integers(2**31))
+                batch, seed = sampler.sample_patches(patches), int(rng.integers(2**31))
                 if self.slots is None:  # torch-allocated (64-byte aligned): a batch wrapping numpy's buffers
                     # (torch.from_numpy) made a CPU training step 2.5x slower (0.73 s vs 0.29 s, 2 x 16x40x40)
-                    out: Any = {"data": torch.empty(batch["data"].shape[:2] + self.config.patch_size),
-                                "target": torch.empty((len(batch["seg"]), 1, *self.config.patch_size),
-                                                      dtype=torch.from_numpy(batch["seg"][:0]).dtype)}
+                    out: Any = {"data": torch.empty(patches["data"].shape),
+                                "target": torch.from_numpy(patches["seg"]).new_empty(patches["seg"].shape)}
                     augmenter(batch, seed, out={k: v.numpy() for k, v in out.items()})
                 else:
                     slot = index % self.slots.count

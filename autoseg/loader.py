@@ -8,6 +8,8 @@ Stages, each usable alone:
   memory-mapped ``<case>_data.npy`` / ``<case>_seg.npy`` (only the box's pages are read:
   ``open_npy_for_patches``), padded with 0 (data) / -1 (seg) outside the image; with ``use_precomputed``,
   at the patch size from the case or one of its augmented copies.
+- ``PatchSampler.sample_patches()``: the same draws, each sample's box read and rotated/scaled into the
+  patch before the next is read (what the workers run: one box in memory at a time).
 - ``Augmenter(batch, seed)`` (``autoseg.augment``): nnU-Net's default augmentation, cropping to the patch.
 - ``autoseg.batch_loader.BatchLoader``: an endless iterator of torch batches, in-process or in worker
   processes.
@@ -42,6 +44,7 @@ from autoseg.augment import (
     draw_patch_transform,
     enlarged_patch_size,
     read_size,
+    spatial_transform,
 )
 
 __all__ = [
@@ -144,10 +147,11 @@ def batch_bytes_terms(
     seg_itemsize: int = 1,
     dummy_2d: bool = False,
 ) -> dict[str, int]:
-    """Host bytes of one batch in flight in a worker, by buffer (see ``batch_bytes``).
+    """Host bytes of one batch in flight in a worker, by buffer (see ``batch_bytes``), as
+    ``PatchSampler.sample_patches`` builds it: one sample's box at a time.
 
-    ``enlarged_patch_size``: the largest box a sample reads (``LoaderConfig.enlarged_patch_size``); a batch
-    whose samples are not rotated or scaled reads only the patch."""
+    ``enlarged_patch_size``: the largest box a sample reads (``LoaderConfig.enlarged_patch_size``); a sample
+    that is not rotated or scaled reads only the patch."""
     p, e = math.prod(patch_size), math.prod(enlarged_patch_size)
     b, c = batch_size, num_channels
     d = 2 if (len(patch_size) == 2 or dummy_2d) else 3  # dimensions of the rotation
@@ -161,8 +165,8 @@ def batch_bytes_terms(
     # float32 temporaries (low resolution, contrast, blur).
     intensity = max(c, 3) * p * 4
     return {
-        "enlarged_data": b * c * e * 4,  # float32 (B, C, *E), read from the memmap
-        "enlarged_seg": b * e * seg_itemsize,  # int8 (B, 1, *E)
+        "enlarged_data": c * e * 4,  # float32 (C, *E): one sample's box, read from the memmap
+        "enlarged_seg": e * seg_itemsize,  # int8 (1, *E)
         "augmented_data": b * c * p * 4,  # float32 (B, C, *P), PatchSpatialTransform output
         "augmented_seg": b * p * seg_itemsize,  # int8 (B, 1, *P): the target
         "scratch": max(spatial, intensity),  # transient, one sample at a time
@@ -180,11 +184,12 @@ def batch_bytes(
 ) -> int:
     """Pure estimate (an upper bound) of the host bytes one batch holds in a worker while it is built.
 
-    Read boxes float32 + labels (``seg_itemsize``: 1 for int8, 2 for int16) at the worst-case box, augmented
-    data (float32) and labels (the target) + the largest per-sample scratch of the augmentation. E.g.
-    patch (128, 128, 128), enlarged (302, 308, 302), B=2, C=1: about 0.76 GB; patch (512, 512) 2D,
-    enlarged (1014, 1014), B=12, C=1: about 0.10 GB; dummy 2D (56, 192, 192), enlarged (56, 386, 376), B=2,
-    C=1: about 0.25 GB.
+    One sample's read box float32 + labels (``seg_itemsize``: 1 for int8, 2 for int16) at the worst case,
+    the batch's augmented data (float32) and labels (the target) + the largest per-sample scratch of the
+    augmentation. E.g. patch (128, 128, 128), enlarged (302, 308, 302), B=2, C=1: about 0.62 GB; patch
+    (512, 512) 2D, enlarged (1014, 1014), B=12, C=1: about 0.04 GB; dummy 2D (56, 192, 192), enlarged
+    (56, 386, 376), B=2, C=1: about 0.21 GB; (160, 192, 160), enlarged (302, 340, 302), B=12, C=4: 2.6 GB
+    (it was 8.4 GB while the sampler read every sample's box before transforming any).
     """
     terms = batch_bytes_terms(patch_size, enlarged_patch_size, batch_size, num_channels,
                               seg_itemsize=seg_itemsize, dummy_2d=dummy_2d)
@@ -346,6 +351,31 @@ class PatchSampler:
         return {"data": data, "seg": seg, "case_ids": [d.case_id for d in draws],
                 "origins": np.array(origins, dtype=np.int64).reshape(b, 3), "copies": [d.copy for d in draws],
                 "transforms": [d.transform for d in draws]}
+
+    def sample_patches(self, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """``sample_batch`` with each sample's spatial transform applied as soon as it is read: its box is
+        read, rotated and scaled into the patch (``spatial_transform``) and dropped before the next sample
+        is read, so one sample's box is in memory instead of the batch's (``batch_bytes``). The same draws
+        and patches as ``sample_batch`` followed by ``PatchSpatialTransform``.
+
+        Returns ``data`` float32 (B, C, *P) and ``seg`` (B, 1, *P), written into ``out`` ("data", "seg") if
+        given, ``transforms`` None per sample (applied), ``case_ids``, ``copies``, ``origins`` (of each
+        sample's own box)."""
+        config, b = self.config, self.config.batch_size
+        draws = [self._draw() for _ in range(b)]
+        if out is None:
+            out = {"data": np.empty((b, self.num_channels, *config.patch_size), np.float32),
+                   "seg": np.empty((b, 1, *config.patch_size), self.seg_dtype)}
+        origins = []
+        for i, draw in enumerate(draws):
+            need = read_size(config.patch_size, draw.transform, config.dummy_2d)
+            data = np.zeros((self.num_channels, *need), dtype=np.float32)
+            seg = np.full((1, *need), -1, dtype=self.seg_dtype)
+            origins.append(self._read_box(draw, need, need, data, seg))
+            spatial_transform(data, seg, draw.transform, config, out["data"][i], out["seg"][i])
+        return {"data": out["data"], "seg": out["seg"], "case_ids": [d.case_id for d in draws],
+                "origins": np.array(origins, dtype=np.int64).reshape(b, 3), "copies": [d.copy for d in draws],
+                "transforms": [None] * b}
 
     def _draw(self) -> _Draw:
         """Case, copy (``use_precomputed``), patch window and spatial transform of one sample."""

@@ -37,7 +37,7 @@ def test_one_worker_yields_the_in_process_batches_and_closes(tmp_path: Path) -> 
 
 def test_dead_worker_raises_instead_of_hanging(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ids = make_cases(tmp_path, num_cases=1)
-    monkeypatch.setattr(loader_module.PatchSampler, "sample_batch", lambda self: os._exit(3))
+    monkeypatch.setattr(loader_module.PatchSampler, "sample_patches", lambda self, out=None: os._exit(3))
     with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
         with pytest.raises(RuntimeError, match="exited unexpectedly"):
             next(loader)

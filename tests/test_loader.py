@@ -10,7 +10,7 @@ import torch
 from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
 from factories import make_cases, write_case
 
-from autoseg.augment import draw_patch_transform
+from autoseg.augment import PatchSpatialTransform, draw_patch_transform
 from autoseg.batch_loader import BatchLoader
 from autoseg.loader import (
     Augmenter,
@@ -215,24 +215,42 @@ def test_enlarged_patch_size_covers_every_rotation_and_scale() -> None:
     assert np.all(needs <= size) and np.all(needs.max(axis=0) >= np.array(size) - 6)
 
 
+def test_sample_patches_equals_sample_batch_then_the_spatial_transform(tmp_path: Path) -> None:
+    ids = make_cases(tmp_path, num_channels=2)
+    config = LoaderConfig((8, 16, 16), batch_size=3, p_rotation=0.7, p_scale=0.7)
+    eager = PatchSampler(tmp_path, ids, config, np.random.default_rng(4))
+    streamed = PatchSampler(tmp_path, ids, config, np.random.default_rng(4))
+    for _ in range(4):
+        batch = eager.sample_batch()
+        expected = PatchSpatialTransform(config)(data=batch["data"], seg=batch["seg"], transforms=batch["transforms"])
+        got = streamed.sample_patches()
+        assert got["case_ids"] == batch["case_ids"] and got["transforms"] == [None] * 3
+        np.testing.assert_array_equal(got["data"], expected["data"])
+        np.testing.assert_array_equal(got["seg"], expected["seg"])
+
+
 def test_batch_bytes_matches_allocated_buffers_and_peak(tmp_path: Path) -> None:
+    """What a worker holds while it builds a batch: the patches, one sample's box at a time, the scratch."""
     ids = make_cases(tmp_path, num_channels=2)
     every = dict(p_rotation=1.0, p_scale=1.0, p_noise=1.0, p_blur=1.0, p_brightness=1.0, p_contrast=1.0,
                  p_low_res=1.0, p_gamma=1.0, p_gamma_inverted=1.0)
     config = LoaderConfig((8, 16, 16), batch_size=2, oversample_foreground=0.0, **every)
     sampler, augmenter = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)), Augmenter(config)
-    augmenter(sampler.sample_batch(), seed=0)  # warm up lazy imports and caches
+    augmenter(sampler.sample_patches(), seed=0)  # warm up lazy imports and caches
+    box = PatchSampler(tmp_path, ids, config, np.random.default_rng(1)).sample_batch()["data"].shape[2:]
+    sampler = PatchSampler(tmp_path, ids, config, np.random.default_rng(1))  # the same draws: the largest box
+    out = {"data": np.empty((2, 2, 8, 16, 16), np.float32), "target": np.empty((2, 1, 8, 16, 16), np.int8)}
     tracemalloc.start()
     try:
-        batch = sampler.sample_batch()
-        box = batch["data"].shape[2:]  # the estimate for this batch's box; the planner uses the largest
-        terms = batch_bytes_terms((8, 16, 16), box, 2, 2)
-        assert batch["data"].nbytes == terms["enlarged_data"] and batch["seg"].nbytes == terms["enlarged_seg"]
-        out = augmenter(batch, seed=1)
+        patches = sampler.sample_patches()
+        data, seg = patches["data"], patches["seg"]  # the augmenter takes them over
+        augmenter(patches, seed=1, out=out)  # into the shared-memory slot: worker_bytes counts those
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert out["data"].nbytes == terms["augmented_data"] and out["target"].nbytes == terms["augmented_seg"]
+    terms = batch_bytes_terms((8, 16, 16), box, 2, 2)
+    assert data.nbytes == terms["augmented_data"] and seg.nbytes == terms["augmented_seg"]
+    assert terms["enlarged_data"] == 2 * math.prod(box) * 4  # one sample's box of 2 channels
     estimate = batch_bytes((8, 16, 16), box, 2, 2)
     assert estimate == sum(terms.values())
     assert peak <= estimate <= 1.35 * peak, f"measured peak {peak} B, estimate {estimate} B"
