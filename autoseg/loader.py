@@ -3,7 +3,7 @@
 Stages, each usable alone:
 
 - ``PatchSampler.sample_batch()``: per sample a location and a spatial transform
-  (``autoseg.augment.draw_patch_transform``), then B boxes around the patches, as large as the batch's
+  (``autoseg.augment_spatial.draw_patch_transform``), then B boxes around the patches, as large as the batch's
   largest transform needs (``read_size``; the patch itself when no sample is rotated or scaled), read from
   memory-mapped ``<case>_data.npy`` / ``<case>_seg.npy`` (only the box's pages are read:
   ``open_npy_for_patches``), padded with 0 (data) / -1 (seg) outside the image; with ``use_precomputed``,
@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from autoseg.augment import (
+from autoseg.augment import Augmenter
+from autoseg.augment_spatial import (
     LABELS_PER_CALL,
-    Augmenter,
     PatchTransform,
     draw_patch_transform,
     enlarged_patch_size,
@@ -156,7 +156,7 @@ def batch_bytes_terms(
     b, c = batch_size, num_channels
     d = 2 if (len(patch_size) == 2 or dummy_2d) else 3  # dimensions of the rotation
     p_sp = math.prod(patch_size[-d:])
-    # PatchSpatialTransform, one sample at a time (autoseg.augment.spatial_transform): its label box copied,
+    # PatchSpatialTransform, one sample at a time (autoseg.augment_spatial.spatial_transform): its label box copied,
     # sample positions and grid_sample's grid (2 x d x P_sp float32), the image and LABELS_PER_CALL label
     # indicators as float32 planes (C + 2) x E and their interpolation (C + 2) x P, the label vote's best and
     # rest scores (float32) and a mask.

@@ -19,12 +19,9 @@ from autoseg.augment import (
     Gamma,
     GaussianNoise,
     Mirror,
-    PatchTransform,
     SimulateLowResolution,
-    draw_patch_transform,
-    read_size,
-    spatial_transform,
 )
+from autoseg.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
 from autoseg.loader import LoaderConfig
 
 EVERY_SPATIAL = dict(p_rotation=1.0, p_scale=1.0)

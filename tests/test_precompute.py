@@ -14,7 +14,8 @@ import pytest
 from factories import tiny_plans
 from scipy import ndimage
 
-from autoseg.augment import Augmenter, PatchSpatialTransform, build_train_transforms
+from autoseg.augment import Augmenter, build_train_transforms
+from autoseg.augment_spatial import PatchSpatialTransform
 from autoseg.batch_loader import BatchLoader
 from autoseg.dataset import load_dataset
 from autoseg.loader import LoaderConfig, PatchSampler
