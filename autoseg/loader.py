@@ -266,17 +266,17 @@ class PatchSampler:
     """Draws batches of patches, with the margin their spatial transforms need, from cases in ``folder``.
 
     Per sample: a case uniformly at random; with probability ``oversample_foreground`` a foreground class
-    present in the case (non-empty ``class_locations``), one of its voxels, and a patch that contains it
+    present in the case (in its ``<case>_locations.npy``), one of its voxels, and a patch that contains it
     at a random position (and stays inside the image where the image is larger than the patch); otherwise
     a uniformly placed patch. A 2D configuration draws one z-slice (the voxel's slice when forced). Then,
     when augmenting on the fly, the sample's rotation and scaling (``draw_patch_transform``).
 
     The cases' copy lists are kept after the first read of their ``<case>.json``, and the foreground
-    voxels of the last ``LOCATIONS_CACHE_CASES`` cases as int32 arrays (at most 10,000 x 12 bytes per class
-    and case); parsing a case's JSON with 20,000 voxels takes about 40 ms.
+    voxels (``<case>_locations.npy``, ``<case>_aug<k>_locations.npy``) of the last ``LOCATIONS_CACHE``
+    cases or copies read (at most 10,000 x 12 bytes per class each).
     """
 
-    LOCATIONS_CACHE_CASES = 64
+    LOCATIONS_CACHE = 64
 
     def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig,
                  rng: np.random.Generator) -> None:
@@ -296,38 +296,39 @@ class PatchSampler:
         self.seg_dtype = first_seg.dtype
         self.enlarged_patch_size = config.enlarged_patch_size
         self._copies: dict[str, tuple[int, ...]] = {}
-        self._locations: OrderedDict[str, Any] = OrderedDict()
+        self._locations: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
 
-    def _paths(self, case_id: str, copy: int = -1) -> tuple[Path, Path, Path]:
-        """Data, seg and properties paths of the case (``copy=-1``) or of its augmented copy ``copy``."""
+    def _paths(self, case_id: str, copy: int = -1) -> tuple[Path, Path, Path, Path]:
+        """Data, seg, locations and properties paths of the case (``copy=-1``) or of its augmented copy."""
         f, stem = self.folder, case_id if copy < 0 else f"{case_id}_aug{copy}"
-        return f / f"{stem}_data.npy", f / f"{stem}_seg.npy", f / f"{case_id}.json"
+        return f / f"{stem}_data.npy", f / f"{stem}_seg.npy", f / f"{stem}_locations.npy", f / f"{case_id}.json"
 
-    def _read_properties(self, case_id: str) -> None:
-        """Cache the case's copy indices and its class locations (class -> (N, 3) int32 (z, y, x))."""
-        with open(self._paths(case_id)[2]) as f:
-            props = json.load(f)
-        self._copies[case_id] = tuple(int(e["index"]) for e in props.get("augmentations") or [])
-        locations = props.get("class_locations")  # checked where it is used (_foreground_voxel)
-        if isinstance(locations, dict):
-            locations = {k: np.asarray(v, dtype=np.int32) for k, v in locations.items()}
-        self._locations[case_id] = locations
-        while len(self._locations) > self.LOCATIONS_CACHE_CASES:
-            self._locations.popitem(last=False)
+    def _case_copies(self, case_id: str) -> tuple[int, ...]:
+        """The indices of the case's augmented copies, from its ``<case>.json`` (read once)."""
+        if case_id not in self._copies:
+            path = self._paths(case_id)[3]
+            with open(path) as f:
+                props = json.load(f)
+            self._copies[case_id] = tuple(int(e["index"]) for e in props.get("augmentations") or [])
+        return self._copies[case_id]
 
-    def _case_locations(self, case_id: str) -> Any:
-        if case_id not in self._locations:
-            self._read_properties(case_id)
-        self._locations.move_to_end(case_id)
-        return self._locations[case_id]
-
-    def _copy_locations(self, case_id: str, copy: int) -> dict[str, np.ndarray]:
-        """Foreground voxels of an augmented copy: class -> (N, 3) (z, y, x), from its (N, 4) int32 file."""
-        rows = np.load(self.folder / f"{case_id}_aug{copy}_locations.npy")
-        return {str(c): rows[rows[:, 0] == c, 1:] for c in np.unique(rows[:, 0])}
+    def _class_locations(self, case_id: str, copy: int) -> dict[str, np.ndarray]:
+        """Foreground voxels of the case or copy: class -> (N, 3) int32 (z, y, x), from its (N, 4) file."""
+        key = (case_id, copy)
+        if key not in self._locations:
+            path = self._paths(case_id, copy)[2]
+            rows = np.load(path)
+            if rows.ndim != 2 or rows.shape[1] != 4:
+                raise ValueError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; "
+                                 "re-run preprocessing")
+            self._locations[key] = {str(c): rows[rows[:, 0] == c, 1:] for c in np.unique(rows[:, 0])}
+            while len(self._locations) > self.LOCATIONS_CACHE:
+                self._locations.popitem(last=False)
+        self._locations.move_to_end(key)
+        return self._locations[key]
 
     def _open(self, case_id: str, copy: int = -1) -> tuple[np.ndarray, np.ndarray]:
-        data_path, seg_path, _ = self._paths(case_id, copy)
+        data_path, seg_path, _, _ = self._paths(case_id, copy)
         data, seg = open_npy_for_patches(data_path), open_npy_for_patches(seg_path)
         if data.ndim != 4 or seg.ndim != 4 or seg.shape[0] != 1 or seg.shape[1:] != data.shape[1:]:
             raise ValueError(f"case {case_id!r} in {self.folder}: expected data (C, Z, Y, X) and seg "
@@ -383,9 +384,7 @@ class PatchSampler:
         case_id = self.case_ids[int(rng.integers(len(self.case_ids)))]
         copy = -1
         if config.use_precomputed and config.augment:  # validation (augment=False): the case only
-            if case_id not in self._copies:
-                self._read_properties(case_id)
-            copies = self._copies[case_id]
+            copies = self._case_copies(case_id)
             pick = int(rng.integers(len(copies) + 1)) - 1  # -1: the case itself
             copy = copies[pick] if pick >= 0 else -1
         data, seg = self._open(case_id, copy)
@@ -396,8 +395,8 @@ class PatchSampler:
         shape_zyx = data.shape[1:]
         voxel = None
         if rng.random() < config.oversample_foreground:
-            locations = self._case_locations(case_id) if copy < 0 else self._copy_locations(case_id, copy)
-            voxel = self._foreground_voxel(locations, self._paths(case_id)[2], shape_zyx)
+            voxel = self._foreground_voxel(self._class_locations(case_id, copy), self._paths(case_id, copy)[2],
+                                           shape_zyx)
         dim = config.dim
         lower = tuple(self._window_start(s, p, None if voxel is None else voxel[-dim + a])
                       for a, (s, p) in enumerate(zip(shape_zyx[-dim:], config.patch_size, strict=True)))
@@ -436,16 +435,16 @@ class PatchSampler:
             lo, hi = max(lo, voxel - patch + 1), min(hi, voxel)
         return int(self.rng.integers(lo, hi + 1))
 
-    def _foreground_voxel(self, locations: Any, props_path: Path,
+    def _foreground_voxel(self, locations: dict[str, np.ndarray], path: Path,
                           shape_zyx: tuple[int, ...]) -> tuple[int, int, int] | None:
-        """A random voxel of a random class in ``locations`` (class -> voxels), or None if it has none."""
-        if not isinstance(locations, dict):
-            raise ValueError(f"{props_path} has no 'class_locations' dict; re-run preprocessing")
+        """A random voxel of a random class in ``locations`` (class -> voxels, read from ``path``), or None if
+        it has none."""
         present = sorted((k for k, v in locations.items() if len(v) > 0), key=int)
         if not present:
             return None
         voxels = locations[present[int(self.rng.integers(len(present)))]]
         voxel = tuple(int(v) for v in voxels[int(self.rng.integers(len(voxels)))])
         if len(voxel) != 3 or any(not 0 <= v < s for v, s in zip(voxel, shape_zyx, strict=True)):
-            raise ValueError(f"{props_path}: class location {voxel} is not a (z, y, x) inside {shape_zyx}")
+            raise ValueError(f"{path}: class location {voxel} is not a (z, y, x) inside {shape_zyx}; "
+                             "re-run preprocessing")
         return voxel  # type: ignore[return-value]

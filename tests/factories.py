@@ -45,11 +45,13 @@ SHAPE_ZYX = (12, 20, 20)
 
 
 def write_case(folder: Path, case_id: str, data: np.ndarray, seg: np.ndarray) -> None:
-    """A preprocessed case: data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), class_locations from seg."""
+    """A preprocessed case: data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), every voxel of classes 1 and 2
+    in ``<case>_locations.npy`` (int32 rows class, z, y, x), a ``<case>.json`` without copies."""
     np.save(folder / f"{case_id}_data.npy", data.astype(np.float32))
     np.save(folder / f"{case_id}_seg.npy", seg.astype(np.int8))
-    locations = {str(c): np.argwhere(seg[0] == c).tolist() for c in (1, 2)}
-    (folder / f"{case_id}.json").write_text(json.dumps({"class_locations": locations}))
+    rows = [(c, *v) for c in (1, 2) for v in np.argwhere(seg[0] == c).tolist()]
+    np.save(folder / f"{case_id}_locations.npy", np.array(rows, dtype=np.int32).reshape(-1, 4))
+    (folder / f"{case_id}.json").write_text(json.dumps({"case_id": case_id}))
 
 
 def make_cases(

@@ -49,11 +49,11 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
     preprocess_workspace(ws, ["3d_fullres"], processes=1, progress=False)
     folder = ws.preprocessed("3d_fullres")
     for props_path in sorted(folder.glob("*.json")):
-        props = json.loads(props_path.read_text())
         seg = np.load(folder / f"{props_path.stem}_seg.npy")
-        assert set(props["class_locations"]) == {"0", "1"}  # keyed by region (output channel)
-        for key, values in (("0", (1, 2)), ("1", (2,))):
-            found = seg[0][tuple(np.array(props["class_locations"][key]).reshape(-1, 3).T)]
+        rows = np.load(folder / f"{props_path.stem}_locations.npy")  # (class, z, y, x)
+        assert set(rows[:, 0].tolist()) == {0, 1}  # keyed by region (output channel)
+        for key, values in ((0, (1, 2)), (1, (2,))):
+            found = seg[0][tuple(rows[rows[:, 0] == key, 1:].T)]
             assert np.isin(found, values).all()  # a region's voxels, never an ignored one
 
     set_configuration(ws, "3d_fullres", network=tiny_topology(2), patch_size=(8, 16, 16), batch_size=2,

@@ -39,10 +39,10 @@ def _case_ids(planned) -> list[str]:
     return [c.case_id for c in load_dataset(workspace.dataset_root()).cases]
 
 
-def test_each_case_has_data_seg_and_properties(planned, preprocessed_3d: Path) -> None:
+def test_each_case_has_data_seg_locations_and_properties(planned, preprocessed_3d: Path) -> None:
     ids = _case_ids(planned)
     names = sorted(p.name for p in preprocessed_3d.iterdir())
-    assert names == sorted(f"{c}{s}" for c in ids for s in ("_data.npy", "_seg.npy", ".json"))
+    assert names == sorted(f"{c}{s}" for c in ids for s in ("_data.npy", "_seg.npy", "_locations.npy", ".json"))
     for case_id in ids:
         data = np.load(preprocessed_3d / f"{case_id}_data.npy", mmap_mode="r")
         seg = np.load(preprocessed_3d / f"{case_id}_seg.npy", mmap_mode="r")
@@ -76,11 +76,12 @@ def test_class_counts_and_locations_match_the_segmentation(planned, preprocessed
         props = CaseProperties.from_json(preprocessed_3d / f"{case_id}.json")
         # -1 (outside the body) counts as background
         assert props.class_voxels == (int(np.sum(seg <= 0)), int(np.sum(seg == 1)), int(np.sum(seg == 2)))
-        assert props.class_locations is not None and set(props.class_locations) == {"1", "2"}
-        for label, locations in props.class_locations.items():
-            coords = np.array(locations)
-            assert coords.shape == (props.class_voxels[int(label)], 3)  # fewer than 10,000: all of them
-            assert np.all(seg[tuple(coords.T)] == int(label))
+        rows = np.load(preprocessed_3d / f"{case_id}_locations.npy")  # int32 (class, z, y, x)
+        assert rows.dtype == np.int32 and set(rows[:, 0].tolist()) == {1, 2}
+        for label in (1, 2):
+            coords = rows[rows[:, 0] == label, 1:]
+            assert coords.shape == (props.class_voxels[label], 3)  # fewer than 10,000: all of them
+            assert np.all(seg[tuple(coords.T)] == label)
 
 
 def test_data_is_zscore_normalized_inside_the_body(planned, preprocessed_3d: Path) -> None:
@@ -112,12 +113,14 @@ def test_rerun_skips_complete_cases_and_redoes_incomplete_ones(planned, preproce
     reference_props = CaseProperties.from_json(out / f"{victim}.json")
     reference_data = np.load(out / f"{victim}_data.npy")
     reference_seg = np.load(out / f"{victim}_seg.npy")
+    reference_locations = np.load(out / f"{victim}_locations.npy")
     (out / f"{victim}.json").unlink()  # as if the run died before the case's JSON was written
     preprocess(dataset, plans, "3d_fullres", out, progress=False)
     after = _mtimes(out)
     changed = sorted(name for name in before if after[name] != before[name])
-    assert changed == [f"{victim}.json", f"{victim}_data.npy", f"{victim}_seg.npy"]
+    assert changed == [f"{victim}.json", f"{victim}_data.npy", f"{victim}_locations.npy", f"{victim}_seg.npy"]
     np.testing.assert_array_equal(np.load(out / f"{victim}_data.npy"), reference_data)
+    np.testing.assert_array_equal(np.load(out / f"{victim}_locations.npy"), reference_locations)
     np.testing.assert_array_equal(np.load(out / f"{victim}_seg.npy"), reference_seg)
     assert CaseProperties.from_json(out / f"{victim}.json") == reference_props
 

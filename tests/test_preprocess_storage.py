@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import json
 import mmap
 import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import write_case
 
 from autoseg.loader import LoaderConfig, PatchSampler
 
@@ -49,12 +49,9 @@ def drop_from_page_cache(path: Path) -> None:
 @pytest.fixture()
 def large_case(tmp_path: Path) -> Path:
     rng = np.random.default_rng(0)
-    np.save(tmp_path / "big_data.npy", rng.standard_normal(SHAPE, dtype=np.float32))
     seg = np.zeros(SHAPE, dtype=np.int8)
     seg[0, 30:34, 100:110, 100:110] = 1
-    np.save(tmp_path / "big_seg.npy", seg)
-    locations = {"1": np.argwhere(seg[0] == 1).tolist()}
-    (tmp_path / "big.json").write_text(json.dumps({"class_locations": locations}))
+    write_case(tmp_path, "big", rng.standard_normal(SHAPE, dtype=np.float32), seg)
     return tmp_path
 
 
