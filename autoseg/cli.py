@@ -275,8 +275,8 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
 
         ws = Workspace.at(args.workspace)
         print(f"workspace: {ws.root}")
-        load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before the CPU is calibrated
-        plan_dataset(args.dataset, ws, _budget(args), progress=progress)
+        dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
+        plan_dataset(dataset, ws, _budget(args), progress=progress)
         if args.command == "plan_and_preprocess":
             preprocess_workspace(ws, args.configs, args.processes, progress=progress,
                                  precompute_augmentations=args.precompute_augmentations)

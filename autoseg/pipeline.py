@@ -22,9 +22,12 @@ from autoseg.workspace import Workspace, WorkspaceInfo
 log = logging.getLogger("autoseg")
 
 
-def plan_dataset(dataset_root: str | Path, workspace: Workspace, budget: Budget, progress: bool = True) -> Plans:
-    """Integrity check, fingerprint and plan; writes workspace.json, fingerprint.json, plans.json."""
-    dataset = load_dataset(dataset_root)
+def plan_dataset(dataset: str | Path | RawDataset, workspace: Workspace, budget: Budget,
+                 progress: bool = True) -> Plans:
+    """Integrity check, fingerprint and plan of the dataset (its root, or as ``load_dataset`` read it);
+    writes workspace.json, fingerprint.json, plans.json."""
+    if not isinstance(dataset, RawDataset):
+        dataset = load_dataset(dataset)
     t0 = time.perf_counter()
     check_integrity(dataset, read_voxels=False)  # files and headers; the fingerprint checks the voxels
     log.info("dataset %s: %d cases, %d channel(s) %s, labels %s (files and headers checked in %.1f s)", dataset.name,

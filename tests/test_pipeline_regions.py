@@ -10,6 +10,7 @@ import numpy as np
 import SimpleITK as sitk
 from factories import set_configuration, tiny_topology
 
+from autoseg.dataset import load_dataset
 from autoseg.evaluate import evaluate_folder
 from autoseg.pipeline import plan_dataset, preprocess_workspace
 from autoseg.planner import Budget
@@ -42,7 +43,8 @@ def _with_regions_and_ignore(src: Path, dst: Path) -> Path:
 def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> None:
     raw = _with_regions_and_ignore(tiny_dataset, tmp_path / "Dataset003_Regions")
     ws = Workspace.at(tmp_path / "ws")
-    plans = plan_dataset(raw, ws, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    dataset = load_dataset(raw)  # plan_dataset takes the loaded dataset as the CLI passes it (or its root)
+    plans = plan_dataset(dataset, ws, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     assert plans.labels == {"background": 0, "organ": (1, 2), "lesion": 2, "ignore": IGNORE}
     assert Plans.from_json(ws.plans_path).regions_class_order == (1, 2)
     assert {c.network.num_classes for c in plans.configurations.values()} == {2}  # two sigmoid regions
