@@ -11,9 +11,9 @@ needs (``autoseg.augment_spatial``). ``Augmenter`` turns the batch into training
   spatially augmented copies ``autoseg.precompute`` wrote, read at the patch size.
 
 The spatial step is ``autoseg.augment_spatial``'s. This module's noise, gamma, low-resolution and
-mirroring transforms draw their parameters exactly as batchgenerators' do (tests compare them with
+mirroring (and blur) transforms draw their parameters exactly as batchgenerators' do (tests compare them with
 batchgenerators' on the same seed; the noise values come from a torch generator) and cost a third of the
-time or less; mirroring is applied while the output is written. Blur, brightness and contrast are
+time or less; mirroring is applied while the output is written. Brightness and contrast are
 batchgenerators'. The worker runs the spatial step per sample as it reads it
 (``PatchSampler.sample_patches``), so the batch reaching ``Augmenter`` is already at the patch size.
 
@@ -25,6 +25,7 @@ function of (batch, seed) alone and replays from its seed.
 
 from __future__ import annotations
 
+import math
 import random
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,6 @@ import torch
 from batchgenerators.augmentations.utils import uniform
 from batchgenerators.transforms.abstract_transforms import AbstractTransform, Compose
 from batchgenerators.transforms.color_transforms import BrightnessMultiplicativeTransform, ContrastAugmentationTransform
-from batchgenerators.transforms.noise_transforms import GaussianBlurTransform
 from scipy import ndimage
 
 from autoseg.augment_spatial import PatchSpatialTransform
@@ -116,6 +116,47 @@ class GaussianNoise(AbstractTransform):
         return batch
 
 
+class GaussianBlur(AbstractTransform):
+    """batchgenerators' GaussianBlurTransform with a sigma per channel (the same draws: NumPy for the sample
+    and channel, Python's ``random`` for sigma), as scipy's ``gaussian_filter`` (truncate 4, 'reflect'):
+    the first axis as a weighted sum of shifted contiguous slices instead of a strided 1D correlation
+    (9.5 vs 28 ms for a (56, 192, 192) channel; 31 vs 49 ms for the whole filter)."""
+
+    def __init__(self, sigma_range: tuple[float, float], p_per_sample: float, p_per_channel: float) -> None:
+        self.sigma_range, self.p_per_sample, self.p_per_channel = sigma_range, p_per_sample, p_per_channel
+
+    def __call__(self, **batch: Any) -> dict[str, Any]:
+        data = batch["data"]
+        for b in range(len(data)):
+            if np.random.uniform() < self.p_per_sample:
+                for c in range(data.shape[1]):
+                    if np.random.uniform() <= self.p_per_channel:
+                        data[b, c] = gaussian_blur(data[b, c], random.uniform(*self.sigma_range))
+        return batch
+
+
+def gaussian_blur(channel: np.ndarray, sigma: float) -> np.ndarray:
+    """``scipy.ndimage.gaussian_filter(channel, sigma)`` for a float32 (Z, Y, X) or (Y, X) channel."""
+    radius = int(4.0 * sigma + 0.5)
+    offsets = np.arange(-radius, radius + 1)
+    kernel = np.exp(-0.5 * (offsets / sigma) ** 2)
+    kernel /= kernel.sum()
+    n = channel.shape[0]
+    if n > radius:  # 'reflect' pads (d c b a | a b c d | d c b a) along the first axis
+        padded = np.concatenate([channel[radius - 1::-1], channel, channel[:n - radius - 1:-1]]) if radius else channel
+        out = padded[radius:radius + n] * np.float32(kernel[radius])
+        pair = np.empty_like(out)
+        for j in range(1, radius + 1):
+            np.add(padded[radius - j:radius - j + n], padded[radius + j:radius + j + n], out=pair)
+            pair *= np.float32(kernel[radius + j])
+            out += pair
+    else:
+        out = ndimage.correlate1d(channel, kernel, axis=0, mode="reflect")
+    for axis in range(1, channel.ndim):
+        out = ndimage.correlate1d(out, kernel, axis=axis, mode="reflect")
+    return out
+
+
 class Gamma(AbstractTransform):
     """batchgenerators' GammaTransform (per channel, retaining mean and standard deviation; the same draws),
     in place in float32: (x - min) / range to the power gamma, back to the range; inverted first and last
@@ -138,23 +179,22 @@ class Gamma(AbstractTransform):
 
 
 def _gamma_in_place(x: np.ndarray, gamma: float, invert: bool) -> None:
+    """batchgenerators' ``augment_gamma`` (retain_stats) on a float32 channel, in place. x ** gamma as
+    exp(gamma * log(x)) with torch's log and exp (2.6 + 2.6 ms for 2M voxels; numpy's 5.4 + 5.3, np.power
+    20), and the final standard deviation as a dot product of the centred values (0.5 ms; ``std`` 2.7)."""
+    t = torch.from_numpy(x)
     if invert:
-        np.negative(x, out=x)
+        t.neg_()
     mean, std = x.mean(), x.std()
     low, span = x.min(), float(x.max() - x.min()) + 1e-7
-    x -= low
-    x /= span
-    with np.errstate(divide="ignore"):  # x ** gamma as exp(gamma * log(x)): 7 ms for 2M voxels, np.power 20
-        np.log(x, out=x)  # log(0) = -inf, and exp(-inf) = 0 = 0 ** gamma
-    x *= gamma
-    np.exp(x, out=x)
-    x *= span
-    x += low
-    x -= x.mean()
-    x *= std / (x.std() + 1e-8)
-    x += mean
+    t.sub_(low).div_(span).log_().mul_(gamma).exp_()  # log(0) = -inf and exp(-inf) = 0 = 0 ** gamma
+    t.mul_(span).add_(low)
+    t.sub_(x.mean())
+    flat = x.reshape(-1)
+    centred_std = math.sqrt(float(np.dot(flat, flat)) / max(flat.size, 1))
+    t.mul_(std / (centred_std + 1e-8)).add_(mean)
     if invert:
-        np.negative(x, out=x)
+        t.neg_()
 
 
 class Mirror(AbstractTransform):
@@ -192,8 +232,7 @@ def build_train_transforms(config: LoaderConfig) -> Compose:
     transforms: list[AbstractTransform] = [] if config.use_precomputed else [PatchSpatialTransform(config)]
     transforms += [
         GaussianNoise((0.0, 0.1), p_per_sample=config.p_noise),
-        GaussianBlurTransform((0.5, 1.0), different_sigma_per_channel=True, p_per_sample=config.p_blur,
-                              p_per_channel=0.5),
+        GaussianBlur((0.5, 1.0), p_per_sample=config.p_blur, p_per_channel=0.5),
         BrightnessMultiplicativeTransform(multiplier_range=(0.75, 1.25), p_per_sample=config.p_brightness),
         ContrastAugmentationTransform(p_per_sample=config.p_contrast),
         SimulateLowResolution((0.5, 1.0), p_per_sample=config.p_low_res, p_per_channel=0.5,

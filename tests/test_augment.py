@@ -10,6 +10,7 @@ import random
 import numpy as np
 import pytest
 from batchgenerators.transforms.color_transforms import GammaTransform
+from batchgenerators.transforms.noise_transforms import GaussianBlurTransform
 from batchgenerators.transforms.resample_transforms import SimulateLowResolutionTransform
 from batchgenerators.transforms.spatial_transforms import MirrorTransform, SpatialTransform
 from scipy import ndimage
@@ -17,6 +18,7 @@ from scipy import ndimage
 from autoseg.augment import (
     Augmenter,
     Gamma,
+    GaussianBlur,
     GaussianNoise,
     Mirror,
     SimulateLowResolution,
@@ -153,6 +155,22 @@ def test_gamma_matches_batchgenerators(invert: bool) -> None:
                             p_per_sample=0.7)(data=data.copy())["data"]
     assert not np.allclose(theirs, data)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 9, 10, 12), (4, 1, 2, 10, 12), (3, 2, 16, 20)])
+def test_gaussian_blur_matches_batchgenerators(shape: tuple[int, ...]) -> None:
+    """The same draws and values; the thin (2-slice) case takes scipy's path along its first axis."""
+    data = np.random.default_rng(3).normal(0.0, 1.0, size=shape).astype(np.float32)
+    runs = []
+    for transform in (GaussianBlur((0.5, 1.0), p_per_sample=0.9, p_per_channel=0.7),
+                      GaussianBlurTransform((0.5, 1.0), different_sigma_per_channel=True, p_per_sample=0.9,
+                                            p_per_channel=0.7)):
+        np.random.seed(5)
+        random.seed(5)
+        runs.append(transform(data=data.copy())["data"])
+    ours, theirs = runs
+    assert not np.allclose(theirs, data)
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape, axes", [((2, 1, 4, 5, 6), (0, 1, 2)), ((3, 2, 5, 6), (0, 1)),
