@@ -118,11 +118,12 @@ def child_autoseg(spec: dict) -> dict:
         first = next(loader)
         startup_s = time.perf_counter() - t0
         timing = time_batches(lambda: next(loader), spec["warmup"], spec["batches"])
+        estimate = loader.host_bytes()
         loader.close()
     shapes = {k: list(v.shape) for k, v in first.items()}
     return {**timing, **memory.as_dict(), "startup_s": startup_s, "shapes": shapes, "cases": len(train_ids),
             "dummy_2d": config.dummy_2d, "read_box_max": list(config.enlarged_patch_size),
-            "queue_depth": planned.loader_queue_depth}
+            "queue_depth": planned.loader_queue_depth, "estimated_bytes": estimate}
 
 
 def child_nnunet(spec: dict) -> dict:
@@ -249,6 +250,9 @@ def main() -> None:
                   f"{r['peak_pss_bytes'] / MiB:.0f} MiB, RSS {r['peak_rss_bytes'] / MiB:.0f} MiB "
                   f"({r['processes']} processes), startup {r['startup_s']:.1f} s, load before "
                   f"{r['load_before']:.1f}; batch {r['shapes']}, largest read box {r['read_box_max']}")
+            if "estimated_bytes" in r:  # BatchLoader.host_bytes(): workers + the trainer's copy, not the trainer
+                print(f"  estimated loader bytes {r['estimated_bytes'] / MiB:.0f} MiB (upper bound, without the "
+                      "process that consumes the batches)")
     print(format_table(summarize(results)))
     print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine slow everything)")
 
