@@ -19,8 +19,10 @@ trainer's copy of the batch it trains on (``output_batch_bytes``).
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,7 @@ from autoseg.memory.host import WORKER_RUNTIME_BYTES
 __all__ = ["BatchLoader", "worker_bytes"]
 
 _PARENT_CHECK_S = 1.0  # how often a worker waiting for a free slot checks that the trainer is alive
+SHM_FOLDER = "/dev/shm"  # where torch's shared memory lives on Linux
 
 
 def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], batch_size: int,
@@ -62,6 +65,22 @@ def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], 
     return terms
 
 
+def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) -> None:
+    """Fail with advice if ``folder`` (the shared-memory file system) has less than ``nbytes`` free. Its
+    pages are taken only when written, so a full one would otherwise kill a worker with SIGBUS later
+    (Docker's default /dev/shm is 64 MiB)."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:  # no such file system here (macOS): torch shares memory another way
+        return
+    if nbytes > free:
+        raise RuntimeError(
+            f"the training loader's {workers} worker(s) need {nbytes / 2**20:.0f} MiB of shared memory for their "
+            f"batch slots, but {folder} has {free / 2**20:.0f} MiB free; enlarge it (Docker: --shm-size="
+            f"{math.ceil(2 * nbytes / 2**30)}g) or train with fewer --loader-workers (0 builds the batches in "
+            "the training process)")
+
+
 class _Slots:
     """``count`` reusable shared-memory batches per worker: ``data`` float32 (W, K, B, C, *P), ``target``
     (W, K, B, 1, *P) in the seg dtype, and per slot a semaphore that is 1 while the slot may be written."""
@@ -69,6 +88,9 @@ class _Slots:
     def __init__(self, workers: int, count: int, data_shape: tuple[int, ...], target_shape: tuple[int, ...],
                  target_dtype: torch.dtype) -> None:
         self.count = count
+        itemsize = torch.empty(0, dtype=target_dtype).element_size()
+        _check_shared_memory(workers * count * (math.prod(data_shape) * 4 + math.prod(target_shape) * itemsize),
+                             workers)
         self.data = torch.empty((workers, count, *data_shape), dtype=torch.float32).share_memory_()
         self.target = torch.empty((workers, count, *target_shape), dtype=target_dtype).share_memory_()
         self.free = [[multiprocessing.Semaphore(1) for _ in range(count)] for _ in range(workers)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -91,3 +92,21 @@ def test_worker_bytes_terms_match_the_buffers(tmp_path: Path) -> None:
         assert loader.host_bytes() == 2 * terms["total"] + output_batch_bytes((8, 16, 16), 2, 2)
     with pytest.raises(ValueError, match="queue_depth"):
         worker_bytes((8, 8), (8, 8), 1, 1, queue_depth=0)
+
+
+def test_too_little_shared_memory_fails_with_advice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ids = make_cases(tmp_path)
+    config = LoaderConfig((8, 16, 16), batch_size=2)
+    slots_bytes = 2 * 3 * output_batch_bytes((8, 16, 16), 2, 1)  # 2 workers x (queue depth 2 + 1)
+
+    def usage(free: int):
+        return lambda folder: shutil._ntuple_diskusage(10 * slots_bytes, 10 * slots_bytes - free, free)
+
+    monkeypatch.setattr(batch_loader_module.shutil, "disk_usage", usage(slots_bytes - 1))
+    with pytest.raises(RuntimeError, match=r"--shm-size=1g.*--loader-workers"):
+        BatchLoader(tmp_path, ids, config, seed=0, num_workers=2)
+    monkeypatch.setattr(batch_loader_module.shutil, "disk_usage", usage(slots_bytes))
+    with BatchLoader(tmp_path, ids, config, seed=0, num_workers=2) as loader:
+        assert next(loader)["data"].shape == (2, 1, 8, 16, 16)
+    monkeypatch.setattr(batch_loader_module.shutil, "disk_usage", usage(0))
+    BatchLoader(tmp_path, ids, config, seed=0, num_workers=0).close()  # no workers: no shared memory needed
