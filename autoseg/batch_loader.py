@@ -36,7 +36,7 @@ from autoseg.augment import Augmenter
 from autoseg.loader import LoaderConfig, PatchSampler, batch_bytes, output_batch_bytes
 from autoseg.memory.host import WORKER_RUNTIME_BYTES
 
-__all__ = ["BatchLoader", "worker_bytes"]
+__all__ = ["BatchLoader", "worker_bytes", "workers_for_shared_memory"]
 
 _PARENT_CHECK_S = 1.0  # how often a worker waiting for a free slot checks that the trainer is alive
 SHM_FOLDER = "/dev/shm"  # where torch's shared memory lives on Linux
@@ -79,6 +79,19 @@ def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) ->
             f"batch slots, but {folder} has {free / 2**20:.0f} MiB free; enlarge it (Docker: --shm-size="
             f"{math.ceil(2 * nbytes / 2**30)}g) or train with fewer --loader-workers (0 builds the batches in "
             "the training process)")
+
+
+def workers_for_shared_memory(workers: int, queue_depth: int, batch_bytes: int, share: int = 1,
+                              folder: str = SHM_FOLDER) -> int:
+    """How many of ``workers`` have room for their ``queue_depth + 1`` slots of ``batch_bytes``
+    (``output_batch_bytes``) in ``1 / share`` of ``folder``'s free space (``share``: processes on the node
+    that start loaders); all of them where there is no such file system."""
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return workers
+    per_worker = (queue_depth + 1) * batch_bytes
+    return max(0, min(workers, int(free // share // max(per_worker, 1))))
 
 
 class _Slots:

@@ -29,11 +29,12 @@ import torch
 from tqdm import tqdm
 
 from autoseg.artifacts import atomic_write_text
-from autoseg.batch_loader import BatchLoader
+from autoseg.batch_loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
 from autoseg.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.compute import fastest_thread_count, training_step_closure
 from autoseg.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
+from autoseg.loader import output_batch_bytes
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.progress import plot_progress
 from autoseg.resources import cpu_count
@@ -241,8 +242,17 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
 def _choose_data_pipeline(ctx: _Context) -> None:
     """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
     run, folder = ctx.run, ctx.workspace.preprocessed(ctx.config_name)
-    node_share = ctx.config.loader_workers // ctx.ranks.context.local_world_size  # the plan's are for one node
+    ranks_here = ctx.ranks.context.local_world_size
+    node_share = ctx.config.loader_workers // ranks_here  # the plan's are for one node
     ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
+    if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
+        batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.plans.channel_names),
+                                   1 if ctx.plans.num_classes <= 127 else 2)
+        ctx.loader_workers = workers_for_shared_memory(node_share, ctx.config.loader_queue_depth, batch, ranks_here)
+        if ctx.loader_workers < node_share:
+            log.warning("data: shared memory (%s) has room for the batch slots of %d of the planned %d loader "
+                        "worker(s); using %d (Docker: enlarge it with --shm-size)", SHM_FOLDER,
+                        ctx.loader_workers, node_share, ctx.loader_workers)
     copies = precomputed_copies(folder, ctx.train_ids)
     if run.use_precomputed and copies == 0:
         raise ValueError(f"{folder}: some training cases have no precomputed augmented copies; run "

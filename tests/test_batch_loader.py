@@ -14,7 +14,7 @@ from factories import make_cases
 
 import autoseg.batch_loader as batch_loader_module
 import autoseg.loader as loader_module
-from autoseg.batch_loader import BatchLoader, _Slots, worker_bytes
+from autoseg.batch_loader import BatchLoader, _Slots, worker_bytes, workers_for_shared_memory
 from autoseg.loader import LoaderConfig, batch_bytes, output_batch_bytes
 from autoseg.memory.host import WORKER_RUNTIME_BYTES
 
@@ -110,3 +110,23 @@ def test_too_little_shared_memory_fails_with_advice(tmp_path: Path, monkeypatch:
         assert next(loader)["data"].shape == (2, 1, 8, 16, 16)
     monkeypatch.setattr(batch_loader_module.shutil, "disk_usage", usage(0))
     BatchLoader(tmp_path, ids, config, seed=0, num_workers=0).close()  # no workers: no shared memory needed
+
+
+def test_workers_for_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    def free(nbytes: int) -> None:
+        monkeypatch.setattr(batch_loader_module.shutil, "disk_usage",
+                            lambda folder: shutil._ntuple_diskusage(2**40, 2**40 - nbytes, nbytes))
+
+    free(10 * 3 * 1000)  # the slots of 10 workers at queue depth 2 (3 slots of 1000 bytes)
+    assert workers_for_shared_memory(4, 2, 1000) == 4
+    assert workers_for_shared_memory(16, 2, 1000) == 10
+    assert workers_for_shared_memory(16, 2, 1000, share=2) == 5  # two ranks on the node
+    assert workers_for_shared_memory(16, 1, 1000) == 15
+    free(100)
+    assert workers_for_shared_memory(4, 2, 1000) == 0
+
+    def missing(folder):
+        raise FileNotFoundError(folder)
+
+    monkeypatch.setattr(batch_loader_module.shutil, "disk_usage", missing)
+    assert workers_for_shared_memory(4, 2, 1000) == 4  # no /dev/shm (macOS): not the limit

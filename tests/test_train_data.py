@@ -2,11 +2,14 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import pytest
 from factories import set_configuration, tiny_plans, tiny_topology
 
+import autoseg.batch_loader as batch_loader
+from autoseg.loader import output_batch_bytes
 from autoseg.pipeline import plan_dataset, preprocess_workspace
 from autoseg.planner import Budget, GiB
 from autoseg.train import RunConfig, train
@@ -64,6 +67,23 @@ def test_training_samples_precomputed_copies_in_a_worker_process(precomputed: Wo
     record = json.loads((fold / "run.json").read_text())
     assert record["data"] == {"loader_workers": 1, "use_precomputed": True}
     assert "1 loader worker(s) x 2 queued batches; spatial augmentation precomputed copies (1 per case)" in caplog.text
+
+
+def test_planned_workers_shrink_to_the_shared_memory(precomputed: Workspace, caplog,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan's 2 workers, but /dev/shm (Docker's 64 MiB, say) holds the slots of one: train with one."""
+    set_configuration(precomputed, CONFIG, loader_workers=2, loader_queue_depth=2)
+    one_worker = 3 * output_batch_bytes((8, 16, 16), 2, 1)  # queue depth 2 + 1 slots
+    monkeypatch.setattr(batch_loader.shutil, "disk_usage",
+                        lambda folder: shutil._ntuple_diskusage(2**30, 2**30 - one_worker - 1, one_worker + 1))
+    caplog.set_level(logging.INFO, logger="autoseg.train")
+    try:
+        run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
+        fold = train(precomputed, CONFIG, 0, run, progress=False)
+    finally:
+        set_configuration(precomputed, CONFIG, loader_workers=0)
+    assert json.loads((fold / "run.json").read_text())["data"]["loader_workers"] == 1
+    assert "room for the batch slots of 1 of the planned 2 loader worker(s)" in caplog.text
 
 
 def test_use_precomputed_without_copies_names_the_flag(tiny_dataset: Path, tmp_path: Path) -> None:
