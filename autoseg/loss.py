@@ -63,6 +63,18 @@ def batch_soft_dice(probs: torch.Tensor, onehot: torch.Tensor, smooth: float = 1
     return (2 * intersection + smooth) / torch.clamp(sum_probs + sum_target + smooth, min=1e-8)
 
 
+def labelled_mean_scale(valid: torch.Tensor, per_voxel: int = 1,
+                        reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The factor that turns a sum over this micro-batch's labelled voxels (``valid``, ``per_voxel`` terms
+    each) into its share of the mean over the global micro-batch: ``ranks / labelled voxels of all ranks``
+    (1 / local count for a single process). Averaging the ranks' gradients then gives the gradient of the
+    global mean, however unevenly the ignore label falls on the ranks. 0-d float32; a count of 0 -> 1."""
+    counts = torch.stack([valid.sum().float() * per_voxel, torch.ones((), device=valid.device)])
+    if reduce_sums is not None:
+        counts = reduce_sums(counts)  # (labelled terms, ranks) summed over the ranks
+    return counts[1] / counts[0].clamp_min(1)
+
+
 def soft_dice_per_class(probs: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5,
                         valid: torch.Tensor | None = None,
                         reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
@@ -81,8 +93,9 @@ class DiceCELoss(nn.Module):
 
     ``forward(logits (B, C, *spatial), target (B, 1, *spatial) int)``; -1 in the target is background.
     Dice is computed in float32 from the softmax of the logits (also under autocast). ``ignore_value``: the
-    ignore label (> every class); its voxels are excluded from CE (``ignore_index``, mean over the others)
-    and from all Dice sums. ``reduce_sums``: see ``batch_soft_dice``.
+    ignore label (> every class); its voxels are excluded from CE (``ignore_index``, mean over the others:
+    over every rank's, ``labelled_mean_scale``) and from all Dice sums. ``reduce_sums``: see
+    ``batch_soft_dice``.
     """
 
     def __init__(self, dice_weight: float = 1.0, ce_weight: float = 1.0, smooth: float = 1e-5,
@@ -105,9 +118,9 @@ class DiceCELoss(nn.Module):
                                        reduce_sums=self.reduce_sums)
         else:
             valid = target != self.ignore_value  # B x 1 x spatial bool
-            # Mean over labelled voxels; 0 (not NaN) when a patch holds only ignored voxels.
+            # Mean over the labelled voxels (of every rank); 0 (not NaN) when a patch holds only ignored ones.
             ce = F.cross_entropy(logits, target[:, 0], ignore_index=self.ignore_value, reduction="sum")
-            ce = ce / valid.sum().clamp_min(1)
+            ce = ce * labelled_mean_scale(valid, 1, self.reduce_sums)
             labelled = target * valid  # ignore -> 0 for the one-hot; masked out of the Dice by ``valid``
             dice = soft_dice_per_class(torch.softmax(logits, dim=1), labelled, self.smooth, valid,
                                        self.reduce_sums)
@@ -147,7 +160,7 @@ class RegionDiceBCELoss(nn.Module):
         bce = F.binary_cross_entropy_with_logits(logits, onehot.float(), reduction="none" if valid is not None
                                                  else "mean")  # B x R x spatial fp32 with an ignore label
         if valid is not None:
-            bce = (bce * valid).sum() / (valid.sum() * regions).clamp_min(1)
+            bce = (bce * valid).sum() * labelled_mean_scale(valid, regions, self.reduce_sums)
         dice = batch_soft_dice(torch.sigmoid(logits), onehot, self.smooth, valid, self.reduce_sums)
         return self.bce_weight * bce + self.dice_weight * (1 - dice.mean())
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -66,22 +67,27 @@ def _run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> None:
 # ---------------------------------------------------------------- one step: 2 ranks == 1 process on the batch
 
 
-def _global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _global_batch(ignore: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(4, 1, 8, 16, 16) float32 images and int8 labels: samples 0-1 random -1..2 (outside-mask -1,
     background, two classes), samples 2-3 background with a small cube of class 1: the two ranks' halves
-    have very different Dice statistics."""
+    have very different Dice statistics. ``ignore``: also the ignore label 3, on a fifth of samples 0-1 and
+    on three quarters of samples 2-3 (the ranks' labelled voxels differ 2.5-fold)."""
     g = torch.Generator().manual_seed(7)
     data = torch.randn(GLOBAL_BATCH, 1, 8, 16, 16, generator=g)
     target = torch.zeros(GLOBAL_BATCH, 1, 8, 16, 16, dtype=torch.int8)
-    target[:2] = torch.randint(-1, 3, (2, 1, 8, 16, 16), generator=g, dtype=torch.int8)
+    target[:2] = torch.randint(-1, 4 if ignore else 3, (2, 1, 8, 16, 16), generator=g, dtype=torch.int8)
     target[2:, :, 2:5, 4:8, 4:8] = 1
+    if ignore:
+        target[2:, :, :, :12] = 3
     return data, target
 
 
-def _one_step(distributed: DistributedContext, reduce_dice: bool = True) -> dict:
+def _one_step(distributed: DistributedContext, reduce_dice: bool = True, ignore: bool = False) -> dict:
     """One optimizer step of the trainer's ``TrainStep`` on this rank's share of the global batch."""
     world, rank = distributed.world_size, distributed.rank
     plans = tiny_plans()
+    if ignore:
+        plans = dataclasses.replace(plans, labels={**plans.labels, "ignore": 3})
     config = plans.configuration(CONFIG).with_(network=DS_TOPOLOGY, batch_size=GLOBAL_BATCH // world,
                                                accumulation_steps=1, checkpointing=False)
     torch.manual_seed(0)
@@ -89,7 +95,7 @@ def _one_step(distributed: DistributedContext, reduce_dice: bool = True) -> dict
     distribute(step, distributed)
     if not reduce_dice:  # the control: per-rank Dice, as if ranks averaged their own losses
         step.loss_fn.base_loss.reduce_sums = None
-    data, target = _global_batch()
+    data, target = _global_batch(ignore)
     share = slice(rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world)
     named = dict(step.network.named_parameters())
     before = {n: p.detach().clone() for n, p in named.items()}
@@ -102,8 +108,8 @@ def _step_worker(rank: int, world: int, port: int, out: Path) -> None:
     torch.set_num_threads(1)
     distributed = _gloo(rank, world, port)
     with process_group(distributed):
-        torch.save({"summed": _one_step(distributed), "local": _one_step(distributed, reduce_dice=False)},
-                   out / f"rank{rank}.pt")
+        torch.save({"summed": _one_step(distributed), "local": _one_step(distributed, reduce_dice=False),
+                    "ignore": _one_step(distributed, ignore=True)}, out / f"rank{rank}.pt")
 
 
 def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -129,6 +135,12 @@ def test_two_ranks_step_like_one_process_on_the_global_batch(tmp_path: Path) -> 
     assert ranks[0]["summed"]["loss"] != pytest.approx(ranks[1]["summed"]["loss"], rel=1e-6)
     # Averaging per-rank batch Dice is a different loss: its gradients miss the reference by far more.
     assert _max_relative_difference(ranks[0]["local"]["grads"], reference["grads"]) > 1e-3  # measured 5e-3
+    # With an ignore label falling unevenly on the ranks, CE is still the mean over the global batch's
+    # labelled voxels (labelled_mean_scale), not a mean of the ranks' means.
+    with_ignore = _one_step(SINGLE_PROCESS, ignore=True)
+    for rank in ranks:
+        assert _max_relative_difference(rank["ignore"]["grads"], with_ignore["grads"]) < 1e-6
+    assert sum(r["ignore"]["loss"] for r in ranks) / 2 == pytest.approx(with_ignore["loss"], rel=1e-6)
 
 
 # ---------------------------------------------------------------- whole runs on 2 ranks
