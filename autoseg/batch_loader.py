@@ -10,7 +10,7 @@ when the loader starts. It writes a finished batch into its next slot and sends 
 the trainer's process copies the slot into a tensor of its own (pinned on CUDA) and frees the slot. A fresh
 shared-memory batch per step, as torch's DataLoader makes by default, cost the worker ~18 ms of page
 faults per (2, 1, 56, 192, 192) batch on the 2-core VM, a third of the batch's CPU time with precomputed
-augmentations; the trainer's copy costs ~2 ms. A slot is written only after the trainer released it (one
+augmentations; the trainer's copy costs ~3 ms. A slot is written only after the trainer released it (one
 semaphore per slot), so a batch is never overwritten while it is read.
 
 Host memory: ``worker_bytes`` per worker (the process, one batch in flight, its slots), plus the
@@ -51,7 +51,7 @@ def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], 
     (``autoseg.loader.batch_bytes``, an upper bound at ``enlarged_patch_size``); ``slots``: its
     ``queue_depth + 1`` shared-memory batches (``output_batch_bytes`` each), which the trainer's process
     maps too. E.g. patch (56, 192, 192), read box (56, 386, 376), B=2, C=1, queue depth 2, dummy 2D:
-    150 MiB + 0.25 GB + 3 x 20.6 MB."""
+    150 MiB + 0.21 GB + 3 x 20.6 MB."""
     if queue_depth < 1 or batch_size < 1 or num_channels < 1:
         raise ValueError(f"batch_size ({batch_size}), num_channels ({num_channels}) and queue_depth "
                          f"({queue_depth}) must be >= 1")
@@ -65,15 +65,20 @@ def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], 
     return terms
 
 
-def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) -> None:
-    """Fail with advice if ``folder`` (the shared-memory file system) has less than ``nbytes`` free. Its
-    pages are taken only when written, so a full one would otherwise kill a worker with SIGBUS later
-    (Docker's default /dev/shm is 64 MiB)."""
+def _free_shared_memory(folder: str = SHM_FOLDER) -> int | None:
+    """Free bytes of the shared-memory file system, or None where there is none (macOS: torch shares
+    memory another way). Its pages are taken only when written, so running out later kills a worker with
+    SIGBUS (Docker's default /dev/shm is 64 MiB)."""
     try:
-        free = shutil.disk_usage(folder).free
-    except OSError:  # no such file system here (macOS): torch shares memory another way
-        return
-    if nbytes > free:
+        return shutil.disk_usage(folder).free
+    except OSError:
+        return None
+
+
+def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) -> None:
+    """Fail with advice if ``folder`` has less than ``nbytes`` free."""
+    free = _free_shared_memory(folder)
+    if free is not None and nbytes > free:
         raise RuntimeError(
             f"the training loader's {workers} worker(s) need {nbytes / 2**20:.0f} MiB of shared memory for their "
             f"batch slots, but {folder} has {free / 2**20:.0f} MiB free; enlarge it (Docker: --shm-size="
@@ -86,9 +91,8 @@ def workers_for_shared_memory(workers: int, queue_depth: int, batch_bytes: int, 
     """How many of ``workers`` have room for their ``queue_depth + 1`` slots of ``batch_bytes``
     (``output_batch_bytes``) in ``1 / share`` of ``folder``'s free space (``share``: processes on the node
     that start loaders); all of them where there is no such file system."""
-    try:
-        free = shutil.disk_usage(folder).free
-    except OSError:
+    free = _free_shared_memory(folder)
+    if free is None:
         return workers
     per_worker = (queue_depth + 1) * batch_bytes
     return max(0, min(workers, int(free // share // max(per_worker, 1))))
