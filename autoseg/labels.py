@@ -35,6 +35,12 @@ class LabelError(ValueError):
     """The labels (and regions_class_order) of a dataset.json or plans.json break the format's rules."""
 
 
+def label_map_dtype(num_label_values: int) -> type[np.integer]:
+    """The preprocessed label maps' dtype: the smallest signed type for -1 (outside the body) .. K-1, int8
+    up to 127 label values and int16 beyond."""
+    return np.int8 if num_label_values <= 127 else np.int16
+
+
 def foreground_entries(labels: Mapping[str, Any]) -> dict[str, LabelValue]:
     """The entries a model predicts and evaluation scores: every label but background (value 0) and
     ``"ignore"``, in the file's order; lists become tuples (regions)."""

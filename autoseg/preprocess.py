@@ -32,7 +32,7 @@ from autoseg.artifacts import Artifact, atomic_save_npy, write_json
 from autoseg.cropping import crop_to_nonzero
 from autoseg.dataset import Case, RawDataset, load_case
 from autoseg.imageio import Geometry, read_geometry
-from autoseg.labels import LabelScheme
+from autoseg.labels import LabelScheme, label_map_dtype
 from autoseg.normalization import normalize
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.precompute import (
@@ -251,7 +251,7 @@ def run_case(task: CaseTask) -> CaseResult:
     data, seg, props = preprocess_case(data, seg, geometry, plans, task.config, case.case_id)
     if seg is None:
         raise ValueError(f"case {case.case_id!r} has no label file; training cases need one in labelsTr/")
-    seg = seg.astype(np.int8 if plans.num_classes <= 127 else np.int16, copy=False)  # smallest for -1..K-1
+    seg = seg.astype(label_map_dtype(plans.num_classes), copy=False)
     crc = zlib.crc32(case.case_id.encode())
     per_slice = class_voxels_per_slice(seg, plans.num_classes)
     scheme = plans.label_scheme

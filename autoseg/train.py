@@ -34,6 +34,7 @@ from autoseg.checkpoint import check_same_plan, load_checkpoint, loader_seed, re
 from autoseg.compute import fastest_thread_count, training_step_closure
 from autoseg.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
+from autoseg.labels import label_map_dtype
 from autoseg.loader import output_batch_bytes
 from autoseg.plans import ConfigurationPlan, Plans
 from autoseg.progress import plot_progress
@@ -247,7 +248,7 @@ def _choose_data_pipeline(ctx: _Context) -> None:
     ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
     if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
         batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.plans.channel_names),
-                                   1 if ctx.plans.num_classes <= 127 else 2)
+                                   np.dtype(label_map_dtype(ctx.plans.num_classes)).itemsize)
         ctx.loader_workers = workers_for_shared_memory(node_share, ctx.config.loader_queue_depth, batch, ranks_here)
         if ctx.loader_workers < node_share:
             log.warning("data: shared memory (%s) has room for the batch slots of %d of the planned %d loader "

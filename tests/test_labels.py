@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from autoseg.labels import LabelError, LabelScheme
+from autoseg.labels import LabelError, LabelScheme, label_map_dtype
 
 BRATS = {"background": 0, "whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing": 3}
 
@@ -134,3 +134,8 @@ def test_plans_carry_regions_and_old_plans_still_load(tmp_path) -> None:
     loaded = Plans.from_json(tmp_path / "plans.json")
     assert loaded.labels == labels and loaded.num_classes == 4
     assert loaded.label_scheme.num_outputs == 2 and loaded.label_scheme.ignore_value == 3
+
+
+def test_label_map_dtype_holds_minus_one_to_the_last_value() -> None:
+    assert label_map_dtype(3) is np.int8 and label_map_dtype(127) is np.int8  # -1 .. 126
+    assert label_map_dtype(128) is np.int16
