@@ -47,7 +47,7 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
 
 
 def _duration(text: str) -> float:
-    from autoseg.schedule import parse_duration
+    from autoseg.train.schedule import parse_duration
 
     try:
         return parse_duration(text)
@@ -149,8 +149,8 @@ def _fold(values: list[str]) -> int | str:
 
 
 def _budget(args: argparse.Namespace):
-    from autoseg.planner import Budget
-    from autoseg.resources import available_ram_bytes, cuda_total_memory
+    from autoseg.plan.planner import Budget
+    from autoseg.core.resources import available_ram_bytes, cuda_total_memory
 
     device = args.device or default_device()
     gpu = args.gpu_memory
@@ -163,7 +163,7 @@ def _budget(args: argparse.Namespace):
     budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device)
     print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}")
     if device == "cpu":
-        from autoseg.throughput import cached_cpu_throughput
+        from autoseg.plan.throughput import cached_cpu_throughput
 
         flops, source = (args.cpu_flops, "--cpu-flops") if args.cpu_flops else \
             cached_cpu_throughput(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoseg")
@@ -171,14 +171,14 @@ def _budget(args: argparse.Namespace):
         print(f"CPU throughput {flops / 1e9:.1f} GFLOP/s ({source}); planning for "
               f"{budget.cpu_seconds_per_iteration:g} s per iteration")
     else:
-        from autoseg.throughput import cuda_device_name
+        from autoseg.plan.throughput import cuda_device_name
 
         budget = replace(budget, gpu_name=cuda_device_name())
     return budget
 
 
 def _default_config(workspace) -> str:
-    from autoseg.plans import Plans
+    from autoseg.plan.plans import Plans
 
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     return "3d_fullres" if "3d_fullres" in plans.configurations else next(iter(plans.configurations))
@@ -206,7 +206,7 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
 
     import torch
 
-    from autoseg.distributed import torchrun_command
+    from autoseg.model.distributed import torchrun_command
 
     n = args.gpus
     if "WORLD_SIZE" in os.environ:
@@ -230,7 +230,7 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
 def _distributed_context(environ: Mapping[str, str], device: str):
     """This process's place in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); a single
     process when WORLD_SIZE is not set."""
-    from autoseg.distributed import SINGLE_PROCESS, DistributedContext, backend_for
+    from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, backend_for
 
     if "WORLD_SIZE" not in environ:
         return SINGLE_PROCESS
@@ -267,11 +267,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace, progress: bool) -> int:
-    from autoseg.workspace import Workspace
+    from autoseg.core.workspace import Workspace
 
     if args.command in ("plan", "plan_and_preprocess"):
-        from autoseg.dataset import load_dataset
-        from autoseg.pipeline import plan_dataset, preprocess_workspace
+        from autoseg.dataset.raw import load_dataset
+        from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 
         ws = Workspace.at(args.workspace)
         print(f"workspace: {ws.root}")
@@ -282,8 +282,8 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
                                  precompute_augmentations=args.precompute_augmentations)
         return 0
     if args.command == "train":
-        from autoseg.distributed import process_group
-        from autoseg.train import RunConfig, train
+        from autoseg.model.distributed import process_group
+        from autoseg.train.trainer import RunConfig, train
 
         ws = Workspace.at(args.workspace)
         config = args.config or _default_config(ws)
@@ -308,7 +308,7 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
             train(ws, config, _fold(args.fold), run, progress=progress, distributed=distributed)
         return 0
     if args.command == "predict":
-        from autoseg.predict import predict
+        from autoseg.predict.predictor import predict
 
         ws = Workspace.at(args.workspace)
         config = args.config or _default_config(ws)
@@ -319,7 +319,7 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
         print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
         return 0
     if args.command == "evaluate":
-        from autoseg.evaluate import evaluate_folder, format_table
+        from autoseg.evaluate.metrics import evaluate_folder, format_table
 
         out = args.output or os.path.join(args.pred_dir, "summary.json")
         summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
@@ -329,9 +329,9 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
     if args.command == "explain":
         import json
 
-        from autoseg.explain import explain, format_explanation
-        from autoseg.fingerprint import Fingerprint
-        from autoseg.plans import Plans
+        from autoseg.explain.explanation import explain, format_explanation
+        from autoseg.plan.fingerprint import Fingerprint
+        from autoseg.plan.plans import Plans
 
         ws = Workspace.at(args.workspace or ".")
         plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
@@ -345,13 +345,13 @@ def _dispatch(args: argparse.Namespace, progress: bool) -> int:
         print(text.rstrip("\n"))
         return 0
     if args.command == "make-demo-dataset":
-        from autoseg.demo_data import make_demo_dataset
+        from autoseg.demo.data import make_demo_dataset
 
         path = make_demo_dataset(args.output, num_train=args.num_train, num_test=args.num_test, seed=args.seed)
         print(f"demo dataset written to {path}")
         return 0
     if args.command == "demo":
-        from autoseg.demo import run_demo
+        from autoseg.demo.run import run_demo
 
         result = run_demo(args.workspace, epochs=args.epochs, iterations_per_epoch=args.iterations_per_epoch,
                           num_train=args.num_train, progress=progress)

@@ -20,7 +20,7 @@ NNUNET_DATASET_ID = 977
 
 def make_dataset(root: Path, num_cases: int, shape_zyx: tuple[int, int, int]) -> Path:
     """The nnU-Net-layout dataset, generated once per (cases, shape)."""
-    from autoseg.demo_data import make_demo_dataset
+    from autoseg.demo.data import make_demo_dataset
 
     tag = f"{num_cases}x{'x'.join(map(str, shape_zyx))}"
     dataset = root / f"Dataset{NNUNET_DATASET_ID:03d}_Bench{tag}"

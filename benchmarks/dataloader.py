@@ -6,7 +6,7 @@ with ``autoseg plan_and_preprocess --precompute-augmentations K`` (cached per K)
 Both pipelines then run at the autoseg plan's 3d_fullres patch and batch size (or ``--patch`` /
 ``--batch``) with ``--workers`` worker processes, each in its own subprocess:
 
-- autoseg: ``BatchLoader`` with the trainer's ``LoaderConfig`` (``autoseg.train_data.loader_config``) over
+- autoseg: ``BatchLoader`` with the trainer's ``LoaderConfig`` (``autoseg.data.config.loader_config``) over
   fold 0's training cases, on the fly and with ``use_precomputed``;
 - nnU-Net: ``nnUNetTrainer.get_dataloaders()`` itself (its nnUNetDataLoader, default training transforms
   with deep-supervision targets, NonDetMultiThreadedAugmenter with ``nnUNet_n_proc_DA`` workers) on the plans
@@ -99,11 +99,11 @@ def child_autoseg(spec: dict) -> dict:
 
     import torch
 
-    from autoseg.batch_loader import BatchLoader
-    from autoseg.plans import Plans
-    from autoseg.train import fold_cases
-    from autoseg.train_data import loader_config
-    from autoseg.workspace import Workspace
+    from autoseg.data.loader import BatchLoader
+    from autoseg.plan.plans import Plans
+    from autoseg.train.trainer import fold_cases
+    from autoseg.data.config import loader_config
+    from autoseg.core.workspace import Workspace
 
     torch.set_num_threads(1)  # this process only receives batches
     workspace = Workspace.at(spec["workspace"])

@@ -16,7 +16,7 @@ import time
 import torch
 
 from autoseg.memory import TrainingMemoryModel, measure_training_step, predict_device_peak, simulate_training_step
-from autoseg.plans import NetworkTopology
+from autoseg.plan.plans import NetworkTopology
 
 MiB = 1024**2
 

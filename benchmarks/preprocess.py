@@ -1,7 +1,7 @@
 """Wall time, cases/s and peak memory of `plan_and_preprocess` on a generated dataset (run by hand).
 
 Generates (once, cached) ``--cases`` synthetic cases of about ``--shape`` voxels (z y x) with
-``autoseg.demo_data``, runs ``autoseg plan_and_preprocess`` in a subprocess with ``--processes`` workers, and
+``autoseg.demo.data``, runs ``autoseg plan_and_preprocess`` in a subprocess with ``--processes`` workers, and
 polls the whole process tree every 0.1 s for its summed RSS and PSS (PSS shares the pages of libraries
 and of the page cache between the processes mapping them, so it does not count them once per worker).
 If nnU-Net v2 can be imported, here or by ``--nnunet-python PATH`` (an interpreter of another venv), it
@@ -47,7 +47,7 @@ def storage_comparison(folder: Path, patch_zyx: tuple[int, ...], reads: int = 40
     """.npy vs blosc2 on the preprocessed data arrays of ``folder``: write s, MiB on disk, patch read ms."""
     import blosc2
 
-    import autoseg.loader  # noqa: F401  (imports torch: not inside the timed reads)
+    import autoseg.data.sampler  # noqa: F401  (imports torch: not inside the timed reads)
 
     rng = np.random.default_rng(0)
     arrays = sorted(folder.glob("*_data.npy"))
@@ -122,7 +122,7 @@ def _save_npy(a: np.ndarray, path: Path) -> None:
 
 
 def _read_like_the_loader(path: Path, box: tuple[slice, ...]) -> np.ndarray:
-    from autoseg.loader import open_npy_for_patches, prefetch_pages  # imported before the timing starts
+    from autoseg.data.sampler import open_npy_for_patches, prefetch_pages  # imported before the timing starts
 
     array = open_npy_for_patches(path)
     prefetch_pages(array, box)

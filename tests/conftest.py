@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from autoseg.demo_data import make_demo_dataset
+from autoseg.demo.data import make_demo_dataset
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
-from autoseg.workspace import Workspace
+from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
+from autoseg.core.workspace import Workspace
 
 GiB = 1024**3
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
-from autoseg.preprocess import CaseResult, CaseTask, run_case
+from autoseg.preprocess.preprocessor import CaseResult, CaseTask, run_case
 
 VICTIM = "demo_001"
 

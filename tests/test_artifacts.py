@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.artifacts import Artifact, ArtifactError, atomic_path, atomic_save_npy, atomic_write_text
+from autoseg.core.artifacts import Artifact, ArtifactError, atomic_path, atomic_save_npy, atomic_write_text
 
 
 @dataclass(frozen=True)

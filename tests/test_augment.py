@@ -15,7 +15,7 @@ from batchgenerators.transforms.resample_transforms import SimulateLowResolution
 from batchgenerators.transforms.spatial_transforms import MirrorTransform, SpatialTransform
 from scipy import ndimage
 
-from autoseg.augment import (
+from autoseg.data.augment import (
     Augmenter,
     Gamma,
     GaussianBlur,
@@ -23,8 +23,8 @@ from autoseg.augment import (
     Mirror,
     SimulateLowResolution,
 )
-from autoseg.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
-from autoseg.loader import LoaderConfig
+from autoseg.data.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
+from autoseg.data.sampler import LoaderConfig
 
 EVERY_SPATIAL = dict(p_rotation=1.0, p_scale=1.0)
 

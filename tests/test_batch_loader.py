@@ -12,10 +12,10 @@ import pytest
 import torch
 from factories import make_cases
 
-import autoseg.batch_loader as batch_loader_module
-import autoseg.loader as loader_module
-from autoseg.batch_loader import BatchLoader, _Slots, worker_bytes, workers_for_shared_memory
-from autoseg.loader import LoaderConfig, batch_bytes, output_batch_bytes
+import autoseg.data.loader as batch_loader_module
+import autoseg.data.sampler as loader_module
+from autoseg.data.loader import BatchLoader, _Slots, worker_bytes, workers_for_shared_memory
+from autoseg.data.sampler import LoaderConfig, batch_bytes, output_batch_bytes
 from autoseg.memory.host import WORKER_RUNTIME_BYTES
 
 

@@ -141,7 +141,7 @@ def test_relaunched_command_drops_gpus(gpus: list[str]) -> None:
 
 def test_distributed_context_from_the_torchrun_environment() -> None:
     from autoseg.cli import _distributed_context
-    from autoseg.distributed import SINGLE_PROCESS
+    from autoseg.model.distributed import SINGLE_PROCESS
 
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
     context = _distributed_context(env, "cpu")

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from autoseg.cropping import (
+from autoseg.dataset.cropping import (
     CropResult,
     bounding_box,
     crop_to_nonzero,

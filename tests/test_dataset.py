@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from autoseg.dataset import DatasetError, check_integrity, list_prediction_inputs, load_dataset
-from autoseg.imageio import read_image, write_image
+from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_dataset
+from autoseg.dataset.imageio import read_image, write_image
 
 
 def test_load_dataset_reads_nnunet_layout(tiny_dataset):
@@ -60,9 +60,9 @@ def test_undeclared_label_value(dataset_copy):
 
 def test_planning_checks_voxels_while_fingerprinting_and_writes_nothing(dataset_copy, tmp_path):
     """plan_dataset reads each case once: the fingerprint reports every case's voxel problems together."""
-    from autoseg.pipeline import plan_dataset
-    from autoseg.planner import Budget, GiB
-    from autoseg.workspace import Workspace
+    from autoseg.plan.pipeline import plan_dataset
+    from autoseg.plan.planner import Budget, GiB
+    from autoseg.core.workspace import Workspace
 
     for case, value in (("demo_001", 7), ("demo_003", 5)):
         path = dataset_copy / "labelsTr" / f"{case}.nii.gz"

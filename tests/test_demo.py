@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from autoseg.demo import DEMO_TARGET_DICE
+from autoseg.demo.run import DEMO_TARGET_DICE
 
 
 @pytest.mark.slow

@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.dataset import check_integrity, load_dataset
-from autoseg.demo_data import make_demo_dataset, synthesize_case
-from autoseg.imageio import read_image
+from autoseg.dataset.raw import check_integrity, load_dataset
+from autoseg.demo.data import make_demo_dataset, synthesize_case
+from autoseg.dataset.imageio import read_image
 
 TINY_ZYX = (12, 24, 24)
 

@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 from factories import set_configuration, tiny_plans
 from test_train import CONFIG, prepared  # noqa: F401  (the preprocessed tiny workspace fixture)
 
-from autoseg.checkpoint import load_checkpoint
-from autoseg.distributed import (
+from autoseg.train.checkpoint import load_checkpoint
+from autoseg.model.distributed import (
     SINGLE_PROCESS,
     DistributedContext,
     Ranks,
@@ -29,10 +29,10 @@ from autoseg.distributed import (
     rank_batch,
     torchrun_command,
 )
-from autoseg.plans import NetworkTopology
-from autoseg.train import RunConfig, train
-from autoseg.train_step import distribute, make_step
-from autoseg.workspace import Workspace
+from autoseg.plan.plans import NetworkTopology
+from autoseg.train.trainer import RunConfig, train
+from autoseg.model.step import distribute, make_step
+from autoseg.core.workspace import Workspace
 
 # 4 stages: 3 deep-supervision outputs, weights (2/3, 1/3, 0): two Dice terms and an unused head
 DS_TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(2, 4, 4, 4),
@@ -157,7 +157,7 @@ def _oom_worker(rank: int, world: int, port: int, root: Path) -> None:
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("autoseg.train").addHandler(handler)
+    logging.getLogger("autoseg.train.trainer").addHandler(handler)
     distributed = _gloo(rank, world, port)
     with process_group(distributed):
         train(Workspace.at(root), CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=1), progress=False,

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.artifacts import to_dict
-from autoseg.evaluate import EvaluationError, EvaluationSummary, evaluate_folder, format_table
-from autoseg.imageio import Geometry, write_image
+from autoseg.core.artifacts import to_dict
+from autoseg.evaluate.metrics import EvaluationError, EvaluationSummary, evaluate_folder, format_table
+from autoseg.dataset.imageio import Geometry, write_image
 
 SPACING_XYZ = (1.0, 2.0, 3.0)  # one voxel is 6 mm^3
 

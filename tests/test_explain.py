@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli import main
-from autoseg.explain import Explanation, explain, format_bytes, format_explanation, next_patch_up
-from autoseg.fingerprint import CaseFingerprint, Fingerprint
+from autoseg.explain.explanation import Explanation, explain, format_bytes, format_explanation, next_patch_up
+from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.memory import inference_memory, predict_device_peak, simulate_training_step
-from autoseg.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
+from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
 
 GiB = 1024**3
 TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(8, 16, 32),

@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.dataset import load_dataset
-from autoseg.fingerprint import Fingerprint, fingerprint
-from autoseg.imageio import read_image
+from autoseg.dataset.raw import load_dataset
+from autoseg.plan.fingerprint import Fingerprint, fingerprint
+from autoseg.dataset.imageio import read_image
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_fingerprint_in_processes_equals_one_process(tiny_dataset):
 def test_regions_and_ignore_are_recorded_and_ignored_voxels_are_not_foreground(dataset_copy) -> None:
     import json
 
-    from autoseg.imageio import write_image
+    from autoseg.dataset.imageio import write_image
 
     meta = json.loads((dataset_copy / "dataset.json").read_text())
     meta.update(labels={"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, regions_class_order=[1, 2])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from autoseg.imageio import read_geometry, read_image, write_image
+from autoseg.dataset.imageio import read_geometry, read_image, write_image
 
 
 @pytest.mark.parametrize("ending", [".nii.gz", ".nrrd", ".mha"])

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoseg import inference
-from autoseg.inference import (
+from autoseg.model import sliding_window as inference
+from autoseg.model.sliding_window import (
     gaussian_importance_map,
     inference_buffer_bytes,
     sliding_window_predict,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from autoseg.labels import LabelError, LabelScheme, label_map_dtype
+from autoseg.dataset.labels import LabelError, LabelScheme, label_map_dtype
 
 BRATS = {"background": 0, "whole_tumor": [1, 2, 3], "tumor_core": [2, 3], "enhancing": 3}
 
@@ -117,7 +117,7 @@ def test_plans_carry_regions_and_old_plans_still_load(tmp_path) -> None:
 
     from factories import tiny_plans
 
-    from autoseg.plans import Plans
+    from autoseg.plan.plans import Plans
 
     old = tmp_path / "old.json"
     tiny_plans().to_json(old)

@@ -10,9 +10,9 @@ import torch
 from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
 from factories import make_cases, write_case
 
-from autoseg.augment_spatial import PatchSpatialTransform, draw_patch_transform
-from autoseg.batch_loader import BatchLoader
-from autoseg.loader import (
+from autoseg.data.augment_spatial import PatchSpatialTransform, draw_patch_transform
+from autoseg.data.loader import BatchLoader
+from autoseg.data.sampler import (
     Augmenter,
     LoaderConfig,
     PatchSampler,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoseg.labels import LabelScheme
-from autoseg.loss import (
+from autoseg.dataset.labels import LabelScheme
+from autoseg.model.loss import (
     DeepSupervisionLoss,
     DiceCELoss,
     RegionDiceBCELoss,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from autoseg.labels import LabelScheme
+from autoseg.dataset.labels import LabelScheme
 from autoseg.memory import (
     TrainingMemoryModel,
     export_bytes,
@@ -23,8 +23,8 @@ from autoseg.memory import (
     training_step_flops,
 )
 from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES
-from autoseg.network import build_network, count_parameters
-from autoseg.plans import NetworkTopology
+from autoseg.model.network import build_network, count_parameters
+from autoseg.plan.plans import NetworkTopology
 
 MiB = 1024**2
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from autoseg.network import NETWORKS, build_network, count_parameters
-from autoseg.plans import NetworkTopology
+from autoseg.model.network import NETWORKS, build_network, count_parameters
+from autoseg.plan.plans import NetworkTopology
 
 
 def topology(dim: int = 3, features: tuple[int, ...] = (4, 8, 16), deep_supervision: bool = True,

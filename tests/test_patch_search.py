@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from autoseg.patch_search import (
+from autoseg.plan.patch_search import (
     Limits,
     SearchSpace,
     Setting,

@@ -10,14 +10,14 @@ import numpy as np
 import SimpleITK as sitk
 from factories import set_configuration, tiny_topology
 
-from autoseg.dataset import load_dataset
-from autoseg.evaluate import evaluate_folder
-from autoseg.pipeline import plan_dataset, preprocess_workspace
-from autoseg.planner import Budget
-from autoseg.plans import Plans
-from autoseg.predict import predict
-from autoseg.train import RunConfig, train
-from autoseg.workspace import Workspace
+from autoseg.dataset.raw import load_dataset
+from autoseg.evaluate.metrics import evaluate_folder
+from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
+from autoseg.plan.planner import Budget
+from autoseg.plan.plans import Plans
+from autoseg.predict.predictor import predict
+from autoseg.train.trainer import RunConfig, train
+from autoseg.core.workspace import Workspace
 
 GiB = 1024**3
 IGNORE = 3

@@ -6,10 +6,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.batch_loader import worker_bytes
-from autoseg.fingerprint import CaseFingerprint, Fingerprint
+from autoseg.data.loader import worker_bytes
+from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
-from autoseg.planner import (
+from autoseg.plan.planner import (
     FILL_TARGET,
     MAX_STAGES,
     MIN_PATCH_VOXELS,
@@ -22,8 +22,8 @@ from autoseg.planner import (
     target_spacing,
     topology_for,
 )
-from autoseg.plans import ConfigurationPlan, IntensityProperties, Plans
-from autoseg.train_data import loader_config
+from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
+from autoseg.data.config import loader_config
 
 # --- target_spacing ---------------------------------------------------------------------------------
 
@@ -313,7 +313,7 @@ def test_cuda_seconds_come_from_the_tabulated_device() -> None:
 
 
 def test_checkpointing_adds_a_third_of_the_flops() -> None:
-    from autoseg.compute import conv_flops
+    from autoseg.plan.compute import conv_flops
 
     for cfg in (_rough_plan(1).configuration("3d_fullres"), _rough_plan(8).configuration("3d_fullres")):
         step = conv_flops(cfg.network, cfg.patch_size, cfg.batch_size) * cfg.accumulation_steps
@@ -397,7 +397,7 @@ def _check_model_memory(cfg: ConfigurationPlan) -> None:
 
 def test_model_backed_configuration_records_the_models_terms() -> None:
     """A tiny 3D space (a 3-stage network: three quick simulations)."""
-    from autoseg.planner import SearchSpace, configuration
+    from autoseg.plan.planner import SearchSpace, configuration
 
     space = SearchSpace((1.0, 1.0, 1.0), (16, 24, 24), 1, 2, dataset_voxels=40 * 16 * 24 * 24)
     cfg = configuration("3d_fullres", (1.0, 1.0, 1.0), (16, 24, 24), space,

@@ -14,12 +14,12 @@ import pytest
 from factories import tiny_plans
 from scipy import ndimage
 
-from autoseg.augment import Augmenter, build_train_transforms
-from autoseg.augment_spatial import PatchSpatialTransform
-from autoseg.batch_loader import BatchLoader
-from autoseg.dataset import load_dataset
-from autoseg.loader import LoaderConfig, PatchSampler
-from autoseg.precompute import (
+from autoseg.data.augment import Augmenter, build_train_transforms
+from autoseg.data.augment_spatial import PatchSpatialTransform
+from autoseg.data.loader import BatchLoader
+from autoseg.dataset.raw import load_dataset
+from autoseg.data.sampler import LoaderConfig, PatchSampler
+from autoseg.preprocess.precompute import (
     PrecomputeConfig,
     SpatialParams,
     augment_case,
@@ -27,7 +27,7 @@ from autoseg.precompute import (
     draw_spatial_params,
     rotation_matrix,
 )
-from autoseg.preprocess import CaseProperties, is_complete, preprocess
+from autoseg.preprocess.preprocessor import CaseProperties, is_complete, preprocess
 
 
 def random_case(shape_zyx: tuple[int, ...] = (9, 11, 11), seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -9,14 +9,14 @@ import pytest
 import SimpleITK as sitk
 import torch
 
-from autoseg.imageio import Geometry
-from autoseg.network import build_network
-from autoseg.pipeline import plan_dataset, preprocess_workspace
-from autoseg.planner import Budget, GiB
-from autoseg.plans import Plans
-from autoseg.predict import export_segmentation, predict
-from autoseg.preprocess import CaseProperties
-from autoseg.workspace import Workspace
+from autoseg.dataset.imageio import Geometry
+from autoseg.model.network import build_network
+from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
+from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.plans import Plans
+from autoseg.predict.predictor import export_segmentation, predict
+from autoseg.preprocess.preprocessor import CaseProperties
+from autoseg.core.workspace import Workspace
 
 
 def _rotation_xyz(angles_deg: tuple[float, float, float]) -> np.ndarray:
@@ -124,7 +124,7 @@ def test_export_puts_the_most_probable_class_back_in_original_space() -> None:
 
 
 def test_export_paints_regions_in_order_in_original_space() -> None:
-    from autoseg.labels import LabelScheme
+    from autoseg.dataset.labels import LabelScheme
 
     scheme = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2])
     props = _export_case()

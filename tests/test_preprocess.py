@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.dataset import load_dataset
-from autoseg.imageio import read_geometry
-from autoseg.pipeline import plan_dataset
-from autoseg.planner import Budget, GiB
-from autoseg.plans import Plans
-from autoseg.preprocess import CaseProperties, preprocess
-from autoseg.resampling import compute_new_shape
-from autoseg.workspace import Workspace
+from autoseg.dataset.raw import load_dataset
+from autoseg.dataset.imageio import read_geometry
+from autoseg.plan.pipeline import plan_dataset
+from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.plans import Plans
+from autoseg.preprocess.preprocessor import CaseProperties, preprocess
+from autoseg.preprocess.resampling import compute_new_shape
+from autoseg.core.workspace import Workspace
 
 
 @pytest.fixture(scope="module")
@@ -155,8 +155,8 @@ def test_two_processes_write_the_same_files_as_one(planned, tmp_path: Path) -> N
 
 
 def test_class_locations_per_region_never_at_ignore_voxels() -> None:
-    from autoseg.labels import LabelScheme
-    from autoseg.preprocess import class_locations, class_voxels_per_slice
+    from autoseg.dataset.labels import LabelScheme
+    from autoseg.preprocess.preprocessor import class_locations, class_voxels_per_slice
 
     scheme = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, [1, 2])
     seg = np.array([[[[0, 1, 2], [3, 3, 1]], [[2, -1, 3], [0, 0, 0]]]], dtype=np.int8)  # (1, 2, 2, 3)

@@ -18,22 +18,22 @@ import pytest
 from factories import GiB, tiny_plans
 from killing_runner import VICTIM, die_on_victim
 
-from autoseg.artifacts import read_json
-from autoseg.dataset import RawDataset, load_dataset
-from autoseg.demo_data import make_demo_dataset
-from autoseg.fingerprint import fingerprint
+from autoseg.core.artifacts import read_json
+from autoseg.dataset.raw import RawDataset, load_dataset
+from autoseg.demo.data import make_demo_dataset
+from autoseg.plan.fingerprint import fingerprint
 from autoseg.memory.host import preprocess_worker_bytes
-from autoseg.pipeline import preprocessing_processes_for
-from autoseg.preprocess import (
+from autoseg.plan.pipeline import preprocessing_processes_for
+from autoseg.preprocess.preprocessor import (
     case_peak_bytes,
     is_complete,
     preprocess,
     processes_for,
 )
-from autoseg.resampling import compute_new_shape
-from autoseg.resources import cpu_count
-from autoseg.workers import WorkerDiedError
-from autoseg.workspace import Workspace, WorkspaceInfo
+from autoseg.preprocess.resampling import compute_new_shape
+from autoseg.core.resources import cpu_count
+from autoseg.core.workers import WorkerDiedError
+from autoseg.core.workspace import Workspace, WorkspaceInfo
 
 
 @pytest.fixture()
@@ -93,9 +93,9 @@ def test_a_killed_worker_fails_the_run_at_once_naming_the_case(dataset: RawDatas
 
 _KILLABLE_RUN = """
 import sys
-from autoseg.dataset import load_dataset
-from autoseg.plans import Plans
-from autoseg.preprocess import preprocess
+from autoseg.dataset.raw import load_dataset
+from autoseg.plan.plans import Plans
+from autoseg.preprocess.preprocessor import preprocess
 preprocess(load_dataset(sys.argv[1]), Plans.from_json(sys.argv[2]), "3d_fullres", sys.argv[3], progress=False)
 """
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from factories import write_case
 
-from autoseg.loader import LoaderConfig, PatchSampler
+from autoseg.data.sampler import LoaderConfig, PatchSampler
 
 PAGE = mmap.PAGESIZE
 SHAPE = (1, 64, 256, 256)  # float32: 16 MiB, 256 KiB per z-slice

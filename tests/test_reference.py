@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from autoseg.artifacts import to_dict
-from autoseg.plans import Plans
-from autoseg.reference import (
+from autoseg.core.artifacts import to_dict
+from autoseg.plan.plans import Plans
+from autoseg.plan.reference import (
     PLANS_ROOT,
     REFERENCE_BUDGETS_GIB,
     ReferenceDataset,
@@ -77,7 +77,7 @@ def test_derived_plans_match_the_planner(references: dict[str, ReferenceDataset]
     for name, ref in references.items():
         for gib in REFERENCE_BUDGETS_GIB:
             stored = Plans.from_json(derived_path(PLANS_ROOT, name, gib))
-            assert to_dict(derive(ref, gib)) == to_dict(stored), f"{name} {gib} GiB: python -m autoseg.reference"
+            assert to_dict(derive(ref, gib)) == to_dict(stored), f"{name} {gib} GiB: python -m autoseg.plan.reference"
 
 
 @pytest.mark.slow

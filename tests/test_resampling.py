@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from autoseg.resampling import (
+from autoseg.preprocess.resampling import (
     compute_new_shape,
     is_anisotropic,
     out_of_plane_axis,

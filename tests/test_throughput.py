@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-import autoseg.compute
-from autoseg.throughput import GPUS, cached_cpu_throughput, cuda_flops_per_second, gpu_spec
+import autoseg.plan.compute
+from autoseg.plan.throughput import GPUS, cached_cpu_throughput, cuda_flops_per_second, gpu_spec
 
 GiB = 1024**3
 
@@ -30,8 +30,8 @@ def test_unknown_gpu_is_the_smallest_listed_one_with_that_memory() -> None:
 
 def test_cpu_throughput_is_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(autoseg.compute, "calibrate_cpu_throughput", lambda repeats=3: calls.append(repeats) or 5e9)
-    monkeypatch.setattr(autoseg.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(autoseg.plan.compute, "calibrate_cpu_throughput", lambda repeats=3: calls.append(repeats) or 5e9)
+    monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cached_cpu_throughput(tmp_path) == (5e9, "measured now")
     assert cached_cpu_throughput(tmp_path) == (5e9, f"cached in {tmp_path / 'cpu_throughput.json'}")
     assert calls == [1]
@@ -41,13 +41,13 @@ def test_cpu_throughput_is_measured_once_then_cached(tmp_path: Path, monkeypatch
 
 
 def test_cpu_throughput_measured_under_load_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autoseg.compute, "calibrate_cpu_throughput", lambda repeats=3: 3e9)
-    monkeypatch.setattr(autoseg.throughput.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
+    monkeypatch.setattr(autoseg.plan.compute, "calibrate_cpu_throughput", lambda repeats=3: 3e9)
+    monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     flops, source = cached_cpu_throughput(tmp_path)
     assert flops == 3e9 and source.startswith("measured now under load 64.0, not cached")
     assert not (tmp_path / "cpu_throughput.json").exists()
 
 
 def test_calibration_uses_the_faster_thread_count() -> None:
-    flops = autoseg.compute.calibrate_cpu_throughput(repeats=1, max_threads=1)
+    flops = autoseg.plan.compute.calibrate_cpu_throughput(repeats=1, max_threads=1)
     assert 1e8 < flops < 1e13

@@ -9,15 +9,15 @@ import pytest
 import torch
 from factories import set_configuration, tiny_topology
 
-from autoseg.checkpoint import load_checkpoint
-from autoseg.degrade import choose_degradation
+from autoseg.train.checkpoint import load_checkpoint
+from autoseg.train.degrade import choose_degradation
 from autoseg.memory import predict_device_peak, simulate_training_step
-from autoseg.pipeline import plan_dataset, preprocess_workspace
-from autoseg.planner import Budget, GiB
-from autoseg.plans import Plans
-from autoseg.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
-from autoseg.train import RunConfig, train
-from autoseg.workspace import Workspace
+from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
+from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.plans import Plans
+from autoseg.train.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
+from autoseg.train.trainer import RunConfig, train
+from autoseg.core.workspace import Workspace
 
 CONFIG = "3d_fullres"
 TINY = dict(epochs=3, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
@@ -186,8 +186,8 @@ def test_train_cli_reads_resume_and_time_budget() -> None:
 
 
 def test_pseudo_dice_counts_per_class_and_region_skip_ignore() -> None:
-    from autoseg.labels import LabelScheme
-    from autoseg.train import pseudo_dice_counts
+    from autoseg.dataset.labels import LabelScheme
+    from autoseg.train.trainer import pseudo_dice_counts
 
     target = torch.tensor([[[0, 1, 2, 2, 3, 3]]])  # 3 = ignore
     classes = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2, "ignore": 3})

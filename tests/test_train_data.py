@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from factories import set_configuration, tiny_plans, tiny_topology
 
-import autoseg.batch_loader as batch_loader
-from autoseg.loader import output_batch_bytes
-from autoseg.pipeline import plan_dataset, preprocess_workspace
-from autoseg.planner import Budget, GiB
-from autoseg.train import RunConfig, train
-from autoseg.train_data import loader_config, precomputed_copies, uses_dummy_2d
-from autoseg.workspace import Workspace
+import autoseg.data.loader as batch_loader
+from autoseg.data.sampler import output_batch_bytes
+from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
+from autoseg.plan.planner import Budget, GiB
+from autoseg.train.trainer import RunConfig, train
+from autoseg.data.config import loader_config, precomputed_copies, uses_dummy_2d
+from autoseg.core.workspace import Workspace
 
 CONFIG = "3d_fullres"
 
@@ -60,7 +60,7 @@ def test_precomputed_copies_counts_the_fewest(precomputed: Workspace) -> None:
 
 
 def test_training_samples_precomputed_copies_in_a_worker_process(precomputed: Workspace, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="autoseg.train")
+    caplog.set_level(logging.INFO, logger="autoseg.train.trainer")
     run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1,
                     loader_workers=1)
     fold = train(precomputed, CONFIG, 0, run, progress=False)
@@ -76,7 +76,7 @@ def test_planned_workers_shrink_to_the_shared_memory(precomputed: Workspace, cap
     one_worker = 3 * output_batch_bytes((8, 16, 16), 2, 1)  # queue depth 2 + 1 slots
     monkeypatch.setattr(batch_loader.shutil, "disk_usage",
                         lambda folder: shutil._ntuple_diskusage(2**30, 2**30 - one_worker - 1, one_worker + 1))
-    caplog.set_level(logging.INFO, logger="autoseg.train")
+    caplog.set_level(logging.INFO, logger="autoseg.train.trainer")
     try:
         run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
         fold = train(precomputed, CONFIG, 0, run, progress=False)

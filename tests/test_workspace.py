@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from autoseg.artifacts import ArtifactError
-from autoseg.workspace import Splits, Workspace, load_or_create_splits, make_splits
+from autoseg.core.artifacts import ArtifactError
+from autoseg.core.workspace import Splits, Workspace, load_or_create_splits, make_splits
 
 CASES = [f"case_{i:02d}" for i in range(12)]
 

@@ -1,13 +1,13 @@
 """Host RAM of the CPU-side stages, as plain formulas over shapes (bytes; no simulation).
 
 Each function returns its terms and their ``total``; a stage that runs in phases reports each phase and
-the ``total`` is the largest. They follow the code they model (``autoseg.preprocess``,
-``autoseg.predict.export_segmentation``) and are meant to be
+the ``total`` is the largest. They follow the code they model (``autoseg.preprocess.preprocessor``,
+``autoseg.predict.predictor.export_segmentation``) and are meant to be
 held against measurements of those modules; where a quantity is not known (the crop, the exact path of
 a resampling) they take the larger case.
 
-``WORKER_RUNTIME_BYTES``: RSS of a fresh Python process that imported autoseg.preprocess or
-autoseg.augment (numpy, scipy, SimpleITK, batchgenerators), measured at about 135-150 MiB. Part of it is
+``WORKER_RUNTIME_BYTES``: RSS of a fresh Python process that imported autoseg.preprocess.preprocessor or
+autoseg.data.augment (numpy, scipy, SimpleITK, batchgenerators), measured at about 135-150 MiB. Part of it is
 shared libraries, so a sum over many workers over-counts somewhat.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autoseg.resampling import resampling_peak_bytes
+from autoseg.preprocess.resampling import resampling_peak_bytes
 
 MiB = 1024**2
 WORKER_RUNTIME_BYTES = 150 * MiB
@@ -31,7 +31,7 @@ def _voxels(shape: Sequence[int]) -> int:
 
 def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Sequence[int],
                             num_channels: int) -> dict[str, int]:
-    """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess._run_case``).
+    """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess.preprocessor._run_case``).
 
     ``shape_zyx_before``: the image as read (the crop is taken as the whole image: an upper bound);
     ``shape_zyx_after``: after resampling. Phases, each on top of ``runtime``:
@@ -57,7 +57,7 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
                  num_classes: int) -> dict[str, int]:
-    """RAM of exporting one prediction (``autoseg.predict.export_segmentation``), streamed per class.
+    """RAM of exporting one prediction (``autoseg.predict.predictor.export_segmentation``), streamed per class.
 
     ``probabilities`` the network's (K, resampled shape) float32 softmax, held throughout;
     ``class_map`` one class resampled to the original shape (float32) and its resampling temporaries;

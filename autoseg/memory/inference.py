@@ -1,9 +1,9 @@
-"""Device memory of sliding-window prediction (``autoseg.inference.sliding_window_predict``).
+"""Device memory of sliding-window prediction (``autoseg.model.sliding_window.sliding_window_predict``).
 
 Two phases hold memory on the device:
 
 - tiles: the network's parameters, the call's buffers (padded input, logit accumulator, weight map,
-  Gaussian; ``autoseg.inference.inference_buffer_bytes``) and one tile batch's prediction. The latter is
+  Gaussian; ``autoseg.model.sliding_window.inference_buffer_bytes``) and one tile batch's prediction. The latter is
   simulated: the inference code's own ``_predict_tile_batch`` (flips for mirroring, the fp32 logit sum,
   the network's forward activations under ``inference_mode``) runs under ``FakeTensorMode`` with a
   ``StorageTracker``.
@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoseg.inference import _padded_shape_zyx, _predict_tile_batch, _tile_regions, inference_buffer_bytes
+from autoseg.model.sliding_window import _padded_shape_zyx, _predict_tile_batch, _tile_regions, inference_buffer_bytes
 from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import PRECISIONS
-from autoseg.network import build_network
-from autoseg.plans import NetworkTopology
+from autoseg.model.network import build_network
+from autoseg.plan.plans import NetworkTopology
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
     is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
     """
-    from autoseg.inference import _gaussian_cached, sliding_window_predict
+    from autoseg.model.sliding_window import _gaussian_cached, sliding_window_predict
 
     _gaussian_cached.cache_clear()  # the Gaussian is cached across calls; count its creation here
     tracker = StorageTracker()

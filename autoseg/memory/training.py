@@ -1,8 +1,8 @@
 """One training step as live tensor bytes: simulated under ``FakeTensorMode`` or measured on real CPU tensors.
 
-The step is the trainer's (``autoseg.train``): ``zero_grad(set_to_none=True)``; per micro-batch a batch
+The step is the trainer's (``autoseg.train.trainer``): ``zero_grad(set_to_none=True)``; per micro-batch a batch
 ``(B, C, *patch)`` float32 with an int64 target ``(B, 1, *patch)``, ``compute_loss(network(x), y)``
-(``autoseg.loss.training_loss`` of the labels: Dice + CE, or Dice + BCE for regions, ignore label masked;
+(``autoseg.model.loss.training_loss`` of the labels: Dice + CE, or Dice + BCE for regions, ignore label masked;
 with deep supervision) under autocast, ``/ accumulation_steps``, ``backward()``; then
 ``clip_grad_norm_(12)`` and the optimizer step. The optimizer's state (SGD momentum, Adam moments) is
 allocated beforehand by one step on zero gradients, as it is in every step after the first. With
@@ -32,17 +32,17 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoseg.labels import LabelScheme
-from autoseg.loss import compute_loss, training_loss
+from autoseg.dataset.labels import LabelScheme
+from autoseg.model.loss import compute_loss, training_loss
 from autoseg.memory.tracker import StorageTracker
-from autoseg.network import build_network
-from autoseg.plans import NetworkTopology
+from autoseg.model.network import build_network
+from autoseg.plan.plans import NetworkTopology
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("sgd", "adam")
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "batch", "activations")
-GRAD_CLIP_NORM = 12.0  # autoseg.train.RunConfig.grad_clip
-TARGET_DTYPE = torch.int8  # autoseg.augment hands the trainer the labels' int8 (int16 beyond 127 labels)
+GRAD_CLIP_NORM = 12.0  # autoseg.train.trainer.RunConfig.grad_clip
+TARGET_DTYPE = torch.int8  # autoseg.data.augment hands the trainer the labels' int8 (int16 beyond 127 labels)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,450 @@
+"""Training data pipeline: preprocessed cases -> patches (foreground oversampling) -> augmented batches.
+
+Stages, each usable alone:
+
+- ``PatchSampler.sample_batch()``: per sample a location and a spatial transform
+  (``autoseg.data.augment_spatial.draw_patch_transform``), then B boxes around the patches, as large as the batch's
+  largest transform needs (``read_size``; the patch itself when no sample is rotated or scaled), read from
+  memory-mapped ``<case>_data.npy`` / ``<case>_seg.npy`` (only the box's pages are read:
+  ``open_npy_for_patches``), padded with 0 (data) / -1 (seg) outside the image; with ``use_precomputed``,
+  at the patch size from the case or one of its augmented copies.
+- ``PatchSampler.sample_patches()``: the same draws, each sample's box read and rotated/scaled into the
+  patch before the next is read (what the workers run: one box in memory at a time).
+- ``Augmenter(batch, seed)`` (``autoseg.data.augment``): nnU-Net's default augmentation, cropping to the patch.
+- ``autoseg.data.loader.BatchLoader``: an endless iterator of torch batches, in-process or in worker
+  processes.
+
+Randomness: a stream (seed, worker_id) owns one ``np.random.Generator``. Per batch it draws the patches
+and their spatial transforms, then a batch seed for the other transforms; so every batch replays from
+(stream seed, batch index), and its augmentation from (sampled batch, batch seed). ``num_workers=0`` and
+``num_workers=1`` yield the same batches; with N workers the batches of streams 0..N-1 interleave in order.
+
+Host memory: one batch in flight (``batch_bytes``) per process that builds batches, plus the finished
+batches (``output_batch_bytes`` each) that wait for the trainer (``autoseg.data.loader.worker_bytes``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import mmap
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autoseg.data.augment import Augmenter
+from autoseg.data.augment_spatial import (
+    LABELS_PER_CALL,
+    PatchTransform,
+    draw_patch_transform,
+    enlarged_patch_size,
+    read_size,
+    spatial_transform,
+)
+
+__all__ = [
+    "LoaderConfig", "PatchSampler", "Augmenter", "open_npy_for_patches",
+    "batch_bytes", "batch_bytes_terms", "output_batch_bytes", "enlarged_patch_size", "read_size",
+]
+
+
+@dataclass(frozen=True)
+class LoaderConfig:
+    """How to sample and augment. Defaults follow nnU-Net's default training transforms.
+
+    ``patch_size``: (z, y, x) for a 3D configuration, (y, x) for a 2D one (patches are single z-slices).
+    ``dummy_2d``: 3D patches of anisotropic data, rotated/scaled in-plane only (per slice).
+    ``use_precomputed`` (with ``augment``): each sample comes from the case or, uniformly, one of its
+    augmented copies written by ``autoseg plan_and_preprocess --precompute-augmentations K``; the spatial
+    transform (rotation, scaling) is skipped, so patches are read at the patch size; mirroring and the
+    intensity transforms stay.
+    ``mirror_axes``: spatial axes (0-based, in patch order) to flip with p=0.5 each; None = all, () = none.
+    ``rotation_deg``: max angle about each axis for 3D; ``rotation_deg_2d``: max in-plane angle for 2D and
+    dummy 2D. ``scale_range``: zoom factors (< 1 zooms in). ``p_*``: per-sample probabilities.
+    ``order_data``: image interpolation of rotated/scaled samples, 1 linear (nnU-Net v2's SpatialTransform),
+    0 nearest, 3 cubic B-spline (nnU-Net v1; 3-10x slower); ``order_seg``: 1 per label linearly, then the
+    largest response; 0 nearest.
+    """
+
+    patch_size: tuple[int, ...]
+    batch_size: int
+    oversample_foreground: float = 0.33
+    augment: bool = True
+    dummy_2d: bool = False
+    mirror_axes: tuple[int, ...] | None = None
+    rotation_deg: float = 30.0
+    rotation_deg_2d: float = 180.0
+    scale_range: tuple[float, float] = (0.7, 1.4)
+    p_rotation: float = 0.2
+    p_scale: float = 0.2
+    order_data: int = 1
+    order_seg: int = 1
+    p_noise: float = 0.1
+    p_blur: float = 0.2
+    p_brightness: float = 0.15
+    p_contrast: float = 0.15
+    p_low_res: float = 0.25
+    p_gamma_inverted: float = 0.1
+    p_gamma: float = 0.3
+    use_precomputed: bool = False  # sample the case or one of its precomputed copies; no spatial transform
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        object.__setattr__(self, "scale_range", tuple(float(s) for s in self.scale_range))
+        if self.mirror_axes is not None:
+            object.__setattr__(self, "mirror_axes", tuple(int(a) for a in self.mirror_axes))
+        if len(self.patch_size) not in (2, 3) or min(self.patch_size) < 1:
+            raise ValueError(f"patch_size must be (y, x) or (z, y, x), positive; got {self.patch_size}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if not 0.0 <= self.oversample_foreground <= 1.0:
+            raise ValueError(f"oversample_foreground must be in [0, 1], got {self.oversample_foreground}")
+        if self.dummy_2d and self.dim != 3:
+            raise ValueError("dummy_2d applies to 3D patches (z, y, x); set dummy_2d=False for a 2D patch")
+        if any(not 0 <= a < self.dim for a in self.mirror_axes_effective):
+            raise ValueError(
+                f"mirror_axes {self.mirror_axes} out of range for a {self.dim}D patch (0..{self.dim - 1})")
+        if len(self.scale_range) != 2 or not 0 < self.scale_range[0] <= self.scale_range[1]:
+            raise ValueError(f"scale_range must be (low, high) with 0 < low <= high, got {self.scale_range}")
+        if self.order_data not in (0, 1, 3) or self.order_seg not in (0, 1):
+            raise ValueError(f"order_data must be 0, 1 or 3 and order_seg 0 or 1; got {self.order_data}, "
+                             f"{self.order_seg}")
+
+    @property
+    def dim(self) -> int:
+        return len(self.patch_size)
+
+    @property
+    def rotation_deg_effective(self) -> float:
+        """The max rotation actually used: in-plane for 2D / dummy 2D, about each axis for 3D."""
+        return self.rotation_deg_2d if (self.dim == 2 or self.dummy_2d) else self.rotation_deg
+
+    @property
+    def mirror_axes_effective(self) -> tuple[int, ...]:
+        return tuple(range(self.dim)) if self.mirror_axes is None else self.mirror_axes
+
+    @property
+    def enlarged_patch_size(self) -> tuple[int, ...]:
+        """The most the sampler reads per sample: the patch plus the margin of the worst rotation and scale
+        (the patch if augment=False or use_precomputed)."""
+        if not self.augment or self.use_precomputed:
+            return self.patch_size
+        rotation = self.rotation_deg_effective
+        return enlarged_patch_size(self.patch_size, rotation, self.scale_range, self.dummy_2d)
+
+
+def batch_bytes_terms(
+    patch_size: Sequence[int],
+    enlarged_patch_size: Sequence[int],
+    batch_size: int,
+    num_channels: int,
+    *,
+    seg_itemsize: int = 1,
+    dummy_2d: bool = False,
+) -> dict[str, int]:
+    """Host bytes of one batch in flight in a worker, by buffer (see ``batch_bytes``), as
+    ``PatchSampler.sample_patches`` builds it: one sample's box at a time.
+
+    ``enlarged_patch_size``: the largest box a sample reads (``LoaderConfig.enlarged_patch_size``); a sample
+    that is not rotated or scaled reads only the patch."""
+    p, e = math.prod(patch_size), math.prod(enlarged_patch_size)
+    b, c = batch_size, num_channels
+    d = 2 if (len(patch_size) == 2 or dummy_2d) else 3  # dimensions of the rotation
+    p_sp = math.prod(patch_size[-d:])
+    # PatchSpatialTransform, one sample at a time (autoseg.data.augment_spatial.spatial_transform): its label box copied,
+    # sample positions and grid_sample's grid (2 x d x P_sp float32), the image and LABELS_PER_CALL label
+    # indicators as float32 planes (C + 2) x E and their interpolation (C + 2) x P, the label vote's best and
+    # rest scores (float32) and a mask.
+    spatial = e * seg_itemsize + 2 * d * p_sp * 4 + (c + LABELS_PER_CALL) * (e + p) * 4 + 9 * p
+    # Intensity transforms, one sample at a time: the noise (C x P float32), or per channel up to three
+    # float32 temporaries (low resolution, contrast, blur).
+    intensity = max(c, 3) * p * 4
+    return {
+        "enlarged_data": c * e * 4,  # float32 (C, *E): one sample's box, read from the memmap
+        "enlarged_seg": e * seg_itemsize,  # int8 (1, *E)
+        "augmented_data": b * c * p * 4,  # float32 (B, C, *P), PatchSpatialTransform output
+        "augmented_seg": b * p * seg_itemsize,  # int8 (B, 1, *P): the target
+        "scratch": max(spatial, intensity),  # transient, one sample at a time
+    }
+
+
+def batch_bytes(
+    patch_size: Sequence[int],
+    enlarged_patch_size: Sequence[int],
+    batch_size: int,
+    num_channels: int,
+    *,
+    seg_itemsize: int = 1,
+    dummy_2d: bool = False,
+) -> int:
+    """Pure estimate (an upper bound) of the host bytes one batch holds in a worker while it is built.
+
+    One sample's read box float32 + labels (``seg_itemsize``: 1 for int8, 2 for int16) at the worst case,
+    the batch's augmented data (float32) and labels (the target) + the largest per-sample scratch of the
+    augmentation. E.g. patch (128, 128, 128), enlarged (302, 308, 302), B=2, C=1: about 0.62 GB; patch
+    (512, 512) 2D, enlarged (1014, 1014), B=12, C=1: about 0.04 GB; dummy 2D (56, 192, 192), enlarged
+    (56, 386, 376), B=2, C=1: about 0.21 GB; (160, 192, 160), enlarged (302, 340, 302), B=12, C=4: 2.6 GB
+    (it was 8.4 GB while the sampler read every sample's box before transforming any).
+    """
+    terms = batch_bytes_terms(patch_size, enlarged_patch_size, batch_size, num_channels,
+                              seg_itemsize=seg_itemsize, dummy_2d=dummy_2d)
+    return sum(terms.values())
+
+
+def output_batch_bytes(patch_size: Sequence[int], batch_size: int, num_channels: int, seg_itemsize: int = 1) -> int:
+    """Bytes of one finished batch (float32 data + target in the seg dtype), as it waits in the prefetch queue."""
+    return batch_size * math.prod(patch_size) * (num_channels * 4 + seg_itemsize)
+
+
+def open_npy_for_patches(path: str | Path) -> np.ndarray:
+    """A read-only memory map of the .npy file at ``path``, advised for random access.
+
+    Slicing it reads only the pages of the slice. ``np.load(mmap_mode="r")`` maps the file too, but the
+    kernel then reads ahead around every page fault (``read_ahead_kb``: 8 MiB on the development VM),
+    which for a patch of 16 slices made one 64 KiB read pull 66 % of a 16 MiB case from disk;
+    ``MADV_RANDOM`` turns that off (3 %: the patch's own pages), and ``prefetch_pages`` requests a box's
+    pages together, so that they are read in parallel rather than one page fault at a time.
+    """
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+            np.lib.format.read_array_header_2_0
+        shape, fortran_order, dtype = read_header(f)
+        offset = f.tell()
+        if math.prod(shape) * dtype.itemsize == 0:
+            return np.zeros(shape, dtype)
+        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+        mapping.madvise(mmap.MADV_RANDOM)
+    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order="F" if fortran_order else "C")
+
+
+def prefetch_pages(array: np.ndarray, box: tuple[slice | int, ...]) -> None:
+    """Ask the kernel to read the pages of ``array[box]`` now (``MADV_WILLNEED``, asynchronous).
+
+    ``array`` from ``open_npy_for_patches`` (C order); ``box``: an int or a step-1 slice per axis. Each run
+    of the last two axes is one contiguous byte range. Without this, a box on a cold ``MADV_RANDOM`` map
+    is read one page fault at a time: 14 ms for a (1, 16, 40, 40) float32 box vs 1.7 ms with it, and
+    3.6 ms for ``np.load(mmap_mode="r")``, which reads 8 MiB around each fault (measured on the dev VM).
+    Does nothing for other arrays.
+    """
+    mapping = array.base
+    if not (isinstance(mapping, mmap.mmap) and array.flags.c_contiguous and hasattr(mmap, "MADV_WILLNEED")):
+        return
+    bounds = [(b, b + 1) if isinstance(b, int) else b.indices(n)[:2] for b, n in zip(box, array.shape)]
+    if any(hi <= lo for lo, hi in bounds):
+        return
+    offset = array.ctypes.data - np.frombuffer(mapping, np.uint8, count=1).ctypes.data  # the .npy header
+    strides = array.strides
+    (y0, y1), (x0, x1) = bounds[-2:]
+    for lead in itertools.product(*(range(lo, hi) for lo, hi in bounds[:-2])):
+        first = offset + sum(i * st for i, st in zip(lead, strides)) + y0 * strides[-2] + x0 * strides[-1]
+        end = first + (y1 - 1 - y0) * strides[-2] + (x1 - x0) * strides[-1]
+        start = first - first % mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_WILLNEED, start, end - start)
+
+
+@dataclass(frozen=True)
+class _Draw:
+    """One sample's random choices: where its patch lies and how it is rotated / scaled."""
+
+    case_id: str
+    copy: int  # -1: the case itself, else its augmented copy
+    data: np.ndarray  # (C, Z, Y, X) memory map
+    seg: np.ndarray  # (1, Z, Y, X) memory map
+    lead: tuple[int, ...]  # 2D: the z-slice; 3D: ()
+    lower: tuple[int, ...]  # first voxel of the patch window per patch axis (may be < 0)
+    transform: PatchTransform | None
+
+
+class PatchSampler:
+    """Draws batches of patches, with the margin their spatial transforms need, from cases in ``folder``.
+
+    Per sample: a case uniformly at random; with probability ``oversample_foreground`` a foreground class
+    present in the case (in its ``<case>_locations.npy``), one of its voxels, and a patch that contains it
+    at a random position (and stays inside the image where the image is larger than the patch); otherwise
+    a uniformly placed patch. A 2D configuration draws one z-slice (the voxel's slice when forced). Then,
+    when augmenting on the fly, the sample's rotation and scaling (``draw_patch_transform``).
+
+    The cases' copy lists are kept after the first read of their ``<case>.json``, and the foreground
+    voxels (``<case>_locations.npy``, ``<case>_aug<k>_locations.npy``) of the last ``LOCATIONS_CACHE``
+    cases or copies read (at most 10,000 x 12 bytes per class each).
+    """
+
+    LOCATIONS_CACHE = 64
+
+    def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig,
+                 rng: np.random.Generator) -> None:
+        self.folder = Path(folder)
+        self.case_ids = tuple(case_ids)
+        self.config = config
+        self.rng = rng
+        if not self.case_ids:
+            raise ValueError(f"no case ids given for the loader over {self.folder}")
+        missing = [str(p) for c in self.case_ids for p in self._paths(c) if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"{len(missing)} preprocessed file(s) missing in {self.folder}, e.g. {missing[:3]}; "
+                "run preprocessing again (a case without <case>.json is incomplete)")
+        first_data, first_seg = self._open(self.case_ids[0])
+        self.num_channels = int(first_data.shape[0])
+        self.seg_dtype = first_seg.dtype
+        self.enlarged_patch_size = config.enlarged_patch_size
+        self._copies: dict[str, tuple[int, ...]] = {}
+        self._locations: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
+
+    def _paths(self, case_id: str, copy: int = -1) -> tuple[Path, Path, Path, Path]:
+        """Data, seg, locations and properties paths of the case (``copy=-1``) or of its augmented copy."""
+        f, stem = self.folder, case_id if copy < 0 else f"{case_id}_aug{copy}"
+        return f / f"{stem}_data.npy", f / f"{stem}_seg.npy", f / f"{stem}_locations.npy", f / f"{case_id}.json"
+
+    def _case_copies(self, case_id: str) -> tuple[int, ...]:
+        """The indices of the case's augmented copies, from its ``<case>.json`` (read once)."""
+        if case_id not in self._copies:
+            path = self._paths(case_id)[3]
+            with open(path) as f:
+                props = json.load(f)
+            self._copies[case_id] = tuple(int(e["index"]) for e in props.get("augmentations") or [])
+        return self._copies[case_id]
+
+    def _class_locations(self, case_id: str, copy: int) -> dict[str, np.ndarray]:
+        """Foreground voxels of the case or copy: class -> (N, 3) int32 (z, y, x), from its (N, 4) file."""
+        key = (case_id, copy)
+        if key not in self._locations:
+            path = self._paths(case_id, copy)[2]
+            rows = np.load(path)
+            if rows.ndim != 2 or rows.shape[1] != 4:
+                raise ValueError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; "
+                                 "re-run preprocessing")
+            self._locations[key] = {str(c): rows[rows[:, 0] == c, 1:] for c in np.unique(rows[:, 0])}
+            while len(self._locations) > self.LOCATIONS_CACHE:
+                self._locations.popitem(last=False)
+        self._locations.move_to_end(key)
+        return self._locations[key]
+
+    def _open(self, case_id: str, copy: int = -1) -> tuple[np.ndarray, np.ndarray]:
+        data_path, seg_path, _, _ = self._paths(case_id, copy)
+        data, seg = open_npy_for_patches(data_path), open_npy_for_patches(seg_path)
+        if data.ndim != 4 or seg.ndim != 4 or seg.shape[0] != 1 or seg.shape[1:] != data.shape[1:]:
+            raise ValueError(f"case {case_id!r} in {self.folder}: expected data (C, Z, Y, X) and seg "
+                             f"(1, Z, Y, X), got {data.shape} and {seg.shape}; re-run preprocessing")
+        return data, seg
+
+    def sample_batch(self) -> dict[str, Any]:
+        """One batch: ``data`` float32 (B, C, *E), ``seg`` (B, 1, *E) in the cases' seg dtype (int8),
+        ``case_ids`` list[str], ``origins`` int64 (B, 3): the (z, y, x) of the box's first voxel in the case
+        (2D: z is the slice), ``copies`` list[int]: the augmented copy each sample was read from (-1: the
+        case itself), ``transforms``: each sample's ``PatchTransform`` or None. E: the largest ``read_size``
+        of the batch's transforms (the patch if none), at most ``enlarged_patch_size``; each sample holds the
+        case in the centred part its own transform needs, 0 / -1 around it."""
+        config, b = self.config, self.config.batch_size
+        draws = [self._draw() for _ in range(b)]
+        needs = [read_size(config.patch_size, d.transform, config.dummy_2d) for d in draws]
+        box = tuple(max(sizes) for sizes in zip(*needs, strict=True))
+        data = np.zeros((b, self.num_channels, *box), dtype=np.float32)  # pages untouched outside the reads
+        seg = np.full((b, 1, *box), -1, dtype=self.seg_dtype)
+        origins = [self._read_box(d, box, need, data[i], seg[i]) for i, (d, need) in enumerate(zip(draws, needs))]
+        return {"data": data, "seg": seg, "case_ids": [d.case_id for d in draws],
+                "origins": np.array(origins, dtype=np.int64).reshape(b, 3), "copies": [d.copy for d in draws],
+                "transforms": [d.transform for d in draws]}
+
+    def sample_patches(self, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
+        """``sample_batch`` with each sample's spatial transform applied as soon as it is read: its box is
+        read, rotated and scaled into the patch (``spatial_transform``) and dropped before the next sample
+        is read, so one sample's box is in memory instead of the batch's (``batch_bytes``). The same draws
+        and patches as ``sample_batch`` followed by ``PatchSpatialTransform``.
+
+        Returns ``data`` float32 (B, C, *P) and ``seg`` (B, 1, *P), written into ``out`` ("data", "seg") if
+        given, ``transforms`` None per sample (applied), ``case_ids``, ``copies``, ``origins`` (of each
+        sample's own box)."""
+        config, b = self.config, self.config.batch_size
+        draws = [self._draw() for _ in range(b)]
+        if out is None:
+            out = {"data": np.empty((b, self.num_channels, *config.patch_size), np.float32),
+                   "seg": np.empty((b, 1, *config.patch_size), self.seg_dtype)}
+        origins = []
+        for i, draw in enumerate(draws):
+            need = read_size(config.patch_size, draw.transform, config.dummy_2d)
+            data = np.zeros((self.num_channels, *need), dtype=np.float32)
+            seg = np.full((1, *need), -1, dtype=self.seg_dtype)
+            origins.append(self._read_box(draw, need, need, data, seg))
+            spatial_transform(data, seg, draw.transform, config, out["data"][i], out["seg"][i])
+        return {"data": out["data"], "seg": out["seg"], "case_ids": [d.case_id for d in draws],
+                "origins": np.array(origins, dtype=np.int64).reshape(b, 3), "copies": [d.copy for d in draws],
+                "transforms": [None] * b}
+
+    def _draw(self) -> _Draw:
+        """Case, copy (``use_precomputed``), patch window and spatial transform of one sample."""
+        config, rng = self.config, self.rng
+        case_id = self.case_ids[int(rng.integers(len(self.case_ids)))]
+        copy = -1
+        if config.use_precomputed and config.augment:  # validation (augment=False): the case only
+            copies = self._case_copies(case_id)
+            pick = int(rng.integers(len(copies) + 1)) - 1  # -1: the case itself
+            copy = copies[pick] if pick >= 0 else -1
+        data, seg = self._open(case_id, copy)
+        if data.shape[0] != self.num_channels or seg.dtype != self.seg_dtype:
+            raise ValueError(f"case {case_id!r} has {data.shape[0]} channels / seg {seg.dtype}, but "
+                             f"{self.case_ids[0]!r} has {self.num_channels} / {self.seg_dtype}; "
+                             "re-run preprocessing")
+        shape_zyx = data.shape[1:]
+        voxel = None
+        if rng.random() < config.oversample_foreground:
+            voxel = self._foreground_voxel(self._class_locations(case_id, copy), self._paths(case_id, copy)[2],
+                                           shape_zyx)
+        dim = config.dim
+        lower = tuple(self._window_start(s, p, None if voxel is None else voxel[-dim + a])
+                      for a, (s, p) in enumerate(zip(shape_zyx[-dim:], config.patch_size, strict=True)))
+        lead: tuple[int, ...] = ()
+        if dim == 2:  # one z-slice
+            lead = (int(voxel[0]) if voxel is not None else int(rng.integers(shape_zyx[0])),)
+        spatial = config.augment and not config.use_precomputed
+        transform = draw_patch_transform(rng, config) if spatial else None
+        return _Draw(case_id, copy, data, seg, lead, lower, transform)
+
+    def _read_box(self, draw: _Draw, box: tuple[int, ...], need: tuple[int, ...], out_data: np.ndarray,
+                  out_seg: np.ndarray) -> tuple[int, ...]:
+        """Fill the centred ``need`` part of out_data (C, *box) / out_seg (1, *box) with the case around the
+        draw's patch (the rest stays 0 / -1: the sample's transform never reaches it); returns the origin
+        (z, y, x) of ``box`` in the case."""
+        patch = self.config.patch_size
+        lower = [lo - (n - p) // 2 for lo, n, p in zip(draw.lower, need, patch, strict=True)]
+        offset = [(e - n) // 2 for e, n in zip(box, need, strict=True)]
+        src, dst = [], []
+        for lo, n, s, o in zip(lower, need, draw.data.shape[-len(box):], offset, strict=True):
+            a, b = max(lo, 0), min(lo + n, s)
+            src.append(slice(a, b))
+            dst.append(slice(o + a - lo, o + b - lo))
+        # Only the box's pages are read from disk: requested at once (prefetch_pages), then copied.
+        source = (slice(None), *draw.lead, *src)
+        prefetch_pages(draw.data, source)
+        prefetch_pages(draw.seg, source)
+        out_data[(slice(None), *dst)] = draw.data[source]
+        out_seg[(slice(None), *dst)] = draw.seg[source]
+        return tuple(int(v) for v in (*draw.lead, *(lo - o for lo, o in zip(lower, offset, strict=True))))
+
+    def _window_start(self, size: int, patch: int, voxel: int | None) -> int:
+        """First index of the patch window along one axis (may be < 0 where the image is smaller)."""
+        lo, hi = min(0, size - patch), max(0, size - patch)
+        if voxel is not None:  # the voxel must fall inside [start, start + patch)
+            lo, hi = max(lo, voxel - patch + 1), min(hi, voxel)
+        return int(self.rng.integers(lo, hi + 1))
+
+    def _foreground_voxel(self, locations: dict[str, np.ndarray], path: Path,
+                          shape_zyx: tuple[int, ...]) -> tuple[int, int, int] | None:
+        """A random voxel of a random class in ``locations`` (class -> voxels, read from ``path``), or None if
+        it has none."""
+        present = sorted((k for k, v in locations.items() if len(v) > 0), key=int)
+        if not present:
+            return None
+        voxels = locations[present[int(self.rng.integers(len(present)))]]
+        voxel = tuple(int(v) for v in voxels[int(self.rng.integers(len(voxels)))])
+        if len(voxel) != 3 or any(not 0 <= v < s for v, s in zip(voxel, shape_zyx, strict=True)):
+            raise ValueError(f"{path}: class location {voxel} is not a (z, y, x) inside {shape_zyx}; "
+                             "re-run preprocessing")
+        return voxel  # type: ignore[return-value]

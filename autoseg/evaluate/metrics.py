@@ -1,0 +1,285 @@
+"""Compare a folder of predicted segmentations with a folder of reference segmentations.
+
+Per case and per foreground class: Dice, IoU, TP/FP/FN voxel counts and the volumes of prediction and
+reference. Then the mean per class over cases and the mean foreground Dice (mean of the class means).
+
+Labels as in dataset.json (``autoseg.dataset.labels``): a region (a list of values) is scored as the union of its
+values in both prediction and reference; voxels holding the ignore label in the reference are left out of
+every count (whatever the prediction says there).
+
+Empty-vs-empty convention: when a class is absent from both the prediction and the reference of a case,
+its Dice and IoU are undefined and stored as NaN in memory (``null`` in summary.json, which keeps the file
+standard JSON). Such entries are left out of the class means; a class undefined in every case has a NaN
+mean and is left out of the mean foreground Dice. An empty prediction against a non-empty reference (or
+the reverse) scores 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from autoseg.core.artifacts import Artifact, read_json, to_dict, write_json
+from autoseg.dataset.imageio import read_geometry, read_image
+from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
+
+
+class EvaluationError(ValueError):
+    """Predictions and references cannot be compared (missing files, different geometry, bad values)."""
+
+
+@dataclass(frozen=True)
+class ClassMetrics:
+    """One foreground class in one case. Volumes are in mm^3 (mm^2 for 2D images)."""
+
+    dice: float  # NaN when the class is absent from both prediction and reference
+    iou: float  # NaN likewise
+    tp: int  # voxels of the class in both
+    fp: int  # voxels of the class in the prediction only
+    fn: int  # voxels of the class in the reference only
+    volume_pred_mm3: float
+    volume_ref_mm3: float
+
+
+@dataclass(frozen=True)
+class CaseMetrics:
+    case_id: str
+    prediction: str  # file path
+    reference: str  # file path
+    classes: dict[str, ClassMetrics]  # class name -> metrics
+
+
+@dataclass(frozen=True)
+class MeanMetrics:
+    """Mean of one class over the cases where its Dice is defined (``num_cases`` of them)."""
+
+    dice: float
+    iou: float
+    num_cases: int
+
+
+@dataclass(frozen=True)
+class EvaluationSummary(Artifact):
+    SCHEMA_VERSION = 1
+    KIND = "evaluation summary"
+
+    pred_dir: str
+    gt_dir: str
+    labels: dict[str, LabelValue]  # foreground classes evaluated, name -> label value (a tuple for a region)
+    cases: tuple[CaseMetrics, ...]
+    mean: dict[str, MeanMetrics]  # class name -> mean over cases
+    mean_foreground_dice: float  # mean of the defined class mean Dice values
+    ignore_value: int | None = None  # reference voxels with this value were not counted
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        """Write as JSON; NaN values become ``null`` so any JSON reader accepts the file."""
+        write_json(path, _nan_to_none({"schema_version": self.SCHEMA_VERSION, **to_dict(self)}))
+
+    @classmethod
+    def from_payload(cls, data: Any, where: str) -> EvaluationSummary:
+        if isinstance(data, dict):  # null is NaN for metrics, but "no ignore label" for ignore_value
+            data = {k: v if k == "ignore_value" else _none_to_nan(v) for k, v in data.items()}
+        return super().from_payload(data, where)
+
+
+def evaluate_folder(
+    pred_dir: str | Path,
+    gt_dir: str | Path,
+    labels: dict[str, Any] | None = None,
+    file_ending: str = ".nii.gz",
+    output_json: str | Path | None = None,
+) -> EvaluationSummary:
+    """Evaluate every reference ``gt_dir/{case}{file_ending}`` against ``pred_dir/{case}{file_ending}``.
+
+    ``labels`` maps class names to label values as in dataset.json (background, value 0, is skipped; a list
+    of values is a region; ``"ignore"`` names the ignore label). When None, they come
+    from a dataset.json in ``gt_dir`` or its parent, else from the values found in the images (named by
+    their value). Raises EvaluationError, before reading any voxels, when predictions are missing or a
+    prediction's geometry differs from its reference. Writes the summary to ``output_json`` if given.
+    """
+    pred_dir, gt_dir = Path(pred_dir), Path(gt_dir)
+    pairs = _match_files(pred_dir, gt_dir, file_ending)
+    if labels is None:
+        labels = _labels_from_dataset_json(gt_dir)
+    return evaluate_pairs(pairs, labels, file_ending, output_json, pred_dir=str(pred_dir), gt_dir=str(gt_dir))
+
+
+def evaluate_pairs(
+    pairs: list[tuple[Path, Path]],
+    labels: dict[str, Any] | None,
+    file_ending: str = ".nii.gz",
+    output_json: str | Path | None = None,
+    pred_dir: str = "",
+    gt_dir: str = "",
+) -> EvaluationSummary:
+    """Evaluate explicit (prediction, reference) file pairs; see ``evaluate_folder``."""
+    _check_geometries(pairs)
+    ignore = labels.get(IGNORE) if labels is not None else None
+    confusions = []
+    for pred_path, ref_path in pairs:
+        pred, _ = read_image(pred_path, dtype=np.int16)
+        ref, geometry = read_image(ref_path, dtype=np.int16)
+        voxel_mm3 = float(np.prod(geometry.spacing_xyz))
+        confusions.append((_confusion(pred, ref, pred_path, ref_path, ignore), voxel_mm3))
+    if labels is None:  # name classes by the values found
+        found = sorted({v for c, _ in confusions for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
+        labels = {str(v): v for v in found}
+    foreground = foreground_entries(labels)
+    if not any(isinstance(v, tuple) for v in foreground.values()):  # plain classes: in value order
+        foreground = dict(sorted(foreground.items(), key=lambda kv: kv[1]))
+    cases = []
+    for (pred_path, ref_path), (confusion, voxel_mm3) in zip(pairs, confusions, strict=True):
+        classes = {name: _metrics(*_counts(confusion, v), voxel_mm3) for name, v in foreground.items()}
+        cases.append(CaseMetrics(ref_path.name[: -len(file_ending)], str(pred_path), str(ref_path), classes))
+    mean = {name: _mean_over_cases([c.classes[name] for c in cases]) for name in foreground}
+    summary = EvaluationSummary(
+        pred_dir=pred_dir,
+        gt_dir=gt_dir,
+        labels=foreground,
+        cases=tuple(cases),
+        mean=mean,
+        mean_foreground_dice=_nanmean([m.dice for m in mean.values()]),
+        ignore_value=ignore,
+    )
+    if output_json is not None:
+        summary.to_json(output_json)
+    return summary
+
+
+def format_table(summary: EvaluationSummary) -> str:
+    """Plain-text table: a row per foreground class or region (mean Dice, mean IoU), then the mean
+    foreground Dice."""
+    regions = any(isinstance(v, tuple) for v in summary.labels.values())
+    values = {name: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for name, v in summary.labels.items()}
+    kind = "region" if regions else "class"
+    width = max([len(kind), *(len(name) for name in summary.labels)])
+    value_width = max([5, *(len(v) for v in values.values())])
+    lines = [f"{kind:<{width}}  {'value':>{value_width}}  mean Dice  mean IoU  cases"]
+    for name in summary.labels:
+        m = summary.mean[name]
+        lines.append(f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}  "
+                     f"{m.num_cases:>5}")
+    ignored = "" if summary.ignore_value is None else f"; ignore label {summary.ignore_value} not counted"
+    lines.append(f"mean foreground Dice: {_fmt(summary.mean_foreground_dice)} "
+                 f"({len(summary.labels)} {'regions' if regions else 'classes'}, {len(summary.cases)} cases"
+                 f"{ignored})")
+    return "\n".join(lines)
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.4f}"
+
+
+def _match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[Path, Path]]:
+    """(prediction, reference) pairs, one per reference file, in name order."""
+    for folder, what in ((gt_dir, "reference"), (pred_dir, "prediction")):
+        if not folder.is_dir():
+            raise EvaluationError(f"{folder}: {what} folder not found")
+    refs = sorted(p for p in gt_dir.iterdir() if p.name.endswith(file_ending) and not p.name.startswith("."))
+    if not refs:
+        raise EvaluationError(f"{gt_dir}: no reference segmentations ending in {file_ending!r}; "
+                              "pass file_ending to match the dataset's files")
+    missing = [r.name for r in refs if not (pred_dir / r.name).is_file()]
+    if missing:
+        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+        raise EvaluationError(f"{pred_dir}: no prediction for {len(missing)} of {len(refs)} reference "
+                              f"file(s) in {gt_dir}: {shown}; predict these cases (same file names) "
+                              "or remove their references")
+    return [(pred_dir / r.name, r) for r in refs]
+
+
+def _check_geometries(pairs: list[tuple[Path, Path]]) -> None:
+    """Compare headers only; list every mismatching pair in one error."""
+    problems = []
+    for pred_path, ref_path in pairs:
+        diff = read_geometry(pred_path).matches(read_geometry(ref_path))
+        if diff:
+            problems.append(f"prediction {pred_path} and reference {ref_path} differ in {diff}")
+    if problems:
+        raise EvaluationError(f"{len(problems)} prediction(s) do not have their reference's geometry (write "
+                              "predictions on the reference image grid):\n  " + "\n  ".join(problems))
+
+
+def _labels_from_dataset_json(gt_dir: Path) -> dict[str, Any] | None:
+    for folder in (gt_dir, gt_dir.parent):
+        path = folder / "dataset.json"
+        if path.is_file():
+            labels = read_json(path).get("labels")
+            ok = isinstance(labels, dict) and all(
+                isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(x, int) for x in v))
+                for v in labels.values())
+            if not ok:
+                raise EvaluationError(f"{path}: 'labels' must map class names to integer values (or lists of "
+                                      f"them for regions); found {labels!r}; pass labels explicitly")
+            return labels
+    return None
+
+
+def _confusion(pred: np.ndarray, ref: np.ndarray, pred_path: Path, ref_path: Path,
+               ignore: int | None) -> np.ndarray:
+    """int64 (V, V) voxel counts: row = reference value, column = predicted value; the row of the ignore
+    value is zeroed (those reference voxels are not counted). Temporary: 8 bytes per voxel."""
+    for array, path in ((pred, pred_path), (ref, ref_path)):
+        if array.size and array.min() < 0:
+            raise EvaluationError(f"{path}: holds negative label value {int(array.min())}; "
+                                  "labels must be 0, 1, 2, ...")
+    size = int(max(pred.max(initial=0), ref.max(initial=0))) + 1
+    pair = ref.astype(np.int64).ravel()  # V int64: the only voxel-sized temporary
+    pair *= size
+    pair += pred.ravel()
+    confusion = np.bincount(pair, minlength=size * size).reshape(size, size)
+    if ignore is not None and ignore < size:
+        confusion[ignore] = 0
+    return confusion
+
+
+def _counts(confusion: np.ndarray, value: LabelValue) -> tuple[int, int, int]:
+    """(tp, n_pred, n_ref) of a class value or of a region (the union of its values)."""
+    values = [v for v in ((value,) if isinstance(value, int) else value) if v < len(confusion)]
+    if not values:
+        return 0, 0, 0
+    return (int(confusion[np.ix_(values, values)].sum()), int(confusion[:, values].sum()),
+            int(confusion[values, :].sum()))
+
+
+def _metrics(tp: int, n_pred: int, n_ref: int, voxel_mm3: float) -> ClassMetrics:
+    fp, fn = n_pred - tp, n_ref - tp
+    defined = n_pred + n_ref > 0
+    dice = 2 * tp / (n_pred + n_ref) if defined else math.nan
+    iou = tp / (tp + fp + fn) if defined else math.nan
+    return ClassMetrics(dice, iou, tp, fp, fn, n_pred * voxel_mm3, n_ref * voxel_mm3)
+
+
+def _mean_over_cases(metrics: list[ClassMetrics]) -> MeanMetrics:
+    defined = [m for m in metrics if not math.isnan(m.dice)]
+    return MeanMetrics(_nanmean([m.dice for m in defined]), _nanmean([m.iou for m in defined]), len(defined))
+
+
+def _nanmean(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return float(np.mean(kept)) if kept else math.nan
+
+
+def _nan_to_none(obj: Any) -> Any:
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _nan_to_none(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_nan_to_none(v) for v in obj]
+    return obj
+
+
+def _none_to_nan(obj: Any) -> Any:
+    if obj is None:
+        return math.nan
+    if isinstance(obj, dict):
+        return {k: _none_to_nan(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_none_to_nan(v) for v in obj]
+    return obj

@@ -1,0 +1,395 @@
+"""The planner: from a fingerprint and a budget (device memory, host RAM, device kind) to Plans.
+
+Per configuration it derives the target spacing, then searches network depth and pooling per axis (from
+the patch and the spacing), width, patch size, micro-batch, gradient accumulation, precision and
+activation checkpointing (``autoseg.plan.patch_search``) so that the predicted device peak of one training step
+(``autoseg.memory``: simulated, with the device's own overheads) stays under the budget minus the safety
+margin, and on CPU an iteration stays within a time target. Configurations: ``3d_fullres`` (3D data),
+``3d_lowres`` (when the fullres patch covers less than a quarter of the median image; planned for a
+cascade that autoseg does not train yet), ``2d``.
+
+Settings are tried in order of cost, the first whose patch is large enough wins (see ``_settings``):
+CUDA: fp16 autocast with fp32 master weights (nnU-Net's AMP), then + activation checkpointing (about a
+third more compute), then + micro-batch 1 with 2 accumulation steps. CPU: fp32, base width 16, then 8.
+"Large enough": covers the whole median image or holds ``MIN_PATCH_VOXELS`` voxels.
+
+Host RAM: preprocessing processes, and each configuration's loader workers, are as many as
+``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.memory.host``,
+``autoseg.data.loader.worker_bytes``), capped by the CPU count; no loader workers when training on CPU
+(they would take the cores the training step uses).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from autoseg.plan.fingerprint import Fingerprint
+from autoseg.dataset.labels import LabelScheme
+from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
+from autoseg.memory.host import preprocess_worker_bytes
+from autoseg.preprocess.normalization import scheme_for_channel
+from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner's public names)
+    FEATURE_CAP,
+    MAX_STAGES,
+    MIN_FEATURE_MAP,
+    Candidate,
+    Limits,
+    PeakFn,
+    SearchSpace,
+    Setting,
+    StepCost,
+    canonical,
+    rough_training_peak_bytes,
+    search,
+    topology_for,
+)
+from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.core.resources import cpu_count
+from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
+
+GiB = 1024**3
+ANISOTROPY_RATIO = 3.0  # an axis whose spacing is > 3x the finest is "strongly anisotropic"
+MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
+CPU_BASE_FEATURES = (16, 8)
+LOWRES_THRESHOLD = 0.25  # plan 3d_lowres when the fullres patch covers less of the median image
+LOWRES_TARGET = 0.5  # ... with a spacing at which a patch of that size covers this much
+LOWRES_STEP = 1.03
+HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or loader workers
+TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
+LOADER_QUEUE_DEPTH = 2  # finished batches per loader worker, unless 1 leaves room for more workers
+AMP_PRECISION = "fp16"  # the autocast dtype planned on CUDA (nnU-Net's AMP); Budget.precision overrides
+FILL_TARGET = 0.85  # a memory-limited plan's predicted peak is at least this fraction of the budget
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the plan must fit in. ``device`` is where training runs: "cuda" or "cpu".
+
+    ``safety_margin``: the fraction of the memory budget kept free (5%): the device model's error
+    (fragmentation is modelled as 15% of the tensor bytes, measured 12-19%) and what the plan does not
+    see (another process on the GPU, a display). A memory-limited plan's predicted peak then lies
+    between ``FILL_TARGET`` (85%) and 95% of the budget. The memory budget is ``gpu_memory_bytes`` on
+    CUDA and ``host_ram_bytes`` on CPU (the step's tensors live in host RAM there).
+    ``cpu_seconds_per_iteration`` / ``cpu_flops_per_second``: on CPU compute, not memory, is the limit;
+    the CLI measures the throughput with ``autoseg.plan.compute.calibrate_cpu_throughput``.
+    ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
+    ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
+    """
+
+    gpu_memory_bytes: int = 8 * GiB
+    host_ram_bytes: int = 16 * GiB
+    device: str = "cuda"
+    safety_margin: float = 0.05
+    cpu_seconds_per_iteration: float = 1.0
+    cpu_flops_per_second: float = 20e9
+    base_features: int | None = None  # None: 32 on CUDA; on CPU 16, or 8 if 16 leaves too small a patch
+    precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
+    gpu_name: str | None = None
+    cpu_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
+        if not 0.0 <= self.safety_margin < 0.5:
+            raise ValueError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
+        if self.precision not in (None, "fp32", "fp16", "bf16"):
+            raise ValueError(f"Budget.precision {self.precision!r}: use 'fp32', 'fp16' or 'bf16'")
+        if self.device == "cpu" and self.precision not in (None, "fp32"):
+            raise ValueError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
+                             "leave Budget.precision unset for device 'cpu'")
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory the training step must fit in: GPU memory on CUDA, host RAM on CPU."""
+        return int(self.gpu_memory_bytes if self.device == "cuda" else self.host_ram_bytes)
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.safety_margin)
+
+
+def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[float, float, float]:
+    """Median spacing; on a strongly anisotropic axis the 10th percentile instead (finer), never finer
+    than the coarsest other axis. ``spacings_mm`` and ``shapes_zyx`` are (N, 3)."""
+    target = np.median(spacings_mm, axis=0)
+    median_shape = np.median(shapes_zyx, axis=0)
+    worst = int(np.argmax(target))
+    others = [a for a in range(3) if a != worst]
+    aniso_spacing = target[worst] > ANISOTROPY_RATIO * min(target[others])
+    aniso_voxels = median_shape[worst] * ANISOTROPY_RATIO < min(median_shape[others])
+    if aniso_spacing and aniso_voxels:
+        p10 = float(np.percentile(spacings_mm[:, worst], 10))
+        target[worst] = max(p10, max(target[others])) + 1e-5
+    return tuple(float(v) for v in target)  # type: ignore[return-value]
+
+
+def model_peak_fn(device: str) -> PeakFn:
+    """The simulated memory model (``autoseg.memory.predicted_training_bytes``) as the search's peak_fn."""
+    def peak(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
+        return predicted_training_bytes(topology, batch, patch, precision, checkpointing, device=device,
+                                        accumulation_steps=accumulation_steps)
+    return peak
+
+
+def checked_peak_fn(device: str) -> PeakFn:
+    """The device peak of one step, simulated for just that step unless the setting's model is fitted
+    already: the CPU search checks one chosen step, where fitting would cost three simulations."""
+    def peak(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
+        model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps)
+        return predict_device_peak(model.predict_or_simulate(batch, tuple(patch)), device)["total"]
+    return peak
+
+
+def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plans:
+    """Plans for every configuration that suits the dataset. ``peak_fn`` replaces the simulated memory
+    model (e.g. ``rough_training_peak_bytes`` for a fast, approximate plan)."""
+    spacing = target_spacing(fp.spacings, fp.cropped_shapes)
+    # network outputs: classes with background, or regions (ignore is never one)
+    in_ch, num_classes = len(fp.channel_names), LabelScheme.from_labels(
+        fp.labels, fp.regions_class_order, where="fingerprint.json labels").num_outputs
+    configs: dict[str, ConfigurationPlan] = {}
+    if fp.image_dim == 3:
+        full = _plan_3d(fp, "3d_fullres", spacing, in_ch, num_classes, budget, peak_fn)
+        if full is not None:
+            configs["3d_fullres"] = full
+            coverage = math.prod(min(p / m, 1.0) for p, m in zip(full.patch_size, full.median_shape_zyx))
+            if coverage < LOWRES_THRESHOLD:
+                low = lowres_spacing(spacing, full.median_shape_zyx, math.prod(full.patch_size))
+                lowres = _plan_3d(fp, "3d_lowres", low, in_ch, num_classes, budget, peak_fn)
+                configs["3d_lowres"] = lowres.with_(notes=lowres.notes + (
+                    f"planned because 3d_fullres's patch covers {coverage:.0%} of the median image; the "
+                    "cascade (3d_lowres, then 3d_fullres given its prediction) is not trained or predicted "
+                    "by autoseg yet",))
+    # 2d: in-plane spacing of 3d_fullres, slices kept as they are (z spacing is each case's own)
+    spacing_2d = (float(np.median(fp.spacings[:, 0])), spacing[1], spacing[2])
+    resampled = fp.cropped_shapes * fp.spacings / np.array(spacing_2d)
+    shape_2d = tuple(int(round(v)) for v in np.median(resampled, axis=0))
+    space = SearchSpace(spacing_2d[1:], shape_2d[1:], in_ch, num_classes, float(np.sum(np.prod(resampled, axis=1))))
+    configs["2d"] = configuration("2d", spacing_2d, shape_2d, space, budget, peak_fn)
+    normalization = tuple(scheme_for_channel(c) for c in fp.channel_names)
+    use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
+    processes, host = host_workers(fp, configs, budget)
+    configs = {name: cfg.with_(**loader_workers(cfg, len(fp.channel_names), budget)) for name, cfg in configs.items()}
+    return Plans(
+        dataset_name=fp.dataset_name, channel_names=fp.channel_names, labels=dict(fp.labels),
+        regions_class_order=fp.regions_class_order,
+        file_ending=fp.file_ending, normalization=normalization, use_nonzero_mask=use_mask,
+        intensity_properties=fp.foreground_intensity, configurations=configs,
+        gpu_memory_bytes=int(budget.gpu_memory_bytes), host_ram_bytes=int(budget.host_ram_bytes),
+        preprocessing_processes=processes, host_memory=host,
+    )
+
+
+def _plan_3d(fp: Fingerprint, name: str, spacing: tuple[float, float, float], in_ch: int, num_classes: int,
+             budget: Budget, peak_fn: PeakFn | None) -> ConfigurationPlan | None:
+    resampled = fp.cropped_shapes * fp.spacings / np.array(spacing)
+    median = tuple(int(round(v)) for v in np.median(resampled, axis=0))
+    if median[0] <= 1:
+        return None
+    space = SearchSpace(tuple(spacing), median, in_ch, num_classes, float(np.sum(np.prod(resampled, axis=1))))
+    return configuration(name, spacing, median, space, budget, peak_fn)
+
+
+def lowres_spacing(spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
+                   patch_voxels: float) -> tuple[float, float, float]:
+    """Coarser spacing (LOWRES_STEP at a time; axes finer than half the coarsest first, as nnU-Net) until a
+    patch of ``patch_voxels`` covers LOWRES_TARGET of the median image at that spacing."""
+    spacing = np.array(spacing_mm, dtype=np.float64)
+    physical = np.array(median_shape_zyx) * spacing
+    for _ in range(1000):
+        if patch_voxels / float(np.prod(physical / spacing)) >= LOWRES_TARGET:
+            break
+        grow = spacing * 2 < spacing.max()
+        spacing[grow if grow.any() else slice(None)] *= LOWRES_STEP
+    return tuple(float(s) for s in spacing)  # type: ignore[return-value]
+
+
+def _settings(budget: Budget, dim: int) -> list[Setting]:
+    """The settings to try, cheapest first (see the module docstring)."""
+    cap = FEATURE_CAP[dim]
+    if budget.device == "cuda":
+        base, precision = budget.base_features or 32, budget.precision or AMP_PRECISION
+        return [Setting(base, cap, precision, False, False), Setting(base, cap, precision, True, False),
+                Setting(base, cap, precision, True, True)]
+    bases = (budget.base_features,) if budget.base_features else CPU_BASE_FEATURES
+    return [Setting(b, cap, "fp32", False, False) for b in bases]
+
+
+def _limits(budget: Budget, precision: str) -> tuple[Limits, str]:
+    """Memory and time limits, and where the throughput comes from (for the plan's notes)."""
+    fill_bytes = (FILL_TARGET + 0.01) * budget.memory_bytes
+    if budget.device == "cpu":
+        return (Limits(budget.memory_limit_bytes, budget.cpu_seconds_per_iteration, budget.cpu_flops_per_second,
+                       fill_bytes), f"CPU throughput {budget.cpu_flops_per_second / 1e9:.1f} GFLOP/s")
+    spec, matched = gpu_spec(budget.gpu_name, budget.gpu_memory_bytes)
+    source = f"{spec.name}'s tabulated throughput" + ("" if matched else " (a typical GPU of this memory)")
+    return Limits(budget.memory_limit_bytes, None, cuda_flops_per_second(spec, precision), fill_bytes), source
+
+
+def _search(space: SearchSpace, setting: Setting, limits: Limits, peak_fn: PeakFn, device: str,
+            check_fn: PeakFn | None = None) -> tuple[Candidate | None, bool]:
+    """``search`` under one setting; returns (candidate, limited by time). On CPU the time limit is searched
+    first and the bytes checked at the end with ``check_fn`` (default ``peak_fn``), and searched with bytes
+    too only if they do not fit."""
+    if device == "cuda":
+        return search(space, setting, StepCost(peak_fn, setting, limits)), False
+    found = search(space, setting, StepCost(peak_fn, setting, limits, use_memory=False))
+    if found is None:
+        return None, True
+    peak = StepCost(check_fn or peak_fn, setting, limits).peak(found.topology, found.batch, found.patch)
+    cost = StepCost(peak_fn, setting, limits)
+    if peak <= limits.memory_bytes:
+        return replace(found, peak_bytes=peak), True
+    return search(space, setting, cost), False
+
+
+def configuration(name: str, spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
+                  space: SearchSpace, budget: Budget, peak_fn: PeakFn | None = None) -> ConfigurationPlan:
+    """Plan one configuration over ``space`` (its network's axes)."""
+    model_backed = peak_fn is None
+    peak_fn = peak_fn or model_peak_fn(budget.device)
+    check_fn = checked_peak_fn(budget.device) if model_backed else peak_fn
+    dim = len(space.median_shape)
+    minimum = min(MIN_PATCH_VOXELS[budget.device][dim], math.prod(space.median_shape))
+    settings = _settings(budget, dim)
+    limits, source = _limits(budget, settings[0].precision)
+    attempts: list[tuple[Setting, Candidate | None, bool]] = []
+    for setting in settings:
+        found, by_time = _search(space, setting, limits, peak_fn, budget.device, check_fn)
+        attempts.append((setting, found, by_time))
+        if found is not None and (found.coverage >= 1.0 or math.prod(found.patch) >= minimum):
+            break
+    tried = [a for a in attempts if a[1] is not None]
+    if tried:
+        large = [t for t in tried if t[1].coverage >= 1.0 or math.prod(t[1].patch) >= minimum]
+        setting, chosen, by_time = large[0] if large else max(tried, key=lambda t: t[1].coverage)
+        notes = _setting_notes(attempts[: [a[0] for a in attempts].index(setting) + 1], minimum)
+        limited_by = _limited_by(chosen, by_time)
+    else:
+        setting = settings[-1]
+        chosen, limited_by = _smallest(space, setting, StepCost(peak_fn, setting, limits)), "nothing_fits"
+        notes = (f"even the smallest patch {chosen.patch} at batch 1 is predicted to need "
+                 f"{chosen.peak_bytes / 2**20:.0f} MiB (or more time than allowed), over the "
+                 f"{limits.memory_bytes / 2**20:.0f} MiB this budget allows; give more memory with --gpu-memory",)
+    memory = _memory_terms(chosen, setting, budget.device) if model_backed else \
+        {"predicted_peak_bytes": float(chosen.peak_bytes)}
+    notes += _limit_notes(chosen, limited_by, budget, limits, source)
+    return ConfigurationPlan(
+        name=name, spacing_mm=spacing_mm, median_shape_zyx=tuple(median_shape_zyx), patch_size=chosen.patch,
+        batch_size=chosen.batch, accumulation_steps=chosen.accumulation_steps, network=chosen.topology,
+        precision=setting.precision, checkpointing=setting.checkpointing, device=budget.device, memory=memory,
+        predicted_seconds_per_iteration=chosen.flops / limits.flops_per_second,
+        flops_per_iteration=chosen.flops, limited_by=limited_by, notes=notes,
+    )
+
+
+def _setting_notes(attempts: list[tuple[Setting, Candidate | None, bool]], minimum: int) -> tuple[str, ...]:
+    """Why the last setting of ``attempts`` was needed: what each earlier one left."""
+    chosen = attempts[-1][0]
+    uses = [what for what, used in (
+        ("activation checkpointing (about 1/3 more compute)", chosen.checkpointing),
+        ("micro-batch 1 with 2 accumulation steps (effective batch 2)", chosen.single),
+        (f"base width {chosen.base_features} instead of {attempts[0][0].base_features}",
+         chosen.base_features != attempts[0][0].base_features)) if used]
+    if not uses:
+        return ()
+    left = [f"nothing fits with {_describe(s)}" if c is None else
+            f"with {_describe(s)} the largest patch that fits is {c.patch} at batch {c.batch} "
+            f"({math.prod(c.patch)} voxels)" for s, c, _ in attempts[:-1]]
+    return (f"{' and '.join(uses)}: {'; '.join(left)}, fewer than the minimum {minimum} voxels",)
+
+
+def _describe(setting: Setting) -> str:
+    return (f"{setting.precision}, base width {setting.base_features}, checkpointing "
+            f"{'on' if setting.checkpointing else 'off'}, micro-batch {'1' if setting.single else '>= 2'}")
+
+
+def _limited_by(chosen: Candidate, by_time: bool) -> str:
+    """What stopped the plan from growing: "median_shape" / "batch_cap" (the patch covers the median image,
+    the batch is limited by memory / by the 5% rule), "time" (CPU), or "memory"."""
+    if chosen.coverage >= 1.0:
+        return "batch_cap" if chosen.batch >= chosen.max_batch and chosen.accumulation_steps == 1 else "median_shape"
+    return "time" if by_time else "memory"
+
+
+def _limit_notes(chosen: Candidate, limited_by: str, budget: Budget, limits: Limits, source: str) -> tuple[str, ...]:
+    seconds = chosen.flops / limits.flops_per_second
+    notes = [f"predicted {seconds:.2f} s per iteration from {source}"]
+    if limited_by == "median_shape":
+        what = "memory" if budget.device == "cuda" else "the time target"
+        notes.append(f"the patch covers the whole median image; the batch is as large as {what} allows, so the "
+                     f"predicted peak may stay under {FILL_TARGET:.0%} of the budget (exempt)")
+    elif limited_by == "batch_cap":
+        notes.append(f"the patch covers the whole median image and the batch is capped at {chosen.batch} (one "
+                     "batch covers at most 5% of the dataset's voxels); the rest of the budget is not needed (exempt)")
+    elif limited_by == "time":
+        notes.append(f"sized for time on CPU: target {limits.seconds} s per iteration; memory is not the limit")
+    return tuple(notes)
+
+
+def _smallest(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate:
+    topology, patch = canonical(space, setting, tuple(min(m, 2 * MIN_FEATURE_MAP) for m in space.median_shape))
+    return Candidate(topology=topology, patch=patch, batch=1, accumulation_steps=2,
+                     peak_bytes=cost.peak(topology, 1, patch), flops=cost.flops(topology, 1, patch),
+                     coverage=space.coverage(patch), max_batch=space.max_batch(patch))
+
+
+def _memory_terms(chosen: Candidate, setting: Setting, device: str) -> dict[str, float]:
+    """The predicted peak and its terms in bytes: the device's (``predict_device_peak``) and the tensors'
+    (``TrainingMemory.breakdown``)."""
+    model = training_memory_model(chosen.topology, setting.precision, setting.checkpointing, "sgd",
+                                  chosen.accumulation_steps)
+    step = model.predict_or_simulate(chosen.batch, chosen.patch)
+    device_terms = predict_device_peak(step, device)
+    terms = {"predicted_peak_bytes": float(device_terms.pop("total"))}
+    terms.update({k: float(v) for k, v in device_terms.items()})
+    terms.update({k: float(v) for k, v in step.breakdown().items() if k != "total"})
+    return terms
+
+
+def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget: Budget
+                 ) -> tuple[int, dict[str, float]]:
+    """(preprocessing processes, the figures behind the count): HOST_RAM_FRACTION of the RAM over one
+    worker's peak on the largest case (the finest configuration's resampled shape), between 1 and the CPU
+    count."""
+    cpus = budget.cpu_count or cpu_count()
+    usable = budget.host_ram_bytes * HOST_RAM_FRACTION
+    largest = max(fp.cases, key=lambda c: math.prod(c.shape_zyx))
+    channels = len(fp.channel_names)
+    per_process = 0
+    for cfg in configs.values():
+        target = (largest.spacing_mm[0], *cfg.spacing_mm[1:]) if cfg.dim == 2 else cfg.spacing_mm
+        after = tuple(max(1, round(s * sp / t)) for s, sp, t in zip(largest.cropped_shape_zyx, largest.spacing_mm,
+                                                                      target))
+        per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
+    processes = max(1, min(cpus, int(usable // per_process)))
+    return processes, {"preprocess_worker_bytes": float(per_process), "usable_host_ram_bytes": float(usable),
+                       "cpu_count": float(cpus)}
+
+
+def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget) -> dict[str, float]:
+    """``config``'s training-data workers, from the host RAM budget: HOST_RAM_FRACTION of the RAM minus the
+    training process (TRAINER_HOST_BYTES) over one worker's bytes (``autoseg.data.loader.worker_bytes``,
+    on-the-fly augmentation), between 0 and CPU count - 1 (one core feeds the GPU); none on CPU, where the
+    training step takes the cores. Each queues LOADER_QUEUE_DEPTH batches, or 1 where that fits more
+    workers."""
+    from autoseg.data.loader import worker_bytes
+    from autoseg.data.config import loader_config
+
+    loader = loader_config(config, augment=True)
+    cpus = budget.cpu_count or cpu_count()
+    room = budget.host_ram_bytes * HOST_RAM_FRACTION - TRAINER_HOST_BYTES
+
+    def per_worker(depth: int) -> int:
+        return worker_bytes(loader.patch_size, loader.enlarged_patch_size, loader.batch_size, num_channels, depth,
+                            dummy_2d=loader.dummy_2d)["total"]
+
+    def workers(depth: int) -> int:
+        return 0 if budget.device == "cpu" else max(0, min(cpus - 1, int(room // per_worker(depth))))
+
+    depth = LOADER_QUEUE_DEPTH if workers(LOADER_QUEUE_DEPTH) >= workers(1) else 1
+    return {"loader_workers": workers(depth), "loader_queue_depth": depth,
+            "loader_worker_bytes": float(per_worker(depth))}

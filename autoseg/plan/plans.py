@@ -1,0 +1,122 @@
+"""The plan: everything training and inference need, as a hand-editable, versioned JSON artifact.
+
+All spatial tuples are in array order. A 3D configuration has 3-tuples (z, y, x); a 2D configuration
+has 2-tuples (y, x) for the patch and network, while its ``spacing_mm`` keeps 3 entries (z, y, x),
+z being the original slice spacing (slices are never resampled along z for 2D).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from autoseg.core.artifacts import Artifact
+from autoseg.dataset.labels import LabelScheme, LabelValue
+
+
+@dataclass(frozen=True)
+class NetworkTopology:
+    """A plain-convolution U-Net (nnU-Net's PlainConvUNet shape), built by ``autoseg.model.network.build_network``.
+
+    ``kernel_sizes[s]`` and ``strides[s]`` belong to encoder stage ``s``; ``strides[0]`` is all ones.
+    Each stage holds ``conv_per_stage`` (conv -> InstanceNorm -> LeakyReLU) blocks, the first one strided.
+    """
+
+    dim: int  # 2 or 3 (number of spatial axes)
+    in_channels: int
+    num_classes: int  # network output channels: LabelScheme.num_outputs (classes with background, or regions)
+    features_per_stage: tuple[int, ...]
+    kernel_sizes: tuple[tuple[int, ...], ...]
+    strides: tuple[tuple[int, ...], ...]
+    conv_per_stage: int = 2
+    deep_supervision: bool = True
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.features_per_stage)
+
+    def patch_divisor(self) -> tuple[int, ...]:
+        """Patch sizes must be multiples of this (the product of strides per axis)."""
+        div = [1] * self.dim
+        for s in self.strides:
+            div = [d * k for d, k in zip(div, s)]
+        return tuple(div)
+
+
+@dataclass(frozen=True)
+class IntensityProperties:
+    """Foreground intensity statistics of one channel (from the fingerprint), used by CT normalization."""
+
+    mean: float
+    std: float
+    percentile_00_5: float
+    percentile_99_5: float
+
+
+@dataclass(frozen=True)
+class ConfigurationPlan:
+    name: str  # "3d_fullres", "3d_lowres", "2d"
+    spacing_mm: tuple[float, float, float]  # (z, y, x) target spacing
+    median_shape_zyx: tuple[int, int, int]  # median cropped shape after resampling to spacing_mm
+    patch_size: tuple[int, ...]  # (z, y, x) for 3D, (y, x) for 2D
+    batch_size: int  # micro-batch per step
+    accumulation_steps: int  # micro-batches per optimizer step
+    network: NetworkTopology
+    precision: str = "fp32"  # "fp32" | "bf16" | "fp16" (autocast on CUDA; fp32 master weights)
+    checkpointing: bool = False  # activation checkpointing per stage
+    device: str = "cpu"  # the device this configuration was planned for: "cpu" | "cuda"
+    memory: dict[str, float] = field(default_factory=dict)  # predicted bytes by term
+    predicted_seconds_per_iteration: float | None = None
+    flops_per_iteration: float | None = None  # one optimizer step: all micro-batches, recomputation included
+    # what stopped the plan from growing: "memory", "time" (CPU), "median_shape" (the patch covers the
+    # median image, the batch is limited by memory), "batch_cap" (... by the 5%-of-the-dataset rule),
+    # "nothing_fits"; "" for plans written by hand
+    limited_by: str = ""
+    notes: tuple[str, ...] = ()
+    # training-data worker processes (CUDA; 0 on CPU) and the finished batches each holds ahead, sized by
+    # the host RAM budget and the CPU count from one worker's bytes (autoseg.data.loader.worker_bytes)
+    loader_workers: int = 0
+    loader_queue_depth: int = 2
+    loader_worker_bytes: float = 0.0
+
+    @property
+    def dim(self) -> int:
+        return self.network.dim
+
+    def with_(self, **changes) -> ConfigurationPlan:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Plans(Artifact):
+    SCHEMA_VERSION = 2  # 2: loader workers per configuration
+    KIND = "plans"
+
+    dataset_name: str
+    channel_names: tuple[str, ...]
+    labels: dict[str, LabelValue]  # as in dataset.json; a region's values as a tuple
+    file_ending: str
+    normalization: tuple[str, ...]  # per channel: "ct" | "zscore" | "rescale" | "none"
+    use_nonzero_mask: tuple[bool, ...]  # per channel: normalize only inside the crop region
+    intensity_properties: tuple[IntensityProperties, ...]  # per channel
+    configurations: dict[str, ConfigurationPlan]
+    gpu_memory_bytes: int
+    host_ram_bytes: int
+    preprocessing_processes: int = 1
+    host_memory: dict[str, float] = field(default_factory=dict)  # the figures behind the process counts
+    regions_class_order: tuple[int, ...] = ()  # region-based labels: the value painted for each region
+
+    @property
+    def label_scheme(self) -> LabelScheme:
+        """What the labels mean for the network, loss, sampling and export (``autoseg.dataset.labels``)."""
+        return LabelScheme.from_labels(self.labels, self.regions_class_order, where="plans.json labels")
+
+    @property
+    def num_classes(self) -> int:
+        """Highest label value + 1, ignore included: sizes label maps and per-value counts. The network's
+        output channels are ``label_scheme.num_outputs``."""
+        return self.label_scheme.num_label_values
+
+    def configuration(self, name: str) -> ConfigurationPlan:
+        if name not in self.configurations:
+            raise KeyError(f"no configuration {name!r} in the plans; available: {sorted(self.configurations)}")
+        return self.configurations[name]

@@ -1,0 +1,393 @@
+"""Preprocessing: crop to nonzero, normalize, resample; one patch-readable array set per case.
+
+``preprocess_case`` is shared by training preprocessing and prediction, so both see the same
+transform. ``preprocess`` runs it over a dataset in parallel processes and writes, per case,
+``<case>_data.npy`` (float32 (C, Z, Y, X)), ``<case>_seg.npy`` (int8 (1, Z, Y, X), int16 beyond 127
+classes; -1 outside the body), ``<case>_locations.npy`` (sampled foreground voxels per class, int32 (N, 4)
+rows: class, z, y, x; ``locations_array``), optionally K spatially augmented copies
+``<case>_aug{k}_data.npy`` / ``<case>_aug{k}_seg.npy`` (``autoseg.preprocess.precompute``) with their own
+``<case>_aug{k}_locations.npy``, and ``<case>.json`` (``CaseProperties``).
+
+Every file is written under a temporary name and renamed when complete, the JSON last: a case without
+its JSON is redone by the next run, temporary files a killed run left behind are removed, and since
+every case is a deterministic function of its input and the seed, a rerun after a kill writes what an
+uninterrupted run writes. A worker process that dies (the OS's out-of-memory killer) fails the run at
+once with the case(s) it held and their predicted memory (``autoseg.core.workers.WorkerDiedError``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from autoseg.core.artifacts import Artifact, atomic_save_npy, write_json
+from autoseg.dataset.cropping import crop_to_nonzero
+from autoseg.dataset.raw import Case, RawDataset, load_case
+from autoseg.dataset.imageio import Geometry, read_geometry
+from autoseg.dataset.labels import LabelScheme, label_map_dtype
+from autoseg.preprocess.normalization import normalize
+from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.preprocess.precompute import (
+    PrecomputeConfig,
+    SpatialParams,
+    augment_case,
+    augment_case_bytes,
+    draw_spatial_params,
+)
+from autoseg.preprocess.resampling import compute_new_shape, out_of_plane_axis, resample_image, resample_segmentation
+from autoseg.core.resources import proc_field_bytes
+from autoseg.core.workers import run_in_processes
+
+log = logging.getLogger("autoseg")
+LOCATIONS_PER_CLASS = 10_000
+MiB = 1024**2
+
+
+@dataclass(frozen=True)
+class AugmentedCopy:
+    """One precomputed copy ``<case>_aug{index}_*.npy``: its parameters and voxel count per label value.
+
+    Its foreground locations are in ``<case>_aug{index}_locations.npy``, not here: the loader parses the
+    case JSON for every sample, and K more sets of up to 10,000 voxels per class would make that K + 1
+    times slower (50 ms per sample for K = 2 measured here)."""
+
+    index: int
+    params: SpatialParams
+    class_voxels: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CaseProperties(Artifact):
+    """A preprocessed case's ``<case>.json``. Its foreground voxel samples are in ``<case>_locations.npy``
+    (int32 (N, 4) rows: class, z, y, x; ``locations_array``), not here: as JSON they took 530 KB and 0.1 s
+    per case to write, and 11-40 ms to parse at every training start."""
+
+    SCHEMA_VERSION = 2  # 2: class locations moved to <case>_locations.npy
+    KIND = "case properties"
+
+    case_id: str
+    geometry: Geometry  # of the original image (written back exactly at prediction)
+    spacing_mm: tuple[float, float, float]  # original (z, y, x)
+    target_spacing_mm: tuple[float, float, float]
+    shape_before_crop: tuple[int, int, int]
+    crop_bbox: tuple[tuple[int, int], ...]  # (start, stop) per axis (z, y, x)
+    shape_after_crop: tuple[int, int, int]
+    shape_after_resample: tuple[int, int, int]
+    class_voxels: tuple[int, ...] = ()  # per label value after resampling (training cases only)
+    augmentations: tuple[AugmentedCopy, ...] = ()  # precomputed spatially augmented copies
+
+
+def case_target_spacing(config: ConfigurationPlan,
+                        spacing_mm: tuple[float, float, float]) -> tuple[float, ...]:
+    """The spacing a case is resampled to: the plan's, except that 2D configurations keep the slices."""
+    if config.dim == 2:
+        return (spacing_mm[0], *config.spacing_mm[1:])
+    return tuple(config.spacing_mm)
+
+
+def preprocess_case(
+    data: np.ndarray, seg: np.ndarray | None, geometry: Geometry, plans: Plans, config: ConfigurationPlan,
+    case_id: str,
+) -> tuple[np.ndarray, np.ndarray | None, CaseProperties]:
+    """Crop, normalize and resample one case. ``data`` float32 (C, Z, Y, X); ``seg`` int (1, Z, Y, X)."""
+    spacing = geometry.spacing_zyx
+    shape_before = tuple(int(v) for v in data.shape[1:])
+    cropped = crop_to_nonzero(data, seg)
+    data, seg = cropped.data, cropped.seg
+    for c in range(data.shape[0]):
+        mask = cropped.mask if plans.use_nonzero_mask[c] else None
+        data[c] = normalize(data[c], plans.normalization[c], mask, plans.intensity_properties[c])
+    target = case_target_spacing(config, spacing)
+    new_shape = compute_new_shape(data.shape[1:], spacing, target)
+    shape_after_crop = tuple(int(v) for v in data.shape[1:])
+    data = resample_image(data, new_shape, spacing, order=3, order_z=0)
+    if seg is not None:
+        seg = resample_segmentation(seg, new_shape, spacing, order=1, order_z=0)
+    props = CaseProperties(
+        case_id=case_id, geometry=geometry, spacing_mm=spacing, target_spacing_mm=tuple(target),
+        shape_before_crop=shape_before, crop_bbox=tuple(tuple(int(v) for v in b) for b in cropped.bbox),
+        shape_after_crop=shape_after_crop, shape_after_resample=tuple(int(v) for v in new_shape),
+    )
+    return data, seg, props
+
+
+def class_voxels_per_slice(seg: np.ndarray, num_classes: int) -> np.ndarray:
+    """int64 (Z, K): voxels of each label value per z-slice of ``seg`` (1, Z, Y, X); -1 counts as 0."""
+    counts = np.zeros((seg.shape[1], num_classes), dtype=np.int64)
+    for k in range(seg.shape[1]):
+        counts[k] = np.bincount(np.maximum(seg[0, k], 0).ravel(), minlength=num_classes)[:num_classes]
+    return counts
+
+
+def class_locations(seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Generator,
+                    scheme: LabelScheme | None = None) -> dict[str, tuple]:
+    """Up to LOCATIONS_PER_CLASS (z, y, x) voxels of each foreground class or region, drawn uniformly
+    without replacement, in array order. ``per_slice``: ``class_voxels_per_slice(seg)``. Works a slice at
+    a time.
+
+    Keys are the network output channel of the class or region (``scheme.foreground_channels``): the label
+    value for plain classes, the region's index for region-based labels (a region's voxels: any of its
+    values). The ignore label is no key, so the loader never centres a patch on an ignored voxel.
+    ``scheme`` None: plain classes ``1 .. K-1``, K = ``per_slice.shape[1]``.
+    """
+    scheme = scheme or LabelScheme.plain(per_slice.shape[1])
+    out = {}
+    for key, values in zip(scheme.foreground_channels, scheme.foreground_values, strict=True):
+        values = [v for v in values if v < per_slice.shape[1]]
+        counts = per_slice[:, values].sum(1)  # (Z,) voxels of the class or region per slice
+        total = int(counts.sum())
+        ranks = np.arange(total) if total <= LOCATIONS_PER_CLASS else np.sort(
+            rng.choice(total, LOCATIONS_PER_CLASS, replace=False))
+        ends = np.cumsum(counts)
+        slice_of_rank = np.searchsorted(ends, ranks, side="right")
+        found = []
+        for k in np.unique(slice_of_rank):
+            local = ranks[slice_of_rank == k] - (ends[k] - counts[k])
+            member = seg[0, k] == values[0] if len(values) == 1 else np.isin(seg[0, k], values)
+            flat = np.flatnonzero(member)[local]
+            y, x = np.unravel_index(flat, seg.shape[2:])
+            found += [(int(k), int(a), int(b)) for a, b in zip(y, x, strict=True)]
+        out[str(key)] = tuple(found)
+    return out
+
+
+def locations_array(locations: dict[str, tuple]) -> np.ndarray:
+    """``class_locations`` as int32 (N, 4) rows (class, z, y, x), as ``<case>_locations.npy`` and
+    ``<case>_aug<k>_locations.npy`` store them."""
+    rows = [(int(c), *v) for c in sorted(locations, key=int) for v in locations[c]]
+    return np.array(rows, dtype=np.int32).reshape(-1, 4)
+
+
+def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...]) -> bool:
+    """Augment slices in-plane only: 2D configurations, and data whose z spacing is the out-of-plane one."""
+    return config.dim == 2 or out_of_plane_axis(target_spacing_mm) == 0
+
+
+def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, float],
+                    config: ConfigurationPlan, num_channels: int, num_classes: int,
+                    num_augmentations: int = 0) -> int:
+    """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing.
+
+    The crop is taken as the whole image (an upper bound). With augmented copies the last phase holds the
+    resampled case (float32 data, labels) plus ``augment_case_bytes``.
+    """
+    # Imported here: the autoseg.memory package imports torch (4 s, 180 MiB), which workers never need.
+    from autoseg.memory.host import WORKER_RUNTIME_BYTES, preprocess_worker_bytes
+
+    target = case_target_spacing(config, spacing_mm)
+    after = compute_new_shape(shape_zyx, spacing_mm, target)
+    peak = preprocess_worker_bytes(shape_zyx, after, num_channels)["total"]
+    if num_augmentations > 0:
+        va = math.prod(after)
+        held = num_channels * va * 4 + va
+        augment = augment_case_bytes(after, num_channels, num_classes + 1)  # + 1: the -1 label
+        peak = max(peak, WORKER_RUNTIME_BYTES + held + augment)
+    return int(peak)
+
+
+def processes_for(host_ram_bytes: int, largest_case_peak_bytes: int, cpu_count: int) -> int:
+    """Worker processes such that each can hold the largest case at once within ``host_ram_bytes``:
+    ``min(cpu_count, host_ram_bytes // largest_case_peak_bytes)``, at least 1."""
+    if largest_case_peak_bytes <= 0 or cpu_count < 1:
+        raise ValueError(f"need a positive case peak and cpu count; got {largest_case_peak_bytes}, "
+                         f"{cpu_count}")
+    return max(1, min(int(cpu_count), int(host_ram_bytes) // int(largest_case_peak_bytes)))
+
+
+def is_complete(out_dir: Path, case_id: str, num_augmentations: int = 0) -> bool:
+    """The case's JSON (written last) and arrays exist, with at least ``num_augmentations`` copies."""
+    names = [f"{case_id}{s}" for s in ("_data.npy", "_seg.npy", "_locations.npy", ".json")]
+    names += [f"{case_id}_aug{k}{s}" for k in range(num_augmentations)
+              for s in ("_data.npy", "_seg.npy", "_locations.npy")]
+    return all((out_dir / n).is_file() for n in names)
+
+
+@dataclass(frozen=True)
+class CaseTask:
+    """What a worker needs to preprocess one case (picklable)."""
+
+    case: Case
+    plans: Plans
+    config: ConfigurationPlan
+    out_dir: Path
+    seed: int = 0
+    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case_id: str
+    seconds: float
+    peak_rss_bytes: int | None  # the worker's peak resident memory during this case (Linux), else None
+    disk_bytes: int
+    augmented_disk_bytes: int = 0
+
+
+def _reset_peak_rss() -> None:
+    try:  # Linux: "5" resets VmHWM to the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int | None:
+    return proc_field_bytes("/proc/self/status", "VmHWM")
+
+
+def run_case(task: CaseTask) -> CaseResult:
+    """Preprocess one case and write its files (the JSON last). The default ``case_runner``."""
+    t0 = time.perf_counter()
+    _reset_peak_rss()
+    case, plans, out_dir = task.case, task.plans, task.out_dir
+    data, seg, geometry = load_case(case)
+    data, seg, props = preprocess_case(data, seg, geometry, plans, task.config, case.case_id)
+    if seg is None:
+        raise ValueError(f"case {case.case_id!r} has no label file; training cases need one in labelsTr/")
+    seg = seg.astype(label_map_dtype(plans.num_classes), copy=False)
+    crc = zlib.crc32(case.case_id.encode())
+    per_slice = class_voxels_per_slice(seg, plans.num_classes)
+    scheme = plans.label_scheme
+    props = replace(props, class_voxels=tuple(int(v) for v in per_slice.sum(0)))
+    locations = class_locations(seg, per_slice, np.random.default_rng([task.seed, crc]), scheme)
+    written = [out_dir / f"{case.case_id}{s}" for s in ("_data.npy", "_seg.npy", "_locations.npy")]
+    atomic_save_npy(written[0], data)
+    atomic_save_npy(written[1], seg)
+    atomic_save_npy(written[2], locations_array(locations))
+    copies, aug_paths = [], []
+    rng = np.random.default_rng([task.seed, crc, 1])
+    for k in range(task.precompute.num_copies):
+        in_plane = in_plane_only(task.config, props.target_spacing_mm)
+        params = draw_spatial_params(rng, task.precompute, in_plane)
+        aug_data, aug_seg = augment_case(data, seg, params)
+        aug_paths += [out_dir / f"{case.case_id}_aug{k}{s}"
+                      for s in ("_data.npy", "_seg.npy", "_locations.npy")]
+        atomic_save_npy(aug_paths[-3], aug_data)
+        atomic_save_npy(aug_paths[-2], aug_seg)
+        counts = class_voxels_per_slice(aug_seg, plans.num_classes)
+        locations = class_locations(aug_seg, counts, np.random.default_rng([task.seed, crc, 2, k]), scheme)
+        atomic_save_npy(aug_paths[-1], locations_array(locations))
+        copies.append(AugmentedCopy(k, params, tuple(int(v) for v in counts.sum(0))))
+        del aug_data, aug_seg
+    props = replace(props, augmentations=tuple(copies))
+    props.to_json(out_dir / f"{case.case_id}.json")  # last: marks the case complete
+    json_bytes = (out_dir / f"{case.case_id}.json").stat().st_size
+    aug_bytes = sum(p.stat().st_size for p in aug_paths)
+    return CaseResult(case.case_id, time.perf_counter() - t0, _peak_rss_bytes(),
+                      sum(p.stat().st_size for p in written) + json_bytes + aug_bytes, aug_bytes)
+
+
+CaseRunner = Callable[[CaseTask], CaseResult]
+PeaksOf = Callable[[set[str]], dict[str, int]]  # case ids -> predicted peak bytes
+
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Delete the temporary files (``.<name>.*.tmp*``) a killed run left in ``out_dir``; returns them."""
+    stale = sorted(out_dir.glob(".*.tmp*"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
+def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationPlan,
+                         num_augmentations: int = 0) -> dict[str, int]:
+    """``case_peak_bytes`` of each case, from the image headers (no voxel data read)."""
+    peaks = {}
+    for case in cases:
+        geometry = read_geometry(case.image_paths[0])
+        peaks[case.case_id] = case_peak_bytes(geometry.shape_zyx, geometry.spacing_zyx, config,
+                                              len(case.image_paths), plans.num_classes, num_augmentations)
+    return peaks
+
+
+def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str | Path, processes: int = 1,
+               seed: int = 0, progress: bool = True, precompute: PrecomputeConfig | None = None,
+               case_runner: CaseRunner = run_case, report_path: str | Path | None = None) -> Path:
+    """Preprocess every training case of ``dataset`` for one configuration into ``out_dir``.
+
+    Complete cases are skipped, so a rerun after a crash finishes the job. ``processes`` > 1 runs cases
+    in that many spawned worker processes (see ``processes_for``). ``precompute``: augmented copies per
+    case. ``case_runner`` does one case (``run_case``; tests swap it). ``report_path``: a JSON of the
+    per-case predicted and measured peak memory, seconds and disk use.
+    """
+    config = plans.configuration(config_name)
+    precompute = precompute or PrecomputeConfig()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_temporaries(out_dir)
+    if stale:
+        log.info("removed %d temporary file(s) of an interrupted run in %s", len(stale), out_dir)
+    todo = [c for c in dataset.cases if not is_complete(out_dir, c.case_id, precompute.num_copies)]
+    tasks = [CaseTask(c, plans, config, out_dir, seed, precompute) for c in todo]
+
+    def peaks_of(case_ids: set[str]) -> dict[str, int]:  # only when reporting: case_peak_bytes imports torch
+        return predicted_case_peaks([c for c in todo if c.case_id in case_ids], plans, config,
+                                    precompute.num_copies)
+
+    bar = tqdm(total=len(dataset.cases), initial=len(dataset.cases) - len(todo),
+               desc=f"preprocess {config_name}", unit="case", disable=not progress)
+    t0 = time.perf_counter()
+    try:
+        if processes <= 1 or len(tasks) <= 1:
+            results = []
+            for task in tasks:
+                results.append(case_runner(task))
+                bar.update()
+        else:
+            n = min(processes, len(tasks))
+            results = run_in_processes(case_runner, tasks, [t.case.case_id for t in tasks], n,
+                                       on_result=lambda _: bar.update(),
+                                       describe_death=lambda f: _describe_death(f, peaks_of, plans, n))
+    finally:
+        bar.close()
+    seconds = time.perf_counter() - t0
+    _report(results, peaks_of({r.case_id for r in results}), config_name, seconds, processes, report_path)
+    return out_dir
+
+
+def _describe_death(in_flight: dict[str, int | None], peaks_of: PeaksOf, plans: Plans, processes: int) -> str:
+    """The message for a dead worker: the case(s) it held, their predicted peaks, the RAM budget."""
+    peaks = peaks_of(set(in_flight))
+
+    def describe(case_id: str, code: int | None) -> str:
+        how = "" if code is None else (f", killed by signal {-code}" if code < 0 else f", exit code {code}")
+        return f"{case_id} (predicted peak {peaks.get(case_id, 0) / MiB:.0f} MiB{how})"
+
+    described = ", ".join(describe(c, code) for c, code in sorted(in_flight.items())) or "an unknown case"
+    return (f"a preprocessing worker process died while working on {described}; usually the OS killed it "
+            f"for lack of memory. {processes} processes were running under a host RAM budget of "
+            f"{plans.host_ram_bytes / 2**30:.1f} GiB. Rerun with fewer --processes (e.g. --processes 1) or "
+            "with more free memory; the cases completed so far are kept and skipped.")
+
+
+def _report(results: list[CaseResult], peaks: dict[str, int], config_name: str, seconds: float,
+            processes: int, report_path: str | Path | None) -> None:
+    """Log the run's summary (and write the per-case report if asked)."""
+    if not results:
+        log.info("preprocess %s: every case already complete", config_name)
+        return
+    measured = [r for r in results if r.peak_rss_bytes]
+    worst = max(measured, key=lambda r: r.peak_rss_bytes or 0) if measured else None
+    disk = sum(r.disk_bytes for r in results)
+    augmented = sum(r.augmented_disk_bytes for r in results)
+    log.info("preprocess %s: %d case(s) in %.1f s (%.2f cases/s, %d process(es)); disk %.1f MiB "
+             "(augmented copies %.1f MiB); peak RAM per case predicted max %.0f MiB%s", config_name,
+             len(results), seconds, len(results) / max(seconds, 1e-9), processes, disk / MiB, augmented / MiB,
+             max(peaks.values(), default=0) / MiB,
+             f", measured max {worst.peak_rss_bytes / MiB:.0f} MiB ({worst.case_id})" if worst else "")
+    if report_path is not None:
+        write_json(report_path, {
+            "config": config_name, "seconds": seconds, "processes": processes, "disk_bytes": disk,
+            "augmented_disk_bytes": augmented,
+            "cases": [{"case_id": r.case_id, "seconds": r.seconds, "disk_bytes": r.disk_bytes,
+                       "predicted_peak_bytes": peaks.get(r.case_id),
+                       "measured_peak_rss_bytes": r.peak_rss_bytes}
+                      for r in results],
+        })

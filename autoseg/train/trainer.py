@@ -1,0 +1,398 @@
+"""Training one fold from the plan: a plain loop (SGD Nesterov, poly LR, Dice + CE with deep supervision).
+
+Per epoch: ``iterations_per_epoch`` optimizer steps (each ``accumulation_steps`` micro-batches),
+a pseudo-Dice on validation patches, one log line, metrics.jsonl, progress.png and an atomic
+checkpoint (``autoseg.train.checkpoint``: enough to resume bit for bit). At the end the fold's validation
+cases are predicted and evaluated.
+
+Safety: an out-of-memory error in a step is never fatal; the step is retried with a degraded
+configuration (``autoseg.train.degrade``), recorded in run.json and the checkpoints. ``time_budget_s`` sets
+the number of epochs from measured speed (``autoseg.train.schedule``).
+
+Distributed (torchrun, ``autoseg.model.distributed``): each rank takes its share of the planned global batch
+(``rank_batch``) from its own loader stream; the loss's Dice sums and, after backward, the gradients are
+summed over ranks; an out-of-memory error on any rank degrades every rank. Only rank 0 writes (train.log,
+metrics, progress.png, checkpoints, run.json) and validates; its time-budget decisions are broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from autoseg.core.artifacts import atomic_write_text
+from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
+from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
+from autoseg.plan.compute import fastest_thread_count, training_step_closure
+from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
+from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
+from autoseg.dataset.labels import label_map_dtype
+from autoseg.data.sampler import output_batch_bytes
+from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.train.curves import plot_progress
+from autoseg.core.resources import cpu_count
+from autoseg.train.schedule import TimeBudget, poly_lr
+from autoseg.data.config import loader_config, precomputed_copies
+from autoseg.model.step import TrainStep, distribute, make_step, pseudo_dice_counts, validate_patches
+from autoseg.core.workspace import Workspace, load_or_create_splits
+
+__all__ = ["RunConfig", "fold_cases", "poly_lr", "pseudo_dice_counts", "save_checkpoint", "train"]
+
+log = logging.getLogger("autoseg.train.trainer")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Knobs of one training run that are not part of the plan.
+
+    ``resume``: continue from the fold's checkpoint_latest.pt (its schedule, degradations and random
+    states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
+    and the final validation end within this many seconds (``epochs`` is then only the first guess).
+    ``cpu_threads``: torch threads on CPU (None: the fastest of a short measurement).
+    ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
+    ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
+    on the fly (None: yes when every training case has copies; True fails if a case has none).
+    Testing aids: ``stop_after_epochs`` returns after that many epochs of this call, as if the process were
+    killed after the epoch's checkpoint; ``inject_oom_at_step`` raises ``torch.OutOfMemoryError`` once in
+    the optimizer step of that (global, 0-based) index.
+    """
+
+    epochs: int = 1000
+    iterations_per_epoch: int = 250
+    val_iterations: int = 50
+    initial_lr: float = 1e-2
+    weight_decay: float = 3e-5
+    momentum: float = 0.99
+    grad_clip: float = 12.0
+    seed: int = 0
+    device: str = "cpu"
+    loader_workers: int | None = None  # None: the configuration's planned loader_workers
+    use_precomputed: bool | None = None  # None: when every training case has precomputed augmented copies
+    validate: bool = True  # predict and evaluate the fold's validation cases at the end
+    resume: bool = False
+    time_budget_s: float | None = None
+    cpu_threads: int | None = None
+    stop_after_epochs: int | None = None  # testing aid
+    inject_oom_at_step: int | None = None  # testing aid
+
+
+def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple[list[str], list[str]]:
+    """(train, val) case ids; fold "all" trains on every case and validates on all of them too."""
+    folder = workspace.require(workspace.preprocessed(config_name), "plan_and_preprocess")
+    case_ids = sorted(p.name[:-5] for p in folder.glob("*.json"))
+    if not case_ids:
+        raise FileNotFoundError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
+    splits = load_or_create_splits(workspace, case_ids)
+    if fold == "all":
+        return case_ids, case_ids
+    if not 0 <= int(fold) < len(splits.folds):
+        raise ValueError(f"fold {fold} does not exist; {workspace.splits_path} has folds 0..{len(splits.folds) - 1}")
+    split = splits.folds[int(fold)]
+    return list(split.train), list(split.val)
+
+
+def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True,
+          distributed: DistributedContext = SINGLE_PROCESS) -> Path:
+    """Train one fold; returns the fold's results folder. ``distributed``: this process's rank in a torchrun
+    launch, its process group open (``autoseg.model.distributed.process_group``)."""
+    started = time.perf_counter()
+    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
+    config = plans.configuration(config_name)
+    train_ids, val_ids = fold_cases(workspace, config_name, fold)
+    out = workspace.results(config_name, fold)
+    resumed = None
+    if run.resume:
+        latest = out / "checkpoint_latest.pt"
+        resumed = load_checkpoint(latest)
+        check_same_plan(resumed, config, config_name, latest)
+        if resumed["world_size"] != distributed.world_size:
+            raise ValueError(f"{latest} was trained on {resumed['world_size']} process(es), this run has "
+                             f"{distributed.world_size} (the micro-batches and data streams are per process); "
+                             f"resume with --gpus {resumed['world_size']}, or train again without --resume")
+    out.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(out / "train.log") if distributed.is_main else logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    threads = torch.get_num_threads()
+    try:
+        ctx = _setup(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, resumed,
+                     distributed)
+        ctx.started = started
+        return _train(ctx)
+    finally:
+        torch.set_num_threads(threads)
+        log.removeHandler(handler)
+        handler.close()
+
+
+@dataclass
+class _Context:
+    """One run: the plan, where it writes, the step, and the progress a checkpoint keeps."""
+
+    workspace: Workspace
+    plans: Plans
+    planned: ConfigurationPlan  # as in plans.json
+    config: ConfigurationPlan  # after degradations
+    config_name: str
+    fold: int | str
+    train_ids: list[str]
+    val_ids: list[str]
+    out: Path
+    run: RunConfig
+    progress: bool
+    step: TrainStep
+    epochs: int
+    iterations_per_epoch: int
+    first_epoch: int = 0
+    metrics: list[dict] = field(default_factory=list)
+    ema: float | None = None
+    best_ema: float = -1.0
+    degradations: list[dict[str, Any]] = field(default_factory=list)
+    budget: TimeBudget | None = None
+    budget_decisions: list[dict[str, Any]] = field(default_factory=list)
+    oom_injected: bool = False
+    started: float = 0.0
+
+    loader_workers: int = 0
+    use_precomputed: bool = False
+
+    @property
+    def ranks(self) -> Ranks:
+        return self.step.ranks
+
+    def loader(self, epoch: int, augment: bool) -> BatchLoader:
+        """Training batches (augmented, in ``loader_workers`` processes) or validation batches (in-process).
+        Each rank draws its own stream from all training cases (see docs/architecture.md, Multi-GPU)."""
+        seed = loader_seed(self.run.seed, epoch, 0 if augment else 1, len(self.degradations), self.ranks.context.rank)
+        cfg = loader_config(self.config, augment, self.use_precomputed and augment)
+        return BatchLoader(self.workspace.preprocessed(self.config_name), self.train_ids if augment else self.val_ids,
+                           cfg, seed=seed, num_workers=self.loader_workers if augment else 0,
+                           queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda")
+
+    def progress_state(self, epoch: int) -> dict[str, Any]:
+        return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
+                "ema": self.ema, "best_ema": self.best_ema, "metrics": self.metrics,
+                "degradations": self.degradations, "time_budget": self.budget_decisions,
+                "world_size": self.ranks.world_size}
+
+    def save(self, name: str, epoch: int) -> None:
+        """Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
+        if not self.ranks.is_main:
+            return
+        save_checkpoint(self.out / name, self.step.network, self.step.optimizer, self.step.scaler, self.planned,
+                        self.config_name, self.progress_state(epoch))
+
+
+def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, config_name: str, fold: int | str,
+           train_ids: list[str], val_ids: list[str], out: Path, run: RunConfig, progress: bool,
+           resumed: dict[str, Any] | None, distributed: DistributedContext) -> _Context:
+    """Threads, seed, network and optimizer; from the checkpoint when resuming (random states last)."""
+    micro, accumulation = rank_batch(planned.batch_size, planned.accumulation_steps, distributed.world_size)
+    share = planned.with_(batch_size=micro, accumulation_steps=accumulation)  # this rank's part of a step
+    config = apply_degradations(share, resumed["degradations"]) if resumed else share
+    if run.device == "cpu":
+        if run.cpu_threads is not None:
+            torch.set_num_threads(run.cpu_threads)
+        elif distributed.local_world_size > 1:  # the node's cores shared by its ranks, not measured
+            torch.set_num_threads(max(1, cpu_count() // distributed.local_world_size))
+        else:
+            _choose_cpu_threads(config)
+    torch.manual_seed(run.seed)
+    ctx = _Context(workspace, plans, planned, config, config_name, fold, train_ids, val_ids, out, run, progress,
+                   step=make_step(config, run, plans.label_scheme), epochs=run.epochs,
+                   iterations_per_epoch=run.iterations_per_epoch)
+    distribute(ctx.step, distributed)
+    _choose_data_pipeline(ctx)
+    if resumed is None:
+        if ctx.ranks.is_main:
+            (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
+        if run.time_budget_s is not None:
+            shapes = [_case_shape(workspace.preprocessed(config_name), c) for c in val_ids] if run.validate else []
+            ctx.budget = TimeBudget(run.time_budget_s, time.perf_counter(), run.iterations_per_epoch,
+                                    run.val_iterations, config.accumulation_steps, config.batch_size,
+                                    config.patch_size, shapes)
+        return ctx
+    ctx.step.network.load_state_dict(resumed["network"])
+    ctx.step.optimizer.load_state_dict(resumed["optimizer"])
+    ctx.step.scaler.load_state_dict(resumed["grad_scaler"])
+    ctx.epochs = resumed["schedule"]["epochs"]
+    ctx.iterations_per_epoch = resumed["schedule"]["iterations_per_epoch"]
+    ctx.first_epoch = resumed["epoch"] + 1
+    ctx.metrics = [r for r in resumed["metrics"] if r["epoch"] <= resumed["epoch"]]
+    ctx.ema, ctx.best_ema = resumed["ema"], resumed["best_ema_dice"]
+    ctx.degradations, ctx.budget_decisions = resumed["degradations"], resumed["time_budget"] or []
+    if ctx.ranks.is_main:
+        atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in ctx.metrics))
+    if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
+        log.info("resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs,
+                 ctx.iterations_per_epoch)
+    log.info("resumed %s fold %s from %s after epoch %d", config_name, fold, out / "checkpoint_latest.pt",
+             resumed["epoch"])
+    restore_rng_states(resumed["rng"])
+    return ctx
+
+
+def _choose_data_pipeline(ctx: _Context) -> None:
+    """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
+    run, folder = ctx.run, ctx.workspace.preprocessed(ctx.config_name)
+    ranks_here = ctx.ranks.context.local_world_size
+    node_share = ctx.config.loader_workers // ranks_here  # the plan's are for one node
+    ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
+    if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
+        batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.plans.channel_names),
+                                   np.dtype(label_map_dtype(ctx.plans.num_classes)).itemsize)
+        ctx.loader_workers = workers_for_shared_memory(node_share, ctx.config.loader_queue_depth, batch, ranks_here)
+        if ctx.loader_workers < node_share:
+            log.warning("data: shared memory (%s) has room for the batch slots of %d of the planned %d loader "
+                        "worker(s); using %d (Docker: enlarge it with --shm-size)", SHM_FOLDER,
+                        ctx.loader_workers, node_share, ctx.loader_workers)
+    copies = precomputed_copies(folder, ctx.train_ids)
+    if run.use_precomputed and copies == 0:
+        raise ValueError(f"{folder}: some training cases have no precomputed augmented copies; run "
+                         "`autoseg plan_and_preprocess --precompute-augmentations K` or train without "
+                         "--use-precomputed")
+    ctx.use_precomputed = copies > 0 if run.use_precomputed is None else run.use_precomputed
+    cfg = loader_config(ctx.config, augment=True, use_precomputed=ctx.use_precomputed)
+    spatial = (f"precomputed copies ({copies} per case)" if ctx.use_precomputed
+               else "in-plane (dummy 2D)" if cfg.dummy_2d else "3D on the fly")
+    log.info("data: %d loader worker(s) x %d queued batches; spatial augmentation %s", ctx.loader_workers,
+             ctx.config.loader_queue_depth, spatial)
+
+
+def _case_shape(folder: Path, case_id: str) -> tuple[int, ...]:
+    """(Z, Y, X) of a preprocessed case, read from the .npy header."""
+    return tuple(np.load(folder / f"{case_id}_data.npy", mmap_mode="r").shape[1:])
+
+
+def _train(ctx: _Context) -> Path:
+    config, run, world = ctx.config, ctx.run, ctx.ranks.world_size
+    global_batch = world * config.batch_size * config.accumulation_steps
+    log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation x %d process(es) = "
+             "global batch %d (planned %d), %d epochs x %d it", ctx.config_name, ctx.fold, len(ctx.train_ids),
+             len(ctx.val_ids), config.patch_size, config.batch_size, config.accumulation_steps, world, global_batch,
+             ctx.planned.batch_size * ctx.planned.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
+    epoch = ctx.first_epoch
+    while epoch < ctx.epochs:
+        t0 = time.perf_counter()
+        row = _run_epoch(ctx, epoch, t0)
+        if ctx.ranks.is_main:  # the other ranks have no row
+            ctx.metrics.append(row)
+            _log_epoch(row, ctx.out, ctx.metrics)
+            if ctx.ema > ctx.best_ema:
+                ctx.best_ema = ctx.ema
+                ctx.save("checkpoint_best.pt", epoch)
+        if ctx.budget is not None:
+            epochs = ctx.budget.epoch_done(epoch, time.perf_counter() - t0, time.perf_counter(), ctx.epochs)
+            ctx.epochs = ctx.ranks.broadcast_int(epochs)  # rank 0's decision, so all ranks run as many epochs
+            ctx.budget_decisions = [d.to_dict() for d in ctx.budget.decisions]
+        ctx.save("checkpoint_latest.pt", epoch)
+        epoch += 1
+        if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
+            return ctx.out  # testing aid: as if killed after the checkpoint
+    ctx.save("checkpoint_final.pt", ctx.epochs - 1)
+    if not ctx.ranks.is_main:
+        return ctx.out  # rank 0 writes run.json and runs the final validation alone
+    record = {"run": asdict(run), "fold": str(ctx.fold), "config": ctx.config_name,
+              "schedule": {"epochs": ctx.epochs, "iterations_per_epoch": ctx.iterations_per_epoch},
+              "degradations": ctx.degradations, "time_budget": ctx.budget_decisions,
+              "effective_configuration": {"batch_size": ctx.config.batch_size,
+                                          "accumulation_steps": ctx.config.accumulation_steps,
+                                          "checkpointing": ctx.config.checkpointing},
+              "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
+              "distributed": {"world_size": world, "global_batch": global_batch}}
+    atomic_write_text(ctx.out / "run.json", json.dumps(record, indent=2))
+    if run.validate:
+        from autoseg.train.validation import validate_fold
+
+        validate_fold(ctx.workspace, ctx.plans, ctx.config_name, ctx.step.network, ctx.val_ids,
+                      ctx.out / "validation", run.device, ctx.progress)
+    return ctx.out
+
+
+def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
+    """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row (rank 0; the
+    other ranks skip the pseudo-Dice and return None)."""
+    step, run, ipe = ctx.step, ctx.run, ctx.iterations_per_epoch
+    wait, losses, lr = 0.0, [], run.initial_lr
+    train_loader = ctx.loader(epoch, augment=True)
+    try:
+        step.network.train()
+        bar = tqdm(range(ipe), desc=f"epoch {epoch}", unit="it", disable=not ctx.progress, leave=False)
+        for it in bar:
+            lr = poly_lr(run.initial_lr, epoch * ipe + it, ctx.epochs * ipe)
+            for group in step.optimizer.param_groups:
+                group["lr"] = lr
+            if run.inject_oom_at_step == epoch * ipe + it and not ctx.oom_injected:
+                step.inject_oom, ctx.oom_injected = ctx.ranks.is_main, True  # rank 0 only: the others follow
+            (loss, waited), train_loader = _step_or_degrade(ctx, train_loader, epoch, it)
+            losses.append(loss)
+            wait += waited
+            bar.set_postfix(loss=f"{loss:.3f}")
+            if ctx.budget is not None and epoch == ctx.first_epoch:
+                decided = ctx.budget.iteration_done(time.perf_counter(), t0)
+                if decided is not None:  # at the same iteration on every rank
+                    ctx.epochs = ctx.ranks.broadcast_int(decided)
+    finally:
+        train_loader.close()
+    train_loss = ctx.ranks.mean(float(np.mean(losses)))  # the global batch's loss
+    if not ctx.ranks.is_main:
+        return None
+    with ctx.loader(epoch, augment=False) as val_loader:
+        val_loss, dice = validate_patches(step.network, val_loader, step.loss_fn, run, step.device,
+                                          ctx.plans.label_scheme)
+    mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
+    ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
+    epoch_s = time.perf_counter() - t0
+    return {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss,
+            "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ctx.ema, "lr": lr,
+            "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}
+
+
+def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
+                     iteration: int) -> tuple[tuple[float, float], BatchLoader]:
+    """One step; on out-of-memory degrade the configuration (``autoseg.train.degrade``), rebuild the loader
+    with the new micro-batch and retry. Returns ((loss, data wait seconds), the loader now in use)."""
+    while True:
+        try:
+            return ctx.step(loader), loader
+        except torch.OutOfMemoryError:
+            ctx.step.optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
+            if ctx.step.device.type == "cuda":
+                torch.cuda.empty_cache()
+            degraded, record = choose_degradation(ctx.config, ctx.step.device)
+            record.update(epoch=epoch, iteration=iteration)
+            log_degradation(record)
+            ctx.config = degraded
+            ctx.degradations.append(record)
+            ctx.step.accumulation_steps = degraded.accumulation_steps
+            ctx.step.network.checkpointing = degraded.checkpointing
+            loader.close()
+            loader = ctx.loader(epoch, augment=True)
+
+
+def _choose_cpu_threads(config: ConfigurationPlan) -> None:
+    """Use all CPUs for training unless one thread measures faster (cores busy with another process)."""
+    step = training_step_closure(config.network, tuple(config.patch_size), config.batch_size)
+    threads, timings = fastest_thread_count(step, max_threads=cpu_count())
+    torch.set_num_threads(threads)
+    log.info("CPU threads: %d (a training step measured %s)", threads,
+             ", ".join(f"{t:.2f} s with {n}" for n, t in timings.items()))
+
+
+def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
+    """One readable log line, a metrics.jsonl row and a fresh progress.png."""
+    log.info("epoch %d  train loss %.4f  val loss %.4f  pseudo-Dice %s  (EMA %.4f)  lr %.2e  %.1f s  "
+             "data wait %.0f%%", row["epoch"], row["train_loss"], row["val_loss"],
+             [round(d, 4) for d in row["pseudo_dice"]], row["ema_pseudo_dice"], row["lr"], row["epoch_seconds"],
+             100 * row["data_wait_fraction"])
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+    plot_progress(metrics, out / "progress.png")
