@@ -149,8 +149,8 @@ def _fold(values: list[str]) -> int | str:
 
 
 def _budget(args: argparse.Namespace):
-    from autoseg.plan.planner import Budget
     from autoseg.core.resources import available_ram_bytes, cuda_total_memory
+    from autoseg.plan.planner import Budget
 
     device = args.device or default_device()
     gpu = args.gpu_memory

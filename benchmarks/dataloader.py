@@ -99,11 +99,11 @@ def child_autoseg(spec: dict) -> dict:
 
     import torch
 
+    from autoseg.core.workspace import Workspace
     from autoseg.data.loader import BatchLoader
     from autoseg.plan.plans import Plans
+    from autoseg.plan.training_data import loader_config
     from autoseg.train.trainer import fold_cases
-    from autoseg.data.config import loader_config
-    from autoseg.core.workspace import Workspace
 
     torch.set_num_threads(1)  # this process only receives batches
     workspace = Workspace.at(spec["workspace"])

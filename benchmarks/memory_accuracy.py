@@ -16,23 +16,23 @@ import time
 import torch
 
 from autoseg.memory import TrainingMemoryModel, measure_training_step, predict_device_peak, simulate_training_step
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 MiB = 1024**2
 
 
 def unet(dim: int, stages: int, strides: list[tuple[int, ...]] | None = None,
          kernels: list[tuple[int, ...]] | None = None, base: int = 32, cap: int = 320, in_channels: int = 1,
-         num_classes: int = 3) -> NetworkTopology:
+         num_outputs: int = 3) -> NetworkTopology:
     strides = strides or [(1,) * dim] + [(2,) * dim] * (stages - 1)
     kernels = kernels or [(3,) * dim] * stages
-    return NetworkTopology(dim=dim, in_channels=in_channels, num_classes=num_classes,
+    return NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
                            features_per_stage=tuple(min(base * 2**s, cap) for s in range(stages)),
                            kernel_sizes=tuple(kernels), strides=tuple(strides))
 
 
 ANISO = unet(3, 6, strides=[(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2)],
-             kernels=[(1, 3, 3)] + [(3, 3, 3)] * 5, in_channels=2, num_classes=4)
+             kernels=[(1, 3, 3)] + [(3, 3, 3)] * 5, in_channels=2, num_outputs=4)
 CONFIGS = [  # name, topology, batch, patch, keyword arguments
     ("3d 5 stages 64^3 b2 fp32", unet(3, 5), 2, (64, 64, 64), {}),
     ("3d 5 stages 64^3 b2 checkpointing", unet(3, 5), 2, (64, 64, 64), {"checkpointing": True}),

@@ -8,15 +8,16 @@ from pathlib import Path
 
 import numpy as np
 
-from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
 from autoseg.core.workspace import Workspace
+from autoseg.model.topology import NetworkTopology
+from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 
 GiB = 1024**3
 
 
 def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2.75, 0.9, 0.9)) -> Plans:
     """A hand-written plan: one 3D configuration (2 stages, 8-16 features, patch 8x16x16), z-score in the body."""
-    topology = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(8, 16),
+    topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(8, 16),
                                kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
     config = ConfigurationPlan(name="3d_fullres", spacing_mm=spacing_mm, median_shape_zyx=(12, 28, 28),
                                patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology)
@@ -28,9 +29,9 @@ def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2
                  host_ram_bytes=host_ram_bytes)
 
 
-def tiny_topology(num_classes: int) -> NetworkTopology:
+def tiny_topology(num_outputs: int) -> NetworkTopology:
     """A 2-stage 3D U-Net with 4 and 8 features: a training step takes milliseconds."""
-    return NetworkTopology(dim=3, in_channels=1, num_classes=num_classes, features_per_stage=(4, 8),
+    return NetworkTopology(dim=3, in_channels=1, num_outputs=num_outputs, features_per_stage=(4, 8),
                            kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
 
 

@@ -24,7 +24,7 @@ from autoseg.data.augment import (
     SimulateLowResolution,
 )
 from autoseg.data.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
-from autoseg.data.sampler import LoaderConfig
+from autoseg.plan.training_data import LoaderConfig
 
 EVERY_SPATIAL = dict(p_rotation=1.0, p_scale=1.0)
 

@@ -14,9 +14,9 @@ from factories import make_cases
 
 import autoseg.data.loader as batch_loader_module
 import autoseg.data.sampler as loader_module
-from autoseg.data.loader import BatchLoader, _Slots, worker_bytes, workers_for_shared_memory
-from autoseg.data.sampler import LoaderConfig, batch_bytes, output_batch_bytes
-from autoseg.memory.host import WORKER_RUNTIME_BYTES
+from autoseg.data.loader import BatchLoader, _Slots, workers_for_shared_memory
+from autoseg.memory.host import WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
+from autoseg.plan.training_data import LoaderConfig
 
 
 def test_one_worker_yields_the_in_process_batches_and_closes(tmp_path: Path) -> None:

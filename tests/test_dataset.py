@@ -6,15 +6,15 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_dataset
 from autoseg.dataset.imageio import read_image, write_image
+from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_dataset
 
 
 def test_load_dataset_reads_nnunet_layout(tiny_dataset):
     ds = load_dataset(tiny_dataset)
     assert ds.channel_names == ("MRI",)
     assert ds.labels == {"background": 0, "organ": 1, "lesion": 2}
-    assert ds.num_classes == 3
+    assert ds.num_label_values == 3
     assert [c.case_id for c in ds.cases] == [f"demo_{i:03d}" for i in range(5)]
     assert ds.cases[0].image_paths[0].name == "demo_000_0000.nii.gz"
     check_integrity(ds)  # the generated dataset is consistent
@@ -60,9 +60,9 @@ def test_undeclared_label_value(dataset_copy):
 
 def test_planning_checks_voxels_while_fingerprinting_and_writes_nothing(dataset_copy, tmp_path):
     """plan_dataset reads each case once: the fingerprint reports every case's voxel problems together."""
+    from autoseg.core.workspace import Workspace
     from autoseg.plan.pipeline import plan_dataset
     from autoseg.plan.planner import Budget, GiB
-    from autoseg.core.workspace import Workspace
 
     for case, value in (("demo_001", 7), ("demo_003", 5)):
         path = dataset_copy / "labelsTr" / f"{case}.nii.gz"
@@ -129,7 +129,7 @@ def test_region_labels_with_ignore_are_read(dataset_copy):
     write_image(path, seg, geo)
     ds = load_dataset(dataset_copy)
     assert ds.labels == {"background": 0, "organ": (1, 2), "lesion": 2, "ignore": 3}
-    assert ds.regions_class_order == (1, 2) and ds.label_values == (0, 1, 2, 3) and ds.num_classes == 4
+    assert ds.regions_class_order == (1, 2) and ds.label_values == (0, 1, 2, 3) and ds.num_label_values == 4
     assert ds.label_scheme.num_outputs == 2 and ds.label_scheme.ignore_value == 3
     check_integrity(ds)  # the ignore value is a declared value
     seg[0, 0, 0] = 4
@@ -141,7 +141,7 @@ def test_region_labels_with_ignore_are_read(dataset_copy):
 def test_plain_labels_with_ignore_are_read(dataset_copy):
     _set_labels(dataset_copy, {"background": 0, "organ": 1, "lesion": 2, "ignore": 3})
     ds = load_dataset(dataset_copy)
-    assert ds.label_scheme.num_outputs == 3 and ds.num_classes == 4 and not ds.label_scheme.has_regions
+    assert ds.label_scheme.num_outputs == 3 and ds.num_label_values == 4 and not ds.label_scheme.has_regions
 
 
 @pytest.mark.parametrize("labels, order, message", [

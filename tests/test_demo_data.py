@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.dataset.imageio import read_image
 from autoseg.dataset.raw import check_integrity, load_dataset
 from autoseg.demo.data import make_demo_dataset, synthesize_case
-from autoseg.dataset.imageio import read_image
 
 TINY_ZYX = (12, 24, 24)
 
@@ -85,7 +85,7 @@ def test_geometry_is_anisotropic_and_jittered() -> None:
 
 
 def test_two_classes_draws_no_lesion() -> None:
-    case = synthesize_case(0, 0, TINY_ZYX, num_classes=2)
+    case = synthesize_case(0, 0, TINY_ZYX, num_label_values=2)
     assert set(np.unique(case.label_zyx).tolist()) == {0, 1}
 
 
@@ -104,7 +104,7 @@ def test_rewriting_a_demo_dataset_removes_stale_cases(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_say_what_to_change(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="num_classes must be 2"):
-        make_demo_dataset(tmp_path, num_classes=4)
+    with pytest.raises(ValueError, match="num_label_values must be 2"):
+        make_demo_dataset(tmp_path, num_label_values=4)
     with pytest.raises(ValueError, match="at least 8 voxels"):
         make_demo_dataset(tmp_path, shape_zyx=(4, 32, 32))

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from factories import set_configuration, tiny_plans
 from test_train import CONFIG, prepared  # noqa: F401  (the preprocessed tiny workspace fixture)
 
-from autoseg.train.checkpoint import load_checkpoint
+from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import (
     SINGLE_PROCESS,
     DistributedContext,
@@ -29,13 +29,13 @@ from autoseg.model.distributed import (
     rank_batch,
     torchrun_command,
 )
-from autoseg.plan.plans import NetworkTopology
-from autoseg.train.trainer import RunConfig, train
 from autoseg.model.step import distribute, make_step
-from autoseg.core.workspace import Workspace
+from autoseg.model.topology import NetworkTopology
+from autoseg.train.checkpoint import load_checkpoint
+from autoseg.train.trainer import RunConfig, train
 
 # 4 stages: 3 deep-supervision outputs, weights (2/3, 1/3, 0): two Dice terms and an unused head
-DS_TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(2, 4, 4, 4),
+DS_TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(2, 4, 4, 4),
                               kernel_sizes=((3, 3, 3),) * 4, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2), (1, 2, 2)))
 GLOBAL_BATCH = 4
 TINY = dict(epochs=2, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1, loader_workers=0)

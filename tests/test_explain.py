@@ -9,12 +9,13 @@ import pytest
 
 from autoseg.cli import main
 from autoseg.explain.explanation import Explanation, explain, format_bytes, format_explanation, next_patch_up
-from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.memory import inference_memory, predict_device_peak, simulate_training_step
-from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, NetworkTopology, Plans
+from autoseg.model.topology import NetworkTopology
+from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
+from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 
 GiB = 1024**3
-TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_classes=3, features_per_stage=(8, 16, 32),
+TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(8, 16, 32),
                            kernel_sizes=((3, 3, 3),) * 3, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)))
 
 

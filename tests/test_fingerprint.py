@@ -5,9 +5,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.dataset.imageio import read_image
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.fingerprint import Fingerprint, fingerprint
-from autoseg.dataset.imageio import read_image
 
 
 @pytest.fixture(scope="module")

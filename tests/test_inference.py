@@ -16,10 +16,10 @@ from autoseg.model.sliding_window import (
 )
 
 
-def _pointwise_net(dim: int, in_channels: int, num_classes: int, seed: int = 0) -> nn.Module:
+def _pointwise_net(dim: int, in_channels: int, num_outputs: int, seed: int = 0) -> nn.Module:
     """A 1x1 convolution with fixed random weights: its output at a voxel depends only on that voxel."""
     gen = torch.Generator().manual_seed(seed)
-    conv = (nn.Conv3d if dim == 3 else nn.Conv2d)(in_channels, num_classes, kernel_size=1)
+    conv = (nn.Conv3d if dim == 3 else nn.Conv2d)(in_channels, num_outputs, kernel_size=1)
     with torch.no_grad():
         conv.weight.copy_(torch.randn(conv.weight.shape, generator=gen))
         conv.bias.copy_(torch.randn(conv.bias.shape, generator=gen))
@@ -127,7 +127,7 @@ def test_tile_starts_rejects_images_smaller_than_the_patch() -> None:
 
 def test_constant_logits_give_exact_softmax_everywhere() -> None:
     data = _random_image((1, 7, 9, 10))
-    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0, 0.5]), data, (4, 4, 4), num_classes=3)
+    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0, 0.5]), data, (4, 4, 4), num_outputs=3)
     assert probs.shape == (3, 7, 9, 10) and probs.dtype == torch.float32 and probs.device.type == "cpu"
     expected = torch.softmax(torch.tensor([1.0, -2.0, 0.5]), dim=0)
     torch.testing.assert_close(probs, expected[:, None, None, None].expand(3, 7, 9, 10), atol=1e-6, rtol=0)
@@ -135,8 +135,8 @@ def test_constant_logits_give_exact_softmax_everywhere() -> None:
 
 def test_pointwise_network_equals_whole_image_prediction() -> None:
     data = _random_image((2, 9, 11, 10))
-    net = _pointwise_net(3, in_channels=2, num_classes=3)
-    probs = sliding_window_predict(net, data, (4, 6, 4), num_classes=3)
+    net = _pointwise_net(3, in_channels=2, num_outputs=3)
+    probs = sliding_window_predict(net, data, (4, 6, 4), num_outputs=3)
     torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
     assert not probs.is_inference()  # the caller may edit it in place
     probs[0] *= 0
@@ -144,8 +144,8 @@ def test_pointwise_network_equals_whole_image_prediction() -> None:
 
 def test_image_smaller_than_patch_is_padded_and_cropped_back() -> None:
     data = _random_image((1, 3, 5, 12))  # smaller than the patch along z and y, larger along x
-    net = _pointwise_net(3, in_channels=1, num_classes=2)
-    probs = sliding_window_predict(net, data, (4, 8, 8), num_classes=2)
+    net = _pointwise_net(3, in_channels=1, num_outputs=2)
+    probs = sliding_window_predict(net, data, (4, 8, 8), num_outputs=2)
     assert probs.shape == (2, 3, 5, 12)
     torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
 
@@ -153,7 +153,7 @@ def test_image_smaller_than_patch_is_padded_and_cropped_back() -> None:
 def test_padding_is_symmetric_and_zero() -> None:
     # (2, 3, 4) in a (4, 6, 4) patch: one tile, padded by 1 before along z (2 = 1 + 1) and y (3 = 1 + 2).
     data = np.ones((1, 2, 3, 4), dtype=np.float32)
-    probs = sliding_window_predict(_PositionLogits((1.0, 0.1, 0.01)), data, (4, 6, 4), num_classes=2)
+    probs = sliding_window_predict(_PositionLogits((1.0, 0.1, 0.01)), data, (4, 6, 4), num_outputs=2)
     z, y, x = torch.meshgrid(torch.arange(2.0), torch.arange(3.0), torch.arange(4.0), indexing="ij")
     logit = (z + 1) + 0.1 * (y + 1) + 0.01 * x
     torch.testing.assert_close(probs[0], torch.sigmoid(logit))  # softmax([l, 0])[0] = sigmoid(l)
@@ -164,7 +164,7 @@ def test_padding_is_symmetric_and_zero() -> None:
     with torch.no_grad():
         net[1].weight.copy_(torch.tensor([1.0, 0.0]).reshape(2, 1, 1, 1, 1))
         net[1].bias.zero_()
-    probs = sliding_window_predict(net, data, (4, 6, 4), num_classes=2)
+    probs = sliding_window_predict(net, data, (4, 6, 4), num_outputs=2)
     counts = nn.functional.conv3d(torch.from_numpy(data)[None], torch.ones(1, 1, 3, 3, 3), padding=1)[0, 0]
     assert counts[0, 0, 0] == 8 and counts[1, 1, 1] == 18
     torch.testing.assert_close(probs[0], torch.sigmoid(counts))
@@ -172,12 +172,12 @@ def test_padding_is_symmetric_and_zero() -> None:
 
 def test_mirroring_a_pointwise_network_changes_nothing_and_runs_every_flip() -> None:
     data = _random_image((1, 6, 7, 8))
-    net = _pointwise_net(3, in_channels=1, num_classes=2)
+    net = _pointwise_net(3, in_channels=1, num_outputs=2)
     calls = []
     net.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    plain = sliding_window_predict(net, data, (4, 4, 4), num_classes=2)
+    plain = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2)
     tiles = len(calls)
-    mirrored = sliding_window_predict(net, data, (4, 4, 4), num_classes=2, mirror_axes=(0, 1, 2))
+    mirrored = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(0, 1, 2))
     assert len(calls) - tiles == 8 * tiles
     torch.testing.assert_close(mirrored, plain, atol=1e-5, rtol=1e-5)
 
@@ -187,9 +187,9 @@ def test_mirroring_flips_the_prediction_back() -> None:
     # (z + (3 - z)) / 2 = 1.5 at every voxel, which only holds if each output is flipped back.
     data = np.zeros((1, 4, 4, 4), dtype=np.float32)
     z_ramp = _PositionLogits((1.0, 0.0, 0.0))
-    plain = sliding_window_predict(z_ramp, data, (4, 4, 4), num_classes=2)
+    plain = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2)
     assert not torch.allclose(plain[:, 0], plain[:, 3])
-    mirrored = sliding_window_predict(z_ramp, data, (4, 4, 4), num_classes=2, mirror_axes=(0,))
+    mirrored = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(0,))
     expected = torch.softmax(torch.tensor([1.5, 0.0]), dim=0)
     torch.testing.assert_close(mirrored, expected[:, None, None, None].expand(2, 4, 4, 4))
 
@@ -199,10 +199,10 @@ def test_tile_batching_equals_unbatched_with_a_spatial_network() -> None:
     torch.manual_seed(0)
     net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
     data = _random_image((1, 7, 9, 9))
-    one = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, mirror_axes=(1,))
-    three = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, mirror_axes=(1,), tile_batch_size=3)
+    one = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,))
+    three = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,), tile_batch_size=3)
     torch.testing.assert_close(three, one, atol=1e-5, rtol=1e-5)
-    flat = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, mirror_axes=(1,), use_gaussian=False)
+    flat = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,), use_gaussian=False)
     assert not torch.allclose(flat, one, atol=1e-4)  # the weighting does change a border-sensitive net
 
 
@@ -210,8 +210,8 @@ def test_network_is_run_in_eval_mode_and_its_mode_is_restored() -> None:
     net = nn.Sequential(nn.Dropout3d(p=0.5), _pointwise_net(3, 1, 2))
     net.train()
     data = _random_image((1, 4, 6, 6))
-    first = sliding_window_predict(net, data, (4, 4, 4), num_classes=2)
-    second = sliding_window_predict(net, data, (4, 4, 4), num_classes=2)
+    first = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2)
+    second = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2)
     torch.testing.assert_close(first, second)
     assert net.training
 
@@ -219,9 +219,9 @@ def test_network_is_run_in_eval_mode_and_its_mode_is_restored() -> None:
 def test_bf16_is_close_to_fp32_and_fp16_on_cpu_falls_back_to_fp32() -> None:
     data = _random_image((1, 5, 6, 7))
     net = _pointwise_net(3, 1, 3)
-    fp32 = sliding_window_predict(net, data, (4, 4, 4), num_classes=3)
-    bf16 = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, precision="bf16")
-    fp16 = sliding_window_predict(net, data, (4, 4, 4), num_classes=3, precision="fp16")
+    fp32 = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3)
+    bf16 = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, precision="bf16")
+    fp16 = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, precision="fp16")
     assert bf16.dtype == torch.float32
     assert (bf16 - fp32).abs().max() < 3e-2 and not torch.equal(bf16, fp32)
     torch.testing.assert_close(fp16, fp32, atol=0, rtol=0)
@@ -229,7 +229,7 @@ def test_bf16_is_close_to_fp32_and_fp16_on_cpu_falls_back_to_fp32() -> None:
 
 def test_progress_bar_counts_tiles(capsys: pytest.CaptureFixture[str]) -> None:
     data = _random_image((1, 4, 6, 6))
-    sliding_window_predict(_pointwise_net(3, 1, 2), data, (4, 4, 4), num_classes=2, progress=True)
+    sliding_window_predict(_pointwise_net(3, 1, 2), data, (4, 4, 4), num_outputs=2, progress=True)
     assert "4/4" in capsys.readouterr().err  # 1 x 2 x 2 tiles
 
 
@@ -238,10 +238,10 @@ def test_progress_bar_counts_tiles(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_2d_network_predicts_slice_by_slice() -> None:
     data = _random_image((2, 5, 9, 6))  # 5 slices; x smaller than the patch -> padded
-    net = _pointwise_net(2, in_channels=2, num_classes=3)
+    net = _pointwise_net(2, in_channels=2, num_outputs=3)
     batch_sizes = []
     net.register_forward_hook(lambda module, args, out: batch_sizes.append(tuple(args[0].shape)))
-    probs = sliding_window_predict(net, data, (4, 8), num_classes=3, tile_batch_size=4, mirror_axes=(0, 1))
+    probs = sliding_window_predict(net, data, (4, 8), num_outputs=3, tile_batch_size=4, mirror_axes=(0, 1))
     assert probs.shape == (3, 5, 9, 6)
     torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
     # 5 slices x 4 tiles along y (ceil(5 / 2) + 1) x 1 along x = 20 tiles: 5 batches of 4, 4 flips each
@@ -252,10 +252,10 @@ def test_2d_constant_logits_and_tile_batching() -> None:
     torch.manual_seed(0)
     net = nn.Conv2d(1, 2, kernel_size=3, padding=1)
     data = _random_image((1, 3, 10, 7))
-    one = sliding_window_predict(net, data, (4, 4), num_classes=2)
-    five = sliding_window_predict(net, data, (4, 4), num_classes=2, tile_batch_size=5)
+    one = sliding_window_predict(net, data, (4, 4), num_outputs=2)
+    five = sliding_window_predict(net, data, (4, 4), num_outputs=2, tile_batch_size=5)
     torch.testing.assert_close(five, one, atol=1e-5, rtol=1e-5)
-    const = sliding_window_predict(_ConstantLogits([0.0, 2.0]), data, (4, 4), num_classes=2)
+    const = sliding_window_predict(_ConstantLogits([0.0, 2.0]), data, (4, 4), num_outputs=2)
     expected = torch.softmax(torch.tensor([0.0, 2.0]), dim=0)
     torch.testing.assert_close(const, expected[:, None, None, None].expand(2, 3, 10, 7), atol=1e-6, rtol=0)
 
@@ -267,15 +267,15 @@ def test_errors_say_what_to_change() -> None:
     net = _pointwise_net(3, 1, 2)
     data = _random_image((1, 4, 4, 4))
     with pytest.raises(ValueError, match=r"\(C, Z, Y, X\); got shape \(4, 4, 4\)"):
-        sliding_window_predict(net, data[0], (4, 4, 4), num_classes=2)
+        sliding_window_predict(net, data[0], (4, 4, 4), num_outputs=2)
     with pytest.raises(ValueError, match="mirror_axes"):
-        sliding_window_predict(net, data, (4, 4, 4), num_classes=2, mirror_axes=(3,))
+        sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(3,))
     with pytest.raises(ValueError, match="precision"):
-        sliding_window_predict(net, data, (4, 4, 4), num_classes=2, precision="fp8")
+        sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, precision="fp8")
     with pytest.raises(ValueError, match="3 values .* or 2 values"):
-        sliding_window_predict(net, data, (4,), num_classes=2)
-    with pytest.raises(ValueError, match=r"expected \(1, 5, 4, 4, 4\)\. Check num_classes"):
-        sliding_window_predict(net, data, (4, 4, 4), num_classes=5)
+        sliding_window_predict(net, data, (4,), num_outputs=2)
+    with pytest.raises(ValueError, match=r"expected \(1, 5, 4, 4, 4\)\. Check num_outputs"):
+        sliding_window_predict(net, data, (4, 4, 4), num_outputs=5)
 
 
 # ---------------------------------------------------------------- buffer estimate vs allocation
@@ -283,14 +283,14 @@ def test_errors_say_what_to_change() -> None:
 
 def test_buffer_estimate_by_hand() -> None:
     # image (3, 5, 20) padded to (4, 8, 20) by a (4, 8, 8) patch: 640 voxels; K = 3, C = 2, B = 2
-    sizes = inference_buffer_bytes((3, 5, 20), (4, 8, 8), num_classes=3, tile_batch_size=2, in_channels=2)
+    sizes = inference_buffer_bytes((3, 5, 20), (4, 8, 8), num_outputs=3, tile_batch_size=2, in_channels=2)
     assert sizes["accumulator"] == 3 * 640 * 4
     assert sizes["weight_map"] == 640 * 4
     assert sizes["padded_input"] == 2 * 640 * 4
     assert sizes["tile_batch"] == 2 * 2 * 256 * 4 and sizes["tile_logits"] == 2 * 3 * 256 * 4
     assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
     # 2D patch: z is never padded
-    sizes_2d = inference_buffer_bytes((3, 5, 20), (8, 8), num_classes=3, tile_batch_size=2, in_channels=2)
+    sizes_2d = inference_buffer_bytes((3, 5, 20), (8, 8), num_outputs=3, tile_batch_size=2, in_channels=2)
     assert sizes_2d["weight_map"] == 3 * 8 * 20 * 4
 
 
@@ -318,10 +318,10 @@ def test_buffer_estimate_matches_the_tensors_allocated(
 
     monkeypatch.setattr(inference, "_allocate_buffers", record_allocation)
     monkeypatch.setattr(inference, "_predict_tile_batch", record_batch)
-    net = _pointwise_net(len(patch), in_channels=shape[0], num_classes=4)
-    sliding_window_predict(net, _random_image(shape), patch, num_classes=4, tile_batch_size=batch)
+    net = _pointwise_net(len(patch), in_channels=shape[0], num_outputs=4)
+    sliding_window_predict(net, _random_image(shape), patch, num_outputs=4, tile_batch_size=batch)
 
-    expected = inference_buffer_bytes(shape[1:], patch, num_classes=4, tile_batch_size=batch,
+    expected = inference_buffer_bytes(shape[1:], patch, num_outputs=4, tile_batch_size=batch,
                                       in_channels=shape[0])
     assert expected.pop("total") == sum(expected.values())
     assert seen == expected
@@ -329,9 +329,9 @@ def test_buffer_estimate_matches_the_tensors_allocated(
 
 def test_sigmoid_activation_for_regions() -> None:
     data = _random_image((1, 5, 6, 7))
-    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_classes=2,
+    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2,
                                    activation="sigmoid")
     expected = torch.sigmoid(torch.tensor([1.0, -2.0]))  # per channel: need not sum to 1
     torch.testing.assert_close(probs, expected[:, None, None, None].expand(2, 5, 6, 7), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="activation must be one of"):
-        sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_classes=2, activation="relu")
+        sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="relu")

@@ -132,7 +132,7 @@ def test_plans_carry_regions_and_old_plans_still_load(tmp_path) -> None:
     regions.to_json(tmp_path / "plans.json")
     assert json.loads((tmp_path / "plans.json").read_text())["labels"]["organ"] == [1, 2]
     loaded = Plans.from_json(tmp_path / "plans.json")
-    assert loaded.labels == labels and loaded.num_classes == 4
+    assert loaded.labels == labels and loaded.num_label_values == 4
     assert loaded.label_scheme.num_outputs == 2 and loaded.label_scheme.ignore_value == 3
 
 

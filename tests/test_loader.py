@@ -10,17 +10,12 @@ import torch
 from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
 from factories import make_cases, write_case
 
-from autoseg.data.augment_spatial import PatchSpatialTransform, draw_patch_transform
+from autoseg.data.augment import Augmenter
+from autoseg.data.augment_spatial import PatchSpatialTransform, draw_patch_transform, read_size
 from autoseg.data.loader import BatchLoader
-from autoseg.data.sampler import (
-    Augmenter,
-    LoaderConfig,
-    PatchSampler,
-    batch_bytes,
-    batch_bytes_terms,
-    enlarged_patch_size,
-    read_size,
-)
+from autoseg.data.sampler import PatchSampler
+from autoseg.memory.host import batch_bytes, batch_bytes_terms
+from autoseg.plan.training_data import LoaderConfig, enlarged_patch_size
 
 
 def expected_box(data: np.ndarray, origin: tuple[int, ...], size: tuple[int, ...], pad: float) -> np.ndarray:

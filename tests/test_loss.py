@@ -24,14 +24,14 @@ REGIONS = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2
 REGIONS_IGNORE = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2, "ignore": 3}, [1, 2])
 
 
-def random_target(shape: tuple[int, ...], num_classes: int, seed: int = 0) -> torch.Tensor:
+def random_target(shape: tuple[int, ...], num_outputs: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, num_classes, shape, generator=g)
+    return torch.randint(0, num_outputs, shape, generator=g)
 
 
-def confident_logits(target: torch.Tensor, num_classes: int, margin: float = 30.0) -> torch.Tensor:
+def confident_logits(target: torch.Tensor, num_outputs: int, margin: float = 30.0) -> torch.Tensor:
     """Logits ``(B, C, *spatial)`` that put almost all probability on ``target`` ``(B, 1, *spatial)``."""
-    onehot = torch.zeros(target.shape[0], num_classes, *target.shape[2:])
+    onehot = torch.zeros(target.shape[0], num_outputs, *target.shape[2:])
     return margin * onehot.scatter_(1, target.long(), 1.0)
 
 

@@ -24,7 +24,7 @@ from autoseg.memory import (
 )
 from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES
 from autoseg.model.network import build_network, count_parameters
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 MiB = 1024**2
 
@@ -39,24 +39,24 @@ def one_thread():
 
 
 def topo(dim: int, features: tuple[int, ...], strides: list[tuple[int, ...]], in_channels: int = 1,
-         num_classes: int = 3, kernels: list[tuple[int, ...]] | None = None,
+         num_outputs: int = 3, kernels: list[tuple[int, ...]] | None = None,
          deep_supervision: bool = True) -> NetworkTopology:
     kernels = kernels or [(3,) * dim] * len(features)
-    return NetworkTopology(dim=dim, in_channels=in_channels, num_classes=num_classes,
+    return NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
                            features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides),
                            deep_supervision=deep_supervision)
 
 
 ISO3D = topo(3, (4, 8, 16, 32), [(1, 1, 1)] + [(2, 2, 2)] * 3)
-ANISO3D = topo(3, (4, 8, 16, 16), [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)], in_channels=2, num_classes=4,
+ANISO3D = topo(3, (4, 8, 16, 16), [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)], in_channels=2, num_outputs=4,
                kernels=[(1, 3, 3), (1, 3, 3), (3, 3, 3), (3, 3, 3)])
 FIVE3D = topo(3, (4, 8, 8, 16, 16), [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2)], in_channels=4,
-              num_classes=5)
-FIVE2D = topo(2, (4, 8, 16, 16, 16), [(1, 1)] + [(2, 2)] * 4, num_classes=2)
+              num_outputs=5)
+FIVE2D = topo(2, (4, 8, 16, 16, 16), [(1, 1)] + [(2, 2)] * 4, num_outputs=2)
 SIX2D = topo(2, (4, 4, 8, 8, 16, 16), [(1, 1), (2, 2), (2, 2), (2, 1), (2, 2), (2, 1)], in_channels=2)
 SEVEN2D = topo(2, (4, 4, 8, 8, 8, 16, 16), [(1, 1), (2, 2), (2, 2), (1, 2), (2, 1), (1, 2), (2, 1)],
-               in_channels=3, num_classes=14)
-FOUR2D_NO_DS = topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_classes=2, deep_supervision=False)
+               in_channels=3, num_outputs=14)
+FOUR2D_NO_DS = topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_outputs=2, deep_supervision=False)
 
 # Three sigmoid region outputs + an ignore label, and three softmax classes + an ignore label (ISO3D's 3 outputs).
 REGIONS_IGNORE = LabelScheme.from_labels({"background": 0, "wt": [1, 2, 3], "tc": [2, 3], "et": 3, "ignore": 4},
@@ -77,7 +77,7 @@ CONFIGS = [
     ("3d-iso-4st-b1-bf16", ISO3D, 1, (16, 16, 32), {"precision": "bf16"}),
     ("3d-iso-4st-b2-regions-ignore", ISO3D, 2, (16, 16, 16), {"labels": REGIONS_IGNORE}),
     ("3d-iso-4st-b2-classes-ignore-bf16", ISO3D, 2, (16, 16, 16), {"labels": CLASSES_IGNORE, "precision": "bf16"}),
-    ("2d-4st-b2-one-output", topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_classes=1), 2, (32, 32), {}),
+    ("2d-4st-b2-one-output", topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_outputs=1), 2, (32, 32), {}),
 ]
 
 
@@ -188,7 +188,7 @@ def test_measurement_leaves_the_global_rng_alone():
 
 
 def test_flops_match_the_convolutions():
-    t = topo(2, (4, 8), [(1, 1), (2, 2)], in_channels=2, num_classes=3)
+    t = topo(2, (4, 8), [(1, 1), (2, 2)], in_channels=2, num_outputs=3)
     b, v = 2, 16 * 16
 
     def conv(c_in, c_out, k, voxels_out):
@@ -210,16 +210,16 @@ def test_flops_match_the_convolutions():
     (ISO3D, (16, 16, 16), 4, (16, 16, 16), ()),  # one tile: the batch shrinks to it
 ])
 def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batch, shape, mirror):
-    predicted = inference_memory(topology, patch, tile_batch, shape, topology.num_classes, "fp32", mirror)
+    predicted = inference_memory(topology, patch, tile_batch, shape, topology.num_outputs, "fp32", mirror)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
     measured = measure_inference_bytes(topology, data, patch, tile_batch, "fp32", mirror)
     assert abs(predicted.peak_bytes - measured) / measured < 0.01, (predicted.breakdown(), measured)
     padded = math.prod(max(s, p) for s, p in zip(shape, (1, *patch)[-3:]))
-    assert predicted.accumulator_bytes == topology.num_classes * padded * 4
+    assert predicted.accumulator_bytes == topology.num_outputs * padded * 4
 
 
 def test_inference_memory_checks_num_classes():
-    with pytest.raises(ValueError, match="num_classes 5 differs from the network's 3"):
+    with pytest.raises(ValueError, match="num_outputs 5 differs from the network's 3"):
         inference_memory(ISO3D, (16, 16, 16), 1, (16, 16, 16), 5)
 
 
@@ -246,7 +246,7 @@ def test_simulation_of_a_realistic_network_is_fast_and_large():
     """A 6-stage 3D U-Net at 128^3, batch 2 (nnU-Net's shape): simulated in seconds, ~9 GiB of tensors."""
     import time
 
-    t = topo(3, (32, 64, 128, 256, 320, 320), [(1, 1, 1)] + [(2, 2, 2)] * 5, num_classes=3)
+    t = topo(3, (32, 64, 128, 256, 320, 320), [(1, 1, 1)] + [(2, 2, 2)] * 5, num_outputs=3)
     start = time.perf_counter()
     m = simulate_training_step(t, 2, (128, 128, 128))
     assert time.perf_counter() - start < 30

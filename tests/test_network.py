@@ -3,22 +3,23 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 from autoseg.model.network import NETWORKS, build_network, count_parameters
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 
 def topology(dim: int = 3, features: tuple[int, ...] = (4, 8, 16), deep_supervision: bool = True,
              strides: tuple[tuple[int, ...], ...] | None = None,
              kernel_sizes: tuple[tuple[int, ...], ...] | None = None, conv_per_stage: int = 2,
-             in_channels: int = 2, num_classes: int = 3) -> NetworkTopology:
+             in_channels: int = 2, num_outputs: int = 3) -> NetworkTopology:
     n = len(features)
     return NetworkTopology(
-        dim=dim, in_channels=in_channels, num_classes=num_classes, features_per_stage=features,
+        dim=dim, in_channels=in_channels, num_outputs=num_outputs, features_per_stage=features,
         kernel_sizes=kernel_sizes or ((3,) * dim,) * n,
         strides=strides or ((1,) * dim,) + ((2,) * dim,) * (n - 1),
         conv_per_stage=conv_per_stage, deep_supervision=deep_supervision,
@@ -130,7 +131,7 @@ def test_checkpointing_stores_fewer_activations_and_is_off_outside_training() ->
 
 
 def test_parameter_count_matches_hand_count() -> None:
-    topo = NetworkTopology(dim=2, in_channels=1, num_classes=2, features_per_stage=(2, 4),
+    topo = NetworkTopology(dim=2, in_channels=1, num_outputs=2, features_per_stage=(2, 4),
                            kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)), conv_per_stage=1)
     # encoder 0: conv 1->2 (2*1*9 + 2) + norm (2 + 2) = 24;  encoder 1: conv 2->4 (4*2*9 + 4) + norm 8 = 84
     # decoder 0: transposed 4->2 k2 (4*2*4 + 2) = 34, conv 4->2 (2*4*9 + 2) = 74, norm 4;  seg head 2->2 = 6
@@ -160,10 +161,17 @@ def test_weight_init_is_kaiming_normal_with_zero_bias() -> None:
             assert torch.all(m.weight == 1) and torch.all(m.bias == 0)
 
 
-def test_registry_and_unknown_name() -> None:
-    assert "plain_unet" in NETWORKS
-    with pytest.raises(ValueError, match=r"unknown network 'resunet'.*plain_unet"):
-        build_network(topology(2), name="resunet")
+def test_build_network_builds_the_architecture_the_plan_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isinstance(build_network(topology(2)), NETWORKS["plain_unet"])
+    built = []
+    monkeypatch.setitem(NETWORKS, "toy", lambda t, checkpointing: built.append((t, checkpointing)) or nn.Identity())
+    named = replace(topology(2), architecture="toy")
+    assert isinstance(build_network(named, checkpointing=True), nn.Identity) and built == [(named, True)]
+
+
+def test_unknown_architecture_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"architecture 'resunet'.*plans.json.*plain_unet"):
+        build_network(replace(topology(2), architecture="resunet"))
 
 
 @pytest.mark.parametrize("changes,message", [
@@ -175,7 +183,7 @@ def test_registry_and_unknown_name() -> None:
     ({"conv_per_stage": 0}, r"conv_per_stage is 0"),
 ])
 def test_invalid_topology_is_rejected_with_the_field_to_fix(changes: dict, message: str) -> None:
-    fields = dict(dim=2, in_channels=1, num_classes=2, features_per_stage=(4, 8, 16),
+    fields = dict(dim=2, in_channels=1, num_outputs=2, features_per_stage=(4, 8, 16),
                   kernel_sizes=((3, 3),) * 3, strides=((1, 1), (2, 2), (2, 2)))
     with pytest.raises(ValueError, match=message):
         build_network(NetworkTopology(**{**fields, **changes}))

@@ -49,7 +49,7 @@ def test_pooling_caps_give_a_finer_grid() -> None:
 
 
 def _space(median: tuple[int, ...] = (100, 340, 340), spacing: tuple[float, ...] = (3.0, 0.8, 0.8)) -> SearchSpace:
-    return SearchSpace(spacing, median, in_channels=1, num_classes=3, dataset_voxels=20 * math.prod(median))
+    return SearchSpace(spacing, median, in_channels=1, num_outputs=3, dataset_voxels=20 * math.prod(median))
 
 
 def _rough(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:

@@ -10,6 +10,7 @@ import numpy as np
 import SimpleITK as sitk
 from factories import set_configuration, tiny_topology
 
+from autoseg.core.workspace import Workspace
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import evaluate_folder
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
@@ -17,7 +18,6 @@ from autoseg.plan.planner import Budget
 from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import predict
 from autoseg.train.trainer import RunConfig, train
-from autoseg.core.workspace import Workspace
 
 GiB = 1024**3
 IGNORE = 3
@@ -47,7 +47,7 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
     plans = plan_dataset(dataset, ws, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     assert plans.labels == {"background": 0, "organ": (1, 2), "lesion": 2, "ignore": IGNORE}
     assert Plans.from_json(ws.plans_path).regions_class_order == (1, 2)
-    assert {c.network.num_classes for c in plans.configurations.values()} == {2}  # two sigmoid regions
+    assert {c.network.num_outputs for c in plans.configurations.values()} == {2}  # two sigmoid regions
     preprocess_workspace(ws, ["3d_fullres"], processes=1, progress=False)
     folder = ws.preprocessed("3d_fullres")
     for props_path in sorted(folder.glob("*.json")):

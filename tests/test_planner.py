@@ -6,9 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.data.loader import worker_bytes
-from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
+from autoseg.memory.host import worker_bytes
+from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.planner import (
     FILL_TARGET,
     MAX_STAGES,
@@ -23,7 +23,7 @@ from autoseg.plan.planner import (
     topology_for,
 )
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
-from autoseg.data.config import loader_config
+from autoseg.plan.training_data import loader_config
 
 # --- target_spacing ---------------------------------------------------------------------------------
 
@@ -74,7 +74,7 @@ def test_target_spacing_keeps_median_when_spacing_is_not_anisotropic() -> None:
 
 def test_thick_slice_axis_is_not_pooled_until_its_spacing_catches_up() -> None:
     # spacing (5, 1, 1): in-plane pooled twice (1 -> 2 -> 4 mm) before z (5 mm <= 2 x 4 mm) is pooled
-    topo, patch = topology_for((20, 160, 160), (5.0, 1.0, 1.0), in_channels=1, num_classes=3,
+    topo, patch = topology_for((20, 160, 160), (5.0, 1.0, 1.0), in_channels=1, num_outputs=3,
                                base_features=32, max_features=320)
     assert topo.strides == ((1, 1, 1), (1, 2, 2), (1, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2))
     # kernel 1 along z while z is > 2x the finest spacing (stages 0 and 1), 3 once it is within 2x
@@ -82,7 +82,7 @@ def test_thick_slice_axis_is_not_pooled_until_its_spacing_catches_up() -> None:
     assert topo.features_per_stage == (32, 64, 128, 256, 320, 320)  # doubling, capped
     assert topo.patch_divisor() == (4, 32, 32)
     assert patch == (20, 160, 160)
-    assert topo.dim == 3 and topo.in_channels == 1 and topo.num_classes == 3
+    assert topo.dim == 3 and topo.in_channels == 1 and topo.num_outputs == 3
 
 
 def test_patch_is_rounded_up_to_a_multiple_of_the_strides() -> None:
@@ -180,7 +180,7 @@ def test_3d_dataset_gets_3d_fullres_and_2d(rough_plans: dict[int, Plans]) -> Non
         assert full.dim == 3 and len(full.patch_size) == 3
         assert flat.dim == 2 and len(flat.patch_size) == 2
         assert full.spacing_mm[1:] == flat.spacing_mm[1:] == pytest.approx((0.8, 0.8))
-        assert full.network.in_channels == 1 and full.network.num_classes == 3
+        assert full.network.in_channels == 1 and full.network.num_outputs == 3
         assert full.device == "cuda" and full.precision == "fp16"  # AMP, as nnU-Net
 
 
@@ -253,7 +253,7 @@ def test_plan_normalization_and_json_round_trip(rough_plans: dict[int, Plans], t
     assert plans.normalization == ("ct",)
     assert plans.use_nonzero_mask == (False,)  # only z-score channels use the mask
     assert plans.intensity_properties[0].percentile_99_5 == 250.0
-    assert plans.gpu_memory_bytes == 8 * GiB and plans.num_classes == 3
+    assert plans.gpu_memory_bytes == 8 * GiB and plans.num_label_values == 3
     plans.to_json(tmp_path / "plans.json")
     assert Plans.from_json(tmp_path / "plans.json") == plans
 
@@ -272,7 +272,7 @@ def test_2d_data_gets_only_a_2d_configuration() -> None:
     assert cfg.median_shape_zyx[0] == 1
     assert all(p % d == 0 for p, d in zip(cfg.patch_size, cfg.network.patch_divisor()))
     assert plans.normalization == ("zscore", "ct")
-    assert cfg.network.in_channels == 2 and cfg.network.num_classes == 2
+    assert cfg.network.in_channels == 2 and cfg.network.num_outputs == 2
     assert cfg.limited_by == "batch_cap" and cfg.batch_size == 2  # 10 small images: 5% of them is one patch
     with pytest.raises(KeyError, match="3d_fullres"):
         plans.configuration("3d_fullres")

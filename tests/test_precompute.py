@@ -17,8 +17,9 @@ from scipy import ndimage
 from autoseg.data.augment import Augmenter, build_train_transforms
 from autoseg.data.augment_spatial import PatchSpatialTransform
 from autoseg.data.loader import BatchLoader
+from autoseg.data.sampler import PatchSampler
 from autoseg.dataset.raw import load_dataset
-from autoseg.data.sampler import LoaderConfig, PatchSampler
+from autoseg.plan.training_data import LoaderConfig
 from autoseg.preprocess.precompute import (
     PrecomputeConfig,
     SpatialParams,

@@ -9,6 +9,7 @@ import pytest
 import SimpleITK as sitk
 import torch
 
+from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry
 from autoseg.model.network import build_network
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
@@ -16,7 +17,6 @@ from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import export_segmentation, predict
 from autoseg.preprocess.preprocessor import CaseProperties
-from autoseg.core.workspace import Workspace
 
 
 def _rotation_xyz(angles_deg: tuple[float, float, float]) -> np.ndarray:
@@ -79,7 +79,7 @@ def test_prediction_has_the_input_geometry(trained_workspace, tmp_path: Path, co
         _assert_same_header(out, source)
         labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out)))
         assert labels.shape == sitk.GetArrayFromImage(sitk.ReadImage(str(source))).shape
-        assert labels.min() >= 0 and labels.max() <= plans.num_classes - 1
+        assert labels.min() >= 0 and labels.max() <= plans.num_label_values - 1
 
 
 def test_rotated_input_keeps_its_non_identity_direction(trained_workspace, tmp_path: Path) -> None:

@@ -7,14 +7,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.dataset.raw import load_dataset
+from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_geometry
+from autoseg.dataset.raw import load_dataset
 from autoseg.plan.pipeline import plan_dataset
 from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
 from autoseg.preprocess.preprocessor import CaseProperties, preprocess
 from autoseg.preprocess.resampling import compute_new_shape
-from autoseg.core.workspace import Workspace
 
 
 @pytest.fixture(scope="module")

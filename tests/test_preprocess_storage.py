@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from factories import write_case
 
-from autoseg.data.sampler import LoaderConfig, PatchSampler
+from autoseg.data.sampler import PatchSampler
+from autoseg.plan.training_data import LoaderConfig
 
 PAGE = mmap.PAGESIZE
 SHAPE = (1, 64, 256, 256)  # float32: 16 MiB, 256 KiB per z-slice

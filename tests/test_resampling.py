@@ -6,16 +6,14 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
+from autoseg.core.spacing import is_anisotropic, out_of_plane_axis
+from autoseg.memory.host import resampling_peak_bytes, segmentation_resampling_peak_bytes
 from autoseg.preprocess.resampling import (
     compute_new_shape,
-    is_anisotropic,
-    out_of_plane_axis,
     resample_channel,
     resample_channels_to_shape,
     resample_image,
     resample_segmentation,
-    resampling_peak_bytes,
-    segmentation_resampling_peak_bytes,
 )
 
 

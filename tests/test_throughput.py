@@ -30,7 +30,8 @@ def test_unknown_gpu_is_the_smallest_listed_one_with_that_memory() -> None:
 
 def test_cpu_throughput_is_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(autoseg.plan.compute, "calibrate_cpu_throughput", lambda repeats=3: calls.append(repeats) or 5e9)
+    monkeypatch.setattr(autoseg.plan.compute, "calibrate_cpu_throughput",
+                        lambda repeats=3: calls.append(repeats) or 5e9)
     monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cached_cpu_throughput(tmp_path) == (5e9, "measured now")
     assert cached_cpu_throughput(tmp_path) == (5e9, f"cached in {tmp_path / 'cpu_throughput.json'}")

@@ -9,15 +9,15 @@ import pytest
 import torch
 from factories import set_configuration, tiny_topology
 
-from autoseg.train.checkpoint import load_checkpoint
-from autoseg.train.degrade import choose_degradation
+from autoseg.core.workspace import Workspace
 from autoseg.memory import predict_device_peak, simulate_training_step
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
+from autoseg.train.checkpoint import load_checkpoint
+from autoseg.train.degrade import choose_degradation
 from autoseg.train.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
 from autoseg.train.trainer import RunConfig, train
-from autoseg.core.workspace import Workspace
 
 CONFIG = "3d_fullres"
 TINY = dict(epochs=3, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
@@ -35,7 +35,7 @@ def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
     workspace = Workspace.at(root / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
-    _set_plan(workspace, network=tiny_topology(plans.num_classes), patch_size=(8, 16, 16), batch_size=2,
+    _set_plan(workspace, network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16), batch_size=2,
               accumulation_steps=1, checkpointing=True)
     return workspace.root
 

@@ -9,12 +9,13 @@ import pytest
 from factories import set_configuration, tiny_plans, tiny_topology
 
 import autoseg.data.loader as batch_loader
-from autoseg.data.sampler import output_batch_bytes
+from autoseg.core.workspace import Workspace
+from autoseg.data.config import precomputed_copies
+from autoseg.memory.host import output_batch_bytes
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.training_data import loader_config, uses_dummy_2d
 from autoseg.train.trainer import RunConfig, train
-from autoseg.data.config import loader_config, precomputed_copies, uses_dummy_2d
-from autoseg.core.workspace import Workspace
 
 CONFIG = "3d_fullres"
 
@@ -41,7 +42,7 @@ def precomputed(tiny_dataset: Path, tmp_path_factory) -> Workspace:
     workspace = Workspace.at(tmp_path_factory.mktemp("train_data") / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, [CONFIG], processes=1, progress=False, precompute_augmentations=1)
-    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_classes), patch_size=(8, 16, 16),
+    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
                       batch_size=2, accumulation_steps=1, checkpointing=False)
     return workspace
 
@@ -90,7 +91,7 @@ def test_use_precomputed_without_copies_names_the_flag(tiny_dataset: Path, tmp_p
     workspace = Workspace.at(tmp_path / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
-    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_classes), patch_size=(8, 16, 16),
+    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
                       batch_size=2, accumulation_steps=1)
     run = RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1,
                     use_precomputed=True)

@@ -40,7 +40,7 @@ from scipy import ndimage
 from autoseg.data.augment_spatial import PatchSpatialTransform
 
 if TYPE_CHECKING:
-    from autoseg.data.sampler import LoaderConfig
+    from autoseg.plan.training_data import LoaderConfig
 
 class SimulateLowResolution(AbstractTransform):
     """batchgenerators' SimulateLowResolutionTransform (per_channel, nearest downsampling, spline

@@ -25,15 +25,12 @@ import torch
 from batchgenerators.transforms.abstract_transforms import AbstractTransform
 from scipy import ndimage
 
+from autoseg.memory.host import LABELS_PER_CALL
+from autoseg.plan.training_data import box_size
 from autoseg.preprocess.precompute import rotation_matrix
 
 if TYPE_CHECKING:
-    from autoseg.data.sampler import LoaderConfig
-
-# Angles tried per rotation axis when bounding the rotated patch (3D: a 31^3 grid of rotation matrices).
-_ANGLE_STEPS_3D = 31
-_ANGLE_STEPS_2D = 721
-LABELS_PER_CALL = 2  # label indicator planes interpolated together with the image: memory (C + 2) x E float32
+    from autoseg.plan.training_data import LoaderConfig
 
 
 @dataclass(frozen=True)
@@ -86,66 +83,8 @@ def read_size(patch_size: tuple[int, ...], transform: PatchTransform | None,
     if transform is None:
         return patch
     if dummy_2d:
-        return (patch[0], *_box_size(patch[1:], transform.matrix()[None]))
-    return _box_size(patch, transform.matrix()[None])
-
-
-def enlarged_patch_size(
-    patch_size: tuple[int, ...],
-    rotation_deg: float,
-    scale_range: tuple[float, float],
-    dummy_2d: bool = False,
-) -> tuple[int, ...]:
-    """The largest ``read_size`` over every rotation up to ``rotation_deg`` and every scale in ``scale_range``.
-
-    ``rotation_deg``: the largest angle about each axis (3D: about z, y and x, composed; 2D and ``dummy_2d``:
-    in-plane only, the z extent stays ``patch_size[0]``), capped at 180 deg. The rotated patch's bounding box
-    over those angles, times the largest scale factor.
-
-    Examples at scale (0.7, 1.4): (128, 128, 128) at 30 deg -> (302, 308, 302) (three composed 30 deg
-    rotations tilt the patch almost onto its diagonal; 13.5x the patch's voxels); (512, 512) 2D at 180 deg
-    -> (1014, 1014) (the diagonal, times 1.4). A sample reads this much only under its worst transform.
-    """
-    patch = tuple(int(p) for p in patch_size)
-    if dummy_2d and len(patch) != 3:
-        raise ValueError(f"dummy_2d needs a 3D patch (z, y, x), got {patch}")
-    spatial = patch[1:] if dummy_2d else patch
-    if len(spatial) not in (2, 3):
-        raise ValueError(f"patch size must have 2 or 3 entries, got {patch}")
-    rotations = _rotation_grid(len(spatial), math.radians(min(abs(rotation_deg), 180.0)))
-    size = _box_size(spatial, rotations.transpose(0, 2, 1) * max(1.0, float(max(scale_range))))
-    return (patch[0], *size) if dummy_2d else size
-
-
-def _box_size(patch: tuple[int, ...], matrices: np.ndarray) -> tuple[int, ...]:
-    """Smallest box (even margins) holding the patch mapped by every matrix (N, d, d): input = A @ offset."""
-    half = (np.asarray(patch, dtype=np.float64) - 1.0) / 2.0  # half span of the voxel centres
-    radius = np.einsum("ndj,j->nd", np.abs(matrices), half).max(axis=0)  # input axis d spans sum_j |A_dj| h_j
-    size = []
-    for r, p in zip(radius, patch, strict=True):
-        e = max(p, math.ceil(2.0 * r + 1.0 - 1e-6))
-        size.append(e + (e - p) % 2)
-    return tuple(size)
-
-
-def _rotation_grid(dim: int, max_angle_rad: float) -> np.ndarray:
-    """Rotation matrices R (N, dim, dim) over a grid of angles in [-max_angle_rad, max_angle_rad] per axis
-    (3D: ``rotation_matrix`` of every angle triple, vectorised)."""
-    if dim == 2:
-        a = np.linspace(-max_angle_rad, max_angle_rad, _ANGLE_STEPS_2D)
-        c, s = np.cos(a), np.sin(a)
-        return np.stack([np.stack([c, -s], -1), np.stack([s, c], -1)], 1)
-    a = np.linspace(-max_angle_rad, max_angle_rad, _ANGLE_STEPS_3D)
-    c, s, one, zero = np.cos(a), np.sin(a), np.ones_like(a), np.zeros_like(a)
-
-    def matrix(rows: list[list[np.ndarray]]) -> np.ndarray:  # (N, 3, 3) from 3 x 3 arrays of shape (N,)
-        return np.stack([np.stack(row, -1) for row in rows], 1)
-
-    turn_yx = matrix([[one, zero, zero], [zero, c, -s], [zero, s, c]])
-    turn_zx = matrix([[c, zero, s], [zero, one, zero], [-s, zero, c]])
-    turn_zy = matrix([[c, -s, zero], [s, c, zero], [zero, zero, one]])
-    first_two = np.einsum("aij,bjk->abik", turn_yx, turn_zx).reshape(-1, 3, 3)
-    return np.einsum("aij,bjk->abik", first_two, turn_zy).reshape(-1, 3, 3)
+        return (patch[0], *box_size(patch[1:], transform.matrix()[None]))
+    return box_size(patch, transform.matrix()[None])
 
 
 def spatial_transform(data: np.ndarray, seg: np.ndarray, transform: PatchTransform | None,

@@ -17,25 +17,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from autoseg.data.sampler import LoaderConfig
-from autoseg.plan.plans import ConfigurationPlan
-
-__all__ = ["DUMMY_2D_ANISOTROPY", "loader_config", "precomputed_copies", "uses_dummy_2d"]
-
-DUMMY_2D_ANISOTROPY = 3.0
-
-
-def uses_dummy_2d(patch_size: Sequence[int]) -> bool:
-    """True for a 3D (z, y, x) patch more than ``DUMMY_2D_ANISOTROPY`` times larger in-plane than along z."""
-    return len(patch_size) == 3 and max(patch_size) / patch_size[0] > DUMMY_2D_ANISOTROPY
-
-
-def loader_config(config: ConfigurationPlan, augment: bool, use_precomputed: bool = False) -> LoaderConfig:
-    """The loader of ``config``: its patch and micro-batch; augmentation as nnU-Net's defaults, in-plane
-    only for a dummy-2D patch; with ``use_precomputed`` the spatial transform is skipped."""
-    patch = tuple(config.patch_size)
-    return LoaderConfig(patch_size=patch, batch_size=config.batch_size, augment=augment,
-                        dummy_2d=augment and uses_dummy_2d(patch), use_precomputed=use_precomputed)
+__all__ = ["precomputed_copies"]
 
 
 def precomputed_copies(folder: Path, case_ids: Sequence[str]) -> int:

@@ -33,36 +33,14 @@ from threadpoolctl import ThreadpoolController
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from autoseg.data.augment import Augmenter
-from autoseg.data.sampler import LoaderConfig, PatchSampler, batch_bytes, output_batch_bytes
-from autoseg.memory.host import WORKER_RUNTIME_BYTES
+from autoseg.data.sampler import PatchSampler
+from autoseg.memory.host import output_batch_bytes, worker_bytes
+from autoseg.plan.training_data import LoaderConfig
 
-__all__ = ["BatchLoader", "worker_bytes", "workers_for_shared_memory"]
+__all__ = ["BatchLoader", "workers_for_shared_memory"]
 
 _PARENT_CHECK_S = 1.0  # how often a worker waiting for a free slot checks that the trainer is alive
 SHM_FOLDER = "/dev/shm"  # where torch's shared memory lives on Linux
-
-
-def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], batch_size: int,
-                 num_channels: int, queue_depth: int, *, seg_itemsize: int = 1,
-                 dummy_2d: bool = False) -> dict[str, int]:
-    """Host bytes of one loader worker, by term, and their ``total``.
-
-    ``runtime``: the process (``WORKER_RUNTIME_BYTES``); ``in_flight``: the batch it builds
-    (``autoseg.data.sampler.batch_bytes``, an upper bound at ``enlarged_patch_size``); ``slots``: its
-    ``queue_depth + 1`` shared-memory batches (``output_batch_bytes`` each), which the trainer's process
-    maps too. E.g. patch (56, 192, 192), read box (56, 386, 376), B=2, C=1, queue depth 2, dummy 2D:
-    150 MiB + 0.21 GB + 3 x 20.6 MB."""
-    if queue_depth < 1 or batch_size < 1 or num_channels < 1:
-        raise ValueError(f"batch_size ({batch_size}), num_channels ({num_channels}) and queue_depth "
-                         f"({queue_depth}) must be >= 1")
-    terms = {
-        "runtime": WORKER_RUNTIME_BYTES,
-        "in_flight": batch_bytes(patch_size, enlarged_patch_size, batch_size, num_channels,
-                                 seg_itemsize=seg_itemsize, dummy_2d=dummy_2d),
-        "slots": (queue_depth + 1) * output_batch_bytes(patch_size, batch_size, num_channels, seg_itemsize),
-    }
-    terms["total"] = sum(terms.values())
-    return terms
 
 
 def _free_shared_memory(folder: str = SHM_FOLDER) -> int | None:

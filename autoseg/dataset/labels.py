@@ -103,9 +103,9 @@ class LabelScheme:
                    ignore_value=ignore, label_values=tuple(every))
 
     @classmethod
-    def plain(cls, num_classes: int) -> LabelScheme:
-        """Plain labels ``0 .. num_classes-1`` named by their value (background 0), no ignore label."""
-        return cls.from_labels({"background": 0, **{str(v): v for v in range(1, num_classes)}}, where="labels")
+    def plain(cls, num_label_values: int) -> LabelScheme:
+        """Plain labels ``0 .. num_label_values-1`` named by their value (background 0), no ignore label."""
+        return cls.from_labels({"background": 0, **{str(v): v for v in range(1, num_label_values)}}, where="labels")
 
     @classmethod
     def for_outputs(cls, num_outputs: int) -> LabelScheme:

@@ -53,7 +53,7 @@ class RawDataset:
         return LabelScheme.from_labels(self.labels, self.regions_class_order, where=str(self.root / "dataset.json"))
 
     @property
-    def num_classes(self) -> int:
+    def num_label_values(self) -> int:
         """Highest label value + 1, ignore included (network outputs: ``label_scheme.num_outputs``)."""
         return self.label_scheme.num_label_values
 

@@ -48,7 +48,7 @@ class DemoCase:
 
     case_id: str
     image_zyx: np.ndarray  # float32, exactly 0 outside the body, >= 1 inside
-    label_zyx: np.ndarray  # uint8, 0 background, 1 organ, 2 lesion (when num_classes == 3)
+    label_zyx: np.ndarray  # uint8, 0 background, 1 organ, 2 lesion (when num_label_values == 3)
     body_zyx: np.ndarray  # bool, the body mask (the image's nonzero region)
     geometry: Geometry
 
@@ -63,22 +63,22 @@ def make_demo_dataset(
     num_test: int = 6,
     shape_zyx: tuple[int, int, int] = DEFAULT_SHAPE_ZYX,
     seed: int = 0,
-    num_classes: int = 3,
+    num_label_values: int = 3,
 ) -> Path:
     """Write a synthetic dataset in the nnU-Net raw layout to ``out_dir`` and return that path.
 
     Writes ``imagesTr/{case}_0000.nii.gz`` and ``labelsTr/{case}.nii.gz`` for ``num_train`` cases,
     ``imagesTs/`` and ``labelsTs/`` (ground truth for evaluation) for ``num_test`` held-out cases, and
     ``dataset.json`` last. ``shape_zyx`` is the nominal image size (each case varies by up to +-10% per
-    axis). ``num_classes`` is 3 (background, organ, lesion) or 2 (background, organ; no lesion drawn).
+    axis). ``num_label_values`` is 3 (background, organ, lesion) or 2 (background, organ; no lesion drawn).
 
     ``out_dir`` must be empty, missing, or a previous demo dataset (whose case files are replaced).
     """
-    _check_args(num_train, num_test, shape_zyx, num_classes)
+    _check_args(num_train, num_test, shape_zyx, num_label_values)
     out = Path(out_dir).expanduser()
     _prepare_folder(out)
     for case_index in range(num_train + num_test):
-        case = synthesize_case(seed, case_index, shape_zyx, num_classes)
+        case = synthesize_case(seed, case_index, shape_zyx, num_label_values)
         images, labels = ("imagesTr", "labelsTr") if case_index < num_train else ("imagesTs", "labelsTs")
         write_image(out / images / f"{case.case_id}_0000{FILE_ENDING}", case.image_zyx, case.geometry)
         write_image(out / labels / f"{case.case_id}{FILE_ENDING}", case.label_zyx, case.geometry)
@@ -86,7 +86,7 @@ def make_demo_dataset(
         "name": DEMO_DATASET_NAME,
         "description": f"synthetic body/organ/lesion volumes from autoseg.demo.data (seed {seed})",
         "channel_names": {"0": "MRI"},
-        "labels": {name: value for value, name in enumerate(LABEL_NAMES[:num_classes])},
+        "labels": {name: value for value, name in enumerate(LABEL_NAMES[:num_label_values])},
         "numTraining": num_train,
         "numTest": num_test,
         "file_ending": FILE_ENDING,
@@ -99,10 +99,10 @@ def synthesize_case(
     seed: int,
     case_index: int,
     shape_zyx: tuple[int, int, int] = DEFAULT_SHAPE_ZYX,
-    num_classes: int = 3,
+    num_label_values: int = 3,
 ) -> DemoCase:
     """Generate case ``case_index`` of the dataset with ``seed``; depends on nothing else."""
-    _check_args(1, 0, shape_zyx, num_classes)
+    _check_args(1, 0, shape_zyx, num_label_values)
     rng = np.random.default_rng([seed, case_index])
     size_zyx = tuple(max(8, round(n * rng.uniform(0.9, 1.1))) for n in shape_zyx)
     inplane_mm = SPACING_INPLANE_MM * rng.uniform(0.95, 1.05)
@@ -127,7 +127,7 @@ def synthesize_case(
     direction = rng.standard_normal(3)
     lesion_offset = direction / np.linalg.norm(direction) * rng.uniform() ** (1 / 3)  # uniform in a ball
     lesion_centre = organ_centre + lesion_offset * np.maximum(organ_semi - lesion_radius_mm, 0.0)
-    if num_classes == 3:
+    if num_label_values == 3:
         lesion = _lesion_mask(coords_mm, lesion_centre, lesion_radius_mm, organ)
         label[lesion] = 2
 
@@ -181,14 +181,14 @@ def _bias_field(rng: np.random.Generator, coords_mm: list[np.ndarray], half_exte
     return 1.0 + amplitude * poly / max(float(np.abs(poly[body]).max()), 1e-6)
 
 
-def _check_args(num_train: int, num_test: int, shape_zyx: tuple[int, ...], num_classes: int) -> None:
+def _check_args(num_train: int, num_test: int, shape_zyx: tuple[int, ...], num_label_values: int) -> None:
     if num_train < 1 or num_test < 0:
         raise ValueError(f"need num_train >= 1 and num_test >= 0; got num_train={num_train}, "
                          f"num_test={num_test}")
     if len(shape_zyx) != 3 or min(shape_zyx) < 8:
         raise ValueError(f"shape_zyx must be 3 sizes of at least 8 voxels (z, y, x); got {tuple(shape_zyx)}")
-    if num_classes not in (2, 3):
-        raise ValueError(f"num_classes must be 2 (background, organ) or 3 (+ lesion); got {num_classes}")
+    if num_label_values not in (2, 3):
+        raise ValueError(f"num_label_values must be 2 (background, organ) or 3 (+ lesion); got {num_label_values}")
 
 
 def _prepare_folder(out: Path) -> None:

@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from autoseg.core.resources import available_ram_bytes
+from autoseg.core.workspace import Workspace
 from autoseg.demo.data import make_demo_dataset
 from autoseg.evaluate.metrics import evaluate_folder, format_table
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget
 from autoseg.predict.predictor import predict
-from autoseg.core.resources import available_ram_bytes
 from autoseg.train.trainer import RunConfig, train
-from autoseg.core.workspace import Workspace
 
 log = logging.getLogger("autoseg")
 

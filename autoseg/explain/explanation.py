@@ -20,9 +20,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from autoseg.data.loader import worker_bytes
 from autoseg.explain.format import DEVICE_TERMS, format_bytes, format_explanation
-from autoseg.plan.fingerprint import Fingerprint
 from autoseg.memory import (
     InferenceMemory,
     TrainingMemory,
@@ -33,9 +31,12 @@ from autoseg.memory import (
     simulate_training_step,
 )
 from autoseg.memory.device import DEVICES
+from autoseg.memory.host import worker_bytes
+from autoseg.model.topology import NetworkTopology
+from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.planner import AMP_PRECISION
-from autoseg.plan.plans import ConfigurationPlan, NetworkTopology, Plans
-from autoseg.data.config import loader_config
+from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.plan.training_data import loader_config
 
 MiB = 1024**2
 GiB = 1024**3
@@ -218,7 +219,7 @@ def _stages(config: ConfigurationPlan, step: TrainingMemory) -> tuple[StageMemor
         if group in ("encoder", "decoder") and 0 <= s < topo.num_stages:
             features, shape = topo.features_per_stage[s], shapes[s]
         elif group == "seg_heads" and 0 <= s < topo.num_stages:
-            features, shape = topo.num_classes, shapes[s]
+            features, shape = topo.num_outputs, shapes[s]
         else:
             features, shape = 0, ()
         nbytes = step.stage_activation_bytes[name]
@@ -245,8 +246,8 @@ def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
 
 @functools.lru_cache(maxsize=16)
 def _inference_cached(topology: NetworkTopology, patch_size: tuple[int, ...],
-                      image_shape_zyx: tuple[int, ...], num_classes: int, precision: str) -> InferenceMemory:
-    return inference_memory(topology, patch_size, 1, image_shape_zyx, num_classes, precision,
+                      image_shape_zyx: tuple[int, ...], num_outputs: int, precision: str) -> InferenceMemory:
+    return inference_memory(topology, patch_size, 1, image_shape_zyx, num_outputs, precision,
                             mirror_axes=tuple(range(topology.dim)))
 
 

@@ -28,7 +28,7 @@ from autoseg.memory.training import (
     check_step_arguments,
     record_training_step,
 )
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Each function returns its terms and their ``total``; a stage that runs in phases
 the ``total`` is the largest. They follow the code they model (``autoseg.preprocess.preprocessor``,
 ``autoseg.predict.predictor.export_segmentation``) and are meant to be
 held against measurements of those modules; where a quantity is not known (the crop, the exact path of
-a resampling) they take the larger case.
+a resampling) they take the larger case. The resampling terms (``resampling_peak_bytes``,
+``segmentation_resampling_peak_bytes``) follow ``autoseg.preprocess.resampling``.
 
 ``WORKER_RUNTIME_BYTES``: RSS of a fresh Python process that imported autoseg.preprocess.preprocessor or
 autoseg.data.augment (numpy, scipy, SimpleITK, batchgenerators), measured at about 135-150 MiB. Part of it is
@@ -16,11 +17,18 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from autoseg.preprocess.resampling import resampling_peak_bytes
+import numpy as np
+
+from autoseg.core.spacing import out_of_plane_axis
 
 MiB = 1024**2
 WORKER_RUNTIME_BYTES = 150 * MiB
 _F32, _F64, _I64 = 4, 8, 8
+# Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
+_CALL_OVERHEAD_BYTES = 16 * 1024
+# autoseg.data.augment_spatial interpolates this many label indicator planes per call with the image:
+# memory (C + 2) x E float32. Set here, where the loader's estimate needs it.
+LABELS_PER_CALL = 2  # label indicator planes interpolated together with the image: memory (C + 2) x E float32
 
 
 def _voxels(shape: Sequence[int]) -> int:
@@ -56,7 +64,7 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
 
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
-                 num_classes: int) -> dict[str, int]:
+                 num_outputs: int) -> dict[str, int]:
     """RAM of exporting one prediction (``autoseg.predict.predictor.export_segmentation``), streamed per class.
 
     ``probabilities`` the network's (K, resampled shape) float32 softmax, held throughout;
@@ -64,7 +72,7 @@ def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequenc
     ``best_score`` the running maximum (float32); ``compare`` a bool buffer; ``labels`` the running
     argmax and its uncropped copy (uint8, int16 beyond 127 classes). The crop is taken as the whole image.
     """
-    vo, vr, k = _voxels(shape_zyx_original), _voxels(shape_zyx_resampled), int(num_classes)
+    vo, vr, k = _voxels(shape_zyx_original), _voxels(shape_zyx_resampled), int(num_outputs)
     label_bytes = 1 if k <= 127 else 2
     resample = resampling_peak_bytes(shape_zyx_resampled, shape_zyx_original, 1, order=1, order_z=0)
     terms = {
@@ -73,6 +81,181 @@ def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequenc
         "best_score": vo * _F32,
         "compare": vo,
         "labels": 2 * vo * label_bytes,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def resampling_peak_bytes(
+    shape_zyx: Sequence[int],
+    new_shape_zyx: Sequence[int],
+    num_channels: int,
+    spacing_mm: Sequence[float] | None = None,
+    order: int = 3,
+    order_z: int = 0,
+) -> int:
+    """Host bytes ``resample_image`` holds at its peak beyond its float32 input.
+
+    The output array plus the largest per-channel temporary (see ``resample_channel``) plus a small
+    constant for per-call bookkeeping; 0 when the shape is unchanged (the input is returned). With
+    ``spacing_mm=None`` the path is unknown and the larger of the 3D and anisotropic estimates is given
+    (the anisotropic one taking the z axis as out-of-plane).
+    """
+    shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
+    if shape == new_shape:
+        return 0
+    output = 4 * num_channels * int(np.prod(new_shape))
+    if spacing_mm is None:
+        temp = max(_channel_temp_bytes(shape, new_shape, None, order, order_z),
+                   _channel_temp_bytes(shape, new_shape, 0, order, order_z))
+    else:
+        temp = _channel_temp_bytes(shape, new_shape, out_of_plane_axis(spacing_mm), order, order_z)
+    return output + temp + _CALL_OVERHEAD_BYTES
+
+
+def _channel_temp_bytes(
+    shape: tuple[int, ...], new_shape: tuple[int, ...], axis: int | None, order: int, order_z: int
+) -> int:
+    """Peak float32 temporaries of one ``resample_channel`` call (the output excluded)."""
+    if axis is None:
+        return 4 * int(np.prod(shape)) if order > 1 else 0
+    n_in, n_out = shape[axis], new_shape[axis]
+    plane_in = [s for a, s in enumerate(shape) if a != axis]
+    plane_out = [s for a, s in enumerate(new_shape) if a != axis]
+    slice_coeffs = 4 * int(np.prod(plane_in)) if order > 1 and plane_in != plane_out else 0
+    if n_in == n_out:  # in-plane only, written straight into the output
+        return slice_coeffs
+    mid = 4 * n_in * int(np.prod(plane_out)) if plane_in != plane_out else 0
+    mid_coeffs = 4 * n_in * int(np.prod(plane_out)) if order_z > 1 else 0
+    return max(mid + slice_coeffs, mid + mid_coeffs)
+
+
+def segmentation_resampling_peak_bytes(
+    shape_zyx: Sequence[int],
+    new_shape_zyx: Sequence[int],
+    spacing_mm: Sequence[float] | None = None,
+    order: int = 1,
+    order_z: int = 0,
+    label_itemsize: int = 1,
+    num_labels: int = 2,
+) -> int:
+    """Host bytes ``resample_segmentation`` holds at its peak beyond its input (see its docstring).
+
+    ``label_itemsize`` is the label map's bytes per voxel (1 for int8); ``num_labels`` the number of
+    distinct values in it (``-1`` included).
+    """
+    shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
+    if shape == new_shape:
+        return 0
+    n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
+    output = label_itemsize * n_out
+    if order == 0 or num_labels < 2:
+        return output + _CALL_OVERHEAD_BYTES
+    if order <= 1 and order_z <= 1:  # separable path: running sum and best score, one label's box at a time
+        # taps: per output index along each axis a float64 coordinate, int64 indices and a float32 weight,
+        # kept for the volume and for the label's box
+        taps = 2 * 40 * sum(new_shape)
+        return output + 8 * n_out + _separable_temp_bytes(shape, new_shape) + taps + _CALL_OVERHEAD_BYTES
+    best_score_response_better = (4 + 4 + 1) * n_out
+    mask = 4 * n_in
+    channel_temp = resampling_peak_bytes(shape, new_shape, 1, spacing_mm, order, order_z) - 4 * n_out
+    return output + best_score_response_better + mask + channel_temp
+
+
+def _separable_temp_bytes(shape: tuple[int, ...], new_shape: tuple[int, ...]) -> int:
+    """Peak temporaries of ``_resample_labels_separable`` beside its output, running sum and best score,
+    for a label whose box is the whole volume: the largest of its bool + float32 mask (5 B per input voxel);
+    a pass of ``_interpolate_separable`` (the mask, the pass's float32 input and two gathered float32 arrays
+    of its output size; passes go z, y, x); the response with its comparison and selection (9 B per output voxel); the
+    final comparisons (4 bool arrays)."""
+    n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
+    sizes = [n_in] + [int(np.prod(new_shape[: a + 1]) * np.prod(shape[a + 1:])) for a in range(3)]
+    # the caller's argument (the mask) stays referenced until the call returns
+    passes = max(4 * (sizes[a] + 2 * sizes[a + 1]) + (4 * n_in if a else 0) for a in range(3))
+    return max(5 * n_in, passes, 9 * n_out, 4 * n_out)
+
+
+def batch_bytes_terms(
+    patch_size: Sequence[int],
+    enlarged_patch_size: Sequence[int],
+    batch_size: int,
+    num_channels: int,
+    *,
+    seg_itemsize: int = 1,
+    dummy_2d: bool = False,
+) -> dict[str, int]:
+    """Host bytes of one batch in flight in a worker, by buffer (see ``batch_bytes``), as
+    ``PatchSampler.sample_patches`` builds it: one sample's box at a time.
+
+    ``enlarged_patch_size``: the largest box a sample reads (``LoaderConfig.enlarged_patch_size``); a sample
+    that is not rotated or scaled reads only the patch."""
+    p, e = math.prod(patch_size), math.prod(enlarged_patch_size)
+    b, c = batch_size, num_channels
+    d = 2 if (len(patch_size) == 2 or dummy_2d) else 3  # dimensions of the rotation
+    p_sp = math.prod(patch_size[-d:])
+    # PatchSpatialTransform, one sample at a time (autoseg.data.augment_spatial.spatial_transform): its label
+    # box copied, sample positions and grid_sample's grid (2 x d x P_sp float32), the image and LABELS_PER_CALL label
+    # indicators as float32 planes (C + 2) x E and their interpolation (C + 2) x P, the label vote's best and
+    # rest scores (float32) and a mask.
+    spatial = e * seg_itemsize + 2 * d * p_sp * 4 + (c + LABELS_PER_CALL) * (e + p) * 4 + 9 * p
+    # Intensity transforms, one sample at a time: the noise (C x P float32), or per channel up to three
+    # float32 temporaries (low resolution, contrast, blur).
+    intensity = max(c, 3) * p * 4
+    return {
+        "enlarged_data": c * e * 4,  # float32 (C, *E): one sample's box, read from the memmap
+        "enlarged_seg": e * seg_itemsize,  # int8 (1, *E)
+        "augmented_data": b * c * p * 4,  # float32 (B, C, *P), PatchSpatialTransform output
+        "augmented_seg": b * p * seg_itemsize,  # int8 (B, 1, *P): the target
+        "scratch": max(spatial, intensity),  # transient, one sample at a time
+    }
+
+
+def batch_bytes(
+    patch_size: Sequence[int],
+    enlarged_patch_size: Sequence[int],
+    batch_size: int,
+    num_channels: int,
+    *,
+    seg_itemsize: int = 1,
+    dummy_2d: bool = False,
+) -> int:
+    """Pure estimate (an upper bound) of the host bytes one batch holds in a worker while it is built.
+
+    One sample's read box float32 + labels (``seg_itemsize``: 1 for int8, 2 for int16) at the worst case,
+    the batch's augmented data (float32) and labels (the target) + the largest per-sample scratch of the
+    augmentation. E.g. patch (128, 128, 128), enlarged (302, 308, 302), B=2, C=1: about 0.62 GB; patch
+    (512, 512) 2D, enlarged (1014, 1014), B=12, C=1: about 0.04 GB; dummy 2D (56, 192, 192), enlarged
+    (56, 386, 376), B=2, C=1: about 0.21 GB; (160, 192, 160), enlarged (302, 340, 302), B=12, C=4: 2.6 GB
+    (it was 8.4 GB while the sampler read every sample's box before transforming any).
+    """
+    terms = batch_bytes_terms(patch_size, enlarged_patch_size, batch_size, num_channels,
+                              seg_itemsize=seg_itemsize, dummy_2d=dummy_2d)
+    return sum(terms.values())
+
+
+def output_batch_bytes(patch_size: Sequence[int], batch_size: int, num_channels: int, seg_itemsize: int = 1) -> int:
+    """Bytes of one finished batch (float32 data + target in the seg dtype), as it waits in the prefetch queue."""
+    return batch_size * math.prod(patch_size) * (num_channels * 4 + seg_itemsize)
+
+
+def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], batch_size: int,
+                 num_channels: int, queue_depth: int, *, seg_itemsize: int = 1,
+                 dummy_2d: bool = False) -> dict[str, int]:
+    """Host bytes of one loader worker, by term, and their ``total``.
+
+    ``runtime``: the process (``WORKER_RUNTIME_BYTES``); ``in_flight``: the batch it builds
+    (``autoseg.data.sampler.batch_bytes``, an upper bound at ``enlarged_patch_size``); ``slots``: its
+    ``queue_depth + 1`` shared-memory batches (``output_batch_bytes`` each), which the trainer's process
+    maps too. E.g. patch (56, 192, 192), read box (56, 386, 376), B=2, C=1, queue depth 2, dummy 2D:
+    150 MiB + 0.21 GB + 3 x 20.6 MB."""
+    if queue_depth < 1 or batch_size < 1 or num_channels < 1:
+        raise ValueError(f"batch_size ({batch_size}), num_channels ({num_channels}) and queue_depth "
+                         f"({queue_depth}) must be >= 1")
+    terms = {
+        "runtime": WORKER_RUNTIME_BYTES,
+        "in_flight": batch_bytes(patch_size, enlarged_patch_size, batch_size, num_channels,
+                                 seg_itemsize=seg_itemsize, dummy_2d=dummy_2d),
+        "slots": (queue_depth + 1) * output_batch_bytes(patch_size, batch_size, num_channels, seg_itemsize),
     }
     terms["total"] = sum(terms.values())
     return terms

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoseg.model.sliding_window import _padded_shape_zyx, _predict_tile_batch, _tile_regions, inference_buffer_bytes
 from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import PRECISIONS
 from autoseg.model.network import build_network
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.sliding_window import _padded_shape_zyx, _predict_tile_batch, _tile_regions, inference_buffer_bytes
+from autoseg.model.topology import NetworkTopology
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
         for _ in range(min(num_batches, 2)):  # from the second batch on, the previous logits are still held
             # B x C x patch fp32, the stacked copy of the tiles
             tile_batch = torch.randn((tile_batch_size, topology.in_channels, *patch_size))
-            logits = _predict_tile_batch(network, tile_batch, topology.num_classes, tuple(mirror_axes),
+            logits = _predict_tile_batch(network, tile_batch, topology.num_outputs, tuple(mirror_axes),
                                          sim_precision)
         tracker.mark("end")
         del logits, tile_batch
@@ -91,15 +91,15 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
 
 
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
-                     image_shape_zyx: tuple[int, int, int], num_classes: int, precision: str = "fp32",
+                     image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
                      mirror_axes: Sequence[int] = (), step_fraction: float = 0.5) -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
-    ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_classes`` must be the network's.
+    ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
     The tile batch is at most the number of tiles.
     """
-    if num_classes != topology.num_classes:
-        raise ValueError(f"num_classes {num_classes} differs from the network's {topology.num_classes}; "
+    if num_outputs != topology.num_outputs:
+        raise ValueError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
                          "pass the plan's number of classes (labels in dataset.json)")
     if len(patch_size) != topology.dim:
         raise ValueError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
@@ -109,7 +109,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     batch = min(tile_batch_size, num_tiles)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
                                                          mirror_axes, math.ceil(num_tiles / batch))
-    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_classes, tile_batch_size,
+    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, tile_batch_size,
                                      topology.in_channels)
     padded_voxels = buffers["weight_map"] // 4
     tiles = params + sum(buffers[k] for k in ("padded_input", "accumulator", "weight_map", "gaussian")) + tile
@@ -137,7 +137,7 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
     with torch.random.fork_rng(devices=[]), tracker:
         tracker.exclude([data_t])
         network = build_network(topology)
-        probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_classes,
+        probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
                                                mirror_axes=tuple(mirror_axes),
                                                tile_batch_size=tile_batch_size, precision=precision)
         del probabilities, network

@@ -33,10 +33,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.dataset.labels import LabelScheme
-from autoseg.model.loss import compute_loss, training_loss
 from autoseg.memory.tracker import StorageTracker
+from autoseg.model.loss import compute_loss, training_loss
 from autoseg.model.network import build_network
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ("sgd", "adam")
@@ -89,18 +89,18 @@ class StepConfig:
     checkpointing: bool = False
     optimizer: str = "sgd"
     accumulation_steps: int = 1
-    labels: LabelScheme | None = None  # the plan's labels; None: LabelScheme.for_outputs(num_classes)
+    labels: LabelScheme | None = None  # the plan's labels; None: LabelScheme.for_outputs(num_outputs)
 
     def __post_init__(self) -> None:
         check_step_arguments(self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer,
                              self.accumulation_steps)
-        if self.labels is not None and self.labels.num_outputs != self.topology.num_classes:
+        if self.labels is not None and self.labels.num_outputs != self.topology.num_outputs:
             raise ValueError(f"the labels have {self.labels.num_outputs} network outputs but the topology has "
-                             f"num_classes {self.topology.num_classes}; plan with the same dataset.json labels")
+                             f"num_outputs {self.topology.num_outputs}; plan with the same dataset.json labels")
 
     @property
     def scheme(self) -> LabelScheme:
-        return self.labels if self.labels is not None else LabelScheme.for_outputs(self.topology.num_classes)
+        return self.labels if self.labels is not None else LabelScheme.for_outputs(self.topology.num_outputs)
 
 
 def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],

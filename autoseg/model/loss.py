@@ -2,7 +2,7 @@
 deep-supervision outputs.
 
 Conventions:
-  logits  ``(B, C, *spatial)`` float: ``C = num_classes`` (background = channel 0, ``C >= 2``) for
+  logits  ``(B, C, *spatial)`` float: ``C = num_outputs`` (background = channel 0, ``C >= 2``) for
           ``DiceCELoss``, ``C = `` number of regions for ``RegionDiceBCELoss``.
   target  ``(B, 1, *spatial)`` any integer dtype, label values; ``-1`` (voxels outside the nonzero crop
           mask, written by preprocessing) counts as background. With an ignore label (``ignore_value``)

@@ -6,13 +6,14 @@ Shape of the network (the same as nnU-Net's PlainConvUNet, written here from its
     decoder stage s : TransposedConv(kernel = stride = strides[s+1]) from stage s+1,
                       concat with the skip of encoder stage s,
                       conv_per_stage x [Conv(k_s) -> InstanceNorm -> LeakyReLU]
-    seg head s      : 1x1 Conv -> num_classes logits at the resolution of encoder stage s
+    seg head s      : 1x1 Conv -> num_outputs logits at the resolution of encoder stage s
 
 Input ``(B, in_channels, *spatial)`` with ``spatial`` = ``(Y, X)`` (dim 2) or ``(Z, Y, X)`` (dim 3), each
-axis a multiple of ``topology.patch_divisor()``. Output: logits ``(B, num_classes, *spatial)``; with deep
+axis a multiple of ``topology.patch_divisor()``. Output: logits ``(B, num_outputs, *spatial)``; with deep
 supervision a list of ``num_stages - 1`` logits, full resolution first, then each coarser decoder output.
 
-Networks are created through ``build_network``; new architectures register a constructor in ``NETWORKS``.
+Networks are created through ``build_network``, which builds the ``architecture`` the topology (the plan) names;
+new architectures register a constructor in ``NETWORKS``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
 _TRANSPOSED_CONV = {2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}
@@ -55,9 +56,9 @@ def validate_topology(topology: NetworkTopology) -> None:
     if any(v != 1 for v in topology.strides[0]):
         raise ValueError(f"{where}: strides[0] is {tuple(topology.strides[0])}; the first stage works at "
                          "full resolution, so its stride must be all ones")
-    if min(topology.features_per_stage) < 1 or topology.in_channels < 1 or topology.num_classes < 1:
+    if min(topology.features_per_stage) < 1 or topology.in_channels < 1 or topology.num_outputs < 1:
         raise ValueError(f"{where}: features_per_stage {topology.features_per_stage}, in_channels "
-                         f"{topology.in_channels} and num_classes {topology.num_classes} must all be >= 1")
+                         f"{topology.in_channels} and num_outputs {topology.num_outputs} must all be >= 1")
     if topology.conv_per_stage < 1:
         raise ValueError(f"{where}: conv_per_stage is {topology.conv_per_stage}; expected >= 1")
 
@@ -137,13 +138,13 @@ class PlainConvUNet(nn.Module):
             for s in range(topology.num_stages - 1)
         )
         self.seg_heads = nn.ModuleList(
-            _CONV[dim](features[s], topology.num_classes, kernel_size=1, bias=True)
+            _CONV[dim](features[s], topology.num_outputs, kernel_size=1, bias=True)
             for s in range(topology.num_stages - 1)
         )
         self.apply(init_weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-        """``x`` ``(B, in_channels, *spatial)`` -> logits ``(B, num_classes, *spatial)`` or, with deep
+        """``x`` ``(B, in_channels, *spatial)`` -> logits ``(B, num_outputs, *spatial)`` or, with deep
         supervision, a list of ``num_stages - 1`` logits, full resolution first."""
         self._check_input(x)
         use_checkpoint = self.checkpointing and self.training and torch.is_grad_enabled()
@@ -185,12 +186,13 @@ NETWORKS: dict[str, Callable[[NetworkTopology, bool], nn.Module]] = {
 }
 
 
-def build_network(topology: NetworkTopology, checkpointing: bool = False,
-                  name: str = "plain_unet") -> nn.Module:
-    """Create network ``name`` from the registry ``NETWORKS`` for ``topology``, freshly initialized."""
-    if name not in NETWORKS:
-        raise ValueError(f"unknown network {name!r}; available: {sorted(NETWORKS)}")
-    return NETWORKS[name](topology, checkpointing)
+def build_network(topology: NetworkTopology, checkpointing: bool = False) -> nn.Module:
+    """Create the network the topology names (``topology.architecture``, a key of ``NETWORKS``), freshly
+    initialized."""
+    if topology.architecture not in NETWORKS:
+        raise ValueError(f"network architecture {topology.architecture!r} (the 'network' entry of a configuration "
+                         f"in plans.json) is not known; use one of {sorted(NETWORKS)}")
+    return NETWORKS[topology.architecture](topology, checkpointing)
 
 
 def count_parameters(net: nn.Module, trainable_only: bool = False) -> int:

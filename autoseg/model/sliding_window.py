@@ -2,7 +2,7 @@
 or sigmoid (regions).
 
 The core holds no file IO: it takes a normalized, resampled ``(C, Z, Y, X)`` float32 array and returns
-``(num_classes, Z, Y, X)`` float32 probabilities on the CPU (``num_classes``: the network's outputs).
+``(num_outputs, Z, Y, X)`` float32 probabilities on the CPU (``num_outputs``: the network's outputs).
 Reading, preprocessing and exporting live in ``autoseg.predict.predictor``.
 
 A 3D network sees ``(B, C, pz, py, px)`` tiles. A 2D network (``patch_size`` of 2 values) sees
@@ -110,7 +110,7 @@ def _patch_as_zyx(patch_size: Sequence[int]) -> tuple[int, int, int]:
 def inference_buffer_bytes(
     image_shape_zyx: Sequence[int],
     patch_size: Sequence[int],
-    num_classes: int,
+    num_outputs: int,
     tile_batch_size: int,
     in_channels: int,
 ) -> dict[str, int]:
@@ -126,11 +126,11 @@ def inference_buffer_bytes(
     patch_voxels = math.prod(patch_size)
     sizes = {
         "padded_input": in_channels * padded_voxels * _FP32_BYTES,
-        "accumulator": num_classes * padded_voxels * _FP32_BYTES,
+        "accumulator": num_outputs * padded_voxels * _FP32_BYTES,
         "weight_map": padded_voxels * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
         "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
-        "tile_logits": tile_batch_size * num_classes * patch_voxels * _FP32_BYTES,
+        "tile_logits": tile_batch_size * num_outputs * patch_voxels * _FP32_BYTES,
     }
     sizes["total"] = sum(sizes.values())
     return sizes
@@ -147,7 +147,7 @@ class _Buffers:
 def _allocate_buffers(
     data: torch.Tensor,
     patch_size: tuple[int, ...],
-    num_classes: int,
+    num_outputs: int,
     use_gaussian: bool,
     device: torch.device,
 ) -> tuple[_Buffers, tuple[slice, ...]]:
@@ -159,7 +159,7 @@ def _allocate_buffers(
     padded_input = torch.zeros((channels, *padded_zyx), dtype=torch.float32, device=device)
     padded_input[(slice(None), *crop)].copy_(data)  # constant-0 padding, symmetric; host -> device copy
     # K x Zp x Yp x Xp fp32: the largest buffer (K times the weight map)
-    accumulator = torch.zeros((num_classes, *padded_zyx), dtype=torch.float32, device=device)
+    accumulator = torch.zeros((num_outputs, *padded_zyx), dtype=torch.float32, device=device)
     weight_map = torch.zeros(padded_zyx, dtype=torch.float32, device=device)  # Zp x Yp x Xp fp32
     if use_gaussian:
         gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=device)
@@ -190,12 +190,12 @@ def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContex
 def _predict_tile_batch(
     network: nn.Module,
     tile_batch: torch.Tensor,
-    num_classes: int,
+    num_outputs: int,
     mirror_axes: tuple[int, ...],
     precision: str,
 ) -> torch.Tensor:
     """Mean logits over all mirrorings of ``tile_batch`` (B, C, *patch); returns (B, K, *patch) fp32."""
-    expected = (tile_batch.shape[0], num_classes, *tile_batch.shape[2:])
+    expected = (tile_batch.shape[0], num_outputs, *tile_batch.shape[2:])
     logits = torch.zeros(expected, dtype=torch.float32, device=tile_batch.device)  # B x K x patch fp32
     flips = [s for r in range(len(mirror_axes) + 1) for s in itertools.combinations(mirror_axes, r)]
     for axes in flips:
@@ -206,7 +206,7 @@ def _predict_tile_batch(
                 out = out[0]
             if tuple(out.shape) != expected:
                 raise ValueError(f"network returned logits of shape {tuple(out.shape)} for a tile batch of "
-                                 f"shape {tuple(tile_batch.shape)}; expected {expected}. Check num_classes "
+                                 f"shape {tuple(tile_batch.shape)}; expected {expected}. Check num_outputs "
                                  "and that the patch size is divisible by the network's strides")
             logits += torch.flip(out, dims) if dims else out  # promotes bf16/fp16 to fp32
     logits /= len(flips)
@@ -217,7 +217,7 @@ def sliding_window_predict(
     network: nn.Module,
     data: np.ndarray | torch.Tensor,
     patch_size: Sequence[int],
-    num_classes: int,
+    num_outputs: int,
     *,
     step_fraction: float = 0.5,
     mirror_axes: Sequence[int] = (),
@@ -228,7 +228,7 @@ def sliding_window_predict(
     progress: bool = False,
     activation: str = "softmax",
 ) -> torch.Tensor:
-    """Predict probabilities ``(num_classes, Z, Y, X)`` float32 (CPU) for one image: ``activation``
+    """Predict probabilities ``(num_outputs, Z, Y, X)`` float32 (CPU) for one image: ``activation``
     "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the averaged logits.
 
     ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
@@ -242,7 +242,7 @@ def sliding_window_predict(
     mirror = tuple(int(a) for a in mirror_axes)
     device = torch.device(device)
     data_t = _as_float_tensor(data)
-    _check_args(data_t, patch, num_classes, step_fraction, mirror, tile_batch_size, precision)
+    _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
 
@@ -250,9 +250,9 @@ def sliding_window_predict(
     network.eval()
     try:
         with torch.no_grad():
-            buffers, crop = _allocate_buffers(data_t, patch, num_classes, use_gaussian, device)
+            buffers, crop = _allocate_buffers(data_t, patch, num_outputs, use_gaussian, device)
             del data_t
-            accumulator = _accumulate(network, buffers, patch, num_classes, step_fraction, mirror,
+            accumulator = _accumulate(network, buffers, patch, num_outputs, step_fraction, mirror,
                                       tile_batch_size, precision, progress)
             del buffers  # frees the padded input (C x Zp x Yp x Xp) before the softmax temporaries
             if activation == "sigmoid":
@@ -271,7 +271,7 @@ def _accumulate(
     network: nn.Module,
     buffers: _Buffers,
     patch: tuple[int, ...],
-    num_classes: int,
+    num_outputs: int,
     step_fraction: float,
     mirror_axes: tuple[int, ...],
     tile_batch_size: int,
@@ -286,7 +286,7 @@ def _accumulate(
             batch_regions = regions[first:first + tile_batch_size]
             # B x C x patch fp32: a copy of the tiles, contiguous for the network
             tile_batch = torch.stack([buffers.padded_input[(slice(None), *r)] for r in batch_regions])
-            logits = _predict_tile_batch(network, tile_batch, num_classes, mirror_axes, precision)
+            logits = _predict_tile_batch(network, tile_batch, num_outputs, mirror_axes, precision)
             for tile_logits, region in zip(logits, batch_regions, strict=True):
                 accumulator[(slice(None), *region)].addcmul_(tile_logits, gaussian)
                 weight_map[region] += gaussian
@@ -307,7 +307,7 @@ def _as_float_tensor(data: np.ndarray | torch.Tensor) -> torch.Tensor:
 def _check_args(
     data: torch.Tensor,
     patch: tuple[int, ...],
-    num_classes: int,
+    num_outputs: int,
     step_fraction: float,
     mirror_axes: tuple[int, ...],
     tile_batch_size: int,
@@ -319,8 +319,8 @@ def _check_args(
     _patch_as_zyx(patch)  # validates the number of patch axes
     if any(p < 1 for p in patch):
         raise ValueError(f"patch_size must be positive; got {patch}")
-    if num_classes < 1:
-        raise ValueError(f"num_classes must be >= 1; got {num_classes}")
+    if num_outputs < 1:
+        raise ValueError(f"num_outputs must be >= 1; got {num_outputs}")
     if not 0 < step_fraction <= 1:
         raise ValueError(f"step_fraction must be in (0, 1]; got {step_fraction}")
     if tile_batch_size < 1:

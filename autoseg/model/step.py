@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from autoseg.data.loader import BatchLoader
-from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, PeerOutOfMemoryError, Ranks
 from autoseg.dataset.labels import LabelScheme
+from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, PeerOutOfMemoryError, Ranks
 from autoseg.model.loss import compute_loss, training_loss
 from autoseg.model.network import build_network
 from autoseg.plan.plans import ConfigurationPlan

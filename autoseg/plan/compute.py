@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from autoseg.plan.plans import NetworkTopology
+from autoseg.model.topology import NetworkTopology
 
 
 def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
@@ -37,13 +37,13 @@ def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_siz
         kvol = float(np.prod(k))
         total += 2 * prev * f * n  # transposed convolution, kernel = stride
         total += 2 * kvol * 2 * f * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
-        total += 2 * f * topology.num_classes * n  # segmentation head
+        total += 2 * f * topology.num_outputs * n  # segmentation head
         prev = f
     return 3.0 * total * batch_size
 
 
 CALIBRATION_TOPOLOGY = NetworkTopology(
-    dim=3, in_channels=1, num_classes=3, features_per_stage=(16, 32, 64, 128),
+    dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
     kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
 )
 CALIBRATION_PATCH = (16, 48, 48)
@@ -62,9 +62,9 @@ def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...]
     gen = torch.Generator().manual_seed(seed)
     network = build_network(topology)
     optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.99, nesterov=True)
-    loss_fn = training_loss(LabelScheme.for_outputs(topology.num_classes), topology.num_stages - 1)
+    loss_fn = training_loss(LabelScheme.for_outputs(topology.num_outputs), topology.num_stages - 1)
     x = torch.randn(batch_size, topology.in_channels, *patch_size, generator=gen)
-    y = torch.randint(0, topology.num_classes, (batch_size, 1, *patch_size), generator=gen)
+    y = torch.randint(0, topology.num_outputs, (batch_size, 1, *patch_size), generator=gen)
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)

@@ -8,11 +8,11 @@ import numpy as np
 from tqdm import tqdm
 
 from autoseg.core.artifacts import Artifact
-from autoseg.dataset.cropping import crop_to_nonzero
-from autoseg.dataset.raw import RawDataset, load_training_case, raise_problems
-from autoseg.dataset.labels import LabelValue
-from autoseg.plan.plans import IntensityProperties
 from autoseg.core.workers import run_in_processes
+from autoseg.dataset.cropping import crop_to_nonzero
+from autoseg.dataset.labels import LabelValue
+from autoseg.dataset.raw import RawDataset, load_training_case, raise_problems
+from autoseg.plan.plans import IntensityProperties
 
 # Foreground voxels sampled per case and channel for the intensity statistics (as nnU-Net: 10,000).
 SAMPLES_PER_CASE = 10_000
@@ -92,7 +92,7 @@ def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint | None, list[np.n
     problems with its voxels (``dataset.voxel_problems``; then nothing else is computed)).
     Foreground: labelled voxels other than background, -1 and the ignore label (unlabelled, not sampled)."""
     case, label_values, ignore, seed, index = task
-    num_classes = max(label_values) + 1
+    num_label_values = max(label_values) + 1
     rng = np.random.default_rng([seed, index])
     data, seg, geometry, problems = load_training_case(case, label_values)  # float32 (C, Z, Y, X), int16
     if problems:
@@ -106,7 +106,7 @@ def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint | None, list[np.n
         values = cropped.data[c][fg]
         take = min(SAMPLES_PER_CASE, values.size)
         samples.append(rng.choice(values, take, replace=False) if take else values)
-    counts = np.bincount(np.clip(cropped.seg.ravel(), 0, None), minlength=num_classes)[:num_classes]
+    counts = np.bincount(np.clip(cropped.seg.ravel(), 0, None), minlength=num_label_values)[:num_label_values]
     summary = CaseFingerprint(
         case_id=case.case_id,
         spacing_mm=geometry.spacing_zyx,

@@ -32,8 +32,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autoseg.model.topology import NetworkTopology
 from autoseg.plan.compute import conv_flops
-from autoseg.plan.plans import NetworkTopology
 
 MIN_FEATURE_MAP = 4  # no axis is pooled below this many voxels
 MAX_STAGES = {2: 7, 3: 6}
@@ -51,7 +51,7 @@ PeakFn = Callable[[NetworkTopology, int, tuple[int, ...], str, bool, int], int]
 
 @functools.lru_cache(maxsize=65536)
 def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_channels: int,
-                 num_classes: int, base_features: int, max_features: int,
+                 num_outputs: int, base_features: int, max_features: int,
                  max_pools: tuple[int, ...] | None = None) -> tuple[NetworkTopology, tuple[int, ...]]:
     """Pooling per axis and kernel sizes from the spacing (nnU-Net's rule, our code).
 
@@ -82,7 +82,7 @@ def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_
         strides.append(tuple(pool))
         kernels.append(tuple(kernel))
     features = tuple(min(base_features * 2**s, max_features) for s in range(len(strides)))
-    topology = NetworkTopology(dim=dim, in_channels=in_channels, num_classes=num_classes,
+    topology = NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
                                features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides))
     div = topology.patch_divisor()
     patch = tuple(int(math.ceil(p / d) * d) for p, d in zip(patch_size, div))
@@ -113,7 +113,7 @@ class SearchSpace:
     spacing_mm: tuple[float, ...]
     median_shape: tuple[int, ...]
     in_channels: int
-    num_classes: int
+    num_outputs: int
     dataset_voxels: float  # all training cases at this configuration's spacing (caps the batch)
 
     def coverage(self, patch: tuple[int, ...]) -> float:
@@ -285,7 +285,7 @@ def canonical(space: SearchSpace, setting: Setting, patch: tuple[int, ...], max_
               ) -> tuple[NetworkTopology, tuple[int, ...]]:
     """The topology ``topology_for`` gives this patch under ``setting``, and the patch rounded to it."""
     return topology_for(tuple(int(v) for v in patch), tuple(space.spacing_mm), space.in_channels,
-                        space.num_classes, setting.base_features, setting.max_features, max_pools)
+                        space.num_outputs, setting.base_features, setting.max_features, max_pools)
 
 
 def pools_per_axis(topology: NetworkTopology) -> tuple[int, ...]:

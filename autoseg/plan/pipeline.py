@@ -8,16 +8,16 @@ import resource
 import time
 from pathlib import Path
 
-from autoseg.dataset.raw import RawDataset, check_integrity, load_dataset
-from autoseg.plan.fingerprint import Fingerprint, fingerprint
+from autoseg.core.resources import cpu_count
+from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.dataset.imageio import read_geometry
+from autoseg.dataset.raw import RawDataset, check_integrity, load_dataset
 from autoseg.memory.host import preprocess_worker_bytes
+from autoseg.plan.fingerprint import Fingerprint, fingerprint
 from autoseg.plan.planner import Budget, plan
 from autoseg.plan.plans import Plans
 from autoseg.preprocess.precompute import PrecomputeConfig
 from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess, processes_for
-from autoseg.core.resources import cpu_count
-from autoseg.core.workspace import Workspace, WorkspaceInfo
 
 log = logging.getLogger("autoseg")
 
@@ -85,7 +85,7 @@ def preprocessing_processes_for(workspace: Workspace, plans: Plans, config_name:
     fp = load_fingerprint(workspace)
     config = plans.configuration(config_name)
     peaks = {c.case_id: case_peak_bytes(c.shape_zyx, c.spacing_mm, config, len(fp.channel_names),
-                                        plans.num_classes, num_augmentations) for c in fp.cases}
+                                        plans.num_label_values, num_augmentations) for c in fp.cases}
     largest = max(peaks, key=lambda c: peaks[c])
     cpus = cpu_count()
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far (KiB)

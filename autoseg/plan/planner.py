@@ -26,11 +26,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autoseg.plan.fingerprint import Fingerprint
+from autoseg.core.resources import cpu_count
+from autoseg.core.spacing import ANISOTROPY_THRESHOLD
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
 from autoseg.memory.host import preprocess_worker_bytes
-from autoseg.preprocess.normalization import scheme_for_channel
+from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner's public names)
     FEATURE_CAP,
     MAX_STAGES,
@@ -47,11 +48,10 @@ from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner
     topology_for,
 )
 from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.core.resources import cpu_count
 from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
+from autoseg.preprocess.normalization import scheme_for_channel
 
 GiB = 1024**3
-ANISOTROPY_RATIO = 3.0  # an axis whose spacing is > 3x the finest is "strongly anisotropic"
 MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
 CPU_BASE_FEATURES = (16, 8)
 LOWRES_THRESHOLD = 0.25  # plan 3d_lowres when the fullres patch covers less of the median image
@@ -118,8 +118,8 @@ def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[flo
     median_shape = np.median(shapes_zyx, axis=0)
     worst = int(np.argmax(target))
     others = [a for a in range(3) if a != worst]
-    aniso_spacing = target[worst] > ANISOTROPY_RATIO * min(target[others])
-    aniso_voxels = median_shape[worst] * ANISOTROPY_RATIO < min(median_shape[others])
+    aniso_spacing = target[worst] > ANISOTROPY_THRESHOLD * min(target[others])
+    aniso_voxels = median_shape[worst] * ANISOTROPY_THRESHOLD < min(median_shape[others])
     if aniso_spacing and aniso_voxels:
         p10 = float(np.percentile(spacings_mm[:, worst], 10))
         target[worst] = max(p10, max(target[others])) + 1e-5
@@ -148,17 +148,17 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     model (e.g. ``rough_training_peak_bytes`` for a fast, approximate plan)."""
     spacing = target_spacing(fp.spacings, fp.cropped_shapes)
     # network outputs: classes with background, or regions (ignore is never one)
-    in_ch, num_classes = len(fp.channel_names), LabelScheme.from_labels(
+    in_ch, num_outputs = len(fp.channel_names), LabelScheme.from_labels(
         fp.labels, fp.regions_class_order, where="fingerprint.json labels").num_outputs
     configs: dict[str, ConfigurationPlan] = {}
     if fp.image_dim == 3:
-        full = _plan_3d(fp, "3d_fullres", spacing, in_ch, num_classes, budget, peak_fn)
+        full = _plan_3d(fp, "3d_fullres", spacing, in_ch, num_outputs, budget, peak_fn)
         if full is not None:
             configs["3d_fullres"] = full
             coverage = math.prod(min(p / m, 1.0) for p, m in zip(full.patch_size, full.median_shape_zyx))
             if coverage < LOWRES_THRESHOLD:
                 low = lowres_spacing(spacing, full.median_shape_zyx, math.prod(full.patch_size))
-                lowres = _plan_3d(fp, "3d_lowres", low, in_ch, num_classes, budget, peak_fn)
+                lowres = _plan_3d(fp, "3d_lowres", low, in_ch, num_outputs, budget, peak_fn)
                 configs["3d_lowres"] = lowres.with_(notes=lowres.notes + (
                     f"planned because 3d_fullres's patch covers {coverage:.0%} of the median image; the "
                     "cascade (3d_lowres, then 3d_fullres given its prediction) is not trained or predicted "
@@ -167,7 +167,7 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     spacing_2d = (float(np.median(fp.spacings[:, 0])), spacing[1], spacing[2])
     resampled = fp.cropped_shapes * fp.spacings / np.array(spacing_2d)
     shape_2d = tuple(int(round(v)) for v in np.median(resampled, axis=0))
-    space = SearchSpace(spacing_2d[1:], shape_2d[1:], in_ch, num_classes, float(np.sum(np.prod(resampled, axis=1))))
+    space = SearchSpace(spacing_2d[1:], shape_2d[1:], in_ch, num_outputs, float(np.sum(np.prod(resampled, axis=1))))
     configs["2d"] = configuration("2d", spacing_2d, shape_2d, space, budget, peak_fn)
     normalization = tuple(scheme_for_channel(c) for c in fp.channel_names)
     use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
@@ -183,13 +183,13 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     )
 
 
-def _plan_3d(fp: Fingerprint, name: str, spacing: tuple[float, float, float], in_ch: int, num_classes: int,
+def _plan_3d(fp: Fingerprint, name: str, spacing: tuple[float, float, float], in_ch: int, num_outputs: int,
              budget: Budget, peak_fn: PeakFn | None) -> ConfigurationPlan | None:
     resampled = fp.cropped_shapes * fp.spacings / np.array(spacing)
     median = tuple(int(round(v)) for v in np.median(resampled, axis=0))
     if median[0] <= 1:
         return None
-    space = SearchSpace(tuple(spacing), median, in_ch, num_classes, float(np.sum(np.prod(resampled, axis=1))))
+    space = SearchSpace(tuple(spacing), median, in_ch, num_outputs, float(np.sum(np.prod(resampled, axis=1))))
     return configuration(name, spacing, median, space, budget, peak_fn)
 
 
@@ -376,8 +376,8 @@ def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget)
     on-the-fly augmentation), between 0 and CPU count - 1 (one core feeds the GPU); none on CPU, where the
     training step takes the cores. Each queues LOADER_QUEUE_DEPTH batches, or 1 where that fits more
     workers."""
-    from autoseg.data.loader import worker_bytes
-    from autoseg.data.config import loader_config
+    from autoseg.memory.host import worker_bytes
+    from autoseg.plan.training_data import loader_config
 
     loader = loader_config(config, augment=True)
     cpus = budget.cpu_count or cpu_count()

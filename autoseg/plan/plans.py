@@ -11,35 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from autoseg.core.artifacts import Artifact
 from autoseg.dataset.labels import LabelScheme, LabelValue
-
-
-@dataclass(frozen=True)
-class NetworkTopology:
-    """A plain-convolution U-Net (nnU-Net's PlainConvUNet shape), built by ``autoseg.model.network.build_network``.
-
-    ``kernel_sizes[s]`` and ``strides[s]`` belong to encoder stage ``s``; ``strides[0]`` is all ones.
-    Each stage holds ``conv_per_stage`` (conv -> InstanceNorm -> LeakyReLU) blocks, the first one strided.
-    """
-
-    dim: int  # 2 or 3 (number of spatial axes)
-    in_channels: int
-    num_classes: int  # network output channels: LabelScheme.num_outputs (classes with background, or regions)
-    features_per_stage: tuple[int, ...]
-    kernel_sizes: tuple[tuple[int, ...], ...]
-    strides: tuple[tuple[int, ...], ...]
-    conv_per_stage: int = 2
-    deep_supervision: bool = True
-
-    @property
-    def num_stages(self) -> int:
-        return len(self.features_per_stage)
-
-    def patch_divisor(self) -> tuple[int, ...]:
-        """Patch sizes must be multiples of this (the product of strides per axis)."""
-        div = [1] * self.dim
-        for s in self.strides:
-            div = [d * k for d, k in zip(div, s)]
-        return tuple(div)
+from autoseg.model.topology import NetworkTopology
 
 
 @dataclass(frozen=True)
@@ -88,7 +60,7 @@ class ConfigurationPlan:
 
 @dataclass(frozen=True)
 class Plans(Artifact):
-    SCHEMA_VERSION = 2  # 2: loader workers per configuration
+    SCHEMA_VERSION = 3  # 2: loader workers per configuration; 3: network.architecture, network.num_outputs
     KIND = "plans"
 
     dataset_name: str
@@ -111,7 +83,7 @@ class Plans(Artifact):
         return LabelScheme.from_labels(self.labels, self.regions_class_order, where="plans.json labels")
 
     @property
-    def num_classes(self) -> int:
+    def num_label_values(self) -> int:
         """Highest label value + 1, ignore included: sizes label maps and per-value counts. The network's
         output channels are ``label_scheme.num_outputs``."""
         return self.label_scheme.num_label_values

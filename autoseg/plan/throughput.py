@@ -81,8 +81,8 @@ def cached_cpu_throughput(cache_dir: Path) -> tuple[float, str]:
     CPU model, CPU count, torch version and thread count."""
     import torch
 
-    from autoseg.plan.compute import calibrate_cpu_throughput
     from autoseg.core.resources import cpu_count
+    from autoseg.plan.compute import calibrate_cpu_throughput
 
     key = f"{platform.machine()}|{platform.processor()}|{_cpu_model()}|{cpu_count()}|{torch.__version__}|" \
           f"{torch.get_num_threads()}"

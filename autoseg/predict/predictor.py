@@ -17,18 +17,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from autoseg.plan.compute import fastest_thread_count
+from autoseg.core.resources import cpu_count
+from autoseg.core.workspace import Workspace
 from autoseg.dataset.cropping import uncrop
-from autoseg.dataset.raw import Case, list_prediction_inputs, load_case
 from autoseg.dataset.imageio import supported_ending, write_image
-from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.dataset.labels import LabelScheme
+from autoseg.dataset.raw import Case, list_prediction_inputs, load_case
 from autoseg.model.network import build_network
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.plan.compute import fastest_thread_count
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.preprocessor import CaseProperties, preprocess_case
 from autoseg.preprocess.resampling import resample_channel
-from autoseg.core.resources import cpu_count
-from autoseg.core.workspace import Workspace
 
 log = logging.getLogger("autoseg")
 
@@ -48,13 +48,13 @@ def export_segmentation(probabilities: torch.Tensor, props: CaseProperties,
     (``scheme.label_map_dtype()``) in the original image's array space. ``scheme`` None: plain classes
     0 .. K-1 (``LabelScheme.for_outputs``). Peak extra memory: one resampled channel + best score (plain
     labels only) + labels."""
-    num_classes = probabilities.shape[0]
-    scheme = scheme or LabelScheme.for_outputs(num_classes)
-    if scheme.num_outputs != num_classes:
-        raise ValueError(f"{num_classes} probability maps for labels with {scheme.num_outputs} outputs")
+    num_outputs = probabilities.shape[0]
+    scheme = scheme or LabelScheme.for_outputs(num_outputs)
+    if scheme.num_outputs != num_outputs:
+        raise ValueError(f"{num_outputs} probability maps for labels with {scheme.num_outputs} outputs")
     best_score = None
     labels = np.zeros(props.shape_after_crop, dtype=scheme.label_map_dtype())
-    for k in range(num_classes):
+    for k in range(num_outputs):
         channel = probabilities[k].numpy().astype(np.float32, copy=False)
         resampled = resample_channel(channel, props.shape_after_crop, props.target_spacing_mm, order=1, order_z=0)
         if scheme.has_regions:

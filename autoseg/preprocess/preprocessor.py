@@ -29,12 +29,15 @@ import numpy as np
 from tqdm import tqdm
 
 from autoseg.core.artifacts import Artifact, atomic_save_npy, write_json
+from autoseg.core.resources import proc_field_bytes
+from autoseg.core.spacing import out_of_plane_axis
+from autoseg.core.workers import run_in_processes
 from autoseg.dataset.cropping import crop_to_nonzero
-from autoseg.dataset.raw import Case, RawDataset, load_case
 from autoseg.dataset.imageio import Geometry, read_geometry
 from autoseg.dataset.labels import LabelScheme, label_map_dtype
-from autoseg.preprocess.normalization import normalize
+from autoseg.dataset.raw import Case, RawDataset, load_case
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.preprocess.normalization import normalize
 from autoseg.preprocess.precompute import (
     PrecomputeConfig,
     SpatialParams,
@@ -42,9 +45,7 @@ from autoseg.preprocess.precompute import (
     augment_case_bytes,
     draw_spatial_params,
 )
-from autoseg.preprocess.resampling import compute_new_shape, out_of_plane_axis, resample_image, resample_segmentation
-from autoseg.core.resources import proc_field_bytes
-from autoseg.core.workers import run_in_processes
+from autoseg.preprocess.resampling import compute_new_shape, resample_image, resample_segmentation
 
 log = logging.getLogger("autoseg")
 LOCATIONS_PER_CLASS = 10_000
@@ -119,11 +120,11 @@ def preprocess_case(
     return data, seg, props
 
 
-def class_voxels_per_slice(seg: np.ndarray, num_classes: int) -> np.ndarray:
+def class_voxels_per_slice(seg: np.ndarray, num_outputs: int) -> np.ndarray:
     """int64 (Z, K): voxels of each label value per z-slice of ``seg`` (1, Z, Y, X); -1 counts as 0."""
-    counts = np.zeros((seg.shape[1], num_classes), dtype=np.int64)
+    counts = np.zeros((seg.shape[1], num_outputs), dtype=np.int64)
     for k in range(seg.shape[1]):
-        counts[k] = np.bincount(np.maximum(seg[0, k], 0).ravel(), minlength=num_classes)[:num_classes]
+        counts[k] = np.bincount(np.maximum(seg[0, k], 0).ravel(), minlength=num_outputs)[:num_outputs]
     return counts
 
 
@@ -172,7 +173,7 @@ def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...
 
 
 def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, float],
-                    config: ConfigurationPlan, num_channels: int, num_classes: int,
+                    config: ConfigurationPlan, num_channels: int, num_outputs: int,
                     num_augmentations: int = 0) -> int:
     """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing.
 
@@ -188,7 +189,7 @@ def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, 
     if num_augmentations > 0:
         va = math.prod(after)
         held = num_channels * va * 4 + va
-        augment = augment_case_bytes(after, num_channels, num_classes + 1)  # + 1: the -1 label
+        augment = augment_case_bytes(after, num_channels, num_outputs + 1)  # + 1: the -1 label
         peak = max(peak, WORKER_RUNTIME_BYTES + held + augment)
     return int(peak)
 
@@ -251,9 +252,9 @@ def run_case(task: CaseTask) -> CaseResult:
     data, seg, props = preprocess_case(data, seg, geometry, plans, task.config, case.case_id)
     if seg is None:
         raise ValueError(f"case {case.case_id!r} has no label file; training cases need one in labelsTr/")
-    seg = seg.astype(label_map_dtype(plans.num_classes), copy=False)
+    seg = seg.astype(label_map_dtype(plans.num_label_values), copy=False)
     crc = zlib.crc32(case.case_id.encode())
-    per_slice = class_voxels_per_slice(seg, plans.num_classes)
+    per_slice = class_voxels_per_slice(seg, plans.num_label_values)
     scheme = plans.label_scheme
     props = replace(props, class_voxels=tuple(int(v) for v in per_slice.sum(0)))
     locations = class_locations(seg, per_slice, np.random.default_rng([task.seed, crc]), scheme)
@@ -271,7 +272,7 @@ def run_case(task: CaseTask) -> CaseResult:
                       for s in ("_data.npy", "_seg.npy", "_locations.npy")]
         atomic_save_npy(aug_paths[-3], aug_data)
         atomic_save_npy(aug_paths[-2], aug_seg)
-        counts = class_voxels_per_slice(aug_seg, plans.num_classes)
+        counts = class_voxels_per_slice(aug_seg, plans.num_label_values)
         locations = class_locations(aug_seg, counts, np.random.default_rng([task.seed, crc, 2, k]), scheme)
         atomic_save_npy(aug_paths[-1], locations_array(locations))
         copies.append(AugmentedCopy(k, params, tuple(int(v) for v in counts.sum(0))))
@@ -303,7 +304,7 @@ def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationP
     for case in cases:
         geometry = read_geometry(case.image_paths[0])
         peaks[case.case_id] = case_peak_bytes(geometry.shape_zyx, geometry.spacing_zyx, config,
-                                              len(case.image_paths), plans.num_classes, num_augmentations)
+                                              len(case.image_paths), plans.num_label_values, num_augmentations)
     return peaks
 
 

@@ -15,8 +15,8 @@ Anisotropic data (largest / smallest spacing > 3) is resampled in-plane first (s
 thick slices are not smeared into each other by a cubic spline.
 
 Memory: the spline prefilter is computed by us in float32 (scipy's own prefilter makes a float64 copy of
-the input), and each channel is written straight into the output array. ``resampling_peak_bytes`` states
-what ``resample_image`` holds beyond its input.
+the input), and each channel is written straight into the output array. ``autoseg.memory.host.resampling_peak_bytes``
+states what ``resample_image`` holds beyond its input.
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 from scipy import ndimage
 
-ANISOTROPY_THRESHOLD = 3.0
-# Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
-_CALL_OVERHEAD_BYTES = 16 * 1024
+from autoseg.core.spacing import out_of_plane_axis
 
 
 def _boundary_mode(order: int) -> str:
@@ -51,24 +49,6 @@ def compute_new_shape(
         raise ValueError(f"spacings must be positive; got {tuple(spacing_mm)} -> {tuple(new_spacing_mm)}")
     axes = zip(shape_zyx, spacing_mm, new_spacing_mm, strict=True)
     return tuple(max(1, int(round(n * s / t))) for n, s, t in axes)  # type: ignore[return-value]
-
-
-def is_anisotropic(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> bool:
-    """True when the largest spacing exceeds ``threshold`` times the smallest one."""
-    return max(spacing_mm) / min(spacing_mm) > threshold
-
-
-def out_of_plane_axis(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> int | None:
-    """The axis (0=z, 1=y, 2=x) with the largest spacing when ``spacing_mm`` is anisotropic, else None.
-
-    Also None when two axes share the largest spacing (e.g. ``(5, 5, 1)``): there is no single
-    out-of-plane axis, and such data is resampled in 3D.
-    """
-    if not is_anisotropic(spacing_mm, threshold):
-        return None
-    largest = max(spacing_mm)
-    axes = [a for a, s in enumerate(spacing_mm) if np.isclose(s, largest)]
-    return axes[0] if len(axes) == 1 else None
 
 
 def _zoom_into(src: np.ndarray, out: np.ndarray, order: int) -> None:
@@ -175,95 +155,6 @@ def resample_image(
     for c in range(data.shape[0]):
         resample_channel(data[c], new_shape, spacing_mm, order, order_z, out=out[c])
     return out
-
-
-def resampling_peak_bytes(
-    shape_zyx: Sequence[int],
-    new_shape_zyx: Sequence[int],
-    num_channels: int,
-    spacing_mm: Sequence[float] | None = None,
-    order: int = 3,
-    order_z: int = 0,
-) -> int:
-    """Host bytes ``resample_image`` holds at its peak beyond its float32 input.
-
-    The output array plus the largest per-channel temporary (see ``resample_channel``) plus a small
-    constant for per-call bookkeeping; 0 when the shape is unchanged (the input is returned). With
-    ``spacing_mm=None`` the path is unknown and the larger of the 3D and anisotropic estimates is given
-    (the anisotropic one taking the z axis as out-of-plane).
-    """
-    shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
-    if shape == new_shape:
-        return 0
-    output = 4 * num_channels * int(np.prod(new_shape))
-    if spacing_mm is None:
-        temp = max(_channel_temp_bytes(shape, new_shape, None, order, order_z),
-                   _channel_temp_bytes(shape, new_shape, 0, order, order_z))
-    else:
-        temp = _channel_temp_bytes(shape, new_shape, out_of_plane_axis(spacing_mm), order, order_z)
-    return output + temp + _CALL_OVERHEAD_BYTES
-
-
-def _channel_temp_bytes(
-    shape: tuple[int, ...], new_shape: tuple[int, ...], axis: int | None, order: int, order_z: int
-) -> int:
-    """Peak float32 temporaries of one ``resample_channel`` call (the output excluded)."""
-    if axis is None:
-        return 4 * int(np.prod(shape)) if order > 1 else 0
-    n_in, n_out = shape[axis], new_shape[axis]
-    plane_in = [s for a, s in enumerate(shape) if a != axis]
-    plane_out = [s for a, s in enumerate(new_shape) if a != axis]
-    slice_coeffs = 4 * int(np.prod(plane_in)) if order > 1 and plane_in != plane_out else 0
-    if n_in == n_out:  # in-plane only, written straight into the output
-        return slice_coeffs
-    mid = 4 * n_in * int(np.prod(plane_out)) if plane_in != plane_out else 0
-    mid_coeffs = 4 * n_in * int(np.prod(plane_out)) if order_z > 1 else 0
-    return max(mid + slice_coeffs, mid + mid_coeffs)
-
-
-def segmentation_resampling_peak_bytes(
-    shape_zyx: Sequence[int],
-    new_shape_zyx: Sequence[int],
-    spacing_mm: Sequence[float] | None = None,
-    order: int = 1,
-    order_z: int = 0,
-    label_itemsize: int = 1,
-    num_labels: int = 2,
-) -> int:
-    """Host bytes ``resample_segmentation`` holds at its peak beyond its input (see its docstring).
-
-    ``label_itemsize`` is the label map's bytes per voxel (1 for int8); ``num_labels`` the number of
-    distinct values in it (``-1`` included).
-    """
-    shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
-    if shape == new_shape:
-        return 0
-    n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
-    output = label_itemsize * n_out
-    if order == 0 or num_labels < 2:
-        return output + _CALL_OVERHEAD_BYTES
-    if order <= 1 and order_z <= 1:  # separable path: running sum and best score, one label's box at a time
-        # taps: per output index along each axis a float64 coordinate, int64 indices and a float32 weight,
-        # kept for the volume and for the label's box
-        taps = 2 * 40 * sum(new_shape)
-        return output + 8 * n_out + _separable_temp_bytes(shape, new_shape) + taps + _CALL_OVERHEAD_BYTES
-    best_score_response_better = (4 + 4 + 1) * n_out
-    mask = 4 * n_in
-    channel_temp = resampling_peak_bytes(shape, new_shape, 1, spacing_mm, order, order_z) - 4 * n_out
-    return output + best_score_response_better + mask + channel_temp
-
-
-def _separable_temp_bytes(shape: tuple[int, ...], new_shape: tuple[int, ...]) -> int:
-    """Peak temporaries of ``_resample_labels_separable`` beside its output, running sum and best score,
-    for a label whose box is the whole volume: the largest of its bool + float32 mask (5 B per input voxel);
-    a pass of ``_interpolate_separable`` (the mask, the pass's float32 input and two gathered float32 arrays
-    of its output size; passes go z, y, x); the response with its comparison and selection (9 B per output voxel); the
-    final comparisons (4 bool arrays)."""
-    n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
-    sizes = [n_in] + [int(np.prod(new_shape[: a + 1]) * np.prod(shape[a + 1:])) for a in range(3)]
-    # the caller's argument (the mask) stays referenced until the call returns
-    passes = max(4 * (sizes[a] + 2 * sizes[a + 1]) + (4 * n_in if a else 0) for a in range(3))
-    return max(5 * n_in, passes, 9 * n_out, 4 * n_out)
 
 
 def _present_labels(seg_zyx: np.ndarray) -> list[int]:

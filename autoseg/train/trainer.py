@@ -29,20 +29,21 @@ import torch
 from tqdm import tqdm
 
 from autoseg.core.artifacts import atomic_write_text
-from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
-from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
-from autoseg.plan.compute import fastest_thread_count, training_step_closure
-from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
-from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
-from autoseg.dataset.labels import label_map_dtype
-from autoseg.data.sampler import output_batch_bytes
-from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.train.curves import plot_progress
 from autoseg.core.resources import cpu_count
-from autoseg.train.schedule import TimeBudget, poly_lr
-from autoseg.data.config import loader_config, precomputed_copies
-from autoseg.model.step import TrainStep, distribute, make_step, pseudo_dice_counts, validate_patches
 from autoseg.core.workspace import Workspace, load_or_create_splits
+from autoseg.data.config import precomputed_copies
+from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
+from autoseg.dataset.labels import label_map_dtype
+from autoseg.memory.host import output_batch_bytes
+from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
+from autoseg.model.step import TrainStep, distribute, make_step, pseudo_dice_counts, validate_patches
+from autoseg.plan.compute import fastest_thread_count, training_step_closure
+from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.plan.training_data import loader_config
+from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
+from autoseg.train.curves import plot_progress
+from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
+from autoseg.train.schedule import TimeBudget, poly_lr
 
 __all__ = ["RunConfig", "fold_cases", "poly_lr", "pseudo_dice_counts", "save_checkpoint", "train"]
 
@@ -248,7 +249,7 @@ def _choose_data_pipeline(ctx: _Context) -> None:
     ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
     if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
         batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.plans.channel_names),
-                                   np.dtype(label_map_dtype(ctx.plans.num_classes)).itemsize)
+                                   np.dtype(label_map_dtype(ctx.plans.num_label_values)).itemsize)
         ctx.loader_workers = workers_for_shared_memory(node_share, ctx.config.loader_queue_depth, batch, ranks_here)
         if ctx.loader_workers < node_share:
             log.warning("data: shared memory (%s) has room for the batch slots of %d of the planned %d loader "

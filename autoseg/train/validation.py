@@ -8,12 +8,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from autoseg.core.workspace import Workspace
+from autoseg.dataset.imageio import write_image
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import EvaluationSummary, evaluate_pairs, format_table
-from autoseg.dataset.imageio import write_image
 from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import predict_case
-from autoseg.core.workspace import Workspace
 
 log = logging.getLogger("autoseg.train.trainer")
 

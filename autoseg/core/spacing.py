@@ -1,0 +1,28 @@
+"""Anisotropy of a voxel spacing: one threshold for the planner's target spacing, resampling's in-plane
+path and its memory estimate."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+ANISOTROPY_THRESHOLD = 3.0  # an axis whose spacing is > 3x the finest is "strongly anisotropic"
+
+
+def is_anisotropic(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> bool:
+    """True when the largest spacing exceeds ``threshold`` times the smallest one."""
+    return max(spacing_mm) / min(spacing_mm) > threshold
+
+
+def out_of_plane_axis(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> int | None:
+    """The axis (0=z, 1=y, 2=x) with the largest spacing when ``spacing_mm`` is anisotropic, else None.
+
+    Also None when two axes share the largest spacing (e.g. ``(5, 5, 1)``): there is no single
+    out-of-plane axis, and such data is resampled in 3D.
+    """
+    if not is_anisotropic(spacing_mm, threshold):
+        return None
+    largest = max(spacing_mm)
+    axes = [a for a, s in enumerate(spacing_mm) if np.isclose(s, largest)]
+    return axes[0] if len(axes) == 1 else None
