@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from autoseg.core.workspace import Workspace
 from autoseg.model.topology import NetworkTopology
@@ -78,3 +79,39 @@ def make_cases(
         write_case(folder, f"case_{i}", data, seg)
         ids.append(f"case_{i}")
     return ids
+
+
+def box_case(two_d: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """A raw image (Z, Y, X) float32 with known objects, and its labels (Z, Y, X) uint8: zeros around a body
+    of 100 (crop-to-nonzero keeps y 2:13, x 1:15 and, in 3D, z 1:8), a box of 200 (label 1) and a box of 300
+    (label 2). 3D: (9, 14, 16); ``two_d``: one slice (1, 14, 16), as a 2D image is read."""
+    shape = (1, 14, 16) if two_d else (9, 14, 16)
+    body_z, one_z, two_z = (slice(None),) * 3 if two_d else (slice(1, 8), slice(2, 5), slice(5, 7))
+    image, labels = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.uint8)
+    image[body_z, 2:13, 1:15] = 100.0
+    image[one_z, 4:9, 3:9], labels[one_z, 4:9, 3:9] = 200.0, 1
+    image[two_z, 6:11, 8:13], labels[two_z, 6:11, 8:13] = 300.0, 2
+    return image, labels
+
+
+class IntensityClasses(torch.nn.Module):
+    """Logits (N, 3, *spatial) from channel 0 of a z-scored input (N, C, *spatial): class 0 below ``low``,
+    1 between ``low`` and ``high``, 2 above. A stand-in for a trained network whose answer is known at
+    every voxel, in 2D and 3D."""
+
+    def __init__(self, low: float, high: float) -> None:
+        super().__init__()
+        self.low, self.high = low, high
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        v = x[:, :1]
+        one = 10.0 * (v - self.low)
+        return torch.cat([torch.zeros_like(v), one, one + 10.0 * (v - self.high)], dim=1)
+
+
+def box_network(image: np.ndarray) -> IntensityClasses:
+    """``IntensityClasses`` with thresholds at 150 and 250 of ``box_case``'s raw intensities, in the units of
+    the plan's z-score with the nonzero mask (mean and std of the image's nonzero voxels)."""
+    body = image[image != 0]
+    mean, std = float(body.mean()), float(body.std())
+    return IntensityClasses((150.0 - mean) / std, (250.0 - mean) / std)

@@ -4,39 +4,100 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from autoseg.dataset.imageio import read_geometry, read_image, write_image
+from autoseg.dataset.imageio import Geometry, read_geometry, read_image, write_image
+
+# Spacings and origins exactly representable in float32 (NIfTI stores both as float32), so a round trip
+# must give them back bit for bit; the directions are axis permutations with flips (exact in a quaternion).
+GEOMETRY_3D = Geometry(ndim=3, size_xyz=(5, 4, 3), spacing_xyz=(0.75, 0.5, 3.0), origin_xyz=(-10.0, 5.5, 2.25),
+                       direction=(0.0, 1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0))
+GEOMETRY_2D = Geometry(ndim=2, size_xyz=(5, 4), spacing_xyz=(0.25, 1.5), origin_xyz=(-3.5, 40.125),
+                       direction=(0.0, -1.0, 1.0, 0.0))
+
+
+def _voxels(dtype: type, shape_zyx: tuple[int, ...]) -> np.ndarray:
+    """Distinct values that also reach the dtype's extremes (a clipped or narrowed write changes them), and
+    for floats fractions and magnitudes that float32 (or float16) cannot hold exactly."""
+    n = int(np.prod(shape_zyx))
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        values = np.linspace(info.min, info.max, n).round().astype(dtype)
+    else:
+        values = np.linspace(-1e5, 1e5, n).astype(dtype) + np.asarray(1 / 3, dtype=dtype)
+        if dtype == np.float64:
+            values[0] = 1 + 2.0**-40  # rounds to 1.0 in float32
+    np.random.default_rng(0).shuffle(values)  # no ramp along any axis: a flip or transpose changes voxels
+    return values.reshape(shape_zyx)
 
 
 @pytest.mark.parametrize("ending", [".nii.gz", ".nrrd", ".mha"])
-def test_roundtrip_keeps_geometry_exactly(tmp_path, ending):
-    arr = np.arange(3 * 4 * 5, dtype=np.float32).reshape(3, 4, 5)
+@pytest.mark.parametrize("dtype", [np.uint8, np.int8, np.int16, np.uint16, np.int32, np.float32, np.float64])
+@pytest.mark.parametrize("geometry", [GEOMETRY_3D, GEOMETRY_2D], ids=["3d", "2d"])
+def test_write_then_read_gives_back_every_voxel_and_the_geometry(tmp_path, ending, dtype, geometry):
+    array = _voxels(dtype, geometry.shape_zyx)
+    path = tmp_path / f"a{ending}"
+    write_image(path, array, geometry)
+    back, geo = read_image(path, dtype=None)
+    assert back.dtype == array.dtype and back.shape == geometry.shape_zyx
+    np.testing.assert_array_equal(back, array)
+    assert geo == geometry and read_geometry(path) == geometry
+    as_float32, _ = read_image(path)  # the default: float32, values as close as float32 holds them
+    assert as_float32.dtype == np.float32
+    np.testing.assert_array_equal(as_float32, array.astype(np.float32))
+    stored = sitk.ReadImage(str(path))  # the file itself, as another tool reads it
+    assert stored.GetDimension() == geometry.ndim and stored.GetSize() == geometry.size_xyz
+    assert stored.GetSpacing() == geometry.spacing_xyz and stored.GetOrigin() == geometry.origin_xyz
+    assert stored.GetDirection() == geometry.direction
+    voxels = sitk.GetArrayFromImage(stored)
+    np.testing.assert_array_equal(voxels, array[0] if geometry.ndim == 2 else array)
+    assert not [p for p in tmp_path.iterdir() if p.name != path.name]  # no temporary left
+
+
+@pytest.mark.parametrize("ending", [".nii.gz", ".nrrd", ".mha"])
+def test_read_then_write_keeps_a_foreign_file_exactly(tmp_path, ending):
+    """A file written by SimpleITK with an oblique direction and spacings float32 cannot hold: read, written
+    back, the copy has the original's voxels and header as stored (NIfTI: spacing and origin in float32)."""
+    arr = _voxels(np.float32, (3, 4, 5))
     image = sitk.GetImageFromArray(arr)
-    image.SetSpacing((0.7, 0.8, 3.0))
-    image.SetOrigin((-10.0, 5.5, 2.25))
-    image.SetDirection((0.0, 1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0))
+    image.SetSpacing((0.7, 0.8, 3.1))
+    image.SetOrigin((-10.1, 5.5, 2.3))
+    c, s = np.cos(0.3), np.sin(0.3)
+    image.SetDirection((c, -s, 0.0, s, c, 0.0, 0.0, 0.0, 1.0))
     src = tmp_path / f"a{ending}"
     sitk.WriteImage(image, str(src))
     data, geo = read_image(src)
-    assert data.shape == (3, 4, 5) and geo.spacing_zyx == pytest.approx((3.0, 0.8, 0.7))
+    np.testing.assert_array_equal(data, arr)
+    original = sitk.ReadImage(str(src))  # as stored
+    assert geo.spacing_zyx == tuple(reversed(original.GetSpacing())) == pytest.approx((3.1, 0.8, 0.7))
     out = tmp_path / f"b{ending}"
     write_image(out, data, geo)
-    back, original = sitk.ReadImage(str(out)), sitk.ReadImage(str(src))  # as stored (NIfTI keeps float32)
-    assert back.GetSpacing() == original.GetSpacing()
-    assert back.GetOrigin() == original.GetOrigin()
-    assert back.GetDirection() == original.GetDirection()
-    assert read_geometry(out) == geo
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary left
+    back = sitk.ReadImage(str(out))
+    np.testing.assert_array_equal(sitk.GetArrayFromImage(back), arr)
+    # NRRD stores spacing x direction as one vector per axis: splitting it again may move the last bit
+    np.testing.assert_allclose(back.GetSpacing(), original.GetSpacing(), rtol=1e-14, atol=0)
+    np.testing.assert_allclose(back.GetOrigin(), original.GetOrigin(), rtol=1e-14, atol=0)
+    np.testing.assert_allclose(back.GetDirection(), original.GetDirection(), rtol=0, atol=1e-7)
+    assert read_geometry(out).matches(geo, rtol=1e-7, atol_mm=1e-7) is None
 
 
 def test_2d_image_is_lifted_to_one_slice(tmp_path):
-    image = sitk.GetImageFromArray(np.ones((6, 7), dtype=np.uint8))
+    pixels = _voxels(np.uint8, (6, 7))
+    image = sitk.GetImageFromArray(pixels)
     image.SetSpacing((0.5, 0.25))
     sitk.WriteImage(image, str(tmp_path / "x.nii.gz"))
     data, geo = read_image(tmp_path / "x.nii.gz")
     assert data.shape == (1, 6, 7) and geo.ndim == 2
+    np.testing.assert_array_equal(data[0], pixels)
     assert geo.spacing_zyx == (999.0, 0.25, 0.5)
     write_image(tmp_path / "y.nii.gz", data, geo)
-    assert sitk.ReadImage(str(tmp_path / "y.nii.gz")).GetDimension() == 2
+    back = sitk.ReadImage(str(tmp_path / "y.nii.gz"))
+    assert back.GetDimension() == 2 and back.GetSpacing() == (0.5, 0.25)
+    np.testing.assert_array_equal(sitk.GetArrayFromImage(back), pixels)
+
+
+def test_write_refuses_an_array_of_another_shape(tmp_path):
+    with pytest.raises(ValueError, match=r"array shape \(3, 4, 6\) does not match geometry \(3, 4, 5\)"):
+        write_image(tmp_path / "a.nii.gz", np.zeros((3, 4, 6), np.float32), GEOMETRY_3D)
+    assert not list(tmp_path.iterdir())
 
 
 def test_unreadable_file_names_it(tmp_path):

@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 import torch
+from factories import box_case, box_network
+from scipy.ndimage import maximum_filter, minimum_filter
 
 from autoseg.core.workspace import Workspace
-from autoseg.dataset.imageio import Geometry
+from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.model.network import build_network
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
+from autoseg.predict import predictor
 from autoseg.predict.predictor import export_segmentation, predict
 from autoseg.preprocess.preprocessor import CaseProperties
 
@@ -38,7 +41,7 @@ def _rewrite(src: Path, dst: Path, origin_xyz: tuple[float, ...], angles_deg: tu
 @pytest.fixture(scope="module")
 def trained_workspace(tiny_dataset: Path, tmp_path_factory) -> tuple[Workspace, Plans, Path]:
     """Planned + preprocessed workspace with an untrained fold-0 checkpoint per configuration, and an
-    input folder: the two imagesTs cases, a rotated one with a far origin, and a rotated .nrrd one."""
+    input folder: the two imagesTs cases and a rotated one with a far origin."""
     root = tmp_path_factory.mktemp("predict")
     raw = root / tiny_dataset.name
     shutil.copytree(tiny_dataset, raw)
@@ -55,7 +58,6 @@ def trained_workspace(tiny_dataset: Path, tmp_path_factory) -> tuple[Workspace, 
     shutil.copytree(raw / "imagesTs", inputs)
     first = sorted(inputs.iterdir())[0]
     _rewrite(first, inputs / "rotated_0000.nii.gz", (12.5, -40.25, 310.0), (10.0, -20.0, 30.0))
-    _rewrite(first, inputs / "nrrdcase_0000.nrrd", (-3.0, 7.5, -1.25), (0.0, 90.0, 45.0))
     return workspace, plans, inputs
 
 
@@ -67,19 +69,60 @@ def _assert_same_header(output: Path, reference: Path) -> None:
     np.testing.assert_allclose(out.GetDirection(), ref.GetDirection(), rtol=0, atol=1e-6)
 
 
+def _use_box_network(monkeypatch: pytest.MonkeyPatch, image: np.ndarray) -> None:
+    """Every fold's network answers with ``box_case``'s labels in preprocessed space (``box_network``)."""
+    network = box_network(image)
+    monkeypatch.setattr(predictor, "load_trained_network", lambda path, config, device: network)
+
+
+def _write_box(path: Path, image: np.ndarray, spacing_zyx: tuple[float, ...], origin_xyz: tuple[float, ...],
+               direction: np.ndarray) -> None:
+    geometry = Geometry(ndim=3, size_xyz=image.shape[::-1], spacing_xyz=tuple(spacing_zyx[::-1]),
+                        origin_xyz=origin_xyz, direction=tuple(float(v) for v in direction.ravel()))
+    write_image(path, image, geometry)
+
+
 @pytest.mark.parametrize("config_name", ["3d_fullres", "2d"])
-def test_prediction_has_the_input_geometry(trained_workspace, tmp_path: Path, config_name: str) -> None:
-    workspace, plans, inputs = trained_workspace
-    written = predict(workspace, inputs, tmp_path / "out", config_name=config_name, mirror=False, progress=False)
-    expected = sorted(p.name.replace("_0000", "") for p in inputs.iterdir())
-    assert sorted(p.name for p in written) == expected == sorted(p.name for p in (tmp_path / "out").iterdir())
-    assert "nrrdcase.nrrd" in expected and "rotated.nii.gz" in expected
+def test_prediction_has_the_input_geometry_and_the_objects_at_their_voxels(
+        trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_name: str) -> None:
+    """Known objects, cropped, resampled 2x finer (the plan's spacing is half the input's), predicted and
+    written back: every voxel has its label in the input's own grid, whatever the origin, direction and format."""
+    workspace, plans, _ = trained_workspace
+    image, expected = box_case()
+    _use_box_network(monkeypatch, image)
+    spacing = tuple(2 * s for s in plans.configuration("3d_fullres").spacing_mm)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    _write_box(inputs / "plain_0000.nii.gz", image, spacing, (0.0, 0.0, 0.0), np.eye(3))
+    _write_box(inputs / "rotated_0000.nii.gz", image, spacing, (12.5, -40.25, 310.0), _rotation_xyz((10, -20, 30)))
+    _write_box(inputs / "nrrdcase_0000.nrrd", image, spacing, (-3.0, 7.5, -1.25), _rotation_xyz((0, 90, 45)))
+    written = predict(workspace, inputs, tmp_path / "out", config_name=config_name, folds=(0,), mirror=False,
+                      progress=False)
+    assert sorted(p.name for p in written) == sorted(p.name for p in (tmp_path / "out").iterdir()) == \
+        ["nrrdcase.nrrd", "plain.nii.gz", "rotated.nii.gz"]
     for out in written:
-        source = inputs / out.name.replace(".n", "_0000.n", 1)
-        _assert_same_header(out, source)
+        _assert_same_header(out, inputs / out.name.replace(".n", "_0000.n", 1))
         labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out)))
-        assert labels.shape == sitk.GetArrayFromImage(sitk.ReadImage(str(source))).shape
-        assert labels.min() >= 0 and labels.max() <= plans.num_label_values - 1
+        np.testing.assert_array_equal(labels, expected, err_msg=out.name)
+
+
+def test_objects_land_on_their_voxels_after_non_integer_resampling(
+        trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Input spacing 1.2 to 1.5x the plan's: a voxel may change label only where the expected label map
+    changes within one voxel (partial volume at the box faces); everywhere else it is exact."""
+    workspace, plans, _ = trained_workspace
+    image, expected = box_case()
+    _use_box_network(monkeypatch, image)
+    spacing = tuple(f * s for f, s in zip((1.2, 1.5, 1.3), plans.configuration("3d_fullres").spacing_mm, strict=True))
+    _write_box(tmp_path / "box_0000.nii.gz", image, spacing, (1.0, 2.0, 3.0), np.eye(3))
+    (out,) = predict(workspace, tmp_path / "box_0000.nii.gz", tmp_path / "out", folds=(0,), mirror=False,
+                     progress=False)
+    labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out)))
+    near_a_face = maximum_filter(expected, size=3) != minimum_filter(expected, size=3)
+    assert labels.shape == expected.shape
+    np.testing.assert_array_equal(labels[~near_a_face], expected[~near_a_face])
+    for value in (1, 2):  # most of each box, faces included, is found
+        assert ((labels == value) & (expected == value)).sum() >= 0.85 * (expected == value).sum(), value
 
 
 def test_rotated_input_keeps_its_non_identity_direction(trained_workspace, tmp_path: Path) -> None:

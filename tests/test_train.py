@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,9 +11,11 @@ from factories import set_configuration, tiny_topology
 
 from autoseg.core.workspace import Workspace
 from autoseg.memory import predict_device_peak, simulate_training_step
+from autoseg.model.step import TrainStep
 from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
+from autoseg.train import trainer
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
 from autoseg.train.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
@@ -153,27 +155,40 @@ def test_epochs_within_budget() -> None:
     assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5 ** 0.9) and poly_lr(0.01, 10, 10) == 0.0
 
 
-def test_time_budget_sets_the_epochs_from_measured_speed(workspace: Workspace) -> None:
-    budget_s = 6.0
-    t0 = time.perf_counter()
-    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1000}, time_budget_s=budget_s),
-                 progress=False)
-    elapsed = time.perf_counter() - t0
+def test_time_budget_sets_the_epochs_from_measured_speed(workspace: Workspace,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's clock is simulated: the training steps take 2 s (warm-up), 1 s, 1 s, 1 s, then 3 s each;
+    nothing else takes time. Budget 14 s, 2 iterations and 1 validation iteration per epoch, no final
+    validation; the decisions below are worked out by hand."""
+    clock = SimpleNamespace(now=50.0)
+    step_seconds = iter([2.0, 1.0, 1.0, 1.0] + [3.0] * 100)
+    real_step = TrainStep.__call__
+
+    def timed_step(self, *args, **kwargs):
+        result = real_step(self, *args, **kwargs)
+        clock.now += next(step_seconds)
+        return result
+
+    monkeypatch.setattr(TrainStep, "__call__", timed_step)
+    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1000}, time_budget_s=14.0), progress=False)
     run = json.loads((fold / "run.json").read_text())
-    decisions = run["time_budget"]
-    epochs = run["schedule"]["epochs"]
-    assert [d["source"] for d in decisions[:2]] == ["first iterations", "first epoch"]
-    assert decisions[-1]["epochs"] == epochs == len(_rows(fold))
-    assert 1 < epochs < 1000
-    first = decisions[1]  # from the first epoch's measured time
-    assert first["epochs"] == epochs_within_budget(budget_s, first["elapsed_seconds"], 1,
-                                                   first["seconds_per_epoch"], first["final_validation_seconds"])
-    assert decisions[0]["seconds_per_iteration"] > 0
-    assert elapsed < budget_s + 3.0, elapsed
-    # the last step's learning rate follows the schedule decided before it (the final decision, unless a slow
-    # last epoch shortened the schedule after it ran)
-    last_lr = _rows(fold)[-1]["lr"]
-    assert any(last_lr == pytest.approx(poly_lr(1e-2, epochs * 2 - 1, d["epochs"] * 2)) for d in decisions)
+    decisions = [(d["source"], d["epochs"], d["elapsed_seconds"], d["seconds_per_epoch"]) for d in run["time_budget"]]
+    assert decisions == [
+        # after 2 iterations (t = 3 s): 1 s per iteration (the 2 s warm-up left out); an epoch 2 x 1 s + 1 s / 3
+        # (validation) + 0.3 s: 11 s left hold 4 more epochs after this one
+        ("first iterations", 5, 3.0, pytest.approx(2.0 + 1.0 / 3.0 + 0.3)),
+        ("first epoch", 4, 3.0, 3.0),  # epoch 0 took 3 s: 11 s hold 3 more
+        # epoch 1 (2 s) would allow 5 epochs: not lengthened; epoch 2 (6 s) makes the mean 11/3 s: 3 epochs
+        ("epoch 2", 3, 11.0, pytest.approx(11.0 / 3.0)),
+    ]
+    assert run["schedule"]["epochs"] == 3
+    rows = _rows(fold)
+    assert [r["epoch"] for r in rows] == [0, 1, 2] and [r["epoch_seconds"] for r in rows] == [3.0, 2.0, 6.0]
+    assert clock.now - 50.0 == 11.0 <= 14.0
+    # each row's learning rate is its last step's: on the schedule in force when the step ran (1000 epochs
+    # until the first decision, then 4, until epoch 2 ended)
+    assert [r["lr"] for r in rows] == pytest.approx([poly_lr(1e-2, 1, 2000), poly_lr(1e-2, 3, 8), poly_lr(1e-2, 5, 8)])
 
 
 def test_train_cli_reads_resume_and_time_budget() -> None:
