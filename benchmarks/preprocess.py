@@ -47,11 +47,10 @@ def storage_comparison(folder: Path, patch_zyx: tuple[int, ...], reads: int = 40
     """.npy vs blosc2 on the preprocessed data arrays of ``folder``: write s, MiB on disk, patch read ms."""
     import blosc2
 
-    import autoseg.data.sampler  # noqa: F401  (imports torch: not inside the timed reads)
+    from autoseg.preprocess.store import case_files, list_complete_cases
 
     rng = np.random.default_rng(0)
-    arrays = sorted(folder.glob("*_data.npy"))
-    arrays = [p for p in arrays if "_aug" not in p.name]
+    arrays = [case_files(folder, c).data for c in list_complete_cases(folder)]  # not the augmented copies
     tmp = Path(tempfile.mkdtemp(prefix="storage_", dir=folder.parent))
     formats = {
         "npy, np.load mmap": (".npy", _save_npy, lambda p, box: np.load(p, mmap_mode="r")[box]),
@@ -122,7 +121,7 @@ def _save_npy(a: np.ndarray, path: Path) -> None:
 
 
 def _read_like_the_loader(path: Path, box: tuple[slice, ...]) -> np.ndarray:
-    from autoseg.data.sampler import open_npy_for_patches, prefetch_pages  # imported before the timing starts
+    from autoseg.preprocess.store import open_npy_for_patches, prefetch_pages  # imported before the timing starts
 
     array = open_npy_for_patches(path)
     prefetch_pages(array, box)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from autoseg.core.workspace import Workspace
+from autoseg.dataset.imageio import Geometry
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
+from autoseg.preprocess import store
 
 GiB = 1024**3
 
@@ -46,14 +47,23 @@ def set_configuration(workspace: Workspace, name: str, **changes) -> None:
 SHAPE_ZYX = (12, 20, 20)
 
 
+def case_properties(case_id: str, shape_zyx: tuple[int, ...]) -> store.CaseProperties:
+    """Properties of a case stored as it was read: 1 mm voxels, nothing cropped or resampled, no copies."""
+    z, y, x = (int(s) for s in shape_zyx)
+    geometry = Geometry(ndim=3, size_xyz=(x, y, z), spacing_xyz=(1.0, 1.0, 1.0), origin_xyz=(0.0, 0.0, 0.0),
+                        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
+    return store.CaseProperties(case_id=case_id, geometry=geometry, spacing_mm=(1.0, 1.0, 1.0),
+                                target_spacing_mm=(1.0, 1.0, 1.0), shape_before_crop=(z, y, x),
+                                crop_bbox=((0, z), (0, y), (0, x)), shape_after_crop=(z, y, x),
+                                shape_after_resample=(z, y, x))
+
+
 def write_case(folder: Path, case_id: str, data: np.ndarray, seg: np.ndarray) -> None:
-    """A preprocessed case: data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), every voxel of classes 1 and 2
-    in ``<case>_locations.npy`` (int32 rows class, z, y, x), a ``<case>.json`` without copies."""
-    np.save(folder / f"{case_id}_data.npy", data.astype(np.float32))
-    np.save(folder / f"{case_id}_seg.npy", seg.astype(np.int8))
-    rows = [(c, *v) for c in (1, 2) for v in np.argwhere(seg[0] == c).tolist()]
-    np.save(folder / f"{case_id}_locations.npy", np.array(rows, dtype=np.int32).reshape(-1, 4))
-    (folder / f"{case_id}.json").write_text(json.dumps({"case_id": case_id}))
+    """A preprocessed case (``store.write_case``): data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), every
+    voxel of classes 1 and 2 as its foreground locations, properties without copies."""
+    locations = {str(c): np.argwhere(seg[0] == c).tolist() for c in (1, 2)}
+    store.write_case(folder, case_properties(case_id, data.shape[1:]), data.astype(np.float32),
+                     seg.astype(np.int8), locations)
 
 
 def make_cases(

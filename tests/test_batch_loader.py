@@ -17,6 +17,7 @@ import autoseg.data.sampler as loader_module
 from autoseg.data.loader import BatchLoader, _Slots, workers_for_shared_memory
 from autoseg.memory.host import WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
 from autoseg.plan.training_data import LoaderConfig
+from autoseg.preprocess.store import case_files
 
 
 def test_one_worker_yields_the_in_process_batches_and_closes(tmp_path: Path) -> None:
@@ -47,7 +48,7 @@ def test_dead_worker_raises_instead_of_hanging(tmp_path: Path, monkeypatch: pyte
 def test_worker_error_is_reraised(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_cases=1)
     with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
-        (tmp_path / "case_0_seg.npy").unlink()  # vanishes after the loader checked it
+        case_files(tmp_path, "case_0").seg.unlink()  # vanishes after the loader checked it
         with pytest.raises(FileNotFoundError, match="case_0_seg.npy"):
             next(loader)
 

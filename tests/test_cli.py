@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli import _fold, build_parser, main, parse_bytes
+from autoseg.preprocess.store import list_complete_cases
 
 GiB = 2**30
 
@@ -91,7 +92,7 @@ def test_end_to_end_plan_train_predict_evaluate(tiny_dataset: Path, tmp_path: Pa
     assert "GPU memory 8.0 GiB, host RAM 4.0 GiB, training device cpu" in capsys.readouterr().out
     for name in ("workspace.json", "fingerprint.json", "plans.json"):
         assert (ws / name).is_file()
-    assert len(list((ws / "preprocessed" / "3d_fullres").glob("*.json"))) == 5
+    assert len(list_complete_cases(ws / "preprocessed" / "3d_fullres")) == 5
     assert not (ws / "preprocessed" / "2d").exists()  # -c 3d_fullres only
 
     assert main(["-q", "train", "fold", "0", "-w", str(ws), "--device", "cpu", "--epochs", "1",

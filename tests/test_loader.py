@@ -16,6 +16,7 @@ from autoseg.data.loader import BatchLoader
 from autoseg.data.sampler import PatchSampler
 from autoseg.memory.host import batch_bytes, batch_bytes_terms
 from autoseg.plan.training_data import LoaderConfig, enlarged_patch_size
+from autoseg.preprocess.store import case_files, properties_path
 
 
 def expected_box(data: np.ndarray, origin: tuple[int, ...], size: tuple[int, ...], pad: float) -> np.ndarray:
@@ -46,8 +47,8 @@ def test_3d_shapes_dtypes_and_values(tmp_path: Path) -> None:
         assert batch["data"].shape == (2, 2, *e) and batch["data"].dtype == np.float32
         assert batch["seg"].shape == (2, 1, *e) and batch["seg"].dtype == np.int8
         for i, need in enumerate(needs):  # the case in the centre part the sample needs, padded 0 / -1
-            case = tmp_path / f"{batch['case_ids'][i]}"
-            full_data, full_seg = np.load(f"{case}_data.npy"), np.load(f"{case}_seg.npy")
+            files = case_files(tmp_path, batch["case_ids"][i])
+            full_data, full_seg = np.load(files.data), np.load(files.seg)
             inner = tuple(slice((a - n) // 2, (a - n) // 2 + n) for a, n in zip(e, need, strict=True))
             origin = tuple(o + s.start for o, s in zip(batch["origins"][i], inner, strict=True))
             np.testing.assert_array_equal(batch["data"][i][(slice(None), *inner)],
@@ -95,7 +96,7 @@ def test_2d_samples_one_slice(tmp_path: Path) -> None:
     assert batch["data"].shape == (4, 1, 16, 16) and batch["seg"].shape == (4, 1, 16, 16)
     for i in range(4):
         z, y, x = batch["origins"][i]
-        full = np.load(tmp_path / f"{batch['case_ids'][i]}_data.npy")
+        full = np.load(case_files(tmp_path, batch["case_ids"][i]).data)
         np.testing.assert_array_equal(batch["data"][i], expected_box(full[:, z], (y, x), (16, 16), 0.0))
     with BatchLoader(tmp_path, ids, LoaderConfig((16, 16), batch_size=2), seed=0) as loader:
         out = next(loader)
@@ -116,7 +117,7 @@ def test_padding_when_patch_exceeds_image(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_cases=1, shape_zyx=(4, 10, 10))
     config = LoaderConfig((8, 16, 16), batch_size=4, augment=False, oversample_foreground=0.5)
     batch = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)).sample_batch()
-    full_data = np.load(tmp_path / "case_0_data.npy")
+    full_data = np.load(case_files(tmp_path, "case_0").data)
     for i in range(4):
         origin = batch["origins"][i]
         sizes = zip(origin, (8, 16, 16), (4, 10, 10), strict=True)
@@ -140,7 +141,7 @@ def test_oversample_one_puts_foreground_in_every_patch(tmp_path: Path, patch_siz
 
 def test_uniform_sampling_matches_volume_fraction(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_cases=3, foreground="scatter")
-    volume_fraction = np.mean([(np.load(tmp_path / f"{c}_seg.npy") == 1).mean() for c in ids])
+    volume_fraction = np.mean([(np.load(case_files(tmp_path, c).seg) == 1).mean() for c in ids])
     config = LoaderConfig((8, 16, 16), batch_size=64, augment=False, oversample_foreground=0.0)
     seg = PatchSampler(tmp_path, ids, config, np.random.default_rng(5)).sample_batch()["seg"]
     assert abs((seg == 1).mean() - volume_fraction) < 0.015
@@ -178,7 +179,7 @@ def test_same_seed_same_batches_and_replay_from_seed(tmp_path: Path) -> None:
 
 def test_errors_say_what_to_change(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_cases=1)
-    (tmp_path / "case_0.json").unlink()
+    properties_path(tmp_path, "case_0").unlink()
     with pytest.raises(FileNotFoundError, match="case_0.json.*run preprocessing"):
         PatchSampler(tmp_path, ids, LoaderConfig((8, 16, 16), 1), np.random.default_rng(0))
     with pytest.raises(ValueError, match="dummy_2d"):

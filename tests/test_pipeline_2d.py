@@ -14,6 +14,7 @@ from autoseg.cli import main
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.predict import predictor
 from autoseg.predict.predictor import load_trained_network
+from autoseg.preprocess.store import list_complete_cases, open_case
 
 
 def _to_2d(src: Path, dst: Path, channels: int = 1) -> Path:
@@ -44,7 +45,8 @@ def test_2d_dataset_end_to_end(tiny_dataset: Path, tmp_path: Path, channels: int
     assert main(["-q", "plan_and_preprocess", str(raw), "-w", str(ws), "--device", "cpu"]) == 0
     plans = json.loads((ws / "plans.json").read_text())
     assert list(plans["configurations"]) == ["2d"]
-    data = np.load(next((ws / "preprocessed" / "2d").glob("*_data.npy")))
+    folder = ws / "preprocessed" / "2d"
+    data, _ = open_case(folder, list_complete_cases(folder)[0]).arrays()
     assert data.shape[0] == channels and data.shape[1] == 1  # (C, Z=1, Y, X)
     assert main(["-q", "train", "fold", "0", "-w", str(ws), "--epochs", "1", "--iterations-per-epoch", "2",
                  "--val-iterations", "1", "--no-validation"]) == 0

@@ -28,7 +28,8 @@ from autoseg.preprocess.precompute import (
     draw_spatial_params,
     rotation_matrix,
 )
-from autoseg.preprocess.preprocessor import CaseProperties, is_complete, preprocess
+from autoseg.preprocess.preprocessor import preprocess
+from autoseg.preprocess.store import case_files, is_complete, open_case, read_properties
 
 
 def random_case(shape_zyx: tuple[int, ...] = (9, 11, 11), seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -132,21 +133,21 @@ def with_copies(tiny_dataset: Path, tmp_path_factory) -> tuple[Path, list[str]]:
 def test_preprocessing_writes_copies_with_their_parameters(with_copies) -> None:
     out, case_ids = with_copies
     for case_id in case_ids:
-        assert is_complete(out, case_id, num_augmentations=2) and not is_complete(out, case_id, 3)
-        props = CaseProperties.from_json(out / f"{case_id}.json")
-        data, seg = np.load(out / f"{case_id}_data.npy"), np.load(out / f"{case_id}_seg.npy")
-        assert [a.index for a in props.augmentations] == [0, 1]
+        assert is_complete(out, case_id, num_copies=2) and not is_complete(out, case_id, 3)
+        case = open_case(out, case_id)
+        props = case.properties
+        data, seg = (np.array(a) for a in case.arrays())
+        assert [a.index for a in props.augmentations] == [0, 1] and case.copies == (0, 1)
         assert props.augmentations[0].params != props.augmentations[1].params
         for copy in props.augmentations:
-            aug_data = np.load(out / f"{case_id}_aug{copy.index}_data.npy")
-            aug_seg = np.load(out / f"{case_id}_aug{copy.index}_seg.npy")
+            aug_data, aug_seg = (np.array(a) for a in case.arrays(copy.index))
             assert copy.params.in_plane_only  # z spacing 2.75 mm vs 0.9 in-plane: anisotropic
             replay = augment_case(data, seg, copy.params)  # the recorded parameters reproduce the copy
             np.testing.assert_array_equal(replay[0], aug_data)
             np.testing.assert_array_equal(replay[1], aug_seg)
             assert aug_seg.dtype == np.int8 and set(np.unique(aug_seg)) <= {-1, 0, 1, 2}
             assert copy.class_voxels == tuple(int(np.sum(np.maximum(aug_seg, 0) == k)) for k in range(3))
-            rows = np.load(out / f"{case_id}_aug{copy.index}_locations.npy")  # (N, 4): class, z, y, x
+            rows = np.load(case.files(copy.index).locations)  # (N, 4): class, z, y, x
             assert rows.dtype == np.int32 and set(rows[:, 0]) == {1, 2}
             for label in (1, 2):
                 voxels = rows[rows[:, 0] == label, 1:]
@@ -159,13 +160,13 @@ def test_a_case_without_the_requested_copies_is_redone(tiny_dataset: Path, tmp_p
     dataset = dataclasses.replace(dataset, cases=dataset.cases[:1])
     case_id, plans = dataset.cases[0].case_id, tiny_plans(spacing_mm=(1.5, 1.5, 1.5))
     out = preprocess(dataset, plans, "3d_fullres", tmp_path / "out", progress=False)
-    assert not (out / f"{case_id}_aug0_data.npy").exists()
+    assert not case_files(out, case_id, copy=0).data.exists()
     with caplog.at_level(logging.INFO, logger="autoseg"):
         preprocess(dataset, plans, "3d_fullres", out, progress=False,
                    precompute=PrecomputeConfig(num_copies=1))
-    props = CaseProperties.from_json(out / f"{case_id}.json")
+    props = read_properties(out, case_id)
     assert len(props.augmentations) == 1 and not props.augmentations[0].params.in_plane_only  # isotropic
-    copy_bytes = sum((out / f"{case_id}_aug0{s}").stat().st_size for s in ("_data.npy", "_seg.npy"))
+    copy_bytes = sum(p.stat().st_size for p in case_files(out, case_id, copy=0))
     assert f"(augmented copies {copy_bytes / 2**20:.1f} MiB)" in caplog.text  # disk use is reported
 
 
@@ -188,8 +189,7 @@ def test_the_loader_samples_the_case_and_its_copies(with_copies) -> None:
         batch = sampler.sample_batch()
         for i, (case_id, copy) in enumerate(zip(batch["case_ids"], batch["copies"], strict=True)):
             seen.add(copy)
-            stem = case_id if copy < 0 else f"{case_id}_aug{copy}"
-            source = np.load(out / f"{stem}_data.npy")
+            source = np.load(case_files(out, case_id, copy).data)
             z, y, x = batch["origins"][i]
             if min(z, y, x) >= 0 and z + 4 <= source.shape[1]:  # a box inside the image: equal voxels
                 np.testing.assert_array_equal(batch["data"][i], source[:, z:z + 4, y:y + 8, x:x + 8])

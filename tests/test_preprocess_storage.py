@@ -14,6 +14,7 @@ from factories import write_case
 
 from autoseg.data.sampler import PatchSampler
 from autoseg.plan.training_data import LoaderConfig
+from autoseg.preprocess.store import case_files
 
 PAGE = mmap.PAGESIZE
 SHAPE = (1, 64, 256, 256)  # float32: 16 MiB, 256 KiB per z-slice
@@ -58,7 +59,7 @@ def large_case(tmp_path: Path) -> Path:
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise and mincore (Linux)")
 def test_a_random_patch_reads_only_its_own_pages(large_case: Path) -> None:
-    data_path, seg_path = large_case / "big_data.npy", large_case / "big_seg.npy"
+    data_path, seg_path, _ = case_files(large_case, "big")
     for path in (data_path, seg_path):
         drop_from_page_cache(path)
     config = LoaderConfig(patch_size=(16, 32, 32), batch_size=1, augment=False, oversample_foreground=0.0)

@@ -5,7 +5,7 @@ Stages, each usable alone:
 - ``PatchSampler.sample_batch()``: per sample a location and a spatial transform
   (``autoseg.data.augment_spatial.draw_patch_transform``), then B boxes around the patches, as large as the batch's
   largest transform needs (``read_size``; the patch itself when no sample is rotated or scaled), read from
-  memory-mapped ``<case>_data.npy`` / ``<case>_seg.npy`` (only the box's pages are read:
+  the case's memory-mapped data and seg (``autoseg.preprocess.store``; only the box's pages are read:
   ``open_npy_for_patches``), padded with 0 (data) / -1 (seg) outside the image; with ``use_precomputed``,
   at the patch size from the case or one of its augmented copies.
 - ``PatchSampler.sample_patches()``: the same draws, each sample's box read and rotated/scaled into the
@@ -25,10 +25,6 @@ batches (``output_batch_bytes`` each) that wait for the trainer (``autoseg.data.
 
 from __future__ import annotations
 
-import itertools
-import json
-import math
-import mmap
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -39,56 +35,9 @@ import numpy as np
 
 from autoseg.data.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
 from autoseg.plan.training_data import LoaderConfig
+from autoseg.preprocess.store import StoredCase, open_case, prefetch_pages
 
-__all__ = ["PatchSampler", "open_npy_for_patches", "prefetch_pages"]
-
-
-def open_npy_for_patches(path: str | Path) -> np.ndarray:
-    """A read-only memory map of the .npy file at ``path``, advised for random access.
-
-    Slicing it reads only the pages of the slice. ``np.load(mmap_mode="r")`` maps the file too, but the
-    kernel then reads ahead around every page fault (``read_ahead_kb``: 8 MiB on the development VM),
-    which for a patch of 16 slices made one 64 KiB read pull 66 % of a 16 MiB case from disk;
-    ``MADV_RANDOM`` turns that off (3 %: the patch's own pages), and ``prefetch_pages`` requests a box's
-    pages together, so that they are read in parallel rather than one page fault at a time.
-    """
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-            np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(f)
-        offset = f.tell()
-        if math.prod(shape) * dtype.itemsize == 0:
-            return np.zeros(shape, dtype)
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        mapping.madvise(mmap.MADV_RANDOM)
-    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order="F" if fortran_order else "C")
-
-
-def prefetch_pages(array: np.ndarray, box: tuple[slice | int, ...]) -> None:
-    """Ask the kernel to read the pages of ``array[box]`` now (``MADV_WILLNEED``, asynchronous).
-
-    ``array`` from ``open_npy_for_patches`` (C order); ``box``: an int or a step-1 slice per axis. Each run
-    of the last two axes is one contiguous byte range. Without this, a box on a cold ``MADV_RANDOM`` map
-    is read one page fault at a time: 14 ms for a (1, 16, 40, 40) float32 box vs 1.7 ms with it, and
-    3.6 ms for ``np.load(mmap_mode="r")``, which reads 8 MiB around each fault (measured on the dev VM).
-    Does nothing for other arrays.
-    """
-    mapping = array.base
-    if not (isinstance(mapping, mmap.mmap) and array.flags.c_contiguous and hasattr(mmap, "MADV_WILLNEED")):
-        return
-    bounds = [(b, b + 1) if isinstance(b, int) else b.indices(n)[:2] for b, n in zip(box, array.shape)]
-    if any(hi <= lo for lo, hi in bounds):
-        return
-    offset = array.ctypes.data - np.frombuffer(mapping, np.uint8, count=1).ctypes.data  # the .npy header
-    strides = array.strides
-    (y0, y1), (x0, x1) = bounds[-2:]
-    for lead in itertools.product(*(range(lo, hi) for lo, hi in bounds[:-2])):
-        first = offset + sum(i * st for i, st in zip(lead, strides)) + y0 * strides[-2] + x0 * strides[-1]
-        end = first + (y1 - 1 - y0) * strides[-2] + (x1 - x0) * strides[-1]
-        start = first - first % mmap.PAGESIZE
-        mapping.madvise(mmap.MADV_WILLNEED, start, end - start)
+__all__ = ["PatchSampler"]
 
 
 @dataclass(frozen=True)
@@ -108,14 +57,13 @@ class PatchSampler:
     """Draws batches of patches, with the margin their spatial transforms need, from cases in ``folder``.
 
     Per sample: a case uniformly at random; with probability ``oversample_foreground`` a foreground class
-    present in the case (in its ``<case>_locations.npy``), one of its voxels, and a patch that contains it
+    present in the case (its stored foreground locations), one of its voxels, and a patch that contains it
     at a random position (and stays inside the image where the image is larger than the patch); otherwise
     a uniformly placed patch. A 2D configuration draws one z-slice (the voxel's slice when forced). Then,
     when augmenting on the fly, the sample's rotation and scaling (``draw_patch_transform``).
 
-    The cases' copy lists are kept after the first read of their ``<case>.json``, and the foreground
-    voxels (``<case>_locations.npy``, ``<case>_aug<k>_locations.npy``) of the last ``LOCATIONS_CACHE``
-    cases or copies read (at most 10,000 x 12 bytes per class each).
+    The cases' properties (their copy lists) are kept after the first read, and the foreground voxels of
+    the last ``LOCATIONS_CACHE`` cases or copies read (at most 10,000 x 12 bytes per class each).
     """
 
     LOCATIONS_CACHE = 64
@@ -128,54 +76,22 @@ class PatchSampler:
         self.rng = rng
         if not self.case_ids:
             raise ValueError(f"no case ids given for the loader over {self.folder}")
-        missing = [str(p) for c in self.case_ids for p in self._paths(c) if not p.is_file()]
-        if missing:
-            raise FileNotFoundError(
-                f"{len(missing)} preprocessed file(s) missing in {self.folder}, e.g. {missing[:3]}; "
-                "run preprocessing again (a case without <case>.json is incomplete)")
-        first_data, first_seg = self._open(self.case_ids[0])
+        self._cases: dict[str, StoredCase] = {c: open_case(self.folder, c) for c in self.case_ids}
+        first_data, first_seg = self._cases[self.case_ids[0]].arrays()
         self.num_channels = int(first_data.shape[0])
         self.seg_dtype = first_seg.dtype
         self.enlarged_patch_size = config.enlarged_patch_size
-        self._copies: dict[str, tuple[int, ...]] = {}
         self._locations: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
-
-    def _paths(self, case_id: str, copy: int = -1) -> tuple[Path, Path, Path, Path]:
-        """Data, seg, locations and properties paths of the case (``copy=-1``) or of its augmented copy."""
-        f, stem = self.folder, case_id if copy < 0 else f"{case_id}_aug{copy}"
-        return f / f"{stem}_data.npy", f / f"{stem}_seg.npy", f / f"{stem}_locations.npy", f / f"{case_id}.json"
-
-    def _case_copies(self, case_id: str) -> tuple[int, ...]:
-        """The indices of the case's augmented copies, from its ``<case>.json`` (read once)."""
-        if case_id not in self._copies:
-            path = self._paths(case_id)[3]
-            with open(path) as f:
-                props = json.load(f)
-            self._copies[case_id] = tuple(int(e["index"]) for e in props.get("augmentations") or [])
-        return self._copies[case_id]
 
     def _class_locations(self, case_id: str, copy: int) -> dict[str, np.ndarray]:
         """Foreground voxels of the case or copy: class -> (N, 3) int32 (z, y, x), from its (N, 4) file."""
         key = (case_id, copy)
         if key not in self._locations:
-            path = self._paths(case_id, copy)[2]
-            rows = np.load(path)
-            if rows.ndim != 2 or rows.shape[1] != 4:
-                raise ValueError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; "
-                                 "re-run preprocessing")
-            self._locations[key] = {str(c): rows[rows[:, 0] == c, 1:] for c in np.unique(rows[:, 0])}
+            self._locations[key] = self._cases[case_id].class_locations(copy)
             while len(self._locations) > self.LOCATIONS_CACHE:
                 self._locations.popitem(last=False)
         self._locations.move_to_end(key)
         return self._locations[key]
-
-    def _open(self, case_id: str, copy: int = -1) -> tuple[np.ndarray, np.ndarray]:
-        data_path, seg_path, _, _ = self._paths(case_id, copy)
-        data, seg = open_npy_for_patches(data_path), open_npy_for_patches(seg_path)
-        if data.ndim != 4 or seg.ndim != 4 or seg.shape[0] != 1 or seg.shape[1:] != data.shape[1:]:
-            raise ValueError(f"case {case_id!r} in {self.folder}: expected data (C, Z, Y, X) and seg "
-                             f"(1, Z, Y, X), got {data.shape} and {seg.shape}; re-run preprocessing")
-        return data, seg
 
     def sample_batch(self) -> dict[str, Any]:
         """One batch: ``data`` float32 (B, C, *E), ``seg`` (B, 1, *E) in the cases' seg dtype (int8),
@@ -226,10 +142,10 @@ class PatchSampler:
         case_id = self.case_ids[int(rng.integers(len(self.case_ids)))]
         copy = -1
         if config.use_precomputed and config.augment:  # validation (augment=False): the case only
-            copies = self._case_copies(case_id)
+            copies = self._cases[case_id].copies
             pick = int(rng.integers(len(copies) + 1)) - 1  # -1: the case itself
             copy = copies[pick] if pick >= 0 else -1
-        data, seg = self._open(case_id, copy)
+        data, seg = self._cases[case_id].arrays(copy)
         if data.shape[0] != self.num_channels or seg.dtype != self.seg_dtype:
             raise ValueError(f"case {case_id!r} has {data.shape[0]} channels / seg {seg.dtype}, but "
                              f"{self.case_ids[0]!r} has {self.num_channels} / {self.seg_dtype}; "
@@ -237,8 +153,8 @@ class PatchSampler:
         shape_zyx = data.shape[1:]
         voxel = None
         if rng.random() < config.oversample_foreground:
-            voxel = self._foreground_voxel(self._class_locations(case_id, copy), self._paths(case_id, copy)[2],
-                                           shape_zyx)
+            voxel = self._foreground_voxel(self._class_locations(case_id, copy),
+                                           self._cases[case_id].files(copy).locations, shape_zyx)
         dim = config.dim
         lower = tuple(self._window_start(s, p, None if voxel is None else voxel[-dim + a])
                       for a, (s, p) in enumerate(zip(shape_zyx[-dim:], config.patch_size, strict=True)))

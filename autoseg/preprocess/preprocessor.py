@@ -1,15 +1,14 @@
 """Preprocessing: crop to nonzero, normalize, resample; one patch-readable array set per case.
 
 ``preprocess_case`` is shared by training preprocessing and prediction, so both see the same
-transform. ``preprocess`` runs it over a dataset in parallel processes and writes, per case,
-``<case>_data.npy`` (float32 (C, Z, Y, X)), ``<case>_seg.npy`` (int8 (1, Z, Y, X), int16 beyond 127
-classes; -1 outside the body), ``<case>_locations.npy`` (sampled foreground voxels per class, int32 (N, 4)
-rows: class, z, y, x; ``locations_array``), optionally K spatially augmented copies
-``<case>_aug{k}_data.npy`` / ``<case>_aug{k}_seg.npy`` (``autoseg.preprocess.precompute``) with their own
-``<case>_aug{k}_locations.npy``, and ``<case>.json`` (``CaseProperties``).
+transform. ``preprocess`` runs it over a dataset in parallel processes and stores, per case
+(``autoseg.preprocess.store``, the owner of the files' names and layout), the float32 (C, Z, Y, X) data,
+the label map (int8 (1, Z, Y, X), int16 beyond 127 classes; -1 outside the body), sampled foreground
+voxels per class, optionally K spatially augmented copies of all three (``autoseg.preprocess.precompute``),
+and the ``CaseProperties``.
 
-Every file is written under a temporary name and renamed when complete, the JSON last: a case without
-its JSON is redone by the next run, temporary files a killed run left behind are removed, and since
+Every file is written under a temporary name and renamed when complete, the properties last: a case
+without them is redone by the next run, temporary files a killed run left behind are removed, and since
 every case is a deterministic function of its input and the seed, a rerun after a kill writes what an
 uninterrupted run writes. A worker process that dies (the OS's out-of-memory killer) fails the run at
 once with the case(s) it held and their predicted memory (``autoseg.core.workers.WorkerDiedError``).
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from autoseg.core.artifacts import Artifact, atomic_save_npy, write_json
+from autoseg.core.artifacts import write_json
 from autoseg.core.resources import proc_field_bytes
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.workers import run_in_processes
@@ -40,50 +39,16 @@ from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.normalization import normalize
 from autoseg.preprocess.precompute import (
     PrecomputeConfig,
-    SpatialParams,
     augment_case,
     augment_case_bytes,
     draw_spatial_params,
 )
 from autoseg.preprocess.resampling import compute_new_shape, resample_image, resample_segmentation
+from autoseg.preprocess.store import AugmentedCopy, CaseProperties, CaseWriter, is_complete
 
 log = logging.getLogger("autoseg")
 LOCATIONS_PER_CLASS = 10_000
 MiB = 1024**2
-
-
-@dataclass(frozen=True)
-class AugmentedCopy:
-    """One precomputed copy ``<case>_aug{index}_*.npy``: its parameters and voxel count per label value.
-
-    Its foreground locations are in ``<case>_aug{index}_locations.npy``, not here: the loader parses the
-    case JSON for every sample, and K more sets of up to 10,000 voxels per class would make that K + 1
-    times slower (50 ms per sample for K = 2 measured here)."""
-
-    index: int
-    params: SpatialParams
-    class_voxels: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class CaseProperties(Artifact):
-    """A preprocessed case's ``<case>.json``. Its foreground voxel samples are in ``<case>_locations.npy``
-    (int32 (N, 4) rows: class, z, y, x; ``locations_array``), not here: as JSON they took 530 KB and 0.1 s
-    per case to write, and 11-40 ms to parse at every training start."""
-
-    SCHEMA_VERSION = 2  # 2: class locations moved to <case>_locations.npy
-    KIND = "case properties"
-
-    case_id: str
-    geometry: Geometry  # of the original image (written back exactly at prediction)
-    spacing_mm: tuple[float, float, float]  # original (z, y, x)
-    target_spacing_mm: tuple[float, float, float]
-    shape_before_crop: tuple[int, int, int]
-    crop_bbox: tuple[tuple[int, int], ...]  # (start, stop) per axis (z, y, x)
-    shape_after_crop: tuple[int, int, int]
-    shape_after_resample: tuple[int, int, int]
-    class_voxels: tuple[int, ...] = ()  # per label value after resampling (training cases only)
-    augmentations: tuple[AugmentedCopy, ...] = ()  # precomputed spatially augmented copies
 
 
 def case_target_spacing(config: ConfigurationPlan,
@@ -160,13 +125,6 @@ def class_locations(seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Gener
     return out
 
 
-def locations_array(locations: dict[str, tuple]) -> np.ndarray:
-    """``class_locations`` as int32 (N, 4) rows (class, z, y, x), as ``<case>_locations.npy`` and
-    ``<case>_aug<k>_locations.npy`` store them."""
-    rows = [(int(c), *v) for c in sorted(locations, key=int) for v in locations[c]]
-    return np.array(rows, dtype=np.int32).reshape(-1, 4)
-
-
 def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...]) -> bool:
     """Augment slices in-plane only: 2D configurations, and data whose z spacing is the out-of-plane one."""
     return config.dim == 2 or out_of_plane_axis(target_spacing_mm) == 0
@@ -201,14 +159,6 @@ def processes_for(host_ram_bytes: int, largest_case_peak_bytes: int, cpu_count: 
         raise ValueError(f"need a positive case peak and cpu count; got {largest_case_peak_bytes}, "
                          f"{cpu_count}")
     return max(1, min(int(cpu_count), int(host_ram_bytes) // int(largest_case_peak_bytes)))
-
-
-def is_complete(out_dir: Path, case_id: str, num_augmentations: int = 0) -> bool:
-    """The case's JSON (written last) and arrays exist, with at least ``num_augmentations`` copies."""
-    names = [f"{case_id}{s}" for s in ("_data.npy", "_seg.npy", "_locations.npy", ".json")]
-    names += [f"{case_id}_aug{k}{s}" for k in range(num_augmentations)
-              for s in ("_data.npy", "_seg.npy", "_locations.npy")]
-    return all((out_dir / n).is_file() for n in names)
 
 
 @dataclass(frozen=True)
@@ -257,32 +207,22 @@ def run_case(task: CaseTask) -> CaseResult:
     per_slice = class_voxels_per_slice(seg, plans.num_label_values)
     scheme = plans.label_scheme
     props = replace(props, class_voxels=tuple(int(v) for v in per_slice.sum(0)))
-    locations = class_locations(seg, per_slice, np.random.default_rng([task.seed, crc]), scheme)
-    written = [out_dir / f"{case.case_id}{s}" for s in ("_data.npy", "_seg.npy", "_locations.npy")]
-    atomic_save_npy(written[0], data)
-    atomic_save_npy(written[1], seg)
-    atomic_save_npy(written[2], locations_array(locations))
-    copies, aug_paths = [], []
+    writer = CaseWriter(out_dir, case.case_id)
+    writer.write_arrays(data, seg, class_locations(seg, per_slice, np.random.default_rng([task.seed, crc]), scheme))
+    copies = []
     rng = np.random.default_rng([task.seed, crc, 1])
     for k in range(task.precompute.num_copies):
         in_plane = in_plane_only(task.config, props.target_spacing_mm)
         params = draw_spatial_params(rng, task.precompute, in_plane)
         aug_data, aug_seg = augment_case(data, seg, params)
-        aug_paths += [out_dir / f"{case.case_id}_aug{k}{s}"
-                      for s in ("_data.npy", "_seg.npy", "_locations.npy")]
-        atomic_save_npy(aug_paths[-3], aug_data)
-        atomic_save_npy(aug_paths[-2], aug_seg)
         counts = class_voxels_per_slice(aug_seg, plans.num_label_values)
         locations = class_locations(aug_seg, counts, np.random.default_rng([task.seed, crc, 2, k]), scheme)
-        atomic_save_npy(aug_paths[-1], locations_array(locations))
+        writer.write_arrays(aug_data, aug_seg, locations, copy=k)
         copies.append(AugmentedCopy(k, params, tuple(int(v) for v in counts.sum(0))))
         del aug_data, aug_seg
-    props = replace(props, augmentations=tuple(copies))
-    props.to_json(out_dir / f"{case.case_id}.json")  # last: marks the case complete
-    json_bytes = (out_dir / f"{case.case_id}.json").stat().st_size
-    aug_bytes = sum(p.stat().st_size for p in aug_paths)
+    writer.commit(replace(props, augmentations=tuple(copies)))  # last: marks the case complete
     return CaseResult(case.case_id, time.perf_counter() - t0, _peak_rss_bytes(),
-                      sum(p.stat().st_size for p in written) + json_bytes + aug_bytes, aug_bytes)
+                      writer.case_bytes + writer.copy_bytes, writer.copy_bytes)
 
 
 CaseRunner = Callable[[CaseTask], CaseResult]
