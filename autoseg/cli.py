@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-GiB = 1024**3
+from autoseg.core.units import GiB
 
 
 def parse_bytes(text: str) -> int:
@@ -180,8 +180,7 @@ def _budget(args: argparse.Namespace):
 def _default_config(workspace) -> str:
     from autoseg.plan.plans import Plans
 
-    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
-    return "3d_fullres" if "3d_fullres" in plans.configurations else next(iter(plans.configurations))
+    return Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess")).default_configuration()
 
 
 def _without_gpus(argv: Sequence[str]) -> list[str]:
@@ -266,97 +265,119 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _dispatch(args: argparse.Namespace, progress: bool) -> int:
+def _plan(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
+    from autoseg.dataset.raw import load_dataset
+    from autoseg.plan.run import plan_dataset
+    from autoseg.preprocess.run import preprocess_workspace
 
-    if args.command in ("plan", "plan_and_preprocess"):
-        from autoseg.dataset.raw import load_dataset
-        from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
+    ws = Workspace.at(args.workspace)
+    print(f"workspace: {ws.root}")
+    dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
+    plan_dataset(dataset, ws, _budget(args), progress=progress)
+    if args.command == "plan_and_preprocess":
+        preprocess_workspace(ws, args.configs, args.processes, progress=progress,
+                             precompute_augmentations=args.precompute_augmentations)
+    return 0
 
-        ws = Workspace.at(args.workspace)
-        print(f"workspace: {ws.root}")
-        dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
-        plan_dataset(dataset, ws, _budget(args), progress=progress)
-        if args.command == "plan_and_preprocess":
-            preprocess_workspace(ws, args.configs, args.processes, progress=progress,
-                                 precompute_augmentations=args.precompute_augmentations)
-        return 0
-    if args.command == "train":
-        from autoseg.model.distributed import process_group
-        from autoseg.train.trainer import RunConfig, train
 
-        ws = Workspace.at(args.workspace)
-        config = args.config or _default_config(ws)
-        device = args.device or default_device()
-        distributed = _distributed_context(os.environ, device)
-        defaults = RunConfig()
-        run = RunConfig(
-            epochs=args.epochs or defaults.epochs,
-            iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
-            val_iterations=args.val_iterations or defaults.val_iterations,
-            seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
-            loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
-            time_budget_s=args.time_budget,
-        )
-        if distributed.is_main:
-            print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}\nprocesses: {distributed.world_size}"
-                  f" ({distributed.backend if distributed.is_distributed else 'single process'})")
-        else:  # rank 0 reports
-            logging.getLogger().setLevel(logging.WARNING)
-            progress = False
-        with process_group(distributed):
-            train(ws, config, _fold(args.fold), run, progress=progress, distributed=distributed)
-        return 0
-    if args.command == "predict":
-        from autoseg.predict.predictor import predict
+def _train(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.model.distributed import process_group
+    from autoseg.train.trainer import RunConfig, train
 
-        ws = Workspace.at(args.workspace)
-        config = args.config or _default_config(ws)
-        folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
-        written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
-                          mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
-                          device=args.device or default_device(), progress=progress)
-        print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
-        return 0
-    if args.command == "evaluate":
-        from autoseg.evaluate.metrics import evaluate_folder, format_table
+    ws = Workspace.at(args.workspace)
+    config = args.config or _default_config(ws)
+    device = args.device or default_device()
+    distributed = _distributed_context(os.environ, device)
+    defaults = RunConfig()
+    run = RunConfig(
+        epochs=args.epochs or defaults.epochs,
+        iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
+        val_iterations=args.val_iterations or defaults.val_iterations,
+        seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
+        loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
+        time_budget_s=args.time_budget,
+    )
+    if distributed.is_main:
+        print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}\nprocesses: {distributed.world_size}"
+              f" ({distributed.backend if distributed.is_distributed else 'single process'})")
+    else:  # rank 0 reports
+        logging.getLogger().setLevel(logging.WARNING)
+        progress = False
+    with process_group(distributed):
+        train(ws, config, _fold(args.fold), run, progress=progress, distributed=distributed)
+    return 0
 
-        out = args.output or os.path.join(args.pred_dir, "summary.json")
-        summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
-        print(format_table(summary))
-        print(f"summary: {out}")
-        return 0
-    if args.command == "explain":
-        import json
 
-        from autoseg.explain.explanation import explain, format_explanation
-        from autoseg.plan.fingerprint import Fingerprint
-        from autoseg.plan.plans import Plans
+def _predict(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.predict.predictor import predict
 
-        ws = Workspace.at(args.workspace or ".")
-        plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
-        plans = Plans.from_json(plans_path)
-        config = args.config or ("3d_fullres" if "3d_fullres" in plans.configurations
-                                 else next(iter(plans.configurations)))
-        fp_path = plans_path.parent / "fingerprint.json"  # a workspace keeps it beside plans.json
-        fingerprint = Fingerprint.from_json(fp_path) if fp_path.is_file() else None
-        explanation = explain(plans, config, device=args.device, fingerprint=fingerprint)
-        text = json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation)
-        print(text.rstrip("\n"))
-        return 0
-    if args.command == "make-demo-dataset":
-        from autoseg.demo.data import make_demo_dataset
+    ws = Workspace.at(args.workspace)
+    config = args.config or _default_config(ws)
+    folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
+    written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
+                      mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
+                      device=args.device or default_device(), progress=progress)
+    print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
+    return 0
 
-        path = make_demo_dataset(args.output, num_train=args.num_train, num_test=args.num_test, seed=args.seed)
-        print(f"demo dataset written to {path}")
-        return 0
-    if args.command == "demo":
-        from autoseg.demo.run import run_demo
 
-        result = run_demo(args.workspace, epochs=args.epochs, iterations_per_epoch=args.iterations_per_epoch,
-                          num_train=args.num_train, progress=progress)
-        return 0 if result.passed else 1
-    raise AssertionError(args.command)
+def _evaluate(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.evaluate.metrics import evaluate_folder, format_table
+
+    out = args.output or os.path.join(args.pred_dir, "summary.json")
+    summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
+    print(format_table(summary))
+    print(f"summary: {out}")
+    return 0
+
+
+def _explain(args: argparse.Namespace, progress: bool) -> int:
+    import json
+
+    from autoseg.core.workspace import Workspace
+    from autoseg.explain.explanation import explain
+    from autoseg.explain.format import format_explanation
+    from autoseg.plan.fingerprint import Fingerprint
+    from autoseg.plan.plans import Plans
+
+    ws = Workspace.at(args.workspace or ".")
+    plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
+    plans = Plans.from_json(plans_path)
+    config = args.config or plans.default_configuration()
+    fp_path = plans_path.parent / "fingerprint.json"  # a workspace keeps it beside plans.json
+    fingerprint = Fingerprint.from_json(fp_path) if fp_path.is_file() else None
+    explanation = explain(plans, config, device=args.device, fingerprint=fingerprint)
+    text = json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation)
+    print(text.rstrip("\n"))
+    return 0
+
+
+def _make_demo_dataset(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.demo.data import make_demo_dataset
+
+    path = make_demo_dataset(args.output, num_train=args.num_train, num_test=args.num_test, seed=args.seed)
+    print(f"demo dataset written to {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.demo.run import run_demo
+
+    result = run_demo(args.workspace, epochs=args.epochs, iterations_per_epoch=args.iterations_per_epoch,
+                      num_train=args.num_train, progress=progress)
+    return 0 if result.passed else 1
+
+
+COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
+            "evaluate": _evaluate, "explain": _explain, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
+
+
+def _dispatch(args: argparse.Namespace, progress: bool) -> int:
+    """One call per command."""
+    return COMMANDS[args.command](args, progress)
 
 
 if __name__ == "__main__":

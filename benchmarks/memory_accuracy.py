@@ -15,7 +15,9 @@ import time
 
 import torch
 
-from autoseg.memory import TrainingMemoryModel, measure_training_step, predict_device_peak, simulate_training_step
+from autoseg.memory.device import predict_device_peak
+from autoseg.memory.fit import TrainingMemoryModel
+from autoseg.memory.training import measure_training_step, simulate_training_step
 from autoseg.model.topology import NetworkTopology
 
 MiB = 1024**2

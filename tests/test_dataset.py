@@ -60,9 +60,10 @@ def test_undeclared_label_value(dataset_copy):
 
 def test_planning_checks_voxels_while_fingerprinting_and_writes_nothing(dataset_copy, tmp_path):
     """plan_dataset reads each case once: the fingerprint reports every case's voxel problems together."""
+    from autoseg.core.units import GiB
     from autoseg.core.workspace import Workspace
-    from autoseg.plan.pipeline import plan_dataset
-    from autoseg.plan.planner import Budget, GiB
+    from autoseg.plan.planner import Budget
+    from autoseg.plan.run import plan_dataset
 
     for case, value in (("demo_001", 7), ("demo_003", 5)):
         path = dataset_copy / "labelsTr" / f"{case}.nii.gz"

@@ -29,7 +29,7 @@ from autoseg.model.distributed import (
     rank_batch,
     torchrun_command,
 )
-from autoseg.model.step import distribute, make_step
+from autoseg.model.step import build_step, distribute
 from autoseg.model.topology import NetworkTopology
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.trainer import RunConfig, train
@@ -91,7 +91,7 @@ def _one_step(distributed: DistributedContext, reduce_dice: bool = True, ignore:
     config = plans.configuration(CONFIG).with_(network=DS_TOPOLOGY, batch_size=GLOBAL_BATCH // world,
                                                accumulation_steps=1, checkpointing=False)
     torch.manual_seed(0)
-    step = make_step(config, RunConfig(device="cpu"), plans.label_scheme)
+    step = build_step(config.network, plans.label_scheme, accumulation_steps=config.accumulation_steps)
     distribute(step, distributed)
     if not reduce_dice:  # the control: per-rank Dice, as if ranks averaged their own losses
         step.loss_fn.base_loss.reduce_sums = None
@@ -100,7 +100,7 @@ def _one_step(distributed: DistributedContext, reduce_dice: bool = True, ignore:
     named = dict(step.network.named_parameters())
     before = {n: p.detach().clone() for n, p in named.items()}
     loss, _ = step(iter([{"data": data[share], "target": target[share]}]))
-    return {"loss": loss, "grads": {n: p.grad.clone() for n, p in named.items() if p.grad is not None},
+    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in named.items() if p.grad is not None},
             "updates": {n: p.detach() - before[n] for n, p in named.items()}}
 
 

@@ -8,8 +8,11 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli import main
-from autoseg.explain.explanation import Explanation, explain, format_bytes, format_explanation, next_patch_up
-from autoseg.memory import inference_memory, predict_device_peak, simulate_training_step
+from autoseg.explain.explanation import Explanation, explain, next_patch_up
+from autoseg.explain.format import format_bytes, format_explanation
+from autoseg.memory.device import predict_device_peak
+from autoseg.memory.inference import inference_memory
+from autoseg.memory.training import simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans

@@ -10,20 +10,12 @@ import pytest
 import torch
 
 from autoseg.dataset.labels import LabelScheme
-from autoseg.memory import (
-    TrainingMemoryModel,
-    export_bytes,
-    inference_memory,
-    measure_inference_bytes,
-    measure_training_step,
-    predict_device_peak,
-    predicted_training_bytes,
-    preprocess_worker_bytes,
-    simulate_training_step,
-    training_step_flops,
-)
-from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES
-from autoseg.model.network import build_network, count_parameters
+from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, predict_device_peak
+from autoseg.memory.fit import TrainingMemoryModel, predicted_training_bytes
+from autoseg.memory.host import export_bytes, preprocess_worker_bytes
+from autoseg.memory.inference import inference_memory, measure_inference_bytes
+from autoseg.memory.training import measure_training_step, simulate_training_step, training_step_flops
+from autoseg.model.network import build_network
 from autoseg.model.topology import NetworkTopology
 
 MiB = 1024**2
@@ -93,7 +85,7 @@ def test_breakdown_sums_to_total_and_counts_parameters():
     m = simulate_training_step(ISO3D, 2, (16, 16, 16))
     parts = m.breakdown()
     assert sum(v for k, v in parts.items() if k != "total") == parts["total"] == m.peak_bytes
-    assert m.parameter_bytes == 4 * count_parameters(build_network(ISO3D))
+    assert m.parameter_bytes == 4 * sum(p.numel() for p in build_network(ISO3D).parameters())
     assert m.optimizer_state_bytes == m.parameter_bytes  # SGD momentum: one fp32 buffer per parameter
     assert m.batch_bytes == 2 * 16**3 * (1 * 4 + 1)  # float32 input + int8 target
     assert m.peak_phase == "backward"
@@ -251,3 +243,35 @@ def test_simulation_of_a_realistic_network_is_fast_and_large():
     m = simulate_training_step(t, 2, (128, 128, 128))
     assert time.perf_counter() - start < 30
     assert 8000 * MiB < m.peak_bytes < 10000 * MiB
+
+
+def test_a_change_to_the_trainers_step_shows_up_in_simulation_and_measurement(monkeypatch: pytest.MonkeyPatch):
+    """The memory model runs autoseg.model.step.TrainStep itself, not a copy: a step that keeps a copy of the
+    full-resolution logits until it ends (B x C x 16^3 float32 = 98,304 bytes) predicts exactly that much more,
+    and the simulation still equals the measurement of the changed step."""
+    import autoseg.model.step as step_module
+
+    before = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    kept: list[torch.Tensor] = []
+    compute_loss = step_module.compute_loss
+
+    def loss_keeping_the_logits(output, target, loss_fn):
+        kept.append(output[0].detach().clone())  # alive until the test clears it: through backward
+        return compute_loss(output, target, loss_fn)
+
+    monkeypatch.setattr(step_module, "compute_loss", loss_keeping_the_logits)
+    after = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    kept.clear()
+    measured = measure_training_step(ISO3D, 2, (16, 16, 16))
+    kept.clear()
+    assert after.peak_bytes - before.peak_bytes == 2 * 3 * 16**3 * 4
+    assert after.peak_bytes == measured
+
+
+def test_the_plans_optimizer_is_the_one_simulated() -> None:
+    """SGD momentum: one buffer per parameter; AdamW: two moments and a step counter per parameter tensor."""
+    sgd = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    adam = simulate_training_step(ISO3D, 2, (16, 16, 16), optimizer="adam")
+    tensors = len(list(build_network(ISO3D).parameters()))
+    assert sgd.optimizer_state_bytes == sgd.parameter_bytes
+    assert adam.optimizer_state_bytes == 2 * adam.parameter_bytes + 4 * tensors

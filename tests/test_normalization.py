@@ -5,8 +5,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
+from autoseg.plan.planner import scheme_for_channel
 from autoseg.plan.plans import IntensityProperties
-from autoseg.preprocess.normalization import NORMALIZERS, normalize, scheme_for_channel
+from autoseg.preprocess.normalization import NORMALIZERS, normalize
 
 
 def test_ct_clips_to_dataset_percentiles_then_standardizes():

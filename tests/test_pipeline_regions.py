@@ -13,10 +13,12 @@ from factories import set_configuration, tiny_topology
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import evaluate_folder
-from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget
 from autoseg.plan.plans import Plans
+from autoseg.plan.run import plan_dataset
 from autoseg.predict.predictor import predict
+from autoseg.preprocess.run import preprocess_workspace
+from autoseg.preprocess.store import case_files, list_complete_cases
 from autoseg.train.trainer import RunConfig, train
 
 GiB = 1024**3
@@ -50,9 +52,9 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
     assert {c.network.num_outputs for c in plans.configurations.values()} == {2}  # two sigmoid regions
     preprocess_workspace(ws, ["3d_fullres"], processes=1, progress=False)
     folder = ws.preprocessed("3d_fullres")
-    for props_path in sorted(folder.glob("*.json")):
-        seg = np.load(folder / f"{props_path.stem}_seg.npy")
-        rows = np.load(folder / f"{props_path.stem}_locations.npy")  # (class, z, y, x)
+    for case_id in list_complete_cases(folder):
+        files = case_files(folder, case_id)
+        seg, rows = np.load(files.seg), np.load(files.locations)  # rows: (class, z, y, x)
         assert set(rows[:, 0].tolist()) == {0, 1}  # keyed by region (output channel)
         for key, values in ((0, (1, 2)), (1, (2,))):
             found = seg[0][tuple(rows[rows[:, 0] == key, 1:].T)]

@@ -6,7 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
+from autoseg.memory.device import predict_device_peak
+from autoseg.memory.fit import predicted_training_bytes, training_memory_model
 from autoseg.memory.host import worker_bytes
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.planner import (

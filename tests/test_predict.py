@@ -14,12 +14,13 @@ from scipy.ndimage import maximum_filter, minimum_filter
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.model.network import build_network
-from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
+from autoseg.plan.run import plan_dataset
 from autoseg.predict import predictor
 from autoseg.predict.predictor import export_segmentation, predict
-from autoseg.preprocess.preprocessor import CaseProperties
+from autoseg.preprocess.run import preprocess_workspace
+from autoseg.preprocess.store import CaseProperties
 
 
 def _rotation_xyz(angles_deg: tuple[float, float, float]) -> np.ndarray:

@@ -7,14 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_geometry
 from autoseg.dataset.raw import load_dataset
-from autoseg.plan.pipeline import plan_dataset
-from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.planner import Budget
 from autoseg.plan.plans import Plans
-from autoseg.preprocess.preprocessor import CaseProperties, preprocess
+from autoseg.plan.run import plan_dataset
+from autoseg.preprocess.preprocessor import preprocess
 from autoseg.preprocess.resampling import compute_new_shape
+from autoseg.preprocess.store import case_files, open_case, properties_path, read_properties
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +46,8 @@ def test_each_case_has_data_seg_locations_and_properties(planned, preprocessed_3
     names = sorted(p.name for p in preprocessed_3d.iterdir())
     assert names == sorted(f"{c}{s}" for c in ids for s in ("_data.npy", "_seg.npy", "_locations.npy", ".json"))
     for case_id in ids:
-        data = np.load(preprocessed_3d / f"{case_id}_data.npy", mmap_mode="r")
-        seg = np.load(preprocessed_3d / f"{case_id}_seg.npy", mmap_mode="r")
-        props = CaseProperties.from_json(preprocessed_3d / f"{case_id}.json")
+        case = open_case(preprocessed_3d, case_id)
+        (data, seg), props = case.arrays(), case.properties
         assert data.dtype == np.float32 and data.ndim == 4 and data.shape[0] == 1
         assert seg.dtype == np.int8 and seg.shape == (1, *data.shape[1:])
         assert data.shape[1:] == props.shape_after_resample
@@ -58,7 +59,7 @@ def test_case_properties_describe_the_transform(planned, preprocessed_3d: Path) 
     workspace, plans = planned
     config = plans.configuration("3d_fullres")
     for case in load_dataset(workspace.dataset_root()).cases:
-        props = CaseProperties.from_json(preprocessed_3d / f"{case.case_id}.json")
+        props = read_properties(preprocessed_3d, case.case_id)
         geometry = read_geometry(case.image_paths[0])
         assert props.geometry == geometry
         assert props.spacing_mm == geometry.spacing_zyx
@@ -72,11 +73,12 @@ def test_case_properties_describe_the_transform(planned, preprocessed_3d: Path) 
 
 def test_class_counts_and_locations_match_the_segmentation(planned, preprocessed_3d: Path) -> None:
     for case_id in _case_ids(planned):
-        seg = np.load(preprocessed_3d / f"{case_id}_seg.npy")[0]
-        props = CaseProperties.from_json(preprocessed_3d / f"{case_id}.json")
+        files = case_files(preprocessed_3d, case_id)
+        seg = np.load(files.seg)[0]
+        props = read_properties(preprocessed_3d, case_id)
         # -1 (outside the body) counts as background
         assert props.class_voxels == (int(np.sum(seg <= 0)), int(np.sum(seg == 1)), int(np.sum(seg == 2)))
-        rows = np.load(preprocessed_3d / f"{case_id}_locations.npy")  # int32 (class, z, y, x)
+        rows = np.load(files.locations)  # int32 (class, z, y, x)
         assert rows.dtype == np.int32 and set(rows[:, 0].tolist()) == {1, 2}
         for label in (1, 2):
             coords = rows[rows[:, 0] == label, 1:]
@@ -88,8 +90,8 @@ def test_data_is_zscore_normalized_inside_the_body(planned, preprocessed_3d: Pat
     _, plans = planned
     assert plans.normalization == ("zscore",) and plans.use_nonzero_mask == (True,)
     for case_id in _case_ids(planned):
-        data = np.load(preprocessed_3d / f"{case_id}_data.npy")[0]
-        seg = np.load(preprocessed_3d / f"{case_id}_seg.npy")[0]
+        files = case_files(preprocessed_3d, case_id)
+        data, seg = np.load(files.data)[0], np.load(files.seg)[0]
         body = data[seg >= 0]
         assert abs(float(body.mean())) < 0.3 and 0.7 < float(body.std()) < 1.3
         assert np.median(np.abs(data[seg < 0])) < 1e-3  # outside the mask set to 0 before resampling
@@ -110,19 +112,16 @@ def test_rerun_skips_complete_cases_and_redoes_incomplete_ones(planned, preproce
     assert _mtimes(out) == before
 
     victim = dataset.cases[1].case_id
-    reference_props = CaseProperties.from_json(out / f"{victim}.json")
-    reference_data = np.load(out / f"{victim}_data.npy")
-    reference_seg = np.load(out / f"{victim}_seg.npy")
-    reference_locations = np.load(out / f"{victim}_locations.npy")
-    (out / f"{victim}.json").unlink()  # as if the run died before the case's JSON was written
+    reference_props = read_properties(out, victim)
+    reference = [np.load(p) for p in case_files(out, victim)]
+    properties_path(out, victim).unlink()  # as if the run died before the case's JSON was written
     preprocess(dataset, plans, "3d_fullres", out, progress=False)
     after = _mtimes(out)
     changed = sorted(name for name in before if after[name] != before[name])
     assert changed == [f"{victim}.json", f"{victim}_data.npy", f"{victim}_locations.npy", f"{victim}_seg.npy"]
-    np.testing.assert_array_equal(np.load(out / f"{victim}_data.npy"), reference_data)
-    np.testing.assert_array_equal(np.load(out / f"{victim}_locations.npy"), reference_locations)
-    np.testing.assert_array_equal(np.load(out / f"{victim}_seg.npy"), reference_seg)
-    assert CaseProperties.from_json(out / f"{victim}.json") == reference_props
+    for path, array in zip(case_files(out, victim), reference, strict=True):
+        np.testing.assert_array_equal(np.load(path), array)
+    assert read_properties(out, victim) == reference_props
 
 
 def test_2d_configuration_keeps_the_slices(planned, tmp_path: Path) -> None:
@@ -132,8 +131,8 @@ def test_2d_configuration_keeps_the_slices(planned, tmp_path: Path) -> None:
     out = preprocess(dataset, plans, "2d", tmp_path / "2d", progress=False)
     in_plane = plans.configuration("2d").spacing_mm[1:]
     for case in dataset.cases:
-        props = CaseProperties.from_json(out / f"{case.case_id}.json")
-        data = np.load(out / f"{case.case_id}_data.npy", mmap_mode="r")
+        stored = open_case(out, case.case_id)
+        props, (data, _) = stored.properties, stored.arrays()
         assert data.shape[1] == props.shape_after_crop[0]  # z never resampled for 2d
         assert props.target_spacing_mm[0] == props.spacing_mm[0]
         assert props.target_spacing_mm[1:] == pytest.approx(in_plane)

@@ -26,14 +26,14 @@ from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.demo.data import make_demo_dataset
 from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.plan.fingerprint import fingerprint
-from autoseg.plan.pipeline import preprocessing_processes_for
 from autoseg.preprocess.preprocessor import (
     case_peak_bytes,
-    is_complete,
     preprocess,
     processes_for,
 )
 from autoseg.preprocess.resampling import compute_new_shape
+from autoseg.preprocess.run import preprocessing_processes_for
+from autoseg.preprocess.store import case_files, is_complete, list_complete_cases, properties_path
 
 
 @pytest.fixture()
@@ -115,7 +115,7 @@ def test_a_run_killed_midway_then_rerun_writes_what_an_uninterrupted_run_writes(
     proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLABLE_RUN), str(raw),
                              str(tmp_path / "plans.json"), str(out)])
     deadline = time.monotonic() + 60
-    while not any(out.glob("*.json")) and proc.poll() is None and time.monotonic() < deadline:
+    while not list_complete_cases(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
     proc.send_signal(signal.SIGKILL)  # like the OOM killer: no cleanup runs
     proc.wait()
@@ -132,8 +132,8 @@ def test_rerun_removes_temporaries_and_redoes_a_half_written_case(dataset: RawDa
     out = preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False)
     reference = _files(out)
     victim = small.cases[1].case_id
-    (out / f"{victim}.json").unlink()  # the kill came before the JSON ...
-    np.save(out / f"{victim}_data.npy", np.zeros(3))  # ... after a stale data file was in place
+    properties_path(out, victim).unlink()  # the kill came before the JSON ...
+    np.save(case_files(out, victim).data, np.zeros(3))  # ... after a stale data file was in place
     (out / f".{victim}_seg.npy.k1ll3d.tmp.npy").write_bytes(b"half a file")  # and mid-write of another
     preprocess(small, tiny_plans(), "3d_fullres", out, progress=False)
     assert _files(out) == reference

@@ -10,11 +10,13 @@ import torch
 from factories import set_configuration, tiny_topology
 
 from autoseg.core.workspace import Workspace
-from autoseg.memory import predict_device_peak, simulate_training_step
+from autoseg.memory.device import predict_device_peak
+from autoseg.memory.training import simulate_training_step
 from autoseg.model.step import TrainStep
-from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
 from autoseg.plan.plans import Plans
+from autoseg.plan.run import plan_dataset
+from autoseg.preprocess.run import preprocess_workspace
 from autoseg.train import trainer
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
@@ -202,7 +204,7 @@ def test_train_cli_reads_resume_and_time_budget() -> None:
 
 def test_pseudo_dice_counts_per_class_and_region_skip_ignore() -> None:
     from autoseg.dataset.labels import LabelScheme
-    from autoseg.train.trainer import pseudo_dice_counts
+    from autoseg.train.patch_validation import pseudo_dice_counts
 
     target = torch.tensor([[[0, 1, 2, 2, 3, 3]]])  # 3 = ignore
     classes = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2, "ignore": 3})

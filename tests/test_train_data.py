@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shutil
@@ -10,11 +11,12 @@ from factories import set_configuration, tiny_plans, tiny_topology
 
 import autoseg.data.loader as batch_loader
 from autoseg.core.workspace import Workspace
-from autoseg.data.config import precomputed_copies
 from autoseg.memory.host import output_batch_bytes
-from autoseg.plan.pipeline import plan_dataset, preprocess_workspace
 from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.run import plan_dataset
 from autoseg.plan.training_data import loader_config, uses_dummy_2d
+from autoseg.preprocess.run import preprocess_workspace
+from autoseg.preprocess.store import list_complete_cases, precomputed_copies, properties_path, read_properties
 from autoseg.train.trainer import RunConfig, train
 
 CONFIG = "3d_fullres"
@@ -49,15 +51,14 @@ def precomputed(tiny_dataset: Path, tmp_path_factory) -> Workspace:
 
 def test_precomputed_copies_counts_the_fewest(precomputed: Workspace) -> None:
     folder = precomputed.preprocessed(CONFIG)
-    cases = sorted(p.name[:-5] for p in folder.glob("*.json"))
+    cases = list_complete_cases(folder)
     assert precomputed_copies(folder, cases) == 1
-    props = folder / f"{cases[0]}.json"
-    meta = json.loads(props.read_text())
-    props.write_text(json.dumps({**meta, "augmentations": []}))
+    props = read_properties(folder, cases[0])
+    dataclasses.replace(props, augmentations=()).to_json(properties_path(folder, cases[0]))
     try:
         assert precomputed_copies(folder, cases) == 0
     finally:
-        props.write_text(json.dumps(meta))
+        props.to_json(properties_path(folder, cases[0]))
 
 
 def test_training_samples_precomputed_copies_in_a_worker_process(precomputed: Workspace, caplog) -> None:

@@ -1,0 +1,8 @@
+"""Shared basics, written once: byte units, the precision table, anisotropy of a spacing, versioned JSON
+artifacts and atomic writes, the workspace's paths and splits, what the machine offers and how work is spread
+over it (``resources.processes_for``: process and worker counts from a RAM budget; torch threads), and the
+process pool that runs cases.
+
+Owns: ``units``, ``precision``, ``spacing``, ``artifacts``, ``workspace``, ``resources``, ``workers``.
+Imports: no other autoseg package.
+"""

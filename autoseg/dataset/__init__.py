@@ -1,0 +1,7 @@
+"""The raw dataset in nnU-Net's layout: dataset.json, its labels (``LabelScheme``: classes, the ignore label,
+regions), image reading and writing with their geometry, the integrity checks, and the nonzero region a case
+is cropped to.
+
+Owns: ``raw`` (``load_dataset``, ``check_integrity``), ``labels``, ``imageio``, ``cropping``.
+Imports: ``autoseg.core``.
+"""

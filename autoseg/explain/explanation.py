@@ -20,28 +20,17 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from autoseg.explain.format import DEVICE_TERMS, format_bytes, format_explanation
-from autoseg.memory import (
-    InferenceMemory,
-    TrainingMemory,
-    export_bytes,
-    inference_memory,
-    predict_device_peak,
-    preprocess_worker_bytes,
-    simulate_training_step,
-)
-from autoseg.memory.device import DEVICES
-from autoseg.memory.host import worker_bytes
+from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
+from autoseg.memory.host import export_bytes, preprocess_worker_bytes, worker_bytes
+from autoseg.memory.inference import InferenceMemory, inference_memory
+from autoseg.memory.training import TrainingMemory, simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 
-MiB = 1024**2
-GiB = 1024**3
-__all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "format_bytes",
-           "format_explanation", "next_patch_up"]
+__all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "next_patch_up"]
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,11 @@ from the numbers (nothing here is hard-coded about a particular network)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
-from autoseg.memory.device import CUDA_FRAGMENTATION
+from autoseg.core.units import GiB, MiB
+from autoseg.explain.explanation import Explanation
+from autoseg.memory.device import CUDA_FRAGMENTATION, DEVICE_TERMS
 
-if TYPE_CHECKING:
-    from autoseg.explain.explanation import Explanation
-
-MiB = 1024**2
-GiB = 1024**3
 TERM_NAMES = {
     "parameters": "parameters", "gradients": "gradients (computed so far)",
     "optimizer_state": "optimizer state",
@@ -26,7 +22,6 @@ TERM_NAMES = {
     "gaussian": "Gaussian (patch)", "softmax_temp": "softmax temporary (volume)",
 }
 FIXED_TERMS = ("parameters", "gradients", "optimizer_state")
-DEVICE_TERMS = ("allocator_rounding", "fragmentation", "conv_workspace", "cuda_context", "runtime")
 
 
 def format_bytes(n: int | float) -> str:

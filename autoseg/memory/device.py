@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-MiB = 1024**2
+from autoseg.core.units import MiB
+
 CUDA_BLOCK_BYTES = 512
 CUDA_FRAGMENTATION = 1.15
 CUDA_CONTEXT_BYTES = 512 * MiB
@@ -33,6 +34,10 @@ class PeakMemory(Protocol):
     peak_bytes: int
     largest_conv_output_bytes: int
     live_allocations_at_peak: int
+
+
+# the terms predict_device_peak adds to the tensors, for a CUDA device or the CPU
+DEVICE_TERMS = ("allocator_rounding", "fragmentation", "conv_workspace", "cuda_context", "runtime")
 
 
 def predict_device_peak(memory: PeakMemory, device: str = "cuda") -> dict[str, int]:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoseg.core.spacing import out_of_plane_axis
+from autoseg.core.units import MiB
 
-MiB = 1024**2
 WORKER_RUNTIME_BYTES = 150 * MiB
 _F32, _F64, _I64 = 4, 8, 8
 # Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).

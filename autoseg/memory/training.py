@@ -1,23 +1,21 @@
-"""One training step as live tensor bytes: simulated under ``FakeTensorMode`` or measured on real CPU tensors.
+"""The training step as live tensor bytes: simulated under ``FakeTensorMode`` or measured on real CPU tensors.
 
-The step is the trainer's (``autoseg.train.trainer``): ``zero_grad(set_to_none=True)``; per micro-batch a batch
-``(B, C, *patch)`` float32 with an int64 target ``(B, 1, *patch)``, ``compute_loss(network(x), y)``
-(``autoseg.model.loss.training_loss`` of the labels: Dice + CE, or Dice + BCE for regions, ignore label masked;
-with deep supervision) under autocast, ``/ accumulation_steps``, ``backward()``; then
-``clip_grad_norm_(12)`` and the optimizer step. The optimizer's state (SGD momentum, Adam moments) is
-allocated beforehand by one step on zero gradients, as it is in every step after the first. With
-``accumulation_steps > 1`` two micro-batches are run: the second one carries the first one's gradients,
-and every later one looks like it.
+The step is THE training step, ``autoseg.model.step.TrainStep``, built by ``build_step`` as ``autoseg train``
+builds it (network, Dice + CE or Dice + BCE with deep supervision and the ignore label, autocast of the
+precision, SGD or AdamW with ``foreach`` as on CUDA, gradient clipping, accumulation) and fed synthetic
+batches (``synthetic_batches``: float32 data, the loader's int8 target). ``StorageTracker`` records every
+storage it allocates and frees; the step's ``trace`` marks its phases and tags the forward pass per stage.
+The optimizer's state (SGD momentum, Adam moments) is allocated beforehand by one update on zero
+gradients, as it is in every step after the first. With ``accumulation_steps > 1`` two micro-batches are
+run: the second one carries the first one's gradients, and every later one looks like it.
 
 Simulation and measurement run the same code; only the tensors differ (fake ones hold no memory). The
 difference between them is what the dispatcher cannot see (a CPU kernel's private scratch).
 
-Known differences from a CUDA run, all small or modelled elsewhere: CPU autocast's op policy is used
-(convolutions in the low-precision dtype, the loss in fp32 as the loss casts explicitly); the optimizer
-uses the foreach implementation that CUDA uses (it holds one extra gradient-sized list during the step;
-on CPU torch would loop per parameter, so the prediction is an upper bound there); fp16 is simulated
-with fp16 autocast, without the GradScaler (its state is a few scalars); the caching allocator's
-rounding, fragmentation and convolution workspaces are in ``autoseg.memory.device``.
+Known differences from a CUDA run, all small or modelled elsewhere: the step runs on a CPU device, so CPU
+autocast's op policy is used (convolutions in the low-precision dtype, the loss in fp32 as the loss casts
+explicitly); fp16 runs without the GradScaler (it scales only on CUDA; its state is a few scalars); the
+caching allocator's rounding, fragmentation and convolution workspaces are in ``autoseg.memory.device``.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,17 +31,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.core.precision import PRECISIONS
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.tracker import StorageTracker
-from autoseg.model.loss import compute_loss, training_loss
-from autoseg.model.network import build_network
+from autoseg.model.step import OPTIMIZERS, build_step, synthetic_batches
 from autoseg.model.topology import NetworkTopology
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-OPTIMIZERS = ("sgd", "adam")
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "batch", "activations")
-GRAD_CLIP_NORM = 12.0  # autoseg.train.trainer.RunConfig.grad_clip
-TARGET_DTYPE = torch.int8  # autoseg.data.augment hands the trainer the labels' int8 (int16 beyond 127 labels)
 
 
 @dataclass(frozen=True)
@@ -166,68 +161,41 @@ def stage_modules(network: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def _make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The trainer's SGD (Nesterov, momentum 0.99, weight decay 3e-5), or AdamW; foreach as on CUDA."""
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-2, momentum=0.99, nesterov=True, weight_decay=3e-5, foreach=True)
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=1e-2, foreach=True)
-
-
-def _autocast(precision: str) -> contextlib.AbstractContextManager:
-    dtype = PRECISIONS[precision]
-    return contextlib.nullcontext() if dtype is None else torch.autocast("cpu", dtype=dtype)
-
-
-def _make_batch(cfg: StepConfig, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` (B, C, *patch) float32 and ``y`` (B, 1, *patch) int64 label values (ignore included)."""
-    t = cfg.topology
-    x = torch.randn((cfg.batch_size, t.in_channels, *cfg.patch_size), generator=generator)
-    y = torch.randint(0, cfg.scheme.num_label_values, (cfg.batch_size, 1, *cfg.patch_size), generator=generator,
-                      dtype=TARGET_DTYPE)
-    return x, y
-
-
 def _run_step(cfg: StepConfig, tracker: StorageTracker,
               generator: torch.Generator | None) -> tuple[dict[str, set[int]], dict[str, int]]:
-    """Build everything and run one step inside ``tracker``; returns the storage numbers per category and
+    """Build the trainer's step and run it once inside ``tracker``; returns the storage numbers per category and
     the bytes per stage alive at the end of the (last) forward."""
-    network = build_network(cfg.topology, checkpointing=cfg.checkpointing)
-    network.train()
-    params = list(network.parameters())
-    optimizer = _make_optimizer(cfg.optimizer, params)
+    step = build_step(cfg.topology, cfg.scheme, precision=cfg.precision, checkpointing=cfg.checkpointing,
+                      accumulation_steps=1 if cfg.accumulation_steps == 1 else 2,
+                      optimizer=OPTIMIZERS[cfg.optimizer])
+    step.network.train()
+    params = list(step.network.parameters())
     for p in params:
         p.grad = torch.zeros_like(p)
-    optimizer.step()  # the previous step: allocates momentum / moments
-    loss_fn = training_loss(cfg.scheme, cfg.topology.num_stages - 1)
-    handles = tracker.tag_modules(stage_modules(network))
+    step.optimizer.step()  # the previous step: allocates momentum / moments
+    handles = tracker.tag_modules(stage_modules(step.network))
     batch_numbers: set[int] = set()
-    tracker.mark("step")
-    optimizer.zero_grad(set_to_none=True)
-    for _ in range(1 if cfg.accumulation_steps == 1 else 2):
-        tracker.mark("batch")
-        x, y = _make_batch(cfg, generator)
-        batch_numbers |= tracker.storage_numbers((x, y))
-        tracker.mark("forward")
-        with _autocast(cfg.precision):
-            tracker.tagging = True
-            output = network(x)
+    stage_bytes: dict[str, int] = {}
+
+    def batches() -> Iterator[dict[str, torch.Tensor]]:
+        for batch in synthetic_batches(cfg.topology, cfg.scheme, cfg.batch_size, cfg.patch_size, generator):
+            batch_numbers.update(tracker.storage_numbers(batch.values()))
+            yield batch
+
+    def trace(phase: str) -> None:
+        if phase == "loss":  # the forward is done: what its stages leave alive for backward
             tracker.tagging = False
-            stage_bytes = tracker.live_bytes_by_tag()
-            tracker.mark("loss")
-            loss = compute_loss(output, y, loss_fn)
-            del output  # the trainer passes network(x) straight into compute_loss
-            loss = loss / cfg.accumulation_steps
-        tracker.mark("backward")
-        loss.backward()
-    tracker.mark("optimizer")
-    grads = [p.grad for p in params]
-    torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP_NORM)
-    optimizer.step()
-    tracker.mark("end")
+            stage_bytes.update(tracker.live_bytes_by_tag())
+        tracker.mark(phase)
+        tracker.tagging = phase == "forward"
+
+    step.trace = trace
+    step(batches())
     for h in handles:
         h.remove()
-    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    numbers = {"parameters": tracker.storage_numbers(params), "gradients": tracker.storage_numbers(grads),
+    state = [v for s in step.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    numbers = {"parameters": tracker.storage_numbers(params),
+               "gradients": tracker.storage_numbers(p.grad for p in params),
                "optimizer_state": tracker.storage_numbers(state), "batch": batch_numbers}
     return numbers, stage_bytes
 
@@ -293,16 +261,14 @@ def measure_training_step(topology: NetworkTopology, batch_size: int, patch_size
 
 
 def training_step_flops(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...]) -> int:
-    """Floating-point operations of forward + backward (convolutions and matrix products, as torch's
-    ``FlopCounterMode`` counts them; a multiply-add is 2), counted under FakeTensorMode."""
+    """Floating-point operations of one training step's forward + backward (convolutions and matrix products, as
+    torch's ``FlopCounterMode`` counts them; a multiply-add is 2), counted under FakeTensorMode."""
     from torch.utils.flop_counter import FlopCounterMode
 
     cfg = StepConfig(topology, batch_size, tuple(patch_size))
     with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        network = build_network(topology)
-        loss_fn = training_loss(cfg.scheme, topology.num_stages - 1)
-        x, y = _make_batch(cfg, None)
+        step = build_step(topology, cfg.scheme)
         counter = FlopCounterMode(display=False)
         with counter:
-            compute_loss(network(x), y, loss_fn).backward()
+            step(synthetic_batches(topology, cfg.scheme, batch_size, cfg.patch_size))
     return int(counter.get_total_flops())

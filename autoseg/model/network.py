@@ -193,8 +193,3 @@ def build_network(topology: NetworkTopology, checkpointing: bool = False) -> nn.
         raise ValueError(f"network architecture {topology.architecture!r} (the 'network' entry of a configuration "
                          f"in plans.json) is not known; use one of {sorted(NETWORKS)}")
     return NETWORKS[topology.architecture](topology, checkpointing)
-
-
-def count_parameters(net: nn.Module, trainable_only: bool = False) -> int:
-    """Number of parameter elements of ``net`` (all, or only those with ``requires_grad``)."""
-    return sum(p.numel() for p in net.parameters() if p.requires_grad or not trainable_only)

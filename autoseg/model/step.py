@@ -1,121 +1,172 @@
-"""One optimizer step of the trainer (``TrainStep``), built from the plan, and the per-epoch pseudo-Dice.
+"""THE training step: one optimizer step of the plan's network, and nothing else runs a backward pass.
 
-``TrainStep`` runs ``accumulation_steps`` micro-batches (autocast on CUDA), then, across ranks in a
-distributed run (``autoseg.model.distributed.Ranks``), averages the gradients, clips them and steps SGD.
-``validate_patches`` measures the loss and pseudo-Dice on un-augmented validation patches.
+``autoseg train`` runs it on loader batches; the memory model (``autoseg.memory.training``) runs the same
+``TrainStep`` on synthetic batches under ``FakeTensorMode`` (prediction) or on real CPU tensors
+(measurement); the CPU throughput calibration (``autoseg.plan.compute``) times it. A change here shows up
+in all three.
+
+One step: ``zero_grad(set_to_none=True)``; ``accumulation_steps`` micro-batches, each ``(B, C, *patch)``
+float32 with an integer target ``(B, 1, *patch)``, ``compute_loss(network(x), y) / accumulation_steps``
+under autocast of the precision, ``backward()`` (scaled by a ``GradScaler`` for fp16 on CUDA); then, across
+ranks in a distributed run (``autoseg.model.distributed.Ranks``), the gradients averaged; unscale, clip the
+gradient norm, the optimizer step.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from autoseg.data.loader import BatchLoader
+from autoseg.core.precision import autocast_dtype
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, PeerOutOfMemoryError, Ranks
 from autoseg.model.loss import compute_loss, training_loss
 from autoseg.model.network import build_network
-from autoseg.plan.plans import ConfigurationPlan
+from autoseg.model.topology import NetworkTopology
 
-if TYPE_CHECKING:
-    from autoseg.train.trainer import RunConfig
+__all__ = ["OPTIMIZERS", "OptimizerSettings", "TrainStep", "build_step", "distribute", "synthetic_batches"]
 
-__all__ = ["TrainStep", "distribute", "make_step", "pseudo_dice_counts", "validate_patches"]
+Batch = dict[str, torch.Tensor]  # "data" (B, C, *patch) float32, "target" (B, 1, *patch) int8/int16/int64
 
 
-def pseudo_dice_counts(logits: torch.Tensor, target: torch.Tensor, scheme: LabelScheme) -> np.ndarray:
-    """(3, F) true positive, false positive, false negative voxel counts per foreground class (argmax of
-    ``logits`` (B, C, *spatial)) or region (logit > 0, i.e. sigmoid > 0.5); ignore voxels are not counted."""
-    tgt = scheme.target_to_regions(target)  # B x F x spatial bool
-    if scheme.has_regions:
-        pred = logits > 0
-    else:
-        channels = torch.tensor(scheme.foreground_channels, device=logits.device)
-        pred = logits.argmax(1, keepdim=True) == channels.view(1, -1, *[1] * (logits.ndim - 2))
-    valid = scheme.valid_mask(target)
-    if valid is not None:
-        pred &= valid
-    axes = [0, *range(2, logits.ndim)]
-    counts = torch.stack([(pred & tgt).sum(axes), (pred & ~tgt).sum(axes), (~pred & tgt).sum(axes)])
-    return counts.cpu().numpy().astype(np.float64)  # syncs
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer of a run: ``sgd`` is nnU-Net's (Nesterov, momentum 0.99, weight decay 3e-5, lr 1e-2 with a
+    poly schedule), ``adamw`` the what-if the memory model offers. ``grad_clip``: the gradient norm clipped to."""
+
+    name: str = "sgd"
+    initial_lr: float = 1e-2
+    momentum: float = 0.99
+    weight_decay: float = 3e-5
+    grad_clip: float = 12.0
+
+    def build(self, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """``foreach`` as on CUDA (one fused update over all parameters; it also runs on CPU), so the step that
+        trains and the step the memory model simulates are the same."""
+        if self.name == "sgd":
+            return torch.optim.SGD(params, lr=self.initial_lr, momentum=self.momentum, nesterov=True,
+                                   weight_decay=self.weight_decay, foreach=True)
+        if self.name == "adamw":
+            return torch.optim.AdamW(params, lr=self.initial_lr, weight_decay=self.weight_decay, foreach=True)
+        raise ValueError(f"optimizer {self.name!r} is not known; use one of {sorted(OPTIMIZERS)}")
+
+
+OPTIMIZERS: dict[str, OptimizerSettings] = {
+    "sgd": OptimizerSettings(),
+    "adam": OptimizerSettings(name="adamw", initial_lr=1e-3, weight_decay=1e-2),
+}
 
 
 @dataclass
 class TrainStep:
-    """What one optimizer step needs (built once per run)."""
+    """What one optimizer step needs (built once per run by ``build_step``).
+
+    ``trace``: called with the phase about to start (``step``, then per micro-batch ``batch``, ``forward``,
+    ``loss``, ``backward``; then ``optimizer`` and ``end``); the memory model records a timeline by it."""
 
     network: torch.nn.Module
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     loss_fn: torch.nn.Module
     device: torch.device
-    amp_dtype: torch.dtype | None  # autocast dtype on CUDA, None for fp32
+    amp_dtype: torch.dtype | None  # autocast dtype, None for fp32
     accumulation_steps: int
     grad_clip: float
     inject_oom: bool = False  # testing aid: the next micro-batch raises torch.OutOfMemoryError
     ranks: Ranks | None = None  # the collectives of a distributed run (None: a single process)
+    trace: Callable[[str], None] | None = None
 
     def __post_init__(self) -> None:
         if self.ranks is None:
             self.ranks = Ranks(SINGLE_PROCESS, self.device)
 
-    def __call__(self, loader: BatchLoader) -> tuple[float, float]:
-        """One optimizer step over ``accumulation_steps`` micro-batches; returns (loss, seconds waiting for data).
+    def _phase(self, name: str) -> None:
+        if self.trace is not None:
+            self.trace(name)
+
+    def __call__(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, float]:
+        """One optimizer step over ``accumulation_steps`` micro-batches drawn from ``batches``; returns (the step's
+        loss as a 0-d tensor on the device: ``.item()`` syncs, seconds waiting for data).
         Distributed: gradients are averaged over ranks once every rank got through its micro-batches; an
         out-of-memory error here is signalled to the other ranks, which then raise ``PeerOutOfMemoryError``."""
+        self._phase("step")
         self.optimizer.zero_grad(set_to_none=True)
         try:
             with self.ranks.step_collectives():
-                step_loss, wait = self._micro_batches(loader)
+                step_loss, wait = self._micro_batches(batches)
                 self.ranks.check()  # every rank's micro-batches fit
         except torch.OutOfMemoryError as e:
             if not isinstance(e, PeerOutOfMemoryError):
                 self.ranks.signal_failure()
             raise
+        self._phase("optimizer")
         self.ranks.average_gradients(self.network.parameters())  # parameter bytes, once per step
         self.scaler.unscale_(self.optimizer)
         torch.nn.utils.clip_grad_norm_(self.network.parameters(), self.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        self._phase("end")
         return step_loss, wait
 
-    def _micro_batches(self, loader: BatchLoader) -> tuple[float, float]:
+    def _micro_batches(self, batches: Iterator[Batch]) -> tuple[torch.Tensor, float]:
         """Forward and backward of ``accumulation_steps`` micro-batches (gradients accumulate)."""
-        step_loss, wait = 0.0, 0.0
+        step_loss, wait = None, 0.0
         for _ in range(self.accumulation_steps):
+            self._phase("batch")
             tw = time.perf_counter()
-            batch = next(loader)
+            batch = next(batches)
             wait += time.perf_counter() - tw
             x = batch["data"].to(self.device, non_blocking=True)
             y = batch["target"].to(self.device, non_blocking=True)
+            del batch
+            self._phase("forward")
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                 enabled=self.amp_dtype is not None):
-                loss = compute_loss(self.network(x), y, self.loss_fn) / self.accumulation_steps
+                output = self.network(x)
+                self._phase("loss")
+                loss = compute_loss(output, y, self.loss_fn) / self.accumulation_steps
+                del output  # the logits live on only through the loss's graph
             if self.inject_oom:
                 self.inject_oom = False
                 raise torch.OutOfMemoryError("CUDA out of memory (injected by RunConfig.inject_oom_at_step)")
+            self._phase("backward")
             self.scaler.scale(loss).backward()
-            step_loss += loss.item()  # syncs with the device
+            loss = loss.detach()
+            step_loss = loss if step_loss is None else step_loss + loss
         return step_loss, wait
 
 
-def make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -> TrainStep:
-    device = torch.device(run.device)
-    network = build_network(config.network, checkpointing=config.checkpointing).to(device)
-    amp = device.type == "cuda" and config.precision in ("fp16", "bf16")
-    amp_dtype = (torch.float16 if config.precision == "fp16" else torch.bfloat16) if amp else None
+def build_step(topology: NetworkTopology, scheme: LabelScheme, *, precision: str = "fp32",
+               checkpointing: bool = False, accumulation_steps: int = 1, device: str | torch.device = "cpu",
+               optimizer: OptimizerSettings = OPTIMIZERS["sgd"]) -> TrainStep:
+    """The training step of a configuration: its network (the ``architecture`` the topology names), Dice + CE (or
+    Dice + BCE for regions) with deep supervision, ``precision``'s autocast (fp16 with a GradScaler on CUDA),
+    ``optimizer``. A fresh network: build it inside ``FakeTensorMode`` to simulate without memory."""
+    device = torch.device(device)
+    amp_dtype = autocast_dtype(precision)
+    network = build_network(topology, checkpointing=checkpointing)
+    if device.type != "cpu":  # (a module cannot be moved inside FakeTensorMode, where the memory model builds it)
+        network = network.to(device)
     return TrainStep(
-        network=network,
-        optimizer=torch.optim.SGD(network.parameters(), lr=run.initial_lr, momentum=run.momentum, nesterov=True,
-                                  weight_decay=run.weight_decay),
-        scaler=torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16),
-        loss_fn=training_loss(scheme, config.network.num_stages - 1),
-        device=device, amp_dtype=amp_dtype, accumulation_steps=config.accumulation_steps, grad_clip=run.grad_clip,
-    )
+        network=network, optimizer=optimizer.build(list(network.parameters())),
+        scaler=torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16 and device.type == "cuda"),
+        loss_fn=training_loss(scheme, topology.num_stages - 1), device=device, amp_dtype=amp_dtype,
+        accumulation_steps=accumulation_steps, grad_clip=optimizer.grad_clip)
+
+
+def synthetic_batches(topology: NetworkTopology, scheme: LabelScheme, batch_size: int, patch_size: tuple[int, ...],
+                      generator: torch.Generator | None = None,
+                      target_dtype: torch.dtype = torch.int8) -> Iterator[Batch]:
+    """Endless fresh batches as the loader hands them over: ``data`` (B, C, *patch) float32 normal noise, ``target``
+    (B, 1, *patch) label values (the ignore label included) in the loader's int8 (``generator`` None under
+    ``FakeTensorMode``)."""
+    while True:
+        yield {"data": torch.randn((batch_size, topology.in_channels, *patch_size), generator=generator),
+               "target": torch.randint(0, scheme.num_label_values, (batch_size, 1, *patch_size), generator=generator,
+                                       dtype=target_dtype)}
 
 
 def distribute(step: TrainStep, distributed: DistributedContext) -> None:
@@ -126,22 +177,3 @@ def distribute(step: TrainStep, distributed: DistributedContext) -> None:
     if distributed.is_distributed:
         step.loss_fn.base_loss.reduce_sums = step.ranks.reduce_sums
     step.ranks.broadcast_module(step.network)
-
-
-@torch.no_grad()
-def validate_patches(network, loader: BatchLoader, loss_fn, run: RunConfig, device,
-              scheme: LabelScheme) -> tuple[float, np.ndarray]:
-    """Mean loss and pseudo-Dice per foreground class (or region) over ``val_iterations`` un-augmented patches."""
-    network.eval()
-    counts = np.zeros((3, len(scheme.names)))
-    losses = []
-    for _ in range(run.val_iterations):
-        batch = next(loader)
-        x, y = batch["data"].to(device), batch["target"].to(device)
-        out = network(x)
-        losses.append(compute_loss(out, y, loss_fn).item())
-        counts += pseudo_dice_counts(out[0] if isinstance(out, list) else out, y, scheme)
-    tp, fp, fn = counts
-    with np.errstate(invalid="ignore", divide="ignore"):
-        dice = 2 * tp / (2 * tp + fp + fn)
-    return float(np.mean(losses)), dice

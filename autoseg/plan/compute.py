@@ -8,7 +8,6 @@ returns the effective FLOP/s of such steps (norms, activations and the optimizer
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import numpy as np
@@ -50,74 +49,25 @@ CALIBRATION_PATCH = (16, 48, 48)
 
 
 def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
-                          seed: int = 0) -> Callable[[], None]:
-    """A real training step (forward, Dice+CE with deep supervision, backward, SGD) on a fresh network and
-    random data, as a callable to time."""
+                          seed: int = 0) -> Callable[[], object]:
+    """THE training step (``autoseg.model.step``) on a fresh network and synthetic batches, as a callable to time."""
     import torch
 
     from autoseg.dataset.labels import LabelScheme
-    from autoseg.model.loss import compute_loss, training_loss
-    from autoseg.model.network import build_network
+    from autoseg.model.step import build_step, synthetic_batches
 
-    gen = torch.Generator().manual_seed(seed)
-    network = build_network(topology)
-    optimizer = torch.optim.SGD(network.parameters(), lr=1e-3, momentum=0.99, nesterov=True)
-    loss_fn = training_loss(LabelScheme.for_outputs(topology.num_outputs), topology.num_stages - 1)
-    x = torch.randn(batch_size, topology.in_channels, *patch_size, generator=gen)
-    y = torch.randint(0, topology.num_outputs, (batch_size, 1, *patch_size), generator=gen)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        compute_loss(network(x), y, loss_fn).backward()
-        optimizer.step()
-
-    return step
-
-
-def time_training_step(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
-                       repeats: int = 3, seed: int = 0) -> float:
-    """Median wall seconds of a real training step, after one warm-up step."""
-    step = training_step_closure(topology, patch_size, batch_size, seed)
-    step()  # warms up kernels and the allocator
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    scheme = LabelScheme.for_outputs(topology.num_outputs)
+    step = build_step(topology, scheme)
+    batches = synthetic_batches(topology, scheme, batch_size, tuple(patch_size), torch.Generator().manual_seed(seed))
+    return lambda: step(batches)
 
 
 def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> float:
     """Effective FLOP/s of U-Net training steps on this machine's CPU (a few seconds to measure), with the
     faster of all threads and one (as the trainer chooses): with all threads against another busy process
     the step measured up to 20x slower (3.2 instead of 65 GFLOP/s on 2 cores), which would shrink the plan."""
-    from autoseg.core.resources import cpu_count
+    from autoseg.core.resources import cpu_count, fastest_thread_count
 
     step = training_step_closure(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
     _, timings = fastest_thread_count(step, max_threads or cpu_count(), repeats)
     return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / min(timings.values())
-
-
-def fastest_thread_count(run_once: Callable[[], object], max_threads: int,
-                         repeats: int = 2) -> tuple[int, dict[int, float]]:
-    """Time ``run_once`` (e.g. one training step) with ``max_threads`` and with 1 torch thread; return the
-    faster count and the median seconds of each. With another busy process on the same cores, OpenMP threads
-    spinning against it made U-Net steps 4-17x slower than one thread (measured on 2 cores); on an idle
-    machine all threads win. The caller's thread count is restored."""
-    import torch
-
-    previous = torch.get_num_threads()
-    timings: dict[int, float] = {}
-    try:
-        for threads in sorted({max_threads, 1}, reverse=True):
-            torch.set_num_threads(threads)
-            run_once()  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run_once()
-                times.append(time.perf_counter() - t0)
-            timings[threads] = float(np.median(times))
-    finally:
-        torch.set_num_threads(previous)
-    return min(timings, key=timings.get), timings

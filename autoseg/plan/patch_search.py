@@ -32,6 +32,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from autoseg.core.precision import element_bytes
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.compute import conv_flops
 
@@ -204,7 +205,7 @@ def rough_training_peak_bytes(topology: NetworkTopology, batch_size: int, patch_
         params += float(math.prod(k)) * (prev * f + (topology.conv_per_stage - 1) * f * f)
         act += 3 * topology.conv_per_stage * f * voxels * 2  # encoder + decoder
         prev = f
-    bytes_per = 2 if precision in ("bf16", "fp16") else 4
+    bytes_per = element_bytes(precision)
     return int(16 * params + act * bytes_per * (0.6 if checkpointing else 1.0))
 
 

@@ -26,11 +26,14 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from autoseg.core.resources import cpu_count
+from autoseg.core.precision import PRECISIONS
+from autoseg.core.resources import cpu_count, processes_for
 from autoseg.core.spacing import ANISOTROPY_THRESHOLD
+from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
-from autoseg.memory import predict_device_peak, predicted_training_bytes, training_memory_model
-from autoseg.memory.host import preprocess_worker_bytes
+from autoseg.memory.device import predict_device_peak
+from autoseg.memory.fit import predicted_training_bytes, training_memory_model
+from autoseg.memory.host import preprocess_worker_bytes, worker_bytes
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner's public names)
     FEATURE_CAP,
@@ -49,9 +52,8 @@ from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner
 )
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
-from autoseg.preprocess.normalization import scheme_for_channel
+from autoseg.plan.training_data import loader_config
 
-GiB = 1024**3
 MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
 CPU_BASE_FEATURES = (16, 8)
 LOWRES_THRESHOLD = 0.25  # plan 3d_lowres when the fullres patch covers less of the median image
@@ -95,8 +97,8 @@ class Budget:
             raise ValueError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
         if not 0.0 <= self.safety_margin < 0.5:
             raise ValueError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
-        if self.precision not in (None, "fp32", "fp16", "bf16"):
-            raise ValueError(f"Budget.precision {self.precision!r}: use 'fp32', 'fp16' or 'bf16'")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
         if self.device == "cpu" and self.precision not in (None, "fp32"):
             raise ValueError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
                              "leave Budget.precision unset for device 'cpu'")
@@ -365,7 +367,7 @@ def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget:
         after = tuple(max(1, round(s * sp / t)) for s, sp, t in zip(largest.cropped_shape_zyx, largest.spacing_mm,
                                                                       target))
         per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
-    processes = max(1, min(cpus, int(usable // per_process)))
+    processes = processes_for(usable, per_process, cpus)
     return processes, {"preprocess_worker_bytes": float(per_process), "usable_host_ram_bytes": float(usable),
                        "cpu_count": float(cpus)}
 
@@ -376,9 +378,6 @@ def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget)
     on-the-fly augmentation), between 0 and CPU count - 1 (one core feeds the GPU); none on CPU, where the
     training step takes the cores. Each queues LOADER_QUEUE_DEPTH batches, or 1 where that fits more
     workers."""
-    from autoseg.memory.host import worker_bytes
-    from autoseg.plan.training_data import loader_config
-
     loader = loader_config(config, augment=True)
     cpus = budget.cpu_count or cpu_count()
     room = budget.host_ram_bytes * HOST_RAM_FRACTION - TRAINER_HOST_BYTES
@@ -388,8 +387,16 @@ def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget)
                             dummy_2d=loader.dummy_2d)["total"]
 
     def workers(depth: int) -> int:
-        return 0 if budget.device == "cpu" else max(0, min(cpus - 1, int(room // per_worker(depth))))
+        return 0 if budget.device == "cpu" else processes_for(room, per_worker(depth), cpus - 1, minimum=0)
 
     depth = LOADER_QUEUE_DEPTH if workers(LOADER_QUEUE_DEPTH) >= workers(1) else 1
     return {"loader_workers": workers(depth), "loader_queue_depth": depth,
             "loader_worker_bytes": float(per_worker(depth))}
+
+
+def scheme_for_channel(channel_name: str) -> str:
+    """Default normalization (a name in ``autoseg.preprocess.normalization.NORMALIZERS``) for a channel named in
+    dataset.json: "CT" -> "ct", "noNorm" -> "none", "rescale_to_0_1" -> "rescale", anything else -> "zscore"
+    (names compared case-insensitively)."""
+    name = channel_name.strip().lower()
+    return {"ct": "ct", "nonorm": "none", "rescale_to_0_1": "rescale"}.get(name, "zscore")

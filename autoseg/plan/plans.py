@@ -88,6 +88,10 @@ class Plans(Artifact):
         output channels are ``label_scheme.num_outputs``."""
         return self.label_scheme.num_label_values
 
+    def default_configuration(self) -> str:
+        """The configuration commands use when none is named: 3d_fullres if planned, else the first."""
+        return "3d_fullres" if "3d_fullres" in self.configurations else next(iter(self.configurations))
+
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:
             raise KeyError(f"no configuration {name!r} in the plans; available: {sorted(self.configurations)}")

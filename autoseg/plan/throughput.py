@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.units import GiB
 
-GiB = 1024**3
 AMP_EFFICIENCY = 0.15
 FP32_EFFICIENCY = 0.5
 

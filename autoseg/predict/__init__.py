@@ -1,0 +1,7 @@
+"""Prediction (`autoseg predict`): new scans preprocessed like the training cases, the sliding window of
+``autoseg.model.sliding_window`` over the trained folds, and the segmentation exported in the input's exact
+geometry.
+
+Owns: ``predictor``.
+Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
+"""

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from autoseg.core.resources import cpu_count
+from autoseg.core.resources import choose_cpu_threads
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.cropping import uncrop
 from autoseg.dataset.imageio import supported_ending, write_image
@@ -25,10 +25,10 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, list_prediction_inputs, load_case
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import sliding_window_predict
-from autoseg.plan.compute import fastest_thread_count
 from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.preprocess.preprocessor import CaseProperties, preprocess_case
+from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.resampling import resample_channel
+from autoseg.preprocess.store import CaseProperties
 
 log = logging.getLogger("autoseg")
 
@@ -122,10 +122,7 @@ def _choose_cpu_threads(network: torch.nn.Module, config: ConfigurationPlan, til
         with torch.inference_mode():
             network(x)
 
-    chosen, timings = fastest_thread_count(forward, max_threads=cpu_count())
-    torch.set_num_threads(chosen)
-    log.info("CPU threads: %d (a tile batch measured %s)", chosen,
-             ", ".join(f"{t:.3f} s with {n}" for n, t in timings.items()))
+    choose_cpu_threads(forward, "a tile batch")
 
 
 def _predict_cases(cases: list[Case], networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan,

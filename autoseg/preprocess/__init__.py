@@ -1,0 +1,7 @@
+"""Preprocessing: cropping to the nonzero region, normalization, resampling, precomputed spatial augmentations,
+and ``store`` (the only code that knows the preprocessed case format on disk); ``run.preprocess_workspace``
+is `autoseg plan_and_preprocess`'s second half.
+
+Owns: ``normalization``, ``resampling``, ``precompute``, ``preprocessor``, ``store``, ``run``.
+Imports: ``autoseg.plan``, ``autoseg.memory``, ``autoseg.model``, ``autoseg.dataset``, ``autoseg.core``.
+"""

@@ -123,8 +123,3 @@ def normalize(
     return NORMALIZERS[scheme](image, mask, props)
 
 
-def scheme_for_channel(channel_name: str) -> str:
-    """Default scheme for a channel named in dataset.json: "CT" -> "ct", "noNorm" -> "none",
-    "rescale_to_0_1" -> "rescale", anything else -> "zscore" (names compared case-insensitively)."""
-    name = channel_name.strip().lower()
-    return {"ct": "ct", "nonorm": "none", "rescale_to_0_1": "rescale"}.get(name, "zscore")

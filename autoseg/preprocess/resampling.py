@@ -21,7 +21,7 @@ states what ``resample_image`` holds beyond its input.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from scipy import ndimage
@@ -116,22 +116,6 @@ def resample_channel(
     if mid_a is not out_a:
         _zoom_into(mid_a, out_a, order_z)
     return out
-
-
-def resample_channels_to_shape(
-    data: np.ndarray,
-    new_shape_zyx: Sequence[int],
-    spacing_mm: Sequence[float],
-    order: int = 3,
-    order_z: int = 0,
-) -> Iterator[np.ndarray]:
-    """Yield each channel of ``data`` ``(C, Z, Y, X)`` resampled to float32 ``new_shape_zyx``, one at a time.
-
-    For prediction export: a consumer that reduces channels as they come (e.g. a running argmax over
-    class probabilities) holds one resampled channel instead of ``C``.
-    """
-    for c in range(data.shape[0]):
-        yield resample_channel(data[c], new_shape_zyx, spacing_mm, order, order_z)
 
 
 def resample_image(

@@ -15,11 +15,12 @@ from typing import Any
 
 import torch
 
-from autoseg.memory import predict_device_peak, simulate_training_step
+from autoseg.core.units import GiB
+from autoseg.memory.device import predict_device_peak
+from autoseg.memory.training import simulate_training_step
 from autoseg.plan.plans import ConfigurationPlan
 
 log = logging.getLogger("autoseg.train.trainer")
-GiB = 1024**3
 
 
 def _smaller_micro_batch(batch_size: int) -> int | None:

@@ -29,23 +29,24 @@ import torch
 from tqdm import tqdm
 
 from autoseg.core.artifacts import atomic_write_text
-from autoseg.core.resources import cpu_count
+from autoseg.core.resources import choose_cpu_threads, cpu_count
 from autoseg.core.workspace import Workspace, load_or_create_splits
-from autoseg.data.config import precomputed_copies
 from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
-from autoseg.dataset.labels import label_map_dtype
+from autoseg.dataset.labels import LabelScheme, label_map_dtype
 from autoseg.memory.host import output_batch_bytes
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
-from autoseg.model.step import TrainStep, distribute, make_step, pseudo_dice_counts, validate_patches
-from autoseg.plan.compute import fastest_thread_count, training_step_closure
+from autoseg.model.step import OPTIMIZERS, OptimizerSettings, TrainStep, build_step, distribute
+from autoseg.plan.compute import training_step_closure
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
+from autoseg.preprocess.store import precomputed_copies
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import plot_progress
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
+from autoseg.train.patch_validation import validate_patches
 from autoseg.train.schedule import TimeBudget, poly_lr
 
-__all__ = ["RunConfig", "fold_cases", "poly_lr", "pseudo_dice_counts", "save_checkpoint", "train"]
+__all__ = ["RunConfig", "fold_cases", "train"]
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -69,10 +70,7 @@ class RunConfig:
     epochs: int = 1000
     iterations_per_epoch: int = 250
     val_iterations: int = 50
-    initial_lr: float = 1e-2
-    weight_decay: float = 3e-5
-    momentum: float = 0.99
-    grad_clip: float = 12.0
+    optimizer: OptimizerSettings = OPTIMIZERS["sgd"]  # learning rate, momentum, weight decay, gradient clipping
     seed: int = 0
     device: str = "cpu"
     loader_workers: int | None = None  # None: the configuration's planned loader_workers
@@ -208,7 +206,7 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
             _choose_cpu_threads(config)
     torch.manual_seed(run.seed)
     ctx = _Context(workspace, plans, planned, config, config_name, fold, train_ids, val_ids, out, run, progress,
-                   step=make_step(config, run, plans.label_scheme), epochs=run.epochs,
+                   step=_make_step(config, run, plans.label_scheme), epochs=run.epochs,
                    iterations_per_epoch=run.iterations_per_epoch)
     distribute(ctx.step, distributed)
     _choose_data_pipeline(ctx)
@@ -322,18 +320,19 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
     """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row (rank 0; the
     other ranks skip the pseudo-Dice and return None)."""
     step, run, ipe = ctx.step, ctx.run, ctx.iterations_per_epoch
-    wait, losses, lr = 0.0, [], run.initial_lr
+    wait, losses, lr = 0.0, [], run.optimizer.initial_lr
     train_loader = ctx.loader(epoch, augment=True)
     try:
         step.network.train()
         bar = tqdm(range(ipe), desc=f"epoch {epoch}", unit="it", disable=not ctx.progress, leave=False)
         for it in bar:
-            lr = poly_lr(run.initial_lr, epoch * ipe + it, ctx.epochs * ipe)
+            lr = poly_lr(run.optimizer.initial_lr, epoch * ipe + it, ctx.epochs * ipe)
             for group in step.optimizer.param_groups:
                 group["lr"] = lr
             if run.inject_oom_at_step == epoch * ipe + it and not ctx.oom_injected:
                 step.inject_oom, ctx.oom_injected = ctx.ranks.is_main, True  # rank 0 only: the others follow
             (loss, waited), train_loader = _step_or_degrade(ctx, train_loader, epoch, it)
+            loss = loss.item()  # syncs with the device, once per step
             losses.append(loss)
             wait += waited
             bar.set_postfix(loss=f"{loss:.3f}")
@@ -347,7 +346,7 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
     if not ctx.ranks.is_main:
         return None
     with ctx.loader(epoch, augment=False) as val_loader:
-        val_loss, dice = validate_patches(step.network, val_loader, step.loss_fn, run, step.device,
+        val_loss, dice = validate_patches(step.network, val_loader, step.loss_fn, run.val_iterations, step.device,
                                           ctx.plans.label_scheme)
     mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
     ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
@@ -379,13 +378,18 @@ def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
             loader = ctx.loader(epoch, augment=True)
 
 
+def _make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -> TrainStep:
+    """The plan's training step on the run's device; the plan's precision on CUDA, fp32 on CPU."""
+    device = torch.device(run.device)
+    return build_step(config.network, scheme, precision=config.precision if device.type == "cuda" else "fp32",
+                      checkpointing=config.checkpointing, accumulation_steps=config.accumulation_steps,
+                      device=device, optimizer=run.optimizer)
+
+
 def _choose_cpu_threads(config: ConfigurationPlan) -> None:
     """Use all CPUs for training unless one thread measures faster (cores busy with another process)."""
-    step = training_step_closure(config.network, tuple(config.patch_size), config.batch_size)
-    threads, timings = fastest_thread_count(step, max_threads=cpu_count())
-    torch.set_num_threads(threads)
-    log.info("CPU threads: %d (a training step measured %s)", threads,
-             ", ".join(f"{t:.2f} s with {n}" for n, t in timings.items()))
+    choose_cpu_threads(training_step_closure(config.network, tuple(config.patch_size), config.batch_size),
+                       "a training step")
 
 
 def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:

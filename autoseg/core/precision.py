@@ -1,0 +1,24 @@
+"""The precisions a plan may name, written once: the autocast dtype and the bytes of one activation element.
+
+``fp32``: no autocast. ``bf16`` / ``fp16``: autocast on the training (or inference) device with fp32 master
+weights; fp16 adds a ``GradScaler`` on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of ``precision`` (None: fp32, no autocast); an unknown name says what to use."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is not known; use one of {sorted(PRECISIONS)}")
+    return PRECISIONS[precision]
+
+
+def element_bytes(precision: str) -> int:
+    """Bytes of one activation element computed at ``precision`` (2 under autocast, else 4)."""
+    dtype = autocast_dtype(precision)
+    return 4 if dtype is None else dtype.itemsize

@@ -1,0 +1,42 @@
+"""The package layout's rules, enforced: imports point one way, one training step, each package says what it owns."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "autoseg"
+
+
+def test_packages_import_only_the_layers_below_them() -> None:
+    """pyproject.toml's [tool.importlinter] layers contract (cli > demo > explain > train > predict | evaluate >
+    data > preprocess > plan > memory > model > dataset > core), checked on the installed sources."""
+    # in a process of its own: import-linter reconfigures logging, which would silence autoseg's log in later tests
+    config = str(ROOT / "pyproject.toml")
+    code = f"import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports({config!r}, no_cache=True))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, f"an import breaks the layers:\n{result.stdout[-3000:]}"
+
+
+def _calls_backward(path: Path) -> bool:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+               for n in ast.walk(tree))
+
+
+def test_only_the_training_step_runs_a_backward_pass() -> None:
+    """THE training step (autoseg.model.step.TrainStep) is the one code path that trains; the memory model and
+    the throughput calibration run it instead of a copy."""
+    callers = sorted(str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*.py") if _calls_backward(p))
+    assert callers == ["autoseg/model/step.py"]
+
+
+@pytest.mark.parametrize("package", sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
+def test_every_package_says_what_it_owns_and_may_import(package: str) -> None:
+    doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text(encoding="utf-8")))
+    assert doc and "Owns" in doc and "Imports" in doc, f"autoseg/{package}/__init__.py needs its docstring"
