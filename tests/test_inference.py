@@ -9,9 +9,11 @@ from torch import nn
 
 from autoseg.model import sliding_window as inference
 from autoseg.model.sliding_window import (
+    TileLayout,
     gaussian_importance_map,
     inference_buffer_bytes,
     sliding_window_predict,
+    tile_layout,
     tile_starts,
 )
 
@@ -120,6 +122,47 @@ def test_tile_starts_cover_every_voxel_and_end_on_the_border(step_fraction: floa
 def test_tile_starts_rejects_images_smaller_than_the_patch() -> None:
     with pytest.raises(ValueError, match="pad the image"):
         tile_starts((3, 10, 10), (4, 4, 4))
+
+
+def test_tile_layout_example_pads_and_counts_tiles() -> None:
+    # image (3, 5, 20), patch (4, 8, 8): padded to (4, 8, 20); along x ceil(12 / 4) + 1 = 4 starts
+    layout = tile_layout((3, 5, 20), (4, 8, 8), step_fraction=0.5)
+    assert isinstance(layout, TileLayout)
+    assert layout.padded_shape_zyx == (4, 8, 20)
+    assert layout.axis_starts == ((0,), (0,), (0, 4, 8, 12))
+    assert layout.num_tiles == 4 == len(layout.regions())
+    assert layout.image_region == (slice(0, 3), slice(1, 6), slice(0, 20))  # odd padding voxel after
+    assert layout.regions()[1] == (slice(0, 4), slice(0, 8), slice(4, 12))
+
+
+def test_tile_layout_2d_tiles_every_slice_and_never_pads_z() -> None:
+    layout = tile_layout((5, 9, 6), (4, 8), step_fraction=0.5)
+    assert layout.padded_shape_zyx == (5, 9, 8)
+    # y: ceil((9 - 4) / 2) + 1 = 4 starts, linspace(0, 5, 4) = 0, 1.67, 3.33, 5 rounded
+    assert layout.axis_starts == ((0, 1, 2, 3, 4), (0, 2, 3, 5), (0,))
+    assert layout.num_tiles == 5 * 4 == len(layout.regions())
+    assert layout.regions()[:2] == [(0, slice(0, 4), slice(0, 8)), (0, slice(2, 6), slice(0, 8))]
+
+
+@pytest.mark.parametrize("step_fraction", [0.25, 0.5, 1.0])
+def test_tile_layout_regions_are_the_tile_starts_of_the_padded_image(step_fraction: float) -> None:
+    rng = np.random.default_rng(2)
+    for _ in range(20):
+        patch = tuple(int(p) for p in rng.integers(1, 9, size=3))
+        image = tuple(int(n) for n in rng.integers(1, 25, size=3))
+        layout = tile_layout(image, patch, step_fraction)
+        starts = tile_starts(layout.padded_shape_zyx, patch, step_fraction)
+        assert [tuple(r.start for r in region) for region in layout.regions()] == starts
+        assert layout.num_tiles == len(starts)
+
+
+def test_tile_layout_errors() -> None:
+    with pytest.raises(ValueError, match="step_fraction"):
+        tile_layout((4, 4, 4), (4, 4, 4), step_fraction=0)
+    with pytest.raises(ValueError, match=r"\(Z, Y, X\)"):
+        tile_layout((4, 4), (4, 4))
+    with pytest.raises(ValueError, match="3 values .* or 2 values"):
+        tile_layout((4, 4, 4), (4,))
 
 
 # ---------------------------------------------------------------- sliding window: 3D
@@ -302,13 +345,13 @@ def test_buffer_estimate_matches_the_tensors_allocated(
     monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], patch: tuple[int, ...], batch: int
 ) -> None:
     seen: dict[str, int] = {"tile_batch": 0, "tile_logits": 0}
-    allocate, predict_batch = inference._allocate_buffers, inference._predict_tile_batch
+    allocate, predict_batch = inference._allocate_buffers, inference.predict_tile_batch
 
     def record_allocation(*args, **kwargs):
-        buffers, crop = allocate(*args, **kwargs)
+        buffers = allocate(*args, **kwargs)
         for name in ("padded_input", "accumulator", "weight_map", "gaussian"):
             seen[name] = getattr(buffers, name).untyped_storage().nbytes()
-        return buffers, crop
+        return buffers
 
     def record_batch(network, tile_batch, *args, **kwargs):
         logits = predict_batch(network, tile_batch, *args, **kwargs)
@@ -317,7 +360,7 @@ def test_buffer_estimate_matches_the_tensors_allocated(
         return logits
 
     monkeypatch.setattr(inference, "_allocate_buffers", record_allocation)
-    monkeypatch.setattr(inference, "_predict_tile_batch", record_batch)
+    monkeypatch.setattr(inference, "predict_tile_batch", record_batch)
     net = _pointwise_net(len(patch), in_channels=shape[0], num_outputs=4)
     sliding_window_predict(net, _random_image(shape), patch, num_outputs=4, tile_batch_size=batch)
 

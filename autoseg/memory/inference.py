@@ -4,7 +4,7 @@ Two phases hold memory on the device:
 
 - tiles: the network's parameters, the call's buffers (padded input, logit accumulator, weight map,
   Gaussian; ``autoseg.model.sliding_window.inference_buffer_bytes``) and one tile batch's prediction. The latter is
-  simulated: the inference code's own ``_predict_tile_batch`` (flips for mirroring, the fp32 logit sum,
+  simulated: the inference code's own ``predict_tile_batch`` (flips for mirroring, the fp32 logit sum,
   the network's forward activations under ``inference_mode``) runs under ``FakeTensorMode`` with a
   ``StorageTracker``.
 - softmax: the input and weight map are freed; the accumulator and one ``(Zp, Yp, Xp)`` fp32 temporary remain.
@@ -26,7 +26,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import PRECISIONS
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import _padded_shape_zyx, _predict_tile_batch, _tile_regions, inference_buffer_bytes
+from autoseg.model.sliding_window import (
+    clear_gaussian_cache,
+    inference_buffer_bytes,
+    predict_tile_batch,
+    sliding_window_predict,
+    tile_layout,
+)
 from autoseg.model.topology import NetworkTopology
 
 
@@ -59,7 +65,7 @@ class InferenceMemory:
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                              precision: str = "fp32", mirror_axes: Sequence[int] = (),
                              num_batches: int = 2) -> tuple[int, int, int, int]:
-    """Simulate the tile loop of ``sliding_window_predict`` (``_predict_tile_batch`` on ``num_batches`` tile
+    """Simulate the tile loop of ``sliding_window_predict`` (``predict_tile_batch`` on ``num_batches`` tile
     batches; from the second on the previous batch's logits are still alive, so 2 stand for any more).
     Returns (parameter bytes, peak bytes beyond the parameters, largest convolution output bytes, live
     allocations at the peak).
@@ -79,8 +85,8 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
         for _ in range(min(num_batches, 2)):  # from the second batch on, the previous logits are still held
             # B x C x patch fp32, the stacked copy of the tiles
             tile_batch = torch.randn((tile_batch_size, topology.in_channels, *patch_size))
-            logits = _predict_tile_batch(network, tile_batch, topology.num_outputs, tuple(mirror_axes),
-                                         sim_precision)
+            logits = predict_tile_batch(network, tile_batch, topology.num_outputs, tuple(mirror_axes),
+                                        sim_precision)
         tracker.mark("end")
         del logits, tile_batch
     start, stop = tracker.index_of("tiles"), tracker.index_of("end")
@@ -104,8 +110,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     if len(patch_size) != topology.dim:
         raise ValueError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
                          f"{topology.dim}D")
-    padded_zyx = _padded_shape_zyx(image_shape_zyx, patch_size)
-    num_tiles = len(_tile_regions(padded_zyx, tuple(patch_size), step_fraction))
+    num_tiles = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles
     batch = min(tile_batch_size, num_tiles)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
                                                          mirror_axes, math.ceil(num_tiles / batch))
@@ -129,9 +134,7 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
     is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
     """
-    from autoseg.model.sliding_window import _gaussian_cached, sliding_window_predict
-
-    _gaussian_cached.cache_clear()  # the Gaussian is cached across calls; count its creation here
+    clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
     tracker = StorageTracker()
     data_t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
     with torch.random.fork_rng(devices=[]), tracker:
@@ -141,5 +144,5 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
                                                mirror_axes=tuple(mirror_axes),
                                                tile_batch_size=tile_batch_size, precision=precision)
         del probabilities, network
-    _gaussian_cached.cache_clear()
+    clear_gaussian_cache()
     return tracker.peak_bytes
