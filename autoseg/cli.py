@@ -284,7 +284,8 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
 def _train(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
     from autoseg.model.distributed import process_group
-    from autoseg.train.trainer import RunConfig, train
+    from autoseg.train.run_config import RunConfig
+    from autoseg.train.trainer import train
 
     ws = Workspace.at(args.workspace)
     config = args.config or _default_config(ws)

@@ -32,7 +32,8 @@ from autoseg.model.distributed import (
 from autoseg.model.step import build_step, distribute
 from autoseg.model.topology import NetworkTopology
 from autoseg.train.checkpoint import load_checkpoint
-from autoseg.train.trainer import RunConfig, train
+from autoseg.train.run_config import RunConfig
+from autoseg.train.trainer import train
 
 # 4 stages: 3 deep-supervision outputs, weights (2/3, 1/3, 0): two Dice terms and an unused head
 DS_TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(2, 4, 4, 4),

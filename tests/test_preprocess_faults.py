@@ -26,11 +26,7 @@ from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.demo.data import make_demo_dataset
 from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.plan.fingerprint import fingerprint
-from autoseg.preprocess.preprocessor import (
-    case_peak_bytes,
-    preprocess,
-    processes_for,
-)
+from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
 from autoseg.preprocess.resampling import compute_new_shape
 from autoseg.preprocess.run import preprocessing_processes_for
 from autoseg.preprocess.store import case_files, is_complete, list_complete_cases, properties_path
@@ -39,14 +35,6 @@ from autoseg.preprocess.store import case_files, is_complete, list_complete_case
 @pytest.fixture()
 def dataset(tiny_dataset: Path) -> RawDataset:
     return load_dataset(tiny_dataset)
-
-
-def test_processes_for_divides_the_budget_by_the_largest_case() -> None:
-    assert processes_for(16 * GiB, 3 * GiB, cpu_count=8) == 5
-    assert processes_for(16 * GiB, 3 * GiB, cpu_count=2) == 2  # capped by the CPUs
-    assert processes_for(1 * GiB, 3 * GiB, cpu_count=8) == 1  # never 0, even if one case does not fit
-    with pytest.raises(ValueError, match="positive case peak"):
-        processes_for(16 * GiB, 0, cpu_count=8)
 
 
 def test_case_peak_bytes_is_the_worker_formula_plus_augmentation() -> None:

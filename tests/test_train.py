@@ -20,8 +20,9 @@ from autoseg.preprocess.run import preprocess_workspace
 from autoseg.train import trainer
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
+from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
-from autoseg.train.trainer import RunConfig, train
+from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
 TINY = dict(epochs=3, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)

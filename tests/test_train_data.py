@@ -17,7 +17,8 @@ from autoseg.plan.run import plan_dataset
 from autoseg.plan.training_data import loader_config, uses_dummy_2d
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.preprocess.store import list_complete_cases, precomputed_copies, properties_path, read_properties
-from autoseg.train.trainer import RunConfig, train
+from autoseg.train.run_config import RunConfig
+from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
 

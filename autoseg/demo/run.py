@@ -19,7 +19,8 @@ from autoseg.plan.planner import Budget
 from autoseg.plan.run import plan_dataset
 from autoseg.predict.predictor import predict
 from autoseg.preprocess.run import preprocess_workspace
-from autoseg.train.trainer import RunConfig, train
+from autoseg.train.run_config import RunConfig
+from autoseg.train.trainer import train
 
 log = logging.getLogger("autoseg")
 

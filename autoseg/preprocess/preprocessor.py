@@ -152,15 +152,6 @@ def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, 
     return int(peak)
 
 
-def processes_for(host_ram_bytes: int, largest_case_peak_bytes: int, cpu_count: int) -> int:
-    """Worker processes such that each can hold the largest case at once within ``host_ram_bytes``:
-    ``min(cpu_count, host_ram_bytes // largest_case_peak_bytes)``, at least 1."""
-    if largest_case_peak_bytes <= 0 or cpu_count < 1:
-        raise ValueError(f"need a positive case peak and cpu count; got {largest_case_peak_bytes}, "
-                         f"{cpu_count}")
-    return max(1, min(int(cpu_count), int(host_ram_bytes) // int(largest_case_peak_bytes)))
-
-
 @dataclass(frozen=True)
 class CaseTask:
     """What a worker needs to preprocess one case (picklable)."""
@@ -254,8 +245,9 @@ def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str
     """Preprocess every training case of ``dataset`` for one configuration into ``out_dir``.
 
     Complete cases are skipped, so a rerun after a crash finishes the job. ``processes`` > 1 runs cases
-    in that many spawned worker processes (see ``processes_for``). ``precompute``: augmented copies per
-    case. ``case_runner`` does one case (``run_case``; tests swap it). ``report_path``: a JSON of the
+    in that many spawned worker processes (``autoseg.preprocess.run`` sizes them with
+    ``autoseg.core.resources.processes_for``). ``precompute``: augmented copies per case. ``case_runner``
+    does one case (``run_case``; tests swap it). ``report_path``: a JSON of the
     per-case predicted and measured peak memory, seconds and disk use.
     """
     config = plans.configuration(config_name)

@@ -35,58 +35,27 @@ from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memo
 from autoseg.dataset.labels import LabelScheme, label_map_dtype
 from autoseg.memory.host import output_batch_bytes
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
-from autoseg.model.step import OPTIMIZERS, OptimizerSettings, TrainStep, build_step, distribute
+from autoseg.model.step import TrainStep, build_step, distribute
 from autoseg.plan.compute import training_step_closure
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
-from autoseg.preprocess.store import precomputed_copies
+from autoseg.preprocess.store import list_complete_cases, open_case, precomputed_copies
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import plot_progress
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.train.patch_validation import validate_patches
+from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import TimeBudget, poly_lr
 
-__all__ = ["RunConfig", "fold_cases", "train"]
+__all__ = ["fold_cases", "train"]
 
 log = logging.getLogger("autoseg.train.trainer")
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    """Knobs of one training run that are not part of the plan.
-
-    ``resume``: continue from the fold's checkpoint_latest.pt (its schedule, degradations and random
-    states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
-    and the final validation end within this many seconds (``epochs`` is then only the first guess).
-    ``cpu_threads``: torch threads on CPU (None: the fastest of a short measurement).
-    ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
-    ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
-    on the fly (None: yes when every training case has copies; True fails if a case has none).
-    Testing aids: ``stop_after_epochs`` returns after that many epochs of this call, as if the process were
-    killed after the epoch's checkpoint; ``inject_oom_at_step`` raises ``torch.OutOfMemoryError`` once in
-    the optimizer step of that (global, 0-based) index.
-    """
-
-    epochs: int = 1000
-    iterations_per_epoch: int = 250
-    val_iterations: int = 50
-    optimizer: OptimizerSettings = OPTIMIZERS["sgd"]  # learning rate, momentum, weight decay, gradient clipping
-    seed: int = 0
-    device: str = "cpu"
-    loader_workers: int | None = None  # None: the configuration's planned loader_workers
-    use_precomputed: bool | None = None  # None: when every training case has precomputed augmented copies
-    validate: bool = True  # predict and evaluate the fold's validation cases at the end
-    resume: bool = False
-    time_budget_s: float | None = None
-    cpu_threads: int | None = None
-    stop_after_epochs: int | None = None  # testing aid
-    inject_oom_at_step: int | None = None  # testing aid
 
 
 def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple[list[str], list[str]]:
     """(train, val) case ids; fold "all" trains on every case and validates on all of them too."""
     folder = workspace.require(workspace.preprocessed(config_name), "plan_and_preprocess")
-    case_ids = sorted(p.name[:-5] for p in folder.glob("*.json"))
+    case_ids = list_complete_cases(folder)
     if not case_ids:
         raise FileNotFoundError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
     splits = load_or_create_splits(workspace, case_ids)
@@ -122,8 +91,8 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     log.addHandler(handler)
     threads = torch.get_num_threads()
     try:
-        ctx = _setup(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, resumed,
-                     distributed)
+        job = _Job(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress)
+        ctx = _setup(job, resumed, distributed)
         ctx.started = started
         return _train(ctx)
     finally:
@@ -132,14 +101,13 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
         handler.close()
 
 
-@dataclass
-class _Context:
-    """One run: the plan, where it writes, the step, and the progress a checkpoint keeps."""
+@dataclass(frozen=True)
+class _Job:
+    """What one run trains, fixed for the run: the plan, the fold's cases, where it writes, the run's knobs."""
 
     workspace: Workspace
     plans: Plans
     planned: ConfigurationPlan  # as in plans.json
-    config: ConfigurationPlan  # after degradations
     config_name: str
     fold: int | str
     train_ids: list[str]
@@ -147,6 +115,14 @@ class _Context:
     out: Path
     run: RunConfig
     progress: bool
+
+
+@dataclass
+class _Context:
+    """One run in progress: the job, the step, and the progress a checkpoint keeps."""
+
+    job: _Job
+    config: ConfigurationPlan  # the planned one after degradations
     step: TrainStep
     epochs: int
     iterations_per_epoch: int
@@ -159,7 +135,6 @@ class _Context:
     budget_decisions: list[dict[str, Any]] = field(default_factory=list)
     oom_injected: bool = False
     started: float = 0.0
-
     loader_workers: int = 0
     use_precomputed: bool = False
 
@@ -170,9 +145,10 @@ class _Context:
     def loader(self, epoch: int, augment: bool) -> BatchLoader:
         """Training batches (augmented, in ``loader_workers`` processes) or validation batches (in-process).
         Each rank draws its own stream from all training cases (see docs/architecture.md, Multi-GPU)."""
-        seed = loader_seed(self.run.seed, epoch, 0 if augment else 1, len(self.degradations), self.ranks.context.rank)
+        job = self.job
+        seed = loader_seed(job.run.seed, epoch, 0 if augment else 1, len(self.degradations), self.ranks.context.rank)
         cfg = loader_config(self.config, augment, self.use_precomputed and augment)
-        return BatchLoader(self.workspace.preprocessed(self.config_name), self.train_ids if augment else self.val_ids,
+        return BatchLoader(job.workspace.preprocessed(job.config_name), job.train_ids if augment else job.val_ids,
                            cfg, seed=seed, num_workers=self.loader_workers if augment else 0,
                            queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda")
 
@@ -186,14 +162,13 @@ class _Context:
         """Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
         if not self.ranks.is_main:
             return
-        save_checkpoint(self.out / name, self.step.network, self.step.optimizer, self.step.scaler, self.planned,
-                        self.config_name, self.progress_state(epoch))
+        save_checkpoint(self.job.out / name, self.step.network, self.step.optimizer, self.step.scaler, self.job.planned,
+                        self.job.config_name, self.progress_state(epoch))
 
 
-def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, config_name: str, fold: int | str,
-           train_ids: list[str], val_ids: list[str], out: Path, run: RunConfig, progress: bool,
-           resumed: dict[str, Any] | None, distributed: DistributedContext) -> _Context:
+def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedContext) -> _Context:
     """Threads, seed, network and optimizer; from the checkpoint when resuming (random states last)."""
+    planned, run, out = job.planned, job.run, job.out
     micro, accumulation = rank_batch(planned.batch_size, planned.accumulation_steps, distributed.world_size)
     share = planned.with_(batch_size=micro, accumulation_steps=accumulation)  # this rank's part of a step
     config = apply_degradations(share, resumed["degradations"]) if resumed else share
@@ -205,8 +180,7 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
         else:
             _choose_cpu_threads(config)
     torch.manual_seed(run.seed)
-    ctx = _Context(workspace, plans, planned, config, config_name, fold, train_ids, val_ids, out, run, progress,
-                   step=_make_step(config, run, plans.label_scheme), epochs=run.epochs,
+    ctx = _Context(job, config, step=_make_step(config, run, job.plans.label_scheme), epochs=run.epochs,
                    iterations_per_epoch=run.iterations_per_epoch)
     distribute(ctx.step, distributed)
     _choose_data_pipeline(ctx)
@@ -214,7 +188,8 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
         if ctx.ranks.is_main:
             (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
         if run.time_budget_s is not None:
-            shapes = [_case_shape(workspace.preprocessed(config_name), c) for c in val_ids] if run.validate else []
+            folder = job.workspace.preprocessed(job.config_name)
+            shapes = [open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids] if run.validate else []
             ctx.budget = TimeBudget(run.time_budget_s, time.perf_counter(), run.iterations_per_epoch,
                                     run.val_iterations, config.accumulation_steps, config.batch_size,
                                     config.patch_size, shapes)
@@ -233,7 +208,7 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
     if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
         log.info("resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs,
                  ctx.iterations_per_epoch)
-    log.info("resumed %s fold %s from %s after epoch %d", config_name, fold, out / "checkpoint_latest.pt",
+    log.info("resumed %s fold %s from %s after epoch %d", job.config_name, job.fold, out / "checkpoint_latest.pt",
              resumed["epoch"])
     restore_rng_states(resumed["rng"])
     return ctx
@@ -241,19 +216,19 @@ def _setup(workspace: Workspace, plans: Plans, planned: ConfigurationPlan, confi
 
 def _choose_data_pipeline(ctx: _Context) -> None:
     """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
-    run, folder = ctx.run, ctx.workspace.preprocessed(ctx.config_name)
+    run, folder = ctx.job.run, ctx.job.workspace.preprocessed(ctx.job.config_name)
     ranks_here = ctx.ranks.context.local_world_size
     node_share = ctx.config.loader_workers // ranks_here  # the plan's are for one node
     ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
     if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
-        batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.plans.channel_names),
-                                   np.dtype(label_map_dtype(ctx.plans.num_label_values)).itemsize)
+        batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.job.plans.channel_names),
+                                   np.dtype(label_map_dtype(ctx.job.plans.num_label_values)).itemsize)
         ctx.loader_workers = workers_for_shared_memory(node_share, ctx.config.loader_queue_depth, batch, ranks_here)
         if ctx.loader_workers < node_share:
             log.warning("data: shared memory (%s) has room for the batch slots of %d of the planned %d loader "
                         "worker(s); using %d (Docker: enlarge it with --shm-size)", SHM_FOLDER,
                         ctx.loader_workers, node_share, ctx.loader_workers)
-    copies = precomputed_copies(folder, ctx.train_ids)
+    copies = precomputed_copies(folder, ctx.job.train_ids)
     if run.use_precomputed and copies == 0:
         raise ValueError(f"{folder}: some training cases have no precomputed augmented copies; run "
                          "`autoseg plan_and_preprocess --precompute-augmentations K` or train without "
@@ -266,25 +241,21 @@ def _choose_data_pipeline(ctx: _Context) -> None:
              ctx.config.loader_queue_depth, spatial)
 
 
-def _case_shape(folder: Path, case_id: str) -> tuple[int, ...]:
-    """(Z, Y, X) of a preprocessed case, read from the .npy header."""
-    return tuple(np.load(folder / f"{case_id}_data.npy", mmap_mode="r").shape[1:])
-
-
 def _train(ctx: _Context) -> Path:
-    config, run, world = ctx.config, ctx.run, ctx.ranks.world_size
+    config, run, world = ctx.config, ctx.job.run, ctx.ranks.world_size
     global_batch = world * config.batch_size * config.accumulation_steps
+    job = ctx.job
     log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation x %d process(es) = "
-             "global batch %d (planned %d), %d epochs x %d it", ctx.config_name, ctx.fold, len(ctx.train_ids),
-             len(ctx.val_ids), config.patch_size, config.batch_size, config.accumulation_steps, world, global_batch,
-             ctx.planned.batch_size * ctx.planned.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
+             "global batch %d (planned %d), %d epochs x %d it", job.config_name, job.fold, len(job.train_ids),
+             len(job.val_ids), config.patch_size, config.batch_size, config.accumulation_steps, world, global_batch,
+             job.planned.batch_size * job.planned.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
     epoch = ctx.first_epoch
     while epoch < ctx.epochs:
         t0 = time.perf_counter()
         row = _run_epoch(ctx, epoch, t0)
         if ctx.ranks.is_main:  # the other ranks have no row
             ctx.metrics.append(row)
-            _log_epoch(row, ctx.out, ctx.metrics)
+            _log_epoch(row, ctx.job.out, ctx.metrics)
             if ctx.ema > ctx.best_ema:
                 ctx.best_ema = ctx.ema
                 ctx.save("checkpoint_best.pt", epoch)
@@ -295,11 +266,11 @@ def _train(ctx: _Context) -> Path:
         ctx.save("checkpoint_latest.pt", epoch)
         epoch += 1
         if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
-            return ctx.out  # testing aid: as if killed after the checkpoint
+            return ctx.job.out  # testing aid: as if killed after the checkpoint
     ctx.save("checkpoint_final.pt", ctx.epochs - 1)
     if not ctx.ranks.is_main:
-        return ctx.out  # rank 0 writes run.json and runs the final validation alone
-    record = {"run": asdict(run), "fold": str(ctx.fold), "config": ctx.config_name,
+        return ctx.job.out  # rank 0 writes run.json and runs the final validation alone
+    record = {"run": asdict(run), "fold": str(ctx.job.fold), "config": ctx.job.config_name,
               "schedule": {"epochs": ctx.epochs, "iterations_per_epoch": ctx.iterations_per_epoch},
               "degradations": ctx.degradations, "time_budget": ctx.budget_decisions,
               "effective_configuration": {"batch_size": ctx.config.batch_size,
@@ -307,24 +278,24 @@ def _train(ctx: _Context) -> Path:
                                           "checkpointing": ctx.config.checkpointing},
               "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
               "distributed": {"world_size": world, "global_batch": global_batch}}
-    atomic_write_text(ctx.out / "run.json", json.dumps(record, indent=2))
+    atomic_write_text(ctx.job.out / "run.json", json.dumps(record, indent=2))
     if run.validate:
         from autoseg.train.validation import validate_fold
 
-        validate_fold(ctx.workspace, ctx.plans, ctx.config_name, ctx.step.network, ctx.val_ids,
-                      ctx.out / "validation", run.device, ctx.progress)
-    return ctx.out
+        validate_fold(ctx.job.workspace, ctx.job.plans, ctx.job.config_name, ctx.step.network, ctx.job.val_ids,
+                      ctx.job.out / "validation", run.device, ctx.job.progress)
+    return ctx.job.out
 
 
 def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
     """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row (rank 0; the
     other ranks skip the pseudo-Dice and return None)."""
-    step, run, ipe = ctx.step, ctx.run, ctx.iterations_per_epoch
+    step, run, ipe = ctx.step, ctx.job.run, ctx.iterations_per_epoch
     wait, losses, lr = 0.0, [], run.optimizer.initial_lr
     train_loader = ctx.loader(epoch, augment=True)
     try:
         step.network.train()
-        bar = tqdm(range(ipe), desc=f"epoch {epoch}", unit="it", disable=not ctx.progress, leave=False)
+        bar = tqdm(range(ipe), desc=f"epoch {epoch}", unit="it", disable=not ctx.job.progress, leave=False)
         for it in bar:
             lr = poly_lr(run.optimizer.initial_lr, epoch * ipe + it, ctx.epochs * ipe)
             for group in step.optimizer.param_groups:
@@ -347,7 +318,7 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
         return None
     with ctx.loader(epoch, augment=False) as val_loader:
         val_loss, dice = validate_patches(step.network, val_loader, step.loss_fn, run.val_iterations, step.device,
-                                          ctx.plans.label_scheme)
+                                          ctx.job.plans.label_scheme)
     mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
     ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
     epoch_s = time.perf_counter() - t0

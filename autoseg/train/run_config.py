@@ -1,0 +1,39 @@
+"""``RunConfig``: the knobs of one training run that are not part of the plan (`autoseg train`'s flags)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoseg.model.step import OPTIMIZERS, OptimizerSettings
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Knobs of one training run that are not part of the plan.
+
+    ``resume``: continue from the fold's checkpoint_latest.pt (its schedule, degradations and random
+    states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
+    and the final validation end within this many seconds (``epochs`` is then only the first guess).
+    ``cpu_threads``: torch threads on CPU (None: the fastest of a short measurement).
+    ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
+    ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
+    on the fly (None: yes when every training case has copies; True fails if a case has none).
+    Testing aids: ``stop_after_epochs`` returns after that many epochs of this call, as if the process were
+    killed after the epoch's checkpoint; ``inject_oom_at_step`` raises ``torch.OutOfMemoryError`` once in
+    the optimizer step of that (global, 0-based) index.
+    """
+
+    epochs: int = 1000
+    iterations_per_epoch: int = 250
+    val_iterations: int = 50
+    optimizer: OptimizerSettings = OPTIMIZERS["sgd"]  # learning rate, momentum, weight decay, gradient clipping
+    seed: int = 0
+    device: str = "cpu"
+    loader_workers: int | None = None  # None: the configuration's planned loader_workers
+    use_precomputed: bool | None = None  # None: when every training case has precomputed augmented copies
+    validate: bool = True  # predict and evaluate the fold's validation cases at the end
+    resume: bool = False
+    time_budget_s: float | None = None
+    cpu_threads: int | None = None
+    stop_after_epochs: int | None = None  # testing aid
+    inject_oom_at_step: int | None = None  # testing aid
