@@ -55,11 +55,7 @@ def _duration(text: str) -> float:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="autoseg", description="Self-configuring medical image segmentation.")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def _add_plan_commands(sub: argparse._SubParsersAction) -> None:
     for name in ("plan", "plan_and_preprocess"):
         p = sub.add_parser(name, help="fingerprint and plan" + (" and preprocess" if "pre" in name else ""))
         p.add_argument("dataset", help="raw dataset folder (nnU-Net layout: dataset.json, imagesTr/, labelsTr/)")
@@ -73,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                            help="write K spatially augmented copies per case (rotation, scaling, elastic), so "
                                 "training can skip the spatial transform (default: 0)")
 
+
+def _add_train_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train one fold: `autoseg train fold 0` (or `fold all`)")
     p.add_argument("fold", nargs="+", help="'fold 0', '0' or 'all'")
     _add_workspace(p)
@@ -100,6 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(with --device cpu: N CPU processes). Several nodes: start `torchrun ... -m autoseg train "
                         "...` on each yourself")
 
+
+def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="segment new scans with the trained folds")
     p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
     p.add_argument("-o", "--output", required=True, help="output folder")
@@ -111,17 +111,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tile-batch-size", type=int, default=1)
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
 
+
+def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="Dice and IoU per class: autoseg evaluate PRED_DIR GT_DIR")
     p.add_argument("pred_dir")
     p.add_argument("gt_dir")
     p.add_argument("-o", "--output", default=None, help="summary.json path (default: PRED_DIR/summary.json)")
 
+
+def _add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="synthetic dataset -> plan -> train -> predict -> evaluate, on CPU")
     p.add_argument("-w", "--workspace", default=None, help="workspace (default: a temporary folder)")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--iterations-per-epoch", type=int, default=None)
     p.add_argument("--num-train", type=int, default=None)
 
+
+def _add_explain_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("explain", help="where the memory of a planned configuration goes, and what-ifs")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-w", "--workspace", default=None, help="workspace folder (default: current directory)")
@@ -132,11 +138,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="device whose overheads to add (default: the one the configuration was planned for)")
 
+
+def _add_make_demo_dataset_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-demo-dataset", help="write the synthetic demo dataset (nnU-Net layout)")
     p.add_argument("output", help="dataset folder to create")
     p.add_argument("--num-train", type=int, default=24)
     p.add_argument("--num-test", type=int, default=6)
     p.add_argument("--seed", type=int, default=0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autoseg", description="Self-configuring medical image segmentation.")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+
+
+    _add_plan_commands(sub)
+    _add_train_command(sub)
+    _add_predict_command(sub)
+    _add_evaluate_command(sub)
+    _add_demo_command(sub)
+    _add_explain_command(sub)
+    _add_make_demo_dataset_command(sub)
     return parser
 
 
@@ -150,7 +174,7 @@ def _fold(values: list[str]) -> int | str:
 
 def _budget(args: argparse.Namespace):
     from autoseg.core.resources import available_ram_bytes, cuda_total_memory
-    from autoseg.plan.planner import Budget
+    from autoseg.plan.budget import Budget
 
     device = args.device or default_device()
     gpu = args.gpu_memory
@@ -259,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
             code = _launch_processes(args, argv)
             if code is not None:
                 return code
-        return _dispatch(args, progress)
+        return COMMANDS[args.command](args, progress)  # one stage per command
     except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
         print(f"autoseg {args.command}: error: {e}", file=sys.stderr)
         return 2
@@ -374,11 +398,6 @@ def _demo(args: argparse.Namespace, progress: bool) -> int:
 
 COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
             "evaluate": _evaluate, "explain": _explain, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
-
-
-def _dispatch(args: argparse.Namespace, progress: bool) -> int:
-    """One call per command."""
-    return COMMANDS[args.command](args, progress)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ with ``autoseg plan_and_preprocess --precompute-augmentations K`` (cached per K)
 Both pipelines then run at the autoseg plan's 3d_fullres patch and batch size (or ``--patch`` /
 ``--batch``) with ``--workers`` worker processes, each in its own subprocess:
 
-- autoseg: ``BatchLoader`` with the trainer's ``LoaderConfig`` (``autoseg.data.config.loader_config``) over
+- autoseg: ``BatchLoader`` with the trainer's ``LoaderConfig`` (``autoseg.plan.training_data.loader_config``) over
   fold 0's training cases, on the fly and with ``use_precomputed``;
 - nnU-Net: ``nnUNetTrainer.get_dataloaders()`` itself (its nnUNetDataLoader, default training transforms
   with deep-supervision targets, NonDetMultiThreadedAugmenter with ``nnUNet_n_proc_DA`` workers) on the plans

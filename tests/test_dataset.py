@@ -62,7 +62,7 @@ def test_planning_checks_voxels_while_fingerprinting_and_writes_nothing(dataset_
     """plan_dataset reads each case once: the fingerprint reports every case's voxel problems together."""
     from autoseg.core.units import GiB
     from autoseg.core.workspace import Workspace
-    from autoseg.plan.planner import Budget
+    from autoseg.plan.budget import Budget
     from autoseg.plan.run import plan_dataset
 
     for case, value in (("demo_001", 7), ("demo_003", 5)):

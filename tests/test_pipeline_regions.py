@@ -13,7 +13,7 @@ from factories import set_configuration, tiny_topology
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import evaluate_folder
-from autoseg.plan.planner import Budget
+from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.predict.predictor import predict

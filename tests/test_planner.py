@@ -6,25 +6,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
 from autoseg.memory.host import worker_bytes
+from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
-from autoseg.plan.planner import (
-    FILL_TARGET,
-    MAX_STAGES,
-    MIN_PATCH_VOXELS,
-    Budget,
-    GiB,
-    loader_workers,
-    lowres_spacing,
-    plan,
-    rough_training_peak_bytes,
-    target_spacing,
-    topology_for,
-)
+from autoseg.plan.patch_search import MAX_STAGES, rough_training_peak_bytes, topology_for
+from autoseg.plan.planner import FILL_TARGET, MIN_PATCH_VOXELS, lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.plan.training_data import loader_config
+from autoseg.plan.workers import loader_workers
 
 # --- target_spacing ---------------------------------------------------------------------------------
 
@@ -314,7 +306,7 @@ def test_cuda_seconds_come_from_the_tabulated_device() -> None:
 
 
 def test_checkpointing_adds_a_third_of_the_flops() -> None:
-    from autoseg.plan.compute import conv_flops
+    from autoseg.plan.throughput import conv_flops
 
     for cfg in (_rough_plan(1).configuration("3d_fullres"), _rough_plan(8).configuration("3d_fullres")):
         step = conv_flops(cfg.network, cfg.patch_size, cfg.batch_size) * cfg.accumulation_steps
@@ -398,7 +390,8 @@ def _check_model_memory(cfg: ConfigurationPlan) -> None:
 
 def test_model_backed_configuration_records_the_models_terms() -> None:
     """A tiny 3D space (a 3-stage network: three quick simulations)."""
-    from autoseg.plan.planner import SearchSpace, configuration
+    from autoseg.plan.patch_search import SearchSpace
+    from autoseg.plan.planner import configuration
 
     space = SearchSpace((1.0, 1.0, 1.0), (16, 24, 24), 1, 2, dataset_voxels=40 * 16 * 24 * 24)
     cfg = configuration("3d_fullres", (1.0, 1.0, 1.0), (16, 24, 24), space,

@@ -11,10 +11,11 @@ import torch
 from factories import box_case, box_network
 from scipy.ndimage import maximum_filter, minimum_filter
 
+from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.model.network import build_network
-from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.predict import predictor

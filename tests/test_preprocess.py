@@ -11,7 +11,7 @@ from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_geometry
 from autoseg.dataset.raw import load_dataset
-from autoseg.plan.planner import Budget
+from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.preprocess.preprocessor import preprocess

@@ -8,10 +8,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-import autoseg.plan.compute
+import autoseg.plan.throughput
 from autoseg.model.topology import NetworkTopology
-from autoseg.plan.compute import conv_flops
-from autoseg.plan.throughput import GPUS, cached_cpu_throughput, cuda_flops_per_second, gpu_spec
+from autoseg.plan.throughput import GPUS, cached_cpu_throughput, conv_flops, cuda_flops_per_second, gpu_spec
 
 GiB = 1024**3
 
@@ -35,7 +34,7 @@ def test_unknown_gpu_is_the_smallest_listed_one_with_that_memory() -> None:
 
 def test_cpu_throughput_is_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    monkeypatch.setattr(autoseg.plan.compute, "calibrate_cpu_throughput",
+    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput",
                         lambda repeats=3: calls.append(repeats) or 5e9)
     monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert cached_cpu_throughput(tmp_path) == (5e9, "measured now")
@@ -47,7 +46,7 @@ def test_cpu_throughput_is_measured_once_then_cached(tmp_path: Path, monkeypatch
 
 
 def test_cpu_throughput_measured_under_load_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autoseg.plan.compute, "calibrate_cpu_throughput", lambda repeats=3: 3e9)
+    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda repeats=3: 3e9)
     monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
     flops, source = cached_cpu_throughput(tmp_path)
     assert flops == 3e9 and source.startswith("measured now under load 64.0, not cached")
@@ -74,8 +73,8 @@ class _FakeSteps:
         self.seconds_by_threads, self.run_real_step = seconds_by_threads, run_real_step
         self.now, self.step_calls = 1000.0, 0
         self.closure_args: list[tuple[tuple, dict]] = []
-        self._real_closure = autoseg.plan.compute.training_step_closure
-        monkeypatch.setattr(autoseg.plan.compute, "training_step_closure", self.closure)
+        self._real_closure = autoseg.plan.throughput.training_step_closure
+        monkeypatch.setattr(autoseg.plan.throughput, "training_step_closure", self.closure)
         monkeypatch.setattr(time, "perf_counter", lambda: self.now)
 
     def closure(self, *args, **kwargs):
@@ -98,7 +97,7 @@ def test_calibration_divides_the_step_flops_by_the_faster_thread_count(
     throughput is the FLOPs of the timed step over the faster time; the caller's threads are restored."""
     fake = _FakeSteps(monkeypatch, seconds_by_threads, run_real_step=False)
     before = torch.get_num_threads()
-    flops = autoseg.plan.compute.calibrate_cpu_throughput(repeats=3, max_threads=4)
+    flops = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=3, max_threads=4)
     assert torch.get_num_threads() == before
     (args, kwargs), = fake.closure_args
     assert fake.step_calls == 8  # per thread count: one warm-up, then 3 timed
@@ -111,7 +110,7 @@ def test_calibration_flops_are_those_its_timed_step_runs(monkeypatch: pytest.Mon
     of a planned step into its seconds."""
     fake = _FakeSteps(monkeypatch, {1: 0.25}, run_real_step=True)
     with FlopCounterMode(display=False) as counter:
-        flops_per_second = autoseg.plan.compute.calibrate_cpu_throughput(repeats=1, max_threads=1)
+        flops_per_second = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=1, max_threads=1)
     assert fake.step_calls == 2  # one warm-up and one timed step, with one thread
     assert flops_per_second == pytest.approx(counter.get_total_flops() / 2 / 0.25, rel=0.02)
 
@@ -133,7 +132,7 @@ def test_conv_flops_counts_the_convolutions_torch_runs(name: str) -> None:
     """Forward: exactly torch's count of the convolution FLOPs (deep-supervision heads included); the whole
     step (x3 for backward) within 2% of it."""
     topology, patch_size, batch_size = _topologies()[name]
-    step = autoseg.plan.compute.training_step_closure(topology, patch_size, batch_size)
+    step = autoseg.plan.throughput.training_step_closure(topology, patch_size, batch_size)
     with FlopCounterMode(display=False) as counter:
         step()
     counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}

@@ -9,11 +9,12 @@ import pytest
 import torch
 from factories import set_configuration, tiny_topology
 
+from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.step import TrainStep
-from autoseg.plan.planner import Budget, GiB
+from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.preprocess.run import preprocess_workspace

@@ -15,7 +15,7 @@ from autoseg.core.resources import available_ram_bytes
 from autoseg.core.workspace import Workspace
 from autoseg.demo.data import make_demo_dataset
 from autoseg.evaluate.metrics import evaluate_folder, format_table
-from autoseg.plan.planner import Budget
+from autoseg.plan.budget import Budget
 from autoseg.plan.run import plan_dataset
 from autoseg.predict.predictor import predict
 from autoseg.preprocess.run import preprocess_workspace

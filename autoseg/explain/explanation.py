@@ -107,7 +107,7 @@ class Explanation:
     preprocessing_processes: int
     loader_workers: int
     loader_queue_depth: int
-    loader_worker: dict[str, int]  # autoseg.data.loader.worker_bytes
+    loader_worker: dict[str, int]  # autoseg.memory.host.worker_bytes
     host_cases: tuple[HostCase, ...]
     what_ifs: tuple[WhatIf, ...]
 

@@ -244,7 +244,7 @@ def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], 
     """Host bytes of one loader worker, by term, and their ``total``.
 
     ``runtime``: the process (``WORKER_RUNTIME_BYTES``); ``in_flight``: the batch it builds
-    (``autoseg.data.sampler.batch_bytes``, an upper bound at ``enlarged_patch_size``); ``slots``: its
+    (``autoseg.memory.host.batch_bytes``, an upper bound at ``enlarged_patch_size``); ``slots``: its
     ``queue_depth + 1`` shared-memory batches (``output_batch_bytes`` each), which the trainer's process
     maps too. E.g. patch (56, 192, 192), read box (56, 386, 376), B=2, C=1, queue depth 2, dummy 2D:
     150 MiB + 0.21 GB + 3 x 20.6 MB."""

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.core.precision import PRECISIONS
 from autoseg.memory.tracker import StorageTracker
-from autoseg.memory.training import PRECISIONS
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import (
     clear_gaussian_cache,

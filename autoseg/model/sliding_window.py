@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+from autoseg.core.precision import PRECISIONS
+
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
 _FP32_BYTES = 4
 

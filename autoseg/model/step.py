@@ -2,7 +2,7 @@
 
 ``autoseg train`` runs it on loader batches; the memory model (``autoseg.memory.training``) runs the same
 ``TrainStep`` on synthetic batches under ``FakeTensorMode`` (prediction) or on real CPU tensors
-(measurement); the CPU throughput calibration (``autoseg.plan.compute``) times it. A change here shows up
+(measurement); the CPU throughput calibration (``autoseg.plan.throughput``) times it. A change here shows up
 in all three.
 
 One step: ``zero_grad(set_to_none=True)``; ``accumulation_steps`` micro-batches, each ``(B, C, *patch)``

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from autoseg.core.precision import element_bytes
 from autoseg.model.topology import NetworkTopology
-from autoseg.plan.compute import conv_flops
+from autoseg.plan.throughput import conv_flops
 
 MIN_FEATURE_MAP = 4  # no axis is pooled below this many voxels
 MAX_STAGES = {2: 7, 3: 6}

@@ -14,30 +14,26 @@ third more compute), then + micro-batch 1 with 2 accumulation steps. CPU: fp32, 
 "Large enough": covers the whole median image or holds ``MIN_PATCH_VOXELS`` voxels.
 
 Host RAM: preprocessing processes, and each configuration's loader workers, are as many as
-``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.memory.host``,
-``autoseg.data.loader.worker_bytes``), capped by the CPU count; no loader workers when training on CPU
+``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.plan.workers``, with the bytes of
+``autoseg.memory.host``), capped by the CPU count; no loader workers when training on CPU
 (they would take the cores the training step uses).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
-from autoseg.core.precision import PRECISIONS
-from autoseg.core.resources import cpu_count, processes_for
 from autoseg.core.spacing import ANISOTROPY_THRESHOLD
-from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
-from autoseg.memory.host import preprocess_worker_bytes, worker_bytes
+from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
-from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner's public names)
+from autoseg.plan.patch_search import (
     FEATURE_CAP,
-    MAX_STAGES,
     MIN_FEATURE_MAP,
     Candidate,
     Limits,
@@ -46,71 +42,19 @@ from autoseg.plan.patch_search import (  # noqa: F401  (re-exported: the planner
     Setting,
     StepCost,
     canonical,
-    rough_training_peak_bytes,
     search,
-    topology_for,
 )
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
-from autoseg.plan.training_data import loader_config
+from autoseg.plan.workers import host_workers, loader_workers
 
 MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
 CPU_BASE_FEATURES = (16, 8)
 LOWRES_THRESHOLD = 0.25  # plan 3d_lowres when the fullres patch covers less of the median image
 LOWRES_TARGET = 0.5  # ... with a spacing at which a patch of that size covers this much
 LOWRES_STEP = 1.03
-HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or loader workers
-TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
-LOADER_QUEUE_DEPTH = 2  # finished batches per loader worker, unless 1 leaves room for more workers
 AMP_PRECISION = "fp16"  # the autocast dtype planned on CUDA (nnU-Net's AMP); Budget.precision overrides
 FILL_TARGET = 0.85  # a memory-limited plan's predicted peak is at least this fraction of the budget
-
-
-@dataclass(frozen=True)
-class Budget:
-    """What the plan must fit in. ``device`` is where training runs: "cuda" or "cpu".
-
-    ``safety_margin``: the fraction of the memory budget kept free (5%): the device model's error
-    (fragmentation is modelled as 15% of the tensor bytes, measured 12-19%) and what the plan does not
-    see (another process on the GPU, a display). A memory-limited plan's predicted peak then lies
-    between ``FILL_TARGET`` (85%) and 95% of the budget. The memory budget is ``gpu_memory_bytes`` on
-    CUDA and ``host_ram_bytes`` on CPU (the step's tensors live in host RAM there).
-    ``cpu_seconds_per_iteration`` / ``cpu_flops_per_second``: on CPU compute, not memory, is the limit;
-    the CLI measures the throughput with ``autoseg.plan.compute.calibrate_cpu_throughput``.
-    ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
-    ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
-    """
-
-    gpu_memory_bytes: int = 8 * GiB
-    host_ram_bytes: int = 16 * GiB
-    device: str = "cuda"
-    safety_margin: float = 0.05
-    cpu_seconds_per_iteration: float = 1.0
-    cpu_flops_per_second: float = 20e9
-    base_features: int | None = None  # None: 32 on CUDA; on CPU 16, or 8 if 16 leaves too small a patch
-    precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
-    gpu_name: str | None = None
-    cpu_count: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
-        if not 0.0 <= self.safety_margin < 0.5:
-            raise ValueError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
-        if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
-        if self.device == "cpu" and self.precision not in (None, "fp32"):
-            raise ValueError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
-                             "leave Budget.precision unset for device 'cpu'")
-
-    @property
-    def memory_bytes(self) -> int:
-        """The memory the training step must fit in: GPU memory on CUDA, host RAM on CPU."""
-        return int(self.gpu_memory_bytes if self.device == "cuda" else self.host_ram_bytes)
-
-    @property
-    def memory_limit_bytes(self) -> float:
-        return self.memory_bytes * (1.0 - self.safety_margin)
 
 
 def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[float, float, float]:
@@ -350,48 +294,6 @@ def _memory_terms(chosen: Candidate, setting: Setting, device: str) -> dict[str,
     terms.update({k: float(v) for k, v in device_terms.items()})
     terms.update({k: float(v) for k, v in step.breakdown().items() if k != "total"})
     return terms
-
-
-def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget: Budget
-                 ) -> tuple[int, dict[str, float]]:
-    """(preprocessing processes, the figures behind the count): HOST_RAM_FRACTION of the RAM over one
-    worker's peak on the largest case (the finest configuration's resampled shape), between 1 and the CPU
-    count."""
-    cpus = budget.cpu_count or cpu_count()
-    usable = budget.host_ram_bytes * HOST_RAM_FRACTION
-    largest = max(fp.cases, key=lambda c: math.prod(c.shape_zyx))
-    channels = len(fp.channel_names)
-    per_process = 0
-    for cfg in configs.values():
-        target = (largest.spacing_mm[0], *cfg.spacing_mm[1:]) if cfg.dim == 2 else cfg.spacing_mm
-        after = tuple(max(1, round(s * sp / t)) for s, sp, t in zip(largest.cropped_shape_zyx, largest.spacing_mm,
-                                                                      target))
-        per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
-    processes = processes_for(usable, per_process, cpus)
-    return processes, {"preprocess_worker_bytes": float(per_process), "usable_host_ram_bytes": float(usable),
-                       "cpu_count": float(cpus)}
-
-
-def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget) -> dict[str, float]:
-    """``config``'s training-data workers, from the host RAM budget: HOST_RAM_FRACTION of the RAM minus the
-    training process (TRAINER_HOST_BYTES) over one worker's bytes (``autoseg.data.loader.worker_bytes``,
-    on-the-fly augmentation), between 0 and CPU count - 1 (one core feeds the GPU); none on CPU, where the
-    training step takes the cores. Each queues LOADER_QUEUE_DEPTH batches, or 1 where that fits more
-    workers."""
-    loader = loader_config(config, augment=True)
-    cpus = budget.cpu_count or cpu_count()
-    room = budget.host_ram_bytes * HOST_RAM_FRACTION - TRAINER_HOST_BYTES
-
-    def per_worker(depth: int) -> int:
-        return worker_bytes(loader.patch_size, loader.enlarged_patch_size, loader.batch_size, num_channels, depth,
-                            dummy_2d=loader.dummy_2d)["total"]
-
-    def workers(depth: int) -> int:
-        return 0 if budget.device == "cpu" else processes_for(room, per_worker(depth), cpus - 1, minimum=0)
-
-    depth = LOADER_QUEUE_DEPTH if workers(LOADER_QUEUE_DEPTH) >= workers(1) else 1
-    return {"loader_workers": workers(depth), "loader_queue_depth": depth,
-            "loader_worker_bytes": float(per_worker(depth))}
 
 
 def scheme_for_channel(channel_name: str) -> str:

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autoseg.core.artifacts import Artifact, to_dict
+from autoseg.core.units import GiB
+from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
-from autoseg.plan.planner import Budget, GiB, plan
+from autoseg.plan.planner import plan
 from autoseg.plan.plans import IntensityProperties, Plans
 
 PLANS_ROOT = Path(__file__).resolve().parents[2] / "plans"

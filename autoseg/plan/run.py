@@ -12,8 +12,9 @@ from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.dataset.imageio import read_geometry
 from autoseg.dataset.raw import RawDataset, check_integrity, load_dataset
 from autoseg.memory.host import preprocess_worker_bytes
+from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint, fingerprint
-from autoseg.plan.planner import Budget, plan
+from autoseg.plan.planner import plan
 from autoseg.plan.plans import Plans
 
 log = logging.getLogger("autoseg")

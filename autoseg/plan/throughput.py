@@ -1,5 +1,12 @@
-"""Effective training throughput of a CUDA device, from its tabulated peak FLOP/s (for seconds per iteration).
+"""Compute beside memory: FLOPs of a training step, the effective throughput of a CUDA device from its tabulated
+peak FLOP/s, and this machine's measured CPU throughput (for the planner's seconds per iteration).
 
+CPU: ``calibrate_cpu_throughput`` times a few real training steps (THE step, ``autoseg.model.step``) of a small
+U-Net on this machine and returns the effective FLOP/s of such steps (norms, activations and the optimizer
+included), so that ``conv_flops / throughput`` predicts the seconds of a planned step; ``cached_cpu_throughput``
+keeps it per machine.
+
+CUDA:
 Peaks are the vendors' datasheet figures for dense math: ``tensor_tflops`` fp16/bf16 on tensor cores with
 fp32 accumulation (what autocast runs; GeForce cards run that at half their fp16-accumulate rate),
 ``fp32_tflops`` plain fp32. A U-Net training step reaches a fraction of that peak (instance norm,
@@ -15,11 +22,18 @@ import json
 import os
 import platform
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.resources import cpu_count, fastest_thread_count
 from autoseg.core.units import GiB
+from autoseg.dataset.labels import LabelScheme
+from autoseg.model.step import build_step, synthetic_batches
+from autoseg.model.topology import NetworkTopology
 
 AMP_EFFICIENCY = 0.15
 FP32_EFFICIENCY = 0.5
@@ -77,12 +91,9 @@ def cuda_device_name() -> str | None:
 
 def cached_cpu_throughput(cache_dir: Path) -> tuple[float, str]:
     """This machine's CPU training throughput (FLOP/s) and where it came from: measured once with
-    ``autoseg.plan.compute.calibrate_cpu_throughput`` (a few seconds), then read from ``cache_dir`` for the same
+    ``calibrate_cpu_throughput`` (a few seconds), then read from ``cache_dir`` for the same
     CPU model, CPU count, torch version and thread count."""
     import torch
-
-    from autoseg.core.resources import cpu_count
-    from autoseg.plan.compute import calibrate_cpu_throughput
 
     key = f"{platform.machine()}|{platform.processor()}|{_cpu_model()}|{cpu_count()}|{torch.__version__}|" \
           f"{torch.get_num_threads()}"
@@ -113,3 +124,58 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return ""
+
+
+def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
+    """FLOPs of one training step (forward + backward ~ 3x forward), counted over convolutions.
+
+    A k-voxel kernel from C_in to C_out channels over N output voxels costs 2 k C_in C_out N.
+    """
+    voxels = np.array(patch_size, dtype=np.float64)
+    total = 0.0
+    prev = topology.in_channels
+    skip_voxels = []
+    for f, k, st in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides):
+        voxels = voxels / np.array(st)
+        kvol = float(np.prod(k))
+        n = float(np.prod(voxels))
+        total += 2 * kvol * prev * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
+        prev = f
+        skip_voxels.append(n)
+    for s in range(topology.num_stages - 2, -1, -1):
+        f, k, n = topology.features_per_stage[s], topology.kernel_sizes[s], skip_voxels[s]
+        kvol = float(np.prod(k))
+        total += 2 * prev * f * n  # transposed convolution, kernel = stride
+        total += 2 * kvol * 2 * f * f * n + (topology.conv_per_stage - 1) * 2 * kvol * f * f * n
+        total += 2 * f * topology.num_outputs * n  # segmentation head
+        prev = f
+    return 3.0 * total * batch_size
+
+
+CALIBRATION_TOPOLOGY = NetworkTopology(
+    dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
+    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
+)
+
+
+CALIBRATION_PATCH = (16, 48, 48)
+
+
+def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
+                          seed: int = 0) -> Callable[[], object]:
+    """THE training step (``autoseg.model.step``) on a fresh network and synthetic batches, as a callable to time."""
+    import torch
+
+    scheme = LabelScheme.for_outputs(topology.num_outputs)
+    step = build_step(topology, scheme)
+    batches = synthetic_batches(topology, scheme, batch_size, tuple(patch_size), torch.Generator().manual_seed(seed))
+    return lambda: step(batches)
+
+
+def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> float:
+    """Effective FLOP/s of U-Net training steps on this machine's CPU (a few seconds to measure), with the
+    faster of all threads and one (as the trainer chooses): with all threads against another busy process
+    the step measured up to 20x slower (3.2 instead of 65 GFLOP/s on 2 cores), which would shrink the plan."""
+    step = training_step_closure(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
+    _, timings = fastest_thread_count(step, max_threads or cpu_count(), repeats)
+    return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / min(timings.values())

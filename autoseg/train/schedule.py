@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoseg.model.sliding_window import tile_layout
+
 log = logging.getLogger("autoseg.train.trainer")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
 
@@ -67,23 +69,13 @@ def epochs_within_budget(budget_seconds: float, elapsed_seconds: float, epochs_d
     return max(1, started + more)
 
 
-def sliding_window_tiles(shape: Sequence[int], patch_size: Sequence[int], step_fraction: float = 0.5) -> int:
-    """Number of tiles ``autoseg.model.sliding_window`` predicts for an image of ``shape`` (the patch's axes; a 2D
-    configuration passes (Z, Y, X) and gets Z times the in-plane tiles)."""
-    lead = math.prod(shape[:len(shape) - len(patch_size)])
-    tiles = 1
-    for size, patch in zip(shape[-len(patch_size):], patch_size, strict=True):
-        tiles *= 1 if size <= patch else math.ceil((size - patch) / (patch * step_fraction)) + 1
-    return lead * tiles
-
-
 def final_validation_seconds(case_shapes: Sequence[Sequence[int]], patch_size: Sequence[int],
                              seconds_per_sample_step: float, mirror: bool = True) -> float:
     """Estimated seconds to predict the validation cases (preprocessed shapes (Z, Y, X)): per tile a
     forward pass costs about a third of a training step per sample (forward + backward ~ 3 forwards),
     times ``2 ** dim`` mirrorings; x1.5 for preprocessing, resampling and export."""
     passes = 2 ** len(patch_size) if mirror else 1
-    tiles = sum(sliding_window_tiles(s, patch_size) for s in case_shapes)
+    tiles = sum(tile_layout(s, patch_size).num_tiles for s in case_shapes)
     return 1.5 * tiles * passes * seconds_per_sample_step / 3.0
 
 

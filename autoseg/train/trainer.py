@@ -36,8 +36,8 @@ from autoseg.dataset.labels import LabelScheme, label_map_dtype
 from autoseg.memory.host import output_batch_bytes
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
 from autoseg.model.step import TrainStep, build_step, distribute
-from autoseg.plan.compute import training_step_closure
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.plan.throughput import training_step_closure
 from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.store import list_complete_cases, open_case, precomputed_copies
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint

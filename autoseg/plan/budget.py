@@ -1,0 +1,55 @@
+"""``Budget``: what the planner may spend (GPU memory, host RAM, device, CPU throughput, time per iteration)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoseg.core.precision import PRECISIONS
+from autoseg.core.units import GiB
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What the plan must fit in. ``device`` is where training runs: "cuda" or "cpu".
+
+    ``safety_margin``: the fraction of the memory budget kept free (5%): the device model's error
+    (fragmentation is modelled as 15% of the tensor bytes, measured 12-19%) and what the plan does not
+    see (another process on the GPU, a display). A memory-limited plan's predicted peak then lies
+    between ``FILL_TARGET`` (85%) and 95% of the budget. The memory budget is ``gpu_memory_bytes`` on
+    CUDA and ``host_ram_bytes`` on CPU (the step's tensors live in host RAM there).
+    ``cpu_seconds_per_iteration`` / ``cpu_flops_per_second``: on CPU compute, not memory, is the limit;
+    the CLI measures the throughput with ``autoseg.plan.throughput.calibrate_cpu_throughput``.
+    ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
+    ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
+    """
+
+    gpu_memory_bytes: int = 8 * GiB
+    host_ram_bytes: int = 16 * GiB
+    device: str = "cuda"
+    safety_margin: float = 0.05
+    cpu_seconds_per_iteration: float = 1.0
+    cpu_flops_per_second: float = 20e9
+    base_features: int | None = None  # None: 32 on CUDA; on CPU 16, or 8 if 16 leaves too small a patch
+    precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
+    gpu_name: str | None = None
+    cpu_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
+        if not 0.0 <= self.safety_margin < 0.5:
+            raise ValueError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
+        if self.device == "cpu" and self.precision not in (None, "fp32"):
+            raise ValueError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
+                             "leave Budget.precision unset for device 'cpu'")
+
+    @property
+    def memory_bytes(self) -> int:
+        """The memory the training step must fit in: GPU memory on CUDA, host RAM on CPU."""
+        return int(self.gpu_memory_bytes if self.device == "cuda" else self.host_ram_bytes)
+
+    @property
+    def memory_limit_bytes(self) -> float:
+        return self.memory_bytes * (1.0 - self.safety_margin)
