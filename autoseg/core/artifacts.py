@@ -173,11 +173,14 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
 class Artifact:
     """Mixin for frozen dataclasses stored as JSON with a ``schema_version``.
 
-    Subclasses set ``SCHEMA_VERSION`` (class attribute) and ``KIND`` (a short name used in errors).
+    Subclasses set ``SCHEMA_VERSION`` (class attribute) and ``KIND`` (a short name used in errors), and may
+    read older versions through ``UPGRADES``.
     """
 
     SCHEMA_VERSION: typing.ClassVar[int] = 1
     KIND: typing.ClassVar[str] = "artifact"
+    # older schema version -> a function turning such a payload into the current one (read only; written anew)
+    UPGRADES: typing.ClassVar[dict[int, typing.Callable[[dict], dict]]] = {}
 
     def to_json(self, path: str | os.PathLike) -> None:
         payload = {"schema_version": self.SCHEMA_VERSION, **to_dict(self)}
@@ -193,6 +196,9 @@ class Artifact:
         if not isinstance(data, dict):
             raise ArtifactError(f"{where}: expected a JSON object")
         version = data.get("schema_version")
+        if version != cls.SCHEMA_VERSION and version in cls.UPGRADES:  # type: ignore[attr-defined]
+            data = cls.UPGRADES[version](dict(data))  # type: ignore[attr-defined]
+            version = data["schema_version"] = cls.SCHEMA_VERSION  # type: ignore[attr-defined]
         if version != cls.SCHEMA_VERSION:  # type: ignore[attr-defined]
             raise ArtifactError(
                 f"{where}: {cls.KIND} schema_version {version!r} is not the supported "  # type: ignore[attr-defined]

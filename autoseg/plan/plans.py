@@ -58,9 +58,20 @@ class ConfigurationPlan:
         return replace(self, **changes)
 
 
+def _plans_2_to_3(payload: dict) -> dict:
+    """Schema 2 -> 3: the network's ``num_classes`` is ``num_outputs``, and it names its architecture."""
+    for config in payload.get("configurations", {}).values():
+        network = config.get("network", {})
+        if "num_classes" in network:
+            network["num_outputs"] = network.pop("num_classes")
+        network.setdefault("architecture", "plain_unet")
+    return payload
+
+
 @dataclass(frozen=True)
 class Plans(Artifact):
     SCHEMA_VERSION = 3  # 2: loader workers per configuration; 3: network.architecture, network.num_outputs
+    UPGRADES = {2: _plans_2_to_3}  # a workspace planned by the previous version still trains and predicts
     KIND = "plans"
 
     dataset_name: str
