@@ -101,7 +101,7 @@ def test_deep_supervision_weights() -> None:
     assert weights5 == pytest.approx([w / 1.875 for w in (1, 0.5, 0.25, 0.125, 0)])
     assert sum(weights5) == pytest.approx(1.0)
     assert deep_supervision_weights(1) == [1.0]
-    with pytest.raises(ValueError, match="num_outputs is 0"):
+    with pytest.raises(ValueError, match="num_heads is 0"):
         deep_supervision_weights(0)
 
 

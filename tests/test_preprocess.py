@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.core.spacing import compute_new_shape
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_geometry
@@ -15,7 +16,6 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.preprocess.preprocessor import preprocess
-from autoseg.preprocess.resampling import compute_new_shape
 from autoseg.preprocess.store import case_files, open_case, properties_path, read_properties
 
 

@@ -20,6 +20,7 @@ from killing_runner import VICTIM, die_on_victim
 
 from autoseg.core.artifacts import read_json
 from autoseg.core.resources import cpu_count
+from autoseg.core.spacing import compute_new_shape
 from autoseg.core.workers import WorkerDiedError
 from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.dataset.raw import RawDataset, load_dataset
@@ -27,7 +28,6 @@ from autoseg.demo.data import make_demo_dataset
 from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.plan.fingerprint import fingerprint
 from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
-from autoseg.preprocess.resampling import compute_new_shape
 from autoseg.preprocess.run import preprocessing_processes_for
 from autoseg.preprocess.store import case_files, is_complete, list_complete_cases, properties_path
 
@@ -41,9 +41,9 @@ def test_case_peak_bytes_is_the_worker_formula_plus_augmentation() -> None:
     config = tiny_plans().configuration("3d_fullres")
     shape, spacing = (60, 300, 300), (2.5, 0.7, 0.7)
     after = compute_new_shape(shape, spacing, config.spacing_mm)
-    plain = case_peak_bytes(shape, spacing, config, num_channels=2, num_outputs=3)
+    plain = case_peak_bytes(shape, spacing, config, num_channels=2, num_label_values=3)
     assert plain == preprocess_worker_bytes(shape, after, 2)["total"]
-    with_copies = case_peak_bytes(shape, spacing, config, num_channels=2, num_outputs=3, num_augmentations=2)
+    with_copies = case_peak_bytes(shape, spacing, config, num_channels=2, num_label_values=3, num_augmentations=2)
     assert with_copies >= plain
 
 

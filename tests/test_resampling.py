@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 
-from autoseg.core.spacing import is_anisotropic, out_of_plane_axis
+from autoseg.core.spacing import compute_new_shape, is_anisotropic, out_of_plane_axis
 from autoseg.memory.host import resampling_peak_bytes, segmentation_resampling_peak_bytes
-from autoseg.preprocess.resampling import (
-    compute_new_shape,
-    resample_channel,
-    resample_image,
-    resample_segmentation,
-)
+from autoseg.preprocess.resampling import resample_channel, resample_image, resample_segmentation
 
 
 def smooth_volume(shape_zyx: tuple[int, int, int], spacing_mm: tuple[float, float, float]) -> np.ndarray:

@@ -22,3 +22,10 @@ def element_bytes(precision: str) -> int:
     """Bytes of one activation element computed at ``precision`` (2 under autocast, else 4)."""
     dtype = autocast_dtype(precision)
     return 4 if dtype is None else dtype.itemsize
+
+
+def effective_precision(precision: str, device_type: str) -> str:
+    """The precision a planned ``precision`` runs at on ``device_type``: autocast (bf16/fp16) on CUDA only; CPU
+    training and prediction run in fp32."""
+    autocast_dtype(precision)  # an unknown name fails here
+    return precision if device_type == "cuda" else "fp32"

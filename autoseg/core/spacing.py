@@ -26,3 +26,18 @@ def out_of_plane_axis(spacing_mm: Sequence[float], threshold: float = ANISOTROPY
     largest = max(spacing_mm)
     axes = [a for a, s in enumerate(spacing_mm) if np.isclose(s, largest)]
     return axes[0] if len(axes) == 1 else None
+
+
+def compute_new_shape(
+    shape_zyx: Sequence[int], spacing_mm: Sequence[float], new_spacing_mm: Sequence[float]
+) -> tuple[int, int, int]:
+    """``round(shape * spacing / new_spacing)`` per axis, at least 1."""
+    if not (len(shape_zyx) == len(spacing_mm) == len(new_spacing_mm) == 3):
+        raise ValueError(
+            f"shape {tuple(shape_zyx)}, spacing {tuple(spacing_mm)} and new spacing {tuple(new_spacing_mm)} "
+            "must each have 3 entries (z, y, x)"
+        )
+    if min(spacing_mm) <= 0 or min(new_spacing_mm) <= 0:
+        raise ValueError(f"spacings must be positive; got {tuple(spacing_mm)} -> {tuple(new_spacing_mm)}")
+    axes = zip(shape_zyx, spacing_mm, new_spacing_mm, strict=True)
+    return tuple(max(1, int(round(n * s / t))) for n, s, t in axes)  # type: ignore[return-value]

@@ -20,6 +20,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+from autoseg.core.precision import effective_precision
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
@@ -122,11 +123,6 @@ class Explanation:
                 "fits": self.headroom_bytes >= 0}
 
 
-def effective_precision(config: ConfigurationPlan, device: str) -> str:
-    """The precision a step runs in on ``device``: autocast (bf16/fp16) on CUDA only, fp32 on CPU."""
-    return config.precision if device == "cuda" else "fp32"
-
-
 def explain(plans: Plans, config_name: str, device: str | None = None,
             fingerprint: Fingerprint | None = None) -> Explanation:
     """Explain the memory of configuration ``config_name`` on ``device`` (default: the one it was planned
@@ -136,7 +132,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
     device = device or config.device
     if device not in DEVICES:
         raise ValueError(f"device {device!r} is not modelled; use one of {list(DEVICES)} (--device)")
-    precision = effective_precision(config, device)
+    precision = effective_precision(config.precision, device)
     budget_name, budget = ("GPU memory", plans.gpu_memory_bytes) if device == "cuda" else \
         ("host RAM", plans.host_ram_bytes)
     step = _simulate(config, config.batch_size, tuple(config.patch_size), precision, config.checkpointing)
@@ -240,20 +236,13 @@ def _inference_cached(topology: NetworkTopology, patch_size: tuple[int, ...],
                             mirror_axes=tuple(range(topology.dim)))
 
 
-def _resampled_shape(config: ConfigurationPlan, cropped_zyx: tuple[int, ...],
-                     spacing_mm: tuple[float, ...]) -> tuple[int, int, int]:
-    """A case's shape after resampling (``autoseg.preprocess.preprocessor``: 2D configurations keep the slices)."""
-    target = (spacing_mm[0], *config.spacing_mm[1:]) if config.dim == 2 else tuple(config.spacing_mm)
-    return tuple(max(1, int(round(n * s / t))) for n, s, t in zip(cropped_zyx, spacing_mm, target))
-
-
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
     channels, classes = len(plans.channel_names), plans.label_scheme.num_outputs  # export streams outputs
     if fp is None or not fp.cases:
         shape = tuple(config.median_shape_zyx)
         picks = [("median shape (plan; no fingerprint)", shape, shape)]
     else:
-        shapes = [(c.case_id, tuple(c.shape_zyx), _resampled_shape(config, c.cropped_shape_zyx, c.spacing_mm))
+        shapes = [(c.case_id, tuple(c.shape_zyx), config.resampled_shape(c.cropped_shape_zyx, c.spacing_mm))
                   for c in fp.cases]
         by_size = sorted(shapes, key=lambda s: math.prod(s[2]))
         median, largest = by_size[(len(by_size) - 1) // 2], by_size[-1]

@@ -168,14 +168,14 @@ class RegionDiceBCELoss(nn.Module):
 LOSSES: dict[str, type[nn.Module]] = {"dice_ce": DiceCELoss, "dice_bce_regions": RegionDiceBCELoss}
 
 
-def deep_supervision_weights(num_outputs: int) -> list[float]:
+def deep_supervision_weights(num_heads: int) -> list[float]:
     """Loss weight of each network output, full resolution first: 1, 1/2, 1/4, ..., the lowest resolution
     set to 0, normalized to sum to 1. A single output gets weight 1."""
-    if num_outputs < 1:
-        raise ValueError(f"num_outputs is {num_outputs}; expected >= 1")
-    if num_outputs == 1:
+    if num_heads < 1:
+        raise ValueError(f"num_heads is {num_heads}; expected >= 1")
+    if num_heads == 1:
         return [1.0]
-    weights = [0.5**i for i in range(num_outputs)]
+    weights = [0.5**i for i in range(num_heads)]
     weights[-1] = 0.0
     total = sum(weights)
     return [w / total for w in weights]
@@ -253,9 +253,9 @@ def compute_loss(network_output: torch.Tensor | Sequence[torch.Tensor], target: 
     return loss(network_output, targets)
 
 
-def training_loss(scheme: LabelScheme, num_outputs: int) -> DeepSupervisionLoss:
+def training_loss(scheme: LabelScheme, num_heads: int) -> DeepSupervisionLoss:
     """The trainer's loss for ``scheme``: Dice + CE (classes) or Dice + BCE (regions), ignore label masked,
-    weighted over ``num_outputs`` deep-supervision outputs (``deep_supervision_weights``)."""
+    weighted over ``num_heads`` deep-supervision outputs (``deep_supervision_weights``)."""
     base: nn.Module = RegionDiceBCELoss(scheme) if scheme.has_regions else DiceCELoss(
         ignore_value=scheme.ignore_value)
-    return DeepSupervisionLoss(base, deep_supervision_weights(num_outputs))
+    return DeepSupervisionLoss(base, deep_supervision_weights(num_heads))

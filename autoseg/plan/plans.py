@@ -7,9 +7,11 @@ z being the original slice spacing (slices are never resampled along z for 2D).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from autoseg.core.artifacts import Artifact
+from autoseg.core.spacing import compute_new_shape
 from autoseg.dataset.labels import LabelScheme, LabelValue
 from autoseg.model.topology import NetworkTopology
 
@@ -53,6 +55,16 @@ class ConfigurationPlan:
     @property
     def dim(self) -> int:
         return self.network.dim
+
+    def case_spacing_mm(self, spacing_mm: tuple[float, float, float]) -> tuple[float, float, float]:
+        """The spacing a case of ``spacing_mm`` is resampled to: the plan's; 2D configurations keep the slices."""
+        if self.dim == 2:
+            return (spacing_mm[0], *self.spacing_mm[1:])
+        return tuple(self.spacing_mm)
+
+    def resampled_shape(self, shape_zyx: Sequence[int], spacing_mm: tuple[float, float, float]) -> tuple[int, int, int]:
+        """(Z, Y, X) of a case of ``shape_zyx`` and ``spacing_mm`` after preprocessing resamples it."""
+        return compute_new_shape(shape_zyx, spacing_mm, self.case_spacing_mm(spacing_mm))
 
     def with_(self, **changes) -> ConfigurationPlan:
         return replace(self, **changes)

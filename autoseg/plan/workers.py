@@ -34,9 +34,7 @@ def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget:
     channels = len(fp.channel_names)
     per_process = 0
     for cfg in configs.values():
-        target = (largest.spacing_mm[0], *cfg.spacing_mm[1:]) if cfg.dim == 2 else cfg.spacing_mm
-        after = tuple(max(1, round(s * sp / t)) for s, sp, t in zip(largest.cropped_shape_zyx, largest.spacing_mm,
-                                                                      target))
+        after = cfg.resampled_shape(largest.cropped_shape_zyx, largest.spacing_mm)
         per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
     processes = processes_for(usable, per_process, cpus)
     return processes, {"preprocess_worker_bytes": float(per_process), "usable_host_ram_bytes": float(usable),

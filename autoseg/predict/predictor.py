@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from autoseg.core.precision import effective_precision
 from autoseg.core.resources import choose_cpu_threads
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.cropping import uncrop
@@ -80,7 +81,7 @@ def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, conf
     for network in networks:  # fold ensemble: mean of softmax (classes) / sigmoid (regions) probabilities
         p = sliding_window_predict(network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
                                    mirror_axes=mirror_axes, tile_batch_size=tile_batch_size, device=device,
-                                   precision=config.precision if device == "cuda" else "fp32",
+                                   precision=effective_precision(config.precision, device),
                                    activation="sigmoid" if scheme.has_regions else "softmax")
         probabilities = p if probabilities is None else probabilities.add_(p)
     assert probabilities is not None

@@ -35,6 +35,7 @@ from autoseg.dataset.cropping import crop_to_nonzero
 from autoseg.dataset.imageio import Geometry, read_geometry
 from autoseg.dataset.labels import LabelScheme, label_map_dtype
 from autoseg.dataset.raw import Case, RawDataset, load_case
+from autoseg.memory.host import WORKER_RUNTIME_BYTES, preprocess_worker_bytes
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.normalization import normalize
 from autoseg.preprocess.precompute import (
@@ -43,20 +44,12 @@ from autoseg.preprocess.precompute import (
     augment_case_bytes,
     draw_spatial_params,
 )
-from autoseg.preprocess.resampling import compute_new_shape, resample_image, resample_segmentation
+from autoseg.preprocess.resampling import resample_image, resample_segmentation
 from autoseg.preprocess.store import AugmentedCopy, CaseProperties, CaseWriter, is_complete
 
 log = logging.getLogger("autoseg")
 LOCATIONS_PER_CLASS = 10_000
 MiB = 1024**2
-
-
-def case_target_spacing(config: ConfigurationPlan,
-                        spacing_mm: tuple[float, float, float]) -> tuple[float, ...]:
-    """The spacing a case is resampled to: the plan's, except that 2D configurations keep the slices."""
-    if config.dim == 2:
-        return (spacing_mm[0], *config.spacing_mm[1:])
-    return tuple(config.spacing_mm)
 
 
 def preprocess_case(
@@ -71,8 +64,8 @@ def preprocess_case(
     for c in range(data.shape[0]):
         mask = cropped.mask if plans.use_nonzero_mask[c] else None
         data[c] = normalize(data[c], plans.normalization[c], mask, plans.intensity_properties[c])
-    target = case_target_spacing(config, spacing)
-    new_shape = compute_new_shape(data.shape[1:], spacing, target)
+    target = config.case_spacing_mm(spacing)
+    new_shape = config.resampled_shape(data.shape[1:], spacing)
     shape_after_crop = tuple(int(v) for v in data.shape[1:])
     data = resample_image(data, new_shape, spacing, order=3, order_z=0)
     if seg is not None:
@@ -85,11 +78,11 @@ def preprocess_case(
     return data, seg, props
 
 
-def class_voxels_per_slice(seg: np.ndarray, num_outputs: int) -> np.ndarray:
+def class_voxels_per_slice(seg: np.ndarray, num_label_values: int) -> np.ndarray:
     """int64 (Z, K): voxels of each label value per z-slice of ``seg`` (1, Z, Y, X); -1 counts as 0."""
-    counts = np.zeros((seg.shape[1], num_outputs), dtype=np.int64)
+    counts = np.zeros((seg.shape[1], num_label_values), dtype=np.int64)
     for k in range(seg.shape[1]):
-        counts[k] = np.bincount(np.maximum(seg[0, k], 0).ravel(), minlength=num_outputs)[:num_outputs]
+        counts[k] = np.bincount(np.maximum(seg[0, k], 0).ravel(), minlength=num_label_values)[:num_label_values]
     return counts
 
 
@@ -131,23 +124,19 @@ def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...
 
 
 def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, float],
-                    config: ConfigurationPlan, num_channels: int, num_outputs: int,
+                    config: ConfigurationPlan, num_channels: int, num_label_values: int,
                     num_augmentations: int = 0) -> int:
     """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing.
 
     The crop is taken as the whole image (an upper bound). With augmented copies the last phase holds the
     resampled case (float32 data, labels) plus ``augment_case_bytes``.
     """
-    # Imported here: the autoseg.memory package imports torch (4 s, 180 MiB), which workers never need.
-    from autoseg.memory.host import WORKER_RUNTIME_BYTES, preprocess_worker_bytes
-
-    target = case_target_spacing(config, spacing_mm)
-    after = compute_new_shape(shape_zyx, spacing_mm, target)
+    after = config.resampled_shape(shape_zyx, spacing_mm)
     peak = preprocess_worker_bytes(shape_zyx, after, num_channels)["total"]
     if num_augmentations > 0:
         va = math.prod(after)
         held = num_channels * va * 4 + va
-        augment = augment_case_bytes(after, num_channels, num_outputs + 1)  # + 1: the -1 label
+        augment = augment_case_bytes(after, num_channels, num_label_values + 1)  # + 1: the -1 label
         peak = max(peak, WORKER_RUNTIME_BYTES + held + augment)
     return int(peak)
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from autoseg.core.precision import effective_precision
 from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.training import simulate_training_step
@@ -34,7 +35,8 @@ def _smaller_micro_batch(batch_size: int) -> int | None:
 def _predicted(config: ConfigurationPlan, device: str) -> int:
     """Predicted device bytes of one step (one simulation; cheaper here than fitting a memory model)."""
     memory = simulate_training_step(config.network, config.batch_size, tuple(config.patch_size),
-                                    precision=config.precision, checkpointing=config.checkpointing,
+                                    precision=effective_precision(config.precision, device),
+                                    checkpointing=config.checkpointing,
                                     accumulation_steps=config.accumulation_steps)
     return predict_device_peak(memory, "cuda" if device == "cuda" else "cpu")["total"]
 

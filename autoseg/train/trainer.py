@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.precision import effective_precision
 from autoseg.core.resources import choose_cpu_threads, cpu_count
 from autoseg.core.workspace import Workspace, load_or_create_splits
 from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
@@ -352,7 +353,7 @@ def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
 def _make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -> TrainStep:
     """The plan's training step on the run's device; the plan's precision on CUDA, fp32 on CPU."""
     device = torch.device(run.device)
-    return build_step(config.network, scheme, precision=config.precision if device.type == "cuda" else "fp32",
+    return build_step(config.network, scheme, precision=effective_precision(config.precision, device.type),
                       checkpointing=config.checkpointing, accumulation_steps=config.accumulation_steps,
                       device=device, optimizer=run.optimizer)
 
