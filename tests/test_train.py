@@ -218,3 +218,31 @@ def test_pseudo_dice_counts_per_class_and_region_skip_ignore() -> None:
     region_logits = torch.tensor([[[-1.0, 1.0, 1.0, -1.0, 1.0, 1.0], [-1.0, -1.0, 1.0, 1.0, 1.0, -1.0]]])
     # region ab = {1, 2}: predicted voxels 1, 2 (4, 5 ignored) -> tp 2, fn voxel 3; b: tp 2 and 3
     assert pseudo_dice_counts(region_logits, target, regions).tolist() == [[2, 2], [0, 0], [1, 0]]
+
+
+def test_a_preprocessed_case_with_missing_arrays_stops_training_instead_of_leaving_the_folds(
+        workspace: Workspace) -> None:
+    folder = workspace.preprocessed(CONFIG)
+    case_id = sorted(p.stem for p in folder.glob("*.json"))[0]
+    (folder / f"{case_id}_seg.npy").unlink()
+    with pytest.raises(FileNotFoundError, match=rf"case '{case_id}' is missing {case_id}_seg.npy.*plan_and_preprocess"):
+        trainer.fold_cases(workspace, CONFIG, 0)
+
+
+def test_a_checkpoint_written_before_plans_schema_3_still_resumes(workspace: Workspace) -> None:
+    """The saved configuration of a pre-restructure checkpoint (network.num_classes, no architecture) matches
+    the upgraded plan: resuming reports no plan change."""
+    from autoseg.train.checkpoint import check_same_plan
+
+    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1}), progress=False)
+    state = load_checkpoint(fold / "checkpoint_latest.pt")
+    saved = json.loads(state["plan_configuration"])
+    saved["network"]["num_classes"] = saved["network"].pop("num_outputs")
+    del saved["network"]["architecture"]
+    state["plan_configuration"] = json.dumps(saved)
+    config = Plans.from_json(workspace.plans_path).configuration(CONFIG)
+    check_same_plan(state, config, CONFIG, fold / "checkpoint_latest.pt")  # no ValueError
+    saved["network"]["num_classes"] += 1
+    state["plan_configuration"] = json.dumps(saved)
+    with pytest.raises(ValueError, match="differs"):
+        check_same_plan(state, config, CONFIG, fold / "checkpoint_latest.pt")

@@ -63,3 +63,15 @@ def test_missing_workspace_files_say_which_command_to_run(tmp_path: Path) -> Non
         workspace.require(workspace.plans_path, "plan")
     assert str(workspace.plans_path) in str(info.value)
     assert workspace.results("2d", 3) == workspace.root / "results" / "2d" / "fold_3"
+
+
+def test_trained_folds_are_the_numbered_folds_with_the_checkpoint(tmp_path: Path) -> None:
+    ws = Workspace.at(tmp_path)
+    for fold, which in ((0, "final"), (2, "final"), (1, "latest"), ("all", "final")):
+        path = ws.checkpoint("3d_fullres", fold, which)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"")
+    assert ws.checkpoint("2d", 3, "best") == tmp_path / "results" / "2d" / "fold_3" / "checkpoint_best.pt"
+    assert ws.trained_folds("3d_fullres") == (0, 2)
+    assert ws.trained_folds("3d_fullres", "latest") == (1,)
+    assert ws.trained_folds("2d") == ()

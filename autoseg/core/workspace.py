@@ -69,6 +69,15 @@ class Workspace:
     def results(self, config: str, fold: int | str) -> Path:
         return self.root / "results" / config / f"fold_{fold}"
 
+    def checkpoint(self, config: str, fold: int | str, which: str) -> Path:
+        """A fold's ``checkpoint_{which}.pt``: ``latest`` (each epoch), ``best`` (pseudo-Dice EMA), ``final``."""
+        return self.results(config, fold) / f"checkpoint_{which}.pt"
+
+    def trained_folds(self, config: str, which: str = "final") -> tuple[int, ...]:
+        """The numbered folds of ``config`` that have ``checkpoint_{which}.pt``, in order."""
+        found = (self.root / "results" / config).glob(f"fold_*/checkpoint_{which}.pt")
+        return tuple(sorted(int(p.parent.name[5:]) for p in found if p.parent.name[5:].isdigit()))
+
     def dataset_root(self) -> Path:
         if not self.info_path.is_file():
             raise ArtifactError(f"{self.root}: not an autoseg workspace (no workspace.json); run "

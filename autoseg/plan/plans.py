@@ -70,13 +70,17 @@ class ConfigurationPlan:
         return replace(self, **changes)
 
 
+def upgrade_network_payload(network: dict) -> None:
+    """A configuration's ``network`` as plans schema 2 wrote it, in place, to schema 3: ``num_classes`` is
+    ``num_outputs``, and it names its architecture (there was one). A schema 3 payload is left as it is."""
+    if "num_classes" in network:
+        network["num_outputs"] = network.pop("num_classes")
+    network.setdefault("architecture", "plain_unet")
+
+
 def _plans_2_to_3(payload: dict) -> dict:
-    """Schema 2 -> 3: the network's ``num_classes`` is ``num_outputs``, and it names its architecture."""
     for config in payload.get("configurations", {}).values():
-        network = config.get("network", {})
-        if "num_classes" in network:
-            network["num_outputs"] = network.pop("num_classes")
-        network.setdefault("architecture", "plain_unet")
+        upgrade_network_payload(config.get("network", {}))
     return payload
 
 

@@ -89,19 +89,20 @@ def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, conf
     return export_segmentation(probabilities, props, scheme), props
 
 
-def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str = "3d_fullres",
+def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str | None = None,
             folds: tuple[int, ...] | None = None, checkpoint: str = "final", mirror: bool = True,
             tile_batch_size: int = 1, device: str = "cpu", progress: bool = True) -> list[Path]:
-    """Segment every case in ``inputs`` (folder or file) with the trained folds; write into ``output_dir``."""
+    """Segment every case in ``inputs`` (folder or file) with the trained folds; write into ``output_dir``.
+    ``config_name`` None: the plan's default configuration (3d_fullres if planned, else the first)."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
+    config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)
     if folds is None:
-        trained = (workspace.root / "results" / config_name).glob(f"fold_*/checkpoint_{checkpoint}.pt")
-        folds = tuple(sorted(int(p.parent.name[5:]) for p in trained if p.parent.name[5:].isdigit()))
+        folds = workspace.trained_folds(config_name, checkpoint)
         if not folds:
             raise FileNotFoundError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
-    networks = [load_trained_network(workspace.results(config_name, f) / f"checkpoint_{checkpoint}.pt", config, device)
+    networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
                 for f in folds]
     cases = list_prediction_inputs(inputs, len(plans.channel_names), None)
     output_dir = Path(output_dir)

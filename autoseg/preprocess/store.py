@@ -169,10 +169,14 @@ def is_complete(folder: str | Path, case_id: str, num_copies: int = 0) -> bool:
     return not missing_files(folder, case_id, num_copies)
 
 
+def list_cases(folder: str | Path) -> list[str]:
+    """The sorted ids of the cases in ``folder`` that have their JSON (written last), complete or not."""
+    return sorted(p.name[: -len(".json")] for p in Path(folder).glob("*.json"))
+
+
 def list_complete_cases(folder: str | Path) -> list[str]:
     """The sorted ids of the complete cases in ``folder`` (incomplete ones, without JSON, left out)."""
-    ids = (p.name[: -len(".json")] for p in Path(folder).glob("*.json"))
-    return sorted(c for c in ids if is_complete(folder, c))
+    return [c for c in list_cases(folder) if is_complete(folder, c)]
 
 
 def read_properties(folder: str | Path, case_id: str) -> CaseProperties:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from autoseg.core.artifacts import atomic_path, to_dict
-from autoseg.plan.plans import ConfigurationPlan
+from autoseg.plan.plans import ConfigurationPlan, upgrade_network_payload
 
 CHECKPOINT_VERSION = 2
 
@@ -109,6 +109,7 @@ def check_same_plan(state: dict[str, Any], config: ConfigurationPlan, config_nam
     if state["config"] != config_name:
         raise ValueError(f"{path} belongs to configuration {state['config']!r}, not {config_name!r}")
     saved, now = json.loads(state["plan_configuration"]), json.loads(plan_configuration_json(config))
+    upgrade_network_payload(saved.get("network", {}))  # a checkpoint written before plans schema 3
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])

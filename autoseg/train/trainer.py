@@ -40,7 +40,7 @@ from autoseg.model.step import TrainStep, build_step, distribute
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.throughput import training_step_closure
 from autoseg.plan.training_data import loader_config
-from autoseg.preprocess.store import list_complete_cases, open_case, precomputed_copies
+from autoseg.preprocess.store import list_cases, missing_files, open_case, precomputed_copies
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import plot_progress
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
@@ -56,9 +56,13 @@ log = logging.getLogger("autoseg.train.trainer")
 def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple[list[str], list[str]]:
     """(train, val) case ids; fold "all" trains on every case and validates on all of them too."""
     folder = workspace.require(workspace.preprocessed(config_name), "plan_and_preprocess")
-    case_ids = list_complete_cases(folder)
+    case_ids = list_cases(folder)
     if not case_ids:
         raise FileNotFoundError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
+    for case_id in case_ids:  # a case never silently leaves the folds
+        if missing := missing_files(folder, case_id):
+            raise FileNotFoundError(f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
+                                    "run `autoseg plan_and_preprocess` again (it redoes incomplete cases)")
     splits = load_or_create_splits(workspace, case_ids)
     if fold == "all":
         return case_ids, case_ids
@@ -79,7 +83,7 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     out = workspace.results(config_name, fold)
     resumed = None
     if run.resume:
-        latest = out / "checkpoint_latest.pt"
+        latest = workspace.checkpoint(config_name, fold, "latest")
         resumed = load_checkpoint(latest)
         check_same_plan(resumed, config, config_name, latest)
         if resumed["world_size"] != distributed.world_size:
@@ -159,12 +163,13 @@ class _Context:
                 "degradations": self.degradations, "time_budget": self.budget_decisions,
                 "world_size": self.ranks.world_size}
 
-    def save(self, name: str, epoch: int) -> None:
-        """Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
+    def save(self, which: str, epoch: int) -> None:
+        """``checkpoint_{which}.pt``. Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
         if not self.ranks.is_main:
             return
-        save_checkpoint(self.job.out / name, self.step.network, self.step.optimizer, self.step.scaler, self.job.planned,
-                        self.job.config_name, self.progress_state(epoch))
+        job = self.job
+        save_checkpoint(job.workspace.checkpoint(job.config_name, job.fold, which), self.step.network,
+                        self.step.optimizer, self.step.scaler, job.planned, job.config_name, self.progress_state(epoch))
 
 
 def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedContext) -> _Context:
@@ -209,8 +214,8 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
         log.info("resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs,
                  ctx.iterations_per_epoch)
-    log.info("resumed %s fold %s from %s after epoch %d", job.config_name, job.fold, out / "checkpoint_latest.pt",
-             resumed["epoch"])
+    log.info("resumed %s fold %s from %s after epoch %d", job.config_name, job.fold,
+             job.workspace.checkpoint(job.config_name, job.fold, "latest"), resumed["epoch"])
     restore_rng_states(resumed["rng"])
     return ctx
 
@@ -259,16 +264,16 @@ def _train(ctx: _Context) -> Path:
             _log_epoch(row, ctx.job.out, ctx.metrics)
             if ctx.ema > ctx.best_ema:
                 ctx.best_ema = ctx.ema
-                ctx.save("checkpoint_best.pt", epoch)
+                ctx.save("best", epoch)
         if ctx.budget is not None:
             epochs = ctx.budget.epoch_done(epoch, time.perf_counter() - t0, time.perf_counter(), ctx.epochs)
             ctx.epochs = ctx.ranks.broadcast_int(epochs)  # rank 0's decision, so all ranks run as many epochs
             ctx.budget_decisions = [d.to_dict() for d in ctx.budget.decisions]
-        ctx.save("checkpoint_latest.pt", epoch)
+        ctx.save("latest", epoch)
         epoch += 1
         if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
             return ctx.job.out  # testing aid: as if killed after the checkpoint
-    ctx.save("checkpoint_final.pt", ctx.epochs - 1)
+    ctx.save("final", ctx.epochs - 1)
     if not ctx.ranks.is_main:
         return ctx.job.out  # rank 0 writes run.json and runs the final validation alone
     record = {"run": asdict(run), "fold": str(ctx.job.fold), "config": ctx.job.config_name,
