@@ -14,7 +14,6 @@ import threading
 import time
 from pathlib import Path
 
-MiB = 1024**2
 NNUNET_DATASET_ID = 977
 
 

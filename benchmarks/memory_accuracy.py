@@ -15,12 +15,11 @@ import time
 
 import torch
 
+from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel
 from autoseg.memory.training import measure_training_step, simulate_training_step
 from autoseg.model.topology import NetworkTopology
-
-MiB = 1024**2
 
 
 def unet(dim: int, stages: int, strides: list[tuple[int, ...]] | None = None,

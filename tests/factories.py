@@ -8,13 +8,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.preprocess import store
-
-GiB = 1024**3
 
 
 def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2.75, 0.9, 0.9)) -> Plans:

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli import _fold, build_parser, main, parse_bytes
+from autoseg.core.units import GiB
 from autoseg.preprocess.store import list_complete_cases
-
-GiB = 2**30
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli import main
+from autoseg.core.units import GiB
 from autoseg.explain.explanation import Explanation, explain, next_patch_up
 from autoseg.explain.format import format_bytes, format_explanation
 from autoseg.memory.device import predict_device_peak
@@ -17,7 +18,6 @@ from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 
-GiB = 1024**3
 TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(8, 16, 32),
                            kernel_sizes=((3, 3, 3),) * 3, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)))
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoseg.core.units import MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel, predicted_training_bytes
@@ -17,8 +18,6 @@ from autoseg.memory.inference import inference_memory, measure_inference_bytes
 from autoseg.memory.training import measure_training_step, simulate_training_step, training_step_flops
 from autoseg.model.network import build_network
 from autoseg.model.topology import NetworkTopology
-
-MiB = 1024**2
 
 
 @pytest.fixture(autouse=True)
@@ -216,11 +215,14 @@ def test_inference_memory_checks_num_classes():
 
 
 def test_export_streams_classes():
-    small, large = export_bytes((40, 50, 60), (30, 40, 50), 2), export_bytes((40, 50, 60), (30, 40, 50), 12)
+    small = export_bytes((40, 50, 60), (30, 40, 50), LabelScheme.plain(2))
+    large = export_bytes((40, 50, 60), (30, 40, 50), LabelScheme.plain(12))
     # only the network's probabilities grow with the classes; the original-shape buffers do not
     assert large["total"] - small["total"] == 10 * 30 * 40 * 50 * 4
     assert large["best_score"] == small["best_score"] == 40 * 50 * 60 * 4
-    assert export_bytes((4, 5, 6), (4, 5, 6), 200)["labels"] == 2 * 120 * 2  # int16 labels beyond 127 classes
+    # the label maps' dtype is the scheme's export dtype: uint8 up to 256 label values, int16 beyond
+    assert export_bytes((4, 5, 6), (4, 5, 6), LabelScheme.plain(200))["labels"] == 2 * 120 * 1
+    assert export_bytes((4, 5, 6), (4, 5, 6), LabelScheme.plain(300))["labels"] == 2 * 120 * 2
 
 
 def test_preprocess_worker_bytes_phases():
@@ -275,3 +277,38 @@ def test_the_plans_optimizer_is_the_one_simulated() -> None:
     tensors = len(list(build_network(ISO3D).parameters()))
     assert sgd.optimizer_state_bytes == sgd.parameter_bytes
     assert adam.optimizer_state_bytes == 2 * adam.parameter_bytes + 4 * tensors
+
+
+@pytest.mark.parametrize("regions", [False, True])
+@pytest.mark.parametrize("shape_original, shape_resampled, outputs", [
+    ((60, 120, 100), (30, 100, 90), 3),  # resampled up in every axis
+    ((40, 80, 80), (40, 160, 160), 5),  # down in-plane
+    ((50, 64, 64), (50, 64, 64), 2),  # unchanged
+])
+def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled, outputs, regions):
+    """export_bytes against tracemalloc's peak of the real export_segmentation (the probabilities, held by the
+    caller, left out): an upper bound, and within 25%."""
+    import tracemalloc
+
+    from autoseg.dataset.imageio import Geometry
+    from autoseg.predict.predictor import export_segmentation
+    from autoseg.preprocess.store import CaseProperties
+
+    spacing = (2.0, 1.0, 1.0)
+    target = tuple(s * o / r for s, o, r in zip(spacing, shape_original, shape_resampled))
+    geometry = Geometry(ndim=3, size_xyz=tuple(reversed(shape_original)), spacing_xyz=tuple(reversed(spacing)),
+                        origin_xyz=(0.0, 0.0, 0.0), direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
+    props = CaseProperties(case_id="x", geometry=geometry, spacing_mm=spacing, target_spacing_mm=target,
+                           shape_before_crop=shape_original, crop_bbox=tuple((0, s) for s in shape_original),
+                           shape_after_crop=shape_original, shape_after_resample=shape_resampled)
+    labels = {"background": 0, **{f"r{k}": list(range(k + 1, outputs + 1)) for k in range(outputs)}} if regions \
+        else {"background": 0, **{f"c{k}": k for k in range(1, outputs)}}
+    scheme = LabelScheme.from_labels(labels, tuple(range(1, outputs + 1)) if regions else ())
+    probabilities = torch.rand((scheme.num_outputs, *shape_resampled), generator=torch.Generator().manual_seed(0))
+    tracemalloc.start()
+    export_segmentation(probabilities, props, scheme)
+    measured = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    terms = export_bytes(shape_original, shape_resampled, scheme)
+    estimate = terms["total"] - terms["probabilities"]
+    assert 0.75 * estimate <= measured <= estimate, (measured, estimate)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from autoseg.core.units import GiB
 from autoseg.plan.patch_search import (
     Limits,
     SearchSpace,
@@ -15,8 +16,6 @@ from autoseg.plan.patch_search import (
     search,
     topology_for,
 )
-
-GiB = 1024**3
 
 # --- family_shape -------------------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ import numpy as np
 import SimpleITK as sitk
 from factories import set_configuration, tiny_topology
 
+from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import evaluate_folder
@@ -22,7 +23,6 @@ from autoseg.preprocess.store import case_files, list_complete_cases
 from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
 
-GiB = 1024**3
 IGNORE = 3
 LABELS = {"background": 0, "organ": [1, 2], "lesion": 2, "ignore": IGNORE}  # organ region = organ + lesion
 

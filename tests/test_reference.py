@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from autoseg.core.artifacts import to_dict
+from autoseg.core.units import GiB
 from autoseg.plan.plans import Plans
 from autoseg.plan.reference import (
     PLANS_ROOT,
@@ -19,8 +20,6 @@ from autoseg.plan.reference import (
     reference_budget,
     to_fingerprint,
 )
-
-GiB = 1024**3
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import autoseg.plan.throughput
+from autoseg.core.units import GiB
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.throughput import GPUS, cached_cpu_throughput, conv_flops, cuda_flops_per_second, gpu_spec
-
-GiB = 1024**3
 
 
 def test_gpu_names_match_the_table() -> None:

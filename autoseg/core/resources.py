@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from autoseg.core.units import GiB, KiB
+
 log = logging.getLogger("autoseg")
 
 
@@ -40,7 +42,7 @@ def proc_field_bytes(path: str, key: str) -> int | None:
     try:
         for line in Path(path).read_text().splitlines():
             if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
+                return int(line.split()[1]) * KiB
     except OSError:
         return None
     return None
@@ -54,7 +56,7 @@ def available_ram_bytes() -> int:
     """Host RAM this process may still use: the smaller of MemAvailable and the cgroup headroom."""
     candidates = [v for v in (meminfo_available_bytes(), cgroup_memory_limit_bytes()) if v is not None]
     if not candidates:
-        return 8 * 1024**3
+        return 8 * GiB
     return min(candidates)
 
 

@@ -32,6 +32,8 @@ import torch
 from threadpoolctl import ThreadpoolController
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from autoseg.core.resources import processes_for
+from autoseg.core.units import GiB, MiB
 from autoseg.data.augment import Augmenter
 from autoseg.data.sampler import PatchSampler
 from autoseg.memory.host import output_batch_bytes, worker_bytes
@@ -58,9 +60,9 @@ def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) ->
     free = _free_shared_memory(folder)
     if free is not None and nbytes > free:
         raise RuntimeError(
-            f"the training loader's {workers} worker(s) need {nbytes / 2**20:.0f} MiB of shared memory for their "
-            f"batch slots, but {folder} has {free / 2**20:.0f} MiB free; enlarge it (Docker: --shm-size="
-            f"{math.ceil(2 * nbytes / 2**30)}g) or train with fewer --loader-workers (0 builds the batches in "
+            f"the training loader's {workers} worker(s) need {nbytes / MiB:.0f} MiB of shared memory for their "
+            f"batch slots, but {folder} has {free / MiB:.0f} MiB free; enlarge it (Docker: --shm-size="
+            f"{math.ceil(2 * nbytes / GiB)}g) or train with fewer --loader-workers (0 builds the batches in "
             "the training process)")
 
 
@@ -72,8 +74,7 @@ def workers_for_shared_memory(workers: int, queue_depth: int, batch_bytes: int, 
     free = _free_shared_memory(folder)
     if free is None:
         return workers
-    per_worker = (queue_depth + 1) * batch_bytes
-    return max(0, min(workers, int(free // share // max(per_worker, 1))))
+    return processes_for(free / share, (queue_depth + 1) * batch_bytes, workers, minimum=0)
 
 
 class _Slots:
@@ -84,8 +85,8 @@ class _Slots:
                  target_dtype: torch.dtype) -> None:
         self.count = count
         itemsize = torch.empty(0, dtype=target_dtype).element_size()
-        _check_shared_memory(workers * count * (math.prod(data_shape) * 4 + math.prod(target_shape) * itemsize),
-                             workers)
+        batch, channels, *patch = data_shape  # (B, C, *P); the target is (B, 1, *P)
+        _check_shared_memory(workers * count * output_batch_bytes(patch, batch, channels, itemsize), workers)
         self.data = torch.empty((workers, count, *data_shape), dtype=torch.float32).share_memory_()
         self.target = torch.empty((workers, count, *target_shape), dtype=target_dtype).share_memory_()
         self.free = [[multiprocessing.Semaphore(1) for _ in range(count)] for _ in range(workers)]

@@ -137,7 +137,7 @@ class LabelScheme:
             return tuple(range(len(self.foreground_values)))
         return tuple(v[0] for v in self.foreground_values)
 
-    def label_map_dtype(self) -> type[np.integer]:
+    def export_dtype(self) -> type[np.integer]:
         """The smallest dtype of an exported label map: uint8, or int16 beyond 255."""
         return np.uint8 if self.num_label_values <= 256 else np.int16
 
@@ -173,13 +173,13 @@ class LabelScheme:
 
     def to_segmentation(self, probabilities: np.ndarray | torch.Tensor) -> np.ndarray:
         """``(num_outputs, *spatial)`` probabilities -> label map ``(*spatial)`` of label values
-        (``label_map_dtype``): argmax for plain labels; regions thresholded at 0.5 and painted in order."""
+        (``export_dtype``): argmax for plain labels; regions thresholded at 0.5 and painted in order."""
         p = probabilities if isinstance(probabilities, np.ndarray) else probabilities.detach().cpu().numpy()
         if p.shape[0] != self.num_outputs:
             raise ValueError(f"probabilities have {p.shape[0]} channels; the labels have {self.num_outputs} outputs")
         if not self.has_regions:
-            return np.argmax(p, axis=0).astype(self.label_map_dtype())
-        labels = np.zeros(p.shape[1:], dtype=self.label_map_dtype())
+            return np.argmax(p, axis=0).astype(self.export_dtype())
+        labels = np.zeros(p.shape[1:], dtype=self.export_dtype())
         for r in range(self.num_outputs):
             self.paint_region(labels, r, p[r])
         return labels

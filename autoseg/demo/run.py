@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoseg.core.resources import available_ram_bytes
+from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.demo.data import make_demo_dataset
 from autoseg.evaluate.metrics import evaluate_folder, format_table
@@ -49,7 +50,7 @@ def run_demo(workspace: str | Path | None = None, epochs: int | None = None, ite
     print(f"autoseg demo in {ws.root}")
     raw = make_demo_dataset(ws.root / "raw" / "Dataset900_Demo", num_train=num_train or 24, num_test=6,
                             shape_zyx=DEMO_SHAPE_ZYX)
-    budget = Budget(gpu_memory_bytes=8 * 2**30, host_ram_bytes=available_ram_bytes(), device="cpu")
+    budget = Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=available_ram_bytes(), device="cpu")
     plan_dataset(raw, ws, budget, progress=progress)
     preprocess_workspace(ws, ["3d_fullres"], processes=1, progress=progress)
     run = RunConfig(epochs=epochs or DEMO_EPOCHS, iterations_per_epoch=iterations_per_epoch or DEMO_ITERATIONS,

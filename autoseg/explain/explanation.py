@@ -237,7 +237,7 @@ def _inference_cached(topology: NetworkTopology, patch_size: tuple[int, ...],
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
-    channels, classes = len(plans.channel_names), plans.label_scheme.num_outputs  # export streams outputs
+    channels = len(plans.channel_names)
     if fp is None or not fp.cases:
         shape = tuple(config.median_shape_zyx)
         picks = [("median shape (plan; no fingerprint)", shape, shape)]
@@ -250,7 +250,7 @@ def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None)
         if largest is not median:
             picks.append((f"largest case ({largest[0]})", largest[1], largest[2]))
     return tuple(HostCase(label, before, after, preprocess_worker_bytes(before, after, channels),
-                          export_bytes(before, after, classes)) for label, before, after in picks)
+                          export_bytes(before, after, plans.label_scheme)) for label, before, after in picks)
 
 
 def next_patch_up(config: ConfigurationPlan) -> tuple[tuple[int, ...], int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from autoseg.core.units import GiB, MiB
+from autoseg.core.units import GiB, KiB, MiB
 from autoseg.explain.explanation import Explanation
 from autoseg.memory.device import CUDA_FRAGMENTATION, DEVICE_TERMS
 
@@ -28,7 +28,7 @@ def format_bytes(n: int | float) -> str:
     """``1.23 GiB`` from 1 GiB up, ``123.4 MiB`` from 1 MiB up, else ``12.3 KiB``."""
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / 1024:.1f} KiB"
+    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / KiB:.1f} KiB"
 
 
 def _shape(shape: tuple[int, ...]) -> str:

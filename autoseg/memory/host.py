@@ -20,12 +20,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoseg.core.spacing import out_of_plane_axis
-from autoseg.core.units import MiB
+from autoseg.core.units import KiB, MiB
+from autoseg.dataset.labels import LabelScheme
 
 WORKER_RUNTIME_BYTES = 150 * MiB
 _F32, _F64, _I64 = 4, 8, 8
 # Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
-_CALL_OVERHEAD_BYTES = 16 * 1024
+_CALL_OVERHEAD_BYTES = 16 * KiB
 # autoseg.data.augment_spatial interpolates this many label indicator planes per call with the image:
 # memory (C + 2) x E float32. Set here, where the loader's estimate needs it.
 LABELS_PER_CALL = 2  # label indicator planes interpolated together with the image: memory (C + 2) x E float32
@@ -64,21 +65,22 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
 
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
-                 num_outputs: int) -> dict[str, int]:
-    """RAM of exporting one prediction (``autoseg.predict.predictor.export_segmentation``), streamed per class.
+                 scheme: LabelScheme) -> dict[str, int]:
+    """RAM of exporting one prediction (``autoseg.predict.predictor.export_segmentation``), streamed per output.
 
-    ``probabilities`` the network's (K, resampled shape) float32 softmax, held throughout;
-    ``class_map`` one class resampled to the original shape (float32) and its resampling temporaries;
-    ``best_score`` the running maximum (float32); ``compare`` a bool buffer; ``labels`` the running
-    argmax and its uncropped copy (uint8, int16 beyond 127 classes). The crop is taken as the whole image.
+    ``probabilities`` the network's (K, resampled shape) float32 softmax or sigmoid, held throughout;
+    ``class_map`` one output resampled to the original shape (float32) and its resampling temporaries;
+    ``best_score`` the running maximum (float32; plain labels only, regions are painted in order);
+    ``compare`` a bool buffer; ``labels`` the label map and its uncropped copy (``scheme.export_dtype()``).
+    The crop is taken as the whole image.
     """
-    vo, vr, k = _voxels(shape_zyx_original), _voxels(shape_zyx_resampled), int(num_outputs)
-    label_bytes = 1 if k <= 127 else 2
+    vo, vr, k = _voxels(shape_zyx_original), _voxels(shape_zyx_resampled), scheme.num_outputs
+    label_bytes = np.dtype(scheme.export_dtype()).itemsize
     resample = resampling_peak_bytes(shape_zyx_resampled, shape_zyx_original, 1, order=1, order_z=0)
     terms = {
         "probabilities": k * vr * _F32,
         "class_map": max(resample, vo * _F32),
-        "best_score": vo * _F32,
+        "best_score": 0 if scheme.has_regions else vo * _F32,
         "compare": vo,
         "labels": 2 * vo * label_bytes,
     }

@@ -27,6 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from autoseg.core.spacing import ANISOTROPY_THRESHOLD
+from autoseg.core.units import MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
@@ -218,8 +219,8 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
         setting = settings[-1]
         chosen, limited_by = _smallest(space, setting, StepCost(peak_fn, setting, limits)), "nothing_fits"
         notes = (f"even the smallest patch {chosen.patch} at batch 1 is predicted to need "
-                 f"{chosen.peak_bytes / 2**20:.0f} MiB (or more time than allowed), over the "
-                 f"{limits.memory_bytes / 2**20:.0f} MiB this budget allows; give more memory with --gpu-memory",)
+                 f"{chosen.peak_bytes / MiB:.0f} MiB (or more time than allowed), over the "
+                 f"{limits.memory_bytes / MiB:.0f} MiB this budget allows; give more memory with --gpu-memory",)
     memory = _memory_terms(chosen, setting, budget.device) if model_backed else \
         {"predicted_peak_bytes": float(chosen.peak_bytes)}
     notes += _limit_notes(chosen, limited_by, budget, limits, source)

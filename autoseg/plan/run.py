@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from autoseg.core.resources import cpu_count, processes_for
+from autoseg.core.units import GiB, MiB
 from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.dataset.imageio import read_geometry
 from autoseg.dataset.raw import RawDataset, check_integrity, load_dataset
@@ -41,7 +42,7 @@ def plan_dataset(dataset: str | Path | RawDataset, workspace: Workspace, budget:
         log.info("plan %s: spacing %s mm, patch %s, batch %d x %d, features %s, strides %s, predicted peak %.2f GiB",
                  name, tuple(round(s, 3) for s in cfg.spacing_mm), cfg.patch_size, cfg.batch_size,
                  cfg.accumulation_steps, cfg.network.features_per_stage, cfg.network.strides,
-                 cfg.memory.get("predicted_peak_bytes", 0) / 2**30)
+                 cfg.memory.get("predicted_peak_bytes", 0) / GiB)
         for note in cfg.notes:
             log.warning("plan %s: %s", name, note)
     return plans
@@ -54,7 +55,7 @@ def fingerprint_processes(dataset: RawDataset, budget: Budget) -> int:
     peak = preprocess_worker_bytes(largest, largest, dataset.num_channels)["total"]
     n = processes_for(budget.host_ram_bytes, peak, budget.cpu_count or cpu_count())
     log.info("fingerprint: %d process(es) (largest case %s needs at most %.0f MiB, RAM budget %.1f GiB)",
-             n, "x".join(map(str, largest)), peak / 2**20, budget.host_ram_bytes / 2**30)
+             n, "x".join(map(str, largest)), peak / MiB, budget.host_ram_bytes / GiB)
     return n
 
 

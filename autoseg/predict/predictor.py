@@ -46,7 +46,7 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
 def export_segmentation(probabilities: torch.Tensor, props: CaseProperties,
                         scheme: LabelScheme | None = None) -> np.ndarray:
     """(K, Z', Y', X') probabilities in preprocessed space -> label map (Z, Y, X) of label values
-    (``scheme.label_map_dtype()``) in the original image's array space. ``scheme`` None: plain classes
+    (``scheme.export_dtype()``) in the original image's array space. ``scheme`` None: plain classes
     0 .. K-1 (``LabelScheme.for_outputs``). Peak extra memory: one resampled channel + best score (plain
     labels only) + labels."""
     num_outputs = probabilities.shape[0]
@@ -54,19 +54,20 @@ def export_segmentation(probabilities: torch.Tensor, props: CaseProperties,
     if scheme.num_outputs != num_outputs:
         raise ValueError(f"{num_outputs} probability maps for labels with {scheme.num_outputs} outputs")
     best_score = None
-    labels = np.zeros(props.shape_after_crop, dtype=scheme.label_map_dtype())
+    labels = np.zeros(props.shape_after_crop, dtype=scheme.export_dtype())
     for k in range(num_outputs):
         channel = probabilities[k].numpy().astype(np.float32, copy=False)
         resampled = resample_channel(channel, props.shape_after_crop, props.target_spacing_mm, order=1, order_z=0)
         if scheme.has_regions:
             scheme.paint_region(labels, k, resampled)  # later regions overwrite earlier ones
-            continue
-        if best_score is None:
+        elif best_score is None:
             best_score = resampled
-            continue
-        better = resampled > best_score
-        labels[better] = k
-        np.maximum(best_score, resampled, out=best_score)
+        else:
+            better = resampled > best_score
+            labels[better] = k
+            np.maximum(best_score, resampled, out=best_score)
+            del better
+        del resampled  # not alive while the next channel is resampled (autoseg.memory.host.export_bytes)
     return uncrop(labels, props.crop_bbox, props.shape_before_crop, fill=0)
 
 

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from autoseg.core.artifacts import write_json
 from autoseg.core.resources import proc_field_bytes
 from autoseg.core.spacing import out_of_plane_axis
+from autoseg.core.units import GiB, MiB
 from autoseg.core.workers import run_in_processes
 from autoseg.dataset.cropping import crop_to_nonzero
 from autoseg.dataset.imageio import Geometry, read_geometry
@@ -49,7 +50,6 @@ from autoseg.preprocess.store import AugmentedCopy, CaseProperties, CaseWriter, 
 
 log = logging.getLogger("autoseg")
 LOCATIONS_PER_CLASS = 10_000
-MiB = 1024**2
 
 
 def preprocess_case(
@@ -285,7 +285,7 @@ def _describe_death(in_flight: dict[str, int | None], peaks_of: PeaksOf, plans: 
     described = ", ".join(describe(c, code) for c, code in sorted(in_flight.items())) or "an unknown case"
     return (f"a preprocessing worker process died while working on {described}; usually the OS killed it "
             f"for lack of memory. {processes} processes were running under a host RAM budget of "
-            f"{plans.host_ram_bytes / 2**30:.1f} GiB. Rerun with fewer --processes (e.g. --processes 1) or "
+            f"{plans.host_ram_bytes / GiB:.1f} GiB. Rerun with fewer --processes (e.g. --processes 1) or "
             "with more free memory; the cases completed so far are kept and skipped.")
 
 

@@ -7,6 +7,7 @@ import logging
 import resource
 
 from autoseg.core.resources import cpu_count, processes_for
+from autoseg.core.units import GiB, KiB, MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.plans import Plans
@@ -45,15 +46,15 @@ def preprocessing_processes_for(workspace: Workspace, plans: Plans, config_name:
                                         plans.num_label_values, num_augmentations) for c in fp.cases}
     largest = max(peaks, key=lambda c: peaks[c])
     cpus = cpu_count()
-    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak so far (KiB)
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB  # this process's peak so far (ru_maxrss is in KiB)
     n = processes_for(plans.host_ram_bytes - held, peaks[largest], cpus)
     log.info("preprocess %s: %d process(es) fit: min(%d CPUs, (RAM budget %.1f GiB - %.2f GiB held here) "
              "// largest case's predicted peak %.0f MiB (%s))", config_name, n, cpus,
-             plans.host_ram_bytes / 2**30, held / 2**30, peaks[largest] / 2**20, largest)
+             plans.host_ram_bytes / GiB, held / GiB, peaks[largest] / MiB, largest)
     if plans.preprocessing_processes > 1 and plans.preprocessing_processes < n:
         n = plans.preprocessing_processes
         log.info("preprocess %s: %d process(es), as plans.json says", config_name, n)
     if peaks[largest] > plans.host_ram_bytes:
         log.warning("preprocess %s: case %s is predicted to need %.1f GiB, more than the RAM budget of "
-                    "%.1f GiB", config_name, largest, peaks[largest] / 2**30, plans.host_ram_bytes / 2**30)
+                    "%.1f GiB", config_name, largest, peaks[largest] / GiB, plans.host_ram_bytes / GiB)
     return n
