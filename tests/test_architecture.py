@@ -38,5 +38,12 @@ def test_only_the_training_step_runs_a_backward_pass() -> None:
 
 @pytest.mark.parametrize("package", sorted(p.parent.name for p in PACKAGE.glob("*/__init__.py")))
 def test_every_package_says_what_it_owns_and_may_import(package: str) -> None:
-    doc = ast.get_docstring(ast.parse((PACKAGE / package / "__init__.py").read_text(encoding="utf-8")))
-    assert doc and "Owns" in doc and "Imports" in doc, f"autoseg/{package}/__init__.py needs its docstring"
+    """The __init__ docstring names every module of the package under "Owns:" and says what it may import; the
+    __init__ itself imports nothing (a worker importing one module must not load the package's others)."""
+    source = (PACKAGE / package / "__init__.py").read_text(encoding="utf-8")
+    doc = ast.get_docstring(ast.parse(source)) or ""
+    owns, _, imports = doc.partition("Owns:")[2].partition("Imports:")
+    modules = sorted(p.stem for p in (PACKAGE / package).glob("*.py") if p.stem != "__init__")
+    assert imports.strip(), f"autoseg/{package}/__init__.py: say what the package may import"
+    assert [m for m in modules if f"``{m}``" not in owns] == [], f"autoseg/{package}/__init__.py: name its modules"
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.parse(source).body)

@@ -14,7 +14,6 @@ from autoseg.model.sliding_window import (
     inference_buffer_bytes,
     sliding_window_predict,
     tile_layout,
-    tile_starts,
 )
 
 
@@ -93,35 +92,11 @@ def test_gaussian_has_no_zeros_when_the_dtype_underflows() -> None:
     assert g[0, 0, 0].item() == g.min().item() > 0
 
 
-def test_tile_starts_example() -> None:
+def test_tile_layout_starts_example() -> None:
     # per axis: ceil((10 - 4) / 2) + 1 = 4 starts from 0 to 6; (4, 4): one start; (7, 4): ceil(3/2)+1 = 3
-    starts = tile_starts((10, 4, 7), (4, 4, 4), step_fraction=0.5)
-    assert sorted({s[0] for s in starts}) == [0, 2, 4, 6]
-    assert sorted({s[1] for s in starts}) == [0]
-    assert sorted({s[2] for s in starts}) == [0, 2, 3]  # linspace(0, 3, 3) = 0, 1.5, 3 rounded half to even
-    assert len(starts) == 4 * 1 * 3
-
-
-@pytest.mark.parametrize("step_fraction", [0.25, 0.5, 1.0])
-def test_tile_starts_cover_every_voxel_and_end_on_the_border(step_fraction: float) -> None:
-    rng = np.random.default_rng(1)
-    for _ in range(20):
-        patch = tuple(int(p) for p in rng.integers(1, 9, size=3))
-        size = tuple(int(p + e) for p, e in zip(patch, rng.integers(0, 20, size=3), strict=True))
-        starts = tile_starts(size, patch, step_fraction)
-        covered = np.zeros(size, dtype=bool)
-        for s in starts:
-            covered[tuple(slice(a, a + p) for a, p in zip(s, patch, strict=True))] = True
-        assert covered.all()
-        for axis in range(3):
-            axis_starts = sorted({s[axis] for s in starts})
-            assert axis_starts[0] == 0 and axis_starts[-1] == size[axis] - patch[axis]
-            assert np.diff(axis_starts).max(initial=0) <= math.ceil(patch[axis] * step_fraction)
-
-
-def test_tile_starts_rejects_images_smaller_than_the_patch() -> None:
-    with pytest.raises(ValueError, match="pad the image"):
-        tile_starts((3, 10, 10), (4, 4, 4))
+    layout = tile_layout((10, 4, 7), (4, 4, 4), step_fraction=0.5)
+    assert layout.axis_starts == ((0, 2, 4, 6), (0,), (0, 2, 3))  # linspace(0, 3, 3) = 0, 1.5, 3: half to even
+    assert layout.num_tiles == 4 * 1 * 3
 
 
 def test_tile_layout_example_pads_and_counts_tiles() -> None:
@@ -145,15 +120,21 @@ def test_tile_layout_2d_tiles_every_slice_and_never_pads_z() -> None:
 
 
 @pytest.mark.parametrize("step_fraction", [0.25, 0.5, 1.0])
-def test_tile_layout_regions_are_the_tile_starts_of_the_padded_image(step_fraction: float) -> None:
-    rng = np.random.default_rng(2)
+def test_tiles_cover_every_padded_voxel_and_end_on_the_border(step_fraction: float) -> None:
+    rng = np.random.default_rng(1)
     for _ in range(20):
         patch = tuple(int(p) for p in rng.integers(1, 9, size=3))
         image = tuple(int(n) for n in rng.integers(1, 25, size=3))
         layout = tile_layout(image, patch, step_fraction)
-        starts = tile_starts(layout.padded_shape_zyx, patch, step_fraction)
-        assert [tuple(r.start for r in region) for region in layout.regions()] == starts
-        assert layout.num_tiles == len(starts)
+        padded = layout.padded_shape_zyx
+        assert padded == tuple(max(n, p) for n, p in zip(image, patch))
+        covered = np.zeros(padded, dtype=bool)
+        for region in layout.regions():
+            covered[region] = True
+        assert covered.all() and layout.num_tiles == len(layout.regions())
+        for starts, size, p in zip(layout.axis_starts, padded, patch, strict=True):
+            assert starts[0] == 0 and starts[-1] == size - p
+            assert np.diff(starts).max(initial=0) <= math.ceil(p * step_fraction)
 
 
 def test_tile_layout_errors() -> None:

@@ -51,17 +51,18 @@ def test_regions_paint_in_order_later_over_earlier() -> None:
     p = np.array([[0.1, 0.9, 0.9, 0.9, 0.2],
                   [0.1, 0.4, 0.6, 0.8, 0.1],
                   [0.1, 0.1, 0.3, 0.7, 0.6]], dtype=np.float32)
-    labels = s.to_segmentation(p)
+    labels = np.zeros(5, dtype=s.export_dtype())
+    for region in range(3):
+        s.paint_region(labels, region, p[region])
     assert labels.tolist() == [0, 1, 2, 3, 3] and labels.dtype == np.uint8
-    assert s.to_segmentation(torch.from_numpy(p)).tolist() == [0, 1, 2, 3, 3]
 
 
-def test_plain_to_segmentation_is_argmax_and_probabilities_are_softmax() -> None:
+def test_probabilities_are_softmax_for_classes_and_sigmoid_for_regions() -> None:
     s = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2, "ignore": 3})
     logits = torch.tensor([[[2.0, 0.0, 0.0]], [[0.0, 3.0, 0.0]], [[0.0, 0.0, 1.0]]])  # (C=3, 1, 3)
     probs = s.probabilities(logits, dim=0)
     assert torch.allclose(probs.sum(0), torch.ones(1, 3))
-    assert s.to_segmentation(probs).tolist() == [[0, 1, 2]]  # never the ignore value
+    assert probs.argmax(0).tolist() == [[0, 1, 2]]  # never the ignore value: it has no output
     regions = LabelScheme.from_labels(BRATS, [1, 2, 3])
     assert torch.allclose(regions.probabilities(logits), torch.sigmoid(logits))
 
@@ -69,8 +70,11 @@ def test_plain_to_segmentation_is_argmax_and_probabilities_are_softmax() -> None
 def test_region_targets_round_trip_to_the_label_map() -> None:
     s = LabelScheme.from_labels(BRATS, [1, 2, 3])
     seg = torch.tensor([[0, 1, 2], [3, 2, 1]]).view(1, 1, 2, 3)
-    probabilities = s.target_to_regions(seg)[0].float()
-    assert np.array_equal(s.to_segmentation(probabilities), seg[0, 0].numpy())
+    probabilities = s.target_to_regions(seg)[0].float().numpy()
+    labels = np.zeros(seg.shape[2:], dtype=s.export_dtype())
+    for region in range(s.num_outputs):
+        s.paint_region(labels, region, probabilities[region])
+    assert np.array_equal(labels, seg[0, 0].numpy())
 
 
 @pytest.mark.parametrize("labels, order, message", [
@@ -97,11 +101,9 @@ def test_errors_name_the_file_and_the_fix(labels, order, message) -> None:
     assert str(info.value).startswith("/data/Dataset001/dataset.json: ")
 
 
-def test_plain_helper_and_output_count_check() -> None:
+def test_plain_helper() -> None:
     s = LabelScheme.plain(3)
     assert (s.num_outputs, s.names) == (3, ("1", "2"))
-    with pytest.raises(ValueError, match="2 channels; the labels have 3 outputs"):
-        s.to_segmentation(np.zeros((2, 4), dtype=np.float32))
 
 
 def test_stand_in_for_an_output_count() -> None:

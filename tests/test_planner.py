@@ -15,8 +15,8 @@ from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.patch_search import MAX_STAGES, rough_training_peak_bytes, topology_for
 from autoseg.plan.planner import FILL_TARGET, MIN_PATCH_VOXELS, lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
+from autoseg.plan.sizing import loader_workers
 from autoseg.plan.training_data import loader_config
-from autoseg.plan.workers import loader_workers
 
 # --- target_spacing ---------------------------------------------------------------------------------
 

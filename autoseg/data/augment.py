@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -38,9 +38,8 @@ from batchgenerators.transforms.color_transforms import BrightnessMultiplicative
 from scipy import ndimage
 
 from autoseg.data.augment_spatial import PatchSpatialTransform
+from autoseg.plan.training_data import LoaderConfig
 
-if TYPE_CHECKING:
-    from autoseg.plan.training_data import LoaderConfig
 
 class SimulateLowResolution(AbstractTransform):
     """batchgenerators' SimulateLowResolutionTransform (per_channel, nearest downsampling, spline

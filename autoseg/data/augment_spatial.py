@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,11 +26,8 @@ from batchgenerators.transforms.abstract_transforms import AbstractTransform
 from scipy import ndimage
 
 from autoseg.memory.host import LABELS_PER_CALL
-from autoseg.plan.training_data import box_size
+from autoseg.plan.training_data import LoaderConfig, box_size
 from autoseg.preprocess.precompute import rotation_matrix
-
-if TYPE_CHECKING:
-    from autoseg.plan.training_data import LoaderConfig
 
 
 @dataclass(frozen=True)

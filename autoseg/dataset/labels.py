@@ -171,18 +171,6 @@ class LabelScheme:
         """Write ``regions_class_order[region]`` into ``labels`` where ``probability`` > 0.5 (in place)."""
         labels[probability > 0.5] = self.regions_class_order[region]
 
-    def to_segmentation(self, probabilities: np.ndarray | torch.Tensor) -> np.ndarray:
-        """``(num_outputs, *spatial)`` probabilities -> label map ``(*spatial)`` of label values
-        (``export_dtype``): argmax for plain labels; regions thresholded at 0.5 and painted in order."""
-        p = probabilities if isinstance(probabilities, np.ndarray) else probabilities.detach().cpu().numpy()
-        if p.shape[0] != self.num_outputs:
-            raise ValueError(f"probabilities have {p.shape[0]} channels; the labels have {self.num_outputs} outputs")
-        if not self.has_regions:
-            return np.argmax(p, axis=0).astype(self.export_dtype())
-        labels = np.zeros(p.shape[1:], dtype=self.export_dtype())
-        for r in range(self.num_outputs):
-            self.paint_region(labels, r, p[r])
-        return labels
 
 
 def _parse_values(labels: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:

@@ -20,10 +20,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from autoseg.core.spacing import out_of_plane_axis
-from autoseg.core.units import KiB, MiB
+from autoseg.core.units import GiB, KiB, MiB
 from autoseg.dataset.labels import LabelScheme
 
 WORKER_RUNTIME_BYTES = 150 * MiB
+TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 _F32, _F64, _I64 = 4, 8, 8
 # Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
 _CALL_OVERHEAD_BYTES = 16 * KiB
@@ -40,7 +41,7 @@ def _voxels(shape: Sequence[int]) -> int:
 
 def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Sequence[int],
                             num_channels: int) -> dict[str, int]:
-    """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess.preprocessor._run_case``).
+    """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess.preprocessor.run_case``).
 
     ``shape_zyx_before``: the image as read (the crop is taken as the whole image: an upper bound);
     ``shape_zyx_after``: after resampling. Phases, each on top of ``runtime``:

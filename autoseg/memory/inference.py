@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoseg.core.precision import PRECISIONS
+from autoseg.core.precision import autocast_dtype
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import (
@@ -72,8 +72,7 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
 
     fp16 runs as bf16 (same bytes): the inference code turns fp16 autocast off on CPU devices.
     """
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not known; use one of {sorted(PRECISIONS)}")
+    autocast_dtype(precision)  # an unknown name says what to use
     sim_precision = "bf16" if precision == "fp16" else precision
     tracker = StorageTracker()
     with torch.random.fork_rng(devices=[]), FakeTensorMode(), tracker:

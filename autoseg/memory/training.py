@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from autoseg.core.precision import PRECISIONS
+from autoseg.core.precision import autocast_dtype
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.step import OPTIMIZERS, build_step, synthetic_batches
@@ -101,8 +101,7 @@ class StepConfig:
 def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
                          precision: str, optimizer: str, accumulation_steps: int = 1) -> None:
     """Raise ``ValueError`` naming the argument to change."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not known; use one of {sorted(PRECISIONS)}")
+    autocast_dtype(precision)  # an unknown name says what to use
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer {optimizer!r} is not known; use one of {list(OPTIMIZERS)}")
     if batch_size < 1 or accumulation_steps < 1:

@@ -77,28 +77,11 @@ def _gaussian_cached(
     return out.to(device)
 
 
-def tile_starts(
-    image_size_zyx: Sequence[int], patch_size: Sequence[int], step_fraction: float = 0.5
-) -> list[tuple[int, ...]]:
-    """Start corners of the tiles covering an image, in C order over the axes.
-
-    Per axis: ``ceil((size - patch) / (patch * step_fraction)) + 1`` starts, evenly spaced from 0 to
-    ``size - patch`` (rounded), so consecutive tiles overlap by at least ``1 - step_fraction`` of a patch
-    and the last tile ends on the border. Works for any number of axes (a 2D caller passes (y, x)).
-    Sizes must be >= the patch (pad first).
-    """
-    if len(image_size_zyx) != len(patch_size):
-        raise ValueError(f"image size {tuple(image_size_zyx)} and patch {tuple(patch_size)} differ in length")
-    _check_step_fraction(step_fraction)
-    if any(size < patch for size, patch in zip(image_size_zyx, patch_size, strict=True)):
-        raise ValueError(f"image size {tuple(image_size_zyx)} is smaller than patch {tuple(patch_size)}; "
-                         "pad the image to at least the patch size first")
-    return list(itertools.product(*(_axis_starts(int(size), int(patch), step_fraction)
-                                    for size, patch in zip(image_size_zyx, patch_size, strict=True))))
-
-
 def _axis_starts(size: int, patch: int, step_fraction: float) -> tuple[int, ...]:
-    """The tile-count rule, written once: starts of the tiles along one axis of ``size`` >= ``patch``."""
+    """The tile-count rule, written once: starts of the tiles along one axis of ``size`` >= ``patch``:
+    ``ceil((size - patch) / (patch * step_fraction)) + 1`` starts, evenly spaced from 0 to ``size - patch``
+    (rounded), so consecutive tiles overlap by at least ``1 - step_fraction`` of a patch and the last tile
+    ends on the border."""
     num_steps = math.ceil((size - patch) / (patch * step_fraction)) + 1
     return tuple(int(s) for s in np.round(np.linspace(0, size - patch, num_steps)).astype(int))
 

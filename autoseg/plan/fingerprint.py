@@ -89,7 +89,7 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
 
 def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint | None, list[np.ndarray], int, list[str]]:
     """(index, fingerprint of the case, up to SAMPLES_PER_CASE foreground intensities per channel, image dim,
-    problems with its voxels (``dataset.voxel_problems``; then nothing else is computed)).
+    problems with its voxels (``autoseg.dataset.raw.voxel_problems``; then nothing else is computed)).
     Foreground: labelled voxels other than background, -1 and the ignore label (unlabelled, not sampled)."""
     case, label_values, ignore, seed, index = task
     num_label_values = max(label_values) + 1

@@ -14,7 +14,7 @@ third more compute), then + micro-batch 1 with 2 accumulation steps. CPU: fp32, 
 "Large enough": covers the whole median image or holds ``MIN_PATCH_VOXELS`` voxels.
 
 Host RAM: preprocessing processes, and each configuration's loader workers, are as many as
-``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.plan.workers``, with the bytes of
+``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.plan.sizing``, with the bytes of
 ``autoseg.memory.host``), capped by the CPU count; no loader workers when training on CPU
 (they would take the cores the training step uses).
 """
@@ -46,8 +46,8 @@ from autoseg.plan.patch_search import (
     search,
 )
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.plan.sizing import host_workers, loader_workers
 from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
-from autoseg.plan.workers import host_workers, loader_workers
 
 MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
 CPU_BASE_FEATURES = (16, 8)
@@ -74,7 +74,7 @@ def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[flo
 
 
 def model_peak_fn(device: str) -> PeakFn:
-    """The simulated memory model (``autoseg.memory.predicted_training_bytes``) as the search's peak_fn."""
+    """The simulated memory model (``autoseg.memory.fit.predicted_training_bytes``) as the search's peak_fn."""
     def peak(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
         return predicted_training_bytes(topology, batch, patch, precision, checkpointing, device=device,
                                         accumulation_steps=accumulation_steps)

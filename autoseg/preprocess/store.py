@@ -42,9 +42,9 @@ __all__ = ["AugmentedCopy", "CaseFiles", "CaseProperties", "CaseWriter", "Stored
 class AugmentedCopy:
     """One precomputed copy ``<case>_aug{index}_*.npy``: its parameters and voxel count per label value.
 
-    Its foreground locations are in ``<case>_aug{index}_locations.npy``, not here: the loader parses the
-    case JSON for every sample, and K more sets of up to 10,000 voxels per class would make that K + 1
-    times slower (50 ms per sample for K = 2 measured here)."""
+    Its foreground locations are in ``<case>_aug{index}_locations.npy``, not here: they are read only when a
+    sample is drawn from that copy, and K more sets of up to 10,000 voxels per class in the JSON would make
+    every read of the case's properties K + 1 times slower."""
 
     index: int
     params: SpatialParams

@@ -7,17 +7,13 @@ from __future__ import annotations
 import math
 
 from autoseg.core.resources import cpu_count, processes_for
-from autoseg.core.units import GiB
-from autoseg.memory.host import preprocess_worker_bytes, worker_bytes
+from autoseg.memory.host import TRAINER_HOST_BYTES, preprocess_worker_bytes, worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan
 from autoseg.plan.training_data import loader_config
 
 HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or loader workers
-
-
-TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 
 
 LOADER_QUEUE_DEPTH = 2  # finished batches per loader worker, unless 1 leaves room for more workers
