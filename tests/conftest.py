@@ -3,8 +3,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from factories import set_configuration, tiny_topology
 
+from autoseg.core.units import GiB
+from autoseg.core.workspace import Workspace
 from autoseg.demo.data import make_demo_dataset
+from autoseg.plan.budget import Budget
+from autoseg.plan.run import plan_dataset
+from autoseg.preprocess.run import preprocess_workspace
 
 
 @pytest.fixture(scope="session")
@@ -34,3 +40,16 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
+    """A preprocessed workspace whose 3d_fullres plan is a 2-stage U-Net (4, 8 features) on (8, 16, 16)
+    patches, micro-batch 2, checkpointing on. Tests copy it."""
+    root = tmp_path_factory.mktemp("train")
+    workspace = Workspace.at(root / "ws")
+    plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
+    preprocess_workspace(workspace, ["3d_fullres"], processes=1, progress=False)
+    set_configuration(workspace, "3d_fullres", network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
+                      batch_size=2, accumulation_steps=1, checkpointing=True)
+    return workspace.root

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from factories import set_configuration, tiny_plans
-from test_train import CONFIG, prepared  # noqa: F401  (the preprocessed tiny workspace fixture)
 
 from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import (
@@ -40,6 +39,8 @@ DS_TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_
                               kernel_sizes=((3, 3, 3),) * 4, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2), (1, 2, 2)))
 GLOBAL_BATCH = 4
 TINY = dict(epochs=2, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1, loader_workers=0)
+
+CONFIG = "3d_fullres"
 
 
 def _free_port() -> int:

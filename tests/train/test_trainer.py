@@ -7,17 +7,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from factories import set_configuration, tiny_topology
+from factories import set_configuration
 
-from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.step import TrainStep
-from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
-from autoseg.plan.run import plan_dataset
-from autoseg.preprocess.run import preprocess_workspace
 from autoseg.train import trainer
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
@@ -31,19 +27,6 @@ TINY = dict(epochs=3, iterations_per_epoch=2, val_iterations=1, validate=False, 
 
 def _set_plan(workspace: Workspace, **changes) -> None:
     set_configuration(workspace, CONFIG, **changes)
-
-
-@pytest.fixture(scope="module")
-def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
-    """A preprocessed workspace whose 3d_fullres plan is a 2-stage U-Net (4, 8 features) on (8, 16, 16)
-    patches, micro-batch 2, checkpointing on. Tests copy it."""
-    root = tmp_path_factory.mktemp("train")
-    workspace = Workspace.at(root / "ws")
-    plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
-    preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
-    _set_plan(workspace, network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16), batch_size=2,
-              accumulation_steps=1, checkpointing=True)
-    return workspace.root
 
 
 @pytest.fixture()
