@@ -74,7 +74,8 @@ def _add_train_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train one fold: `autoseg train fold 0` (or `fold all`)")
     p.add_argument("fold", nargs="+", help="'fold 0', '0' or 'all'")
     _add_workspace(p)
-    p.add_argument("-c", "--config", default=None, help="configuration (default: 3d_fullres if planned, else 2d)")
+    p.add_argument("-c", "--config", default=None,
+                   help="configuration (default: 3d_fullres if planned, else the first)")
     p.add_argument("--epochs", type=int, default=None)
     p.add_argument("--iterations-per-epoch", type=int, default=None)
     p.add_argument("--val-iterations", type=int, default=None)
@@ -372,7 +373,7 @@ def _explain(args: argparse.Namespace, progress: bool) -> int:
     plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
     plans = Plans.from_json(plans_path)
     config = args.config or plans.default_configuration()
-    fp_path = plans_path.parent / "fingerprint.json"  # a workspace keeps it beside plans.json
+    fp_path = Workspace.at(plans_path.parent).fingerprint_path  # a workspace keeps it beside plans.json
     fingerprint = Fingerprint.from_json(fp_path) if fp_path.is_file() else None
     explanation = explain(plans, config, device=args.device, fingerprint=fingerprint)
     text = json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation)

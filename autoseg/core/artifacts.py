@@ -207,3 +207,11 @@ class Artifact:
         body = {k: v for k, v in data.items() if k != "schema_version"}
         return from_dict(cls, body, where)
 
+
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Delete the temporary files ``atomic_path`` names (``.<name>.*.tmp*``) that a killed run left in ``out_dir``;
+    returns them."""
+    stale = sorted(Path(out_dir).glob(".*.tmp*"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale

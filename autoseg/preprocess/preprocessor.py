@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from autoseg.core.artifacts import write_json
+from autoseg.core.artifacts import remove_stale_temporaries, write_json
 from autoseg.core.resources import proc_field_bytes
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, MiB
@@ -207,14 +207,6 @@ def run_case(task: CaseTask) -> CaseResult:
 
 CaseRunner = Callable[[CaseTask], CaseResult]
 PeaksOf = Callable[[set[str]], dict[str, int]]  # case ids -> predicted peak bytes
-
-
-def remove_stale_temporaries(out_dir: Path) -> list[Path]:
-    """Delete the temporary files (``.<name>.*.tmp*``) a killed run left in ``out_dir``; returns them."""
-    stale = sorted(out_dir.glob(".*.tmp*"))
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return stale
 
 
 def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationPlan,
