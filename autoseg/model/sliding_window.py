@@ -201,7 +201,7 @@ def _allocate_buffers(
     # to a 128^3 patch 26.3 vs 27.0 ms, 1x60x400x480 to 512^2 31.4 vs 29.8 ms, 50 / 60 MiB live either way), it
     # re-derives the placement that tile_layout owns, and where nothing needs padding it hands back the input
     # itself: on CPU the padded input would then be the caller's array, not the buffer inference_buffer_bytes
-    # counts (tests/test_memory.py's 3 estimate-vs-measurement cases fail by exactly that buffer).
+    # counts (tests/memory/test_memory.py's 3 estimate-vs-measurement cases fail by exactly that buffer).
     padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
     padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
     # K x Zp x Yp x Xp fp32: the largest buffer (K times the weight map)

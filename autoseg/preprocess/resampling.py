@@ -8,7 +8,7 @@ volume of ``n'`` voxels covers the same extent with the effective spacing ``s * 
 spacing difference, ``origin + (s' - s) / 2``. Boundary handling also follows SimpleITK (B-spline
 coefficients with a mirror extension; linear and nearest clamp to the edge voxel), so with the same output
 grid ``sitk.Resample`` with ``sitkBSpline`` / ``sitkLinear`` gives the same values as ``order=3`` / ``1``
-up to float32 rounding, border voxels included (see tests/test_resampling.py).
+up to float32 rounding, border voxels included (see tests/preprocess/test_resampling.py).
 
 Anisotropic data (largest / smallest spacing > 3) is resampled in-plane first (spline of ``order``, one
 2D slice at a time) and then along the out-of-plane axis with ``order_z`` (0 = nearest, 1 = linear), so
