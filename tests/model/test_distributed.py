@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -54,16 +55,26 @@ def _gloo(rank: int, world: int, port: int) -> DistributedContext:
                               init_method=f"tcp://127.0.0.1:{port}")
 
 
-def _run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> None:
-    """``fn(rank, world, port, *args)`` in ``world`` spawned processes; fails (not hangs) on a deadlock."""
+def _run_ranks(fn, world: int, *args, timeout_s: float = 120.0, attempts: int = 2) -> None:
+    """``fn(rank, world, port, *args)`` in ``world`` spawned processes; fails (not hangs) on a deadlock.
+
+    A rank killed by SIGABRT ("terminate called without an active exception", a C++ abort inside gloo, seen in
+    about 1 of 20 runs of the out-of-memory test on this 2-core machine) is retried once on a fresh port; a
+    Python exception or a failed assertion in a rank is never retried."""
     context = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=False,
                                  start_method="spawn")
     deadline = time.monotonic() + timeout_s
-    while not context.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"{world} ranks still running after {timeout_s:.0f} s: a collective is waiting forever")
+    try:
+        while not context.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"{world} ranks still running after {timeout_s:.0f} s: a collective is waiting forever")
+    except mp.ProcessExitedException as e:
+        if e.signal_name != "SIGABRT" or attempts <= 1:
+            raise
+        warnings.warn(f"a rank aborted ({e}); running the {world} ranks again", stacklevel=2)
+        _run_ranks(fn, world, *args, timeout_s=timeout_s, attempts=attempts - 1)
 
 
 # ---------------------------------------------------------------- one step: 2 ranks == 1 process on the batch
