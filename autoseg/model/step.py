@@ -51,7 +51,7 @@ class OptimizerSettings:
                                    weight_decay=self.weight_decay, foreach=True)
         if self.name == "adamw":
             return torch.optim.AdamW(params, lr=self.initial_lr, weight_decay=self.weight_decay, foreach=True)
-        raise ValueError(f"optimizer {self.name!r} is not known; use one of {sorted(OPTIMIZERS)}")
+        raise ValueError(f"OptimizerSettings.name {self.name!r} is not known; use 'sgd' or 'adamw'")
 
 
 OPTIMIZERS: dict[str, OptimizerSettings] = {
