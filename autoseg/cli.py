@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import re
 import shlex
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 
 
@@ -23,7 +25,40 @@ def parse_bytes(text: str) -> int:
     value, unit = float(m.group(1)), (m.group(2) or "GiB").upper()
     powers = {"K": 1, "M": 2, "G": 3, "T": 4}
     base = 1000 if unit.endswith("B") and "I" not in unit else 1024
-    return int(value * base ** powers[unit[0]])
+    nbytes = int(value * base ** powers[unit[0]])
+    if nbytes < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no memory at all; give a positive size, e.g. 8GiB")
+    return nbytes
+
+
+def int_at_least(low: int, high: int | None = None):
+    """An argparse type: a whole number in [low, high] (high: no limit when None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low or (high is not None and value > high):
+            limits = f"at least {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"{value} is out of range; give a whole number {limits}")
+        return value
+
+    parse.__name__ = f"integer >= {low}"
+    return parse
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite number > 0 (refuses nan and inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a finite number above 0")
+    return value
+
+
+SEED = int_at_least(0, 2**32 - 1)  # numpy's and torch's seeds are non-negative
 
 
 def default_device() -> str:
@@ -42,7 +77,7 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ram", type=parse_bytes, default=None, help="host RAM budget; default: available memory")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="device training will run on (default: cuda if present, else cpu)")
-    p.add_argument("--cpu-flops", type=float, default=None,
+    p.add_argument("--cpu-flops", type=positive_float, default=None,
                    help="CPU training throughput in FLOP/s for --device cpu (default: measured once, then cached)")
 
 
@@ -63,9 +98,9 @@ def _add_plan_commands(sub: argparse._SubParsersAction) -> None:
         _add_budget(p)
         if name == "plan_and_preprocess":
             p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
-            p.add_argument("--processes", type=int, default=None,
+            p.add_argument("--processes", type=int_at_least(1), default=None,
                            help="preprocessing processes (default: as many as the RAM budget fits, at most the CPUs)")
-            p.add_argument("--precompute-augmentations", type=int, default=0, metavar="K",
+            p.add_argument("--precompute-augmentations", type=int_at_least(0), default=0, metavar="K",
                            help="write K spatially augmented copies per case (rotation, scaling, elastic), so "
                                 "training can skip the spatial transform (default: 0)")
 
@@ -76,25 +111,26 @@ def _add_train_command(sub: argparse._SubParsersAction) -> None:
     _add_workspace(p)
     p.add_argument("-c", "--config", default=None,
                    help="configuration (default: 3d_fullres if planned, else the first)")
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--iterations-per-epoch", type=int, default=None)
-    p.add_argument("--val-iterations", type=int, default=None)
+    p.add_argument("--epochs", type=int_at_least(1), default=None, help="default: 1000")
+    p.add_argument("--iterations-per-epoch", type=int_at_least(1), default=None, help="default: 250")
+    p.add_argument("--val-iterations", type=int_at_least(1), default=None,
+                   help="validation patches per epoch for the pseudo-Dice (default: 50)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--no-validation", action="store_true", help="skip predicting the validation cases at the end")
     p.add_argument("--resume", action="store_true",
                    help="continue from the fold's checkpoint_latest.pt (the plan must be unchanged)")
     p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
                    help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: the number "
                         "of epochs is chosen from the measured speed")
-    p.add_argument("--loader-workers", type=int, default=None, metavar="N",
+    p.add_argument("--loader-workers", type=int_at_least(0), default=None, metavar="N",
                    help="processes building training batches (default: the plan's, sized by its host RAM budget)")
     pre = p.add_mutually_exclusive_group()
     pre.add_argument("--use-precomputed", dest="use_precomputed", action="store_true", default=None,
                      help="sample the precomputed augmented copies (default: when every case has them)")
     pre.add_argument("--no-precomputed", dest="use_precomputed", action="store_false",
                      help="rotate and scale on the fly even if precomputed copies exist")
-    p.add_argument("--gpus", type=int, default=None, metavar="N",
+    p.add_argument("--gpus", type=int_at_least(1), default=None, metavar="N",
                    help="train on N GPUs of this node: runs this command under torchrun, one process per GPU "
                         "(with --device cpu: N CPU processes). Several nodes: start `torchrun ... -m autoseg train "
                         "...` on each yourself")
@@ -109,7 +145,7 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-f", "--folds", nargs="+", default=None, help="folds to ensemble (default: all trained)")
     p.add_argument("--checkpoint", default="final", choices=["final", "best", "latest"])
     p.add_argument("--no-mirror", action="store_true", help="disable mirror test-time augmentation")
-    p.add_argument("--tile-batch-size", type=int, default=1)
+    p.add_argument("--tile-batch-size", type=int_at_least(1), default=1, help="tiles per forward pass (default: 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
 
 
@@ -123,9 +159,9 @@ def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="synthetic dataset -> plan -> train -> predict -> evaluate, on CPU")
     p.add_argument("-w", "--workspace", default=None, help="workspace (default: a temporary folder)")
-    p.add_argument("--epochs", type=int, default=None)
-    p.add_argument("--iterations-per-epoch", type=int, default=None)
-    p.add_argument("--num-train", type=int, default=None)
+    p.add_argument("--epochs", type=int_at_least(1), default=None)
+    p.add_argument("--iterations-per-epoch", type=int_at_least(1), default=None)
+    p.add_argument("--num-train", type=int_at_least(2), default=None, help="training cases (default: 24)")
 
 
 def _add_explain_command(sub: argparse._SubParsersAction) -> None:
@@ -143,18 +179,16 @@ def _add_explain_command(sub: argparse._SubParsersAction) -> None:
 def _add_make_demo_dataset_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-demo-dataset", help="write the synthetic demo dataset (nnU-Net layout)")
     p.add_argument("output", help="dataset folder to create")
-    p.add_argument("--num-train", type=int, default=24)
-    p.add_argument("--num-test", type=int, default=6)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-train", type=int_at_least(1), default=24)
+    p.add_argument("--num-test", type=int_at_least(0), default=6)
+    p.add_argument("--seed", type=SEED, default=0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autoseg", description="Self-configuring medical image segmentation.")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
-
-
-
     _add_plan_commands(sub)
     _add_train_command(sub)
     _add_predict_command(sub)
@@ -162,14 +196,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo_command(sub)
     _add_explain_command(sub)
     _add_make_demo_dataset_command(sub)
+    for command in sub.choices.values():  # also after the command: `autoseg train ... --debug`
+        command.set_defaults(command_parser=command)
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="print the traceback of an error")
     return parser
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse and check ``argv``: every flag's range and form is checked here, before any work or file
+    is written; a bad one exits with status 2 and a message naming it."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        try:
+            args.fold = _fold(args.fold)
+        except ValueError as e:
+            args.command_parser.error(str(e))
+    return args
+
+
 def _fold(values: list[str]) -> int | str:
-    if values[0] == "fold":
+    if values[:1] == ["fold"]:
         values = values[1:]
     if len(values) != 1 or not (values[0] == "all" or values[0].isdigit()):
-        raise SystemExit("autoseg train: give the fold as `fold 0` .. `fold 4` or `fold all`")
+        raise ValueError(f"fold {' '.join(values)!r}: give the fold as `fold 0` .. `fold 4` or `fold all`")
     return "all" if values[0] == "all" else int(values[0])
 
 
@@ -234,15 +285,13 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
 
     n = args.gpus
     if "WORLD_SIZE" in os.environ:
-        raise ValueError("--gpus starts torchrun itself; when launching with torchrun leave --gpus out")
-    if n < 1:
-        raise ValueError(f"--gpus {n}: give the number of processes, at least 1")
+        raise InputError("--gpus starts torchrun itself; when launching with torchrun leave --gpus out")
     if args.device != "cpu":
         visible = torch.cuda.device_count()
         if visible == 0:
-            raise ValueError(f"--gpus {n}: no CUDA device is visible; add --device cpu to train in {n} CPU processes")
+            raise InputError(f"--gpus {n}: no CUDA device is visible; add --device cpu to train in {n} CPU processes")
         if n > visible:
-            raise ValueError(f"--gpus {n} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES, "
+            raise InputError(f"--gpus {n} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES, "
                              f"nvidia-smi); use --gpus {visible} or fewer")
     if n == 1:
         return None
@@ -263,20 +312,20 @@ def _distributed_context(environ: Mapping[str, str], device: str):
                                      local_rank=int(environ["LOCAL_RANK"]),
                                      local_world_size=int(environ["LOCAL_WORLD_SIZE"]), backend=backend_for(device))
     except (KeyError, ValueError) as e:
-        raise ValueError(f"cannot read the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE): "
+        raise InputError(f"cannot read the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE): "
                          f"{e}; launch with torchrun or `autoseg train ... --gpus N`") from e
     if context.is_distributed and context.backend == "nccl":
         import torch
 
         if context.local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {context.local_rank} has no CUDA device ({torch.cuda.device_count()} "
+            raise InputError(f"local rank {context.local_rank} has no CUDA device ({torch.cuda.device_count()} "
                              "visible); start at most one process per GPU (--nproc_per_node)")
     return context
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     progress = not args.quiet and sys.stderr.isatty()
     try:
@@ -285,9 +334,53 @@ def main(argv: list[str] | None = None) -> int:
             if code is not None:
                 return code
         return COMMANDS[args.command](args, progress)  # one stage per command
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
-        print(f"autoseg {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:  # the one place an error becomes a message and an exit status
+        if args.debug:
+            raise
+        return report_error(f"autoseg {args.command}", e)
+    except KeyboardInterrupt:
+        print(f"autoseg {args.command}: interrupted; finished artifacts are kept, unfinished ones are not "
+              "(rerun the command to go on)", file=sys.stderr)
+        return 130
+
+
+def report_error(prefix: str, error: Exception) -> int:
+    """Print ``error`` as one message on stderr; return the exit status (2: bad input, 1: failure).
+
+    autoseg's own errors and the operating system's (a full disk, a read-only folder, no memory) are
+    anticipated: their message says what to do. Anything else is a bug: its traceback goes to a file."""
+    from autoseg.core.errors import AutosegError
+
+    if isinstance(error, AutosegError):
+        print(f"{prefix}: error: {error}", file=sys.stderr)
+        return error.exit_status
+    if isinstance(error, OSError) and error.errno is not None:
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"{prefix}: error: {where}{error.strerror} (errno {error.errno}); nothing unfinished was kept. Free "
+              "space, fix the permissions or choose another folder, then rerun", file=sys.stderr)
+        return 1
+    if isinstance(error, MemoryError):
+        print(f"{prefix}: error: out of host memory; give a smaller --ram budget to plan_and_preprocess or close "
+              "other programs, then rerun", file=sys.stderr)
+        return 1
+    path = _write_traceback(prefix, error)
+    print(f"{prefix}: internal error: {type(error).__name__}: {error}\nThis is a bug in autoseg, not in your input. "
+          f"The traceback is in {path}; please report it with that file (--debug prints it here).", file=sys.stderr)
+    return 1
+
+
+def _write_traceback(prefix: str, error: Exception) -> Path | str:
+    import tempfile
+    import time
+    import traceback
+
+    name = f"{prefix.replace(' ', '-')}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.traceback.txt"
+    path = Path(tempfile.gettempdir()) / name
+    try:
+        path.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return "(not written: the temporary folder is not writable)"
+    return path
 
 
 def _plan(args: argparse.Namespace, progress: bool) -> int:
@@ -316,12 +409,9 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
     config = args.config or _default_config(ws)
     device = args.device or default_device()
     distributed = _distributed_context(os.environ, device)
-    defaults = RunConfig()
+    given = {k: v for k in ("epochs", "iterations_per_epoch", "val_iterations") if (v := getattr(args, k)) is not None}
     run = RunConfig(
-        epochs=args.epochs or defaults.epochs,
-        iterations_per_epoch=args.iterations_per_epoch or defaults.iterations_per_epoch,
-        val_iterations=args.val_iterations or defaults.val_iterations,
-        seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
+        **given, seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
         loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
         time_budget_s=args.time_budget,
     )
@@ -332,7 +422,7 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         logging.getLogger().setLevel(logging.WARNING)
         progress = False
     with process_group(distributed):
-        train(ws, config, _fold(args.fold), run, progress=progress, distributed=distributed)
+        train(ws, config, args.fold, run, progress=progress, distributed=distributed)
     return 0
 
 

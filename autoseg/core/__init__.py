@@ -3,6 +3,6 @@ artifacts and atomic writes, the workspace's paths and splits, what the machine 
 over it (``resources.processes_for``: process and worker counts from a RAM budget; torch threads), and the
 process pool that runs cases.
 
-Owns: ``units``, ``precision``, ``spacing``, ``artifacts``, ``workspace``, ``resources``, ``workers``.
+Owns: ``errors``, ``units``, ``precision``, ``spacing``, ``artifacts``, ``workspace``, ``resources``, ``workers``.
 Imports: no other autoseg package.
 """

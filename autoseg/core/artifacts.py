@@ -21,10 +21,12 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from autoseg.core.errors import InputError
+
 T = TypeVar("T")
 
 
-class ArtifactError(ValueError):
+class ArtifactError(InputError):
     """An artifact file is missing, malformed or of an unknown schema version."""
 
 

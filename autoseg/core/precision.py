@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import torch
 
+from autoseg.core.errors import InputError
+
 PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast_dtype(precision: str) -> torch.dtype | None:
     """The autocast dtype of ``precision`` (None: fp32, no autocast); an unknown name says what to use."""
     if precision not in PRECISIONS:
-        raise ValueError(f"precision {precision!r} is not known; use one of {sorted(PRECISIONS)}")
+        raise InputError(f"precision {precision!r} is not known; use one of {sorted(PRECISIONS)}")
     return PRECISIONS[precision]
 
 

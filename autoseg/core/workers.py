@@ -18,10 +18,12 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+from autoseg.core.errors import RunError
+
 _STARTED = None  # in a worker: the queue on which it announces (key, pid) before each task
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(RunError):
     """A worker process died (killed by the OS, usually for lack of memory).
 
     ``in_flight``: key -> exit code (negative: killed by that signal; None: unknown) of the task(s) whose

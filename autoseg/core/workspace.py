@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.core.artifacts import Artifact, ArtifactError
+from autoseg.core.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ def make_splits(case_ids: list[str], num_folds: int = 5, seed: int = 12345) -> S
     """Seeded k-fold split of the sorted case ids (each case in exactly one validation fold)."""
     ids = sorted(case_ids)
     if len(ids) < 2:
-        raise ValueError(f"need at least 2 training cases for a train/validation split, found {len(ids)}")
+        raise InputError(f"need at least 2 training cases for a train/validation split, found {len(ids)}")
     k = min(num_folds, len(ids))
     order = np.random.default_rng(seed).permutation(len(ids))
     chunks = np.array_split(order, k)

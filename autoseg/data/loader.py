@@ -32,6 +32,7 @@ import torch
 from threadpoolctl import ThreadpoolController
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from autoseg.core.errors import InputError, RunError
 from autoseg.core.resources import processes_for
 from autoseg.core.units import GiB, MiB
 from autoseg.data.augment import Augmenter
@@ -59,7 +60,7 @@ def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) ->
     """Fail with advice if ``folder`` has less than ``nbytes`` free."""
     free = _free_shared_memory(folder)
     if free is not None and nbytes > free:
-        raise RuntimeError(
+        raise RunError(
             f"the training loader's {workers} worker(s) need {nbytes / MiB:.0f} MiB of shared memory for their "
             f"batch slots, but {folder} has {free / MiB:.0f} MiB free; enlarge it (Docker: --shm-size="
             f"{math.ceil(2 * nbytes / GiB)}g) or train with fewer --loader-workers (0 builds the batches in "
@@ -170,7 +171,7 @@ class BatchLoader:
     def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig, seed: int,
                  num_workers: int = 0, queue_depth: int = 2, pin_memory: bool = False) -> None:
         if num_workers < 0 or queue_depth < 1:
-            raise ValueError(f"need num_workers >= 0 and queue_depth >= 1; got {num_workers}, {queue_depth}")
+            raise InputError(f"need num_workers >= 0 and queue_depth >= 1; got {num_workers}, {queue_depth}")
         folder = Path(folder)
         probe = PatchSampler(folder, case_ids, config, np.random.default_rng(0))  # fail here, not in a worker
         self.config, self.num_workers, self.queue_depth = config, num_workers, queue_depth
@@ -208,7 +209,14 @@ class BatchLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._iterator is None:
             raise RuntimeError("this BatchLoader is closed; create a new one")
-        item = next(self._iterator)
+        try:
+            item = next(self._iterator)
+        except RuntimeError as e:
+            if "exited unexpectedly" not in str(e):  # torch's words for a worker that died
+                raise
+            raise RunError(f"a training loader worker died ({e}); the usual cause is the out-of-memory killer: "
+                           f"train with fewer --loader-workers (now {self.num_workers}; 0 builds batches in the "
+                           "training process)") from e
         if self._slots is None:
             return {k: v.pin_memory() for k, v in item.items()} if self.pin_memory else item
         return self._slots.take(*item, pin_memory=self.pin_memory)

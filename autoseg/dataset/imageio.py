@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import SimpleITK as sitk
 
+from autoseg.core.errors import InputError
+
 SUPPORTED_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd")
 
 
@@ -74,7 +76,7 @@ def read_geometry(path: str | Path) -> Geometry:
     try:
         reader.ReadImageInformation()
     except RuntimeError as e:
-        raise ValueError(f"{path}: SimpleITK cannot read this image header ({_first_line(e)})") from e
+        raise InputError(f"{path}: SimpleITK cannot read this image header ({_first_line(e)})") from e
     return Geometry(
         ndim=reader.GetDimension(),
         size_xyz=tuple(int(v) for v in reader.GetSize()),
@@ -90,14 +92,14 @@ def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.nd
     try:
         image = sitk.ReadImage(str(path))
     except RuntimeError as e:
-        raise ValueError(f"{path}: SimpleITK cannot read this image ({_first_line(e)})") from e
+        raise InputError(f"{path}: SimpleITK cannot read this image ({_first_line(e)})") from e
     if image.GetNumberOfComponentsPerPixel() != 1:
-        raise ValueError(
+        raise InputError(
             f"{path}: has {image.GetNumberOfComponentsPerPixel()} components per voxel; autoseg expects one "
             "channel per file ({case}_0000, {case}_0001, ...) as in the nnU-Net dataset format"
         )
     if image.GetDimension() not in (2, 3):
-        raise ValueError(f"{path}: {image.GetDimension()}D images are not supported (2D or 3D only)")
+        raise InputError(f"{path}: {image.GetDimension()}D images are not supported (2D or 3D only)")
     geometry = Geometry(
         ndim=image.GetDimension(),
         size_xyz=tuple(int(v) for v in image.GetSize()),
@@ -116,7 +118,7 @@ def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> 
     from autoseg.core.artifacts import atomic_path
 
     if tuple(array_zyx.shape) != geometry.shape_zyx:
-        raise ValueError(f"{path}: array shape {array_zyx.shape} does not match geometry {geometry.shape_zyx}")
+        raise InputError(f"{path}: array shape {array_zyx.shape} does not match geometry {geometry.shape_zyx}")
     data = array_zyx[0] if geometry.ndim == 2 else array_zyx
     image = sitk.GetImageFromArray(np.ascontiguousarray(data))
     image.SetSpacing(geometry.spacing_xyz)

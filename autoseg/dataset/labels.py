@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from autoseg.core.errors import InputError
+
 if TYPE_CHECKING:  # torch is imported where tensors are handled: dataset readers and workers do without it
     import torch
 
@@ -31,7 +33,7 @@ LabelValue = int | tuple[int, ...]  # a class's value, or a region's values
 IGNORE = "ignore"
 
 
-class LabelError(ValueError):
+class LabelError(InputError):
     """The labels (and regions_class_order) of a dataset.json or plans.json break the format's rules."""
 
 

@@ -19,11 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
+from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import SUPPORTED_ENDINGS, Geometry, read_geometry, read_image, supported_ending
 from autoseg.dataset.labels import LabelError, LabelScheme, LabelValue
 
 
-class DatasetError(ValueError):
+class DatasetError(InputError):
     """The raw dataset does not follow the expected layout or its data is inconsistent."""
 
 

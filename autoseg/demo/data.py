@@ -22,6 +22,7 @@ import numpy as np
 from scipy.ndimage import gaussian_filter
 
 from autoseg.core.artifacts import write_json
+from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry, write_image
 
 DEMO_DATASET_NAME = "AutosegDemo"
@@ -183,12 +184,12 @@ def _bias_field(rng: np.random.Generator, coords_mm: list[np.ndarray], half_exte
 
 def _check_args(num_train: int, num_test: int, shape_zyx: tuple[int, ...], num_label_values: int) -> None:
     if num_train < 1 or num_test < 0:
-        raise ValueError(f"need num_train >= 1 and num_test >= 0; got num_train={num_train}, "
+        raise InputError(f"need num_train >= 1 and num_test >= 0; got num_train={num_train}, "
                          f"num_test={num_test}")
     if len(shape_zyx) != 3 or min(shape_zyx) < 8:
-        raise ValueError(f"shape_zyx must be 3 sizes of at least 8 voxels (z, y, x); got {tuple(shape_zyx)}")
+        raise InputError(f"shape_zyx must be 3 sizes of at least 8 voxels (z, y, x); got {tuple(shape_zyx)}")
     if num_label_values not in (2, 3):
-        raise ValueError(f"num_label_values must be 2 (background, organ) or 3 (+ lesion); got {num_label_values}")
+        raise InputError(f"num_label_values must be 2 (background, organ) or 3 (+ lesion); got {num_label_values}")
 
 
 def _prepare_folder(out: Path) -> None:
@@ -201,7 +202,7 @@ def _prepare_folder(out: Path) -> None:
     except (OSError, json.JSONDecodeError, AttributeError):
         is_demo = False
     if not is_demo:
-        raise ValueError(f"{out}: folder is not empty and is not an autoseg demo dataset; "
+        raise InputError(f"{out}: folder is not empty and is not an autoseg demo dataset; "
                          "pass a new or empty folder for the demo data")
     meta_path.unlink()  # written again last, so an interrupted run leaves no dataset.json behind
     for sub in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):

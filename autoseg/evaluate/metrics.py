@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 
 from autoseg.core.artifacts import Artifact, read_json, to_dict, write_json
+from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import read_geometry, read_image
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
 
 
-class EvaluationError(ValueError):
+class EvaluationError(InputError):
     """Predictions and references cannot be compared (missing files, different geometry, bad values)."""
 
 

@@ -20,6 +20,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes, worker_bytes
@@ -131,7 +132,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
     config = plans.configuration(config_name)  # KeyError naming the available configurations
     device = device or config.device
     if device not in DEVICES:
-        raise ValueError(f"device {device!r} is not modelled; use one of {list(DEVICES)} (--device)")
+        raise InputError(f"device {device!r} is not modelled; use one of {list(DEVICES)} (--device)")
     precision = effective_precision(config.precision, device)
     budget_name, budget = ("GPU memory", plans.gpu_memory_bytes) if device == "cuda" else \
         ("host RAM", plans.host_ram_bytes)

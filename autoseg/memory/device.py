@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from autoseg.core.errors import InputError
 from autoseg.core.units import MiB
 
 CUDA_BLOCK_BYTES = 512
@@ -47,7 +48,7 @@ def predict_device_peak(memory: PeakMemory, device: str = "cuda") -> dict[str, i
     cpu: ``tensors``, ``runtime``.
     """
     if device not in DEVICES:
-        raise ValueError(f"device {device!r} is not modelled; use one of {list(DEVICES)}")
+        raise InputError(f"device {device!r} is not modelled; use one of {list(DEVICES)}")
     tensors = int(memory.peak_bytes)
     if device == "cpu":
         terms = {"tensors": tensors, "runtime": CPU_RUNTIME_BYTES}

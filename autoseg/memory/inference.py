@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import autocast_dtype
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
@@ -104,10 +105,10 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     The tile batch is at most the number of tiles.
     """
     if num_outputs != topology.num_outputs:
-        raise ValueError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
+        raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
                          "pass the plan's number of classes (labels in dataset.json)")
     if len(patch_size) != topology.dim:
-        raise ValueError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
+        raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
                          f"{topology.dim}D")
     num_tiles = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles
     batch = min(tile_batch_size, num_tiles)

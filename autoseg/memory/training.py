@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import autocast_dtype
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.tracker import StorageTracker
@@ -90,7 +91,7 @@ class StepConfig:
         check_step_arguments(self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer,
                              self.accumulation_steps)
         if self.labels is not None and self.labels.num_outputs != self.topology.num_outputs:
-            raise ValueError(f"the labels have {self.labels.num_outputs} network outputs but the topology has "
+            raise InputError(f"the labels have {self.labels.num_outputs} network outputs but the topology has "
                              f"num_outputs {self.topology.num_outputs}; plan with the same dataset.json labels")
 
     @property
@@ -103,16 +104,16 @@ def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size:
     """Raise ``ValueError`` naming the argument to change."""
     autocast_dtype(precision)  # an unknown name says what to use
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer {optimizer!r} is not known; use one of {list(OPTIMIZERS)}")
+        raise InputError(f"optimizer {optimizer!r} is not known; use one of {list(OPTIMIZERS)}")
     if batch_size < 1 or accumulation_steps < 1:
-        raise ValueError(f"batch_size ({batch_size}) and accumulation_steps ({accumulation_steps}) "
+        raise InputError(f"batch_size ({batch_size}) and accumulation_steps ({accumulation_steps}) "
                          "must be >= 1")
     divisor = topology.patch_divisor()
     if len(patch_size) != topology.dim or any(p < 1 or p % d for p, d in zip(patch_size, divisor)):
-        raise ValueError(f"patch_size {tuple(patch_size)} does not fit the {topology.dim}D network: expected "
+        raise InputError(f"patch_size {tuple(patch_size)} does not fit the {topology.dim}D network: expected "
                          f"{topology.dim} sizes, each a multiple of {divisor} (the product of the strides)")
     if math.prod(p // d for p, d in zip(patch_size, divisor)) < 2:
-        raise ValueError(f"patch_size {tuple(patch_size)} leaves one voxel at the lowest resolution, where "
+        raise InputError(f"patch_size {tuple(patch_size)} leaves one voxel at the lowest resolution, where "
                          f"instance norm cannot train; make at least one axis a larger multiple of {divisor}")
 
 

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autoseg.core.errors import InputError
+
 __all__ = ["DistributedContext", "PeerOutOfMemoryError", "Ranks", "SINGLE_PROCESS", "all_reduce_sum", "backend_for",
            "process_group", "rank_batch", "torchrun_command"]
 
@@ -53,10 +55,10 @@ class DistributedContext:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or not 0 <= self.local_rank < self.local_world_size:
-            raise ValueError(f"rank {self.rank} / local rank {self.local_rank} outside world size {self.world_size}"
+            raise InputError(f"rank {self.rank} / local rank {self.local_rank} outside world size {self.world_size}"
                              f" / local world size {self.local_world_size}; launch through torchrun")
         if self.backend not in ("nccl", "gloo"):
-            raise ValueError(f"backend {self.backend!r}: expected 'nccl' (CUDA) or 'gloo' (CPU)")
+            raise InputError(f"backend {self.backend!r}: expected 'nccl' (CUDA) or 'gloo' (CPU)")
 
     @property
     def is_main(self) -> bool:
@@ -89,7 +91,7 @@ def rank_batch(batch_size: int, accumulation_steps: int, world_size: int) -> tup
     ``world_size * micro-batch * accumulation``: G when N divides G, else the next multiple of N.
     """
     if min(batch_size, accumulation_steps, world_size) < 1:
-        raise ValueError(f"batch {batch_size} x {accumulation_steps} accumulation on {world_size} ranks: all "
+        raise InputError(f"batch {batch_size} x {accumulation_steps} accumulation on {world_size} ranks: all "
                          "must be >= 1")
     share = -(-batch_size * accumulation_steps // world_size)
     micro = max(b for b in range(1, min(batch_size, share) + 1) if share % b == 0)

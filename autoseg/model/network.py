@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autoseg.core.errors import InputError
 from autoseg.model.topology import NetworkTopology
 
 _CONV = {2: nn.Conv2d, 3: nn.Conv3d}
@@ -36,31 +37,31 @@ def validate_topology(topology: NetworkTopology) -> None:
     """Raise ``ValueError`` naming the field of the topology (``network`` in plans.json) that is wrong."""
     where = "NetworkTopology (the 'network' entry of a configuration in plans.json)"
     if topology.dim not in (2, 3):
-        raise ValueError(f"{where}: dim is {topology.dim}; expected 2 or 3")
+        raise InputError(f"{where}: dim is {topology.dim}; expected 2 or 3")
     n = topology.num_stages
     if n < 2:
-        raise ValueError(f"{where}: features_per_stage has {n} stage(s); a U-Net needs at least 2")
+        raise InputError(f"{where}: features_per_stage has {n} stage(s); a U-Net needs at least 2")
     if len(topology.kernel_sizes) != n or len(topology.strides) != n:
-        raise ValueError(f"{where}: features_per_stage has {n} stages but kernel_sizes has "
+        raise InputError(f"{where}: features_per_stage has {n} stages but kernel_sizes has "
                          f"{len(topology.kernel_sizes)} and strides {len(topology.strides)}; "
                          "give one per stage")
     for name in ("kernel_sizes", "strides"):
         for s, values in enumerate(getattr(topology, name)):
             if len(values) != topology.dim or any(v < 1 for v in values):
-                raise ValueError(f"{where}: {name}[{s}] is {tuple(values)}; expected {topology.dim} "
+                raise InputError(f"{where}: {name}[{s}] is {tuple(values)}; expected {topology.dim} "
                                  "positive integers (one per spatial axis)")
     for s, kernel in enumerate(topology.kernel_sizes):
         if any(k % 2 == 0 for k in kernel):
-            raise ValueError(f"{where}: kernel_sizes[{s}] is {tuple(kernel)}; kernels must be odd so that "
+            raise InputError(f"{where}: kernel_sizes[{s}] is {tuple(kernel)}; kernels must be odd so that "
                              "padding k // 2 keeps the spatial size")
     if any(v != 1 for v in topology.strides[0]):
-        raise ValueError(f"{where}: strides[0] is {tuple(topology.strides[0])}; the first stage works at "
+        raise InputError(f"{where}: strides[0] is {tuple(topology.strides[0])}; the first stage works at "
                          "full resolution, so its stride must be all ones")
     if min(topology.features_per_stage) < 1 or topology.in_channels < 1 or topology.num_outputs < 1:
-        raise ValueError(f"{where}: features_per_stage {topology.features_per_stage}, in_channels "
+        raise InputError(f"{where}: features_per_stage {topology.features_per_stage}, in_channels "
                          f"{topology.in_channels} and num_outputs {topology.num_outputs} must all be >= 1")
     if topology.conv_per_stage < 1:
-        raise ValueError(f"{where}: conv_per_stage is {topology.conv_per_stage}; expected >= 1")
+        raise InputError(f"{where}: conv_per_stage is {topology.conv_per_stage}; expected >= 1")
 
 
 def conv_block(dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...],
@@ -190,6 +191,6 @@ def build_network(topology: NetworkTopology, checkpointing: bool = False) -> nn.
     """Create the network the topology names (``topology.architecture``, a key of ``NETWORKS``), freshly
     initialized."""
     if topology.architecture not in NETWORKS:
-        raise ValueError(f"network architecture {topology.architecture!r} (the 'network' entry of a configuration "
+        raise InputError(f"network architecture {topology.architecture!r} (the 'network' entry of a configuration "
                          f"in plans.json) is not known; use one of {sorted(NETWORKS)}")
     return NETWORKS[topology.architecture](topology, checkpointing)

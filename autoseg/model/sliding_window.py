@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
 
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
@@ -362,7 +363,7 @@ def _check_args(
         raise ValueError(f"num_outputs must be >= 1; got {num_outputs}")
     _check_step_fraction(step_fraction)
     if tile_batch_size < 1:
-        raise ValueError(f"tile_batch_size must be >= 1; got {tile_batch_size}")
+        raise InputError(f"tile_batch_size must be >= 1; got {tile_batch_size}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}; got {precision!r}")
     if len(set(mirror_axes)) != len(mirror_axes) or any(not 0 <= a < len(patch) for a in mirror_axes):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import autocast_dtype
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, PeerOutOfMemoryError, Ranks
@@ -51,7 +52,7 @@ class OptimizerSettings:
                                    weight_decay=self.weight_decay, foreach=True)
         if self.name == "adamw":
             return torch.optim.AdamW(params, lr=self.initial_lr, weight_decay=self.weight_decay, foreach=True)
-        raise ValueError(f"OptimizerSettings.name {self.name!r} is not known; use 'sgd' or 'adamw'")
+        raise InputError(f"OptimizerSettings.name {self.name!r} is not known; use 'sgd' or 'adamw'")
 
 
 OPTIMIZERS: dict[str, OptimizerSettings] = {

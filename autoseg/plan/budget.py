@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
 from autoseg.core.units import GiB
 
@@ -36,13 +37,13 @@ class Budget:
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
-            raise ValueError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
+            raise InputError(f"Budget.device {self.device!r}: use 'cuda' or 'cpu'")
         if not 0.0 <= self.safety_margin < 0.5:
-            raise ValueError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
+            raise InputError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
         if self.precision is not None and self.precision not in PRECISIONS:
-            raise ValueError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
+            raise InputError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
         if self.device == "cpu" and self.precision not in (None, "fp32"):
-            raise ValueError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
+            raise InputError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
                              "leave Budget.precision unset for device 'cpu'")
 
     @property

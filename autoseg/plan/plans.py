@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from autoseg.core.artifacts import Artifact
+from autoseg.core.errors import InputError
 from autoseg.core.spacing import compute_new_shape
 from autoseg.dataset.labels import LabelScheme, LabelValue
 from autoseg.model.topology import NetworkTopology
@@ -121,5 +122,5 @@ class Plans(Artifact):
 
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:
-            raise KeyError(f"no configuration {name!r} in the plans; available: {sorted(self.configurations)}")
+            raise InputError(f"no configuration {name!r} in the plans; available: {sorted(self.configurations)}")
         return self.configurations[name]

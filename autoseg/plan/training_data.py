@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoseg.core.errors import InputError
 from autoseg.plan.plans import ConfigurationPlan
 
 
@@ -64,20 +65,20 @@ class LoaderConfig:
         if self.mirror_axes is not None:
             object.__setattr__(self, "mirror_axes", tuple(int(a) for a in self.mirror_axes))
         if len(self.patch_size) not in (2, 3) or min(self.patch_size) < 1:
-            raise ValueError(f"patch_size must be (y, x) or (z, y, x), positive; got {self.patch_size}")
+            raise InputError(f"patch_size must be (y, x) or (z, y, x), positive; got {self.patch_size}")
         if self.batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+            raise InputError(f"batch_size must be >= 1, got {self.batch_size}")
         if not 0.0 <= self.oversample_foreground <= 1.0:
-            raise ValueError(f"oversample_foreground must be in [0, 1], got {self.oversample_foreground}")
+            raise InputError(f"oversample_foreground must be in [0, 1], got {self.oversample_foreground}")
         if self.dummy_2d and self.dim != 3:
-            raise ValueError("dummy_2d applies to 3D patches (z, y, x); set dummy_2d=False for a 2D patch")
+            raise InputError("dummy_2d applies to 3D patches (z, y, x); set dummy_2d=False for a 2D patch")
         if any(not 0 <= a < self.dim for a in self.mirror_axes_effective):
-            raise ValueError(
+            raise InputError(
                 f"mirror_axes {self.mirror_axes} out of range for a {self.dim}D patch (0..{self.dim - 1})")
         if len(self.scale_range) != 2 or not 0 < self.scale_range[0] <= self.scale_range[1]:
-            raise ValueError(f"scale_range must be (low, high) with 0 < low <= high, got {self.scale_range}")
+            raise InputError(f"scale_range must be (low, high) with 0 < low <= high, got {self.scale_range}")
         if self.order_data not in (0, 1, 3) or self.order_seg not in (0, 1):
-            raise ValueError(f"order_data must be 0, 1 or 3 and order_seg 0 or 1; got {self.order_data}, "
+            raise InputError(f"order_data must be 0, 1 or 3 and order_seg 0 or 1; got {self.order_data}, "
                              f"{self.order_seg}")
 
     @property
@@ -144,10 +145,10 @@ def enlarged_patch_size(
     """
     patch = tuple(int(p) for p in patch_size)
     if dummy_2d and len(patch) != 3:
-        raise ValueError(f"dummy_2d needs a 3D patch (z, y, x), got {patch}")
+        raise InputError(f"dummy_2d needs a 3D patch (z, y, x), got {patch}")
     spatial = patch[1:] if dummy_2d else patch
     if len(spatial) not in (2, 3):
-        raise ValueError(f"patch size must have 2 or 3 entries, got {patch}")
+        raise InputError(f"patch size must have 2 or 3 entries, got {patch}")
     rotations = _rotation_grid(len(spatial), math.radians(min(abs(rotation_deg), 180.0)))
     size = box_size(spatial, rotations.transpose(0, 2, 1) * max(1.0, float(max(scale_range))))
     return (patch[0], *size) if dummy_2d else size

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import choose_cpu_threads
 from autoseg.core.workspace import Workspace
@@ -36,7 +37,7 @@ log = logging.getLogger("autoseg")
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
     if not checkpoint_path.is_file():
-        raise FileNotFoundError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
+        raise InputError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
     state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
     network = build_network(config.network)
     network.load_state_dict(state["network"])
@@ -52,7 +53,7 @@ def export_segmentation(probabilities: torch.Tensor, props: CaseProperties,
     num_outputs = probabilities.shape[0]
     scheme = scheme or LabelScheme.for_outputs(num_outputs)
     if scheme.num_outputs != num_outputs:
-        raise ValueError(f"{num_outputs} probability maps for labels with {scheme.num_outputs} outputs")
+        raise InputError(f"{num_outputs} probability maps for labels with {scheme.num_outputs} outputs")
     best_score = None
     labels = np.zeros(props.shape_after_crop, dtype=scheme.export_dtype())
     for k in range(num_outputs):
@@ -101,7 +102,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     if folds is None:
         folds = workspace.trained_folds(config_name, checkpoint)
         if not folds:
-            raise FileNotFoundError(f"{workspace.root / 'results' / config_name}: no trained fold with "
+            raise InputError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
     networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
                 for f in folds]

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from autoseg.core.errors import InputError
 from autoseg.plan.plans import IntensityProperties
 
 EPS = 1e-8
@@ -58,7 +59,7 @@ def _mean_std(image: np.ndarray, mask: np.ndarray | None) -> tuple[float, float]
 
 def _ct(image: np.ndarray, mask: np.ndarray | None, props: IntensityProperties | None) -> np.ndarray:
     if props is None:
-        raise ValueError(
+        raise InputError(
             "CT normalization needs the dataset's foreground intensity properties (mean, std, percentiles); "
             "got props=None. Pass plans.intensity_properties[channel]."
         )
@@ -113,7 +114,7 @@ def normalize(
     float32 ``image`` is modified in place and returned.
     """
     if scheme not in NORMALIZERS:
-        raise ValueError(f"unknown normalization scheme {scheme!r}; known schemes: {sorted(NORMALIZERS)}")
+        raise InputError(f"unknown normalization scheme {scheme!r}; known schemes: {sorted(NORMALIZERS)}")
     if image.ndim != 3:
         raise ValueError(f"normalize expects one channel (Z, Y, X); got an array of shape {image.shape}")
     if mask is not None and (mask.shape != image.shape or mask.dtype != bool):

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import ndimage
 
+from autoseg.core.errors import InputError
+
 SLAB_VOXELS = 1 << 20  # output voxels interpolated per call: coordinates 3 x 4 bytes each (12 MiB)
 
 
@@ -54,11 +56,11 @@ class PrecomputeConfig:
 
     def __post_init__(self) -> None:
         if self.num_copies < 0:
-            raise ValueError(f"num_copies must be >= 0 (--precompute-augmentations); got {self.num_copies}")
+            raise InputError(f"num_copies must be >= 0 (--precompute-augmentations); got {self.num_copies}")
         if not 0 < self.scale_range[0] <= self.scale_range[1]:
-            raise ValueError(f"scale_range must be (low, high) with 0 < low <= high; got {self.scale_range}")
+            raise InputError(f"scale_range must be (low, high) with 0 < low <= high; got {self.scale_range}")
         if self.order_seg not in (0, 1):
-            raise ValueError(f"order_seg must be 0 (nearest) or 1 (linear per label); got {self.order_seg}")
+            raise InputError(f"order_seg must be 0 (nearest) or 1 (linear per label); got {self.order_seg}")
 
 
 @dataclass(frozen=True)

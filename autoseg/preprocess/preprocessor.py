@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from autoseg.core.artifacts import remove_stale_temporaries, write_json
+from autoseg.core.errors import InputError
 from autoseg.core.resources import proc_field_bytes
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, MiB
@@ -181,7 +182,7 @@ def run_case(task: CaseTask) -> CaseResult:
     data, seg, geometry = load_case(case)
     data, seg, props = preprocess_case(data, seg, geometry, plans, task.config, case.case_id)
     if seg is None:
-        raise ValueError(f"case {case.case_id!r} has no label file; training cases need one in labelsTr/")
+        raise InputError(f"case {case.case_id!r} has no label file; training cases need one in labelsTr/")
     seg = seg.astype(label_map_dtype(plans.num_label_values), copy=False)
     crc = zlib.crc32(case.case_id.encode())
     per_slice = class_voxels_per_slice(seg, plans.num_label_values)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.core.artifacts import Artifact, ArtifactError, atomic_save_npy
+from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry
 from autoseg.preprocess.precompute import SpatialParams
 
@@ -225,7 +226,7 @@ class StoredCase:
         path = self.files(copy).locations
         rows = np.load(path)
         if rows.ndim != 2 or rows.shape[1] != 4:
-            raise ValueError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; "
+            raise InputError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; "
                              "re-run preprocessing")
         return {str(c): rows[rows[:, 0] == c, 1:] for c in np.unique(rows[:, 0])}
 
@@ -234,7 +235,7 @@ def open_case(folder: str | Path, case_id: str) -> StoredCase:
     """The case ``case_id`` in ``folder``; ``FileNotFoundError`` naming its missing files if incomplete."""
     missing = missing_files(folder, case_id)
     if missing:
-        raise FileNotFoundError(
+        raise InputError(
             f"preprocessed case {case_id!r} in {folder} is incomplete, missing {[str(p) for p in missing]}; "
             "run preprocessing again (a case without <case>.json is incomplete)")
     return StoredCase(Path(folder), case_id)

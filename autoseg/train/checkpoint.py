@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from autoseg.core.artifacts import atomic_path, to_dict
+from autoseg.core.errors import InputError
 from autoseg.plan.plans import ConfigurationPlan, upgrade_network_payload
 
 CHECKPOINT_VERSION = 2
@@ -90,10 +91,10 @@ def save_checkpoint(path: Path, network: torch.nn.Module, optimizer: torch.optim
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``); JSON fields decoded."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: nothing to resume; start the fold without --resume")
+        raise InputError(f"{path} not found: nothing to resume; start the fold without --resume")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("version") != CHECKPOINT_VERSION:
-        raise ValueError(f"{path} was written by another version of autoseg (checkpoint version "
+        raise InputError(f"{path} was written by another version of autoseg (checkpoint version "
                          f"{state.get('version')}, expected {CHECKPOINT_VERSION}); train the fold again "
                          "without --resume")
     state["metrics"] = json.loads(state.pop("metrics_json"))
@@ -107,11 +108,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
 def check_same_plan(state: dict[str, Any], config: ConfigurationPlan, config_name: str, path: Path) -> None:
     """Raise ``ValueError`` naming the fields where plans.json's configuration differs from the checkpoint's."""
     if state["config"] != config_name:
-        raise ValueError(f"{path} belongs to configuration {state['config']!r}, not {config_name!r}")
+        raise InputError(f"{path} belongs to configuration {state['config']!r}, not {config_name!r}")
     saved, now = json.loads(state["plan_configuration"]), json.loads(plan_configuration_json(config))
     upgrade_network_payload(saved.get("network", {}))  # a checkpoint written before plans schema 3
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
-        raise ValueError(f"plans.json's configuration {config_name!r} differs from the one {path} was trained "
+        raise InputError(f"plans.json's configuration {config_name!r} differs from the one {path} was trained "
                          f"with ({details}); restore the plan, or train the fold again without --resume")

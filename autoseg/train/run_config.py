@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoseg.core.errors import InputError
 from autoseg.model.step import OPTIMIZERS, OptimizerSettings
 
 
@@ -37,3 +38,13 @@ class RunConfig:
     cpu_threads: int | None = None
     stop_after_epochs: int | None = None  # testing aid
     inject_oom_at_step: int | None = None  # testing aid
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "iterations_per_epoch", "val_iterations"):
+            if getattr(self, name) < 1:
+                raise InputError(f"RunConfig.{name} is {getattr(self, name)}; it must be at least 1 "
+                                 f"(--{name.replace('_', '-')})")
+        if self.loader_workers is not None and self.loader_workers < 0:
+            raise InputError(f"RunConfig.loader_workers is {self.loader_workers}; give 0 or more (--loader-workers)")
+        if self.time_budget_s is not None and not self.time_budget_s > 0:
+            raise InputError(f"RunConfig.time_budget_s is {self.time_budget_s}; give a positive time (--time-budget)")

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoseg.core.errors import InputError
 from autoseg.model.sliding_window import tile_layout
 
 log = logging.getLogger("autoseg.train.trainer")
@@ -35,10 +36,10 @@ def parse_duration(text: str) -> float:
     parts = re.findall(r"([0-9]*\.?[0-9]+)([hms]?)", compact)
     if not compact or "".join(v + u for v, u in parts) != compact or \
             (len(parts) > 1 and any(not u for _, u in parts)):
-        raise ValueError(f"cannot read {text!r} as a duration; use e.g. 2h, 30m, 90s or 1h30m")
+        raise InputError(f"cannot read {text!r} as a duration; use e.g. 2h, 30m, 90s or 1h30m")
     seconds = sum(float(v) * _UNIT_SECONDS[u or "s"] for v, u in parts)
     if seconds <= 0:
-        raise ValueError(f"the time budget must be positive; got {text!r}")
+        raise InputError(f"the time budget must be positive; got {text!r}")
     return seconds
 
 

@@ -29,6 +29,7 @@ import torch
 from tqdm import tqdm
 
 from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import choose_cpu_threads, cpu_count
 from autoseg.core.workspace import Workspace, load_or_create_splits
@@ -58,16 +59,16 @@ def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple
     folder = workspace.require(workspace.preprocessed(config_name), "plan_and_preprocess")
     case_ids = list_cases(folder)
     if not case_ids:
-        raise FileNotFoundError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
+        raise InputError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
     for case_id in case_ids:  # a case never silently leaves the folds
         if missing := missing_files(folder, case_id):
-            raise FileNotFoundError(f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
+            raise InputError(f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
                                     "run `autoseg plan_and_preprocess` again (it redoes incomplete cases)")
     splits = load_or_create_splits(workspace, case_ids)
     if fold == "all":
         return case_ids, case_ids
     if not 0 <= int(fold) < len(splits.folds):
-        raise ValueError(f"fold {fold} does not exist; {workspace.splits_path} has folds 0..{len(splits.folds) - 1}")
+        raise InputError(f"fold {fold} does not exist; {workspace.splits_path} has folds 0..{len(splits.folds) - 1}")
     split = splits.folds[int(fold)]
     return list(split.train), list(split.val)
 
@@ -87,7 +88,7 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
         resumed = load_checkpoint(latest)
         check_same_plan(resumed, config, config_name, latest)
         if resumed["world_size"] != distributed.world_size:
-            raise ValueError(f"{latest} was trained on {resumed['world_size']} process(es), this run has "
+            raise InputError(f"{latest} was trained on {resumed['world_size']} process(es), this run has "
                              f"{distributed.world_size} (the micro-batches and data streams are per process); "
                              f"resume with --gpus {resumed['world_size']}, or train again without --resume")
     out.mkdir(parents=True, exist_ok=True)
@@ -236,7 +237,7 @@ def _choose_data_pipeline(ctx: _Context) -> None:
                         ctx.loader_workers, node_share, ctx.loader_workers)
     copies = precomputed_copies(folder, ctx.job.train_ids)
     if run.use_precomputed and copies == 0:
-        raise ValueError(f"{folder}: some training cases have no precomputed augmented copies; run "
+        raise InputError(f"{folder}: some training cases have no precomputed augmented copies; run "
                          "`autoseg plan_and_preprocess --precompute-augmentations K` or train without "
                          "--use-precomputed")
     ctx.use_precomputed = copies > 0 if run.use_precomputed is None else run.use_precomputed

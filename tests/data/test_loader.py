@@ -14,6 +14,7 @@ from factories import make_cases
 
 import autoseg.data.loader as batch_loader_module
 import autoseg.data.sampler as loader_module
+from autoseg.core.errors import InputError
 from autoseg.data.loader import BatchLoader, _Slots, workers_for_shared_memory
 from autoseg.memory.host import WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
 from autoseg.plan.training_data import LoaderConfig
@@ -49,7 +50,7 @@ def test_worker_error_is_reraised(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_cases=1)
     with BatchLoader(tmp_path, ids, LoaderConfig((8, 16, 16), batch_size=1), seed=0, num_workers=1) as loader:
         case_files(tmp_path, "case_0").seg.unlink()  # vanishes after the loader checked it
-        with pytest.raises(FileNotFoundError, match="case_0_seg.npy"):
+        with pytest.raises(InputError, match="case_0_seg.npy"):
             next(loader)
 
 

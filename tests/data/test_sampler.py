@@ -10,6 +10,7 @@ import torch
 from batchgenerators.augmentations.utils import create_zero_centered_coordinate_mesh, rotate_coords_3d
 from factories import make_cases, write_case
 
+from autoseg.core.errors import InputError
 from autoseg.data.augment import Augmenter
 from autoseg.data.augment_spatial import PatchSpatialTransform, draw_patch_transform, read_size
 from autoseg.data.loader import BatchLoader
@@ -180,7 +181,7 @@ def test_same_seed_same_batches_and_replay_from_seed(tmp_path: Path) -> None:
 def test_errors_say_what_to_change(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_cases=1)
     properties_path(tmp_path, "case_0").unlink()
-    with pytest.raises(FileNotFoundError, match="case_0.json.*run preprocessing"):
+    with pytest.raises(InputError, match="case_0.json.*run preprocessing"):
         PatchSampler(tmp_path, ids, LoaderConfig((8, 16, 16), 1), np.random.default_rng(0))
     with pytest.raises(ValueError, match="dummy_2d"):
         LoaderConfig((16, 16), 1, dummy_2d=True)

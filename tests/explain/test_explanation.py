@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli import main
+from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.explain.explanation import Explanation, explain, next_patch_up
 from autoseg.explain.format import format_bytes, format_explanation
@@ -175,7 +176,7 @@ def test_cpu_device_uses_host_ram_and_fp32(explanation: Explanation) -> None:
 
 
 def test_unknown_configuration_and_device_say_what_exists() -> None:
-    with pytest.raises(KeyError, match="3d_fullres"):
+    with pytest.raises(InputError, match="3d_fullres"):
         explain(tiny_plans(), "2d")
     with pytest.raises(ValueError, match="cuda"):
         explain(tiny_plans(), "3d_fullres", device="tpu")

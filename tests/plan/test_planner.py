@@ -6,6 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
@@ -267,7 +268,7 @@ def test_2d_data_gets_only_a_2d_configuration() -> None:
     assert plans.normalization == ("zscore", "ct")
     assert cfg.network.in_channels == 2 and cfg.network.num_outputs == 2
     assert cfg.limited_by == "batch_cap" and cfg.batch_size == 2  # 10 small images: 5% of them is one patch
-    with pytest.raises(KeyError, match="3d_fullres"):
+    with pytest.raises(InputError, match="3d_fullres"):
         plans.configuration("3d_fullres")
 
 

@@ -11,6 +11,7 @@ import torch
 from factories import box_case, box_network
 from scipy.ndimage import maximum_filter, minimum_filter
 
+from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, write_image
@@ -139,7 +140,7 @@ def test_rotated_input_keeps_its_non_identity_direction(trained_workspace, tmp_p
 
 def test_missing_checkpoint_says_to_train(trained_workspace, tmp_path: Path) -> None:
     workspace, _, inputs = trained_workspace
-    with pytest.raises(FileNotFoundError, match="autoseg train fold"):
+    with pytest.raises(InputError, match="autoseg train fold"):
         predict(workspace, inputs, tmp_path, checkpoint="best", progress=False)
 
 

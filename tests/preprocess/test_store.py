@@ -13,6 +13,7 @@ import pytest
 from factories import case_properties
 
 from autoseg.core.artifacts import ArtifactError
+from autoseg.core.errors import InputError
 from autoseg.preprocess.precompute import SpatialParams
 from autoseg.preprocess.store import (
     AugmentedCopy,
@@ -98,7 +99,7 @@ def test_a_case_without_its_json_is_incomplete(tmp_path: Path) -> None:
     assert list_complete_cases(tmp_path) == ["copied", "done"]
     assert not is_complete(tmp_path, "killed") and is_complete(tmp_path, "done")
     assert is_complete(tmp_path, "copied", num_copies=1) and not is_complete(tmp_path, "done", num_copies=1)
-    with pytest.raises(FileNotFoundError, match=r"'killed'.*killed\.json.*run preprocessing"):
+    with pytest.raises(InputError, match=r"'killed'.*killed\.json.*run preprocessing"):
         open_case(tmp_path, "killed")
     case_files(tmp_path, "done").locations.unlink()  # an array lost: incomplete too
     assert list_complete_cases(tmp_path) == ["copied"]

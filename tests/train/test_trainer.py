@@ -9,6 +9,7 @@ import pytest
 import torch
 from factories import set_configuration
 
+from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.training import simulate_training_step
@@ -66,7 +67,7 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace: Workspa
 
 def test_resume_without_checkpoint_names_the_file(workspace: Workspace) -> None:
     missing = workspace.results(CONFIG, 0) / "checkpoint_latest.pt"
-    with pytest.raises(FileNotFoundError, match="checkpoint_latest.pt not found") as info:
+    with pytest.raises(InputError, match="checkpoint_latest.pt not found") as info:
         train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
     assert str(missing) in str(info.value)
 
@@ -208,7 +209,7 @@ def test_a_preprocessed_case_with_missing_arrays_stops_training_instead_of_leavi
     folder = workspace.preprocessed(CONFIG)
     case_id = sorted(p.stem for p in folder.glob("*.json"))[0]
     (folder / f"{case_id}_seg.npy").unlink()
-    with pytest.raises(FileNotFoundError, match=rf"case '{case_id}' is missing {case_id}_seg.npy.*plan_and_preprocess"):
+    with pytest.raises(InputError, match=rf"case '{case_id}' is missing {case_id}_seg.npy.*plan_and_preprocess"):
         trainer.fold_cases(workspace, CONFIG, 0)
 
 
