@@ -7,6 +7,9 @@ autoseg works on arrays in (z, y, x) order; SimpleITK reports spacing and origin
 
 from __future__ import annotations
 
+import gzip
+import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,13 +73,16 @@ def supported_ending(path: str | Path) -> str | None:
 
 
 def read_geometry(path: str | Path) -> Geometry:
-    """Geometry from the header only (no voxel data read)."""
+    """Geometry from the header only (no voxel data read); a NIfTI file is also checked for truncation
+    (``check_complete``)."""
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
     try:
         reader.ReadImageInformation()
     except RuntimeError as e:
-        raise InputError(f"{path}: SimpleITK cannot read this image header ({_first_line(e)})") from e
+        raise InputError(f"{path}: SimpleITK cannot read this image header ({_first_line(e)}); "
+                         "the file is damaged, truncated or not an image") from e
+    check_complete(path)
     return Geometry(
         ndim=reader.GetDimension(),
         size_xyz=tuple(int(v) for v in reader.GetSize()),
@@ -88,11 +94,14 @@ def read_geometry(path: str | Path) -> Geometry:
 
 def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.ndarray, Geometry]:
     """Read one single-component image. Returns the array, shape (Z, Y, X), in ``dtype`` (None: the file's
-    own), and its geometry."""
+    own), and its geometry. A truncated or damaged file is refused (``check_complete`` for NIfTI, which
+    SimpleITK would read with zeros in place of the missing voxels; the other formats' readers fail)."""
+    check_complete(path)
     try:
         image = sitk.ReadImage(str(path))
     except RuntimeError as e:
-        raise InputError(f"{path}: SimpleITK cannot read this image ({_first_line(e)})") from e
+        raise InputError(f"{path}: SimpleITK cannot read this image ({_first_line(e)}); the file is damaged, "
+                         "truncated or not an image") from e
     if image.GetNumberOfComponentsPerPixel() != 1:
         raise InputError(
             f"{path}: has {image.GetNumberOfComponentsPerPixel()} components per voxel; autoseg expects one "
@@ -129,6 +138,75 @@ def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> 
         sitk.WriteImage(image, str(tmp), useCompression=True)
 
 
+def check_complete(path: str | Path) -> None:
+    """Refuse a NIfTI file (.nii, .nii.gz) that holds fewer bytes than its header announces.
+
+    SimpleITK reads a truncated NIfTI image without an error, with zeros in place of the missing voxels
+    (its NRRD and MetaImage readers do fail). Expected size: vox_offset + voxels x bytes per voxel, from the
+    header. Uncompressed: compared with the file size. Gzip: compared with the last member's ISIZE field
+    (the uncompressed size mod 2**32, the file's last 4 bytes), which costs one small read; only when they
+    differ (a truncated stream, or several gzip members) is the whole file decompressed to count its bytes
+    and check its CRC. Other formats: nothing to do here.
+    """
+    name = str(path).lower()
+    if not name.endswith((".nii", ".nii.gz")):
+        return
+    with open(path, "rb") as f:
+        compressed = f.read(2) == b"\x1f\x8b"  # gzip's magic; SimpleITK also reads a plain file named .nii.gz
+    try:
+        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
+            header = f.read(_NIFTI2_HEADER_BYTES)
+        expected = _nifti_expected_bytes(header)
+        if expected is None:
+            return  # not a NIfTI header we know: SimpleITK's own reader decides
+        actual = _gzip_size(Path(path), expected) if compressed else Path(path).stat().st_size
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise InputError(f"{path}: damaged or truncated gzip stream ({e}); copy or export the file again") from e
+    if actual < expected:
+        raise InputError(f"{path}: truncated: the NIfTI header announces {expected} bytes (header and voxels) but "
+                         f"the file holds {actual}{' uncompressed' if compressed else ''}; "
+                         "copy or export the file again")
+
+
+_NIFTI1_HEADER_BYTES, _NIFTI2_HEADER_BYTES = 348, 540
+
+
+def _nifti_expected_bytes(header: bytes) -> int | None:
+    """vox_offset + voxels x bytes per voxel from a NIfTI-1 or NIfTI-2 header (either byte order), or None."""
+    for order in "<>":
+        if len(header) >= _NIFTI1_HEADER_BYTES and struct.unpack(order + "i", header[:4])[0] == _NIFTI1_HEADER_BYTES:
+            dims = struct.unpack(order + "8h", header[40:56])
+            bitpix = struct.unpack(order + "h", header[72:74])[0]
+            vox_offset = int(struct.unpack(order + "f", header[108:112])[0])
+            break
+        if len(header) >= _NIFTI2_HEADER_BYTES and struct.unpack(order + "i", header[:4])[0] == _NIFTI2_HEADER_BYTES:
+            bitpix = struct.unpack(order + "h", header[14:16])[0]
+            dims = struct.unpack(order + "8q", header[16:80])
+            vox_offset = struct.unpack(order + "q", header[168:176])[0]
+            break
+    else:
+        return None
+    if not 1 <= dims[0] <= 7 or bitpix <= 0 or bitpix % 8:
+        return None
+    voxels = int(np.prod([max(int(d), 1) for d in dims[1:dims[0] + 1]], dtype=np.int64))
+    return max(vox_offset, _NIFTI1_HEADER_BYTES) + voxels * bitpix // 8
+
+
+def _gzip_size(path: Path, expected: int) -> int:
+    """The uncompressed size of a gzip file: ``expected`` when its ISIZE field agrees, else counted by
+    decompressing the whole file (raises EOFError on a truncated stream, BadGzipFile on a bad CRC)."""
+    with open(path, "rb") as f:
+        f.seek(-4, 2)
+        if struct.unpack("<I", f.read(4))[0] == expected % 2**32:
+            return expected
+    total = 0
+    with gzip.open(path, "rb") as g:
+        while chunk := g.read(1 << 24):
+            total += len(chunk)
+    return total
+
+
 def _first_line(e: Exception) -> str:
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    # ITK appends the C library's last errno ("Reason: No such file or directory") even when the file exists
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.strip().startswith("Reason:")]
     return lines[-1] if lines else type(e).__name__

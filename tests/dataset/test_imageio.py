@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import gzip
+
 import numpy as np
 import pytest
 import SimpleITK as sitk
@@ -105,3 +107,61 @@ def test_unreadable_file_names_it(tmp_path):
     bad.write_bytes(b"not an image")
     with pytest.raises(ValueError, match="broken.nii.gz: SimpleITK cannot read"):
         read_image(bad)
+
+
+def _truncate(path, keep_fraction: float) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep_fraction)])
+
+
+@pytest.mark.parametrize(("ending", "keep_fraction"), [
+    (".nii.gz", 0.5), (".nii.gz", None), (".nii", 0.5), (".nii", None), (".nrrd", 0.5), (".mha", 0.5), (".mha", None)])
+def test_truncated_file_is_refused_naming_it(tmp_path, ending, keep_fraction):
+    """SimpleITK reads a truncated NIfTI file with zeros for the missing voxels; autoseg refuses it (and the
+    readers of the other formats fail on their own). For NIfTI and MetaImage, one missing byte is enough
+    (None: the last byte cut)."""
+    path = tmp_path / f"cut{ending}"
+    write_image(path, _voxels(np.int16, GEOMETRY_3D.shape_zyx), GEOMETRY_3D)
+    if keep_fraction is None:
+        path.write_bytes(path.read_bytes()[:-1])
+    else:
+        _truncate(path, keep_fraction)
+    with pytest.raises(ValueError, match=r"cut\.") as refused:
+        read_image(path)
+    assert "truncated" in str(refused.value)
+    if ending.startswith(".nii"):  # the header-only read of the integrity check catches it too
+        with pytest.raises(ValueError, match=r"cut\.nii.*truncated"):
+            read_geometry(path)
+
+
+def test_gzip_of_several_members_is_counted_whole(tmp_path):
+    """A NIfTI gzip written as several members has the last member's size in its trailer: the file is then
+    decompressed to count its bytes, accepted when complete and refused when one byte is missing."""
+    plain = tmp_path / "a.nii"
+    array = _voxels(np.int16, GEOMETRY_3D.shape_zyx)
+    write_image(plain, array, GEOMETRY_3D)
+    raw = plain.read_bytes()
+    members = tmp_path / "members.nii.gz"
+    members.write_bytes(gzip.compress(raw[:400]) + gzip.compress(raw[400:]))
+    np.testing.assert_array_equal(read_image(members, dtype=None)[0], array)
+    members.write_bytes(gzip.compress(raw[:400]) + gzip.compress(raw[400:-1]))
+    with pytest.raises(ValueError, match=r"members\.nii\.gz: truncated.*holds \d+ uncompressed"):
+        read_geometry(members)
+
+
+def test_complete_nifti_with_trailing_bytes_is_read(tmp_path):
+    path = tmp_path / "a.nii"
+    write_image(path, _voxels(np.int16, GEOMETRY_3D.shape_zyx), GEOMETRY_3D)
+    path.write_bytes(path.read_bytes() + b"\0\0")
+    assert read_image(path)[1] == GEOMETRY_3D
+
+
+def test_plain_nifti_named_nii_gz_is_read(tmp_path):
+    """SimpleITK reads an uncompressed NIfTI file named .nii.gz; the truncation check follows the content."""
+    plain = tmp_path / "a.nii"
+    write_image(plain, _voxels(np.int16, GEOMETRY_3D.shape_zyx), GEOMETRY_3D)
+    renamed = plain.rename(tmp_path / "a.nii.gz")
+    assert read_image(renamed)[1] == GEOMETRY_3D
+    renamed.write_bytes(renamed.read_bytes()[:-1])
+    with pytest.raises(ValueError, match="a.nii.gz: truncated"):
+        read_geometry(renamed)
