@@ -95,3 +95,23 @@ def test_interrupt_exits_130_without_a_traceback(monkeypatch, capsys) -> None:
     _failing_command(monkeypatch, KeyboardInterrupt())
     result = run_cli(capsys, "explain")
     assert result.status == 130 and "interrupted" in result.err and "Traceback" not in result.err
+
+
+@pytest.mark.parametrize("command", ["train", "explain"])
+def test_a_hand_edited_plan_no_stage_can_run_is_refused_before_training(command: str, prepared: Path, tmp_path: Path,
+                                                                        capsys) -> None:
+    import json
+    import shutil
+
+    from cli_checks import snapshot
+
+    ws = tmp_path / "ws"
+    shutil.copytree(prepared, ws)
+    plans = json.loads((ws / "plans.json").read_text())
+    plans["configurations"]["3d_fullres"]["batch_size"] = 0
+    (ws / "plans.json").write_text(json.dumps(plans))
+    before = snapshot(ws)
+    argv = ["train", "fold", "0", "-w", ws, "--epochs", "1"] if command == "train" else ["explain", "-w", ws]
+    result = run_cli(capsys, *argv)
+    assert_refused(result, 2, ws / "plans.json", "configuration '3d_fullres'", "batch_size (0)")
+    assert snapshot(ws) == before and not (ws / "results").exists()

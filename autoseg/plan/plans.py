@@ -120,6 +120,45 @@ class Plans(Artifact):
         """The configuration commands use when none is named: 3d_fullres if planned, else the first."""
         return "3d_fullres" if "3d_fullres" in self.configurations else next(iter(self.configurations))
 
+    @classmethod
+    def from_payload(cls, data, where: str) -> Plans:
+        """Read and check a (possibly hand-edited) plan: a value the pipeline cannot run is refused here,
+        naming the file, the configuration and the key, before any stage starts."""
+        plans = super().from_payload(data, where)
+        plans.check(where)
+        return plans
+
+    def check(self, where: str = "plans.json") -> None:
+        """Raise ``InputError`` for values no stage could run: networks, patches, batches, precisions and
+        channel counts that do not fit each other (``check_step_arguments``, ``validate_topology``)."""
+        from autoseg.memory.training import check_step_arguments
+        from autoseg.model.network import validate_topology
+
+        channels = len(self.channel_names)
+        for key in ("normalization", "use_nonzero_mask", "intensity_properties"):
+            if len(getattr(self, key)) != channels:
+                raise InputError(f"{where}: {key} has {len(getattr(self, key))} entries for {channels} channel(s) "
+                                 f"{list(self.channel_names)}; give one per channel")
+        outputs = self.label_scheme.num_outputs
+        for name, config in self.configurations.items():
+            at = f"{where}: configuration {name!r}"
+            try:
+                validate_topology(config.network)
+                check_step_arguments(config.network, config.batch_size, config.patch_size, config.precision,
+                                     "sgd", config.accumulation_steps)
+            except InputError as e:
+                raise InputError(f"{at}: {e}") from None
+            if config.network.in_channels != channels or config.network.num_outputs != outputs:
+                raise InputError(f"{at}: network.in_channels {config.network.in_channels} and num_outputs "
+                                 f"{config.network.num_outputs} must be the {channels} channel(s) and {outputs} "
+                                 "output(s) of the dataset's channel_names and labels")
+            if len(config.spacing_mm) != 3 or min(config.spacing_mm) <= 0:
+                raise InputError(f"{at}: spacing_mm {list(config.spacing_mm)} must be 3 positive values (z, y, x)")
+            if config.device not in ("cpu", "cuda") or config.loader_workers < 0 or config.loader_queue_depth < 1:
+                raise InputError(f"{at}: device {config.device!r} must be 'cpu' or 'cuda', loader_workers >= 0 and "
+                                 f"loader_queue_depth >= 1 (found {config.loader_workers}, "
+                                 f"{config.loader_queue_depth})")
+
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:
             raise InputError(f"no configuration {name!r} in the plans; available: {sorted(self.configurations)}")
