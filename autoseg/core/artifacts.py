@@ -3,25 +3,33 @@
 Every artifact autoseg writes (fingerprint, plans, case properties, splits, summaries) is a frozen
 dataclass serialised as JSON with a ``schema_version``. Reading an unknown version or an unknown key
 fails loudly with the file's path. Every write goes to a temporary name in the same folder and is
-renamed into place, so a crash never leaves a half-written file that a later run would trust.
+renamed into place, so a crash never leaves a half-written file that a later run would trust. A write that
+fails (disk full, file-size limit, read-only folder) raises ``WriteError`` naming the file, keeps its previous
+version and leaves no temporary file; one that a library reports as done but left short (SimpleITK's NIfTI
+writer only prints "wrote only N of M bytes") is caught before the rename (``_check_complete``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
+import gzip
 import json
+import logging
 import os
+import sys
 import tempfile
 import types
 import typing
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 
-from autoseg.core.errors import InputError
+from autoseg.core.errors import InputError, RunError
 
 T = TypeVar("T")
 
@@ -30,21 +38,78 @@ class ArtifactError(InputError):
     """An artifact file is missing, malformed or of an unknown schema version."""
 
 
+class WriteError(RunError):
+    """A file could not be written (disk full, file-size limit, read-only or missing folder); its previous
+    version, if any, is unchanged. ``path``: the file autoseg meant to write."""
+
+    def __init__(self, path: str | os.PathLike, reason: str) -> None:
+        super().__init__(f"{path}: could not write it ({reason}); its previous version, if any, is kept and nothing "
+                         "half-written is left. Free disk space, fix the folder's permissions or choose another "
+                         "folder, then rerun")
+        self.path = Path(path)
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}, errno {error.errno}"
+    lines = [ln.strip() for ln in str(error).splitlines() if ln.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds."""
+    """Yield a temporary path beside ``path``; rename it onto ``path`` only if the block succeeds and the
+    file is complete. The block must only write: an ``OSError`` (or a library's ``RuntimeError``, as
+    torch.save and SimpleITK raise for a failed write) inside it becomes ``WriteError`` naming ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + suffix, dir=path.parent)
-    os.close(fd)
-    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts get the usual permissions
-    tmp_path = Path(tmp)
+    tmp_path: Path | None = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp" + suffix, dir=path.parent)
+        tmp_path = Path(tmp)
+        os.close(fd)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; artifacts get the usual permissions
         yield tmp_path
+        _check_complete(tmp_path)
         os.replace(tmp_path, path)
+    except WriteError:
+        raise
+    except (OSError, RuntimeError) as e:
+        raise WriteError(path, _reason(e) + _diagnosis(tmp_path)) from e
     finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+        if tmp_path is not None:
+            tmp_path.unlink(missing_ok=True)
+
+
+def _diagnosis(tmp: Path | None) -> str:
+    """Why a write failed when its writer did not say (numpy: "10000 requested and 496 written")."""
+    try:
+        if tmp is not None and tmp.exists():
+            _check_complete(tmp)
+    except OSError as e:
+        return f": {e.strerror}"
+    return ""
+
+
+def _check_complete(tmp: Path) -> None:
+    """Raise ``OSError`` if ``tmp`` was left short by a writer that did not say so: a gzip stream that ends
+    early, a file as large as the file-size limit allows, or a file system with no block left."""
+    if sys.platform != "win32":
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        if limit != resource.RLIM_INFINITY and tmp.stat().st_size >= limit:
+            raise OSError(27, f"the file reached the file-size limit of {limit} bytes (ulimit -f)")
+        fs = os.statvfs(tmp.parent)
+        if (fs.f_bfree if os.geteuid() == 0 else fs.f_bavail) == 0:
+            raise OSError(28, "no space left on device (the file system filled up while writing it)")
+    if tmp.name.endswith(".gz"):
+        try:
+            with gzip.open(tmp, "rb") as f:
+                while f.read(1 << 20):  # the CRC and length in the trailer are checked at the end
+                    pass
+        except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+            raise OSError(5, f"the written gzip stream is incomplete ({e})") from e
 
 
 def _umask() -> int:
@@ -210,10 +275,71 @@ class Artifact:
         return from_dict(cls, body, where)
 
 
-def remove_stale_temporaries(out_dir: Path) -> list[Path]:
-    """Delete the temporary files ``atomic_path`` names (``.<name>.*.tmp*``) that a killed run left in ``out_dir``;
-    returns them."""
-    stale = sorted(Path(out_dir).glob(".*.tmp*"))
+def append_line(path: str | os.PathLike, line: str) -> None:
+    """Append ``line`` (a newline is added) to a log-like file; if the write fails the file is cut back to
+    its previous length (no half line for a later reader) and ``WriteError`` names it."""
+    path = Path(path)
+    data = (line + "\n").encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    except OSError as e:
+        raise WriteError(path, _reason(e)) from e
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+    except OSError as e:
+        os.ftruncate(fd, start)
+        raise WriteError(path, _reason(e)) from e
+    finally:
+        os.close(fd)
+
+
+def check_writable_folder(folder: str | os.PathLike, what: str) -> Path:
+    """Create ``folder`` if needed and prove a file can be created in it, before any work is done.
+    ``what``: the flag or role named in the error (e.g. "-o/--output")."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"{what} {folder} is a file, not a folder; give a folder (it is created if missing)")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".autoseg-write-check.", suffix=".tmp", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise WriteError(folder, _reason(e)) from e
+    return folder
+
+
+class LogFile(logging.FileHandler):
+    """A log file whose failed write stops the run with ``WriteError`` naming it (``logging`` would print a
+    traceback on stderr and carry on)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            self.failed = True
+            raise WriteError(self.baseFilename, _reason(error)) from error
+        super().handleError(record)
+
+    def close(self) -> None:
+        """Close; the lines still buffered failing to reach the file is a ``WriteError`` too, unless one was
+        already raised (the failure is being reported)."""
+        try:
+            super().close()
+        except OSError as e:
+            if not self.failed:
+                raise WriteError(self.baseFilename, _reason(e)) from e
+
+
+def remove_stale_temporaries(out_dir: Path, names: Iterable[str] | None = None) -> list[Path]:
+    """Delete the temporary files ``atomic_path`` names (``.<name>.*.tmp*``) that a killed run left in ``out_dir``
+    (not below it); only those of ``names`` when given (a user's folder may hold other dot files). Returns them."""
+    patterns = [".*.tmp*"] if names is None else [f".{glob.escape(name)}.*.tmp*" for name in names]
+    stale = sorted({p for pattern in patterns for p in Path(out_dir).glob(pattern) if p.is_file()})
     for p in stale:
         p.unlink(missing_ok=True)
     return stale

@@ -1,8 +1,9 @@
 """The network and THE training step: the topology a plan names, the network registry
 (``build_network`` builds ``topology.architecture``), the loss, ``TrainStep`` (the only code that runs a
 backward pass: training, the memory model and the throughput calibration all run it), the sliding-window
-forward (tile layout, tile batches) and the collectives of a multi-process run.
+forward (tile layout, tile batches), the collectives of a multi-process run and the checkpoint file format
+(written by training, read by resume and prediction).
 
-Owns: ``topology``, ``network``, ``loss``, ``step``, ``sliding_window``, ``distributed``.
+Owns: ``topology``, ``network``, ``loss``, ``step``, ``sliding_window``, ``distributed``, ``checkpoint_file``.
 Imports: ``autoseg.core``, ``autoseg.dataset``.
 """

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import choose_cpu_threads
@@ -25,8 +26,10 @@ from autoseg.dataset.cropping import uncrop
 from autoseg.dataset.imageio import supported_ending, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, list_prediction_inputs, load_case
+from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.resampling import resample_channel
@@ -38,7 +41,8 @@ log = logging.getLogger("autoseg")
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
     if not checkpoint_path.is_file():
         raise InputError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
-    state = torch.load(checkpoint_path, map_location="cpu", weights_only=True)
+    state = read_checkpoint_file(checkpoint_path, "predict with --checkpoint naming another one (best, final, "
+                                 "latest), or train this fold again")
     network = build_network(config.network)
     network.load_state_dict(state["network"])
     return network.to(device).eval()
@@ -104,11 +108,13 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
         if not folds:
             raise InputError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
+    output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
     networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
                 for f in folds]
-    cases = list_prediction_inputs(inputs, len(plans.channel_names), None)
-    output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
+    image_dim = (Fingerprint.from_json(workspace.fingerprint_path).image_dim  # the images trained on: 2 or 3
+                 if workspace.fingerprint_path.is_file() else None)
+    cases = list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim)  # headers checked
+    remove_stale_temporaries(output_dir, [_output_name(case) for case in cases])  # left by a killed run
     threads = torch.get_num_threads()
     if device == "cpu":
         _choose_cpu_threads(networks[0], config, tile_batch_size)
@@ -135,8 +141,12 @@ def _predict_cases(cases: list[Case], networks: list[torch.nn.Module], plans: Pl
     for case in tqdm(cases, desc="predict", unit="case", disable=not progress):
         labels, props = predict_case(case, networks, plans, config, mirror=mirror,
                                      tile_batch_size=tile_batch_size, device=device)
-        ending = supported_ending(case.image_paths[0].name)
-        out = output_dir / f"{case.case_id}{ending}"
-        write_image(out, labels, props.geometry)
+        out = output_dir / _output_name(case)
+        write_image(out, labels, props.geometry)  # atomic; a failed or short write raises WriteError naming out
         written.append(out)
     return written
+
+
+def _output_name(case: Case) -> str:
+    """The segmentation's file name: the case id with its image's ending."""
+    return f"{case.case_id}{supported_ending(case.image_paths[0].name)}"

@@ -7,7 +7,8 @@ the number of processes (``world_size``), the plan configuration it was trained 
 state of every random generator the trainer touches (torch CPU and CUDA, numpy's global and Python's
 ``random``). The data loaders need no state: the trainer re-creates them at every epoch from
 ``loader_seed(run seed, epoch, degradations, rank)``, so a resumed run draws the same batches.
-Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(weights_only=True)`` reads it.
+Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(weights_only=True)`` reads it;
+the file itself (version, atomic write, a corrupt file refused by name) is ``autoseg.model.checkpoint_file``'s.
 """
 
 from __future__ import annotations
@@ -20,11 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from autoseg.core.artifacts import atomic_path, to_dict
+from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
+from autoseg.model.checkpoint_file import read_checkpoint_file, write_checkpoint_file
 from autoseg.plan.plans import ConfigurationPlan, upgrade_network_payload
-
-CHECKPOINT_VERSION = 2
 
 
 def loader_seed(run_seed: int, epoch: int, stream: int, generation: int = 0, rank: int = 0) -> int:
@@ -68,7 +68,6 @@ def save_checkpoint(path: Path, network: torch.nn.Module, optimizer: torch.optim
     """Write atomically (temp file, then rename). ``config``: the plan's configuration as planned (before
     degradations); ``progress``: epoch, schedule, ema / best_ema, metrics, degradations, time_budget."""
     state = {
-        "version": CHECKPOINT_VERSION,
         "network": network.state_dict(),
         "optimizer": optimizer.state_dict(),
         "grad_scaler": scaler.state_dict(),
@@ -84,19 +83,15 @@ def save_checkpoint(path: Path, network: torch.nn.Module, optimizer: torch.optim
         "world_size": int(progress.get("world_size", 1)),
         "rng": rng_states(),
     }
-    with atomic_path(path, suffix=".pt") as tmp:
-        torch.save(state, tmp)
+    write_checkpoint_file(path, state)
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``); JSON fields decoded."""
     if not path.is_file():
         raise InputError(f"{path} not found: nothing to resume; start the fold without --resume")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    if state.get("version") != CHECKPOINT_VERSION:
-        raise InputError(f"{path} was written by another version of autoseg (checkpoint version "
-                         f"{state.get('version')}, expected {CHECKPOINT_VERSION}); train the fold again "
-                         "without --resume")
+    state = read_checkpoint_file(path, f"copy one of them onto {path.name} to resume from it, or train the fold "
+                                       "again without --resume")
     state["metrics"] = json.loads(state.pop("metrics_json"))
     state["degradations"] = json.loads(state.pop("degradations_json"))
     state["time_budget"] = json.loads(state.pop("time_budget_json"))

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.artifacts import LogFile, append_line, atomic_write_text, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import choose_cpu_threads, cpu_count
@@ -92,7 +92,10 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
                              f"{distributed.world_size} (the micro-batches and data streams are per process); "
                              f"resume with --gpus {resumed['world_size']}, or train again without --resume")
     out.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(out / "train.log") if distributed.is_main else logging.NullHandler()
+    if distributed.is_main:
+        for stale in remove_stale_temporaries(out) + remove_stale_temporaries(out / "validation"):  # killed writes
+            log.info("removed %s, left by an interrupted run", stale)
+    handler = LogFile(out / "train.log") if distributed.is_main else logging.NullHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
     log.addHandler(handler)
     threads = torch.get_num_threads()
@@ -376,6 +379,5 @@ def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
              "data wait %.0f%%", row["epoch"], row["train_loss"], row["val_loss"],
              [round(d, 4) for d in row["pseudo_dice"]], row["ema_pseudo_dice"], row["lr"], row["epoch_seconds"],
              100 * row["data_wait_fraction"])
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
+    append_line(out / "metrics.jsonl", json.dumps(row))  # a resumed run rewrites it from the checkpoint
     plot_progress(metrics, out / "progress.png")

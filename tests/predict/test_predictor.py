@@ -15,6 +15,7 @@ from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, write_image
+from autoseg.model.checkpoint_file import write_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
@@ -56,7 +57,7 @@ def trained_workspace(tiny_dataset: Path, tmp_path_factory) -> tuple[Workspace, 
         network = build_network(config.network)
         out = workspace.results(name, 0)
         out.mkdir(parents=True)
-        torch.save({"network": network.state_dict()}, out / "checkpoint_final.pt")
+        write_checkpoint_file(out / "checkpoint_final.pt", {"network": network.state_dict()})
     inputs = root / "inputs"
     shutil.copytree(raw / "imagesTs", inputs)
     first = sorted(inputs.iterdir())[0]
