@@ -67,6 +67,16 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def resolve_device(requested: str | None) -> str:
+    """The device to train or predict on: ``requested`` if this machine has it, else the default."""
+    import torch
+
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device cuda: torch sees no CUDA device (torch {torch.__version__}, "
+                         "torch.cuda.is_available() is False); use --device cpu, or install a CUDA build of torch")
+    return requested or default_device()
+
+
 def _add_workspace(p: argparse.ArgumentParser) -> None:
     p.add_argument("-w", "--workspace", default=".", help="workspace folder (default: current directory)")
 
@@ -212,6 +222,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         try:
             args.fold = _fold(args.fold)
         except ValueError as e:
+            args.command_parser.error(str(e))
+    if args.command in ("train", "predict") and args.device == "cuda":
+        try:
+            resolve_device(args.device)
+        except InputError as e:
             args.command_parser.error(str(e))
     return args
 
@@ -407,7 +422,7 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
 
     ws = Workspace.at(args.workspace)
     config = args.config or _default_config(ws)
-    device = args.device or default_device()
+    device = resolve_device(args.device)
     distributed = _distributed_context(os.environ, device)
     given = {k: v for k in ("epochs", "iterations_per_epoch", "val_iterations") if (v := getattr(args, k)) is not None}
     run = RunConfig(
@@ -435,7 +450,7 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
     written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
                       mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
-                      device=args.device or default_device(), progress=progress)
+                      device=resolve_device(args.device), progress=progress)
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0
 

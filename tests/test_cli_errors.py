@@ -115,3 +115,11 @@ def test_a_hand_edited_plan_no_stage_can_run_is_refused_before_training(command:
     result = run_cli(capsys, *argv)
     assert_refused(result, 2, ws / "plans.json", "configuration '3d_fullres'", "batch_size (0)")
     assert snapshot(ws) == before and not (ws / "results").exists()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("command", ["train", "predict"])
+def test_device_cuda_without_cuda_is_refused_naming_the_flag(command: str, tmp_path: Path, capsys) -> None:
+    result = run_cli(capsys, *_command_line(command, tmp_path), "--device", "cuda")
+    assert_refused(result, 2, "--device cuda", "--device cpu")
+    assert list(tmp_path.iterdir()) == []
