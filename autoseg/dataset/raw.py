@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -75,20 +75,8 @@ def load_dataset(root: str | Path) -> RawDataset:
     if not meta_path.is_file():
         raise DatasetError(f"{root}: no dataset.json found; expected the nnU-Net raw dataset layout "
                            "(dataset.json, imagesTr/, labelsTr/)")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{meta_path}: not valid JSON ({e})") from e
-    for key in ("channel_names", "labels", "file_ending"):
-        if key not in meta:
-            raise DatasetError(f"{meta_path}: missing key {key!r} (see the nnU-Net dataset format)")
-    channels = meta["channel_names"]
-    try:
-        channel_names = tuple(channels[k] for k in sorted(channels, key=lambda k: int(k)))
-    except (ValueError, TypeError) as e:
-        raise DatasetError(f"{meta_path}: channel_names keys must be '0', '1', ...; found {list(channels)}") from e
-    if [int(k) for k in sorted(channels, key=int)] != list(range(len(channels))):
-        raise DatasetError(f"{meta_path}: channel_names keys must be consecutive from '0'; found {list(channels)}")
+    meta = _read_meta(meta_path)
+    channel_names = _channel_names(meta["channel_names"], meta_path)
     try:
         scheme = LabelScheme.from_labels(meta["labels"], meta.get("regions_class_order"), where=str(meta_path))
     except LabelError as e:
@@ -96,11 +84,15 @@ def load_dataset(root: str | Path) -> RawDataset:
     labels = {k: tuple(v) if isinstance(v, list) else v for k, v in meta["labels"].items()}
     ending = meta["file_ending"]
     if ending not in SUPPORTED_ENDINGS:
-        raise DatasetError(f"{meta_path}: file_ending {ending!r} is not one of {SUPPORTED_ENDINGS}")
+        hint = f"; did you mean '.{ending}'?" if isinstance(ending, str) and f".{ending}" in SUPPORTED_ENDINGS else ""
+        raise DatasetError(f"{meta_path}: file_ending {ending!r} is not one of {SUPPORTED_ENDINGS}{hint}")
     cases = _list_cases(root, len(channel_names), ending)
     if not cases:
         raise DatasetError(f"{root / 'labelsTr'}: no label files ending in {ending}")
     num_training = meta.get("numTraining")
+    if num_training is not None and (not isinstance(num_training, int) or isinstance(num_training, bool)):
+        raise DatasetError(f"{meta_path}: numTraining must be an integer (the number of training cases); found "
+                           f"{num_training!r}; write {len(cases)} or remove the key")
     if num_training is not None and num_training != len(cases):
         raise DatasetError(f"{meta_path}: numTraining is {num_training} but labelsTr holds {len(cases)} cases; "
                            "fix numTraining or add the missing cases")
@@ -108,7 +100,45 @@ def load_dataset(root: str | Path) -> RawDataset:
                       file_ending=ending, cases=tuple(cases), regions_class_order=scheme.regions_class_order)
 
 
+def _read_meta(meta_path: Path) -> dict:
+    """dataset.json as a dict holding the required keys; DatasetError naming the file and key otherwise."""
+    try:
+        meta = json.loads(meta_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DatasetError(f"{meta_path}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from e
+    except json.JSONDecodeError as e:
+        raise DatasetError(f"{meta_path}: not valid JSON ({e})") from e
+    if not isinstance(meta, dict):
+        raise DatasetError(f"{meta_path}: must hold a JSON object with channel_names, labels and file_ending; "
+                           f"found {type(meta).__name__} {str(meta)[:40]}")
+    for key in ("channel_names", "labels", "file_ending"):
+        if key not in meta:
+            raise DatasetError(f"{meta_path}: missing key {key!r} (see the nnU-Net dataset format)")
+    return meta
+
+
+def _channel_names(channels: object, meta_path: Path) -> tuple[str, ...]:
+    """The channel names in channel order from dataset.json's ``{"0": "CT", "1": ...}``."""
+    example = 'e.g. {"0": "CT"} or {"0": "T2", "1": "ADC"}'
+    if not isinstance(channels, dict) or not channels:
+        raise DatasetError(f"{meta_path}: channel_names must be a non-empty object mapping '0', '1', ... to channel "
+                           f"names, {example}; found {channels!r}")
+    try:
+        order = sorted(channels, key=lambda k: int(k))
+    except ValueError as e:
+        raise DatasetError(f"{meta_path}: channel_names keys must be '0', '1', ...; found {list(channels)}") from e
+    if [int(k) for k in order] != list(range(len(channels))):
+        raise DatasetError(f"{meta_path}: channel_names keys must be consecutive from '0'; found {list(channels)}")
+    bad = {k: v for k, v in channels.items() if not isinstance(v, str) or not v.strip()}
+    if bad:
+        raise DatasetError(f"{meta_path}: channel_names values must be non-empty names (the normalization is chosen "
+                           f"by name: 'CT' or anything else); found {bad}")
+    return tuple(channels[k] for k in order)
+
+
 def _list_cases(root: Path, num_channels: int, ending: str) -> list[Case]:
+    """One case per label in labelsTr; images in imagesTr without a label, or with a channel number the
+    dataset does not declare, are refused (listed)."""
     labels_dir, images_dir = root / "labelsTr", root / "imagesTr"
     if not labels_dir.is_dir() or not images_dir.is_dir():
         raise DatasetError(f"{root}: expected folders imagesTr/ and labelsTr/")
@@ -118,11 +148,26 @@ def _list_cases(root: Path, num_channels: int, ending: str) -> list[Case]:
             continue
         case_id = label.name[: -len(ending)]
         cases.append(Case(case_id, image_files_for(images_dir, case_id, num_channels, ending), label))
+    expected = {p.name for c in cases for p in c.image_paths}
+    unexpected = [f for f in sorted(images_dir.iterdir())
+                  if f.name.endswith(ending) and not f.name.startswith(".") and f.name not in expected]
+    if unexpected:
+        labelled = {c.case_id for c in cases}
+        why = [f"{f.name} (channel {stem[-4:]}, but dataset.json declares {num_channels} channel(s))"
+               if stem[:-5] in labelled else f"{f.name} (no label {stem[:-5] or stem}{ending} in labelsTr)"
+               for f in unexpected for stem in [f.name[: -len(ending)]]]
+        raise DatasetError(f"{images_dir}: {len(unexpected)} image(s) belong to no training case; add their labels "
+                           "(or channel_names in dataset.json) or move them out:\n  " + "\n  ".join(why[:20])
+                           + (f"\n  and {len(why) - 20} more" if len(why) > 20 else ""))
     return cases
 
 
-def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str | None = None) -> list[Case]:
-    """Cases to predict from a folder ({case}_{0000..}.ext) or a single image file (one channel)."""
+def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str | None = None,
+                           image_dim: int | None = None) -> list[Case]:
+    """Cases to predict from a folder ({case}_{0000..}.ext) or a single image file (one channel), checked
+    before anything is predicted (``check_prediction_inputs``): a channel file the model does not take, a
+    truncated file, channels of one case that differ in geometry, or (``image_dim`` given: the dimension
+    of the images the model was trained on) an image of another dimension raise DatasetError naming it."""
     path = Path(path).expanduser()
     if path.is_file():
         if num_channels != 1:
@@ -134,11 +179,14 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         case_id = path.name[: -len(ending)]
         if case_id.endswith("_0000"):
             case_id = case_id[:-5]
-        return [Case(case_id, (path,), None)]
+        cases = [Case(case_id, (path,), None)]
+        check_prediction_inputs(cases, image_dim)
+        return cases
     if not path.is_dir():
         raise DatasetError(f"{path}: no such file or folder")
     endings = (file_ending,) if file_ending else SUPPORTED_ENDINGS
     found: dict[str, str] = {}
+    extra: list[str] = []
     for f in sorted(path.iterdir()):
         ending = next((e for e in endings if f.name.endswith(e)), None)
         if ending is None or f.name.startswith("."):
@@ -146,8 +194,15 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         stem = f.name[: -len(ending)]
         if len(stem) > 5 and stem[-5] == "_" and stem[-4:].isdigit():
             found.setdefault(stem[:-5], ending)
+            if int(stem[-4:]) >= num_channels:
+                extra.append(str(f))
     if not found:
         raise DatasetError(f"{path}: no images named {{case}}_0000{file_ending or '.nii.gz'} found")
+    if extra:
+        raise DatasetError(f"{path}: the model takes {num_channels} channel(s) ({{case}}_0000 .. "
+                           f"{{case}}_{num_channels - 1:04d}) but found {', '.join(extra[:10])}"
+                           f"{f' and {len(extra) - 10} more' if len(extra) > 10 else ''}; remove the extra "
+                           "channel files or use a model trained with them")
     cases = []
     for case_id, ending in sorted(found.items()):
         files = image_files_for(path, case_id, num_channels, ending)
@@ -155,17 +210,42 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         if missing:
             raise DatasetError(f"{path}: case {case_id!r} lacks channel file(s) {missing}")
         cases.append(Case(case_id, files, None))
+    check_prediction_inputs(cases, image_dim)
     return cases
+
+
+def check_prediction_inputs(cases: Sequence[Case], image_dim: int | None) -> None:
+    """Headers only: every file complete (``read_geometry``), a case's channels on one grid, and the
+    images of dimension ``image_dim`` (None: not checked); one DatasetError listing every problem."""
+    problems = []
+    for case in cases:
+        try:
+            geometries = [read_geometry(p) for p in case.image_paths]
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        for p, geo in zip(case.image_paths[1:], geometries[1:], strict=True):
+            diff = geo.matches(geometries[0])
+            if diff:
+                problems.append(f"{p} and {case.image_paths[0].name} differ in {diff}")
+        if image_dim is not None and geometries[0].ndim != image_dim:
+            problems.append(f"{case.image_paths[0]} is a {geometries[0].ndim}D image but the model was trained on "
+                            f"{image_dim}D images")
+    if problems:
+        raise DatasetError(f"{len(problems)} problem(s) with the input images; nothing was predicted:\n  "
+                           + "\n  ".join(problems))
 
 
 def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
     """Check every training case before anything is written; raise DatasetError listing all problems.
 
-    Checks: all channel files and the label exist; channels and label agree in size, spacing, origin
-    and direction (within tolerance); with ``read_voxels``, also what ``voxel_problems`` checks (the
-    pipeline leaves that to the fingerprint, which reads every case anyway).
+    Checks: all channel files and the label exist and are complete (``read_geometry``); channels and label
+    agree in size, spacing, origin and direction (within tolerance); every case has the dimension (2D or 3D)
+    of the majority; with ``read_voxels``, also what ``voxel_problems`` checks (the pipeline leaves that to
+    the fingerprint, which reads every case anyway).
     """
     problems: list[str] = []
+    ndim: dict[str, int] = {}
     for case in dataset.cases:
         missing = [str(p) for p in (*case.image_paths, case.label_path) if p is None or not p.is_file()]
         if missing:
@@ -173,6 +253,7 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
             continue
         try:
             label_geo = read_geometry(case.label_path)
+            ndim[case.case_id] = label_geo.ndim
             for p in case.image_paths:
                 diff = read_geometry(p).matches(label_geo)
                 if diff:
@@ -181,7 +262,20 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
                 problems += load_training_case(case, dataset.label_values)[3]
         except ValueError as e:
             problems.append(f"case {case.case_id}: {e}")
+    problems += _dimension_problems(dataset, ndim)
     raise_problems(dataset, problems)
+
+
+def _dimension_problems(dataset: RawDataset, ndim: dict[str, int]) -> list[str]:
+    """Cases whose dimension (2 or 3) is not the one most cases have (ties: 3D)."""
+    counts = {d: list(ndim.values()).count(d) for d in set(ndim.values())}
+    if len(counts) < 2:
+        return []
+    common = max(counts, key=lambda d: (counts[d], d))
+    by_id = {c.case_id: c for c in dataset.cases}
+    return [f"case {case_id}: {by_id[case_id].label_path.name} and its images are {d}D but {counts[common]} other "
+            f"case(s) are {common}D; a dataset holds one dimension (put 2D slices in a 2D dataset)"
+            for case_id, d in ndim.items() if d != common]
 
 
 def raise_problems(dataset: RawDataset, problems: list[str]) -> None:
@@ -212,17 +306,36 @@ def voxel_problems(case: Case, label_values: Sequence[int], label: np.ndarray, i
 
 def load_training_case(case: Case, label_values: Sequence[int]
                        ) -> tuple[np.ndarray, np.ndarray | None, Geometry, list[str]]:
-    """``load_case`` of a training case, checked: also the ``voxel_problems`` found (when there are any,
-    the label map is returned as None)."""
-    data, _, geometry = load_case(replace(case, label_path=None))
-    label, _ = read_image(case.label_path, dtype=None)  # as stored: float labels are checked for integers
+    """``load_case`` of a training case, checked: also the ``voxel_problems`` found, or why a file cannot be
+    read (then the label map is returned as None; the images too, and the geometry, if unreadable)."""
+    try:
+        data, geometry = _read_channels(case)
+        label, _ = read_image(case.label_path, dtype=None)  # as stored: float labels are checked for integers
+    except ValueError as e:  # a damaged file, NaN in a float NIfTI: listed with the other cases' problems
+        return None, None, None, [f"case {case.case_id}: {e}"]  # type: ignore[return-value]
     problems = voxel_problems(case, label_values, label, data)
     seg = None if problems else label.astype(np.int16, copy=False)[None]
     return data, seg, geometry, problems
 
 
 def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, Geometry]:
-    """Read all channels (C, Z, Y, X) float32 and the label (1, Z, Y, X) int16 if the case has one."""
+    """Read all channels (C, Z, Y, X) float32 and the label (1, Z, Y, X) int16 if the case has one.
+    Raises DatasetError naming the file when a channel holds NaN or Inf (a network would turn it into an
+    all-background segmentation)."""
+    data, geometry = _read_channels(case)
+    bad = [f"{p} holds NaN or Inf values" for p, image in zip(case.image_paths, data, strict=True)
+           if not np.isfinite(image).all()]  # one bool per voxel, a channel at a time
+    if bad:
+        raise DatasetError(f"case {case.case_id}: " + "; ".join(bad) + "; replace them (e.g. with the image's "
+                           "minimum) and run again")
+    seg = None
+    if case.label_path is not None:
+        seg = read_image(case.label_path, dtype=np.int16)[0][None]
+    return data, seg, geometry
+
+
+def _read_channels(case: Case) -> tuple[np.ndarray, Geometry]:
+    """All channels of a case, (C, Z, Y, X) float32, and the geometry of the last one."""
     channels = []
     geometry = None
     for p in case.image_paths:
@@ -230,8 +343,5 @@ def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, Geometry]:
         channels.append(image)
     data = np.stack(channels)
     del channels
-    seg = None
-    if case.label_path is not None:
-        seg = read_image(case.label_path, dtype=np.int16)[0][None]
     assert geometry is not None
-    return data, seg, geometry
+    return data, geometry

@@ -165,3 +165,19 @@ def test_plain_nifti_named_nii_gz_is_read(tmp_path):
     renamed.write_bytes(renamed.read_bytes()[:-1])
     with pytest.raises(ValueError, match="a.nii.gz: truncated"):
         read_geometry(renamed)
+
+
+@pytest.mark.parametrize("ending", [".nii.gz", ".nii"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_float_nifti_with_nan_or_inf_is_refused(tmp_path, ending, dtype, bad):
+    """SimpleITK's NIfTI reader (niftilib) turns NaN and Inf into 0 without a word; autoseg refuses the file."""
+    path = tmp_path / f"a{ending}"
+    array = _voxels(dtype, GEOMETRY_3D.shape_zyx)
+    write_image(path, array, GEOMETRY_3D)
+    assert read_image(path, dtype=None)[0].dtype == dtype  # finite: read as before
+    array[1, 2, 3] = bad
+    array[2, 0, 0] = bad
+    write_image(path, array, GEOMETRY_3D)
+    with pytest.raises(ValueError, match=rf"a{ending}: holds 2 NaN or Inf voxel"):
+        read_image(path)

@@ -7,7 +7,7 @@ import pytest
 import SimpleITK as sitk
 
 from autoseg.dataset.imageio import read_image, write_image
-from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_dataset
+from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_case, load_dataset
 
 
 def test_load_dataset_reads_nnunet_layout(tiny_dataset):
@@ -156,3 +156,122 @@ def test_bad_labels_name_dataset_json(dataset_copy, labels, order, message):
     with pytest.raises(DatasetError, match=message) as info:
         load_dataset(dataset_copy)
     assert str(info.value).startswith(str(dataset_copy / "dataset.json"))
+
+
+def _meta(root):
+    return json.loads((root / "dataset.json").read_text())
+
+
+@pytest.mark.parametrize(("change", "key"), [
+    (lambda m: None, "JSON object"),
+    (lambda m: [m], "JSON object"),
+    (lambda m: {**m, "numTraining": "5"}, "numTraining must be an integer"),
+    (lambda m: {**m, "numTraining": 5.5}, "numTraining must be an integer"),
+    (lambda m: {**m, "numTraining": True}, "numTraining must be an integer"),
+    (lambda m: {**m, "channel_names": {}}, "channel_names"),
+    (lambda m: {**m, "channel_names": None}, "channel_names"),
+    (lambda m: {**m, "channel_names": ["MRI"]}, "channel_names"),
+    (lambda m: {**m, "channel_names": {"0": 5}}, "channel_names"),
+    (lambda m: {**m, "channel_names": {"0": " "}}, "channel_names"),
+    (lambda m: {**m, "channel_names": {"1": "MRI"}}, "channel_names"),
+    (lambda m: {**m, "labels": ["background", "organ"]}, "labels"),
+    (lambda m: {**m, "labels": {"background": 0, "organ": "1", "lesion": 2}}, "label 'organ'"),
+    (lambda m: {**m, "labels": {"background": 0, "organ": 1.0, "lesion": 2}}, "label 'organ'"),
+    (lambda m: {**m, "file_ending": "nii.gz"}, "file_ending 'nii.gz'.*did you mean '.nii.gz'"),
+    (lambda m: {**m, "file_ending": None}, "file_ending"),
+    (lambda m: {k: v for k, v in m.items() if k != "labels"}, "missing key 'labels'"),
+], ids=["null", "list", "numTraining-str", "numTraining-float", "numTraining-bool", "channels-empty", "channels-null",
+        "channels-list", "channels-number", "channels-blank", "channels-from-1", "labels-list", "label-str",
+        "label-float", "ending-no-dot", "ending-null", "labels-missing"])
+def test_malformed_dataset_json_names_file_and_key(dataset_copy, change, key):
+    (dataset_copy / "dataset.json").write_text(json.dumps(change(_meta(dataset_copy))))
+    with pytest.raises(DatasetError, match=key) as info:
+        load_dataset(dataset_copy)
+    assert str(info.value).startswith(str(dataset_copy / "dataset.json"))
+
+
+def test_dataset_json_not_utf8_is_named(dataset_copy):
+    (dataset_copy / "dataset.json").write_bytes(b'\xff\xfe{\x00"')
+    with pytest.raises(DatasetError, match=r"dataset.json: not UTF-8"):
+        load_dataset(dataset_copy)
+
+
+@pytest.mark.parametrize("num_training", [None, 4])
+def test_image_without_label_is_refused_listing_it(dataset_copy, num_training):
+    """Whether or not numTraining is given (it used to be the only check), an image with no label in
+    labelsTr is named instead of being left out of training silently."""
+    meta = _meta(dataset_copy)
+    meta.pop("numTraining")
+    if num_training is not None:
+        meta["numTraining"] = num_training
+    (dataset_copy / "dataset.json").write_text(json.dumps(meta))
+    (dataset_copy / "labelsTr" / "demo_002.nii.gz").unlink()
+    with pytest.raises(DatasetError, match=r"imagesTr: 1 image\(s\) belong to no training case.*\n  "
+                                           r"demo_002_0000.nii.gz \(no label demo_002.nii.gz in labelsTr\)"):
+        load_dataset(dataset_copy)
+
+
+def test_channel_file_beyond_channel_names_is_refused(dataset_copy):
+    images = dataset_copy / "imagesTr"
+    (images / "demo_001_0001.nii.gz").write_bytes((images / "demo_001_0000.nii.gz").read_bytes())
+    with pytest.raises(DatasetError, match=r"demo_001_0001.nii.gz \(channel 0001, but dataset.json declares 1"):
+        load_dataset(dataset_copy)
+
+
+def _make_2d(path):
+    image = sitk.ReadImage(str(path))
+    sitk.WriteImage(image[:, :, 5], str(path))
+
+
+def test_2d_case_in_a_3d_dataset_is_named(dataset_copy):
+    _make_2d(dataset_copy / "imagesTr" / "demo_003_0000.nii.gz")
+    _make_2d(dataset_copy / "labelsTr" / "demo_003.nii.gz")
+    with pytest.raises(DatasetError, match=r"1 problem.*\n  case demo_003: demo_003.nii.gz and its images are 2D but 4 "
+                                           r"other case\(s\) are 3D"):
+        check_integrity(load_dataset(dataset_copy), read_voxels=False)
+
+
+def test_truncated_file_is_a_listed_problem(dataset_copy):
+    """The header-only check (read_voxels=False, what plan_and_preprocess runs first) finds it."""
+    path = dataset_copy / "imagesTr" / "demo_002_0000.nii.gz"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(DatasetError, match=r"case demo_002: .*demo_002_0000.nii.gz: damaged or truncated"):
+        check_integrity(load_dataset(dataset_copy), read_voxels=False)
+
+
+def test_prediction_inputs_are_checked_before_any_prediction(dataset_copy):
+    folder = dataset_copy / "imagesTs"
+    assert len(list_prediction_inputs(folder, num_channels=1, image_dim=3)) == 2
+    extra = folder / "demo_005_0001.nii.gz"
+    extra.write_bytes((folder / "demo_005_0000.nii.gz").read_bytes())
+    with pytest.raises(DatasetError, match=r"takes 1 channel\(s\).*demo_005_0001.nii.gz"):
+        list_prediction_inputs(folder, num_channels=1)
+    extra.unlink()
+    with pytest.raises(DatasetError, match=r"demo_005_0000.nii.gz is a 3D image but the model was trained on 2D"):
+        list_prediction_inputs(folder, num_channels=1, image_dim=2)
+    path = folder / "demo_006_0000.nii.gz"
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(DatasetError, match=r"nothing was predicted:\n  .*demo_006_0000.nii.gz: damaged or truncated"):
+        list_prediction_inputs(path, num_channels=1)
+
+
+def test_prediction_channels_on_different_grids_are_refused(dataset_copy):
+    folder = dataset_copy / "imagesTs"
+    image = sitk.ReadImage(str(folder / "demo_005_0000.nii.gz"))
+    image.SetSpacing((2.0, 2.0, 2.0))
+    sitk.WriteImage(image, str(folder / "demo_005_0001.nii.gz"))
+    (folder / "demo_006_0000.nii.gz").unlink()
+    with pytest.raises(DatasetError, match=r"demo_005_0001.nii.gz and demo_005_0000.nii.gz differ in spacing"):
+        list_prediction_inputs(folder, num_channels=2)
+
+
+def test_load_case_refuses_nan_naming_the_file(dataset_copy):
+    """NaN kept by the format (NRRD) is refused where a case to predict is read (no all-background output)."""
+    _convert_to_nrrd(dataset_copy)
+    path = dataset_copy / "imagesTs" / "demo_005_0000.nrrd"
+    image, geo = read_image(path)
+    image[0, 1, 1] = np.inf
+    write_image(path, image, geo)
+    case = list_prediction_inputs(path, num_channels=1)[0]
+    with pytest.raises(DatasetError, match=r"demo_005_0000.nrrd holds NaN or Inf"):
+        load_case(case)
