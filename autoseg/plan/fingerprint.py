@@ -11,7 +11,7 @@ from autoseg.core.artifacts import Artifact
 from autoseg.core.workers import run_in_processes
 from autoseg.dataset.cropping import crop_to_nonzero
 from autoseg.dataset.labels import LabelValue
-from autoseg.dataset.raw import RawDataset, load_training_case, raise_problems
+from autoseg.dataset.raw import DatasetError, RawDataset, load_training_case, raise_problems
 from autoseg.plan.plans import IntensityProperties
 
 # Foreground voxels sampled per case and channel for the intensity statistics (as nnU-Net: 10,000).
@@ -72,6 +72,7 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
     results.sort(key=lambda r: r[0])  # completion order -> case order
     raise_problems(dataset, [p for r in results for p in r[4]])  # the voxels of every case are checked here
     cases = tuple(r[1] for r in results)
+    _require_foreground(dataset, cases)
     samples = [[r[2][c] for r in results if r[2][c].size] for c in range(dataset.num_channels)]
     rel = [np.prod(c.cropped_shape_zyx) / np.prod(c.shape_zyx) for c in cases]
     return Fingerprint(
@@ -96,7 +97,7 @@ def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint | None, list[np.n
     rng = np.random.default_rng([seed, index])
     data, seg, geometry, problems = load_training_case(case, label_values)  # float32 (C, Z, Y, X), int16
     if problems:
-        return index, None, [], geometry.ndim, problems
+        return index, None, [], geometry.ndim if geometry is not None else 0, problems
     cropped = crop_to_nonzero(data, seg)
     fg = cropped.seg[0] > 0
     if ignore is not None:
@@ -115,6 +116,17 @@ def _summarise_case(task: tuple) -> tuple[int, CaseFingerprint | None, list[np.n
         class_voxels=tuple(int(v) for v in counts),
     )
     return index, summary, samples, geometry.ndim, []
+
+
+def _require_foreground(dataset: RawDataset, cases: tuple[CaseFingerprint, ...]) -> None:
+    """A dataset needs a foreground voxel (a label value other than background and ignore) in some case:
+    without one the network only learns to answer background (nnU-Net refuses such a dataset too)."""
+    scheme = dataset.label_scheme
+    foreground = [v for v in scheme.label_values if v not in (0, scheme.ignore_value)]
+    if not any(c.class_voxels[v] for c in cases for v in foreground if v < len(c.class_voxels)):
+        raise DatasetError(f"{dataset.root / 'labelsTr'}: none of the {len(cases)} label files holds a foreground "
+                           f"voxel (values {foreground} declared in dataset.json); every voxel is background or "
+                           "ignore. Check that the labels were exported with their values, not as empty masks")
 
 
 def _intensity_properties(samples: list[np.ndarray]) -> IntensityProperties:
