@@ -26,7 +26,7 @@ import numpy as np
 
 from autoseg.core.artifacts import Artifact, read_json, to_dict, write_json
 from autoseg.core.errors import InputError
-from autoseg.dataset.imageio import read_geometry, read_image
+from autoseg.dataset.imageio import Geometry, read_geometry, read_image
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
 
 
@@ -123,8 +123,8 @@ def evaluate_pairs(
     ignore = labels.get(IGNORE) if labels is not None else None
     confusions = []
     for pred_path, ref_path in pairs:
-        pred, _ = read_image(pred_path, dtype=np.int16)
-        ref, geometry = read_image(ref_path, dtype=np.int16)
+        pred, _ = _read_label_map(pred_path, "prediction")
+        ref, geometry = _read_label_map(ref_path, "reference")
         voxel_mm3 = float(np.prod(geometry.spacing_xyz))
         confusions.append((_confusion(pred, ref, pred_path, ref_path, ignore), voxel_mm3))
     if labels is None:  # name classes by the values found
@@ -187,11 +187,23 @@ def _match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[P
                               "pass file_ending to match the dataset's files")
     missing = [r.name for r in refs if not (pred_dir / r.name).is_file()]
     if missing:
-        shown = ", ".join(missing[:10]) + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
         raise EvaluationError(f"{pred_dir}: no prediction for {len(missing)} of {len(refs)} reference "
-                              f"file(s) in {gt_dir}: {shown}; predict these cases (same file names) "
-                              "or remove their references")
+                              f"file(s) in {gt_dir}: {_first_names(missing)}; predict these cases (same file "
+                              "names) or remove their references")
+    # As nnU-Net (whose evaluation fails on a prediction without its reference): a mean over a subset of the
+    # predictions would be reported as the folder's score, so an unmatched prediction is an error too.
+    names = {r.name for r in refs}
+    unmatched = sorted(p.name for p in pred_dir.iterdir()
+                       if p.name.endswith(file_ending) and not p.name.startswith(".") and p.name not in names)
+    if unmatched:
+        raise EvaluationError(f"{gt_dir}: no reference for {len(unmatched)} prediction(s) in {pred_dir}: "
+                              f"{_first_names(unmatched)}; add their references (same file names) or move "
+                              "these predictions out of the folder")
     return [(pred_dir / r.name, r) for r in refs]
+
+
+def _first_names(names: list[str], shown: int = 10) -> str:
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def _check_geometries(pairs: list[tuple[Path, Path]]) -> None:
@@ -204,6 +216,26 @@ def _check_geometries(pairs: list[tuple[Path, Path]]) -> None:
     if problems:
         raise EvaluationError(f"{len(problems)} prediction(s) do not have their reference's geometry (write "
                               "predictions on the reference image grid):\n  " + "\n  ".join(problems))
+
+
+def _read_label_map(path: Path, what: str) -> tuple[np.ndarray, Geometry]:
+    """A segmentation as int16 label values. Float files are accepted when every voxel holds an integer
+    (as SimpleITK writes a label map resampled in float); a fraction or NaN is refused, never rounded or
+    cast silently (a probability map or an image passed by mistake)."""
+    array, geometry = read_image(path, dtype=None)
+    if array.dtype.kind == "f":
+        fractional = ~np.isfinite(array) | (array != np.round(array))  # one bool per voxel
+        if fractional.any():
+            example = array[fractional].flat[0]
+            raise EvaluationError(f"{path}: {what} holds {int(fractional.sum())} non-integer voxel(s) (e.g. "
+                                  f"{example:g}); a segmentation holds label values 0, 1, 2, ... (a probability "
+                                  "map or an image?)")
+    elif array.dtype.kind not in "iub":
+        raise EvaluationError(f"{path}: {what} has voxel type {array.dtype}; expected integer label values")
+    if array.size and (array.max() > np.iinfo(np.int16).max or array.min() < np.iinfo(np.int16).min):
+        raise EvaluationError(f"{path}: {what} holds label value {array.max()}; label values up to "
+                              f"{np.iinfo(np.int16).max} are supported")
+    return array.astype(np.int16, copy=False), geometry
 
 
 def _labels_from_dataset_json(gt_dir: Path) -> dict[str, Any] | None:

@@ -167,3 +167,37 @@ def test_ignore_with_plain_classes_excludes_reference_voxels(tmp_path: Path) -> 
     organ = summary.cases[0].classes["organ"]
     assert summary.labels == {"organ": 1}  # ignore is not a class
     assert (organ.tp, organ.fp, organ.fn) == (1, 0, 1)  # predictions on ignored voxels are not false positives
+
+
+def test_prediction_without_reference_is_named_and_nothing_written(folders: tuple[Path, Path]) -> None:
+    """As nnU-Net's evaluation (which fails on it): a score over a subset of the predictions would pass for
+    the folder's score, so an unmatched prediction is refused."""
+    pred, gt = folders
+    (gt / "b.nii.gz").unlink()
+    with pytest.raises(EvaluationError, match=r"gt|labelsTs") as info:
+        evaluate_folder(pred, gt, output_json=pred / "summary.json")
+    assert f"no reference for 1 prediction(s) in {pred}: b.nii.gz" in str(info.value)
+    assert not (pred / "summary.json").exists()
+
+
+@pytest.mark.parametrize("which", ["pred", "gt"])
+def test_float_map_with_fractions_is_refused_naming_it(folders: tuple[Path, Path], which: str) -> None:
+    pred, gt = folders
+    path = (pred if which == "pred" else gt) / "a.nii.gz"
+    values = np.array([[[1, 1, 0, 0], [1, 0, 0, 0]]], dtype=np.float32)
+    write_image(path, values, _geometry(values.shape))
+    assert evaluate_folder(pred, gt).cases  # integer-valued floats are label values
+    values[0, 0, 1] = 0.3
+    write_image(path, values, _geometry(values.shape))
+    with pytest.raises(EvaluationError, match=rf"{path}: {'prediction' if which == 'pred' else 'reference'} holds 1 "
+                                              r"non-integer voxel\(s\) \(e.g. 0.3\)"):
+        evaluate_folder(pred, gt, output_json=pred / "summary.json")
+    assert not (pred / "summary.json").exists()
+
+
+def test_truncated_prediction_is_refused(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    path = pred / "a.nii.gz"
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(ValueError, match=rf"{path}: damaged or truncated"):
+        evaluate_folder(pred, gt)
