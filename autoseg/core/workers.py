@@ -5,6 +5,12 @@ the pending futures with ``BrokenProcessPool``, but cannot say which task the de
 worker announces ``(key, pid)`` on a queue before it starts a task, synchronously, so the parent knows
 every task in flight; the worker whose process exited by itself (not by the pool's SIGTERM to the others)
 names the culprit, and ``WorkerDiedError`` carries its key and exit code.
+
+Workers die with their parent: a SIGKILL of the main process (which runs no cleanup) would otherwise leave
+them working for minutes. On Linux each worker asks the kernel for a SIGKILL when its parent dies
+(``die_with_parent``: ``prctl(PR_SET_PDEATHSIG)``). The kernel sends it when the *thread* that forked the
+worker exits; ``run_in_processes`` starts its workers in the calling thread (``submit`` spawns them) and
+returns only after they stopped, so that thread outlives them.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -34,8 +41,27 @@ class WorkerDiedError(RunError):
         self.in_flight = in_flight
 
 
-def _init_worker(started: Any) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """In a worker process: have Linux SIGKILL it when its parent (``parent_pid``) dies; exit now if the
+    parent is already gone. Elsewhere (no ``prctl``) nothing: the pool and torch's watchdog notice later."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1  # <linux/prctl.h>
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # it died before the signal was armed
+        os._exit(1)
+
+
+def _init_worker(started: Any, parent_pid: int) -> None:
     global _STARTED
+    die_with_parent(parent_pid)
     _STARTED = started
 
 
@@ -58,7 +84,8 @@ def run_in_processes(fn: Callable[[Any], Any], tasks: Sequence[Any], keys: Seque
     ctx = multiprocessing.get_context("spawn")
     started = ctx.SimpleQueue()
     results: list[Any] = []
-    pool = ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init_worker, initargs=(started,))
+    pool = ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init_worker,
+                               initargs=(started, os.getpid()))
     try:
         futures = {pool.submit(_announce_and_run, fn, k, t): k for k, t in zip(keys, tasks, strict=True)}
         for fut in as_completed(futures):

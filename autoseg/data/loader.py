@@ -23,6 +23,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from autoseg.core.errors import InputError, RunError
 from autoseg.core.resources import processes_for
 from autoseg.core.units import GiB, MiB
+from autoseg.core.workers import die_with_parent
 from autoseg.data.augment import Augmenter
 from autoseg.data.sampler import PatchSampler
 from autoseg.memory.host import output_batch_bytes, worker_bytes
@@ -122,6 +124,7 @@ class _BatchStream(IterableDataset):
                  slots: _Slots | None) -> None:
         self.folder, self.case_ids, self.config, self.seed, self.slots = folder, case_ids, config, seed, slots
         self.parent_pid = os.getpid()
+        self.forked_by_main_thread = threading.current_thread() is threading.main_thread()  # iter() follows
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -152,7 +155,11 @@ class _BatchStream(IterableDataset):
 
 
 def _init_worker(worker_id: int) -> None:
-    """One torch thread per worker: the workers already run in parallel."""
+    """Die with the trainer's process (a SIGKILL of it runs no cleanup; torch's watchdog looks only between
+    batches); one torch thread per worker: the workers already run in parallel."""
+    stream = get_worker_info().dataset
+    if stream.forked_by_main_thread:  # the death signal follows the forking thread, not the process
+        die_with_parent(stream.parent_pid)
     torch.set_num_threads(1)
 
 
