@@ -106,6 +106,12 @@ def _add_plan_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("dataset", help="raw dataset folder (nnU-Net layout: dataset.json, imagesTr/, labelsTr/)")
         _add_workspace(p)
         _add_budget(p)
+        p.add_argument("--overwrite", action="store_true",
+                       help="when the workspace was made from another dataset, this one changed, or plans.json "
+                            "differs from what the preprocessed data was made with: plan again and redo the stale "
+                            "preprocessed cases (a plans.json edited by hand is kept; delete it to plan anew); "
+                            "trained folds of a changed plan or dataset are moved to results/<config>.stale-<n>, "
+                            "never deleted. Without it such a workspace is refused")
         if name == "plan_and_preprocess":
             p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
             p.add_argument("--processes", type=int_at_least(1), default=None,
@@ -401,16 +407,17 @@ def _write_traceback(prefix: str, error: Exception) -> Path | str:
 def _plan(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
     from autoseg.dataset.raw import load_dataset
-    from autoseg.plan.run import plan_dataset
-    from autoseg.preprocess.run import preprocess_workspace
+    from autoseg.preprocess.run import plan_and_preprocess
 
     ws = Workspace.at(args.workspace)
     print(f"workspace: {ws.root}")
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
-    plan_dataset(dataset, ws, _budget(args), progress=progress)
-    if args.command == "plan_and_preprocess":
-        preprocess_workspace(ws, args.configs, args.processes, progress=progress,
-                             precompute_augmentations=args.precompute_augmentations)
+    preprocess = args.command == "plan_and_preprocess"
+    plan_and_preprocess(dataset, ws, _budget(args), preprocess_configs=preprocess, progress=progress,
+                        configs=args.configs if preprocess else None,
+                        processes=args.processes if preprocess else None,
+                        precompute_augmentations=args.precompute_augmentations if preprocess else 0,
+                        overwrite=args.overwrite)
     return 0
 
 

@@ -4,10 +4,16 @@
 
     workspace.json  fingerprint.json  plans.json  splits.json
     preprocessed/<config>/   results/<config>/fold_<k>/
+
+``workspace.json`` (``WorkspaceInfo``) records which dataset the workspace was made from: its folder and
+its ``DatasetSource``, the content of dataset.json and, per file of imagesTr/ and labelsTr/, its name, size
+and a hash of its first and last 64 KiB (``dataset_source``). Content, not paths or mtimes: a copy of the
+dataset (``cp -r``) is the same dataset, a file replaced or truncated in place is not.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,14 +21,98 @@ import numpy as np
 
 from autoseg.core.artifacts import Artifact, ArtifactError
 from autoseg.core.errors import InputError
+from autoseg.core.units import KiB
+
+SOURCE_FOLDERS = ("imagesTr", "labelsTr")  # the dataset's training files, the ones a workspace is made from
+HEAD_TAIL_BYTES = 64 * KiB  # hashed at each end of a file: catches truncation and replacement, reads little
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    """One file of a dataset, as ``dataset_source`` saw it."""
+
+    name: str  # relative to the dataset root, e.g. "imagesTr/case_000_0000.nii.gz"
+    size_bytes: int
+    head_tail_hash: str  # blake2b-128 of the first and last HEAD_TAIL_BYTES (the whole file when smaller)
+
+
+@dataclass(frozen=True)
+class DatasetSource:
+    """What a workspace was made from: dataset.json's content hash and the training files."""
+
+    dataset_json_hash: str
+    files: tuple[SourceFile, ...]  # sorted by name
+
+    def digest_of(self, names: list[str]) -> str:
+        """A hash of the entries of ``names`` (e.g. one case's image and label files); a name not in the
+        dataset counts as missing."""
+        entries = {f.name: f for f in self.files}
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(names):
+            f = entries.get(name)
+            h.update(f"{name}\0{f.size_bytes if f else -1}\0{f.head_tail_hash if f else ''}\n".encode())
+        return h.hexdigest()
+
+    def changes_since(self, old: DatasetSource) -> list[str]:
+        """What differs from ``old``, one line each ("imagesTr/a.nii.gz: added"); empty when nothing does."""
+        before, now = {f.name: f for f in old.files}, {f.name: f for f in self.files}
+        lines = [] if self.dataset_json_hash == old.dataset_json_hash else ["dataset.json: edited"]
+        for name in sorted(before.keys() | now.keys()):
+            a, b = before.get(name), now.get(name)
+            if a is None:
+                lines.append(f"{name}: added")
+            elif b is None:
+                lines.append(f"{name}: removed")
+            elif a.size_bytes != b.size_bytes:
+                lines.append(f"{name}: replaced or truncated ({a.size_bytes} -> {b.size_bytes} bytes)")
+            elif a.head_tail_hash != b.head_tail_hash:
+                lines.append(f"{name}: replaced (same size, other content)")
+        return lines
+
+
+def _head_tail_hash(path: Path, size: int) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        h.update(f.read(HEAD_TAIL_BYTES))
+        if size > HEAD_TAIL_BYTES:
+            f.seek(max(HEAD_TAIL_BYTES, size - HEAD_TAIL_BYTES))
+            h.update(f.read(HEAD_TAIL_BYTES))
+    return h.hexdigest()
+
+
+def dataset_source(root: str | Path) -> DatasetSource:
+    """The ``DatasetSource`` of the dataset folder ``root`` (reads dataset.json and at most 128 KiB per
+    training file). Hidden files (``.DS_Store``, editors' temporaries) are left out."""
+    root = Path(root)
+    files = []
+    for folder in SOURCE_FOLDERS:
+        for path in sorted((root / folder).glob("*")):
+            if path.is_file() and not path.name.startswith("."):
+                size = path.stat().st_size
+                files.append(SourceFile(f"{folder}/{path.name}", size, _head_tail_hash(path, size)))
+    dataset_json = hashlib.blake2b((root / "dataset.json").read_bytes(), digest_size=16).hexdigest()
+    return DatasetSource(dataset_json, tuple(sorted(files, key=lambda f: f.name)))
+
+
+def _info_1_to_2(payload: dict) -> dict:
+    """A workspace.json written before fingerprints (schema 1): its dataset is unknown (``dataset`` None)."""
+    return {**payload, "dataset": None, "plans_hash": ""}
 
 
 @dataclass(frozen=True)
 class WorkspaceInfo(Artifact):
-    SCHEMA_VERSION = 1
+    """``workspace.json``: the dataset the workspace was made from. ``dataset`` None: unknown (a workspace
+    written by autoseg before schema 2; see ``autoseg.plan.run.check_dataset`` for how that is treated).
+    ``plans_hash``: of plans.json as the planner wrote it ("" unknown): another hash means it was edited by
+    hand since."""
+
+    SCHEMA_VERSION = 2
     KIND = "workspace"
+    UPGRADES = {1: _info_1_to_2}
 
     dataset_root: str
+    dataset: DatasetSource | None = None
+    plans_hash: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,11 +169,28 @@ class Workspace:
         found = (self.root / "results" / config).glob(f"fold_*/checkpoint_{which}.pt")
         return tuple(sorted(int(p.parent.name[5:]) for p in found if p.parent.name[5:].isdigit()))
 
-    def dataset_root(self) -> Path:
+    def info(self) -> WorkspaceInfo:
         if not self.info_path.is_file():
             raise ArtifactError(f"{self.root}: not an autoseg workspace (no workspace.json); run "
                                 f"`autoseg plan_and_preprocess DATASET -w {self.root}` first")
-        return Path(WorkspaceInfo.from_json(self.info_path).dataset_root)
+        return WorkspaceInfo.from_json(self.info_path)
+
+    def dataset_root(self) -> Path:
+        return Path(self.info().dataset_root)
+
+    def set_aside(self, path: Path) -> Path | None:
+        """Rename ``path`` (a results folder, splits.json) to the first free ``<name>.stale-<n>`` (before a
+        file's suffix: ``splits.stale-1.json``) and return the new path; None when there is nothing there (an
+        empty folder is removed). What a change made stale is kept for the user, never deleted."""
+        if path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
+        if not path.exists():
+            return None
+        n = 1
+        while (target := path.with_name(f"{path.stem}.stale-{n}{path.suffix}")).exists():
+            n += 1
+        path.rename(target)
+        return target
 
     def require(self, path: Path, produced_by: str) -> Path:
         if not path.exists():

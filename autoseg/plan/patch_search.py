@@ -184,7 +184,11 @@ class StepCost:
         return conv_flops(topology, patch, batch) * factor
 
     def fits(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> bool:
+        """Within the time and memory limits; a topology of one stage (a patch too small to pool) never
+        fits: no U-Net can be built from it."""
         lim = self.limits
+        if topology.num_stages < 2:
+            return False
         if lim.seconds is not None and self.flops(topology, batch, patch) / lim.flops_per_second > lim.seconds:
             return False
         return not self.use_memory or self.peak(topology, batch, patch) <= lim.memory_bytes
@@ -229,7 +233,8 @@ def search(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate | 
         best = add(topology)
         smallest = tuple(d * (2 if a == 0 else 1) for a, d in enumerate(topology.patch_divisor()))
         t, p = best if best is not None else (topology, smallest)
-        ratio = cost.peak(t, batch, p) / max(_proxy_bytes(t, batch, p, setting), 1)
+        if t.num_stages >= 2:  # else nothing can be built at this size to measure
+            ratio = cost.peak(t, batch, p) / max(_proxy_bytes(t, batch, p, setting), 1)
     if cost.use_memory and best is not None:
         # no grid searched holds a patch near the limit: the topologies of larger family patches, then
         # networks pooling one axis once less (a finer grid on that axis)

@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from autoseg.core.errors import InputError
 from autoseg.core.spacing import ANISOTROPY_THRESHOLD
 from autoseg.core.units import MiB
 from autoseg.dataset.labels import LabelScheme
@@ -218,9 +219,13 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
     else:
         setting = settings[-1]
         chosen, limited_by = _smallest(space, setting, StepCost(peak_fn, setting, limits)), "nothing_fits"
-        notes = (f"even the smallest patch {chosen.patch} at batch 1 is predicted to need "
-                 f"{chosen.peak_bytes / MiB:.0f} MiB (or more time than allowed), over the "
-                 f"{limits.memory_bytes / MiB:.0f} MiB this budget allows; give more memory with --gpu-memory",)
+        if chosen.peak_bytes > limits.memory_bytes:
+            raise InputError(_too_small_message(name, chosen, setting, budget))
+        seconds = chosen.flops / limits.flops_per_second
+        notes = (f"the search found no patch within the limits; the smallest, {chosen.patch} at batch 1, is "
+                 f"used: predicted {chosen.peak_bytes / MiB:.0f} MiB of the {limits.memory_bytes / MiB:.0f} MiB "
+                 f"allowed" + ("" if limits.seconds is None else
+                               f", {seconds:.2f} s per iteration (target {limits.seconds:g} s)"),)
     memory = _memory_terms(chosen, setting, budget.device) if model_backed else \
         {"predicted_peak_bytes": float(chosen.peak_bytes)}
     notes += _limit_notes(chosen, limited_by, budget, limits, source)
@@ -231,6 +236,17 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
         predicted_seconds_per_iteration=chosen.flops / limits.flops_per_second,
         flops_per_iteration=chosen.flops, limited_by=limited_by, notes=notes,
     )
+
+
+def _too_small_message(name: str, smallest: Candidate, setting: Setting, budget: Budget) -> str:
+    """Why no network fits, and the smallest budget that holds the smallest one (its peak + the safety margin)."""
+    flag = "--gpu-memory" if budget.device == "cuda" else "--ram"
+    needed_mib = math.ceil(smallest.peak_bytes / (1.0 - budget.safety_margin) / MiB)
+    return (f"{name}: no network fits a budget of {budget.memory_bytes / MiB:.0f} MiB ({flag}): the smallest one "
+            f"(patch {smallest.patch}, batch 1, {_describe(setting)}) is predicted to need "
+            f"{smallest.peak_bytes / MiB:.0f} MiB at its peak; give at least {flag} {needed_mib}MiB "
+            f"(with its {budget.safety_margin:.0%} safety margin)"
+            + ("" if budget.device == "cpu" else ", or plan for CPU training with --device cpu"))
 
 
 def _setting_notes(attempts: list[tuple[Setting, Candidate | None, bool]], minimum: int) -> tuple[str, ...]:

@@ -1,37 +1,216 @@
 """`autoseg plan_and_preprocess`, its second half: each planned configuration preprocessed into the workspace,
-in as many processes as the plan's RAM budget holds."""
+in as many processes as the plan's RAM budget holds; and what keeps preprocessed data tied to its sources.
+
+Preprocessed cases are never mixed with stale ones: ``preprocessed/<config>_source.json`` records the plan
+fields (``preprocessing_fields``) and the raw files (per case, a digest) the folder's cases are made from.
+A case made from other files, a case no longer in the dataset, or a folder made with other plan fields is
+stale (``stale_preprocessed``): refused, or deleted and redone with ``overwrite``. Training checks the
+same (``check_preprocessed``) before it starts.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import resource
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from autoseg.core.artifacts import to_dict
+from autoseg.core.errors import InputError
 from autoseg.core.resources import cpu_count, processes_for
 from autoseg.core.units import GiB, KiB, MiB
-from autoseg.core.workspace import Workspace
-from autoseg.dataset.raw import load_dataset
+from autoseg.core.workspace import DatasetSource, Splits, Workspace, dataset_source
+from autoseg.dataset.raw import RawDataset, load_dataset
+from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
-from autoseg.plan.run import load_fingerprint
+from autoseg.plan.run import PlannedWorkspace, check_dataset, load_fingerprint, make_plan, write_plan
 from autoseg.preprocess.precompute import PrecomputeConfig
 from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
+from autoseg.preprocess.store import PreprocessedSource, delete_case, read_source, source_path, stored_case_ids
 
 log = logging.getLogger("autoseg")
+SHOWN_REASONS = 8
+
+
+def plan_and_preprocess(dataset: str | Path | RawDataset, workspace: Workspace, budget: Budget, *,
+                        preprocess_configs: bool = True, configs: list[str] | None = None,
+                        processes: int | None = None, progress: bool = True, precompute_augmentations: int = 0,
+                        overwrite: bool = False) -> Plans:
+    """`autoseg plan` (``preprocess_configs`` False) and `autoseg plan_and_preprocess`: plan, then refuse
+    (or with ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or
+    dataset, all before anything is written; then write the plan and preprocess."""
+    planned = make_plan(dataset, workspace, budget, progress, overwrite)
+    stale = stale_preprocessed(workspace, planned.plans, planned.dataset, planned.source,
+                               unknown_is_stale=bool(planned.dataset_changes))
+    if stale and not overwrite:
+        raise InputError(_stale_message(workspace, planned.dataset.root, stale))
+    if overwrite:
+        _set_aside_results(workspace, planned, {s.config for s in stale})
+        _delete_stale(stale)
+    write_plan(workspace, planned)
+    if preprocess_configs:
+        preprocess_workspace(workspace, configs, processes, progress=progress,
+                             precompute_augmentations=precompute_augmentations, overwrite=overwrite)
+    return planned.plans
 
 
 def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None, processes: int | None = None,
-                         progress: bool = True, precompute_augmentations: int = 0) -> None:
+                         progress: bool = True, precompute_augmentations: int = 0, overwrite: bool = False) -> None:
     """Preprocess each configuration into ``preprocessed/<config>/``; ``processes=None`` derives the count
     from the plan's RAM budget (``preprocessing_processes_for``). Also writes
-    ``preprocessed/<config>_report.json`` (per-case predicted and measured peak memory, seconds, disk)."""
+    ``preprocessed/<config>_report.json`` (per-case predicted and measured peak memory, seconds, disk) and,
+    before the cases, ``<config>_source.json``. Stale cases (``stale_preprocessed``) are refused, or deleted
+    and redone with ``overwrite``."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan"))
     dataset = load_dataset(workspace.dataset_root())
+    source = dataset_source(dataset.root)
+    check_dataset(workspace, dataset.root, source)  # a dataset changed since planning is refused
+    names = configs or list(plans.configurations)
+    stale = stale_preprocessed(workspace, plans, dataset, source, names)
+    if stale and not overwrite:
+        raise InputError(_stale_message(workspace, dataset.root, stale))
+    _delete_stale(stale)
+    digests = case_digests(dataset, source)
     precompute = PrecomputeConfig(num_copies=precompute_augmentations)
-    for name in configs or list(plans.configurations):
+    for name in names:
         n = processes or preprocessing_processes_for(workspace, plans, name, precompute_augmentations)
         out_dir = workspace.preprocessed(name)
+        # before the cases: every case in the folder is made from what it says (stale ones were deleted)
+        PreprocessedSource(preprocessing_fields(plans, name), digests).to_json(source_path(out_dir))
         preprocess(dataset, plans, name, out_dir, processes=n, progress=progress, precompute=precompute,
                    report_path=out_dir.with_name(f"{name}_report.json"))
         log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
+
+
+def preprocessing_fields(plans: Plans, config_name: str) -> dict[str, Any]:
+    """The plan's fields that preprocessing a case for ``config_name`` reads (``preprocess_case``,
+    ``run_case``), as JSON values: the target spacing and dimensionality, normalization (with the intensity
+    properties of the channels normalized as CT, the only scheme that reads them) and the labels."""
+    config = plans.configuration(config_name)
+    fields = {
+        "spacing_mm": config.spacing_mm, "dim": config.dim, "normalization": plans.normalization,
+        "use_nonzero_mask": plans.use_nonzero_mask,
+        "intensity_properties": [p if n == "ct" else None for n, p in zip(plans.normalization,
+                                                                             plans.intensity_properties)],
+        "labels": plans.labels, "regions_class_order": plans.regions_class_order,
+    }
+    return json.loads(json.dumps(to_dict(fields)))
+
+
+def case_digests(dataset: RawDataset, source: DatasetSource) -> dict[str, str]:
+    """Case id -> the digest of its image and label files in ``source`` (``DatasetSource.digest_of``)."""
+    def name(path: Path) -> str:
+        return path.relative_to(dataset.root).as_posix()
+
+    return {c.case_id: source.digest_of([name(p) for p in (*c.image_paths, c.label_path) if p is not None])
+            for c in dataset.cases}
+
+
+@dataclass(frozen=True)
+class StalePreprocessed:
+    """Cases of one configuration's folder that are not made from the dataset and plan as they are now."""
+
+    config: str
+    folder: Path
+    reasons: tuple[str, ...]  # one line each
+    cases: tuple[str, ...]  # to delete (every case of the folder when the plan changed)
+
+
+def stale_preprocessed(workspace: Workspace, plans: Plans, dataset: RawDataset, source: DatasetSource,
+                       configs: list[str] | None = None, unknown_is_stale: bool = False) -> list[StalePreprocessed]:
+    """The stale cases of each configuration (default: every planned one) with a folder. A folder without
+    ``<config>_source.json`` (an older autoseg) is taken as current unless ``unknown_is_stale`` (the dataset
+    changed since the workspace was made)."""
+    digests = case_digests(dataset, source)
+    stale = []
+    for name in configs or list(plans.configurations):
+        folder = workspace.preprocessed(name)
+        stored = stored_case_ids(folder) if folder.is_dir() else []
+        record = read_source(folder) if stored else None
+        if not stored or (record is None and not unknown_is_stale):
+            continue
+        if record is None:
+            reasons = ["made by an older autoseg, which did not record the files it was made from"]
+        else:
+            reasons = [f"made with another plan: {c}" for c in _field_changes(record.plan_fields,
+                                                                               preprocessing_fields(plans, name))]
+        if reasons:
+            stale.append(StalePreprocessed(name, folder, tuple(reasons), tuple(stored)))
+            continue
+        gone = [c for c in stored if c not in digests]
+        redo = [c for c in stored if c in digests and record.cases.get(c) != digests[c]]
+        reasons = [f"case {c}: no longer in the dataset" for c in gone] + \
+                  [f"case {c}: made from other files" for c in redo]
+        if reasons:
+            stale.append(StalePreprocessed(name, folder, tuple(reasons), tuple(gone + redo)))
+    return stale
+
+
+def check_preprocessed(workspace: Workspace, plans: Plans, config_name: str) -> None:
+    """Before training on ``preprocessed/<config_name>/``: refuse when the dataset changed since the workspace
+    was made from it, or the folder was preprocessed with other plan fields than plans.json's. A dataset
+    folder that is gone is no error (training reads the preprocessed data only)."""
+    folder = workspace.preprocessed(config_name)
+    root = workspace.dataset_root()
+    if (root / "dataset.json").is_file():
+        check_dataset(workspace, root, dataset_source(root))
+    else:
+        log.info("dataset %s not found; training from the preprocessed data in %s", root, folder)
+    record = read_source(folder)
+    if record is None:
+        log.info("%s: no record of the plan it was preprocessed with (an older autoseg); taken as plans.json's",
+                 folder)
+        return
+    changes = _field_changes(record.plan_fields, preprocessing_fields(plans, config_name))
+    if changes:
+        raise InputError(f"{folder} was preprocessed with another plan than {workspace.plans_path} says "
+                         f"({'; '.join(changes[:SHOWN_REASONS])}); run `autoseg plan_and_preprocess {root} -w "
+                         f"{workspace.root} --overwrite` to preprocess it again with the plan as it is")
+
+
+def _field_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(before.keys() | now.keys())
+            if before.get(k) != now.get(k)]
+
+
+def _stale_message(workspace: Workspace, root: Path, stale: list[StalePreprocessed]) -> str:
+    lines = [f"{s.folder.name}: {r}" for s in stale for r in s.reasons]
+    more = len(lines) - SHOWN_REASONS
+    return (f"preprocessed data in {workspace.root / 'preprocessed'} no longer matches the dataset and plan: "
+            f"{'; '.join(lines[:SHOWN_REASONS])}{f'; and {more} more' if more > 0 else ''}. Run `autoseg "
+            f"plan_and_preprocess {root} -w {workspace.root} --overwrite` to redo the stale cases")
+
+
+def _delete_stale(stale: list[StalePreprocessed]) -> None:
+    for s in stale:
+        log.warning("--overwrite: deleting %d stale preprocessed case(s) of %s to redo them (%s)", len(s.cases),
+                    s.folder, "; ".join(s.reasons[:SHOWN_REASONS]))
+        for case_id in s.cases:
+            delete_case(s.folder, case_id)
+
+
+def _set_aside_results(workspace: Workspace, planned: PlannedWorkspace, stale_configs: set[str]) -> None:
+    """Trained folds made from what --overwrite changes (the dataset's case files, a configuration's plan or
+    its preprocessed data) are moved to ``results/<config>.stale-<n>/``, never deleted; so is a splits.json
+    whose cases are no longer the dataset's."""
+    files_changed = any(not c.startswith("dataset.json") for c in planned.dataset_changes)
+    previous = planned.previous_plans.configurations if planned.previous_plans and planned.write_plans else {}
+    for name in sorted(planned.plans.configurations):
+        old = previous.get(name)
+        plan_changed = old is not None and to_dict(old) != to_dict(planned.plans.configurations[name])
+        if files_changed or plan_changed or name in stale_configs:
+            moved = workspace.set_aside(workspace.results(name, 0).parent)
+            if moved is not None:
+                log.warning("--overwrite: %s was trained on the %s before this change; moved to %s (autoseg no "
+                            "longer uses it; delete it when you no longer need it)", moved.with_name(name),
+                            "dataset" if files_changed else "plan", moved)
+    if workspace.splits_path.is_file():
+        splits = Splits.from_json(workspace.splits_path)
+        if {c for f in splits.folds for c in f.val} != {c.case_id for c in planned.dataset.cases}:
+            log.warning("--overwrite: %s splits other cases than the dataset has now; moved to %s",
+                        workspace.splits_path, workspace.set_aside(workspace.splits_path))
 
 
 def preprocessing_processes_for(workspace: Workspace, plans: Plans, config_name: str,

@@ -9,6 +9,9 @@ Per case ``<case>``:
 - ``<case>_aug{k}_data.npy`` / ``_seg.npy`` / ``_locations.npy``: the same for precomputed augmented copy k;
 - ``<case>.json``: ``CaseProperties``, written last: a case without it is incomplete.
 
+Beside the folder, ``preprocessed/<config>_source.json`` (``PreprocessedSource``) records what its cases are
+made from: the plan's preprocessing fields and, per case, a digest of its raw files (``DatasetSource.digest_of``).
+
 Writing: ``CaseWriter`` (or ``write_case`` for a case without copies); every file under a temporary name,
 renamed when complete. Reading: ``open_case`` -> ``StoredCase`` (memory maps, locations, properties),
 ``read_properties``, ``list_complete_cases``, ``is_complete``, ``precomputed_copies``.
@@ -19,10 +22,12 @@ from __future__ import annotations
 import itertools
 import math
 import mmap
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -31,12 +36,13 @@ from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry
 from autoseg.preprocess.precompute import SpatialParams
 
+AUGMENTED = re.compile(r"_aug\d+_data\.npy$")  # an augmented copy's data file, not a case's
 ClassLocations = Mapping[str, Sequence[Sequence[int]]]  # output channel -> (z, y, x) voxels
 
-__all__ = ["AugmentedCopy", "CaseFiles", "CaseProperties", "CaseWriter", "StoredCase",
-           "case_files", "is_complete", "list_complete_cases", "locations_array", "missing_files", "open_case",
-           "open_npy_for_patches", "precomputed_copies", "prefetch_pages", "properties_path", "read_properties",
-           "write_case"]
+__all__ = ["AugmentedCopy", "CaseFiles", "CaseProperties", "CaseWriter", "PreprocessedSource", "StoredCase",
+           "case_files", "delete_case", "is_complete", "list_complete_cases", "locations_array", "missing_files",
+           "open_case", "open_npy_for_patches", "precomputed_copies", "prefetch_pages", "properties_path",
+           "read_properties", "read_source", "source_path", "stored_case_ids", "write_case"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,32 @@ class CaseProperties(Artifact):
     shape_after_resample: tuple[int, int, int]
     class_voxels: tuple[int, ...] = ()  # per label value after resampling (training cases only)
     augmentations: tuple[AugmentedCopy, ...] = ()  # precomputed spatially augmented copies
+
+
+@dataclass(frozen=True)
+class PreprocessedSource(Artifact):
+    """``preprocessed/<config>_source.json``: what the folder's cases are made from. Written before the cases
+    it lists are made, after the cases it no longer matches were deleted, so every case in the folder is
+    made from these: ``plan_fields`` (the plan's fields that preprocessing reads, as JSON values) and, per
+    case id, the digest of its raw files."""
+
+    SCHEMA_VERSION = 1
+    KIND = "preprocessed source"
+
+    plan_fields: dict[str, Any]
+    cases: dict[str, str]
+
+
+def source_path(folder: str | Path) -> Path:
+    """``<config>_source.json`` beside the configuration's folder (not in it: a JSON there is a case)."""
+    folder = Path(folder)
+    return folder.with_name(f"{folder.name}_source.json")
+
+
+def read_source(folder: str | Path) -> PreprocessedSource | None:
+    """The folder's ``PreprocessedSource``; None when there is none (written by an older autoseg)."""
+    path = source_path(folder)
+    return PreprocessedSource.from_json(path) if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -156,6 +188,27 @@ def write_case(folder: str | Path, props: CaseProperties, data: np.ndarray, seg:
     writer = CaseWriter(folder, props.case_id)
     writer.write_arrays(data, seg, locations)
     writer.commit(props)
+
+
+def stored_case_ids(folder: str | Path) -> list[str]:
+    """The ids of every case with a file in ``folder``, complete or not (its JSON or its ``_data.npy``)."""
+    folder = Path(folder)
+    ids = {p.name[: -len(".json")] for p in folder.glob("*.json")}
+    ids |= {p.name[: -len("_data.npy")] for p in folder.glob("*_data.npy") if not AUGMENTED.search(p.name)}
+    return sorted(ids)
+
+
+def delete_case(folder: str | Path, case_id: str) -> None:
+    """Remove case ``case_id``'s files from ``folder``: its JSON first (from then on it is incomplete), then
+    its arrays and those of its copies."""
+    properties_path(folder, case_id).unlink(missing_ok=True)
+    for path in case_files(folder, case_id):
+        path.unlink(missing_ok=True)
+    copy = 0
+    while any(p.exists() for p in case_files(folder, case_id, copy)):
+        for path in case_files(folder, case_id, copy):
+            path.unlink(missing_ok=True)
+        copy += 1
 
 
 def missing_files(folder: str | Path, case_id: str, num_copies: int = 0) -> list[Path]:

@@ -41,6 +41,7 @@ from autoseg.model.step import TrainStep, build_step, distribute
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.throughput import training_step_closure
 from autoseg.plan.training_data import loader_config
+from autoseg.preprocess.run import check_preprocessed
 from autoseg.preprocess.store import list_cases, missing_files, open_case, precomputed_copies
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import plot_progress
@@ -80,6 +81,7 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     started = time.perf_counter()
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
+    check_preprocessed(workspace, plans, config_name)  # a changed dataset or plan is refused, not mixed
     train_ids, val_ids = fold_cases(workspace, config_name, fold)
     out = workspace.results(config_name, fold)
     resumed = None
