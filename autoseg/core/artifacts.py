@@ -46,7 +46,10 @@ class WriteError(RunError):
         super().__init__(f"{path}: could not write it ({reason}); its previous version, if any, is kept and nothing "
                          "half-written is left. Free disk space, fix the folder's permissions or choose another "
                          "folder, then rerun")
-        self.path = Path(path)
+        self.path, self.reason = Path(path), reason
+
+    def __reduce__(self) -> tuple:  # raised in a worker process, re-raised in the parent
+        return (type(self), (self.path, self.reason))
 
 
 def _reason(error: BaseException) -> str:

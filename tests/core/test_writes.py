@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +34,11 @@ def test_a_write_past_the_file_size_limit_keeps_the_old_file(tmp_path: Path) -> 
             atomic_save_npy(target, np.zeros(10_000))
     assert isinstance(info.value, RunError) and info.value.path == target
     assert target.read_bytes() == before and temporaries(tmp_path) == []
+
+
+def test_a_write_error_raised_in_a_worker_process_arrives_whole() -> None:
+    error = pickle.loads(pickle.dumps(WriteError("/ws/case_data.npy", "File too large")))
+    assert isinstance(error, WriteError) and error.path == Path("/ws/case_data.npy") and "File too large" in str(error)
 
 
 def test_a_short_gzip_that_its_writer_did_not_report_is_refused(tmp_path: Path) -> None:
