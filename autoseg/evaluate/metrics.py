@@ -16,6 +16,7 @@ the reverse) scores 0.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from autoseg.core.artifacts import Artifact, read_json, to_dict, write_json
+from autoseg.core.artifacts import Artifact, to_dict, write_json
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry, read_geometry, read_image
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
@@ -242,7 +243,11 @@ def _labels_from_dataset_json(gt_dir: Path) -> dict[str, Any] | None:
     for folder in (gt_dir, gt_dir.parent):
         path = folder / "dataset.json"
         if path.is_file():
-            labels = read_json(path).get("labels")
+            try:
+                meta = json.loads(path.read_bytes().decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise EvaluationError(f"{path}: not UTF-8 JSON ({e}); fix it or pass labels explicitly") from e
+            labels = meta.get("labels") if isinstance(meta, dict) else None
             ok = isinstance(labels, dict) and all(
                 isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(x, int) for x in v))
                 for v in labels.values())

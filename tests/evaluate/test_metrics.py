@@ -201,3 +201,11 @@ def test_truncated_prediction_is_refused(folders: tuple[Path, Path]) -> None:
     path.write_bytes(path.read_bytes()[:-1])
     with pytest.raises(ValueError, match=rf"{path}: damaged or truncated"):
         evaluate_folder(pred, gt)
+
+
+@pytest.mark.parametrize("content", [b"null", b"[1]", b"\xff\xfe{", b"{"])
+def test_unusable_dataset_json_beside_references_is_named(folders: tuple[Path, Path], content: bytes) -> None:
+    pred, gt = folders
+    (gt.parent / "dataset.json").write_bytes(content)
+    with pytest.raises(EvaluationError, match=r"dataset.json: .*pass labels explicitly"):
+        evaluate_folder(pred, gt)
