@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.artifacts import WriteError, atomic_write_text
 from autoseg.core.resources import cpu_count, fastest_thread_count
 from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
@@ -111,7 +111,7 @@ def cached_cpu_throughput(cache_dir: Path) -> tuple[float, str]:
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, json.dumps({"key": key, "flops_per_second": flops}) + "\n")
-    except OSError:
+    except (OSError, WriteError):
         return flops, "measured now (could not cache it)"
     return flops, "measured now"
 

@@ -138,3 +138,15 @@ def test_conv_flops_counts_the_convolutions_torch_runs(name: str) -> None:
     predicted = conv_flops(topology, patch_size, batch_size)
     assert counts["aten.convolution"] == pytest.approx(predicted / 3, rel=1e-9)
     assert counter.get_total_flops() == pytest.approx(predicted, rel=0.02)
+
+
+def test_a_cache_that_cannot_be_written_does_not_stop_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoseg.core.artifacts import WriteError
+
+    def refuse(path, text):
+        raise WriteError(path, "Read-only file system")
+
+    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda repeats=3: 5e9)
+    monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    monkeypatch.setattr(autoseg.plan.throughput, "atomic_write_text", refuse)
+    assert cached_cpu_throughput(tmp_path) == (5e9, "measured now (could not cache it)")
