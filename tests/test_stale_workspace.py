@@ -197,12 +197,16 @@ def test_a_budget_too_small_for_any_network_writes_nothing(copies, tmp_path, cap
     assert not new.exists() or not any(new.iterdir())
 
 
-def test_a_schema_1_workspace_still_trains_and_is_adopted_by_plan_and_preprocess(copies, capsys) -> None:
+def test_a_schema_1_workspace_is_adopted_for_its_own_folder_and_refuses_another(copies, tmp_path, capsys) -> None:
     dataset, ws = copies
     (ws / "workspace.json").write_text(json.dumps({"schema_version": 1, "dataset_root": str(dataset.resolve())}))
     (ws / "preprocessed/3d_fullres_source.json").unlink()  # as an older autoseg left it
     cases = _preprocessed(ws)
     assert Workspace.at(ws).info().dataset is None
+    elsewhere = _copy(dataset, tmp_path / "elsewhere" / dataset.name)  # same files, but nothing recorded to say so
+    before = snapshot(ws)
+    assert_refused(_plan_and_preprocess(capsys, elsewhere, ws), 2, ws, dataset.resolve(), elsewhere.resolve())
+    assert snapshot(ws) == before
     assert _plan_and_preprocess(capsys, dataset, ws).status == 0
     assert Workspace.at(ws).info().dataset is not None  # recorded from now on
     assert {k: v for k, v in _preprocessed(ws).items() if not k.endswith("_source.json")} == cases

@@ -100,3 +100,17 @@ def test_micro_batch_one_setting_accumulates() -> None:
     found = search(_space(), setting, StepCost(_rough, setting, Limits(2 * GiB, None, 1e13)))
     assert found.batch == 1 and found.accumulation_steps == 2
     assert found.peak_bytes == _rough(found.topology, 1, found.patch, "fp16", True, 2)
+
+
+def _buildable_only(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
+    """Like the simulated peak: a network of one stage cannot be built, so asking for its peak fails."""
+    assert topology.num_stages >= 2, f"asked for the peak of an unbuildable {topology.num_stages}-stage network"
+    return _rough(topology, batch, patch, precision, checkpointing, accumulation_steps)
+
+
+def test_a_one_stage_network_never_fits_and_its_peak_is_never_asked() -> None:
+    one_stage, _ = topology_for((2, 2, 2), (1.0, 1.0, 1.0), 1, 3, 32, 320)
+    assert one_stage.num_stages == 1
+    assert not StepCost(_buildable_only, AMP, Limits(1e15, None, 1e13)).fits(one_stage, 1, (2, 2, 2))
+    # a budget too small for anything: the search tries ever smaller patches, down to unpoolable ones
+    assert search(_space(), AMP, StepCost(_buildable_only, AMP, Limits(1000, None, 1e13))) is None

@@ -434,3 +434,17 @@ def test_model_backed_plans_fill_every_budget() -> None:
         if math.prod(full.patch_size) < min(MIN_PATCH_VOXELS["cuda"][3], math.prod(full.median_shape_zyx)):
             assert full.checkpointing and full.batch_size == 1
     assert voxels == sorted(voxels)
+
+
+@pytest.mark.parametrize(("device", "flag"), [("cuda", "--gpu-memory"), ("cpu", "--ram")])
+def test_a_budget_too_small_for_any_network_names_the_smallest_that_works(device: str, flag: str) -> None:
+    import re
+
+    fp = _fingerprint_3d()
+    tiny = {"gpu_memory_bytes": 2**10} if device == "cuda" else {"host_ram_bytes": 2**10}
+    with pytest.raises(InputError, match=f"no network fits.*give at least {flag}") as info:
+        plan(fp, Budget(device=device, cpu_count=8, **tiny), peak_fn=rough_training_peak_bytes)
+    needed = int(re.search(rf"{flag} (\d+)MiB", str(info.value)).group(1)) * 2**20
+    enough = {"gpu_memory_bytes": needed} if device == "cuda" else {"host_ram_bytes": needed}
+    plans = plan(fp, Budget(device=device, cpu_count=8, **enough), peak_fn=rough_training_peak_bytes)
+    assert "3d_fullres" in plans.configurations  # the budget the message names is enough
