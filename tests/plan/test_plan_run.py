@@ -1,0 +1,78 @@
+"""`autoseg plan` into a workspace: the dataset is checked against the one the workspace was made from,
+and plans.json, once written, is the workspace's plan (kept unless --overwrite; kept when edited by hand)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_checks import snapshot
+
+from autoseg.core.errors import InputError
+from autoseg.core.units import GiB
+from autoseg.core.workspace import Workspace, dataset_source
+from autoseg.plan.budget import Budget
+from autoseg.plan.plans import Plans
+from autoseg.plan.run import check_dataset, make_plan, plan_dataset, write_plan
+
+
+def _budget(ram_gib: float) -> Budget:
+    return Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=int(ram_gib * GiB), device="cpu", cpu_flops_per_second=1e10)
+
+
+@pytest.fixture(scope="module")
+def planned(tiny_dataset: Path, tmp_path_factory) -> Path:
+    ws = Workspace.at(tmp_path_factory.mktemp("plan_run") / "ws")
+    plan_dataset(tiny_dataset, ws, _budget(8), progress=False)
+    return ws.root
+
+
+@pytest.fixture()
+def ws(planned: Path, tmp_path: Path) -> Workspace:
+    return Workspace.at(shutil.copytree(planned, tmp_path / "ws"))
+
+
+def test_workspace_json_records_the_dataset_and_the_plan_as_written(ws: Workspace, tiny_dataset: Path) -> None:
+    info = ws.info()
+    assert info.dataset == dataset_source(tiny_dataset) and Path(info.dataset_root) == tiny_dataset.resolve()
+    assert info.plans_hash  # plans.json as the planner wrote it
+
+
+def test_a_plan_that_would_differ_keeps_plans_json_unless_overwrite(ws: Workspace, tiny_dataset: Path) -> None:
+    before = Plans.from_json(ws.plans_path)
+    kept = make_plan(tiny_dataset, ws, _budget(4), progress=False)
+    assert not kept.write_plans and kept.plans == before
+    replaced = make_plan(tiny_dataset, ws, _budget(4), progress=False, overwrite=True)
+    assert replaced.write_plans and replaced.plans.host_ram_bytes == 4 * GiB
+    write_plan(ws, replaced)
+    assert Plans.from_json(ws.plans_path).host_ram_bytes == 4 * GiB
+
+
+def test_a_plans_json_edited_by_hand_is_kept_even_with_overwrite(ws: Workspace, tiny_dataset: Path) -> None:
+    payload = json.loads(ws.plans_path.read_text())
+    payload["configurations"]["3d_fullres"]["batch_size"] = 1
+    ws.plans_path.write_text(json.dumps(payload, indent=2))
+    planned = make_plan(tiny_dataset, ws, _budget(8), progress=False, overwrite=True)
+    assert not planned.write_plans and planned.plans.configurations["3d_fullres"].batch_size == 1
+    before = ws.plans_path.read_bytes()
+    write_plan(ws, planned)
+    assert ws.plans_path.read_bytes() == before
+    assert make_plan(tiny_dataset, ws, _budget(8), progress=False).plans == planned.plans  # still seen as edited
+
+
+def test_check_dataset_refuses_a_changed_dataset_and_lists_the_changes(ws: Workspace, tiny_dataset: Path,
+                                                                       tmp_path: Path) -> None:
+    assert check_dataset(Workspace.at(tmp_path / "new"), tiny_dataset, dataset_source(tiny_dataset)) == []
+    copy = shutil.copytree(tiny_dataset, tmp_path / "copy", copy_function=shutil.copyfile)
+    assert check_dataset(ws, copy, dataset_source(copy)) == []  # the same files elsewhere: the same dataset
+    (copy / "labelsTr/demo_003.nii.gz").unlink()
+    (copy / "imagesTr/demo_003_0000.nii.gz").unlink()
+    before = snapshot(ws.root)
+    with pytest.raises(InputError, match="is a different one.*demo_003.*removed.*--overwrite") as info:
+        check_dataset(ws, copy, dataset_source(copy))
+    assert str(ws.root) in str(info.value) and str(tiny_dataset.resolve()) in str(info.value)
+    assert snapshot(ws.root) == before
+    changes = check_dataset(ws, copy, dataset_source(copy), overwrite=True)
+    assert changes == ["imagesTr/demo_003_0000.nii.gz: removed", "labelsTr/demo_003.nii.gz: removed"]
