@@ -8,6 +8,7 @@ autoseg works on arrays in (z, y, x) order; SimpleITK reports spacing and origin
 from __future__ import annotations
 
 import gzip
+import math
 import struct
 import zlib
 from dataclasses import dataclass
@@ -75,6 +76,13 @@ def supported_ending(path: str | Path) -> str | None:
 def read_geometry(path: str | Path) -> Geometry:
     """Geometry from the header only (no voxel data read); a NIfTI file is also checked for truncation
     (``check_complete``)."""
+    geometry, _ = _header(path)
+    check_complete(path)
+    return geometry
+
+
+def _header(path: str | Path) -> tuple[Geometry, int]:
+    """Geometry and components per voxel from SimpleITK's header-only read."""
     reader = sitk.ImageFileReader()
     reader.SetFileName(str(path))
     try:
@@ -82,14 +90,13 @@ def read_geometry(path: str | Path) -> Geometry:
     except RuntimeError as e:
         raise InputError(f"{path}: SimpleITK cannot read this image header ({_first_line(e)}); "
                          "the file is damaged, truncated or not an image") from e
-    check_complete(path)
     return Geometry(
         ndim=reader.GetDimension(),
         size_xyz=tuple(int(v) for v in reader.GetSize()),
         spacing_xyz=tuple(float(v) for v in reader.GetSpacing()),
         origin_xyz=tuple(float(v) for v in reader.GetOrigin()),
         direction=tuple(float(v) for v in reader.GetDirection()),
-    )
+    ), reader.GetNumberOfComponents()
 
 
 def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.ndarray, Geometry]:
@@ -100,10 +107,15 @@ def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.nd
     ``autoseg.dataset.raw`` refuses them)."""
     layout = _checked_nifti_layout(Path(path))
     if layout is not None and layout.float_dtype is not None:
+        read = _read_float_nifti(Path(path), layout)
+        if read is not None:
+            array, geometry = read
+            if dtype is not None and array.dtype != dtype:
+                array = array.astype(dtype, copy=False)
+            return array, geometry
         nonfinite = _nifti_nonfinite_voxels(Path(path), layout)
         if nonfinite:
-            raise InputError(f"{path}: holds {nonfinite} NaN or Inf voxel(s) (SimpleITK would read them as 0); "
-                             "replace them (e.g. with the image's minimum) and run again")
+            raise InputError(_nonfinite_message(path, nonfinite))
     try:
         image = sitk.ReadImage(str(path))
     except RuntimeError as e:
@@ -164,6 +176,7 @@ class _NiftiLayout:
     vox_offset: int  # where the voxels start (uncompressed)
     expected_bytes: int  # vox_offset + voxels x bytes per voxel
     float_dtype: np.dtype | None  # float32/float64 voxels (byte order included), else None
+    scaled: bool = False  # scl_slope/scl_inter change the stored values (SimpleITK applies them)
 
 
 _NIFTI1_HEADER_BYTES, _NIFTI2_HEADER_BYTES = 348, 540
@@ -199,11 +212,13 @@ def _nifti_layout(header: bytes, compressed: bool) -> _NiftiLayout | None:
             dims = struct.unpack(order + "8h", header[40:56])
             datatype, bitpix = struct.unpack(order + "2h", header[70:74])
             vox_offset = int(struct.unpack(order + "f", header[108:112])[0])
+            slope, inter = struct.unpack(order + "2f", header[112:120])
             break
         if len(header) >= _NIFTI2_HEADER_BYTES and struct.unpack(order + "i", header[:4])[0] == _NIFTI2_HEADER_BYTES:
             datatype, bitpix = struct.unpack(order + "2h", header[12:16])
             dims = struct.unpack(order + "8q", header[16:80])
             vox_offset = struct.unpack(order + "q", header[168:176])[0]
+            slope, inter = struct.unpack(order + "2d", header[176:192])
             break
     else:
         return None
@@ -212,8 +227,62 @@ def _nifti_layout(header: bytes, compressed: bool) -> _NiftiLayout | None:
     voxels = int(np.prod([max(int(d), 1) for d in dims[1:dims[0] + 1]], dtype=np.int64))
     vox_offset = max(vox_offset, _NIFTI1_HEADER_BYTES)
     float_type = _NIFTI_FLOAT_TYPES.get(datatype)
+    scaled = not (slope in (0.0, 1.0) and inter == 0.0) and math.isfinite(slope)  # NIfTI: slope 0 means none
     return _NiftiLayout(compressed, vox_offset, vox_offset + voxels * bitpix // 8,
-                        np.dtype(order + float_type) if float_type else None)
+                        np.dtype(order + float_type) if float_type else None, scaled)
+
+
+def _nonfinite_message(path: str | Path, count: int) -> str:
+    return (f"{path}: holds {count} NaN or Inf voxel(s) (SimpleITK would read them as 0); replace them "
+            "(e.g. with the image's minimum) and run again")
+
+
+def _read_float_nifti(path: Path, layout: _NiftiLayout) -> tuple[np.ndarray, Geometry] | None:
+    """A float NIfTI image read in one pass over its voxels, NaN/Inf refused: the voxels straight into the
+    array (x fastest, as SimpleITK lays them out: (Z, Y, X)), geometry from SimpleITK's header read. Costs
+    what SimpleITK's own read costs, with one copy of the image in memory instead of two (measured equal
+    arrays, see the tests). None when the file needs what SimpleITK does beyond that (intensity scaling,
+    several components, more than 3 dimensions): the caller reads it through SimpleITK."""
+    geometry, components = _header(path)
+    voxels = int(np.prod(geometry.size_xyz))
+    if layout.scaled or components != 1 or geometry.ndim not in (2, 3) or \
+            voxels * layout.float_dtype.itemsize != layout.expected_bytes - layout.vox_offset:
+        return None
+    array = np.empty(geometry.shape_zyx, dtype=layout.float_dtype)
+    view = memoryview(array.reshape(-1)).cast("B")
+    filled = _read_voxel_bytes(path, layout, view)
+    if filled < len(view):  # check_complete passed, so only a file changed under us gets here
+        raise InputError(f"{path}: ended after {filled} of {len(view)} voxel bytes; copy or export the file again")
+    nonfinite = array.size - int(np.count_nonzero(np.isfinite(array)))
+    if nonfinite:
+        raise InputError(_nonfinite_message(path, nonfinite))
+    return (array if array.dtype.isnative else array.astype(array.dtype.newbyteorder("="))), geometry
+
+
+def _read_voxel_bytes(path: Path, layout: _NiftiLayout, view: memoryview) -> int:
+    """Fill ``view`` with the file's voxel bytes (those after vox_offset); the number of bytes filled.
+    Gzip: zlib over 4 MiB compressed chunks (as fast as SimpleITK's read here; GzipFile.readinto was up to
+    1.5x slower), every gzip member in turn."""
+    with open(path, "rb", buffering=0) as f:
+        if not layout.compressed:
+            f.seek(layout.vox_offset)
+            filled = 0
+            while filled < len(view) and (n := f.readinto(view[filled:])):
+                filled += n
+            return filled
+        skip, filled, inflate = layout.vox_offset, 0, zlib.decompressobj(16 + zlib.MAX_WBITS)
+        while filled < len(view) and (chunk := f.read(1 << 22)):
+            while chunk and filled < len(view):
+                out = memoryview(inflate.decompress(chunk))
+                chunk = b""
+                if inflate.eof:  # the next gzip member, if any, starts in the unused bytes
+                    chunk, inflate = inflate.unused_data, zlib.decompressobj(16 + zlib.MAX_WBITS)
+                cut = min(skip, len(out))
+                skip, out = skip - cut, out[cut:]
+                n = min(len(out), len(view) - filled)
+                view[filled:filled + n] = out[:n]
+                filled += n
+        return filled
 
 
 def _nifti_nonfinite_voxels(path: Path, layout: _NiftiLayout) -> int:

@@ -181,3 +181,36 @@ def test_float_nifti_with_nan_or_inf_is_refused(tmp_path, ending, dtype, bad):
     write_image(path, array, GEOMETRY_3D)
     with pytest.raises(ValueError, match=rf"a{ending}: holds 2 NaN or Inf voxel"):
         read_image(path)
+
+
+@pytest.mark.parametrize("ending", [".nii.gz", ".nii"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(5, 6, 7), (6, 7)])
+@pytest.mark.parametrize("direction", [(1, 0, 0, 0, 1, 0, 0, 0, 1), (0, -1, 0, 1, 0, 0, 0, 0, -1)])
+def test_float_nifti_read_in_one_pass_equals_simpleitk(tmp_path, ending, dtype, shape, direction):
+    array = np.random.default_rng(0).normal(size=shape).astype(dtype)
+    image = sitk.GetImageFromArray(array)
+    image.SetSpacing((0.7, 0.8, 2.5)[: len(shape)])
+    image.SetOrigin((-10.0, 4.0, 7.0)[: len(shape)])
+    image.SetDirection(direction if len(shape) == 3 else (0, -1, 1, 0))
+    path = tmp_path / f"img{ending}"
+    sitk.WriteImage(image, str(path))
+    expected = sitk.ReadImage(str(path))
+    got, geometry = read_image(path, dtype=None)
+    want = sitk.GetArrayFromImage(expected)
+    assert got.dtype == want.dtype and got.tobytes() == want.reshape(got.shape).tobytes()
+    assert geometry.direction == expected.GetDirection() and geometry.origin_xyz == expected.GetOrigin()
+
+
+def test_scaled_float_nifti_is_read_through_simpleitk(tmp_path):
+    """scl_slope/scl_inter (NIfTI-1 header bytes 112-120) change the values: SimpleITK applies them."""
+    import struct
+
+    path = tmp_path / "img.nii"
+    sitk.WriteImage(sitk.GetImageFromArray(np.arange(60, dtype=np.float32).reshape(3, 4, 5)), str(path))
+    raw = bytearray(path.read_bytes())
+    raw[112:120] = struct.pack("<2f", 2.0, 1.0)
+    path.write_bytes(bytes(raw))
+    got, _ = read_image(path)
+    assert np.array_equal(got, sitk.GetArrayFromImage(sitk.ReadImage(str(path))))
+    assert got.ravel()[3] == 7.0  # 3 * 2 + 1
