@@ -17,6 +17,7 @@ import gzip
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -342,7 +343,10 @@ def remove_stale_temporaries(out_dir: Path, names: Iterable[str] | None = None) 
     """Delete the temporary files ``atomic_path`` names (``.<name>.*.tmp*``) that a killed run left in ``out_dir``
     (not below it); only those of ``names`` when given (a user's folder may hold other dot files). Returns them."""
     patterns = [".*.tmp*"] if names is None else [f".{glob.escape(name)}.*.tmp*" for name in names]
-    stale = sorted({p for pattern in patterns for p in Path(out_dir).glob(pattern) if p.is_file()})
+    stale = sorted({p for pattern in patterns for p in Path(out_dir).glob(pattern)})
     for p in stale:
-        p.unlink(missing_ok=True)
+        if p.is_dir():  # a MetaImage pair's temporary folder (autoseg.dataset.imageio)
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            p.unlink(missing_ok=True)
     return stale

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gzip
 import math
+import os
 import struct
 import zlib
 from dataclasses import dataclass
@@ -153,8 +154,35 @@ def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> 
     image.SetOrigin(geometry.origin_xyz)
     image.SetDirection(geometry.direction)
     suffix = supported_ending(path) or ""
+    if suffix == ".mhd":
+        _write_metaimage_pair(Path(path), image)
+        return
     with atomic_path(path, suffix=suffix) as tmp:
         sitk.WriteImage(image, str(tmp), useCompression=True)
+
+
+def _write_metaimage_pair(path: Path, image: sitk.Image) -> None:
+    """A .mhd header names its data file (``<stem>.zraw``): both are written under their final names in a
+    temporary folder beside ``path`` (named as ``atomic_path`` names temporaries, so a killed run's folder is
+    removed by ``remove_stale_temporaries``), then the data file and the header are renamed into place (a
+    header written under a temporary name would point at a temporary data file)."""
+    import shutil
+    import tempfile
+
+    from autoseg.core.artifacts import WriteError
+
+    folder = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        sitk.WriteImage(image, str(folder / path.name), useCompression=True)
+        for written in sorted(folder.iterdir(), key=lambda f: f.name == path.name):  # the header last
+            os.replace(written, path.parent / written.name)
+    except (OSError, RuntimeError) as e:
+        raise WriteError(path, _first_line(e)) from e
+    finally:
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def check_complete(path: str | Path) -> None:

@@ -214,3 +214,24 @@ def test_scaled_float_nifti_is_read_through_simpleitk(tmp_path):
     got, _ = read_image(path)
     assert np.array_equal(got, sitk.GetArrayFromImage(sitk.ReadImage(str(path))))
     assert got.ravel()[3] == 7.0  # 3 * 2 + 1
+
+
+def test_metaimage_pair_is_written_under_its_final_names(tmp_path):
+    """The .mhd header names its data file: after a write (and an overwrite) the header points at
+    <stem>.zraw beside it and no temporary file or folder is left."""
+    geometry = Geometry(3, (5, 4, 3), (1.0, 1.0, 2.0), (0.0, 0.0, 0.0), (1, 0, 0, 0, 1, 0, 0, 0, 1))
+    first = np.arange(60, dtype=np.uint8).reshape(3, 4, 5)
+    for array in (first, first * 2):
+        write_image(tmp_path / "case.mhd", array, geometry)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["case.mhd", "case.zraw"]
+        assert "ElementDataFile = case.zraw" in (tmp_path / "case.mhd").read_text()
+        assert np.array_equal(read_image(tmp_path / "case.mhd", dtype=None)[0], array)
+
+
+def test_a_killed_metaimage_write_leaves_a_folder_the_next_run_removes(tmp_path):
+    from autoseg.core.artifacts import remove_stale_temporaries
+
+    stale = tmp_path / ".case.mhd.x1y2.tmp"
+    stale.mkdir()
+    (stale / "case.zraw").write_bytes(b"partial")
+    assert remove_stale_temporaries(tmp_path, ["case.mhd"]) == [stale] and not stale.exists()
