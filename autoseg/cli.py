@@ -298,10 +298,13 @@ def _without_gpus(argv: Sequence[str]) -> list[str]:
 def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | None:
     """``train --gpus N``: check N against the visible CUDA devices, then run the same command (without
     ``--gpus``) under torchrun, N processes on this node; its exit code. None for N = 1: this process trains."""
+    import functools
+    import signal
     import subprocess
 
     import torch
 
+    from autoseg.core.workers import die_with_parent
     from autoseg.model.distributed import torchrun_command
 
     n = args.gpus
@@ -318,7 +321,9 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
         return None
     command = torchrun_command(n, _without_gpus(argv))
     print(f"launching {n} processes: {shlex.join(command)}", flush=True)
-    return subprocess.run(command).returncode
+    # torchrun stops its ranks on SIGTERM: sent to it if this process is killed
+    stop_with_us = functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
+    return subprocess.run(command, preexec_fn=stop_with_us).returncode
 
 
 def _distributed_context(environ: Mapping[str, str], device: str):

@@ -182,3 +182,23 @@ def test_predict_killed_reruns_to_identical_outputs(workspace: Path, tiny_datase
         assert run_cli(capsys, "predict", "-i", inputs, "-o", out, "-w", workspace, "--no-mirror").status == 0
     assert snapshot(out) == snapshot(reference) and len(snapshot(out)) == 8
     assert temporaries(out) == []
+
+
+def test_train_gpus_killed_stops_torchrun_and_its_ranks(workspace: Path) -> None:
+    """`train --gpus 2 --device cpu` runs torchrun as a child: SIGKILL of autoseg sends torchrun SIGTERM
+    (a death signal), and torchrun stops its two ranks."""
+    process = subprocess.Popen([sys.executable, "-m", "autoseg.cli", "-q", "train", "fold", "0", "-w", workspace,
+                                "--gpus", "2", "--epochs", "50", *TRAIN], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)
+
+    def ranks_started(pids: list[int]) -> bool:
+        return sum("autoseg" in _cmdline(pid) and "train" in _cmdline(pid) for pid in pids) >= 2
+
+    _kill_when(process, ranks_started, timeout_s=120)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ")
+    except OSError:
+        return ""

@@ -41,9 +41,10 @@ class WorkerDiedError(RunError):
         self.in_flight = in_flight
 
 
-def die_with_parent(parent_pid: int) -> None:
-    """In a worker process: have Linux SIGKILL it when its parent (``parent_pid``) dies; exit now if the
-    parent is already gone. Elsewhere (no ``prctl``) nothing: the pool and torch's watchdog notice later."""
+def die_with_parent(parent_pid: int, death_signal: int = signal.SIGKILL) -> None:
+    """In a worker process: have Linux send it ``death_signal`` (SIGKILL; SIGTERM for a child that must stop
+    its own children, e.g. torchrun) when its parent (``parent_pid``) dies; exit now if the parent is already
+    gone. Elsewhere (no ``prctl``) nothing: the pool and torch's watchdog notice later."""
     if not sys.platform.startswith("linux"):
         return
     import ctypes
@@ -51,7 +52,7 @@ def die_with_parent(parent_pid: int) -> None:
     pr_set_pdeathsig = 1  # <linux/prctl.h>
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0) != 0:
+        if libc.prctl(pr_set_pdeathsig, int(death_signal), 0, 0, 0) != 0:
             return
     except (OSError, AttributeError):
         return
