@@ -17,6 +17,7 @@ from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.demo.data import make_demo_dataset
 from autoseg.plan.budget import Budget
+from autoseg.plan.run import file_hash
 from autoseg.preprocess.run import plan_and_preprocess
 
 PLAN = ("--device", "cpu", "--cpu-flops", "1e10", "--ram", "8GiB")  # fixed budget: the same plan every run
@@ -210,3 +211,40 @@ def test_a_schema_1_workspace_is_adopted_for_its_own_folder_and_refuses_another(
     assert _plan_and_preprocess(capsys, dataset, ws).status == 0
     assert Workspace.at(ws).info().dataset is not None  # recorded from now on
     assert {k: v for k, v in _preprocessed(ws).items() if not k.endswith("_source.json")} == cases
+
+
+def test_overwrite_with_another_ram_budget_replans_but_keeps_trained_folds(copies, capsys) -> None:
+    dataset, ws = copies
+    _repoint(ws, dataset)
+    fold = ws / "results/3d_fullres/fold_0"
+    fold.mkdir(parents=True)
+    (fold / "checkpoint_final.pt").write_bytes(b"trained")
+    cases = _preprocessed(ws)
+    argv = ("plan_and_preprocess", dataset, "-w", ws, "--device", "cpu", "--cpu-flops", "1e10", "--ram", "4GiB",
+            *CONFIG)
+    assert run_cli(capsys, *argv).status == 0  # without --overwrite the workspace's plan is kept
+    assert json.loads((ws / "plans.json").read_text())["host_ram_bytes"] == 8 * GiB
+    assert run_cli(capsys, *argv, "--overwrite").status == 0
+    assert json.loads((ws / "plans.json").read_text())["host_ram_bytes"] == 4 * GiB
+    assert (fold / "checkpoint_final.pt").read_bytes() == b"trained"  # the network and data are the same
+    assert _preprocessed(ws) == cases
+
+
+@pytest.mark.parametrize(("field", "value", "kept"), [("loader_workers", 3, True), ("batch_size", 1, False)])
+def test_overwrite_sets_trained_folds_aside_only_when_the_network_or_its_data_change(copies, capsys, field, value,
+                                                                                    kept) -> None:
+    """plans.json as an earlier planner run wrote it (its hash recorded), differing from this run's plan in one
+    field: a machine figure keeps the trained folds, a training figure moves them aside."""
+    dataset, ws = copies
+    _repoint(ws, dataset)
+    plans = json.loads((ws / "plans.json").read_text())
+    plans["configurations"]["3d_fullres"][field] = value
+    (ws / "plans.json").write_text(json.dumps(plans, indent=2))
+    info = Workspace.at(ws).info()
+    WorkspaceInfo(info.dataset_root, info.dataset, file_hash(ws / "plans.json")).to_json(ws / "workspace.json")
+    fold = ws / "results/3d_fullres/fold_0"
+    fold.mkdir(parents=True)
+    (fold / "checkpoint_final.pt").write_bytes(b"trained")
+    assert _plan_and_preprocess(capsys, dataset, ws, "--overwrite").status == 0
+    assert (fold / "checkpoint_final.pt").is_file() == kept
+    assert (ws / "results/3d_fullres.stale-1/fold_0/checkpoint_final.pt").is_file() != kept

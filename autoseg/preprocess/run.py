@@ -24,7 +24,7 @@ from autoseg.core.units import GiB, KiB, MiB
 from autoseg.core.workspace import DatasetSource, Splits, Workspace, dataset_source
 from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.plan.budget import Budget
-from autoseg.plan.plans import Plans
+from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.run import PlannedWorkspace, check_dataset, load_fingerprint, make_plan, write_plan
 from autoseg.preprocess.precompute import PrecomputeConfig
 from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
@@ -191,6 +191,16 @@ def _delete_stale(stale: list[StalePreprocessed]) -> None:
             delete_case(s.folder, case_id)
 
 
+# a configuration's fields that describe the machine it runs on, not the network trained or its data: a plan
+# that differs only in these (another RAM budget) leaves trained folds as they are
+MACHINE_FIELDS = ("memory", "notes", "limited_by", "predicted_seconds_per_iteration", "flops_per_iteration",
+                  "loader_workers", "loader_queue_depth", "loader_worker_bytes")
+
+
+def _trained_on(config: ConfigurationPlan) -> dict[str, Any]:
+    return {k: v for k, v in to_dict(config).items() if k not in MACHINE_FIELDS}
+
+
 def _set_aside_results(workspace: Workspace, planned: PlannedWorkspace, stale_configs: set[str]) -> None:
     """Trained folds made from what --overwrite changes (the dataset's case files, a configuration's plan or
     its preprocessed data) are moved to ``results/<config>.stale-<n>/``, never deleted; so is a splits.json
@@ -199,7 +209,7 @@ def _set_aside_results(workspace: Workspace, planned: PlannedWorkspace, stale_co
     previous = planned.previous_plans.configurations if planned.previous_plans and planned.write_plans else {}
     for name in sorted(planned.plans.configurations):
         old = previous.get(name)
-        plan_changed = old is not None and to_dict(old) != to_dict(planned.plans.configurations[name])
+        plan_changed = old is not None and _trained_on(old) != _trained_on(planned.plans.configurations[name])
         if files_changed or plan_changed or name in stale_configs:
             moved = workspace.set_aside(workspace.results(name, 0).parent)
             if moved is not None:
