@@ -178,7 +178,9 @@ def test_train_refuses_a_changed_dataset_and_works_without_one(copies, capsys) -
     _edit_dataset_json(dataset)
     result = run_cli(capsys, "train", "fold", "0", "-w", ws, *TRAIN)
     assert_refused(result, 2, dataset, "dataset.json", "plan_and_preprocess", "--overwrite")
-    shutil.rmtree(dataset)  # gone: training reads the preprocessed data only
+    shutil.rmtree(dataset)  # gone: training reads the preprocessed data only, the final validation the images
+    validating = [a for a in TRAIN if a != "--no-validation"]
+    assert_refused(run_cli(capsys, "train", "fold", "0", "-w", ws, *validating), 2, dataset, "--no-validation")
     result = run_cli(capsys, "train", "fold", "0", "-w", ws, *TRAIN)
     assert result.status == 0, result.err
     assert (ws / "results/3d_fullres/fold_0/checkpoint_final.pt").is_file()

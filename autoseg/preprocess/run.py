@@ -148,14 +148,18 @@ def stale_preprocessed(workspace: Workspace, plans: Plans, dataset: RawDataset, 
     return stale
 
 
-def check_preprocessed(workspace: Workspace, plans: Plans, config_name: str) -> None:
+def check_preprocessed(workspace: Workspace, plans: Plans, config_name: str, needs_dataset: bool = False) -> None:
     """Before training on ``preprocessed/<config_name>/``: refuse when the dataset changed since the workspace
     was made from it, or the folder was preprocessed with other plan fields than plans.json's. A dataset
-    folder that is gone is no error (training reads the preprocessed data only)."""
+    folder that is gone is no error (training reads the preprocessed data only) unless ``needs_dataset``
+    (the final validation predicts the raw images)."""
     folder = workspace.preprocessed(config_name)
     root = workspace.dataset_root()
     if (root / "dataset.json").is_file():
         check_dataset(workspace, root, dataset_source(root))
+    elif needs_dataset:
+        raise InputError(f"dataset {root}, which {workspace.root} was made from, is gone; the final validation "
+                         "predicts its images: restore it there, or train with --no-validation")
     else:
         log.info("dataset %s not found; training from the preprocessed data in %s", root, folder)
     record = read_source(folder)

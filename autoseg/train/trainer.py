@@ -81,7 +81,7 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     started = time.perf_counter()
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
-    check_preprocessed(workspace, plans, config_name)  # a changed dataset or plan is refused, not mixed
+    check_preprocessed(workspace, plans, config_name, needs_dataset=run.validate)  # refused, not mixed
     train_ids, val_ids = fold_cases(workspace, config_name, fold)
     out = workspace.results(config_name, fold)
     resumed = None
