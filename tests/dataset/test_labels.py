@@ -130,7 +130,11 @@ def test_plans_carry_regions_and_old_plans_still_load(tmp_path) -> None:
     assert (scheme.names, scheme.num_outputs, scheme.has_regions) == (("organ", "lesion"), 3, False)
 
     labels = {"background": 0, "organ": (1, 2), "lesion": 2, "ignore": 3}
-    regions = dataclasses.replace(tiny_plans(), labels=labels, regions_class_order=(1, 2))
+    plans = tiny_plans()
+    config = plans.configurations["3d_fullres"]
+    config = config.with_(network=dataclasses.replace(config.network, num_outputs=2))  # one per region
+    regions = dataclasses.replace(plans, labels=labels, regions_class_order=(1, 2),
+                                  configurations={"3d_fullres": config})
     regions.to_json(tmp_path / "plans.json")
     assert json.loads((tmp_path / "plans.json").read_text())["labels"]["organ"] == [1, 2]
     loaded = Plans.from_json(tmp_path / "plans.json")
