@@ -1,5 +1,5 @@
 import sys
 
-from autoseg.cli import main
+from autoseg.cli.main import main
 
 sys.exit(main())

@@ -7,7 +7,7 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from autoseg.cli import main
+from autoseg.cli.main import main
 
 
 @dataclass(frozen=True)

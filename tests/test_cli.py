@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from autoseg.cli import _fold, build_parser, main, parse_args, parse_bytes
+from autoseg.cli.main import main
+from autoseg.cli.parser import build_parser, parse_args, parse_bytes, parse_fold
 from autoseg.core.units import GiB
 from autoseg.preprocess.store import list_complete_cases
 
@@ -49,7 +50,7 @@ def test_bad_gpu_memory_flag_exits_with_usage_error(capsys) -> None:
     [(["fold", "0"], 0), (["3"], 3), (["fold", "all"], "all"), (["all"], "all"), (["fold", "12"], 12)],
 )
 def test_fold_parsing(values: list[str], expected: int | str) -> None:
-    assert _fold(values) == expected
+    assert parse_fold(values) == expected
 
 
 @pytest.mark.parametrize("values", [["fold"], ["fold", "x"], ["fold", "0", "1"], ["fold", "All"]])
@@ -136,21 +137,20 @@ def test_train_gpus_rejects_zero_and_a_torchrun_launch(tmp_path: Path, capsys, m
 
 @pytest.mark.parametrize("gpus", [["--gpus", "2"], ["--gpus=2"], ["--gp", "2"]])
 def test_relaunched_command_drops_gpus(gpus: list[str]) -> None:
-    from autoseg.cli import _without_gpus
+    from autoseg.cli.parser import without_gpus
 
     argv = ["-q", "train", "fold", "0", *gpus, "--device", "cpu", "--epochs", "2"]
     assert build_parser().parse_args(argv).gpus == 2
-    assert _without_gpus(argv) == ["-q", "train", "fold", "0", "--device", "cpu", "--epochs", "2"]
+    assert without_gpus(argv) == ["-q", "train", "fold", "0", "--device", "cpu", "--epochs", "2"]
 
 
 def test_distributed_context_from_the_torchrun_environment() -> None:
-    from autoseg.cli import _distributed_context
-    from autoseg.model.distributed import SINGLE_PROCESS
+    from autoseg.model.distributed import SINGLE_PROCESS, context_from_environment
 
     env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
-    context = _distributed_context(env, "cpu")
+    context = context_from_environment(env, "cpu")
     assert (context.rank, context.world_size, context.local_rank, context.local_world_size) == (3, 4, 1, 2)
     assert context.backend == "gloo" and not context.is_main
-    assert _distributed_context({}, "cpu") is SINGLE_PROCESS
+    assert context_from_environment({}, "cpu") is SINGLE_PROCESS
     with pytest.raises(ValueError, match="cannot read the torchrun environment .*'LOCAL_WORLD_SIZE'"):
-        _distributed_context({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "cpu")
+        context_from_environment({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "cpu")

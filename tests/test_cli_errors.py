@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cli_checks import assert_refused, run_cli
 
-import autoseg.cli as cli
+import autoseg.cli.main as cli
 from autoseg.core.errors import InputError, RunError
 
 BAD_FLAGS = {

@@ -19,7 +19,7 @@ import pytest
 import SimpleITK as sitk
 from cli_checks import assert_refused, run_cli, snapshot
 
-from autoseg.cli import main
+from autoseg.cli.main import main
 
 CASE_IMAGE = "imagesTr/demo_000_0000.nii.gz"
 # A stated budget: plan_and_preprocess does not measure this machine (seconds) before checking the dataset.

@@ -10,7 +10,7 @@ import pytest
 import SimpleITK as sitk
 from factories import box_case, box_network
 
-from autoseg.cli import main
+from autoseg.cli.main import main
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.predict import predictor
 from autoseg.predict.predictor import load_trained_network

@@ -11,6 +11,12 @@ Anything else reaching ``cli.main`` is a bug in autoseg: it says so and where th
 
 from __future__ import annotations
 
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
 EXIT_FAILURE = 1
 EXIT_BAD_INPUT = 2
 
@@ -31,3 +37,29 @@ class RunError(AutosegError, RuntimeError):
     """The run failed for a reason outside the input (killed worker, full disk, lost peer)."""
 
     exit_status = EXIT_FAILURE
+
+
+def describe(error: BaseException) -> tuple[str, int] | None:
+    """The message and exit status of an anticipated error: autoseg's own, or the operating system's (a full
+    disk, a read-only folder, no memory), whose message says what to do. None: a bug."""
+    if isinstance(error, AutosegError):
+        return str(error), error.exit_status
+    if isinstance(error, OSError) and error.errno is not None:
+        where = f"{error.filename}: " if error.filename else ""
+        return (f"{where}{error.strerror} (errno {error.errno}); nothing unfinished was kept. Free space, fix the "
+                "permissions or choose another folder, then rerun"), EXIT_FAILURE
+    if isinstance(error, MemoryError):
+        return ("out of host memory; give a smaller --ram budget to plan_and_preprocess or close other programs, "
+                "then rerun"), EXIT_FAILURE
+    return None
+
+
+def write_traceback(prefix: str, error: BaseException) -> Path | str:
+    """Write ``error``'s traceback to a new file in the temporary folder, for a bug report; its path."""
+    name = f"{prefix.replace(' ', '-')}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.traceback.txt"
+    path = Path(tempfile.gettempdir()) / name
+    try:
+        path.write_text("".join(traceback.format_exception(error)))
+    except OSError:
+        return "(not written: the temporary folder is not writable)"
+    return path

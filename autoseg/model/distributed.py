@@ -2,8 +2,8 @@
 
 ``autoseg train fold 0 --gpus N`` re-launches itself through torchrun (``torchrun_command``); torchrun
 (also for multi-node runs, started by hand) gives each process its RANK, WORLD_SIZE, LOCAL_RANK and
-LOCAL_WORLD_SIZE, which ``cli.py`` turns into a ``DistributedContext``. ``process_group`` opens the group:
-NCCL with device ``cuda:LOCAL_RANK`` for CUDA, gloo for CPU.
+LOCAL_WORLD_SIZE, which ``context_from_environment`` turns into a ``DistributedContext``. ``process_group``
+opens the group: NCCL with device ``cuda:LOCAL_RANK`` for CUDA, gloo for CPU.
 
 How a step is shared (``Ranks``; the trainer's ``TrainStep`` calls it):
 
@@ -21,9 +21,14 @@ How a step is shared (``Ranks``; the trainer's ``TrainStep`` calls it):
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
+import shlex
+import signal
+import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from autoseg.core.errors import InputError
+from autoseg.core.workers import die_with_parent
 
 __all__ = ["DistributedContext", "PeerOutOfMemoryError", "Ranks", "SINGLE_PROCESS", "all_reduce_sum", "backend_for",
            "process_group", "rank_batch", "torchrun_command"]
@@ -103,6 +109,34 @@ def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     this node (``--standalone``: a local rendezvous on a free port)."""
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
             "-m", "autoseg", *argv]
+
+
+def context_from_environment(environ: Mapping[str, str], device: str) -> DistributedContext:
+    """This process's place in a torchrun launch (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE); a single
+    process when WORLD_SIZE is not set."""
+    if "WORLD_SIZE" not in environ:
+        return SINGLE_PROCESS
+    try:
+        context = DistributedContext(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
+                                     local_rank=int(environ["LOCAL_RANK"]),
+                                     local_world_size=int(environ["LOCAL_WORLD_SIZE"]), backend=backend_for(device))
+    except (KeyError, ValueError) as e:
+        raise InputError(f"cannot read the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE): "
+                         f"{e}; launch with torchrun or `autoseg train ... --gpus N`") from e
+    if context.is_distributed and context.backend == "nccl":
+        if context.local_rank >= torch.cuda.device_count():
+            raise InputError(f"local rank {context.local_rank} has no CUDA device ({torch.cuda.device_count()} "
+                             "visible); start at most one process per GPU (--nproc_per_node)")
+    return context
+
+
+def run_torchrun(nproc: int, argv: Sequence[str]) -> int:
+    """Run ``autoseg ARGV`` in ``nproc`` processes under torchrun (``torchrun_command``); its exit status.
+    torchrun gets SIGTERM if this process dies (it then stops its ranks), so a killed autoseg leaves none."""
+    command = torchrun_command(nproc, argv)
+    print(f"launching {nproc} processes: {shlex.join(command)}", flush=True)
+    stop_with_us = functools.partial(die_with_parent, os.getpid(), signal.SIGTERM)
+    return subprocess.run(command, preexec_fn=stop_with_us).returncode
 
 
 @contextmanager

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from autoseg.cli import main
+from autoseg.cli.main import main
 from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.explain.explanation import Explanation, explain, next_patch_up

@@ -180,7 +180,7 @@ def test_time_budget_sets_the_epochs_from_measured_speed(workspace: Workspace,
 
 
 def test_train_cli_reads_resume_and_time_budget() -> None:
-    from autoseg.cli import build_parser
+    from autoseg.cli.parser import build_parser
 
     args = build_parser().parse_args(["train", "fold", "0", "--resume", "--time-budget", "1h30m"])
     assert args.resume and args.time_budget == 5400

@@ -1,0 +1,5 @@
+import sys
+
+from autoseg.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,221 @@
+"""Command line: turns the parsed flags into explicit arguments, prints the resolved values, calls one stage,
+and is the one place where an error becomes a message and an exit status (``report_error``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from autoseg.cli.parser import default_device, parse_args, resolve_device, without_gpus
+from autoseg.core.errors import InputError
+from autoseg.core.units import GiB
+
+
+def _budget(args: argparse.Namespace):
+    from autoseg.core.resources import available_ram_bytes, cuda_total_memory
+    from autoseg.plan.budget import Budget
+
+    device = args.device or default_device()
+    gpu = args.gpu_memory
+    if gpu is None:
+        gpu = cuda_total_memory()
+        if gpu is None:
+            gpu = 8 * GiB
+            print("note: no CUDA device found; planning for 8 GiB of GPU memory (set --gpu-memory to change)")
+    ram = args.ram or available_ram_bytes()
+    budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device)
+    print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}")
+    if device == "cpu":
+        from autoseg.plan.throughput import cached_cpu_throughput
+
+        flops, source = (args.cpu_flops, "--cpu-flops") if args.cpu_flops else \
+            cached_cpu_throughput(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoseg")
+        budget = replace(budget, cpu_flops_per_second=flops)
+        print(f"CPU throughput {flops / 1e9:.1f} GFLOP/s ({source}); planning for "
+              f"{budget.cpu_seconds_per_iteration:g} s per iteration")
+    else:
+        from autoseg.plan.throughput import cuda_device_name
+
+        budget = replace(budget, gpu_name=cuda_device_name())
+    return budget
+
+
+def _default_config(workspace) -> str:
+    from autoseg.plan.plans import Plans
+
+    return Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess")).default_configuration()
+
+
+def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | None:
+    """``train --gpus N``: check N against the visible CUDA devices, then run the same command (without
+    ``--gpus``) under torchrun, N processes on this node; its exit code. None for N = 1: this process trains."""
+    import torch
+
+    from autoseg.model.distributed import run_torchrun
+
+    n = args.gpus
+    if "WORLD_SIZE" in os.environ:
+        raise InputError("--gpus starts torchrun itself; when launching with torchrun leave --gpus out")
+    if args.device != "cpu":
+        visible = torch.cuda.device_count()
+        if visible == 0:
+            raise InputError(f"--gpus {n}: no CUDA device is visible; add --device cpu to train in {n} CPU processes")
+        if n > visible:
+            raise InputError(f"--gpus {n} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES, "
+                             f"nvidia-smi); use --gpus {visible} or fewer")
+    if n == 1:
+        return None
+    return run_torchrun(n, without_gpus(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    progress = not args.quiet and sys.stderr.isatty()
+    try:
+        if args.command == "train" and args.gpus is not None:
+            code = _launch_processes(args, argv)
+            if code is not None:
+                return code
+        return COMMANDS[args.command](args, progress)  # one stage per command
+    except Exception as e:  # the one place an error becomes a message and an exit status
+        if args.debug:
+            raise
+        return report_error(f"autoseg {args.command}", e)
+    except KeyboardInterrupt:
+        print(f"autoseg {args.command}: interrupted; finished artifacts are kept, unfinished ones are not "
+              "(rerun the command to go on)", file=sys.stderr)
+        return 130
+
+
+def report_error(prefix: str, error: Exception) -> int:
+    """Print ``error`` as one message on stderr; return the exit status (2: bad input, 1: failure or bug)."""
+    from autoseg.core.errors import EXIT_FAILURE, describe, write_traceback
+
+    described = describe(error)
+    if described is not None:
+        print(f"{prefix}: error: {described[0]}", file=sys.stderr)
+        return described[1]
+    path = write_traceback(prefix, error)
+    print(f"{prefix}: internal error: {type(error).__name__}: {error}\nThis is a bug in autoseg, not in your input. "
+          f"The traceback is in {path}; please report it with that file (--debug prints it here).", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def _plan(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.dataset.raw import load_dataset
+    from autoseg.preprocess.run import plan_and_preprocess
+
+    ws = Workspace.at(args.workspace)
+    print(f"workspace: {ws.root}")
+    dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
+    preprocess = args.command == "plan_and_preprocess"
+    plan_and_preprocess(dataset, ws, _budget(args), preprocess_configs=preprocess, progress=progress,
+                        configs=args.configs if preprocess else None,
+                        processes=args.processes if preprocess else None,
+                        precompute_augmentations=args.precompute_augmentations if preprocess else 0,
+                        overwrite=args.overwrite)
+    return 0
+
+
+def _train(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.model.distributed import context_from_environment, process_group
+    from autoseg.train.run_config import RunConfig
+    from autoseg.train.trainer import train
+
+    ws = Workspace.at(args.workspace)
+    config = args.config or _default_config(ws)
+    device = resolve_device(args.device)
+    distributed = context_from_environment(os.environ, device)
+    given = {k: v for k in ("epochs", "iterations_per_epoch", "val_iterations") if (v := getattr(args, k)) is not None}
+    run = RunConfig(
+        **given, seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
+        loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
+        time_budget_s=args.time_budget,
+    )
+    if distributed.is_main:
+        print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}\nprocesses: {distributed.world_size}"
+              f" ({distributed.backend if distributed.is_distributed else 'single process'})")
+    else:  # rank 0 reports
+        logging.getLogger().setLevel(logging.WARNING)
+        progress = False
+    with process_group(distributed):
+        train(ws, config, args.fold, run, progress=progress, distributed=distributed)
+    return 0
+
+
+def _predict(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.predict.predictor import predict
+
+    ws = Workspace.at(args.workspace)
+    config = args.config or _default_config(ws)
+    folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
+    written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
+                      mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
+                      device=resolve_device(args.device), progress=progress)
+    print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
+    return 0
+
+
+def _evaluate(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.evaluate.metrics import evaluate_folder, format_table
+
+    out = args.output or os.path.join(args.pred_dir, "summary.json")
+    summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
+    print(format_table(summary))
+    print(f"summary: {out}")
+    return 0
+
+
+def _explain(args: argparse.Namespace, progress: bool) -> int:
+    import json
+
+    from autoseg.core.workspace import Workspace
+    from autoseg.explain.explanation import explain
+    from autoseg.explain.format import format_explanation
+    from autoseg.plan.fingerprint import Fingerprint
+    from autoseg.plan.plans import Plans
+
+    ws = Workspace.at(args.workspace or ".")
+    plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
+    plans = Plans.from_json(plans_path)
+    config = args.config or plans.default_configuration()
+    fp_path = Workspace.at(plans_path.parent).fingerprint_path  # a workspace keeps it beside plans.json
+    fingerprint = Fingerprint.from_json(fp_path) if fp_path.is_file() else None
+    explanation = explain(plans, config, device=args.device, fingerprint=fingerprint)
+    text = json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation)
+    print(text.rstrip("\n"))
+    return 0
+
+
+def _make_demo_dataset(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.demo.data import make_demo_dataset
+
+    path = make_demo_dataset(args.output, num_train=args.num_train, num_test=args.num_test, seed=args.seed)
+    print(f"demo dataset written to {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.demo.run import run_demo
+
+    result = run_demo(args.workspace, epochs=args.epochs, iterations_per_epoch=args.iterations_per_epoch,
+                      num_train=args.num_train, progress=progress)
+    return 0 if result.passed else 1
+
+
+COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
+            "evaluate": _evaluate, "explain": _explain, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
