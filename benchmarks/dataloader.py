@@ -35,7 +35,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 from _common import (
-    MiB,
     TreeMemoryPeak,
     make_dataset,
     nnunet_env,
@@ -44,6 +43,8 @@ from _common import (
     run_nnunet,
     tree_cpu_seconds,
 )
+
+from autoseg.core.units import MiB
 
 CONFIG = "3d_fullres"
 

@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import MiB, make_dataset, nnunet_python, run_measured, run_nnunet
+from _common import make_dataset, nnunet_python, run_measured, run_nnunet
+
+from autoseg.core.units import MiB
 
 
 def run_autoseg(dataset: Path, work: Path, processes: int, configs: list[str], augmentations: int) -> dict:
