@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autoseg.cli.parser import default_device, parse_args, resolve_device, without_gpus
 from autoseg.core.errors import InputError
-from autoseg.core.units import GiB
+from autoseg.core.units import GiB, MiB
 
 
 def _budget(args: argparse.Namespace):
@@ -153,6 +153,14 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
 
 
 def _predict(args: argparse.Namespace, progress: bool) -> int:
+    if args.model is not None:  # a model archive: checked, unpacked as a temporary workspace, removed afterwards
+        from autoseg.predict.archive import open_model_archive
+
+        with open_model_archive(args.model) as model:
+            config, folds = model.select(args.config, args.folds)
+            return _predict(argparse.Namespace(**{**vars(args), "model": None, "workspace": str(model.workspace.root),
+                                                  "config": config, "folds": folds,
+                                                  "checkpoint": model.manifest.checkpoint}), progress)
     from autoseg.core.workspace import Workspace
     from autoseg.predict.predictor import predict
 
@@ -163,6 +171,19 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
                       mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
                       device=resolve_device(args.device), progress=progress)
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
+    return 0
+
+
+def _export_model(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.predict.archive import export_model
+
+    ws = Workspace.at(args.workspace)
+    manifest = export_model(ws, args.output, config_name=args.config, folds=args.folds, checkpoint=args.checkpoint)
+    out = Path(args.output).resolve()
+    print(f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): configuration {manifest.configuration}, fold(s) "
+          f"{' '.join(map(str, manifest.folds))}, checkpoint_{manifest.checkpoint}.pt; predict with "
+          f"`autoseg predict -m {out} -i INPUT -o OUTPUT`")
     return 0
 
 
@@ -214,7 +235,8 @@ def _demo(args: argparse.Namespace, progress: bool) -> int:
 
 
 COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
-            "evaluate": _evaluate, "explain": _explain, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
+            "export-model": _export_model, "evaluate": _evaluate, "explain": _explain,
+            "make-demo-dataset": _make_demo_dataset, "demo": _demo}
 
 
 if __name__ == "__main__":

@@ -151,12 +151,35 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
     p.add_argument("-o", "--output", required=True, help="output folder")
     _add_workspace(p)
+    p.add_argument("-m", "--model", default=None, metavar="ARCHIVE.zip",
+                   help="a model archive from `autoseg export-model`, instead of a workspace: checked, unpacked to a "
+                        "temporary folder removed afterwards; its configuration, folds and checkpoint (-w ignored)")
     p.add_argument("-c", "--config", default=None)
     p.add_argument("-f", "--folds", nargs="+", default=None, help="folds to ensemble (default: all trained)")
     p.add_argument("--checkpoint", default="final", choices=["final", "best", "latest"])
     p.add_argument("--no-mirror", action="store_true", help="disable mirror test-time augmentation")
     p.add_argument("--tile-batch-size", type=int_at_least(1), default=1, help="tiles per forward pass (default: 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+
+
+def _add_export_model_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export-model", help="write a trained model (plan, fingerprint, fold checkpoints, manifest) "
+                                            "to one zip for `autoseg predict -m` on another machine")
+    p.add_argument("output", metavar="OUT.zip", help="archive to write (written under a temporary name, then renamed)")
+    _add_workspace(p)
+    p.add_argument("-c", "--config", default=None,
+                   help="configuration (default: 3d_fullres if planned, else the first)")
+    p.add_argument("-f", "--folds", nargs="+", type=_fold_name, default=None,
+                   help="folds to include, e.g. 0 1 2 or all (default: every fold trained with the checkpoint)")
+    p.add_argument("--checkpoint", default="final", choices=["final", "best"],
+                   help="which checkpoint of each fold (default: final)")
+
+
+def _fold_name(text: str) -> str:
+    """An argparse type: a fold number or 'all' (the folder results/<config>/fold_<name>)."""
+    if not (text.isdigit() or text == "all"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a fold; give fold numbers (0 1 2) or all")
+    return text
 
 
 def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
@@ -202,6 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_commands(sub)
     _add_train_command(sub)
     _add_predict_command(sub)
+    _add_export_model_command(sub)
     _add_evaluate_command(sub)
     _add_demo_command(sub)
     _add_explain_command(sub)

@@ -2,6 +2,6 @@
 ``autoseg.model.sliding_window`` over the trained folds, and the segmentation exported in the input's exact
 geometry.
 
-Owns: ``predictor``.
+Owns: ``predictor``, ``archive`` (a trained model as one zip: ``autoseg export-model``, ``predict -m``).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """

@@ -1,0 +1,265 @@
+"""Model archives: a trained model as one zip file that predicts on another machine without its workspace.
+
+::
+
+    autoseg_model.json                              the manifest (``ModelManifest``)
+    plans.json  fingerprint.json                    the plan (label scheme included) and the image dim
+    results/<config>/fold_<k>/checkpoint_<which>.pt one per chosen fold
+
+The members keep their workspace paths, so an archive unpacked into a folder *is* a minimal workspace that
+``autoseg.predict.predictor.predict`` reads. ``export_model`` writes it (temporary name, then rename).
+``open_model_archive`` checks it before anything is used: member names (no absolute path, no ``..``), the
+manifest's format version, every member's size and sha256, the plan, and each checkpoint loaded with
+``torch.load(weights_only=True)`` into the planned network; then unpacks it into a temporary folder that is
+removed afterwards. A damaged or altered archive raises ``InputError`` naming the archive and the member.
+
+The sha256 sums catch damage (a truncated copy, a flipped byte), not a forger who rewrites the manifest too;
+``weights_only=True`` is what keeps a crafted checkpoint from running code. autoseg has no postprocessing
+step yet (no connected-component removal): the manifest's ``postprocessing`` is null, and predictions are
+the network's labels as exported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import autoseg
+from autoseg.core.artifacts import Artifact, atomic_path, to_dict
+from autoseg.core.errors import InputError
+from autoseg.core.workspace import Workspace
+from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.plans import Plans
+from autoseg.predict.predictor import load_trained_network
+
+MANIFEST = "autoseg_model.json"
+CHUNK_BYTES = 1 << 20  # members are hashed and copied in 1 MiB pieces: memory does not grow with the model
+NO_POSTPROCESSING = ("autoseg has no postprocessing step yet (no connected-component removal); predictions are "
+                     "the network's labels as exported")
+
+
+@dataclass(frozen=True)
+class ArchiveMember:
+    name: str  # a relative POSIX path inside the archive, e.g. "results/3d_fullres/fold_0/checkpoint_final.pt"
+    size_bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ModelManifest(Artifact):
+    """``autoseg_model.json``: what the archive holds. ``schema_version`` is the archive format version."""
+
+    SCHEMA_VERSION = 1
+    KIND = "model archive manifest"
+
+    autoseg_version: str
+    configuration: str
+    folds: tuple[int | str, ...]  # numbered folds and/or "all"
+    checkpoint: str  # "final" or "best": the members are checkpoint_<checkpoint>.pt
+    members: tuple[ArchiveMember, ...]  # every member but the manifest itself
+    postprocessing: str | None = None  # none exists in autoseg yet
+    notes: str = NO_POSTPROCESSING
+
+
+@dataclass(frozen=True)
+class OpenedModel:
+    """A checked archive unpacked as a workspace (valid inside ``open_model_archive``'s block)."""
+
+    archive: Path
+    workspace: Workspace
+    manifest: ModelManifest
+
+    def select(self, config: str | None, folds: list[str] | None) -> tuple[str, list[str]]:
+        """The configuration and folds to predict with: the archive's, or the requested ones if it holds them."""
+        manifest = self.manifest
+        if config is not None and config != manifest.configuration:
+            raise InputError(f"-c {config}: the model archive {self.archive} holds configuration "
+                             f"{manifest.configuration!r} only; leave -c out or export that configuration")
+        held = [str(f) for f in manifest.folds]
+        missing = [f for f in folds or [] if f not in held]
+        if missing:
+            raise InputError(f"--folds {' '.join(missing)}: not in the model archive {self.archive}, which holds "
+                             f"fold(s) {' '.join(held)}; leave --folds out to use them all")
+        return manifest.configuration, list(folds) if folds else held
+
+
+def export_model(workspace: Workspace, out: str | Path, *, config_name: str | None = None,
+                 folds: list[int | str] | None = None, checkpoint: str = "final") -> ModelManifest:
+    """Write the zip ``out`` holding what prediction with ``config_name`` (default: the plan's default) and
+    ``folds`` (default: every fold trained with ``checkpoint_<checkpoint>.pt``) needs; its manifest.
+    Refuses (``InputError``) an unplanned workspace, a fold not trained, a checkpoint that does not load."""
+    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
+    workspace.require(workspace.fingerprint_path, "plan_and_preprocess")
+    config_name = config_name or plans.default_configuration()
+    config = plans.configuration(config_name)
+    chosen = _chosen_folds(workspace, config_name, folds, checkpoint)
+    files = {"plans.json": workspace.plans_path, "fingerprint.json": workspace.fingerprint_path}
+    for fold in chosen:
+        path = workspace.checkpoint(config_name, fold, checkpoint)
+        load_trained_network(path, config, "cpu")  # refuse to pack a checkpoint that does not load
+        files[path.relative_to(workspace.root).as_posix()] = path
+    out = Path(out)
+    with atomic_path(out, suffix=".zip") as tmp, zipfile.ZipFile(tmp, "w") as zf:
+        members = tuple(_pack(zf, name, path) for name, path in files.items())
+        manifest = ModelManifest(autoseg_version=autoseg.__version__, configuration=config_name, folds=chosen,
+                                 checkpoint=checkpoint, members=members)
+        payload = {"schema_version": ModelManifest.SCHEMA_VERSION, **to_dict(manifest)}
+        zf.writestr(_member_info(MANIFEST), json.dumps(payload, indent=2) + "\n")
+    return manifest
+
+
+def _chosen_folds(workspace: Workspace, config_name: str, folds: list[int | str] | None,
+                  checkpoint: str) -> tuple[int | str, ...]:
+    results = workspace.root / "results" / config_name
+    if folds is None:
+        chosen: tuple[int | str, ...] = workspace.trained_folds(config_name, checkpoint)
+        if not chosen:
+            raise InputError(f"{results}: no trained fold with checkpoint_{checkpoint}.pt to export; train one "
+                             f"first (`autoseg train fold 0 -w {workspace.root}`) or choose --checkpoint")
+        return chosen
+    chosen = tuple(dict.fromkeys(int(f) if str(f).isdigit() else str(f) for f in folds))
+    untrained = [f for f in chosen if not workspace.checkpoint(config_name, f, checkpoint).is_file()]
+    if untrained:
+        raise InputError(f"fold(s) {' '.join(map(str, untrained))} of {config_name}: no "
+                         f"checkpoint_{checkpoint}.pt under {results}; train them first "
+                         f"(`autoseg train fold {untrained[0]} -w {workspace.root}`), or leave them out of --folds "
+                         f"(trained: {' '.join(map(str, workspace.trained_folds(config_name, checkpoint))) or 'none'})")
+    return chosen
+
+
+def _pack(zf: zipfile.ZipFile, name: str, path: Path) -> ArchiveMember:
+    """Copy ``path`` into ``zf`` as ``name``, hashing what is written."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as src, zf.open(_member_info(name), "w", force_zip64=True) as dst:
+        while chunk := src.read(CHUNK_BYTES):
+            digest.update(chunk)
+            dst.write(chunk)
+            size += len(chunk)
+    return ArchiveMember(name, size, digest.hexdigest())
+
+
+def _member_info(name: str) -> zipfile.ZipInfo:
+    """A fixed date and mode (the same model gives the same bytes); checkpoints are stored (their floats do
+    not compress), JSON deflated."""
+    info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+    info.compress_type = zipfile.ZIP_STORED if name.endswith(".pt") else zipfile.ZIP_DEFLATED
+    info.external_attr = 0o644 << 16
+    return info
+
+
+@contextmanager
+def open_model_archive(archive: str | Path) -> Iterator[OpenedModel]:
+    """Check the model archive and unpack it into a temporary workspace, removed when the block ends."""
+    archive = Path(archive).expanduser().resolve()
+    if not archive.is_file():
+        raise InputError(f"-m/--model {archive}: no such file; give a .zip written by `autoseg export-model`")
+    try:
+        zf = zipfile.ZipFile(archive)
+    except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
+        raise InputError(f"{archive}: not a readable zip file ({e}); it is probably truncated or damaged: copy it "
+                         "again or export the model again") from e
+    with zf, tempfile.TemporaryDirectory(prefix="autoseg-model-") as tmp:
+        manifest = _read_manifest(zf, archive)
+        root = Path(tmp)
+        for member in manifest.members:
+            _unpack(zf, archive, member, root)
+        opened = OpenedModel(archive, Workspace.at(root), manifest)
+        _check_contents(opened)
+        yield opened
+
+
+def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
+    names = zf.namelist()
+    for name in names:
+        _check_name(archive, name)
+    if len(set(names)) != len(names):
+        raise InputError(f"{archive}: a member name occurs twice; this is not an archive `autoseg export-model` "
+                         "wrote: export the model again")
+    if MANIFEST not in names:
+        raise InputError(f"{archive}: member {MANIFEST} is missing; this is not a model archive written by "
+                         "`autoseg export-model`")
+    try:
+        payload = json.loads(_read_member(zf, archive, MANIFEST))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{archive}: member {MANIFEST} is not valid JSON ({e}); export the model again") from e
+    version = payload.get("schema_version") if isinstance(payload, dict) else None
+    if version != ModelManifest.SCHEMA_VERSION:
+        written_by = payload.get("autoseg_version", "unknown") if isinstance(payload, dict) else "unknown"
+        raise InputError(f"{archive}: member {MANIFEST}: archive format version {version!r} is not the one this "
+                         f"autoseg ({autoseg.__version__}) reads ({ModelManifest.SCHEMA_VERSION}); it was written by "
+                         f"autoseg {written_by}: predict with that version, or export the model again with this one")
+    manifest = ModelManifest.from_payload(payload, f"{archive}: member {MANIFEST}")
+    for member in manifest.members:
+        _check_name(archive, member.name)
+    listed = {m.name for m in manifest.members} | {MANIFEST}
+    unlisted, absent = sorted(set(names) - listed), sorted(listed - set(names))
+    if unlisted or absent:
+        which = f"member(s) {', '.join(unlisted)} not in the manifest" if unlisted else \
+            f"member(s) {', '.join(absent)} of the manifest missing"
+        raise InputError(f"{archive}: {which}; the archive was altered after `autoseg export-model`: export it again")
+    return manifest
+
+
+def _check_name(archive: Path, name: str) -> None:
+    """Refuse a member name that would land outside the folder it is unpacked into (zip-slip)."""
+    path = PurePosixPath(name)
+    if (not name or "\\" in name or path.is_absolute() or ".." in path.parts or ":" in name
+            or any(part in ("", ".") for part in name.split("/"))):
+        raise InputError(f"{archive}: member {name!r} has an unsafe path (absolute, '..', or not a plain relative "
+                         "path); refusing to unpack this archive: it was not written by `autoseg export-model`")
+
+
+def _read_member(zf: zipfile.ZipFile, archive: Path, name: str) -> bytes:
+    try:
+        return zf.read(name)
+    except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
+        raise InputError(f"{archive}: member {name} cannot be read ({e}); the archive is damaged: copy it again "
+                         "or export the model again") from e
+
+
+def _unpack(zf: zipfile.ZipFile, archive: Path, member: ArchiveMember, root: Path) -> None:
+    """Copy ``member`` to ``root / member.name``, checking its size and sha256 as it is read."""
+    damaged = f"{archive}: member {member.name}"
+    if zf.getinfo(member.name).file_size != member.size_bytes:
+        raise InputError(f"{damaged} is {zf.getinfo(member.name).file_size} bytes, its manifest says "
+                         f"{member.size_bytes}; the archive was altered or damaged: export the model again")
+    target = root / member.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    try:
+        with zf.open(member.name) as src, open(target, "wb") as dst:
+            while chunk := src.read(CHUNK_BYTES):
+                digest.update(chunk)
+                dst.write(chunk)
+    except (zipfile.BadZipFile, zlib.error, EOFError) as e:
+        raise InputError(f"{damaged} cannot be read ({e}); the archive is damaged: copy it again or export the "
+                         "model again") from e
+    if digest.hexdigest() != member.sha256:
+        raise InputError(f"{damaged}: sha256 {digest.hexdigest()} differs from the manifest's {member.sha256}; the "
+                         "archive was altered or damaged: copy it again or export the model again")
+
+
+def _check_contents(model: OpenedModel) -> None:
+    """The plan and fingerprint read, and every fold's checkpoint loads (``weights_only=True``) into the
+    planned network; an error names the archive and the member."""
+    ws, manifest = model.workspace, model.manifest
+    name = "plans.json"
+    try:
+        plans = Plans.from_json(ws.plans_path)
+        config = plans.configuration(manifest.configuration)
+        name = "fingerprint.json"
+        Fingerprint.from_json(ws.fingerprint_path)
+        for fold in manifest.folds:
+            path = ws.checkpoint(manifest.configuration, fold, manifest.checkpoint)
+            name = path.relative_to(ws.root).as_posix()
+            load_trained_network(path, config, "cpu")
+    except (InputError, RuntimeError, KeyError) as e:
+        reason = str(e).replace(str(ws.root / name), name).replace(str(ws.root), "the archive")
+        raise InputError(f"{model.archive}: member {name}: {reason}") from e
