@@ -15,6 +15,7 @@ The probabilities handed back (``(K, Z, Y, X)`` fp32 on the host) belong to the 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,12 +26,17 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import autocast_dtype
+from autoseg.core.units import MiB
+from autoseg.memory.device import predict_device_peak
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import (
+    allocate_buffers,
     clear_gaussian_cache,
     inference_buffer_bytes,
-    predict_tile_batch,
+    mirror_variants,
+    patch_as_zyx,
+    run_tile_batch,
     sliding_window_predict,
     tile_layout,
 )
@@ -55,6 +61,8 @@ class InferenceMemory:
     peak_bytes: int
     largest_conv_output_bytes: int
     live_allocations_at_peak: int
+    tile_batch_size: int = 1  # (tile, mirror variant) pairs per forward pass
+    host_accumulator_bytes: int = 0  # host bytes of the accumulator, weight map, Gaussian when they live there
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameter_bytes, "tile": self.tile_bytes,
@@ -65,44 +73,57 @@ class InferenceMemory:
 
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                              precision: str = "fp32", mirror_axes: Sequence[int] = (),
-                             num_batches: int = 2) -> tuple[int, int, int, int]:
-    """Simulate the tile loop of ``sliding_window_predict`` (``predict_tile_batch`` on ``num_batches`` tile
-    batches; from the second on the previous batch's logits are still alive, so 2 stand for any more).
-    Returns (parameter bytes, peak bytes beyond the parameters, largest convolution output bytes, live
-    allocations at the peak).
+                             tta: int | None = None) -> tuple[int, int, int, int]:
+    """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
+    ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
+    (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
+    bytes, live allocations at the peak, buffers included). Cached: the answer does not depend on the image.
 
     fp16 runs as bf16 (same bytes): the inference code turns fp16 autocast off on CPU devices.
     """
     autocast_dtype(precision)  # an unknown name says what to use
     sim_precision = "bf16" if precision == "fp16" else precision
+    return _simulate_cached(topology, tuple(int(p) for p in patch_size), int(tile_batch_size), sim_precision,
+                            tuple(int(a) for a in mirror_axes), tta)
+
+
+@functools.lru_cache(maxsize=64)
+def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
+                     precision: str, mirror_axes: tuple[int, ...], tta: int | None) -> tuple[int, int, int, int]:
+    variants = mirror_variants(mirror_axes, tta)
+    one_tile = tile_layout(patch_as_zyx(patch_size), patch_size)  # patch-sized stand-ins for the buffers
+    cpu = torch.device("cpu")
     tracker = StorageTracker()
     with torch.random.fork_rng(devices=[]), FakeTensorMode(), tracker:
         network = build_network(topology)
         network.eval()
         params = sum(p.numel() * p.element_size() for p in network.parameters())
+        image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
+        buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu)  # no real Gaussian
+        del image
+        items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
         tracker.mark("tiles")
-        logits = None
-        for _ in range(min(num_batches, 2)):  # from the second batch on, the previous logits are still held
-            # B x C x patch fp32, the stacked copy of the tiles
-            tile_batch = torch.randn((tile_batch_size, topology.in_channels, *patch_size))
-            logits = predict_tile_batch(network, tile_batch, topology.num_outputs, tuple(mirror_axes),
-                                        sim_precision)
+        run_tile_batch(network, buffers, items, variants, topology.num_outputs, precision)
         tracker.mark("end")
-        del logits, tile_batch
+        del buffers
     start, stop = tracker.index_of("tiles"), tracker.index_of("end")
-    live = np.cumsum(np.asarray(tracker.event_delta[:stop], dtype=np.int64))[start:]
-    peak_row = int(np.argmax(live)) + start
+    live = np.cumsum(np.asarray(tracker.event_delta[:stop], dtype=np.int64))
+    base = int(live[start - 1]) if start > 0 else 0  # parameters and buffers, before the pass
+    peak_row = int(np.argmax(live[start:])) + start
     count = int(tracker.live_count(stop)[peak_row + 1])
-    return params, int(live.max()) - params, tracker.largest_conv_output_bytes, count
+    return params, int(live[start:].max()) - base, tracker.largest_conv_output_bytes, count
 
 
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
-                     mirror_axes: Sequence[int] = (), step_fraction: float = 0.5) -> InferenceMemory:
+                     mirror_axes: Sequence[int] = (), step_fraction: float = 0.5, tta: int | None = None,
+                     accumulator_on_device: bool = True) -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
-    The tile batch is at most the number of tiles.
+    The tile batch is at most the number of (tile, mirror variant) pairs. ``accumulator_on_device`` False:
+    the accumulator, weight map, Gaussian and softmax live on the host (``host_accumulator_bytes``) and
+    the device holds the parameters, the padded input and the tile batch.
     """
     if num_outputs != topology.num_outputs:
         raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
@@ -110,26 +131,32 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     if len(patch_size) != topology.dim:
         raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
                          f"{topology.dim}D")
-    num_tiles = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles
-    batch = min(tile_batch_size, num_tiles)
+    num_items = (tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles
+                 * len(mirror_variants(mirror_axes, tta)))
+    batch = min(tile_batch_size, num_items)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
-                                                         mirror_axes, math.ceil(num_tiles / batch))
-    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, tile_batch_size,
-                                     topology.in_channels)
-    padded_voxels = buffers["weight_map"] // 4
-    tiles = params + sum(buffers[k] for k in ("padded_input", "accumulator", "weight_map", "gaussian")) + tile
-    softmax = params + buffers["accumulator"] + 4 * padded_voxels
+                                                         mirror_axes, tta)
+    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels)
+    temp = buffers["weight_map"]  # the softmax's max / sum: one (Zp, Yp, Xp) fp32 map
+    held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
+    # the host's copy of one tile's logits (K x patch fp32) while it is added, when the accumulator is there
+    host = 0 if accumulator_on_device else held + num_outputs * math.prod(patch_size) * 4
+    on_device = held if accumulator_on_device else 0
+    tiles = params + buffers["padded_input"] + on_device + tile
+    softmax = params + (buffers["accumulator"] + temp if accumulator_on_device else 0)
     return InferenceMemory(
         parameter_bytes=params, tile_bytes=tile, padded_input_bytes=buffers["padded_input"],
-        accumulator_bytes=buffers["accumulator"], weight_map_bytes=buffers["weight_map"],
-        gaussian_bytes=buffers["gaussian"], softmax_temp_bytes=4 * padded_voxels,
-        peak_bytes=max(tiles, softmax),
-        largest_conv_output_bytes=conv, live_allocations_at_peak=count + 4)
+        accumulator_bytes=buffers["accumulator"] if accumulator_on_device else 0,
+        weight_map_bytes=buffers["weight_map"] if accumulator_on_device else 0,
+        gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
+        softmax_temp_bytes=temp if accumulator_on_device else 0,
+        peak_bytes=max(tiles, softmax), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
+        tile_batch_size=batch, host_accumulator_bytes=host)
 
 
 def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
                             tile_batch_size: int = 1, precision: str = "fp32",
-                            mirror_axes: Sequence[int] = ()) -> int:
+                            mirror_axes: Sequence[int] = (), tta: int | None = None) -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
     is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
@@ -141,8 +168,92 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
         tracker.exclude([data_t])
         network = build_network(topology)
         probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
-                                               mirror_axes=tuple(mirror_axes),
+                                               mirror_axes=tuple(mirror_axes), tta=tta,
                                                tile_batch_size=tile_batch_size, precision=precision)
         del probabilities, network
     clear_gaussian_cache()
     return tracker.peak_bytes
+
+
+CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)
+CUDA_TILES_PER_BATCH = 2  # CUDA: up to every mirror variant of this many tiles in one forward pass
+
+
+@dataclass(frozen=True)
+class InferencePlan:
+    """How ``sliding_window_predict`` runs on one image, chosen before it starts (``plan_inference``).
+
+    ``choices``: every (tile batch, accumulator device, predicted peak bytes) considered, the chosen first.
+    ``peak_bytes``: the compute device's predicted peak (``predict_device_peak`` total: on CPU the tensors
+    plus the runtime). ``fits``: False when even one tile with the accumulator on the host exceeds the budget.
+    """
+
+    tile_batch_size: int
+    accumulator_device: str  # "cuda" or "cpu"
+    accumulator_dtype: str  # always "float32": a tile corner's Gaussian x logit underflows fp16
+    num_variants: int  # mirror variants per tile
+    peak_bytes: int
+    host_accumulator_bytes: int
+    budget_bytes: int
+    fits: bool
+    choices: tuple[tuple[int, str, int], ...]
+
+    def describe(self) -> str:
+        """One line for ``--verbose``."""
+        return (f"tile batch {self.tile_batch_size} ({self.num_variants} mirror variant(s) per tile), "
+                f"accumulator {self.accumulator_dtype} on {self.accumulator_device}; predicted peak "
+                f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB"
+                + ("" if self.fits else " (does not fit: expect out-of-memory)"))
+
+
+def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image_shape_zyx: tuple[int, int, int],
+                   num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
+                   mirror_axes: Sequence[int] = (), tta: int | None = None, step_fraction: float = 0.5,
+                   max_tile_batch: int | None = None) -> InferencePlan:
+    """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
+    image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
+    the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
+    of one, else (CUDA only) it moves to the host. The batch is capped at ``max_tile_batch`` (None:
+    ``CPU_MAX_TILE_BATCH`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
+    number of (tile, variant) pairs. Device memory is affine in the batch: two simulations (batch 1, 2)
+    find the batch, a third checks it.
+    """
+    num_variants = len(mirror_variants(mirror_axes, tta))
+    num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
+    cap = max_tile_batch or (CPU_MAX_TILE_BATCH if device == "cpu" else CUDA_TILES_PER_BATCH * num_variants)
+    cap = max(1, min(cap, num_items))
+
+    def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
+        mem = inference_memory(topology, patch_size, batch, image_shape_zyx, num_outputs, precision,
+                               mirror_axes, step_fraction, tta, on_device)
+        return mem, predict_device_peak(mem, device)["total"]
+
+    placements = (True,) if device == "cpu" else (True, False)
+    choices: list[tuple[int, str, int, InferenceMemory]] = []
+    for on_device in placements:
+        acc_device = device if on_device else "cpu"
+        mem1, one = peak(1, on_device)
+        choices.append((1, acc_device, one, mem1))
+        if one > budget_bytes:
+            continue
+        per_item = peak(2, on_device)[1] - one if cap > 1 else 0
+        batch = cap if per_item <= 0 else max(1, min(cap, 1 + (budget_bytes - one) // per_item))
+        while batch > 1:
+            mem, total = peak(batch, on_device)
+            choices.append((batch, acc_device, total, mem))
+            if total <= budget_bytes:
+                break
+            batch -= 1
+        best = max((c for c in choices if c[1] == acc_device and c[2] <= budget_bytes), key=lambda c: c[0])
+        return _inference_plan(best, choices, num_variants, budget_bytes, True)
+    return _inference_plan(choices[-1], choices, num_variants, budget_bytes, False)
+
+
+def _inference_plan(best: tuple[int, str, int, InferenceMemory], choices: list, num_variants: int,
+                    budget_bytes: int, fits: bool) -> InferencePlan:
+    batch, acc_device, total, mem = best
+    others = tuple((b, d, t) for b, d, t, _ in choices if (b, d) != (batch, acc_device))
+    return InferencePlan(tile_batch_size=batch, accumulator_device=acc_device, accumulator_dtype="float32",
+                         num_variants=num_variants, peak_bytes=total,
+                         host_accumulator_bytes=mem.host_accumulator_bytes, budget_bytes=budget_bytes, fits=fits,
+                         choices=((batch, acc_device, total), *others))

@@ -8,12 +8,15 @@ Reading, preprocessing and exporting live in ``autoseg.predict.predictor``.
 A 3D network sees ``(B, C, pz, py, px)`` tiles. A 2D network (``patch_size`` of 2 values) sees
 ``(B, C, py, px)`` tiles cut from single slices; tiles from different slices share a batch.
 
+Test-time augmentation averages the logits of the first N ``mirror_variants`` (``parse_tta`` reads
+``--tta``). One forward pass takes up to ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile.
 ``tile_layout`` owns the padding and the tiles (``autoseg.memory.inference`` counts them with it), and
-``predict_tile_batch`` the mirrored prediction of one tile batch (the memory model simulates it).
+``run_tile_batch`` one forward pass and its accumulation (the memory model simulates it).
 
-Device memory held for the whole call (see ``inference_buffer_bytes``): the padded input, the logit
-accumulator, the weight map, the Gaussian, and one tile batch with its fp32 logit sum. Network
-activations are not counted here (``autoseg.memory`` models them).
+Memory held for the whole call (``inference_buffer_bytes``): the padded input (on the device), the logit
+accumulator, weight map and Gaussian (on the accumulator's device: the device, or the host when they do
+not fit beside the tiles), and one tile batch with its logits. Network activations are not counted here
+(``autoseg.memory`` models them).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from torch import nn
 from tqdm import tqdm
 
 from autoseg.core.errors import InputError
-from autoseg.core.precision import PRECISIONS
+from autoseg.core.precision import PRECISIONS, element_bytes
 
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
 _FP32_BYTES = 4
@@ -132,7 +135,7 @@ def tile_layout(image_shape_zyx: Sequence[int], patch_size: Sequence[int], step_
         raise ValueError(f"image_shape_zyx must be (Z, Y, X); got {image}")
     patch = tuple(int(p) for p in patch_size)
     _check_step_fraction(step_fraction)
-    padded = tuple(max(s, p) for s, p in zip(image, _patch_as_zyx(patch), strict=True))
+    padded = tuple(max(s, p) for s, p in zip(image, patch_as_zyx(patch), strict=True))
     tiled = tuple(_axis_starts(s, p, step_fraction) for s, p in zip(padded[-len(patch):], patch, strict=True))
     starts = tiled if len(patch) == 3 else (tuple(range(padded[0])), *tiled)  # 2D: every slice
     return TileLayout(image, patch, padded, starts)  # type: ignore[arg-type]
@@ -143,7 +146,7 @@ def _check_step_fraction(step_fraction: float) -> None:
         raise ValueError(f"step_fraction must be in (0, 1]; got {step_fraction}")
 
 
-def _patch_as_zyx(patch_size: Sequence[int]) -> tuple[int, int, int]:
+def patch_as_zyx(patch_size: Sequence[int]) -> tuple[int, int, int]:
     if len(patch_size) == 2:
         return (1, int(patch_size[0]), int(patch_size[1]))
     if len(patch_size) == 3:
@@ -157,14 +160,16 @@ def inference_buffer_bytes(
     num_outputs: int,
     tile_batch_size: int,
     in_channels: int,
+    precision: str = "fp32",
 ) -> dict[str, int]:
-    """Device bytes held by ``sliding_window_predict``'s buffers (all fp32), network activations excluded.
+    """Bytes held by ``sliding_window_predict``'s buffers (fp32; the logits in ``precision``'s compute dtype),
+    network activations excluded.
 
     Keys: ``padded_input`` (C x Zp x Yp x Xp), ``accumulator`` (K x Zp x Yp x Xp), ``weight_map``
     (Zp x Yp x Xp), ``gaussian`` (patch), ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch),
     and ``total``. ``Zp, Yp, Xp`` is the image padded to at least the patch. Not counted: transient copies
-    that live for one network call (a flipped tile batch, the network's output and its flip back) and the
-    softmax's (Zp x Yp x Xp) max/sum temporaries, which appear after the input is freed.
+    (a flipped tile, a tile's logits flipped back) and the softmax's (Zp x Yp x Xp) max/sum temporaries,
+    which appear after the input is freed.
     """
     padded_voxels = math.prod(tile_layout(image_shape_zyx, patch_size).padded_shape_zyx)
     patch_voxels = math.prod(patch_size)
@@ -174,28 +179,32 @@ def inference_buffer_bytes(
         "weight_map": padded_voxels * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
         "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
-        "tile_logits": tile_batch_size * num_outputs * patch_voxels * _FP32_BYTES,
+        "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
     }
     sizes["total"] = sum(sizes.values())
     return sizes
 
 
 @dataclass(frozen=True)
-class _Buffers:
+class TileBuffers:
+    """The buffers of one ``sliding_window_predict`` call (``inference_buffer_bytes`` counts them). The padded
+    input lives on the compute device; the accumulator, weight map and Gaussian on the accumulator's device."""
+
     padded_input: torch.Tensor  # (C, Zp, Yp, Xp) fp32
-    accumulator: torch.Tensor  # (K, Zp, Yp, Xp) fp32, sum of Gaussian-weighted logits
-    weight_map: torch.Tensor  # (Zp, Yp, Xp) fp32, sum of Gaussian weights
+    accumulator: torch.Tensor  # (K, Zp, Yp, Xp) fp32, sum over tiles and mirror variants of Gaussian x logits
+    weight_map: torch.Tensor  # (Zp, Yp, Xp) fp32, sum over tiles of the Gaussian
     gaussian: torch.Tensor  # (*patch) fp32, cached and shared
 
 
-def _allocate_buffers(
+def allocate_buffers(
     data: torch.Tensor,
     layout: TileLayout,
     num_outputs: int,
     use_gaussian: bool,
     device: torch.device,
-) -> _Buffers:
-    """Allocate the device buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input."""
+    accumulator_device: torch.device,
+) -> TileBuffers:
+    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input."""
     padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
     # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
     # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
@@ -205,14 +214,15 @@ def _allocate_buffers(
     # counts (tests/memory/test_memory.py's 3 estimate-vs-measurement cases fail by exactly that buffer).
     padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
     padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
-    # K x Zp x Yp x Xp fp32: the largest buffer (K times the weight map)
-    accumulator = torch.zeros((num_outputs, *padded_zyx), dtype=torch.float32, device=device)
-    weight_map = torch.zeros(padded_zyx, dtype=torch.float32, device=device)  # Zp x Yp x Xp fp32
+    # K x Zp x Yp x Xp fp32: the largest buffer (K times the weight map). fp32, not fp16: a tile corner's
+    # Gaussian (exp(-24) for a 3D patch) times a logit underflows fp16 (smallest subnormal 6e-8).
+    accumulator = torch.zeros((num_outputs, *padded_zyx), dtype=torch.float32, device=accumulator_device)
+    weight_map = torch.zeros(padded_zyx, dtype=torch.float32, device=accumulator_device)  # Zp x Yp x Xp fp32
     if use_gaussian:
-        gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=device)
+        gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)
     else:
-        gaussian = torch.ones(patch_size, dtype=torch.float32, device=device)
-    return _Buffers(padded_input, accumulator, weight_map, gaussian)
+        gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
+    return TileBuffers(padded_input, accumulator, weight_map, gaussian)
 
 
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -222,35 +232,92 @@ def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContex
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
+def mirror_variants(mirror_axes: Sequence[int], tta: int | None = None) -> list[tuple[int, ...]]:
+    """The mirror variants test-time augmentation uses, in their fixed order: the spatial axes flipped by each.
+
+    The order: identity ``()``, each axis of ``mirror_axes`` alone, then every pair, every triple, ...
+    (``itertools.combinations`` by size; for (0, 1, 2): (), (0,), (1,), (2,), (0, 1), (0, 2), (1, 2),
+    (0, 1, 2)). ``tta``: how many of them, the first ones (None: all ``2 ** len(mirror_axes)``; 0 or 1:
+    identity only). ``parse_tta`` turns the ``--tta`` flag into it.
+    """
+    every = [s for r in range(len(mirror_axes) + 1) for s in itertools.combinations(tuple(mirror_axes), r)]
+    if tta is None:
+        return every
+    if not 0 <= tta <= len(every):
+        raise InputError(f"tta {tta} is not between 0 and {len(every)}, the number of mirror variants of axes "
+                         f"{tuple(mirror_axes)}; use --tta all, none or a number in that range")
+    return every[:max(tta, 1)]
+
+
+def parse_tta(value: str, num_axes: int) -> int:
+    """``--tta``: "all" (every one of the ``2 ** num_axes`` mirror variants), "none" (identity only, 1) or a
+    number N in 0..2 ** num_axes (the first N of ``mirror_variants``' order; 0 means none). Returns the count."""
+    total = 2 ** num_axes
+    text = value.strip().lower()
+    if text == "all":
+        return total
+    if text == "none":
+        return 1
+    if text.isdigit() and int(text) <= total:
+        return max(int(text), 1)
+    raise InputError(f"--tta {value!r}: use all, none or a number of mirror variants from 0 to {total} "
+                     f"(this network mirrors {num_axes} axes: {total} variants, identity first)")
+
+
 def predict_tile_batch(
     network: nn.Module,
     tile_batch: torch.Tensor,
     num_outputs: int,
-    mirror_axes: tuple[int, ...],
     precision: str,
 ) -> torch.Tensor:
-    """Mean logits over all mirrorings of ``tile_batch`` (B, C, *patch); returns (B, K, *patch) fp32.
-
-    ``mirror_axes`` index the patch's spatial axes (every subset is flipped, predicted and flipped back);
-    ``precision`` is a key of ``PRECISIONS`` (autocast). Held at the peak: the tile batch, its flip, the
-    network's activations and output, and the (B, K, *patch) fp32 sum.
-    """
+    """One forward pass: logits ``(B, K, *patch)`` of ``tile_batch`` ``(B, C, *patch)`` fp32, in the compute
+    dtype (bf16/fp16 under autocast). ``precision`` is a key of ``PRECISIONS``."""
     expected = (tile_batch.shape[0], num_outputs, *tile_batch.shape[2:])
-    logits = torch.zeros(expected, dtype=torch.float32, device=tile_batch.device)  # B x K x patch fp32
-    flips = [s for r in range(len(mirror_axes) + 1) for s in itertools.combinations(mirror_axes, r)]
-    for axes in flips:
-        dims = [a + 2 for a in axes]  # spatial axis -> tensor dim after (B, C)
-        with torch.inference_mode(), _autocast(precision, tile_batch.device):
-            out = network(torch.flip(tile_batch, dims) if dims else tile_batch)
-            if isinstance(out, (list, tuple)):  # deep supervision: full resolution first
-                out = out[0]
-            if tuple(out.shape) != expected:
-                raise ValueError(f"network returned logits of shape {tuple(out.shape)} for a tile batch of "
-                                 f"shape {tuple(tile_batch.shape)}; expected {expected}. Check num_outputs "
-                                 "and that the patch size is divisible by the network's strides")
-            logits += torch.flip(out, dims) if dims else out  # promotes bf16/fp16 to fp32
-    logits /= len(flips)
-    return logits
+    with torch.inference_mode(), _autocast(precision, tile_batch.device):
+        out = network(tile_batch)
+    if isinstance(out, (list, tuple)):  # deep supervision: full resolution first
+        out = out[0]
+    if tuple(out.shape) != expected:
+        raise ValueError(f"network returned logits of shape {tuple(out.shape)} for a tile batch of "
+                         f"shape {tuple(tile_batch.shape)}; expected {expected}. Check num_outputs "
+                         "and that the patch size is divisible by the network's strides")
+    return out
+
+
+# One forward-pass input: a tile's region and the index of its mirror variant (into ``mirror_variants``).
+Item = tuple[Region, int]
+
+
+def run_tile_batch(
+    network: nn.Module,
+    buffers: TileBuffers,
+    items: Sequence[Item],
+    variants: Sequence[tuple[int, ...]],
+    num_outputs: int,
+    precision: str,
+) -> None:
+    """Predict ``items`` in one forward pass and add their Gaussian-weighted logits to the accumulator.
+
+    Held at the peak (``autoseg.memory.inference`` simulates this function): the ``(B, C, *patch)`` fp32
+    input, the network's activations and its ``(B, K, *patch)`` logits, one tile's flipped-back logits.
+    """
+    shape = buffers.padded_input[(slice(None), *items[0][0])].shape  # C x patch
+    # B x C x patch fp32: each tile copied in, flipped as its variant says
+    tile_batch = torch.empty((len(items), *shape), dtype=torch.float32, device=buffers.padded_input.device)
+    for row, (region, v) in zip(tile_batch, items, strict=True):
+        tile = buffers.padded_input[(slice(None), *region)]
+        row.copy_(torch.flip(tile, [a + 1 for a in variants[v]]) if variants[v] else tile)
+    logits = predict_tile_batch(network, tile_batch, num_outputs, precision)
+    del tile_batch
+    accumulator, weight_map, gaussian = buffers.accumulator, buffers.weight_map, buffers.gaussian
+    for tile_logits, (region, v) in zip(logits, items, strict=True):  # K x patch each
+        if variants[v]:
+            tile_logits = torch.flip(tile_logits, [a + 1 for a in variants[v]])  # a copy: K x patch
+        # to the accumulator's device (a K x patch copy on the host when it lives there; a sync on CUDA)
+        tile_logits = tile_logits.to(accumulator.device)
+        accumulator[(slice(None), *region)].addcmul_(tile_logits, gaussian)  # bf16/fp16 promoted to fp32
+        if v == 0:
+            weight_map[region] += gaussian
 
 
 def sliding_window_predict(
@@ -261,8 +328,10 @@ def sliding_window_predict(
     *,
     step_fraction: float = 0.5,
     mirror_axes: Sequence[int] = (),
+    tta: int | None = None,
     tile_batch_size: int = 1,
     device: str | torch.device = "cpu",
+    accumulator_device: str | torch.device | None = None,
     use_gaussian: bool = True,
     precision: str = "fp32",
     progress: bool = False,
@@ -274,26 +343,31 @@ def sliding_window_predict(
     ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
     network or (y, x) for a 2D network (then each slice is tiled; tiles of several slices share a batch).
     The network must already sit on ``device``; it is run in eval mode (its mode is restored afterwards).
-    ``mirror_axes`` index the patch's spatial axes: every subset is flipped, predicted and flipped back,
-    and the logits averaged (``2 ** len(mirror_axes)`` passes). ``precision``: "fp32", "bf16" or "fp16"
-    (autocast; fp16 on CPU runs fp32). Accumulation is always fp32.
+    ``mirror_axes`` index the patch's spatial axes; ``tta`` picks the first N of their ``mirror_variants``
+    (None: all ``2 ** len(mirror_axes)``): each variant is flipped, predicted and flipped back, and the logits
+    averaged. One forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4
+    variants in a batch of 8). ``accumulator_device`` (None: ``device``) holds the accumulator, weight map and
+    softmax (``autoseg.memory.inference.plan_inference`` chooses it and the batch). ``precision``: "fp32",
+    "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32.
     """
     patch = tuple(int(p) for p in patch_size)
     mirror = tuple(int(a) for a in mirror_axes)
     device = torch.device(device)
+    acc_device = device if accumulator_device is None else torch.device(accumulator_device)
     data_t = _as_float_tensor(data)
     _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision)
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    variants = mirror_variants(mirror, tta)
 
     was_training = network.training
     network.eval()
     try:
         with torch.no_grad():
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
-            buffers = _allocate_buffers(data_t, layout, num_outputs, use_gaussian, device)
+            buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device)
             del data_t
-            accumulator = _accumulate(network, buffers, layout, num_outputs, mirror, tile_batch_size,
+            accumulator = _accumulate(network, buffers, layout, variants, num_outputs, tile_batch_size,
                                       precision, progress)
             del buffers  # frees the padded input (C x Zp x Yp x Xp) before the softmax temporaries
             if activation == "sigmoid":
@@ -310,28 +384,25 @@ def sliding_window_predict(
 
 def _accumulate(
     network: nn.Module,
-    buffers: _Buffers,
+    buffers: TileBuffers,
     layout: TileLayout,
+    variants: list[tuple[int, ...]],
     num_outputs: int,
-    mirror_axes: tuple[int, ...],
     tile_batch_size: int,
     precision: str,
     progress: bool,
 ) -> torch.Tensor:
-    """Run all tile batches, add Gaussian-weighted logits; return accumulator / weight_map (K, Zp, Yp, Xp)."""
-    accumulator, weight_map, gaussian = buffers.accumulator, buffers.weight_map, buffers.gaussian
-    regions = layout.regions()
-    with tqdm(total=len(regions), disable=not progress, desc="sliding window", unit="tile") as bar:
-        for first in range(0, len(regions), tile_batch_size):
-            batch_regions = regions[first:first + tile_batch_size]
-            # B x C x patch fp32: a copy of the tiles, contiguous for the network
-            tile_batch = torch.stack([buffers.padded_input[(slice(None), *r)] for r in batch_regions])
-            logits = predict_tile_batch(network, tile_batch, num_outputs, mirror_axes, precision)
-            for tile_logits, region in zip(logits, batch_regions, strict=True):
-                accumulator[(slice(None), *region)].addcmul_(tile_logits, gaussian)
-                weight_map[region] += gaussian
-            bar.update(len(batch_regions))
-    accumulator /= weight_map  # weights >= the Gaussian's smallest value > 0 everywhere: all voxels covered
+    """Run every (tile, variant) pair in batches; return the weighted mean logits (K, Zp, Yp, Xp)."""
+    items = [(region, v) for region in layout.regions() for v in range(len(variants))]  # tile by tile
+    with tqdm(total=len(items), disable=not progress, desc="sliding window", unit="tile") as bar:
+        for first in range(0, len(items), tile_batch_size):
+            batch = items[first:first + tile_batch_size]
+            run_tile_batch(network, buffers, batch, variants, num_outputs, precision)
+            bar.update(len(batch))
+    # every tile added the Gaussian once to the weight map and len(variants) times to the accumulator
+    accumulator = buffers.accumulator
+    buffers.weight_map.mul_(len(variants))
+    accumulator /= buffers.weight_map  # weights >= the Gaussian's smallest value > 0 everywhere
     return accumulator
 
 
@@ -356,7 +427,7 @@ def _check_args(
     if data.ndim != 4:
         raise ValueError(f"data must be (C, Z, Y, X); got shape {tuple(data.shape)}. "
                          "Lift 2D images to Z = 1 and add a channel axis")
-    _patch_as_zyx(patch)  # validates the number of patch axes
+    patch_as_zyx(patch)  # validates the number of patch axes
     if any(p < 1 for p in patch):
         raise ValueError(f"patch_size must be positive; got {patch}")
     if num_outputs < 1:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -7,14 +8,19 @@ import pytest
 import torch
 from torch import nn
 
+from autoseg.core.errors import InputError
 from autoseg.model import sliding_window as inference
+from autoseg.model.network import build_network
 from autoseg.model.sliding_window import (
     TileLayout,
     gaussian_importance_map,
     inference_buffer_bytes,
+    mirror_variants,
+    parse_tta,
     sliding_window_predict,
     tile_layout,
 )
+from autoseg.model.topology import NetworkTopology
 
 
 def _pointwise_net(dim: int, in_channels: int, num_outputs: int, seed: int = 0) -> nn.Module:
@@ -326,7 +332,7 @@ def test_buffer_estimate_matches_the_tensors_allocated(
     monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], patch: tuple[int, ...], batch: int
 ) -> None:
     seen: dict[str, int] = {"tile_batch": 0, "tile_logits": 0}
-    allocate, predict_batch = inference._allocate_buffers, inference.predict_tile_batch
+    allocate, predict_batch = inference.allocate_buffers, inference.predict_tile_batch
 
     def record_allocation(*args, **kwargs):
         buffers = allocate(*args, **kwargs)
@@ -340,7 +346,7 @@ def test_buffer_estimate_matches_the_tensors_allocated(
         seen["tile_logits"] = max(seen["tile_logits"], logits.untyped_storage().nbytes())
         return logits
 
-    monkeypatch.setattr(inference, "_allocate_buffers", record_allocation)
+    monkeypatch.setattr(inference, "allocate_buffers", record_allocation)
     monkeypatch.setattr(inference, "predict_tile_batch", record_batch)
     net = _pointwise_net(len(patch), in_channels=shape[0], num_outputs=4)
     sliding_window_predict(net, _random_image(shape), patch, num_outputs=4, tile_batch_size=batch)
@@ -359,3 +365,144 @@ def test_sigmoid_activation_for_regions() -> None:
     torch.testing.assert_close(probs, expected[:, None, None, None].expand(2, 5, 6, 7), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="activation must be one of"):
         sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="relu")
+
+
+# ---------------------------------------------------------------- mirror variants, --tta, batched variants
+
+
+def test_mirror_variants_order_and_tta_count() -> None:
+    every = [(), (0,), (1,), (2,), (0, 1), (0, 2), (1, 2), (0, 1, 2)]  # identity first, then by size
+    assert mirror_variants((0, 1, 2)) == every
+    assert mirror_variants((0, 1, 2), tta=3) == every[:3]
+    assert mirror_variants((0, 1, 2), tta=0) == mirror_variants((0, 1, 2), tta=1) == [()]
+    assert mirror_variants((), tta=None) == [()]
+    with pytest.raises(InputError, match="tta 9 is not between 0 and 8"):
+        mirror_variants((0, 1, 2), tta=9)
+
+
+@pytest.mark.parametrize(("text", "axes", "count"),
+                         [("all", 3, 8), ("ALL", 2, 4), ("none", 3, 1), ("0", 3, 1), ("1", 3, 1), ("5", 3, 5),
+                          ("8", 3, 8), ("all", 0, 1)])
+def test_parse_tta(text: str, axes: int, count: int) -> None:
+    assert parse_tta(text, axes) == count
+
+
+@pytest.mark.parametrize("text", ["9", "-1", "some", "", "2.5"])
+def test_parse_tta_refuses_with_the_choices(text: str) -> None:
+    with pytest.raises(InputError, match=r"use all, none or a number of mirror variants from 0 to 8"):
+        parse_tta(text, 3)
+
+
+def test_one_forward_pass_takes_tiles_and_mirror_variants_together() -> None:
+    net = _pointwise_net(3, in_channels=1, num_outputs=2)
+    sizes: list[int] = []
+    net.register_forward_hook(lambda module, args, out: sizes.append(args[0].shape[0]))
+    data = _random_image((1, 4, 4, 10))  # (4, 4, 4) patch: 4 tiles along x
+    sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 2), tile_batch_size=8)
+    assert sizes == [8, 8]  # 4 tiles x 4 variants in 2 passes, not 4 x 4 passes of one tile
+    sizes.clear()
+    sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 2), tta=3, tile_batch_size=5)
+    assert sizes == [5, 5, 2]  # 4 tiles x 3 variants
+
+
+def test_tta_uses_the_first_variants_only() -> None:
+    # One tile, a z-ramp logit: identity gives z, the z-flip gives 3 - z; tta=2 on axes (1, 0) takes the
+    # identity and the y-flip (no effect on a z-ramp), tta=3 adds the z-flip: mean (2z + 3 - z) / 3.
+    data = np.zeros((1, 4, 4, 4), dtype=np.float32)
+    z_ramp = _PositionLogits((1.0, 0.0, 0.0))
+    two = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 0), tta=2)
+    three = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 0), tta=3)
+    z = torch.arange(4.0)[:, None, None].expand(4, 4, 4)
+    torch.testing.assert_close(two[0], torch.sigmoid(z))
+    torch.testing.assert_close(three[0], torch.sigmoid((z + 3) / 3))
+
+
+def test_accumulator_on_the_host_gives_the_same_probabilities() -> None:
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
+    data = _random_image((1, 7, 9, 9))
+    here = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
+    host = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3,
+                                  accumulator_device="cpu")
+    torch.testing.assert_close(host, here, atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_tiles_on_cuda_accumulator_on_the_host() -> None:
+    torch.manual_seed(0)
+    net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
+    data = _random_image((1, 7, 9, 9))
+    cpu = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
+    mixed = sliding_window_predict(net.cuda(), data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1),
+                                   tile_batch_size=3, device="cuda", accumulator_device="cpu")
+    torch.testing.assert_close(mixed, cpu, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- agreement with a plain reference
+
+
+def _reference_predict(net: nn.Module, data: np.ndarray, patch: tuple[int, ...], num_outputs: int,
+                       mirror_axes: tuple[int, ...], tta: int | None) -> np.ndarray:
+    """The obvious way: pad with zeros (centred), every tile one at a time, every mirror variant one at a
+    time, a float32 accumulator of Gaussian-weighted logits, divide by the summed weights, softmax, crop."""
+    every = [()] + [(a,) for a in mirror_axes] + [c for c in itertools.combinations(mirror_axes, 2)]
+    every += [tuple(mirror_axes)] if len(mirror_axes) == 3 else []
+    variants = every[:max(tta, 1)] if tta is not None else every
+    patch3 = patch if len(patch) == 3 else (1, *patch)
+    shape = data.shape[1:]
+    padded_shape = [max(s, p) for s, p in zip(shape, patch3)]
+    before = [(p - s) // 2 for s, p in zip(shape, padded_shape)]
+    padded = np.zeros((data.shape[0], *padded_shape), dtype=np.float32)
+    padded[:, before[0]:before[0] + shape[0], before[1]:before[1] + shape[1], before[2]:before[2] + shape[2]] = data
+    gauss = np.ones(patch3, dtype=np.float64)
+    for axis, p in enumerate(patch3):
+        g1 = np.exp(-0.5 * ((np.arange(p) - (p - 1) / 2) / (p / 8)) ** 2)
+        gauss = gauss * g1.reshape([-1 if a == axis else 1 for a in range(3)])
+    gauss = (gauss / gauss.max()).astype(np.float32)
+    acc = np.zeros((num_outputs, *padded_shape), dtype=np.float32)
+    weights = np.zeros(padded_shape, dtype=np.float32)
+    starts = [list(range(padded_shape[0]))] if len(patch) == 2 else []  # 2D: every slice
+    for size, p in zip(padded_shape[-len(patch):], patch):
+        n = math.ceil((size - p) / (p * 0.5)) + 1
+        starts.append([int(round(s)) for s in np.linspace(0, size - p, n)])
+    for z in starts[0]:
+        for y in starts[1]:
+            for x in starts[2]:
+                tile = torch.from_numpy(padded[:, z:z + patch3[0], y:y + patch3[1], x:x + patch3[2]])
+                if len(patch) == 2:
+                    tile = tile[:, 0]
+                total = torch.zeros((num_outputs, *tile.shape[1:]))
+                for flip in variants:
+                    dims = [a + 1 for a in flip]
+                    with torch.no_grad():
+                        out = net(torch.flip(tile, dims)[None] if dims else tile[None])
+                    out = out[0] if isinstance(out, (list, tuple)) else out
+                    total += torch.flip(out[0], dims) if dims else out[0]
+                logits = (total / len(variants)).numpy().reshape(num_outputs, *patch3)
+                acc[:, z:z + patch3[0], y:y + patch3[1], x:x + patch3[2]] += logits * gauss
+                weights[z:z + patch3[0], y:y + patch3[1], x:x + patch3[2]] += gauss
+    probs = torch.softmax(torch.from_numpy(acc / weights), dim=0).numpy()
+    return probs[:, before[0]:before[0] + shape[0], before[1]:before[1] + shape[1], before[2]:before[2] + shape[2]]
+
+
+def _small_unet(dim: int) -> nn.Module:
+    topology = NetworkTopology(dim=dim, in_channels=2, num_outputs=3, features_per_stage=(4, 8),
+                               kernel_sizes=((3,) * dim,) * 2, strides=((1,) * dim, (2,) * dim))
+    torch.manual_seed(3)
+    return build_network(topology).eval()
+
+
+@pytest.mark.parametrize(("dim", "shape", "patch"), [(3, (2, 9, 13, 18), (8, 8, 8)), (2, (2, 3, 13, 18), (8, 8))])
+def test_agrees_with_the_plain_reference(dim: int, shape: tuple[int, ...], patch: tuple[int, ...]) -> None:
+    net = _small_unet(dim)
+    data = _random_image(shape, seed=dim)
+    axes = tuple(range(dim))
+    for tta, batches in ((None, (1, 3, 8, 64)), (1, (1, 5)), (3, (2, 7))):
+        expected = _reference_predict(net, data, patch, 3, axes, tta)
+        labels = expected.argmax(0)
+        for batch in batches:
+            probs = sliding_window_predict(net, data, patch, 3, mirror_axes=axes, tta=tta, tile_batch_size=batch)
+            assert probs.shape == expected.shape
+            differ = (probs.numpy().argmax(0) != labels).mean()
+            assert differ <= 0.001, (tta, batch, differ)
+            np.testing.assert_allclose(probs.numpy(), expected, atol=1e-4)
