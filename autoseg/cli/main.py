@@ -162,14 +162,16 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
                                                   "config": config, "folds": folds,
                                                   "checkpoint": model.manifest.checkpoint}), progress)
     from autoseg.core.workspace import Workspace
-    from autoseg.predict.predictor import predict
+    from autoseg.predict.predictor import PredictOptions, predict
 
     ws = Workspace.at(args.workspace)
     config = args.config or _default_config(ws)
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
+    options = PredictOptions(save_probabilities=args.save_probabilities, skip_existing=args.skip_existing,
+                             fail_fast=args.fail_fast, series=args.series)
     written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
                       mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size,
-                      device=resolve_device(args.device), progress=progress)
+                      device=resolve_device(args.device), progress=progress, options=options)
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0
 

@@ -148,7 +148,9 @@ def _add_train_command(sub: argparse._SubParsersAction) -> None:
 
 def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("predict", help="segment new scans with the trained folds")
-    p.add_argument("-i", "--input", required=True, help="folder of {case}_0000.ext files, or one image file")
+    p.add_argument("-i", "--input", required=True,
+                   help="a folder of {case}_0000.ext files (nnU-Net's layout), one image file, or a folder holding "
+                        "one DICOM series (its output is named after the folder, .nii.gz, in the series' geometry)")
     p.add_argument("-o", "--output", required=True, help="output folder")
     _add_workspace(p)
     p.add_argument("-m", "--model", default=None, metavar="ARCHIVE.zip",
@@ -160,6 +162,21 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-mirror", action="store_true", help="disable mirror test-time augmentation")
     p.add_argument("--tile-batch-size", type=int_at_least(1), default=1, help="tiles per forward pass (default: 1)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--series", default=None, metavar="UID",
+                   help="the DICOM series to predict (its SeriesInstanceUID) when the -i folder holds several; the "
+                        "output is then named {UID}.nii.gz")
+    p.add_argument("--save-probabilities", action="store_true",
+                   help="also write {case}.npz beside each label map: 'probabilities' float16 (K, Z, Y, X) in the "
+                        "input's own grid (softmax of each class, or sigmoid of each region), 'names' (the K "
+                        "outputs) and 'activation', what averaging models or folds needs (np.load reads it). "
+                        "float16: half the size of float32, precise to 1e-3")
+    p.add_argument("--continue", dest="skip_existing", action="store_true",
+                   help="skip cases whose outputs already exist (with --save-probabilities: both files). Every "
+                        "output is written under a temporary name and renamed when complete, so an existing one is "
+                        "complete: rerun a killed or failed run with --continue to finish it")
+    p.add_argument("--fail-fast", action="store_true",
+                   help="stop at the first case with bad input (default: skip it, predict the others, list the "
+                        "failed cases at the end and exit with status 2)")
 
 
 def _add_export_model_command(sub: argparse._SubParsersAction) -> None:

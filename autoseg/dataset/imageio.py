@@ -127,6 +127,11 @@ def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.nd
     except RuntimeError as e:
         raise InputError(f"{path}: SimpleITK cannot read this image ({_first_line(e)}); the file is damaged, "
                          "truncated or not an image") from e
+    return _array_and_geometry(image, path, dtype)
+
+
+def _array_and_geometry(image: sitk.Image, path: str | Path, dtype: type | None) -> tuple[np.ndarray, Geometry]:
+    """``read_image``'s result from an image SimpleITK read from ``path`` (named in the errors)."""
     if image.GetNumberOfComponentsPerPixel() != 1:
         raise InputError(
             f"{path}: has {image.GetNumberOfComponentsPerPixel()} components per voxel; autoseg expects one "
@@ -145,6 +150,31 @@ def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.nd
     if dtype is not None and array.dtype != dtype:
         array = array.astype(dtype, copy=False)
     return array.reshape(geometry.shape_zyx), geometry
+
+
+def dicom_series(folder: str | Path) -> dict[str, tuple[str, ...]]:
+    """The DICOM series in ``folder`` (not below it): SeriesInstanceUID -> its files in slice order (GDCM's
+    sort by position along the slice normal). Empty when the folder holds no DICOM file."""
+    uids = sitk.ImageSeriesReader.GetGDCMSeriesIDs(str(folder))
+    return {uid: tuple(sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), uid)) for uid in uids}
+
+
+def read_dicom_series(folder: str | Path, series_uid: str, dtype: type | None = np.float32
+                      ) -> tuple[np.ndarray, Geometry]:
+    """Read one DICOM series of ``folder`` as ``read_image`` reads a file: (Z, Y, X) in ``dtype`` (the
+    rescale slope and intercept applied: CT in HU) and its geometry (spacing from the slice positions,
+    origin of the first slice, direction from the image orientation)."""
+    files = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), series_uid)
+    if not files:
+        raise InputError(f"{folder}: no DICOM series {series_uid}")
+    reader = sitk.ImageSeriesReader()
+    reader.SetFileNames(files)
+    try:
+        image = reader.Execute()
+    except RuntimeError as e:
+        raise InputError(f"{folder}: SimpleITK cannot read DICOM series {series_uid} ({_first_line(e)}); a file "
+                         "of it is damaged or truncated") from e
+    return _array_and_geometry(image, f"{folder} (DICOM series {series_uid})", dtype)
 
 
 def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> None:

@@ -1,12 +1,22 @@
 from __future__ import annotations
 
 import gzip
+import math
 
 import numpy as np
 import pytest
 import SimpleITK as sitk
+from dicom_series import write_dicom_series
 
-from autoseg.dataset.imageio import Geometry, read_geometry, read_image, write_image
+from autoseg.core.errors import InputError
+from autoseg.dataset.imageio import (
+    Geometry,
+    dicom_series,
+    read_dicom_series,
+    read_geometry,
+    read_image,
+    write_image,
+)
 
 # Spacings and origins exactly representable in float32 (NIfTI stores both as float32), so a round trip
 # must give them back bit for bit; the directions are axis permutations with flips (exact in a quaternion).
@@ -248,3 +258,23 @@ def test_float_nifti_reads_the_same_with_the_standard_zlib(tmp_path, monkeypatch
     fast = read_image(tmp_path / "img.nii.gz")[0]
     monkeypatch.setattr(imageio, "inflate_lib", zlib)
     assert np.array_equal(read_image(tmp_path / "img.nii.gz")[0], fast) and np.array_equal(fast, array)
+
+
+def test_dicom_series_reads_back_its_voxels_and_geometry(tmp_path):
+    """A series written slice by slice (rotated in-plane, anisotropic): the voxels and the geometry come
+    back from the per-slice tags; a second series in the folder is listed beside it."""
+    voxels = np.random.default_rng(0).integers(-1000, 2000, (5, 7, 6)).astype(np.int16)
+    c, s = math.cos(0.3), math.sin(0.3)
+    written = write_dicom_series(tmp_path, voxels, "1.2.3.1", spacing_xyz=(0.7, 0.9, 2.5),
+                                 origin_xyz=(-10.0, 20.0, 30.0), direction=(c, -s, 0, s, c, 0, 0, 0, 1))
+    write_dicom_series(tmp_path, voxels[:3], "1.2.3.2")
+    assert {uid: len(files) for uid, files in dicom_series(tmp_path).items()} == {"1.2.3.1": 5, "1.2.3.2": 3}
+    array, geometry = read_dicom_series(tmp_path, "1.2.3.1")
+    assert array.dtype == np.float32
+    np.testing.assert_array_equal(array, voxels)
+    assert geometry.ndim == 3 and geometry.size_xyz == (6, 7, 5)
+    np.testing.assert_allclose(geometry.spacing_xyz, written.GetSpacing(), atol=1e-5)
+    np.testing.assert_allclose(geometry.origin_xyz, written.GetOrigin(), atol=1e-5)
+    np.testing.assert_allclose(geometry.direction, written.GetDirection(), atol=1e-5)
+    with pytest.raises(InputError, match="no DICOM series 9.9"):
+        read_dicom_series(tmp_path, "9.9")

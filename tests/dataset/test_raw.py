@@ -1,10 +1,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import SimpleITK as sitk
+from dicom_series import write_dicom_series
 
 from autoseg.dataset.imageio import read_image, write_image
 from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_case, load_dataset
@@ -105,10 +107,10 @@ def test_nan_in_image(dataset_copy):
 
 
 def test_prediction_inputs_folder_and_file(tiny_dataset):
-    cases = list_prediction_inputs(tiny_dataset / "imagesTs", num_channels=1)
-    assert [c.case_id for c in cases] == ["demo_005", "demo_006"]
+    found = list_prediction_inputs(tiny_dataset / "imagesTs", num_channels=1)
+    assert [c.case_id for c in found.cases] == ["demo_005", "demo_006"] and found.problems == {}
     single = list_prediction_inputs(tiny_dataset / "imagesTs" / "demo_005_0000.nii.gz", num_channels=1)
-    assert single[0].case_id == "demo_005"
+    assert single.cases[0].case_id == "demo_005"
     with pytest.raises(DatasetError, match="expects 2 channels"):
         list_prediction_inputs(tiny_dataset / "imagesTs" / "demo_005_0000.nii.gz", num_channels=2)
 
@@ -239,20 +241,28 @@ def test_truncated_file_is_a_listed_problem(dataset_copy):
         check_integrity(load_dataset(dataset_copy), read_voxels=False)
 
 
-def test_prediction_inputs_are_checked_before_any_prediction(dataset_copy):
+def test_prediction_input_problems_are_listed_per_case(dataset_copy):
+    """Each case's problem is listed under its id (the other cases can be predicted); raise_problems
+    lists them all (--fail-fast: before anything is predicted)."""
     folder = dataset_copy / "imagesTs"
-    assert len(list_prediction_inputs(folder, num_channels=1, image_dim=3)) == 2
+    assert list_prediction_inputs(folder, num_channels=1, image_dim=3).problems == {}
     extra = folder / "demo_005_0001.nii.gz"
     extra.write_bytes((folder / "demo_005_0000.nii.gz").read_bytes())
-    with pytest.raises(DatasetError, match=r"takes 1 channel\(s\).*demo_005_0001.nii.gz"):
-        list_prediction_inputs(folder, num_channels=1)
+    found = list_prediction_inputs(folder, num_channels=1)
+    assert list(found.problems) == ["demo_005"] and len(found.cases) == 2
+    assert re.search(r"demo_005_0001.nii.gz: the model takes 1 channel\(s\)", found.problems["demo_005"])
     extra.unlink()
-    with pytest.raises(DatasetError, match=r"demo_005_0000.nii.gz is a 3D image but the model was trained on 2D"):
-        list_prediction_inputs(folder, num_channels=1, image_dim=2)
+    found = list_prediction_inputs(folder, num_channels=1, image_dim=2)
+    assert "demo_005_0000.nii.gz is a 3D image but the model was trained on 2D" in found.problems["demo_005"]
     path = folder / "demo_006_0000.nii.gz"
     path.write_bytes(path.read_bytes()[:-1])
+    found = list_prediction_inputs(path, num_channels=1)
     with pytest.raises(DatasetError, match=r"nothing was predicted:\n  .*demo_006_0000.nii.gz: damaged or truncated"):
-        list_prediction_inputs(path, num_channels=1)
+        found.raise_problems()
+    (folder / "demo_005_0000.nii.gz").unlink()
+    (folder / "demo_005_0001.nii.gz").write_bytes(path.read_bytes())
+    assert "lacks channel file(s) ['demo_005_0000.nii.gz']" in \
+        list_prediction_inputs(folder, num_channels=2).problems["demo_005"]
 
 
 def test_prediction_channels_on_different_grids_are_refused(dataset_copy):
@@ -261,8 +271,30 @@ def test_prediction_channels_on_different_grids_are_refused(dataset_copy):
     image.SetSpacing((2.0, 2.0, 2.0))
     sitk.WriteImage(image, str(folder / "demo_005_0001.nii.gz"))
     (folder / "demo_006_0000.nii.gz").unlink()
-    with pytest.raises(DatasetError, match=r"demo_005_0001.nii.gz and demo_005_0000.nii.gz differ in spacing"):
+    problems = list_prediction_inputs(folder, num_channels=2).problems
+    assert "demo_005_0001.nii.gz and demo_005_0000.nii.gz differ in spacing" in problems["demo_005"]
+
+
+def test_dicom_folder_is_one_case_named_after_it_or_its_series(tmp_path):
+    voxels = np.arange(4 * 6 * 5, dtype=np.int16).reshape(4, 6, 5)
+    folder = tmp_path / "ct_2024"
+    write_dicom_series(folder, voxels, "1.2.3.1")
+    (case,) = list_prediction_inputs(folder, num_channels=1).cases
+    assert case.case_id == "ct_2024" and case.series_uid == "1.2.3.1"
+    np.testing.assert_array_equal(load_case(case)[0], voxels[None])
+    with pytest.raises(DatasetError, match="a DICOM series is one channel but the model takes 2"):
         list_prediction_inputs(folder, num_channels=2)
+    write_dicom_series(folder, voxels[::-1], "1.2.3.2")
+    with pytest.raises(DatasetError, match=r"holds 2 DICOM series; choose one with --series UID:\n  1.2.3.1 \(4 files\)"
+                                           r"\n  1.2.3.2 \(4 files\)"):
+        list_prediction_inputs(folder, num_channels=1)
+    (case,) = list_prediction_inputs(folder, num_channels=1, series="1.2.3.2").cases
+    assert case.case_id == "1.2.3.2"
+    np.testing.assert_array_equal(load_case(case)[0], voxels[None, ::-1])
+    with pytest.raises(DatasetError, match="--series 9.9: no such series"):
+        list_prediction_inputs(folder, num_channels=1, series="9.9")
+    with pytest.raises(DatasetError, match="no images named .* and no DICOM series"):
+        list_prediction_inputs(tmp_path, num_channels=1)  # the series are one folder below
 
 
 def test_load_case_refuses_nan_naming_the_file(dataset_copy):
@@ -272,6 +304,6 @@ def test_load_case_refuses_nan_naming_the_file(dataset_copy):
     image, geo = read_image(path)
     image[0, 1, 1] = np.inf
     write_image(path, image, geo)
-    case = list_prediction_inputs(path, num_channels=1)[0]
+    case = list_prediction_inputs(path, num_channels=1).cases[0]
     with pytest.raises(DatasetError, match=r"demo_005_0000.nrrd holds NaN or Inf"):
         load_case(case)

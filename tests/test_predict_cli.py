@@ -1,0 +1,156 @@
+"""`autoseg predict` through the real CLI: a bad case is skipped and listed while the others are written,
+`--continue` after a kill, a DICOM series as input, `--save-probabilities`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import SimpleITK as sitk
+from cli_checks import assert_refused, run_cli, snapshot
+from dicom_series import write_dicom_series
+
+from autoseg.core.workspace import Workspace
+from autoseg.train.run_config import RunConfig
+from autoseg.train.trainer import train
+
+
+@pytest.fixture(scope="module")
+def trained(prepared: Path, tmp_path_factory) -> Path:
+    """A workspace with fold 0 trained for one iteration. Read-only: tests that write copy it."""
+    root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("trained") / "ws"))
+    train(Workspace.at(root), "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1,
+                                                         validate=False, cpu_threads=1), progress=False)
+    return root
+
+
+@pytest.fixture()
+def inputs(tiny_dataset: Path, tmp_path: Path) -> Path:
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for image in sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz")):  # demo_005, demo_006
+        shutil.copy(image, folder / image.name)
+    return folder
+
+
+def _predict(capsys, trained: Path, inputs: Path, out: Path, *flags: str):
+    return run_cli(capsys, "predict", "-i", inputs, "-o", out, "-w", trained, "--no-mirror", *flags)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def _nan(path: Path) -> None:  # NRRD keeps NaN (a float NIfTI too; read in one pass and refused)
+    image = sitk.ReadImage(str(path), sitk.sitkFloat32)
+    array = sitk.GetArrayFromImage(image)
+    array[3, 4, 5] = np.nan
+    out = sitk.GetImageFromArray(array)
+    out.CopyInformation(image)
+    sitk.WriteImage(out, str(path))
+
+
+BAD_CASES = {  # what is done to demo_900's input -> the file the message must name
+    "truncated": lambda f: (_truncate(f / "demo_900_0000.nii.gz"), f / "demo_900_0000.nii.gz")[1],
+    "nan": lambda f: (_nan(f / "demo_900_0000.nii.gz"), f / "demo_900_0000.nii.gz")[1],
+    "extra-channel": lambda f: (shutil.copy(f / "demo_900_0000.nii.gz", f / "demo_900_0001.nii.gz"),
+                                f / "demo_900_0001.nii.gz")[1],
+    "2d": lambda f: (sitk.WriteImage(sitk.ReadImage(str(f / "demo_900_0000.nii.gz"))[:, :, 3],
+                                     str(f / "demo_900_0000.nii.gz")), f / "demo_900_0000.nii.gz")[1],
+}
+
+
+@pytest.mark.slow  # the trained fixture: ~5 s once per module, then ~1 s a case
+@pytest.mark.parametrize("name", list(BAD_CASES))
+def test_a_bad_case_is_listed_at_the_end_and_the_others_are_written(
+        name: str, capsys, trained: Path, inputs: Path, tmp_path: Path) -> None:
+    shutil.copy(inputs / "demo_005_0000.nii.gz", inputs / "demo_900_0000.nii.gz")
+    named = BAD_CASES[name](inputs)
+    out = tmp_path / "out"
+    result = _predict(capsys, trained, inputs, out)
+    assert_refused(result, 2, named, "1 of 3 case(s) not predicted", "demo_900:")
+    assert result.err.count(str(named)) == 1  # listed once, at the end
+    assert sorted(snapshot(out)) == ["demo_005.nii.gz", "demo_006.nii.gz"]  # nothing of demo_900, no temporary
+
+    fail_fast = _predict(capsys, trained, inputs, tmp_path / "ff", "--fail-fast")
+    assert_refused(fail_fast, 2, named)
+    if name != "nan":  # found in the headers: before anything is predicted
+        assert snapshot(tmp_path / "ff") == {}
+
+
+def test_a_missing_input_is_refused_at_once(capsys, trained: Path, tmp_path: Path) -> None:
+    assert_refused(_predict(capsys, trained, tmp_path / "nothing", tmp_path / "out"), 2, tmp_path / "nothing")
+
+
+@pytest.mark.slow
+def test_save_probabilities_matches_the_labels_in_the_input_geometry(capsys, trained: Path, inputs: Path,
+                                                                     tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert _predict(capsys, trained, inputs, out, "--save-probabilities").status == 0
+    assert sorted(snapshot(out)) == ["demo_005.nii.gz", "demo_005.npz", "demo_006.nii.gz", "demo_006.npz"]
+    for case in ("demo_005", "demo_006"):
+        labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out / f"{case}.nii.gz")))
+        with np.load(out / f"{case}.npz") as saved:
+            probabilities, names = saved["probabilities"], saved["names"]
+            assert str(saved["activation"]) == "softmax"
+        assert probabilities.dtype == np.float16 and probabilities.shape == (3, *labels.shape)
+        assert names.tolist() == ["background", "organ", "lesion"]
+        np.testing.assert_allclose(probabilities.astype(np.float32).sum(0), 1.0, atol=5e-3)
+        top = np.sort(probabilities.astype(np.float32), axis=0)
+        clear = top[-1] - top[-2] > 2e-3  # not a float16 tie
+        np.testing.assert_array_equal(probabilities.argmax(0)[clear], labels[clear])
+        assert clear.mean() > 0.99
+
+
+@pytest.mark.slow
+def test_dicom_series_folder_is_predicted_in_its_geometry(capsys, trained: Path, tiny_dataset: Path,
+                                                          tmp_path: Path) -> None:
+    voxels = sitk.GetArrayFromImage(sitk.ReadImage(str(tiny_dataset / "imagesTs" / "demo_005_0000.nii.gz")))
+    series = tmp_path / "patient_7"
+    written = write_dicom_series(series, np.round(voxels * 100), "1.2.826.0.1.7.1", origin_xyz=(5.0, -3.0, 40.0))
+    out = tmp_path / "out"
+    assert _predict(capsys, trained, series, out).status == 0
+    labels = sitk.ReadImage(str(out / "patient_7.nii.gz"))
+    assert labels.GetSize() == written.GetSize()
+    np.testing.assert_allclose(labels.GetSpacing(), written.GetSpacing(), atol=1e-4)
+    np.testing.assert_allclose(labels.GetOrigin(), written.GetOrigin(), atol=1e-4)
+
+    write_dicom_series(series, np.round(voxels * 50), "1.2.826.0.1.7.2")
+    assert_refused(_predict(capsys, trained, series, tmp_path / "o2"), 2, "1.2.826.0.1.7.1", "1.2.826.0.1.7.2",
+                   "--series")
+    assert _predict(capsys, trained, series, out, "--series", "1.2.826.0.1.7.2").status == 0
+    assert (out / "1.2.826.0.1.7.2.nii.gz").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_continue_after_a_kill_finishes_without_redoing_finished_cases(capsys, trained: Path, tiny_dataset: Path,
+                                                                       tmp_path: Path) -> None:
+    from test_kills import _kill_when, _start, one_cpu
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    image = tiny_dataset / "imagesTs" / "demo_005_0000.nii.gz"
+    for i in range(8):
+        shutil.copy(image, inputs / f"scan_{i:03d}_0000.nii.gz")
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    flags = ("--save-probabilities",)
+    with one_cpu():
+        assert _predict(capsys, trained, inputs, reference, *flags).status == 0
+
+    process = _start("predict", "-i", inputs, "-o", out, "-w", trained, "--no-mirror", *flags)
+    _kill_when(process, lambda pids: len(list(out.glob("scan_*.nii.gz"))) >= 2)
+    labelled = {p.name[: -len(".nii.gz")] for p in out.glob("scan_*.nii.gz")}  # done: its label map is written
+    finished = {p.name: p.stat().st_mtime_ns for case in labelled
+                for p in (out / f"{case}.nii.gz", out / f"{case}.npz")}
+    assert 2 <= len(labelled) < 8
+    with one_cpu():
+        result = _predict(capsys, trained, inputs, out, "--continue", *flags)
+    assert result.status == 0 and f"wrote {8 - len(labelled)} segmentation(s)" in result.out
+    assert snapshot(out) == snapshot(reference) and len(snapshot(out)) == 16
+    assert {name: (out / name).stat().st_mtime_ns for name in finished} == finished  # not written again
+    assert not any(name.startswith(".") for name in os.listdir(out))
