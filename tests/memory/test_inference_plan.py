@@ -1,0 +1,86 @@
+"""plan_inference: the tile batch and the accumulator's device chosen up front from the memory model, held
+against the real sliding window measured on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
+from autoseg.memory.inference import (
+    CPU_MAX_TILE_BATCH,
+    inference_memory,
+    measure_inference_bytes,
+    plan_inference,
+)
+from autoseg.model.topology import NetworkTopology
+
+TOPO3D = NetworkTopology(dim=3, in_channels=2, num_outputs=3, features_per_stage=(4, 8, 16),
+                         kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)))
+TOPO2D = NetworkTopology(dim=2, in_channels=1, num_outputs=4, features_per_stage=(4, 8),
+                         kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)))
+GiB = 1 << 30
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch"), [
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None),  # batch 4: half a tile's 8 variants
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5),  # 5 pairs of 3 variants: tiles split across passes
+    (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6),  # no TTA, 2D: tiles of different slices share a pass
+])
+def test_planned_peak_matches_the_real_sliding_window(topology, patch, shape, axes, tta, max_batch):
+    plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta,
+                          max_tile_batch=max_batch)
+    assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == "float32"
+    assert plan.tile_batch_size == (max_batch or CPU_MAX_TILE_BATCH)
+    data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
+    measured = measure_inference_bytes(topology, data, patch, plan.tile_batch_size, "fp32", axes, tta)
+    predicted = plan.peak_bytes - CPU_RUNTIME_BYTES
+    assert abs(predicted - measured) / measured < 0.01, (plan, measured)
+
+
+def test_largest_batch_within_the_budget():
+    args = (TOPO3D, (8, 16, 16), 3, (10, 20, 30), 3, "fp32", (0, 1, 2))
+    peaks = {b: predict_device_peak(inference_memory(*args[:2], b, *args[3:]), "cpu")["total"] for b in (3, 4)}
+    assert peaks[4] > peaks[3]
+    plan = plan_inference(TOPO3D, (8, 16, 16), (10, 20, 30), 3, peaks[3], "cpu", mirror_axes=(0, 1, 2),
+                          max_tile_batch=16)
+    assert plan.tile_batch_size == 3 and plan.peak_bytes == peaks[3] and plan.fits
+    assert plan.choices[0] == (3, "cpu", peaks[3])
+    assert all(total > peaks[3] for batch, _, total in plan.choices if batch > 3)
+    # the cap: never more pairs than the image has (one tile, no TTA -> 1)
+    one = plan_inference(TOPO3D, (8, 16, 16), (8, 16, 16), 3, 4 * GiB, "cpu", max_tile_batch=16)
+    assert one.tile_batch_size == 1
+
+
+def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
+    shape, patch = (40, 96, 96), (8, 16, 16)
+    on_device = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2))
+    on_host = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), accumulator_on_device=False)
+    padded = math.prod(shape) * 4
+    held = 3 * padded + padded + math.prod(patch) * 4  # accumulator, weight map, Gaussian
+    assert on_device.peak_bytes - on_host.peak_bytes == held
+    assert on_host.host_accumulator_bytes == held + 3 * math.prod(patch) * 4  # + one tile's logits copied over
+    budget = predict_device_peak(on_device, "cuda")["total"] - 1  # the accumulator no longer fits beside a tile
+    plan = plan_inference(TOPO3D, patch, shape, 3, budget, "cuda", mirror_axes=(0, 1, 2))
+    assert plan.accumulator_device == "cpu" and plan.fits and plan.tile_batch_size >= 1
+    assert plan.peak_bytes <= budget and plan.host_accumulator_bytes > 0
+    assert "accumulator float32 on cpu" in plan.describe()
+    roomy = plan_inference(TOPO3D, patch, shape, 3, 8 * GiB, "cuda", mirror_axes=(0, 1, 2))
+    assert roomy.accumulator_device == "cuda" and roomy.tile_batch_size == 16  # 2 tiles x 8 variants
+
+
+def test_nothing_fits_says_so():
+    plan = plan_inference(TOPO3D, (8, 16, 16), (10, 20, 30), 3, 1000, "cuda", mirror_axes=(0, 1, 2))
+    assert not plan.fits and plan.tile_batch_size == 1 and plan.accumulator_device == "cpu"
+    assert "does not fit" in plan.describe()
