@@ -183,8 +183,8 @@ def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
         raise InputError(f"{archive}: a member name occurs twice; this is not an archive `autoseg export-model` "
                          "wrote: export the model again")
     if MANIFEST not in names:
-        raise InputError(f"{archive}: member {MANIFEST} is missing; this is not a model archive written by "
-                         "`autoseg export-model`")
+        raise InputError(f"{archive}: member {MANIFEST} is missing: the file is truncated or damaged (copy it "
+                         "again), or it is not a model archive written by `autoseg export-model`")
     try:
         payload = json.loads(_read_member(zf, archive, MANIFEST))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -1,0 +1,175 @@
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import autoseg
+from autoseg.core.errors import InputError
+from autoseg.core.workspace import Workspace
+from autoseg.model.checkpoint_file import write_checkpoint_file
+from autoseg.model.network import build_network
+from autoseg.plan.plans import Plans
+from autoseg.predict.archive import MANIFEST, export_model, open_model_archive
+
+CONFIG = "3d_fullres"
+
+
+@pytest.fixture(scope="module")
+def workspace(prepared: Path, tmp_path_factory) -> Workspace:
+    """A copy of the prepared workspace with untrained checkpoints: final for folds 0 and 1, best for fold 0."""
+    ws = Workspace.at(tmp_path_factory.mktemp("archive") / "ws")
+    shutil.copytree(prepared, ws.root)
+    config = Plans.from_json(ws.plans_path).configuration(CONFIG)
+    torch.manual_seed(0)
+    for fold, which in ((0, "final"), (1, "final"), (0, "best")):
+        state = {"network": build_network(config.network).state_dict()}
+        write_checkpoint_file(ws.checkpoint(CONFIG, fold, which), state)
+    return ws
+
+
+@pytest.fixture(scope="module")
+def archive(workspace: Workspace, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("exported") / "model.zip"
+    export_model(workspace, out)
+    return out
+
+
+def _members(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def _write(path: Path, members: dict[str, bytes], *, resign: bool = False) -> Path:
+    """A zip of ``members``; ``resign``: the manifest's sizes and sha256 sums made to match (a crafted archive)."""
+    if resign:
+        manifest = json.loads(members[MANIFEST])
+        manifest["members"] = [{"name": n, "size_bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+                               for n, b in members.items() if n != MANIFEST]
+        members = {**members, MANIFEST: json.dumps(manifest).encode()}
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def test_export_holds_what_prediction_needs_and_a_manifest(workspace: Workspace, archive: Path) -> None:
+    members = _members(archive)
+    checkpoints = [f"results/{CONFIG}/fold_{k}/checkpoint_final.pt" for k in (0, 1)]
+    assert sorted(members) == sorted([MANIFEST, "plans.json", "fingerprint.json", *checkpoints])
+    manifest = json.loads(members[MANIFEST])
+    assert manifest["schema_version"] == 1 and manifest["autoseg_version"] == autoseg.__version__
+    assert (manifest["configuration"], manifest["folds"], manifest["checkpoint"]) == (CONFIG, [0, 1], "final")
+    assert manifest["postprocessing"] is None and "no postprocessing" in manifest["notes"]
+    for m in manifest["members"]:
+        data = members[m["name"]]
+        assert data == (workspace.root / m["name"]).read_bytes()
+        assert (m["size_bytes"], m["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+def test_export_is_reproducible_and_chooses_folds_and_checkpoint(workspace: Workspace, archive: Path,
+                                                                 tmp_path: Path) -> None:
+    again = tmp_path / "again.zip"
+    export_model(workspace, again)
+    assert again.read_bytes() == archive.read_bytes()  # the same model, the same bytes: fixed member dates
+    with zipfile.ZipFile(again) as zf:
+        assert {info.date_time for info in zf.infolist()} == {(1980, 1, 1, 0, 0, 0)}
+    best = export_model(workspace, tmp_path / "best.zip", folds=["0"], checkpoint="best")
+    assert (best.folds, best.checkpoint) == ((0,), "best")
+    assert f"results/{CONFIG}/fold_0/checkpoint_best.pt" in _members(tmp_path / "best.zip")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["again.zip", "best.zip"]  # no temporary left
+
+
+def test_export_refuses_an_untrained_fold_or_unplanned_workspace_and_writes_nothing(workspace: Workspace,
+                                                                                    tmp_path: Path) -> None:
+    out = tmp_path / "model.zip"
+    with pytest.raises(InputError, match=r"fold\(s\) 3 of 3d_fullres: no checkpoint_final.pt.*trained: 0 1"):
+        export_model(workspace, out, folds=["0", "3"])
+    with pytest.raises(InputError, match="no trained fold with checkpoint_latest.pt"):
+        export_model(workspace, out, checkpoint="latest")
+    with pytest.raises(InputError, match="plans.json not found; run `autoseg plan_and_preprocess"):
+        export_model(Workspace.at(tmp_path / "empty"), out)
+    assert not out.exists() and not (tmp_path / "empty").exists()
+
+
+def test_export_refuses_a_checkpoint_that_does_not_load(workspace: Workspace, tmp_path: Path) -> None:
+    ws = Workspace.at(tmp_path / "ws")
+    shutil.copytree(workspace.root, ws.root)
+    broken = ws.checkpoint(CONFIG, 1, "final")
+    broken.write_bytes(broken.read_bytes()[:1000])  # truncated
+    with pytest.raises(InputError, match=f"{broken} is not a readable checkpoint"):
+        export_model(ws, tmp_path / "model.zip")
+    assert not (tmp_path / "model.zip").exists()
+
+
+def test_open_unpacks_a_checked_workspace_and_removes_it(workspace: Workspace, archive: Path) -> None:
+    with open_model_archive(archive) as model:
+        root = model.workspace.root
+        assert root.parent == Path(tempfile.gettempdir()).resolve()  # not the working directory
+        assert model.workspace.trained_folds(CONFIG) == (0, 1)
+        assert model.workspace.plans_path.read_bytes() == workspace.plans_path.read_bytes()
+        assert model.select(None, None) == (CONFIG, ["0", "1"])
+        assert model.select(CONFIG, ["1"]) == (CONFIG, ["1"])
+        with pytest.raises(InputError, match=r"--folds 4: not in the model archive .* fold\(s\) 0 1"):
+            model.select(None, ["0", "4"])
+        with pytest.raises(InputError, match="-c 2d: the model archive .* holds configuration '3d_fullres' only"):
+            model.select("2d", None)
+    assert not root.exists()
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda m: {**m, "../evil.json": b"{}"}, "'../evil.json' has an unsafe path"),
+    (lambda m: {**m, "/etc/evil": b"x"}, "'/etc/evil' has an unsafe path"),
+    (lambda m: {k: v for k, v in m.items() if k != MANIFEST}, f"member {MANIFEST} is missing"),
+    (lambda m: {**m, "extra.txt": b"x"}, r"member\(s\) extra.txt not in the manifest"),
+    (lambda m: {k: v for k, v in m.items() if k != "fingerprint.json"}, r"member\(s\) fingerprint.json of the manif"),
+    (lambda m: {**m, "plans.json": m["plans.json"].replace(b"3d_fullres", b"3d_fullrez")},
+     "member plans.json: sha256 [0-9a-f]+ differs from the manifest's"),
+    (lambda m: {**m, "plans.json": m["plans.json"] + b" "}, "member plans.json is 4.* bytes, its manifest says"),
+    (lambda m: {**m, MANIFEST: m[MANIFEST].replace(b'"schema_version": 1', b'"schema_version": 7')},
+     f"member {MANIFEST}: archive format version 7 is not the one this autoseg"),
+    (lambda m: {**m, MANIFEST: b"{not json"}, f"member {MANIFEST} is not valid JSON"),
+])
+def test_open_refuses_an_altered_archive(archive: Path, tmp_path: Path, change, named: str) -> None:
+    bad = _write(tmp_path / "bad.zip", change(_members(archive)))
+    with pytest.raises(InputError, match=f"{bad}: .*{named}"):
+        with open_model_archive(bad):
+            pass
+
+
+def test_open_refuses_a_crafted_checkpoint_that_needs_unpickling_code(archive: Path, tmp_path: Path) -> None:
+    """Members and manifest agree (the sums catch damage, not forgery); weights_only=True refuses to run code."""
+    name = f"results/{CONFIG}/fold_1/checkpoint_final.pt"
+    crafted = tmp_path / "crafted.pt"
+    torch.save({"version": 2, "network": {}, "payload": Path("/etc/passwd")}, crafted)  # a class to unpickle
+    bad = _write(tmp_path / "bad.zip", {**_members(archive), name: crafted.read_bytes()}, resign=True)
+    with pytest.raises(InputError, match=f"{bad}: member {name}: {name} is not a readable checkpoint"):
+        with open_model_archive(bad):
+            pass
+
+
+def test_open_refuses_a_checkpoint_of_another_network(archive: Path, tmp_path: Path) -> None:
+    name = f"results/{CONFIG}/fold_0/checkpoint_final.pt"
+    other = tmp_path / "other.pt"
+    write_checkpoint_file(other, {"network": torch.nn.Linear(2, 2).state_dict()})
+    bad = _write(tmp_path / "bad.zip", {**_members(archive), name: other.read_bytes()}, resign=True)
+    with pytest.raises(InputError, match=f"{bad}: member {name}: .*state_dict"):
+        with open_model_archive(bad):
+            pass
+
+
+def test_open_refuses_a_truncated_or_missing_archive(archive: Path, tmp_path: Path) -> None:
+    cut = tmp_path / "cut.zip"
+    cut.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
+    with pytest.raises(InputError, match=f"{cut}: not a readable zip file .* truncated or damaged"):
+        with open_model_archive(cut):
+            pass
+    with pytest.raises(InputError, match=f"-m/--model {tmp_path / 'none.zip'}: no such file"):
+        with open_model_archive(tmp_path / "none.zip"):
+            pass

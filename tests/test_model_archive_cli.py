@@ -1,0 +1,132 @@
+"""`autoseg export-model` and `autoseg predict -m` through the real CLI: a model predicts without its
+workspace, byte for byte as from the workspace, and a damaged or altered archive is refused naming it and the
+member, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import zipfile
+from pathlib import Path
+
+import pytest
+from cli_checks import assert_refused, run_cli, snapshot
+
+from autoseg.cli.main import main
+
+MANIFEST = "autoseg_model.json"
+CHECKPOINT = "results/3d_fullres/fold_0/checkpoint_final.pt"
+
+
+@pytest.fixture(scope="module")
+def trained(prepared: Path, tmp_path_factory) -> Path:
+    """A copy of the prepared workspace with fold 0 trained briefly (about 5 s). Read-only for the tests."""
+    ws = tmp_path_factory.mktemp("model_archive") / "ws"
+    shutil.copytree(prepared, ws)
+    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--epochs", "1", "--iterations-per-epoch", "2",
+                 "--val-iterations", "1", "--no-validation"]) == 0
+    return ws
+
+
+@pytest.fixture(scope="module")
+def archive(trained: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("model_zip") / "model.zip"
+    assert main(["-q", "export-model", str(out), "-w", str(trained)]) == 0
+    return out
+
+
+def _members(path: Path) -> dict[str, bytes]:
+    with zipfile.ZipFile(path) as zf:
+        return {name: zf.read(name) for name in zf.namelist()}
+
+
+def _write(path: Path, members: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as zf:
+        for name, data in members.items():
+            zf.writestr(name, data)
+    return path
+
+
+def _model_folders() -> set[Path]:
+    return set(Path(tempfile.gettempdir()).glob("autoseg-model-*"))
+
+
+def test_a_model_predicts_elsewhere_without_its_workspace_identically(trained: Path, tiny_dataset: Path,
+                                                                      tmp_path: Path, capsys, monkeypatch) -> None:
+    ws, images = tmp_path / "ws", tiny_dataset / "imagesTs"
+    shutil.copytree(trained, ws)
+    result = run_cli(capsys, "predict", "-i", images, "-o", tmp_path / "from_ws", "-w", ws, "--no-mirror")
+    assert result.status == 0, result.err
+    model = tmp_path / "model.zip"
+    result = run_cli(capsys, "export-model", model, "-w", ws)
+    assert result.status == 0 and f"wrote {model}" in result.out, result.err
+    moved = tmp_path / "elsewhere" / "model.zip"
+    moved.parent.mkdir()
+    model.rename(moved)
+    shutil.rmtree(ws)  # the workspace is gone: the archive must carry everything
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    monkeypatch.chdir(fresh)
+    before = _model_folders()
+    result = run_cli(capsys, "predict", "-m", moved, "-i", images, "-o", "out", "--no-mirror")
+    assert result.status == 0, result.err
+    assert snapshot(fresh / "out") == snapshot(tmp_path / "from_ws") != {}
+    assert sorted(p.name for p in fresh.iterdir()) == ["out"]  # nothing unpacked into the working directory
+    assert _model_folders() == before  # the temporary workspace was removed
+
+
+def test_export_refuses_a_missing_fold_and_an_unplanned_workspace(trained: Path, tmp_path: Path, capsys) -> None:
+    out = tmp_path / "model.zip"
+    before = snapshot(trained)
+    assert_refused(run_cli(capsys, "export-model", out, "-w", trained, "--folds", "0", "2"), 2,
+                   "fold(s) 2 of 3d_fullres", "checkpoint_final.pt", "autoseg train fold 2")
+    assert_refused(run_cli(capsys, "export-model", out, "-w", tmp_path / "nothing"), 2,
+                   tmp_path / "nothing" / "plans.json", "plan_and_preprocess")
+    assert_refused(run_cli(capsys, "export-model", out, "-w", trained, "--folds", "zero"), 2, "'zero' is not a fold")
+    assert not out.exists() and snapshot(trained) == before
+
+
+def _truncated(members: dict[str, bytes], path: Path) -> Path:
+    path.write_bytes(_write(path, members).read_bytes()[:-200])
+    return path
+
+
+def _tampered(members: dict[str, bytes], path: Path) -> Path:
+    data = bytearray(members[CHECKPOINT])
+    data[len(data) // 2] ^= 0xFF  # one byte of the weights
+    return _write(path, {**members, CHECKPOINT: bytes(data)})
+
+
+def _zip_slip(members: dict[str, bytes], path: Path) -> Path:
+    return _write(path, {**members, "../../outside.txt": b"x"})
+
+
+def _future_version(members: dict[str, bytes], path: Path) -> Path:
+    manifest = json.loads(members[MANIFEST])
+    return _write(path, {**members, MANIFEST: json.dumps({**manifest, "schema_version": 99}).encode()})
+
+
+@pytest.mark.parametrize("damage, named", [
+    (_truncated, ["truncated or damaged"]),
+    (_tampered, [f"member {CHECKPOINT}", "sha256", "differs from the manifest"]),
+    (_zip_slip, ["member '../../outside.txt' has an unsafe path"]),
+    (_future_version, [f"member {MANIFEST}", "archive format version 99"]),
+])
+def test_predict_refuses_a_damaged_or_altered_archive(archive: Path, tiny_dataset: Path, tmp_path: Path, capsys,
+                                                      monkeypatch, damage, named: list[str]) -> None:
+    bad = damage(_members(archive), tmp_path / "bad.zip")
+    monkeypatch.chdir(tmp_path)
+    before = _model_folders()
+    result = run_cli(capsys, "predict", "-m", bad, "-i", tiny_dataset / "imagesTs", "-o", tmp_path / "out")
+    assert_refused(result, 2, bad, *named)
+    assert not (tmp_path / "out").exists() and not (tmp_path.parent / "outside.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.zip"] and _model_folders() == before
+
+
+def test_predict_from_an_archive_refuses_folds_it_does_not_hold(archive: Path, tiny_dataset: Path, tmp_path: Path,
+                                                                capsys) -> None:
+    result = run_cli(capsys, "predict", "-m", archive, "-i", tiny_dataset / "imagesTs", "-o", tmp_path / "out",
+                     "--folds", "0", "3")
+    assert_refused(result, 2, "--folds 3", archive, "fold(s) 0")
+    assert not (tmp_path / "out").exists()
