@@ -214,7 +214,7 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         raise DatasetError(f"{path}: no such file or folder")
     found = _nnunet_images(path, file_ending)
     if not found:
-        return _dicom_inputs(path, num_channels, series, file_ending)
+        return _dicom_inputs(path, num_channels, series, file_ending, image_dim)
     cases, problems = [], {}
     for case_id, (ending, numbers) in sorted(found.items()):
         files = image_files_for(path, case_id, num_channels, ending)
@@ -245,7 +245,8 @@ def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, tuple[str
     return found
 
 
-def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_ending: str | None) -> PredictionInputs:
+def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_ending: str | None,
+                  image_dim: int | None) -> PredictionInputs:
     """The one case of a folder holding DICOM series: named after the folder, or after ``series`` (its
     SeriesInstanceUID) when that is given."""
     uids = dicom_series(folder)
@@ -263,7 +264,9 @@ def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_endi
         raise DatasetError(f"--series {series}: no such series in {folder}; it holds:\n  {listed}")
     uid = series or next(iter(uids))
     case = Case(series or folder.name, (folder,), None, series_uid=uid)
-    return PredictionInputs((case,), {})
+    problems = {case.case_id: f"{folder}: DICOM series {uid} is a 3D image ({len(uids[uid])} slices) but the model "
+                              "was trained on 2D images"} if image_dim == 2 and len(uids[uid]) > 1 else {}
+    return PredictionInputs((case,), problems)
 
 
 def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[str, str]:

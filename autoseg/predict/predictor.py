@@ -20,6 +20,7 @@ import zipfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -226,9 +227,10 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     threads = torch.get_num_threads()
     if device == "cpu":
         _choose_cpu_threads(networks[0], config, tile_batch_size)
+    segment = partial(predict_image, networks=networks, plans=plans, config=config, mirror=mirror,
+                      tile_batch_size=tile_batch_size, device=device)
     try:
-        return _predict_cases(found, networks, plans, config, output_dir, options,
-                              dict(mirror=mirror, tile_batch_size=tile_batch_size, device=device), progress)
+        return _predict_cases(found, segment, output_dir, options, progress)
     finally:
         torch.set_num_threads(threads)
 
@@ -244,8 +246,10 @@ def _choose_cpu_threads(network: torch.nn.Module, config: ConfigurationPlan, til
     choose_cpu_threads(forward, "a tile batch")
 
 
-def _predict_cases(found: PredictionInputs, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan,
-                   output_dir: Path, options: PredictOptions, window: dict, progress: bool) -> list[Path]:
+def _predict_cases(found: PredictionInputs, segment: Callable[..., tuple[np.ndarray, CaseProperties]],
+                   output_dir: Path, options: PredictOptions, progress: bool) -> list[Path]:
+    """``segment`` (``predict_image`` with the networks and window settings bound) every case that is not done
+    and has no problem; write its outputs; raise CasesFailedError at the end listing the bad cases."""
     written: list[Path] = []
     failed = dict(found.problems)  # case id -> why
     done = [c for c in found.cases if options.skip_existing and c.case_id not in failed
@@ -265,8 +269,8 @@ def _predict_cases(found: PredictionInputs, networks: list[torch.nn.Module], pla
                 log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
                 continue
             labels_path, *probabilities_path = _outputs(case, output_dir, options.save_probabilities)
-            labels, props = predict_image(data, geometry, case.case_id, networks, plans, config, **window,
-                                          probabilities_path=probabilities_path[0] if probabilities_path else None)
+            labels, props = segment(data, geometry, case.case_id,
+                                    probabilities_path=probabilities_path[0] if probabilities_path else None)
             del data
             try:
                 write_image(labels_path, labels, props.geometry)  # atomic; a failed write raises WriteError naming it

@@ -282,6 +282,8 @@ def test_dicom_folder_is_one_case_named_after_it_or_its_series(tmp_path):
     (case,) = list_prediction_inputs(folder, num_channels=1).cases
     assert case.case_id == "ct_2024" and case.series_uid == "1.2.3.1"
     np.testing.assert_array_equal(load_case(case)[0], voxels[None])
+    assert "is a 3D image (4 slices) but the model was trained on 2D" in \
+        list_prediction_inputs(folder, num_channels=1, image_dim=2).problems["ct_2024"]
     with pytest.raises(DatasetError, match="a DICOM series is one channel but the model takes 2"):
         list_prediction_inputs(folder, num_channels=2)
     write_dicom_series(folder, voxels[::-1], "1.2.3.2")

@@ -21,7 +21,7 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.predict import predictor
-from autoseg.predict.predictor import export_segmentation, predict
+from autoseg.predict.predictor import ProbabilityFile, export_segmentation, predict
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.preprocess.store import CaseProperties
 
@@ -185,3 +185,45 @@ def test_export_paints_regions_in_order_in_original_space() -> None:
     np.testing.assert_array_equal(labels, expected)
     with pytest.raises(ValueError, match="3 probability maps for labels with 2 outputs"):
         export_segmentation(torch.zeros(3, 4, 12, 16), props, scheme)
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_probability_file_holds_each_resampled_output_in_the_original_grid(tmp_path: Path, regions: bool) -> None:
+    """The streamed {case}.npz: (K, Z, Y, X) float16 uncropped (background 1 outside the crop for classes,
+    0 for regions), each output equal to the map the labels were made from; names and activation."""
+    from autoseg.dataset.cropping import uncrop
+    from autoseg.dataset.labels import LabelScheme
+
+    scheme = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2]) if regions else \
+        LabelScheme.from_labels({"background": 0, "organ": 1, "lesion": 2})
+    props = _export_case()
+    probabilities = torch.rand((scheme.num_outputs, 4, 12, 16), generator=torch.Generator().manual_seed(0))
+    seen: list[np.ndarray] = []
+    path = tmp_path / "hand.npz"
+    with ProbabilityFile.open(path, props, scheme) as file:
+        def record(k: int, resampled: np.ndarray) -> None:
+            seen.append(resampled.copy())
+            file.write_output(k, resampled)
+
+        labels = export_segmentation(probabilities, props, scheme, on_output=record)
+    np.testing.assert_array_equal(labels, export_segmentation(probabilities, props, scheme))
+    with np.load(path) as saved:
+        assert saved["names"].tolist() == (["organ", "lesion"] if regions else ["background", "organ", "lesion"])
+        assert str(saved["activation"]) == ("sigmoid" if regions else "softmax")
+        stored = saved["probabilities"]
+    assert stored.dtype == np.float16 and stored.shape == (len(seen), 6, 10, 12)
+    for k, resampled in enumerate(seen):
+        fill = 1.0 if k == 0 and not regions else 0.0
+        np.testing.assert_allclose(stored[k], uncrop(resampled, props.crop_bbox, (6, 10, 12), fill), atol=1e-3)
+
+
+def test_probability_file_is_dropped_when_the_export_fails(tmp_path: Path) -> None:
+    """An error while the file is open is raised as it is (not as a write error), and no file is left."""
+    from autoseg.dataset.labels import LabelScheme
+
+    path = tmp_path / "hand.npz"
+    with pytest.raises(RuntimeError, match="^boom$"):
+        with ProbabilityFile.open(path, _export_case(), LabelScheme.plain(3)) as file:
+            file.write_output(0, np.zeros((4, 6, 8), np.float32))
+            raise RuntimeError("boom")  # what atomic_path would report as a write error
+    assert list(tmp_path.iterdir()) == []
