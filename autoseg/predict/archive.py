@@ -35,6 +35,8 @@ import autoseg
 from autoseg.core.artifacts import Artifact, atomic_path, to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
+from autoseg.model.checkpoint_file import read_checkpoint_file
+from autoseg.model.network import build_network
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import load_trained_network
@@ -248,7 +250,7 @@ def _unpack(zf: zipfile.ZipFile, archive: Path, member: ArchiveMember, root: Pat
 
 def _check_contents(model: OpenedModel) -> None:
     """The plan and fingerprint read, and every fold's checkpoint loads (``weights_only=True``) into the
-    planned network; an error names the archive and the member."""
+    planned network; an error names the archive and the member, on one line."""
     ws, manifest = model.workspace, model.manifest
     name = "plans.json"
     try:
@@ -259,7 +261,15 @@ def _check_contents(model: OpenedModel) -> None:
         for fold in manifest.folds:
             path = ws.checkpoint(manifest.configuration, fold, manifest.checkpoint)
             name = path.relative_to(ws.root).as_posix()
-            load_trained_network(path, config, "cpu")
-    except (InputError, RuntimeError, KeyError) as e:
-        reason = str(e).replace(str(ws.root / name), name).replace(str(ws.root), "the archive")
-        raise InputError(f"{model.archive}: member {name}: {reason}") from e
+            if not path.is_file():
+                raise InputError(f"is missing, though the manifest lists fold {fold}")
+            state = read_checkpoint_file(path, "export the model again")
+            if not isinstance(state.get("network"), dict):
+                raise InputError("holds no network weights")
+            try:
+                build_network(config.network).load_state_dict(state["network"])
+            except RuntimeError as e:
+                raise InputError(f"its weights do not fit the planned {manifest.configuration} network ({e})") from e
+    except InputError as e:
+        reason = " ".join(str(e).replace(str(ws.root / name), "it").replace(str(ws.root), "the archive").split())
+        raise InputError(f"{model.archive}: member {name}: {reason[:400]}") from e
