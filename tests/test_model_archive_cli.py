@@ -17,6 +17,7 @@ from autoseg.cli.main import main
 
 MANIFEST = "autoseg_model.json"
 CHECKPOINT = "results/3d_fullres/fold_0/checkpoint_final.pt"
+pytestmark = pytest.mark.slow  # the module trains one fold once (about 5 s); each test then takes under 1 s
 
 
 @pytest.fixture(scope="module")
