@@ -183,11 +183,17 @@ class ProbabilityFile:
             raise abandoned.error from None
 
     def write_output(self, k: int, resampled: np.ndarray) -> None:
-        """Output ``k``'s map (the cropped original shape, float32), uncropped: one float16 volume held."""
+        """Output ``k``'s map (the cropped original shape, float32), uncropped one z-slice at a time: one
+        float16 (Y, X) plane held beyond it."""
         assert self.stream is not None
         fill = 1.0 if k == 0 and not self.scheme.has_regions else 0.0
-        full = uncrop(resampled.astype(PROBABILITY_DTYPE), self.props.crop_bbox, self.props.shape_before_crop, fill)
-        self.stream.write(memoryview(full.reshape(-1)).cast("B"))
+        (z0, z1), (y0, y1), (x0, x1) = self.props.crop_bbox
+        plane = np.empty(self.props.shape_before_crop[1:], dtype=PROBABILITY_DTYPE)
+        for z in range(self.props.shape_before_crop[0]):
+            plane.fill(fill)
+            if z0 <= z < z1:
+                plane[y0:y1, x0:x1] = resampled[z - z0]
+            self.stream.write(memoryview(plane.reshape(-1)).cast("B"))
 
 
 class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one through atomic_path)
