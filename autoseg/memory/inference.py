@@ -25,7 +25,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.core.errors import InputError
-from autoseg.core.precision import autocast_dtype
+from autoseg.core.precision import autocast_dtype, element_bytes
 from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.tracker import StorageTracker
@@ -139,8 +139,9 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels)
     temp = buffers["weight_map"]  # the softmax's max / sum: one (Zp, Yp, Xp) fp32 map
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
-    # the host's copy of one tile's logits (K x patch fp32) while it is added, when the accumulator is there
-    host = 0 if accumulator_on_device else held + num_outputs * math.prod(patch_size) * 4
+    # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
+    logit_copies = (batch + 1) * num_outputs * math.prod(patch_size) * element_bytes(precision)
+    host = 0 if accumulator_on_device else held + logit_copies
     on_device = held if accumulator_on_device else 0
     tiles = params + buffers["padded_input"] + on_device + tile
     softmax = params + (buffers["accumulator"] + temp if accumulator_on_device else 0)

@@ -299,7 +299,8 @@ def run_tile_batch(
     """Predict ``items`` in one forward pass and add their Gaussian-weighted logits to the accumulator.
 
     Held at the peak (``autoseg.memory.inference`` simulates this function): the ``(B, C, *patch)`` fp32
-    input, the network's activations and its ``(B, K, *patch)`` logits, one tile's flipped-back logits.
+    input, the network's activations and its ``(B, K, *patch)`` logits, one tile's flipped-back logits (on
+    the accumulator's device, with a copy of the logits there when it is not the compute device).
     """
     shape = buffers.padded_input[(slice(None), *items[0][0])].shape  # C x patch
     # B x C x patch fp32: each tile copied in, flipped as its variant says
@@ -310,11 +311,11 @@ def run_tile_batch(
     logits = predict_tile_batch(network, tile_batch, num_outputs, precision)
     del tile_batch
     accumulator, weight_map, gaussian = buffers.accumulator, buffers.weight_map, buffers.gaussian
+    # to the accumulator's device, once per batch (where it is the host: a B x K x patch copy there, one sync)
+    logits = logits.to(accumulator.device)
     for tile_logits, (region, v) in zip(logits, items, strict=True):  # K x patch each
         if variants[v]:
             tile_logits = torch.flip(tile_logits, [a + 1 for a in variants[v]])  # a copy: K x patch
-        # to the accumulator's device (a K x patch copy on the host when it lives there; a sync on CUDA)
-        tile_logits = tile_logits.to(accumulator.device)
         accumulator[(slice(None), *region)].addcmul_(tile_logits, gaussian)  # bf16/fp16 promoted to fp32
         if v == 0:
             weight_map[region] += gaussian

@@ -70,7 +70,7 @@ def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     padded = math.prod(shape) * 4
     held = 3 * padded + padded + math.prod(patch) * 4  # accumulator, weight map, Gaussian
     assert on_device.peak_bytes - on_host.peak_bytes == held
-    assert on_host.host_accumulator_bytes == held + 3 * math.prod(patch) * 4  # + one tile's logits copied over
+    assert on_host.host_accumulator_bytes == held + 2 * 3 * math.prod(patch) * 4  # + the logits, one flipped
     budget = predict_device_peak(on_device, "cuda")["total"] - 1  # the accumulator no longer fits beside a tile
     plan = plan_inference(TOPO3D, patch, shape, 3, budget, "cuda", mirror_axes=(0, 1, 2))
     assert plan.accumulator_device == "cpu" and plan.fits and plan.tile_batch_size >= 1
