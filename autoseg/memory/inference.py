@@ -3,11 +3,14 @@
 Two phases hold memory on the device:
 
 - tiles: the network's parameters, the call's buffers (padded input, logit accumulator, weight map,
-  Gaussian; ``autoseg.model.sliding_window.inference_buffer_bytes``) and one tile batch's prediction. The latter is
-  simulated: the inference code's own ``predict_tile_batch`` (flips for mirroring, the fp32 logit sum,
-  the network's forward activations under ``inference_mode``) runs under ``FakeTensorMode`` with a
-  ``StorageTracker``.
+  Gaussian; ``autoseg.model.sliding_window.inference_buffer_bytes``) and one forward pass. The latter is
+  simulated: the inference code's own ``run_tile_batch`` (the batch of flipped tiles, the network's
+  activations and logits under ``inference_mode``, a tile's logits flipped back) runs under
+  ``FakeTensorMode`` with a ``StorageTracker``.
 - softmax: the input and weight map are freed; the accumulator and one ``(Zp, Yp, Xp)`` fp32 temporary remain.
+
+``plan_inference`` turns these into choices made before a case starts: the largest tile batch within a
+memory budget and where the accumulator lives (the device, or the host when it does not fit beside a tile).
 
 The probabilities handed back (``(K, Z, Y, X)`` fp32 on the host) belong to the export
 (``autoseg.memory.host.export_bytes``).
