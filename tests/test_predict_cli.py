@@ -154,3 +154,37 @@ def test_continue_after_a_kill_finishes_without_redoing_finished_cases(capsys, t
     assert snapshot(out) == snapshot(reference) and len(snapshot(out)) == 16
     assert {name: (out / name).stat().st_mtime_ns for name in finished} == finished  # not written again
     assert not any(name.startswith(".") for name in os.listdir(out))
+
+
+def _labels(folder: Path) -> dict[str, np.ndarray]:
+    return {p.name: sitk.GetArrayFromImage(sitk.ReadImage(str(p))) for p in sorted(folder.glob("*.nii.gz"))}
+
+
+@pytest.mark.slow
+def test_tta_and_tile_batch_choices_change_speed_not_labels(capsys, caplog, trained: Path, inputs: Path,
+                                                            tmp_path: Path) -> None:
+    """--tta none equals --no-mirror byte for byte; the automatic tile batch (printed with --verbose) gives the
+    labels of one tile at a time except at most 0.1% of voxels; --tta 2 uses 2 variants."""
+    def run(name: str, *flags: str):
+        result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / name, "-w", trained, *flags)
+        assert result.status == 0, result.err
+        return result
+
+    run("no_mirror", "--no-mirror")
+    run("tta_none", "--tta", "none", "--tile-batch-size", "1")
+    assert snapshot(tmp_path / "no_mirror") == snapshot(tmp_path / "tta_none")
+    run("one_tile", "--tta", "2", "--tile-batch-size", "1")
+    caplog.set_level("INFO", logger="autoseg")
+    run("auto", "--tta", "2", "--verbose")
+    assert "(2 mirror variant(s) per tile), accumulator float32 on cpu; predicted peak" in caplog.text
+    assert "tile batch 4" in caplog.text  # the CPU cap: the tiny network fits many
+    for name, labels in _labels(tmp_path / "one_tile").items():
+        differ = np.count_nonzero(labels != _labels(tmp_path / "auto")[name])
+        assert differ <= 0.001 * labels.size, f"{name}: {differ} voxels differ"
+
+
+def test_a_tta_count_beyond_the_networks_variants_is_refused_before_any_work(capsys, trained: Path, inputs: Path,
+                                                                             tmp_path: Path) -> None:
+    result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / "out", "-w", trained, "--tta", "9")
+    assert_refused(result, 2, "--tta '9'", "8 variants")
+    assert not (tmp_path / "out").exists()

@@ -85,6 +85,18 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
                    help="CPU training throughput in FLOP/s for --device cpu (default: measured once, then cached)")
 
 
+def _tta(text: str) -> str:
+    """``--tta``: all, none or a whole number (checked against the network's mirror variants at prediction)."""
+    if text.strip().lower() in ("all", "none") or text.strip().isdigit():
+        return text.strip().lower()
+    raise argparse.ArgumentTypeError(f"{text!r}: use all, none or a number of mirror variants, e.g. 4")
+
+
+def _tile_batch(text: str) -> int | None:
+    """``--tile-batch-size``: auto (None: chosen from the memory model) or a whole number >= 1."""
+    return None if text.strip().lower() == "auto" else int_at_least(1)(text)
+
+
 def _duration(text: str) -> float:
     from autoseg.train.schedule import parse_duration
 
@@ -159,8 +171,16 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--config", default=None)
     p.add_argument("-f", "--folds", nargs="+", default=None, help="folds to ensemble (default: all trained)")
     p.add_argument("--checkpoint", default="final", choices=["final", "best", "latest"])
-    p.add_argument("--no-mirror", action="store_true", help="disable mirror test-time augmentation")
-    p.add_argument("--tile-batch-size", type=int_at_least(1), default=1, help="tiles per forward pass (default: 1)")
+    p.add_argument("--tta", type=_tta, default="all", metavar="all|none|N",
+                   help="mirror test-time augmentation: every mirror variant (all, the default: 8 in 3D, 4 in 2D), "
+                        "none, or the first N (identity, each axis, then pairs: docs/prediction.md has the "
+                        "measured cost and Dice of each)")
+    p.add_argument("--no-mirror", action="store_true", help="the same as --tta none")
+    p.add_argument("--tile-batch-size", type=_tile_batch, default=None, metavar="auto|N",
+                   help="(tile, mirror variant) inputs per forward pass: auto (the default) takes the largest the "
+                        "memory model predicts to fit, at most 4 on CPU; N caps it at N")
+    p.add_argument("--verbose", action="store_true",
+                   help="print each case's inference plan: tile batch, accumulator device and dtype, predicted peak")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--series", default=None, metavar="UID",
                    help="the DICOM series to predict (its SeriesInstanceUID) when the -i folder holds several; the "

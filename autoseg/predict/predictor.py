@@ -31,15 +31,16 @@ from tqdm import tqdm
 from autoseg.core.artifacts import atomic_path, check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
-from autoseg.core.resources import choose_cpu_threads
+from autoseg.core.resources import available_ram_bytes, choose_cpu_threads
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.cropping import uncrop
 from autoseg.dataset.imageio import Geometry, supported_ending, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, load_case
+from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.sliding_window import parse_tta, sliding_window_predict
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.preprocessor import preprocess_case
@@ -64,6 +65,7 @@ class PredictOptions:
     skip_existing: bool = False  # --continue: a case whose outputs all exist is done (they are written atomically)
     fail_fast: bool = False  # stop at the first bad case (inputs whose headers are bad: before predicting any)
     series: str | None = None  # the SeriesInstanceUID to read from a folder of several DICOM series
+    verbose: bool = False  # log each case's inference plan (tile batch, accumulator, predicted peak)
 
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
@@ -116,19 +118,27 @@ def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, conf
 
 
 def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: list[torch.nn.Module], plans: Plans,
-                  config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int, device: str,
-                  step_fraction: float = 0.5, probabilities_path: Path | None = None
-                  ) -> tuple[np.ndarray, CaseProperties]:
+                  config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
+                  step_fraction: float = 0.5, probabilities_path: Path | None = None, tta: str = "all",
+                  verbose: bool = False) -> tuple[np.ndarray, CaseProperties]:
     """Label map (Z, Y, X) of ``data`` (C, Z, Y, X) float32 in its own grid; with ``probabilities_path``
-    the probabilities are written there too (``ProbabilityFile``, atomically)."""
+    the probabilities are written there too (``ProbabilityFile``, atomically). ``tta``: the ``--tta`` flag
+    (all, none, or the first N mirror variants); ``mirror`` False means none. ``tile_batch_size`` None: the
+    largest batch, and the accumulator's place, that ``plan_inference`` predicts to fit (``inference_plan``)."""
     data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
     mirror_axes = tuple(range(config.dim)) if mirror else ()
+    variants = parse_tta(tta, len(mirror_axes))
     scheme = plans.label_scheme
+    precision = effective_precision(config.precision, device)
+    window = inference_plan(config, data.shape[1:], scheme.num_outputs, device, precision, mirror_axes, variants,
+                            step_fraction, tile_batch_size)
+    (log.info if verbose else log.debug)("case %s, input %s: %s", case_id, "x".join(map(str, data.shape[1:])),
+                                         window.describe())
     probabilities = None
     for network in networks:  # fold ensemble: mean of softmax (classes) / sigmoid (regions) probabilities
         p = sliding_window_predict(network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
-                                   mirror_axes=mirror_axes, tile_batch_size=tile_batch_size, device=device,
-                                   precision=effective_precision(config.precision, device),
+                                   mirror_axes=mirror_axes, tta=variants, tile_batch_size=window.tile_batch_size,
+                                   device=device, accumulator_device=window.accumulator_device, precision=precision,
                                    activation="sigmoid" if scheme.has_regions else "softmax")
         probabilities = p if probabilities is None else probabilities.add_(p)
     assert probabilities is not None
@@ -204,10 +214,28 @@ class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one
         self.error = error
 
 
+def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], num_outputs: int, device: str,
+                   precision: str, mirror_axes: tuple[int, ...], variants: int, step_fraction: float,
+                   tile_batch_size: int | None) -> InferencePlan:
+    """How the sliding window runs on this image, chosen before it starts (``plan_inference``) within
+    ``inference_budget_bytes(device)``; a given ``tile_batch_size`` caps the batch at that number."""
+    return plan_inference(config.network, config.patch_size, tuple(image_shape_zyx), num_outputs,
+                          inference_budget_bytes(device), device, precision, mirror_axes, variants, step_fraction,
+                          max_tile_batch=tile_batch_size)
+
+
+def inference_budget_bytes(device: str) -> int:
+    """The memory one sliding window may use: 90% of the CUDA device's memory, or half the host RAM available
+    now on CPU (the rest for reading, resampling and export)."""
+    if device.startswith("cuda"):
+        return int(0.9 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return available_ram_bytes() // 2
+
+
 def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str | None = None,
             folds: tuple[int, ...] | None = None, checkpoint: str = "final", mirror: bool = True,
-            tile_batch_size: int = 1, device: str = "cpu", progress: bool = True,
-            options: PredictOptions = PredictOptions()) -> list[Path]:
+            tile_batch_size: int | None = None, device: str = "cpu", progress: bool = True,
+            options: PredictOptions = PredictOptions(), tta: str = "all") -> list[Path]:
     """Segment every case in ``inputs`` (folder, file or folder of DICOM series) with the trained folds; write
     into ``output_dir``; the label maps written. ``config_name`` None: the plan's default configuration
     (3d_fullres if planned, else the first). Cases with bad input are skipped and listed at the end
@@ -220,6 +248,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
         if not folds:
             raise InputError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
+    parse_tta(tta, config.dim if mirror else 0)  # a bad --tta fails before any work, not once per case
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
     networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
                 for f in folds]
@@ -232,9 +261,9 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
                                           for p in _outputs(case, output_dir, save_probabilities=True)])
     threads = torch.get_num_threads()
     if device == "cpu":
-        _choose_cpu_threads(networks[0], config, tile_batch_size)
+        _choose_cpu_threads(networks[0], config, tile_batch_size or 1)
     segment = partial(predict_image, networks=networks, plans=plans, config=config, mirror=mirror,
-                      tile_batch_size=tile_batch_size, device=device)
+                      tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose)
     try:
         return _predict_cases(found, segment, output_dir, options, progress)
     finally:
