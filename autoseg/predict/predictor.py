@@ -109,7 +109,7 @@ def export_segmentation(probabilities: torch.Tensor, props: CaseProperties, sche
 
 
 def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, *,
-                 mirror: bool, tile_batch_size: int, device: str, step_fraction: float = 0.5,
+                 mirror: bool, tile_batch_size: int | None, device: str, step_fraction: float = 0.5,
                  probabilities_path: Path | None = None) -> tuple[np.ndarray, CaseProperties]:
     data, _, geometry = load_case(case)
     return predict_image(data, geometry, case.case_id, networks, plans, config, mirror=mirror,

@@ -28,7 +28,7 @@ def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network:
     network.eval()
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
-        labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=2, device=device)
+        labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=None, device=device)
         out = out_dir / f"{case.case_id}{dataset.file_ending}"
         write_image(out, labels, props.geometry)
         pairs.append((out, case.label_path))
