@@ -171,10 +171,10 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("-c", "--config", default=None)
     p.add_argument("-f", "--folds", nargs="+", default=None, help="folds to ensemble (default: all trained)")
     p.add_argument("--checkpoint", default="final", choices=["final", "best", "latest"])
-    p.add_argument("--tta", type=_tta, default="all", metavar="all|none|N",
-                   help="mirror test-time augmentation: every mirror variant (all, the default: 8 in 3D, 4 in 2D), "
-                        "none, or the first N (identity, each axis, then pairs: docs/prediction.md has the "
-                        "measured cost and Dice of each)")
+    p.add_argument("--tta", type=_tta, default=None, metavar="all|none|N",
+                   help="mirror test-time augmentation: every mirror variant (all: 8 in 3D, 4 in 2D), none, or the "
+                        "first N (identity, each axis, then pairs). Default: all on CUDA, 4 on CPU (there all 8 took "
+                        "2.2x the time of 4 for +0.0003 Dice on the demo: docs/prediction.md)")
     p.add_argument("--no-mirror", action="store_true", help="the same as --tta none")
     p.add_argument("--tile-batch-size", type=_tile_batch, default=None, metavar="auto|N",
                    help="(tile, mirror variant) inputs per forward pass: auto (the default) takes the largest the "
