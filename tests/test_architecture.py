@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,9 @@ def test_packages_import_only_the_layers_below_them() -> None:
     # in a process of its own: import-linter reconfigures logging, which would silence autoseg's log in later tests
     config = str(ROOT / "pyproject.toml")
     code = f"import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports({config!r}, no_cache=True))"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}  # its report draws boxes; the locale may be plain C
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, encoding="utf-8", errors="replace",
+                            cwd=ROOT, env=env)
     assert result.returncode == 0, f"an import breaks the layers:\n{result.stdout[-3000:]}"
 
 
