@@ -7,20 +7,17 @@ the start of training and prediction, and a different count changes the float su
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from cli_checks import run_cli, snapshot
 from disk_limits import temporaries
+from processes import kill_when, one_cpu, start
 
 from autoseg.core.workspace import Workspace
 from autoseg.demo.data import make_demo_dataset
@@ -30,75 +27,9 @@ from autoseg.train.trainer import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
-ONE_CPU = min(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 0
 PLAN = ["--gpu-memory", "8GiB", "--ram", "8GiB", "--device", "cpu", "--cpu-flops", "1e11", "-c", "3d_fullres"]
 TRAIN = ["--iterations-per-epoch", "4", "--val-iterations", "1", "--no-validation", "--loader-workers", "1",
          "--device", "cpu"]
-
-
-@contextmanager
-def one_cpu() -> Iterator[None]:
-    """This process on one CPU for the block (as the subprocesses run)."""
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, {ONE_CPU})
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
-
-
-def _start(*argv: str | Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "autoseg.cli", "-q", *map(str, argv)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: os.sched_setaffinity(0, {ONE_CPU}))
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead
-    except OSError:
-        return False
-
-
-def _kill_when(process: subprocess.Popen, ready: Callable[[list[int]], bool], timeout_s: float = 60) -> list[int]:
-    """SIGKILL ``process`` once ``ready(its descendants)``; assert it was still running then, and that none of
-    its descendants is alive 2 s later (without a death signal torch's loader workers lived 5 s, the
-preprocessing workers until done). Returns the descendants it had."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        assert process.poll() is None, f"finished before the kill:\n{process.stderr.read().decode()}"
-        workers = _descendants(process.pid)
-        if ready(workers):
-            break
-        assert time.monotonic() < deadline, "never ready to kill"
-        time.sleep(0.01)
-    process.kill()
-    process.wait()
-    process.stderr.close()
-    deadline = time.monotonic() + 2
-    while (alive := [pid for pid in workers if _alive(pid)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for pid in alive:  # leave nothing behind, then fail
-        os.kill(pid, signal.SIGKILL)
-    assert alive == [], f"{len(alive)} of {len(workers)} worker(s) outlived the killed main process"
-    return workers
 
 
 def _spawned_workers(pids: list[int]) -> list[int]:
@@ -115,8 +46,8 @@ def test_plan_and_preprocess_killed_leaves_no_worker_and_reruns_identically(tmp_
     dataset = make_demo_dataset(tmp_path / "Dataset001_Tiny", num_train=8, num_test=0, shape_zyx=(12, 28, 28), seed=3)
     killed, reference = tmp_path / "killed", tmp_path / "reference"
     cases = killed / "preprocessed" / "3d_fullres"
-    process = _start("plan_and_preprocess", dataset, "-w", killed, "--processes", "2", *PLAN)
-    _kill_when(process, lambda pids: len(_spawned_workers(pids)) == 2 and any(cases.glob("*.npy")))
+    process = start("plan_and_preprocess", dataset, "-w", killed, "--processes", "2", *PLAN)
+    kill_when(process, lambda pids: len(_spawned_workers(pids)) == 2 and any(cases.glob("*.npy")))
 
     assert run_cli(capsys, "plan_and_preprocess", dataset, "-w", killed, "--processes", "2", *PLAN).status == 0
     assert run_cli(capsys, "plan_and_preprocess", dataset, "-w", reference, "--processes", "2", *PLAN).status == 0
@@ -136,7 +67,7 @@ def test_train_killed_mid_epoch_resumes_to_identical_weights(workspace: Path, tm
         train(Workspace.at(reference), "3d_fullres", 0, RunConfig(epochs=3, iterations_per_epoch=4, val_iterations=1,
                                                                   validate=False, loader_workers=1), progress=False)
     fold = workspace / "results" / "3d_fullres" / "fold_0"
-    process = _start("train", "fold", "0", "-w", workspace, "--epochs", "3", *TRAIN)
+    process = start("train", "fold", "0", "-w", workspace, "--epochs", "3", *TRAIN)
     started: list[float] = []
 
     def mid_epoch_1(pids: list[int]) -> bool:  # a while after epoch 0's checkpoint, with the loader worker up
@@ -144,12 +75,12 @@ def test_train_killed_mid_epoch_resumes_to_identical_weights(workspace: Path, tm
             started.append(time.monotonic())
         return bool(started) and time.monotonic() - started[0] > 0.3 and len(pids) > 0
 
-    workers = _kill_when(process, mid_epoch_1)
+    workers = kill_when(process, mid_epoch_1)
     assert workers, "the trainer had no loader worker to outlive it"
     assert not (fold / "checkpoint_final.pt").exists()
     (fold / ".checkpoint_latest.pt.k1ll3d.tmp.pt").write_bytes(b"half a checkpoint")  # a kill during torch.save
 
-    resumed = _start("train", "fold", "0", "-w", workspace, "--epochs", "3", "--resume", *TRAIN)
+    resumed = start("train", "fold", "0", "-w", workspace, "--epochs", "3", "--resume", *TRAIN)
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err.decode()
     expected, got = (read_checkpoint_file(f / "results" / "3d_fullres" / "fold_0" / "checkpoint_final.pt", "")
@@ -174,8 +105,8 @@ def test_predict_killed_reruns_to_identical_outputs(workspace: Path, tiny_datase
     with one_cpu():
         assert run_cli(capsys, "predict", "-i", inputs, "-o", reference, "-w", workspace, "--no-mirror").status == 0
 
-    process = _start("predict", "-i", inputs, "-o", out, "-w", workspace, "--no-mirror")
-    _kill_when(process, lambda pids: any(out.glob("scan_*.nii.gz")))
+    process = start("predict", "-i", inputs, "-o", out, "-w", workspace, "--no-mirror")
+    kill_when(process, lambda pids: any(out.glob("scan_*.nii.gz")))
     assert len(list(out.glob("scan_*.nii.gz"))) < 8
     (out / ".scan_007.nii.gz.k1ll3d.tmp.nii.gz").write_bytes(b"half an image")  # a kill during the write
     with one_cpu():
@@ -194,7 +125,7 @@ def test_train_gpus_killed_stops_torchrun_and_its_ranks(workspace: Path) -> None
     def ranks_started(pids: list[int]) -> bool:
         return sum("autoseg" in _cmdline(pid) and "train" in _cmdline(pid) for pid in pids) >= 2
 
-    _kill_when(process, ranks_started, timeout_s=120)
+    kill_when(process, ranks_started, timeout_s=120)
 
 
 def _cmdline(pid: int) -> str:

@@ -130,7 +130,7 @@ def test_dicom_series_folder_is_predicted_in_its_geometry(capsys, trained: Path,
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_continue_after_a_kill_finishes_without_redoing_finished_cases(capsys, trained: Path, tiny_dataset: Path,
                                                                        tmp_path: Path) -> None:
-    from test_kills import _kill_when, _start, one_cpu
+    from processes import kill_when, one_cpu, start
 
     inputs = tmp_path / "in"
     inputs.mkdir()
@@ -142,8 +142,8 @@ def test_continue_after_a_kill_finishes_without_redoing_finished_cases(capsys, t
     with one_cpu():
         assert _predict(capsys, trained, inputs, reference, *flags).status == 0
 
-    process = _start("predict", "-i", inputs, "-o", out, "-w", trained, "--no-mirror", *flags)
-    _kill_when(process, lambda pids: len(list(out.glob("scan_*.nii.gz"))) >= 2)
+    process = start("predict", "-i", inputs, "-o", out, "-w", trained, "--no-mirror", *flags)
+    kill_when(process, lambda pids: len(list(out.glob("scan_*.nii.gz"))) >= 2)
     labelled = {p.name[: -len(".nii.gz")] for p in out.glob("scan_*.nii.gz")}  # done: its label map is written
     finished = {p.name: p.stat().st_mtime_ns for case in labelled
                 for p in (out / f"{case}.nii.gz", out / f"{case}.npz")}

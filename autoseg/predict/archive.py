@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import autoseg
-from autoseg.core.artifacts import Artifact, atomic_path, to_dict
+from autoseg.core.artifacts import Artifact, atomic_path, remove_stale_temporaries, to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import read_checkpoint_file
@@ -108,6 +108,7 @@ def export_model(workspace: Workspace, out: str | Path, *, config_name: str | No
         load_trained_network(path, config, "cpu")  # refuse to pack a checkpoint that does not load
         files[path.relative_to(workspace.root).as_posix()] = path
     out = Path(out)
+    remove_stale_temporaries(out.parent, [out.name])  # a killed export's .OUT.zip.*.tmp.zip
     with atomic_path(out, suffix=".zip") as tmp, zipfile.ZipFile(tmp, "w") as zf:
         members = tuple(_pack(zf, name, path) for name, path in files.items())
         manifest = ModelManifest(autoseg_version=autoseg.__version__, configuration=config_name, folds=chosen,

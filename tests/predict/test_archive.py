@@ -173,3 +173,12 @@ def test_open_refuses_a_truncated_or_missing_archive(archive: Path, tmp_path: Pa
     with pytest.raises(InputError, match=f"-m/--model {tmp_path / 'none.zip'}: no such file"):
         with open_model_archive(tmp_path / "none.zip"):
             pass
+
+
+def test_export_removes_what_a_killed_export_left(workspace: Workspace, tmp_path: Path) -> None:
+    stale = tmp_path / ".model.zip.k1ll3d.tmp.zip"
+    stale.write_bytes(b"PK\x03\x04 half an archive")
+    mine = tmp_path / "notes.txt"
+    mine.write_text("a user's file beside the archive")
+    export_model(workspace, tmp_path / "model.zip")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.zip", "notes.txt"]
