@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,26 @@ def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
     set_configuration(workspace, "3d_fullres", network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
                       batch_size=2, accumulation_steps=1, checkpointing=True)
     return workspace.root
+
+
+@pytest.fixture(scope="session")
+def trained(prepared: Path, tmp_path_factory) -> Path:
+    """The prepared workspace with fold 0 trained for one iteration (~5 s, once per session). Read-only: tests
+    that write copy it."""
+    from autoseg.train.run_config import RunConfig
+    from autoseg.train.trainer import train
+
+    root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("trained") / "ws"))
+    train(Workspace.at(root), "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1,
+                                                         validate=False, cpu_threads=1), progress=False)
+    return root
+
+
+@pytest.fixture()
+def inputs(tiny_dataset: Path, tmp_path: Path) -> Path:
+    """A writable folder of the tiny dataset's test images (demo_005, demo_006) in the inference layout."""
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for image in sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz")):
+        shutil.copy(image, folder / image.name)
+    return folder

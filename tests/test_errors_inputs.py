@@ -3,7 +3,7 @@ names the file (or the dataset.json key), no traceback, and nothing written or c
 
 One test per category (parametrized over its cases): truncated files, dimension and channel count, NaN/Inf,
 dataset.json, an all-background dataset, evaluation inputs. The broken files are made here from the tiny
-dataset; predict runs against a fold trained once per module (1 epoch of 2 iterations).
+dataset; predict runs against a fold trained once per session (conftest.trained: 1 iteration).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from cli_checks import assert_refused, run_cli, snapshot
-
-from autoseg.cli.main import main
 
 CASE_IMAGE = "imagesTr/demo_000_0000.nii.gz"
 # A stated budget: plan_and_preprocess does not measure this machine (seconds) before checking the dataset.
@@ -118,16 +116,6 @@ def test_a_bad_dataset_is_refused_by_plan_and_preprocess_before_anything_is_writ
     assert snapshot(workspace) == {} and snapshot(dataset_copy) == dataset_before
 
 
-@pytest.fixture(scope="module")
-def trained(prepared: Path, tmp_path_factory) -> Path:
-    """A workspace with fold 0 trained for 1 epoch of 2 iterations (~5 s). Read-only for the tests."""
-    workspace = tmp_path_factory.mktemp("trained") / "ws"
-    shutil.copytree(prepared, workspace)
-    assert main(["-q", "train", "fold", "0", "-w", str(workspace), "--epochs", "1", "--iterations-per-epoch", "2",
-                 "--val-iterations", "1", "--no-validation"]) == 0
-    return workspace
-
-
 def _nan_input(folder: Path) -> str:
     path = folder / "demo_900_0000.nii.gz"
     _edit_voxels(path, lambda a: np.where(a > 0, np.nan, a).astype(np.float32))
@@ -172,7 +160,7 @@ PREDICT_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
 }
 
 
-@pytest.mark.slow  # the trained fixture: ~5 s of training, once per module
+@pytest.mark.slow  # the trained fixture: ~5 s of training, once per session
 @pytest.mark.parametrize("name", list(PREDICT_CASES))
 def test_a_bad_input_is_refused_by_predict_before_anything_is_written(
         name: str, trained: Path, tiny_dataset: Path, tmp_path: Path, capsys) -> None:

@@ -9,34 +9,11 @@ import shutil
 from pathlib import Path
 
 import numpy as np
-import pytest
 from cli_checks import assert_refused, run_cli, snapshot
 from disk_limits import file_size_limit, fill, mounted_tmpfs, temporaries
 
-from autoseg.core.workspace import Workspace
-from autoseg.train.run_config import RunConfig
-from autoseg.train.trainer import train
-
 TRAIN = ["--epochs", "1", "--iterations-per-epoch", "1", "--val-iterations", "1", "--no-validation",
          "--loader-workers", "0"]
-
-
-@pytest.fixture(scope="module")
-def trained(prepared: Path, tmp_path_factory) -> Path:
-    """A workspace with fold 0 trained for one iteration. Read-only: tests that write copy it."""
-    root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("trained") / "ws"))
-    train(Workspace.at(root), "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1,
-                                                         validate=False, cpu_threads=1), progress=False)
-    return root
-
-
-@pytest.fixture()
-def inputs(tiny_dataset: Path, tmp_path: Path) -> Path:
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for image in sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz")):
-        shutil.copy(image, folder / image.name)
-    return folder
 
 
 def _predict(capsys, trained: Path, inputs: Path, out: Path):

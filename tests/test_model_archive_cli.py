@@ -17,17 +17,7 @@ from autoseg.cli.main import main
 
 MANIFEST = "autoseg_model.json"
 CHECKPOINT = "results/3d_fullres/fold_0/checkpoint_final.pt"
-pytestmark = pytest.mark.slow  # the module trains one fold once (about 5 s); each test then takes under 1 s
-
-
-@pytest.fixture(scope="module")
-def trained(prepared: Path, tmp_path_factory) -> Path:
-    """A copy of the prepared workspace with fold 0 trained briefly (about 5 s). Read-only for the tests."""
-    ws = tmp_path_factory.mktemp("model_archive") / "ws"
-    shutil.copytree(prepared, ws)
-    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--epochs", "1", "--iterations-per-epoch", "2",
-                 "--val-iterations", "1", "--no-validation"]) == 0
-    return ws
+pytestmark = pytest.mark.slow  # the trained fixture: one fold trained once per session (~5 s); a test then < 1 s
 
 
 @pytest.fixture(scope="module")

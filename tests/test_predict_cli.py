@@ -14,28 +14,6 @@ import SimpleITK as sitk
 from cli_checks import assert_refused, run_cli, snapshot
 from dicom_series import write_dicom_series
 
-from autoseg.core.workspace import Workspace
-from autoseg.train.run_config import RunConfig
-from autoseg.train.trainer import train
-
-
-@pytest.fixture(scope="module")
-def trained(prepared: Path, tmp_path_factory) -> Path:
-    """A workspace with fold 0 trained for one iteration. Read-only: tests that write copy it."""
-    root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("trained") / "ws"))
-    train(Workspace.at(root), "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1,
-                                                         validate=False, cpu_threads=1), progress=False)
-    return root
-
-
-@pytest.fixture()
-def inputs(tiny_dataset: Path, tmp_path: Path) -> Path:
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for image in sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz")):  # demo_005, demo_006
-        shutil.copy(image, folder / image.name)
-    return folder
-
 
 def _predict(capsys, trained: Path, inputs: Path, out: Path, *flags: str):
     return run_cli(capsys, "predict", "-i", inputs, "-o", out, "-w", trained, "--no-mirror", *flags)
@@ -64,7 +42,7 @@ BAD_CASES = {  # what is done to demo_900's input -> the file the message must n
 }
 
 
-@pytest.mark.slow  # the trained fixture: ~5 s once per module, then ~1 s a case
+@pytest.mark.slow  # the trained fixture: ~5 s once per session, then ~1 s a case
 @pytest.mark.parametrize("name", list(BAD_CASES))
 def test_a_bad_case_is_listed_at_the_end_and_the_others_are_written(
         name: str, capsys, trained: Path, inputs: Path, tmp_path: Path) -> None:

@@ -7,8 +7,8 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
+from autoseg.core.units import GiB
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
 from autoseg.memory.inference import (
     CPU_MAX_TILE_BATCH,
@@ -22,15 +22,6 @@ TOPO3D = NetworkTopology(dim=3, in_channels=2, num_outputs=3, features_per_stage
                          kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)))
 TOPO2D = NetworkTopology(dim=2, in_channels=1, num_outputs=4, features_per_stage=(4, 8),
                          kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)))
-GiB = 1 << 30
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch"), [

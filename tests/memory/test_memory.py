@@ -20,15 +20,6 @@ from autoseg.model.network import build_network
 from autoseg.model.topology import NetworkTopology
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny real steps are 20x slower with 2 threads on a shared 2-core machine (thread contention)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def topo(dim: int, features: tuple[int, ...], strides: list[tuple[int, ...]], in_channels: int = 1,
          num_outputs: int = 3, kernels: list[tuple[int, ...]] | None = None,
          deep_supervision: bool = True) -> NetworkTopology:
