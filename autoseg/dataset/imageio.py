@@ -27,6 +27,8 @@ from autoseg.core.errors import InputError
 
 SUPPORTED_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd")
 
+GZIP_READ_CHUNK_BYTES = 1 << 22  # compressed bytes read (and allocated) at a time by the float NIfTI reader
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -324,7 +326,8 @@ def _read_float_nifti(path: Path, layout: _NiftiLayout) -> tuple[np.ndarray, Geo
 
 def _read_voxel_bytes(path: Path, layout: _NiftiLayout, view: memoryview) -> int:
     """Fill ``view`` with the file's voxel bytes (those after vox_offset); the number of bytes filled.
-    Gzip: inflated (isal, else zlib) 4 MiB of compressed bytes at a time, every gzip member in turn."""
+    Gzip: inflated (isal, else zlib) ``GZIP_READ_CHUNK_BYTES`` of compressed bytes at a time, every gzip member
+    in turn."""
     with open(path, "rb", buffering=0) as f:
         if not layout.compressed:
             f.seek(layout.vox_offset)
@@ -333,7 +336,7 @@ def _read_voxel_bytes(path: Path, layout: _NiftiLayout, view: memoryview) -> int
                 filled += n
             return filled
         skip, filled, inflate = layout.vox_offset, 0, inflate_lib.decompressobj(16 + zlib.MAX_WBITS)
-        while filled < len(view) and (chunk := f.read(1 << 22)):
+        while filled < len(view) and (chunk := f.read(GZIP_READ_CHUNK_BYTES)):
             while chunk and filled < len(view):
                 out = memoryview(inflate.decompress(chunk))
                 chunk = b""
