@@ -161,6 +161,26 @@ def test_tta_and_tile_batch_choices_change_speed_not_labels(capsys, caplog, trai
         assert differ <= 0.001 * labels.size, f"{name}: {differ} voxels differ"
 
 
+@pytest.mark.slow
+def test_background_workers_change_nothing_in_the_outputs(capsys, caplog, trained: Path, inputs: Path,
+                                                          tmp_path: Path) -> None:
+    """Cases read ahead and exported behind on threads give the serial run's files byte for byte; --verbose prints
+    the pipeline's plan and the predicted against the measured host peak."""
+    for i in range(3):  # 5 cases: the pipeline fills and drains
+        shutil.copy(inputs / "demo_005_0000.nii.gz", inputs / f"demo_90{i}_0000.nii.gz")
+    caplog.set_level("INFO", logger="autoseg")
+    serial = _predict(capsys, trained, inputs, tmp_path / "serial", "--preprocess-workers", "0",
+                      "--export-workers", "0", "--save-probabilities")
+    assert serial.status == 0, serial.err
+    piped = _predict(capsys, trained, inputs, tmp_path / "piped", "--preprocess-workers", "2", "--export-workers",
+                     "2", "--save-probabilities", "--verbose")
+    assert piped.status == 0, piped.err
+    assert "pipeline: 2 case(s) read ahead, 2 exported behind (threads)" in caplog.text
+    assert "host peak: predicted" in caplog.text
+    assert len(snapshot(tmp_path / "piped")) == 10
+    assert snapshot(tmp_path / "piped") == snapshot(tmp_path / "serial")
+
+
 def test_a_tta_count_beyond_the_networks_variants_is_refused_before_any_work(capsys, trained: Path, inputs: Path,
                                                                              tmp_path: Path) -> None:
     result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / "out", "-w", trained, "--tta", "9")

@@ -97,6 +97,11 @@ def _tile_batch(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else int_at_least(1)(text)
 
 
+def _workers(text: str) -> int | None:
+    """``--preprocess-workers`` / ``--export-workers``: auto (None: sized from the host RAM) or a whole number >= 0."""
+    return None if text.strip().lower() == "auto" else int_at_least(0)(text)
+
+
 def _duration(text: str) -> float:
     from autoseg.train.schedule import parse_duration
 
@@ -179,8 +184,16 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tile-batch-size", type=_tile_batch, default=None, metavar="auto|N",
                    help="(tile, mirror variant) inputs per forward pass: auto (the default) takes the largest the "
                         "memory model predicts to fit, at most 4 on CPU; N caps it at N")
+    p.add_argument("--preprocess-workers", type=_workers, default=None, metavar="auto|N",
+                   help="cases read and preprocessed ahead on background threads while one is predicted (nnU-Net's "
+                        "-npp); auto (the default): as many as the host RAM holds beside the prediction, at most 4 "
+                        "and the CPU count; 0: each case is read when its turn comes")
+    p.add_argument("--export-workers", type=_workers, default=None, metavar="auto|N",
+                   help="cases exported (resampled back, written) behind on background threads (nnU-Net's -nps); "
+                        "auto (the default) sized like --preprocess-workers; 0: each case is written before the next")
     p.add_argument("--verbose", action="store_true",
-                   help="print each case's inference plan: tile batch, accumulator device and dtype, predicted peak")
+                   help="print the pipeline (workers, each stage's bytes, predicted host peak, and the measured one at "
+                        "the end) and each case's inference plan: tile batch, accumulator device and dtype, peak")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--series", default=None, metavar="UID",
                    help="the DICOM series to predict (its SeriesInstanceUID) when the -i folder holds several; the "

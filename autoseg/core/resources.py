@@ -48,6 +48,34 @@ def proc_field_bytes(path: str, key: str) -> int | None:
     return None
 
 
+def process_rss_bytes() -> int:
+    """This process's resident memory now (Linux VmRSS; elsewhere its peak so far)."""
+    rss = proc_field_bytes("/proc/self/status", "VmRSS")
+    return rss if rss is not None else peak_rss_bytes() or 0
+
+
+def reset_peak_rss() -> None:
+    """Make ``peak_rss_bytes`` count from now (Linux: writing 5 to clear_refs resets VmHWM to the RSS)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> int | None:
+    """This process's peak resident memory since it started or since ``reset_peak_rss`` (Linux VmHWM), else its
+    peak since it started (ru_maxrss); None where neither is known."""
+    peak = proc_field_bytes("/proc/self/status", "VmHWM")
+    if peak is not None:
+        return peak
+    try:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB
+    except (ImportError, OSError):
+        return None
+
+
 def meminfo_available_bytes() -> int | None:
     return proc_field_bytes("/proc/meminfo", "MemAvailable")
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, KiB, MiB
+from autoseg.dataset.imageio import GZIP_READ_CHUNK_BYTES
 from autoseg.dataset.labels import LabelScheme
 
 WORKER_RUNTIME_BYTES = 150 * MiB
@@ -63,6 +64,28 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
                          + max(seg_temps, 0)),
     }
     return {"runtime": WORKER_RUNTIME_BYTES, **phases, "total": WORKER_RUNTIME_BYTES + max(phases.values())}
+
+
+def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,
+                                spacing_mm: Sequence[float] | None = None) -> dict[str, int]:
+    """Peak RAM of reading and preprocessing one case for prediction (``autoseg.dataset.raw.load_case``, then
+    ``autoseg.preprocess.preprocessor.preprocess_case`` without a label), the crop taken as the whole image.
+
+    Phases: ``load`` the channels as read and their stacked copy (C x V float32, twice), the finiteness
+    check's bool map and the reader's compressed chunk (``GZIP_READ_CHUNK_BYTES``); ``crop`` the image as read
+    (alive until the case is preprocessed), the nonzero mask, its cropped copy, the cropped image and one
+    float32 map of the normalization; ``resample`` the image as read, the cropped image and mask, and
+    ``resampling_peak_bytes`` (the output and its temporaries). ``result``:
+    the preprocessed image handed to the sliding window (C x resampled V float32), held until it is predicted.
+    """
+    vb, va, c = _voxels(shape_zyx), _voxels(shape_zyx_after), int(num_channels)
+    image = c * vb * _F32
+    phases = {
+        "load": 2 * image + vb + GZIP_READ_CHUNK_BYTES,
+        "crop": 2 * image + 2 * vb + vb * _F32,
+        "resample": 2 * image + vb + resampling_peak_bytes(shape_zyx, shape_zyx_after, c, spacing_mm),
+    }
+    return {**phases, "result": c * va * _F32, "total": max(phases.values())}
 
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],

@@ -16,41 +16,47 @@ a bug) stops the run: the next case would meet it too.
 from __future__ import annotations
 
 import logging
-import zipfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from autoseg.core.artifacts import atomic_path, check_writable_folder, remove_stale_temporaries
+from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
-from autoseg.core.resources import available_ram_bytes, choose_cpu_threads
+from autoseg.core.resources import (
+    available_ram_bytes,
+    choose_cpu_threads,
+    peak_rss_bytes,
+    process_rss_bytes,
+    reset_peak_rss,
+)
+from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.cropping import uncrop
-from autoseg.dataset.imageio import Geometry, supported_ending, write_image
+from autoseg.dataset.imageio import Geometry, read_geometry, supported_ending, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, load_case
+from autoseg.memory.device import CPU_RUNTIME_BYTES
+from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import parse_tta, sliding_window_predict
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.predict.pipeline import Pipeline, plan_pipeline
+from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.resampling import resample_channel
 from autoseg.preprocess.store import CaseProperties
 
 log = logging.getLogger("autoseg")
-
-PROBABILITY_DTYPE = np.float16  # 2 bytes a voxel per output; 1e-3 relative precision, ample for averaging folds
-
 
 class CasesFailedError(InputError):
     """Some cases were not predicted because of their input; every other case was written."""
@@ -65,7 +71,9 @@ class PredictOptions:
     skip_existing: bool = False  # --continue: a case whose outputs all exist is done (they are written atomically)
     fail_fast: bool = False  # stop at the first bad case (inputs whose headers are bad: before predicting any)
     series: str | None = None  # the SeriesInstanceUID to read from a folder of several DICOM series
-    verbose: bool = False  # log each case's inference plan (tile batch, accumulator, predicted peak)
+    verbose: bool = False  # log the pipeline's and each case's inference plan (tile batch, accumulator, peaks)
+    preprocess_workers: int | None = None  # cases read and preprocessed ahead (threads); None: plan_pipeline
+    export_workers: int | None = None  # cases exported and written behind (threads); None: plan_pipeline
 
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
@@ -122,11 +130,32 @@ def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: 
                   step_fraction: float = 0.5, probabilities_path: Path | None = None, tta: str | None = None,
                   verbose: bool = False) -> tuple[np.ndarray, CaseProperties]:
     """Label map (Z, Y, X) of ``data`` (C, Z, Y, X) float32 in its own grid; with ``probabilities_path``
-    the probabilities are written there too (``ProbabilityFile``, atomically). ``tta``: the ``--tta`` flag
+    the probabilities are written there too (``ProbabilityFile``, atomically). The three stages one after the
+    other: ``preprocess_case``, ``predict_probabilities``, ``export_prediction``."""
+    data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
+    probabilities = predict_probabilities(data, case_id, networks, plans, config, mirror=mirror,
+                                          tile_batch_size=tile_batch_size, device=device, step_fraction=step_fraction,
+                                          tta=tta, verbose=verbose)
+    del data
+    return export_prediction(probabilities, props, plans.label_scheme, probabilities_path), props
+
+
+def prepare_case(case: Case, plans: Plans, config: ConfigurationPlan) -> tuple[np.ndarray, CaseProperties]:
+    """Read ``case`` and preprocess it as in training: the (C, Z', Y', X') float32 input of the sliding window
+    and what export needs to go back to the original grid."""
+    data, _, geometry = load_case(case)
+    data, _, props = preprocess_case(data, None, geometry, plans, config, case.case_id)
+    return data, props
+
+
+def predict_probabilities(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
+                          config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
+                          step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False) -> torch.Tensor:
+    """(K, Z', Y', X') float32 probabilities (on the host) of a preprocessed image: the mean over ``networks``
+    (the folds) of the sliding window's softmax (classes) or sigmoid (regions). ``tta``: the ``--tta`` flag
     (all, none, or the first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none.
     ``tile_batch_size`` None: the largest batch, and the accumulator's place, that ``plan_inference``
     predicts to fit (``inference_plan``)."""
-    data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
     mirror_axes = tuple(range(config.dim)) if mirror else ()
     variants = parse_tta((tta or default_tta(device)) if mirror else "none", len(mirror_axes))
     scheme = plans.label_scheme
@@ -143,76 +172,17 @@ def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: 
                                    activation="sigmoid" if scheme.has_regions else "softmax")
         probabilities = p if probabilities is None else probabilities.add_(p)
     assert probabilities is not None
-    probabilities /= len(networks)
+    return probabilities.div_(len(networks))
+
+
+def export_prediction(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme,
+                      probabilities_path: Path | None = None) -> np.ndarray:
+    """The label map in the original grid (``export_segmentation``); with ``probabilities_path`` the
+    probabilities are streamed into that ``ProbabilityFile`` on the way."""
     if probabilities_path is None:
-        return export_segmentation(probabilities, props, scheme), props
+        return export_segmentation(probabilities, props, scheme)
     with ProbabilityFile.open(probabilities_path, props, scheme) as file:
-        return export_segmentation(probabilities, props, scheme, on_output=file.write_output), props
-
-
-@dataclass
-class ProbabilityFile:
-    """``{case}.npz``, what an ensembling tool needs to average several models' predictions of a case:
-
-    - ``probabilities``: float16 (K, Z, Y, X), the image's own array grid (Z = 1 for a 2D image), as the label
-      map; K outputs: the softmax of every class 0 .. K-1 (plain labels; background 1 outside the crop box) or
-      the sigmoid of every region (region labels; 0 outside). float16 halves the file and the memory; the
-      label map is the argmax (or the regions painted at 0.5) of the float32 maps, so ties in float16 may
-      differ from it.
-    - ``names``: the output names (``background`` and the classes by value, or the regions in order);
-      ``activation``: ``softmax`` or ``sigmoid``.
-
-    Written as a zip (``np.load`` reads it) one output at a time, so only one output's map is held; under a
-    temporary name, renamed when complete (``atomic_path``).
-    """
-
-    props: CaseProperties
-    scheme: LabelScheme
-    stream: IO[bytes] | None = None
-
-    @classmethod
-    @contextmanager
-    def open(cls, path: Path, props: CaseProperties, scheme: LabelScheme) -> Iterator[ProbabilityFile]:
-        names = scheme.names if scheme.has_regions else ("background", *scheme.names)
-        shape = (scheme.num_outputs, *props.shape_before_crop)
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(PROBABILITY_DTYPE)), "fortran_order": False,
-                  "shape": shape}
-        try:
-            with atomic_path(path, suffix=".npz") as tmp, \
-                    zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
-                with archive.open("probabilities.npy", "w", force_zip64=True) as stream:
-                    np.lib.format.write_array_header_1_0(stream, header)
-                    try:
-                        yield cls(props, scheme, stream)
-                    except BaseException as e:  # not a write error: the file is dropped, the error goes on
-                        raise _Abandoned(e) from e
-                for name, value in (("names", np.array(names)),
-                                    ("activation", np.array("sigmoid" if scheme.has_regions else "softmax"))):
-                    with archive.open(f"{name}.npy", "w") as f:
-                        np.lib.format.write_array(f, value, allow_pickle=False)
-        except _Abandoned as abandoned:
-            raise abandoned.error from None
-
-    def write_output(self, k: int, resampled: np.ndarray) -> None:
-        """Output ``k``'s map (the cropped original shape, float32), uncropped one z-slice at a time: one
-        float16 (Y, X) plane held beyond it."""
-        assert self.stream is not None
-        fill = 1.0 if k == 0 and not self.scheme.has_regions else 0.0
-        (z0, z1), (y0, y1), (x0, x1) = self.props.crop_bbox
-        plane = np.empty(self.props.shape_before_crop[1:], dtype=PROBABILITY_DTYPE)
-        for z in range(self.props.shape_before_crop[0]):
-            plane.fill(fill)
-            if z0 <= z < z1:
-                plane[y0:y1, x0:x1] = resampled[z - z0]
-            self.stream.write(memoryview(plane.reshape(-1)).cast("B"))
-
-
-class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one through atomic_path)
-    """Carries an error raised while a ``ProbabilityFile`` was open past ``atomic_path`` (which would report
-    it as a write error)."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
+        return export_segmentation(probabilities, props, scheme, on_output=file.write_output)
 
 
 # --tta when none is given: on CPU the first 4 mirror variants (identity, z, y, x flips): on the demo model they
@@ -249,8 +219,9 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
             options: PredictOptions = PredictOptions(), tta: str | None = None) -> list[Path]:
     """Segment every case in ``inputs`` (folder, file or folder of DICOM series) with the trained folds; write
     into ``output_dir``; the label maps written. ``config_name`` None: the plan's default configuration
-    (3d_fullres if planned, else the first). Cases with bad input are skipped and listed at the end
-    (``CasesFailedError``) unless ``options.fail_fast``."""
+    (3d_fullres if planned, else the first). Cases are read ahead and exported behind on background threads
+    (``plan_pipeline``). Cases with bad input are skipped and listed at the end (``CasesFailedError``) unless
+    ``options.fail_fast``."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)
@@ -274,10 +245,14 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     threads = torch.get_num_threads()
     if device == "cpu":
         _choose_cpu_threads(networks[0], config, tile_batch_size or 1)
-    segment = partial(predict_image, networks=networks, plans=plans, config=config, mirror=mirror,
+    segment = partial(predict_probabilities, networks=networks, plans=plans, config=config, mirror=mirror,
                       tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose)
+    window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
+                     precision=effective_precision(config.precision, device),
+                     mirror_axes=tuple(range(config.dim)) if mirror else (),
+                     variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size)
     try:
-        return _predict_cases(found, segment, output_dir, options, progress)
+        return _predict_cases(found, plans, config, segment, window, output_dir, options, progress)
     finally:
         torch.set_num_threads(threads)
 
@@ -293,10 +268,12 @@ def _choose_cpu_threads(network: torch.nn.Module, config: ConfigurationPlan, til
     choose_cpu_threads(forward, "a tile batch")
 
 
-def _predict_cases(found: PredictionInputs, segment: Callable[..., tuple[np.ndarray, CaseProperties]],
+def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationPlan,
+                   segment: Callable[[np.ndarray, str], torch.Tensor], window: Callable[..., InferencePlan],
                    output_dir: Path, options: PredictOptions, progress: bool) -> list[Path]:
-    """``segment`` (``predict_image`` with the networks and window settings bound) every case that is not done
-    and has no problem; write its outputs; raise CasesFailedError at the end listing the bad cases."""
+    """Every case that is not done and has no problem: read and preprocess it (``prepare_case``, ahead),
+    ``segment`` it (``predict_probabilities`` with the networks and window settings bound), export and write
+    it (``_write_case``, behind); raise CasesFailedError at the end listing the bad cases."""
     written: list[Path] = []
     failed = dict(found.problems)  # case id -> why
     done = [c for c in found.cases if options.skip_existing and c.case_id not in failed
@@ -305,38 +282,89 @@ def _predict_cases(found: PredictionInputs, segment: Callable[..., tuple[np.ndar
         log.info("--continue: %d of %d case(s) already have their output(s); not predicted again",
                  len(done), len(found.cases))
     todo = [c for c in found.cases if c not in done and c.case_id not in failed]
+    stages = plan_pipeline(case_memory(todo, plans, config, window), len(todo), pipeline_budget_bytes(),
+                           options.preprocess_workers, options.export_workers)
+    (log.info if options.verbose else log.debug)("pipeline: %s", stages.describe())
+    reset_peak_rss()  # the measured peak below counts from here, as the predicted one does
     try:
-        for case in tqdm(todo, desc="predict", unit="case", disable=not progress):
-            try:
-                data, _, geometry = load_case(case)
-            except (InputError, OSError) as e:  # this case's input: the others go on
-                if options.fail_fast:
-                    raise
-                failed[case.case_id] = str(e) if isinstance(e, InputError) else f"{e.filename}: {e.strerror}"
-                log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
-                continue
-            labels_path, *probabilities_path = _outputs(case, output_dir, options.save_probabilities)
-            labels, props = segment(data, geometry, case.case_id,
-                                    probabilities_path=probabilities_path[0] if probabilities_path else None)
-            del data
-            try:
-                write_image(labels_path, labels, props.geometry)  # atomic; a failed write raises WriteError naming it
-            except BaseException:
-                for p in probabilities_path:  # no probabilities without their label map
-                    p.unlink(missing_ok=True)
-                raise
-            written.append(labels_path)
+        with Pipeline(partial(prepare_case, plans=plans, config=config), stages.preprocess_workers,
+                      stages.export_workers) as pipeline:
+            for case, prepared in tqdm(pipeline.prepared(todo), total=len(todo), desc="predict", unit="case",
+                                       disable=not progress):
+                try:
+                    data, props = prepared()
+                except (InputError, OSError) as e:  # this case's input: the others go on
+                    if options.fail_fast:
+                        raise
+                    failed[case.case_id] = str(e) if isinstance(e, InputError) else f"{e.filename}: {e.strerror}"
+                    log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
+                    continue
+                probabilities = segment(data, case.case_id)
+                del data
+                labels_path, *probabilities_path = _outputs(case, output_dir, options.save_probabilities)
+                pipeline.finish(partial(_write_case, probabilities, props, plans.label_scheme, labels_path,
+                                        probabilities_path[0] if probabilities_path else None))
+                del probabilities  # the export holds it until written
+                written.append(labels_path)
     except BaseException:
         if failed:  # the error itself is reported by the caller
             log.error("before this error, %d case(s) were not predicted for bad input:\n  %s", len(failed),
                       "\n  ".join(f"{k}: {v}" for k, v in failed.items()))
         raise
+    measured = peak_rss_bytes()
+    if measured is not None and written:
+        (log.info if options.verbose else log.debug)(
+            "host peak: predicted %.0f MiB, measured %.0f MiB (%+.0f%%)", stages.peak_bytes / MiB, measured / MiB,
+            100 * (stages.peak_bytes / measured - 1))
     if failed:
         raise CasesFailedError(
             f"{len(failed)} of {len(found.cases)} case(s) not predicted for bad input ({len(written)} written to "
             f"{output_dir}{f', {len(done)} already done' if done else ''}); fix them and rerun with --continue:\n  "
             + "\n  ".join(f"{k}: {v}" for k, v in sorted(failed.items())))
     return written
+
+
+def _write_case(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme, labels_path: Path,
+                probabilities_path: Path | None) -> None:
+    """Export one case and write its label map (atomically; a failed write raises WriteError naming it); its
+    probabilities file is removed if the label map could not be written."""
+    labels = export_prediction(probabilities, props, scheme, probabilities_path)
+    try:
+        write_image(labels_path, labels, props.geometry)
+    except BaseException:
+        if probabilities_path is not None:  # no probabilities without their label map
+            probabilities_path.unlink(missing_ok=True)
+        raise
+
+
+def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan,
+                window: Callable[..., InferencePlan]) -> dict[str, int]:
+    """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
+    ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
+    host tensors (``window``: ``inference_plan`` for its resampled shape) and its export (``export_bytes``),
+    the crop taken as the whole image."""
+    runtime = process_rss_bytes()
+    if not cases:
+        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
+    geometries = [read_geometry(c.image_paths[0]) if c.series_uid is None else None for c in cases]
+    known = [g for g in geometries if g is not None] or [None]
+    largest = max(known, key=lambda g: 0 if g is None else math.prod(g.shape_zyx))
+    if largest is None:  # a DICOM series: its header is its files; one case per folder, nothing runs beside it
+        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
+    shape, spacing = largest.shape_zyx, largest.spacing_zyx
+    after = config.resampled_shape(shape, spacing)
+    channels, scheme = len(plans.channel_names), plans.label_scheme
+    preprocess = prediction_preprocess_bytes(shape, after, channels, spacing)
+    plan = window(after)
+    on_host = (plan.peak_bytes - CPU_RUNTIME_BYTES if plan.accumulator_device == "cpu" and plan.host_accumulator_bytes
+               == 0 else plan.host_accumulator_bytes + scheme.num_outputs * math.prod(after) * 4)
+    return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
+            "predict": on_host, "export": export_bytes(shape, after, scheme)["total"]}
+
+
+def pipeline_budget_bytes() -> int:
+    """Host RAM the whole prediction may hold: what the process holds now and 90% of the RAM still available."""
+    return process_rss_bytes() + int(0.9 * available_ram_bytes())
 
 
 def _outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:

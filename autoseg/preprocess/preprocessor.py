@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import remove_stale_temporaries, write_json
 from autoseg.core.errors import InputError
-from autoseg.core.resources import proc_field_bytes
+from autoseg.core.resources import peak_rss_bytes, reset_peak_rss
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, MiB
 from autoseg.core.workers import run_in_processes
@@ -163,21 +163,10 @@ class CaseResult:
     augmented_disk_bytes: int = 0
 
 
-def _reset_peak_rss() -> None:
-    try:  # Linux: "5" resets VmHWM to the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass
-
-
-def _peak_rss_bytes() -> int | None:
-    return proc_field_bytes("/proc/self/status", "VmHWM")
-
-
 def run_case(task: CaseTask) -> CaseResult:
     """Preprocess one case and write its files (the JSON last). The default ``case_runner``."""
     t0 = time.perf_counter()
-    _reset_peak_rss()
+    reset_peak_rss()
     case, plans, out_dir = task.case, task.plans, task.out_dir
     data, seg, geometry = load_case(case)
     data, seg, props = preprocess_case(data, seg, geometry, plans, task.config, case.case_id)
@@ -202,7 +191,7 @@ def run_case(task: CaseTask) -> CaseResult:
         copies.append(AugmentedCopy(k, params, tuple(int(v) for v in counts.sum(0))))
         del aug_data, aug_seg
     writer.commit(replace(props, augmentations=tuple(copies)))  # last: marks the case complete
-    return CaseResult(case.case_id, time.perf_counter() - t0, _peak_rss_bytes(),
+    return CaseResult(case.case_id, time.perf_counter() - t0, peak_rss_bytes(),
                       writer.case_bytes + writer.copy_bytes, writer.copy_bytes)
 
 

@@ -21,7 +21,8 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.predict import predictor
-from autoseg.predict.predictor import ProbabilityFile, export_segmentation, predict
+from autoseg.predict.predictor import export_segmentation, predict
+from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.preprocess.store import CaseProperties
 

@@ -1,0 +1,151 @@
+"""Many cases as a pipeline: while the network predicts case i, background threads read and preprocess the
+next cases and export (resample, argmax, write) the previous ones, like nnU-Net's ``-npp``/``-nps`` processes
+but sized from the host-RAM budget before the first case starts (``plan_pipeline``) and bounded: at most
+``preprocess_workers`` cases are read ahead and ``export_workers`` cases wait for their export, so the host
+holds a known number of preprocessed images and probability maps.
+
+Threads, not processes: reading (isal's inflate), resampling (scipy.ndimage), normalization (numpy) and the
+compressed writes release the GIL, so they run beside the network's forward passes (torch releases it too);
+a thread shares the probabilities with the main thread instead of copying hundreds of MiB through a pipe,
+and costs no second interpreter (about 150 MiB RSS each, ``WORKER_RUNTIME_BYTES``). A kill takes them with
+the process; every output is written under a temporary name (``atomic_path``), so nothing half-written stays.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from autoseg.core.resources import cpu_count, processes_for
+from autoseg.core.units import MiB
+
+log = logging.getLogger("autoseg")
+
+MAX_BACKGROUND_WORKERS = 4  # per stage; beyond this the GIL-holding parts (Python loops, SimpleITK calls) queue
+
+Item = TypeVar("Item")
+Ready = TypeVar("Ready")
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    """How many cases are read ahead and exported behind the one being predicted, and what the host holds.
+
+    ``case_bytes``: ``runtime`` (the process before the first case: interpreter, libraries, networks) and, for
+    the largest case, ``preprocess`` (peak of reading and preprocessing it), ``input`` (its preprocessed image,
+    held until predicted), ``predict`` (the sliding window's host tensors) and ``export`` (peak of exporting it,
+    its probabilities included).
+    ``peak_bytes``: the predicted host peak of the process with these workers busy at once.
+    """
+
+    preprocess_workers: int  # 0: the main thread reads each case when it needs it
+    export_workers: int  # 0: the main thread exports each case before predicting the next
+    case_bytes: dict[str, int]
+    peak_bytes: int
+    budget_bytes: int
+
+    def describe(self) -> str:
+        """One line for ``--verbose``."""
+        b = {k: f"{v / MiB:.0f}" for k, v in self.case_bytes.items()}
+        return (f"{self.preprocess_workers} case(s) read ahead, {self.export_workers} exported behind (threads); "
+                f"runtime {b['runtime']} MiB; largest case: preprocess {b['preprocess']} MiB, input {b['input']} "
+                f"MiB, predict {b['predict']} MiB, export {b['export']} MiB; predicted host peak "
+                f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB")
+
+
+def pipeline_peak_bytes(case_bytes: dict[str, int], preprocess_workers: int, export_workers: int) -> int:
+    """Host peak of the process: its ``runtime`` (what it held before the first case), plus, while the main
+    thread predicts a case, the sliding window (``predict``) and its input, every case read ahead at the larger
+    of its preprocessing peak and its input, and every export at its peak. Serial (0, 0): the largest of the
+    three stages, one at a time."""
+    b = case_bytes
+    if preprocess_workers == 0 and export_workers == 0:
+        return b["runtime"] + max(b["predict"] + b["input"], b["preprocess"], b["export"])
+    ahead = preprocess_workers * max(b["preprocess"], b["input"])
+    return b["runtime"] + b["predict"] + b["input"] + ahead + export_workers * b["export"]
+
+
+def plan_pipeline(case_bytes: dict[str, int], num_cases: int, budget_bytes: int, preprocess_workers: int | None = None,
+                  export_workers: int | None = None) -> PipelinePlan:
+    """Workers per stage (threads): the same number for reading ahead and exporting behind, as many as
+    ``budget_bytes`` holds beside the prediction (``processes_for``), at most ``MAX_BACKGROUND_WORKERS``, the
+    CPU count and the cases after the first; 0 when one case, or the budget, leaves no room. A given count
+    is used as given (``--preprocess-workers``, ``--export-workers``)."""
+    cap = min(MAX_BACKGROUND_WORKERS, cpu_count(), max(num_cases - 1, 0))
+    auto = 0
+    if cap > 0:
+        base = case_bytes["runtime"] + case_bytes["predict"] + case_bytes["input"]
+        per_pair = max(case_bytes["preprocess"], case_bytes["input"]) + case_bytes["export"]
+        auto = processes_for(budget_bytes - base, per_pair, cap, minimum=0)
+    pre = auto if preprocess_workers is None else preprocess_workers
+    exp = auto if export_workers is None else export_workers
+    peak = pipeline_peak_bytes(case_bytes, pre, exp)
+    return PipelinePlan(preprocess_workers=pre, export_workers=exp, case_bytes=dict(case_bytes), peak_bytes=peak,
+                        budget_bytes=budget_bytes)
+
+
+class Pipeline(Generic[Item, Ready]):
+    """Runs ``prepare(item)`` up to ``ahead`` items in advance on background threads (in the caller's thread
+    when 0) and ``finish(...)`` calls on ``behind`` threads (in the caller's thread when 0), at most ``behind``
+    waiting at once. Use as a context manager: leaving it waits for the exports still running and raises the
+    first export error; leaving it by an error cancels what has not started."""
+
+    def __init__(self, prepare: Callable[[Item], Ready], ahead: int, behind: int) -> None:
+        self._prepare, self._ahead, self._behind = prepare, ahead, behind
+        self._stack = ExitStack()
+        self._pending: deque[Future] = deque()
+        self._readers: ThreadPoolExecutor | None = None
+        self._writers: ThreadPoolExecutor | None = None
+
+    def __enter__(self) -> Pipeline[Item, Ready]:
+        if self._ahead:
+            self._readers = ThreadPoolExecutor(self._ahead, thread_name_prefix="autoseg-read")
+        if self._behind:
+            self._writers = ThreadPoolExecutor(self._behind, thread_name_prefix="autoseg-export")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        failed = exc_type is not None
+        try:
+            while self._pending and not failed:
+                self._pending.popleft().result()  # an export error surfaces here
+        finally:
+            for pool in (self._readers, self._writers):
+                if pool is not None:
+                    pool.shutdown(wait=True, cancel_futures=True)
+
+    def prepared(self, items: Sequence[Item]) -> Iterator[tuple[Item, Callable[[], Ready]]]:
+        """Each item with a call that returns its prepared value (or raises its error), in order; the next
+        ``ahead`` items are being prepared meanwhile."""
+        if self._readers is None:
+            for item in items:
+                yield item, (lambda item=item: self._prepare(item))
+            return
+        futures: deque[tuple[Item, Future]] = deque()
+        todo = iter(items)
+        for item in todo:
+            futures.append((item, self._readers.submit(self._prepare, item)))
+            if len(futures) > self._ahead:
+                break
+        while futures:
+            item, future = futures.popleft()
+            yield item, future.result
+            nxt = next(todo, None)
+            if nxt is not None:
+                futures.append((nxt, self._readers.submit(self._prepare, nxt)))
+
+    def finish(self, work: Callable[[], object]) -> None:
+        """Run ``work`` behind (or now, with no export threads); first waits for the oldest if ``behind`` are
+        waiting, raising its error."""
+        if self._writers is None:
+            work()
+            return
+        while len(self._pending) >= self._behind:
+            self._pending.popleft().result()
+        self._pending.append(self._writers.submit(work))
+
