@@ -121,3 +121,19 @@ def test_predict_from_an_archive_refuses_folds_it_does_not_hold(archive: Path, t
                      "--folds", "0", "3")
     assert_refused(result, 2, "--folds 3", archive, "fold(s) 0")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["-w", "."], ["-w/--workspace", "-m/--model"]),
+    (["--workspace", "ws"], ["-w/--workspace", "-m/--model"]),
+    (["--checkpoint", "best"], ["--checkpoint", "-m/--model", "export-model"]),
+    (["--checkpoint", "final"], ["--checkpoint", "-m/--model"]),
+])
+def test_predict_from_an_archive_refuses_workspace_and_checkpoint_at_parse_time(tmp_path: Path, capsys, flags,
+                                                                                named: list[str]) -> None:
+    """The archive is the workspace and holds one checkpoint per fold: -w or --checkpoint beside -m would be
+    ignored, so they are refused before anything is read or written (the archive need not even exist)."""
+    result = run_cli(capsys, "predict", "-m", tmp_path / "model.zip", "-i", tmp_path / "in", "-o", tmp_path / "out",
+                     *flags)
+    assert_refused(result, 2, *named)
+    assert list(tmp_path.iterdir()) == []

@@ -164,15 +164,16 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
     from autoseg.predict.predictor import PredictOptions, predict
 
-    ws = Workspace.at(args.workspace)
+    ws = Workspace.at(args.workspace or ".")
     config = args.config or _default_config(ws)
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
     options = PredictOptions(save_probabilities=args.save_probabilities, skip_existing=args.skip_existing,
                              fail_fast=args.fail_fast, series=args.series, verbose=args.verbose,
                              preprocess_workers=args.preprocess_workers, export_workers=args.export_workers)
-    written = predict(ws, args.input, args.output, config_name=config, folds=folds, checkpoint=args.checkpoint,
-                      mirror=not args.no_mirror, tile_batch_size=args.tile_batch_size, tta=args.tta,
-                      device=resolve_device(args.device), progress=progress, options=options)
+    written = predict(ws, args.input, args.output, config_name=config, folds=folds,
+                      checkpoint=args.checkpoint or "final", mirror=not args.no_mirror,
+                      tile_batch_size=args.tile_batch_size, tta=args.tta, device=resolve_device(args.device),
+                      progress=progress, options=options)
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0
 

@@ -169,13 +169,15 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
                    help="a folder of {case}_0000.ext files (nnU-Net's layout), one image file, or a folder holding "
                         "one DICOM series (its output is named after the folder, .nii.gz, in the series' geometry)")
     p.add_argument("-o", "--output", required=True, help="output folder")
-    _add_workspace(p)
-    p.add_argument("-m", "--model", default=None, metavar="ARCHIVE.zip",
-                   help="a model archive from `autoseg export-model`, instead of a workspace: checked, unpacked to a "
-                        "temporary folder removed afterwards; its configuration, folds and checkpoint (-w ignored)")
+    model = p.add_mutually_exclusive_group()  # default None: `-m A.zip -w .` is refused too
+    model.add_argument("-w", "--workspace", default=None, help="workspace folder (default: current directory)")
+    model.add_argument("-m", "--model", default=None, metavar="ARCHIVE.zip",
+                       help="a model archive from `autoseg export-model`, instead of a workspace: checked, unpacked "
+                            "to a temporary folder removed afterwards; its configuration, folds and checkpoint")
     p.add_argument("-c", "--config", default=None)
     p.add_argument("-f", "--folds", nargs="+", default=None, help="folds to ensemble (default: all trained)")
-    p.add_argument("--checkpoint", default="final", choices=["final", "best", "latest"])
+    p.add_argument("--checkpoint", default=None, choices=["final", "best", "latest"],
+                   help="which checkpoint of each fold (default: final; not with -m: the archive holds one)")
     p.add_argument("--tta", type=_tta, default=None, metavar="all|none|N",
                    help="mirror test-time augmentation: every mirror variant (all: 8 in 3D, 4 in 2D), none, or the "
                         "first N (identity, each axis, then pairs). Default: all on CUDA, 4 on CPU (there all 8 took "
@@ -297,6 +299,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             args.fold = parse_fold(args.fold)
         except ValueError as e:
             args.command_parser.error(str(e))
+    if args.command == "predict" and args.model is not None and args.checkpoint is not None:
+        args.command_parser.error(f"argument --checkpoint: not allowed with argument -m/--model: the archive holds one "
+                                  f"checkpoint per fold, chosen by `autoseg export-model --checkpoint`; leave "
+                                  f"--checkpoint {args.checkpoint} out, or export the model again with it")
     if args.command in ("train", "predict") and args.device == "cuda":
         try:
             resolve_device(args.device)
