@@ -37,13 +37,13 @@ from autoseg.model.sliding_window import (
     allocate_buffers,
     clear_gaussian_cache,
     inference_buffer_bytes,
-    mirror_variants,
     patch_as_zyx,
     run_tile_batch,
     sliding_window_predict,
     tile_layout,
 )
 from autoseg.model.topology import NetworkTopology
+from autoseg.model.tta import mirror_variants
 
 
 @dataclass(frozen=True)

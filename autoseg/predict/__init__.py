@@ -3,6 +3,7 @@
 geometry.
 
 Owns: ``predictor`` (one case's three stages, and ``predict`` over many), ``pipeline`` (cases read ahead and
-exported behind on threads, sized from the host RAM), ``probabilities`` (``{case}.npz``), ``archive`` (a trained model as one zip: ``autoseg export-model``, ``predict -m``).
+exported behind on threads, sized from the host RAM), ``probabilities`` (``{case}.npz``), ``archive`` (a
+trained model as one zip: ``autoseg export-model``, ``predict -m``).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """

@@ -47,7 +47,8 @@ from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import parse_tta, sliding_window_predict
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.pipeline import Pipeline, plan_pipeline

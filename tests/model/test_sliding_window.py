@@ -13,11 +13,10 @@ from autoseg.model.sliding_window import (
     TileLayout,
     gaussian_importance_map,
     inference_buffer_bytes,
-    mirror_variants,
-    parse_tta,
     sliding_window_predict,
     tile_layout,
 )
+from autoseg.model.tta import mirror_variants, parse_tta
 
 
 def _pointwise_net(dim: int, in_channels: int, num_outputs: int, seed: int = 0) -> nn.Module:
