@@ -5,6 +5,7 @@ member, before anything is written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import zipfile
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from cli_checks import assert_refused, run_cli, snapshot
+from processes import kill_when, start
 
 from autoseg.cli.main import main
 
@@ -137,3 +139,24 @@ def test_predict_from_an_archive_refuses_workspace_and_checkpoint_at_parse_time(
                      *flags)
     assert_refused(result, 2, *named)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_model_folder_a_killed_predict_left_is_removed_by_the_next_one(archive: Path, tiny_dataset: Path,
+                                                                           tmp_path: Path, capsys, monkeypatch) -> None:
+    """SIGKILL runs no cleanup: the unpacked model stays in the temporary folder, named with its process id, and
+    the next `predict -m` removes it (that process is gone); a running process's folder and others are kept."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # the killed process's temporary folder
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # and this one's
+    images = tiny_dataset / "imagesTs"
+    process = start("predict", "-m", archive, "-i", images, "-o", tmp_path / "killed")
+    kill_when(process, lambda _: any(temp.glob(f"autoseg-model-*/{CHECKPOINT}")))
+    assert [p.name.split("-")[2] for p in temp.iterdir()] == [str(process.pid)]  # left behind, named with its pid
+    running = temp / f"autoseg-model-{os.getpid()}-running"  # this process is alive: its folder is in use
+    others = [running, temp / "autoseg-model-notes", temp / "autoseg-model-k1ll3d"]  # not named with a pid
+    for folder in others:
+        folder.mkdir()
+    result = run_cli(capsys, "predict", "-m", archive, "-i", images, "-o", tmp_path / "out", "--no-mirror")
+    assert result.status == 0, result.err
+    assert sorted(temp.iterdir()) == sorted(others)

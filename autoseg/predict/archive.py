@@ -13,6 +13,10 @@ manifest's format version, every member's size and sha256, the plan, and each ch
 ``torch.load(weights_only=True)`` into the planned network; then unpacks it into a temporary folder that is
 removed afterwards. A damaged or altered archive raises ``InputError`` naming the archive and the member.
 
+The temporary folder is ``autoseg-model-<pid>-<random>`` in the system's temporary folder (``TMPDIR``). A killed
+process (SIGKILL, the OOM killer) cannot remove its own, so each ``open_model_archive`` first removes those of
+processes no longer running (``remove_abandoned_model_folders``).
+
 The sha256 sums catch damage (a truncated copy, a flipped byte), not a forger who rewrites the manifest too;
 ``weights_only=True`` is what keeps a crafted checkpoint from running code. autoseg has no postprocessing
 step yet (no connected-component removal): the manifest's ``postprocessing`` is null, and predictions are
@@ -23,6 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import sys
 import tempfile
 import zipfile
 import zlib
@@ -42,6 +49,7 @@ from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import load_trained_network
 
 MANIFEST = "autoseg_model.json"
+MODEL_FOLDER_PREFIX = "autoseg-model-"  # + "<pid>-<random>": the unpacked archive in the temporary folder
 CHUNK_BYTES = 1 << 20  # members are hashed and copied in 1 MiB pieces: memory does not grow with the model
 NO_POSTPROCESSING = ("autoseg has no postprocessing step yet (no connected-component removal); predictions are "
                      "the network's labels as exported")
@@ -168,14 +176,51 @@ def open_model_archive(archive: str | Path) -> Iterator[OpenedModel]:
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
         raise InputError(f"{archive}: not a readable zip file ({e}); it is probably truncated or damaged: copy it "
                          "again or export the model again") from e
-    with zf, tempfile.TemporaryDirectory(prefix="autoseg-model-") as tmp:
+    with zf, _model_folder() as root:
         manifest = _read_manifest(zf, archive)
-        root = Path(tmp)
         for member in manifest.members:
             _unpack(zf, archive, member, root)
         opened = OpenedModel(archive, Workspace.at(root), manifest)
         _check_contents(opened)
         yield opened
+
+
+@contextmanager
+def _model_folder() -> Iterator[Path]:
+    """A new folder named with this process's id in the temporary folder, removed when the block ends; the ones
+    killed processes left are removed first."""
+    parent = Path(tempfile.gettempdir())
+    remove_abandoned_model_folders(parent)
+    root = Path(tempfile.mkdtemp(prefix=f"{MODEL_FOLDER_PREFIX}{os.getpid()}-", dir=parent))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def remove_abandoned_model_folders(parent: Path) -> list[Path]:
+    """Remove the ``autoseg-model-<pid>-*`` folders in ``parent`` whose process is no longer running; those
+    removed. Kept: a running process's (a reused pid keeps a dead one's until that process ends too), another
+    user's (not ours to remove), and anything not named so."""
+    removed = []
+    for folder in sorted(parent.glob(f"{MODEL_FOLDER_PREFIX}*-*")):
+        pid = folder.name[len(MODEL_FOLDER_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and folder.is_dir() and not folder.is_symlink() and not _running(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    if sys.platform == "win32":  # os.kill(pid, 0) would send CTRL_C_EVENT there: never remove
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
