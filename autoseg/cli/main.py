@@ -156,7 +156,7 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
     if args.model is not None:  # a model archive: checked, unpacked as a temporary workspace, removed afterwards
         from autoseg.predict.archive import open_model_archive
 
-        with open_model_archive(args.model) as model:
+        with open_model_archive(args.model, load_checkpoints=False) as model:  # predict loads them: read once
             config, folds = model.select(args.config, args.folds)
             return _predict(argparse.Namespace(**{**vars(args), "model": None, "workspace": str(model.workspace.root),
                                                   "config": config, "folds": folds,
