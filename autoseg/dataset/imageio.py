@@ -24,6 +24,7 @@ except ImportError:  # a platform without an isal wheel: the standard library's 
     inflate_lib = zlib
 
 from autoseg.core.errors import InputError
+from autoseg.dataset.dicom_file import check_dicom_series
 
 SUPPORTED_ENDINGS = (".nii.gz", ".nii", ".nrrd", ".mha", ".mhd")
 
@@ -165,10 +166,12 @@ def read_dicom_series(folder: str | Path, series_uid: str, dtype: type | None = 
                       ) -> tuple[np.ndarray, Geometry]:
     """Read one DICOM series of ``folder`` as ``read_image`` reads a file: (Z, Y, X) in ``dtype`` (the
     rescale slope and intercept applied: CT in HU) and its geometry (spacing from the slice positions,
-    origin of the first slice, direction from the image orientation)."""
+    origin of the first slice, direction from the image orientation). A truncated slice file is refused
+    (``check_dicom_series``)."""
     files = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), series_uid)
     if not files:
         raise InputError(f"{folder}: no DICOM series {series_uid}")
+    check_dicom_series(folder, series_uid)  # GDCM lists a series without the slice files it cannot read
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(files)
     try:

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.core.errors import InputError
+from autoseg.dataset.dicom_file import check_dicom_series, incomplete_dicom_files
 from autoseg.dataset.imageio import (
     SUPPORTED_ENDINGS,
     Geometry,
@@ -250,9 +251,10 @@ def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_endi
     """The one case of a folder holding DICOM series: named after the folder, or after ``series`` (its
     SeriesInstanceUID) when that is given."""
     uids = dicom_series(folder)
-    if not uids:
+    if not uids:  # GDCM lists no file it cannot read: a truncated one-slice series is not listed
+        truncated = "; truncated: " + "; ".join(cut) if (cut := incomplete_dicom_files(folder)) else ""
         raise DatasetError(f"{folder}: no images named {{case}}_0000{file_ending or '.nii.gz'} and no DICOM series "
-                           "found")
+                           f"found{truncated}")
     if num_channels != 1:
         raise DatasetError(f"{folder}: a DICOM series is one channel but the model takes {num_channels}; convert "
                            f"each channel's series to {{case}}_0000.nii.gz .. {{case}}_{num_channels - 1:04d}.nii.gz "
@@ -266,6 +268,10 @@ def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_endi
     case = Case(series or folder.name, (folder,), None, series_uid=uid)
     problems = {case.case_id: f"{folder}: DICOM series {uid} is a 3D image ({len(uids[uid])} slices) but the model "
                               "was trained on 2D images"} if image_dim == 2 and len(uids[uid]) > 1 else {}
+    try:
+        check_dicom_series(folder, uid)  # a truncated slice, left out of the listed series by GDCM
+    except InputError as e:
+        problems[case.case_id] = str(e)
     return PredictionInputs((case,), problems)
 
 

@@ -278,3 +278,16 @@ def test_dicom_series_reads_back_its_voxels_and_geometry(tmp_path):
     np.testing.assert_allclose(geometry.direction, written.GetDirection(), atol=1e-5)
     with pytest.raises(InputError, match="no DICOM series 9.9"):
         read_dicom_series(tmp_path, "9.9")
+
+
+def test_a_dicom_series_with_a_truncated_slice_is_refused_naming_it(tmp_path):
+    """GDCM leaves a slice it cannot read out of the series, and SimpleITK's reader then read the other 4 of 5
+    slices as the volume with only a warning: the slice file is refused by name instead."""
+    voxels = np.random.default_rng(0).integers(-1000, 2000, (5, 7, 6)).astype(np.int16)
+    write_dicom_series(tmp_path, voxels, "1.2.3.1")
+    write_dicom_series(tmp_path, voxels[:3], "1.2.3.2")
+    cut = tmp_path / "1.2.3.1-002.dcm"
+    cut.write_bytes(cut.read_bytes()[:-1])
+    with pytest.raises(InputError, match=rf"DICOM series 1.2.3.1: {cut}: truncated: element \(7FE0,0010\)"):
+        read_dicom_series(tmp_path, "1.2.3.1")
+    np.testing.assert_array_equal(read_dicom_series(tmp_path, "1.2.3.2")[0], voxels[:3])  # the other one is whole

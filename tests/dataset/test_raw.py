@@ -299,6 +299,19 @@ def test_dicom_folder_is_one_case_named_after_it_or_its_series(tmp_path):
         list_prediction_inputs(tmp_path, num_channels=1)  # the series are one folder below
 
 
+def test_a_truncated_dicom_slice_is_a_problem_of_its_case_found_before_reading(tmp_path):
+    voxels = np.arange(4 * 6 * 5, dtype=np.int16).reshape(4, 6, 5)
+    write_dicom_series(tmp_path / "ct", voxels, "1.2.3.1")
+    cut = tmp_path / "ct" / "1.2.3.1-001.dcm"
+    cut.write_bytes(cut.read_bytes()[:-1])
+    assert f"{cut}: truncated: element (7FE0,0010)" in list_prediction_inputs(tmp_path / "ct", 1).problems["ct"]
+    write_dicom_series(tmp_path / "one", voxels[:1], "1.2.3.2")  # its only slice cut: GDCM lists no series
+    cut = tmp_path / "one" / "1.2.3.2-000.dcm"
+    cut.write_bytes(cut.read_bytes()[:-1])
+    with pytest.raises(DatasetError, match=rf"no DICOM series found; truncated: {cut}: truncated: element"):
+        list_prediction_inputs(tmp_path / "one", num_channels=1)
+
+
 def test_load_case_refuses_nan_naming_the_file(dataset_copy):
     """NaN kept by the format (NRRD) is refused where a case to predict is read (no all-background output)."""
     _convert_to_nrrd(dataset_copy)
