@@ -89,11 +89,13 @@ def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Seque
 
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
-                 scheme: LabelScheme) -> dict[str, int]:
+                 scheme: LabelScheme, probability_bytes: int = _F32) -> dict[str, int]:
     """RAM of exporting one prediction (``autoseg.predict.predictor.export_segmentation``), streamed per output.
 
-    ``probabilities`` the network's (K, resampled shape) float32 softmax or sigmoid, held throughout;
-    ``class_map`` one output resampled to the original shape (float32) and its resampling temporaries;
+    ``probabilities`` the network's (K, resampled shape) softmax or sigmoid, held throughout, of
+    ``probability_bytes`` per value (4: float32, 2: float16); ``float32_copy`` one output's float32 copy when
+    they are float16; ``class_map`` one output resampled to the original shape (float32) and its resampling
+    temporaries;
     ``best_score`` the running maximum (float32; plain labels only, regions are painted in order);
     ``compare`` a bool buffer; ``labels`` the label map and its uncropped copy (``scheme.export_dtype()``).
     The crop is taken as the whole image.
@@ -102,7 +104,8 @@ def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequenc
     label_bytes = np.dtype(scheme.export_dtype()).itemsize
     resample = resampling_peak_bytes(shape_zyx_resampled, shape_zyx_original, 1, order=1, order_z=0)
     terms = {
-        "probabilities": k * vr * _F32,
+        "probabilities": k * vr * int(probability_bytes),
+        "float32_copy": 0 if probability_bytes == _F32 else vr * _F32,
         "class_map": max(resample, vo * _F32),
         "best_score": 0 if scheme.has_regions else vo * _F32,
         "compare": vo,

@@ -48,11 +48,13 @@ from autoseg.model.tta import mirror_variants
 
 @dataclass(frozen=True)
 class InferenceMemory:
-    """Device bytes of predicting one image; ``peak_bytes`` is the larger of the two phases:
+    """Device bytes of predicting one image; ``peak_bytes`` is the larger of the two phases, both on top of
     ``parameter_bytes + padded_input_bytes + accumulator_bytes + weight_map_bytes + gaussian_bytes +
-    tile_bytes`` (tiles) and ``parameter_bytes + accumulator_bytes + softmax_temp_bytes`` (softmax).
+    output_bytes``: ``tile_bytes`` (a tile batch) and ``softmax_temp_bytes`` (finishing z-slices after it).
     ``tile_bytes``: one tile batch's prediction at its peak (the tile batch, the fp32 logit sum, flipped
-    copies, network activations)."""
+    copies, network activations). The accumulator and weight map hold a window of z-slices
+    (``accumulator_depth``); the output (the image's probabilities) is on the host: counted here on CPU, in
+    ``host_accumulator_bytes`` on CUDA."""
 
     parameter_bytes: int
     tile_bytes: int
@@ -61,17 +63,18 @@ class InferenceMemory:
     weight_map_bytes: int
     gaussian_bytes: int
     softmax_temp_bytes: int
+    output_bytes: int
     peak_bytes: int
     largest_conv_output_bytes: int
     live_allocations_at_peak: int
     tile_batch_size: int = 1  # (tile, mirror variant) pairs per forward pass
-    host_accumulator_bytes: int = 0  # host bytes of the accumulator, weight map, Gaussian when they live there
+    host_accumulator_bytes: int = 0  # host bytes on CUDA: the output, and the accumulator etc. when they live there
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameter_bytes, "tile": self.tile_bytes,
                 "padded_input": self.padded_input_bytes, "accumulator": self.accumulator_bytes,
                 "weight_map": self.weight_map_bytes, "gaussian": self.gaussian_bytes,
-                "softmax_temp": self.softmax_temp_bytes, "total": self.peak_bytes}
+                "softmax_temp": self.softmax_temp_bytes, "output": self.output_bytes, "total": self.peak_bytes}
 
 
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
@@ -120,13 +123,15 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
                      mirror_axes: Sequence[int] = (), step_fraction: float = 0.5, tta: int | None = None,
-                     accumulator_on_device: bool = True) -> InferenceMemory:
+                     accumulator_on_device: bool = True, device: str = "cpu",
+                     output_dtype: str = "float32") -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
     The tile batch is at most the number of (tile, mirror variant) pairs. ``accumulator_on_device`` False:
     the accumulator, weight map, Gaussian and softmax live on the host (``host_accumulator_bytes``) and
-    the device holds the parameters, the padded input and the tile batch.
+    the device holds the parameters, the padded input and the tile batch. ``device``: "cpu" or "cuda" (where
+    the output counts); ``output_dtype``: the probabilities' (``sliding_window_predict``).
     """
     if num_outputs != topology.num_outputs:
         raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
@@ -134,33 +139,36 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     if len(patch_size) != topology.dim:
         raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
                          f"{topology.dim}D")
-    num_items = (tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles
-                 * len(mirror_variants(mirror_axes, tta)))
+    variants = len(mirror_variants(mirror_axes, tta))
+    num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * variants
     batch = min(tile_batch_size, num_items)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
                                                          mirror_axes, tta)
-    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels)
-    temp = buffers["weight_map"]  # the softmax's max / sum: one (Zp, Yp, Xp) fp32 map
+    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
+                                     num_variants=variants, output_dtype=output_dtype)
+    temp = buffers["weight_map"]  # a finished slab's softmax: one (slices x Yp x Xp) fp32 map, the window's at most
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
     # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
     logit_copies = (batch + 1) * num_outputs * math.prod(patch_size) * element_bytes(precision)
-    host = 0 if accumulator_on_device else held + logit_copies
-    on_device = held if accumulator_on_device else 0
-    tiles = params + buffers["padded_input"] + on_device + tile
-    softmax = params + (buffers["accumulator"] + temp if accumulator_on_device else 0)
+    output_here = buffers["output"] if device == "cpu" else 0  # the output lives on the host
+    host = (buffers["output"] if device != "cpu" else 0) + (0 if accumulator_on_device else held + logit_copies)
+    on_device = (held if accumulator_on_device else 0) + params + buffers["padded_input"] + output_here
+    tiles = on_device + tile
+    finishing = on_device + (temp if accumulator_on_device else 0)  # after a batch: its tiles are freed
     return InferenceMemory(
         parameter_bytes=params, tile_bytes=tile, padded_input_bytes=buffers["padded_input"],
         accumulator_bytes=buffers["accumulator"] if accumulator_on_device else 0,
         weight_map_bytes=buffers["weight_map"] if accumulator_on_device else 0,
         gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
-        softmax_temp_bytes=temp if accumulator_on_device else 0,
-        peak_bytes=max(tiles, softmax), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
+        softmax_temp_bytes=temp if accumulator_on_device else 0, output_bytes=output_here,
+        peak_bytes=max(tiles, finishing), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
         tile_batch_size=batch, host_accumulator_bytes=host)
 
 
 def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
                             tile_batch_size: int = 1, precision: str = "fp32",
-                            mirror_axes: Sequence[int] = (), tta: int | None = None) -> int:
+                            mirror_axes: Sequence[int] = (), tta: int | None = None,
+                            output_dtype: str = "float32") -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
     is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
@@ -173,7 +181,8 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
         network = build_network(topology)
         probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
                                                mirror_axes=tuple(mirror_axes), tta=tta,
-                                               tile_batch_size=tile_batch_size, precision=precision)
+                                               tile_batch_size=tile_batch_size, precision=precision,
+                                               output_dtype=output_dtype)
         del probabilities, network
     clear_gaussian_cache()
     return tracker.peak_bytes
@@ -213,14 +222,15 @@ class InferencePlan:
 def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image_shape_zyx: tuple[int, int, int],
                    num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
                    mirror_axes: Sequence[int] = (), tta: int | None = None, step_fraction: float = 0.5,
-                   max_tile_batch: int | None = None) -> InferencePlan:
+                   max_tile_batch: int | None = None, output_dtype: str = "float32") -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
     of one, else (CUDA only) it moves to the host. The batch is capped at ``max_tile_batch`` (None:
     ``CPU_MAX_TILE_BATCH`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
-    number of (tile, variant) pairs. Device memory is affine in the batch: two simulations (batch 1, 2)
-    find the batch, a third checks it.
+    number of (tile, variant) pairs. Device memory is nearly affine in the batch (the accumulator's z-window
+    grows with the z-span of a batch): two simulations (batch 1, 2) estimate the batch, a third checks it and
+    the batch shrinks until it fits. ``output_dtype``: the probabilities' (``sliding_window_predict``).
     """
     num_variants = len(mirror_variants(mirror_axes, tta))
     num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
@@ -229,7 +239,7 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
 
     def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
         mem = inference_memory(topology, patch_size, batch, image_shape_zyx, num_outputs, precision,
-                               mirror_axes, step_fraction, tta, on_device)
+                               mirror_axes, step_fraction, tta, on_device, device, output_dtype)
         return mem, predict_device_peak(mem, device)["total"]
 
     placements = (True,) if device == "cpu" else (True, False)

@@ -39,6 +39,8 @@ from autoseg.core.precision import PRECISIONS, element_bytes
 from autoseg.model.tta import mirror_variants
 
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
+# The output's dtypes: float16 halves the largest array prediction holds (K x the image) at 1e-3 precision.
+OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 _FP32_BYTES = 4
 
 # One tile's region in the padded (Z, Y, X) volume: 3 slices (3D), or (z index, y slice, x slice) (2D).
@@ -155,6 +157,21 @@ def patch_as_zyx(patch_size: Sequence[int]) -> tuple[int, int, int]:
     raise ValueError(f"patch_size must have 3 values (z, y, x) or 2 values (y, x); got {tuple(patch_size)}")
 
 
+def accumulator_depth(layout: TileLayout, num_variants: int, tile_batch_size: int) -> int:
+    """Padded z-slices the accumulator holds: the widest z-range one tile batch writes, from its first tile's start
+    (every slice before it is final and has been handed out) to its last tile's end. Tiles come in C order (z
+    slowest), each with its ``num_variants`` mirror variants in a row; batches of ``tile_batch_size``."""
+    pz = patch_as_zyx(layout.patch_size)[0]
+    per_tile = math.prod(len(s) for s in layout.axis_starts[1:]) * num_variants  # items with one z start
+    zs = layout.axis_starts[0]
+    num_items = len(zs) * per_tile
+    depth = 0
+    for first in range(0, num_items, tile_batch_size):
+        last = min(first + tile_batch_size, num_items) - 1
+        depth = max(depth, zs[last // per_tile] + pz - zs[first // per_tile])
+    return min(depth, layout.padded_shape_zyx[0])
+
+
 def inference_buffer_bytes(
     image_shape_zyx: Sequence[int],
     patch_size: Sequence[int],
@@ -162,23 +179,28 @@ def inference_buffer_bytes(
     tile_batch_size: int,
     in_channels: int,
     precision: str = "fp32",
+    num_variants: int = 1,
+    output_dtype: str = "float32",
 ) -> dict[str, int]:
     """Bytes held by ``sliding_window_predict``'s buffers (fp32; the logits in ``precision``'s compute dtype),
     network activations excluded.
 
-    Keys: ``padded_input`` (C x Zp x Yp x Xp), ``accumulator`` (K x Zp x Yp x Xp), ``weight_map``
-    (Zp x Yp x Xp), ``gaussian`` (patch), ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch),
-    and ``total``. ``Zp, Yp, Xp`` is the image padded to at least the patch. Not counted: transient copies
-    (a flipped tile, a tile's logits flipped back) and the softmax's (Zp x Yp x Xp) max/sum temporaries,
-    which appear after the input is freed.
+    Keys: ``padded_input`` (C x Zp x Yp x Xp), ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``),
+    ``weight_map`` (D x Yp x Xp), ``gaussian`` (patch), ``output`` (K x Z x Y x X in ``output_dtype``, on the
+    host), ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch), and ``total``. ``Zp, Yp, Xp`` is
+    the image padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits
+    flipped back) and the (D x Yp x Xp) fp32 temporary of a finished slab's softmax.
     """
-    padded_voxels = math.prod(tile_layout(image_shape_zyx, patch_size).padded_shape_zyx)
+    layout = tile_layout(image_shape_zyx, patch_size)
+    _, yp, xp = layout.padded_shape_zyx
+    window = accumulator_depth(layout, num_variants, tile_batch_size) * yp * xp
     patch_voxels = math.prod(patch_size)
     sizes = {
-        "padded_input": in_channels * padded_voxels * _FP32_BYTES,
-        "accumulator": num_outputs * padded_voxels * _FP32_BYTES,
-        "weight_map": padded_voxels * _FP32_BYTES,
+        "padded_input": in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
+        "accumulator": num_outputs * window * _FP32_BYTES,
+        "weight_map": window * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
+        "output": num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype].itemsize,
         "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
         "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
     }
@@ -186,15 +208,19 @@ def inference_buffer_bytes(
     return sizes
 
 
-@dataclass(frozen=True)
+@dataclass
 class TileBuffers:
     """The buffers of one ``sliding_window_predict`` call (``inference_buffer_bytes`` counts them). The padded
-    input lives on the compute device; the accumulator, weight map and Gaussian on the accumulator's device."""
+    input lives on the compute device; the accumulator, weight map and Gaussian on the accumulator's device;
+    the output on the host. The accumulator and weight map hold the padded z-slices ``[z0, z0 + D)`` only:
+    slices before ``z0`` are final and have been written to the output."""
 
     padded_input: torch.Tensor  # (C, Zp, Yp, Xp) fp32
-    accumulator: torch.Tensor  # (K, Zp, Yp, Xp) fp32, sum over tiles and mirror variants of Gaussian x logits
-    weight_map: torch.Tensor  # (Zp, Yp, Xp) fp32, sum over tiles of the Gaussian
+    accumulator: torch.Tensor  # (K, D, Yp, Xp) fp32, sum over tiles and mirror variants of Gaussian x logits
+    weight_map: torch.Tensor  # (D, Yp, Xp) fp32, sum over tiles of the Gaussian
     gaussian: torch.Tensor  # (*patch) fp32, cached and shared
+    output: torch.Tensor  # (K, Z, Y, X) probabilities of the unpadded image, on the host
+    z0: int = 0  # the padded z-slice the accumulator's first slice holds
 
 
 def allocate_buffers(
@@ -204,8 +230,11 @@ def allocate_buffers(
     use_gaussian: bool,
     device: torch.device,
     accumulator_device: torch.device,
+    depth: int | None = None,
+    output_dtype: str = "float32",
 ) -> TileBuffers:
-    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input."""
+    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input. ``depth``: the
+    accumulator's z-slices (``accumulator_depth``; None: all)."""
     padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
     # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
     # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
@@ -215,15 +244,18 @@ def allocate_buffers(
     # counts (tests/memory/test_memory.py's 3 estimate-vs-measurement cases fail by exactly that buffer).
     padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
     padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
-    # K x Zp x Yp x Xp fp32: the largest buffer (K times the weight map). fp32, not fp16: a tile corner's
-    # Gaussian (exp(-24) for a 3D patch) times a logit underflows fp16 (smallest subnormal 6e-8).
-    accumulator = torch.zeros((num_outputs, *padded_zyx), dtype=torch.float32, device=accumulator_device)
-    weight_map = torch.zeros(padded_zyx, dtype=torch.float32, device=accumulator_device)  # Zp x Yp x Xp fp32
+    # K x D x Yp x Xp fp32: the z-slices tiles still add to. fp32, not fp16: a tile corner's Gaussian (exp(-24)
+    # for a 3D patch) times a logit underflows fp16 (smallest subnormal 6e-8).
+    window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
+    accumulator = torch.zeros((num_outputs, *window), dtype=torch.float32, device=accumulator_device)
+    weight_map = torch.zeros(window, dtype=torch.float32, device=accumulator_device)  # D x Yp x Xp fp32
     if use_gaussian:
         gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)
     else:
         gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
-    return TileBuffers(padded_input, accumulator, weight_map, gaussian)
+    # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype (float16 halves it)
+    output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=OUTPUT_DTYPES[output_dtype])
+    return TileBuffers(padded_input, accumulator, weight_map, gaussian, output)
 
 
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -285,9 +317,16 @@ def run_tile_batch(
     for tile_logits, (region, v) in zip(logits, items, strict=True):  # K x patch each
         if variants[v]:
             tile_logits = torch.flip(tile_logits, [a + 1 for a in variants[v]])  # a copy: K x patch
-        accumulator[(slice(None), *region)].addcmul_(tile_logits, gaussian)  # bf16/fp16 promoted to fp32
+        local = _in_window(region, buffers.z0)
+        accumulator[(slice(None), *local)].addcmul_(tile_logits, gaussian)  # bf16/fp16 promoted to fp32
         if v == 0:
-            weight_map[region] += gaussian
+            weight_map[local] += gaussian
+
+
+def _in_window(region: Region, z0: int) -> Region:
+    """A tile's region in the accumulator, whose first slice is padded z-slice ``z0``."""
+    z = region[0]
+    return (slice(z.start - z0, z.stop - z0) if isinstance(z, slice) else z - z0, *region[1:])
 
 
 def sliding_window_predict(
@@ -306,9 +345,11 @@ def sliding_window_predict(
     precision: str = "fp32",
     progress: bool = False,
     activation: str = "softmax",
+    output_dtype: str = "float32",
 ) -> torch.Tensor:
-    """Predict probabilities ``(num_outputs, Z, Y, X)`` float32 (CPU) for one image: ``activation``
-    "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the averaged logits.
+    """Predict probabilities ``(num_outputs, Z, Y, X)`` in ``output_dtype`` (float32 or float16; CPU) for one
+    image: ``activation`` "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the
+    averaged logits.
 
     ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
     network or (y, x) for a 2D network (then each slice is tiled; tiles of several slices share a batch).
@@ -319,6 +360,10 @@ def sliding_window_predict(
     variants in a batch of 8). ``accumulator_device`` (None: ``device``) holds the accumulator, weight map and
     softmax (``autoseg.memory.inference.plan_inference`` chooses it and the batch). ``precision``: "fp32",
     "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32.
+
+    The volume is finished slab by slab along z: tiles run in z order, and once no tile left touches a z-slice
+    its logits are averaged, turned into probabilities and written to the output; the accumulator holds only
+    the z-slices tiles still add to (``accumulator_depth``), not the whole volume.
     """
     patch = tuple(int(p) for p in patch_size)
     mirror = tuple(int(a) for a in mirror_axes)
@@ -330,29 +375,26 @@ def sliding_window_predict(
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     variants = mirror_variants(mirror, tta)
 
+    if output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}; got {output_dtype!r}")
+
     was_training = network.training
     network.eval()
     try:
         with torch.no_grad():
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
-            buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device)
+            depth = accumulator_depth(layout, len(variants), tile_batch_size)
+            buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device, depth,
+                                       output_dtype)
             del data_t
-            accumulator = _accumulate(network, buffers, layout, variants, num_outputs, tile_batch_size,
-                                      precision, progress)
-            del buffers  # frees the padded input (C x Zp x Yp x Xp) before the softmax temporaries
-            if activation == "sigmoid":
-                accumulator.sigmoid_()  # in place, per region: no temporaries
-            else:  # in-place softmax over classes: temporaries are one Zp x Yp x Xp fp32 map each
-                accumulator -= accumulator.amax(dim=0, keepdim=True)
-                accumulator.exp_()
-                accumulator /= accumulator.sum(dim=0, keepdim=True)
-            probabilities = accumulator[(slice(None), *layout.image_region)].cpu()  # device -> host sync
-            return probabilities.contiguous()  # copies only when padding was cropped off
+            _run_tiles(network, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress,
+                       activation)
+            return buffers.output
     finally:
         network.train(was_training)
 
 
-def _accumulate(
+def _run_tiles(
     network: nn.Module,
     buffers: TileBuffers,
     layout: TileLayout,
@@ -361,19 +403,66 @@ def _accumulate(
     tile_batch_size: int,
     precision: str,
     progress: bool,
-) -> torch.Tensor:
-    """Run every (tile, variant) pair in batches; return the weighted mean logits (K, Zp, Yp, Xp)."""
+    activation: str,
+) -> None:
+    """Run every (tile, variant) pair in batches, in z order; after each batch, finish the z-slices no later tile
+    touches (``_finish_slices``) and slide the accumulator past them."""
     items = [(region, v) for region in layout.regions() for v in range(len(variants))]  # tile by tile
+    z_start = [_z_range(region)[0] for region, _ in items]
+    depth, num_slices = buffers.accumulator.shape[1], layout.padded_shape_zyx[0]
+    finished = 0  # padded z-slices before this one are in the output
     with tqdm(total=len(items), disable=not progress, desc="sliding window", unit="tile") as bar:
         for first in range(0, len(items), tile_batch_size):
             batch = items[first:first + tile_batch_size]
+            if _z_range(batch[-1][0])[1] - buffers.z0 > depth:
+                _slide(buffers, finished)
             run_tile_batch(network, buffers, batch, variants, num_outputs, precision)
             bar.update(len(batch))
-    # every tile added the Gaussian once to the weight map and len(variants) times to the accumulator
-    accumulator = buffers.accumulator
-    buffers.weight_map.mul_(len(variants))
-    accumulator /= buffers.weight_map  # weights >= the Gaussian's smallest value > 0 everywhere
-    return accumulator
+            done = z_start[first + len(batch)] if first + len(batch) < len(items) else num_slices
+            if done > finished:
+                _finish_slices(buffers, layout, finished, done, len(variants), activation)
+                finished = done
+
+
+def _z_range(region: Region) -> tuple[int, int]:
+    z = region[0]
+    return (z.start, z.stop) if isinstance(z, slice) else (z, z + 1)
+
+
+def _slide(buffers: TileBuffers, z0: int) -> None:
+    """Make the accumulator and weight map start at padded z-slice ``z0`` (the slices before it are finished):
+    the slices kept move to the front one at a time (no temporary), the rest is zeroed."""
+    shift = z0 - buffers.z0
+    depth = buffers.accumulator.shape[1]
+    keep = max(depth - shift, 0)
+    for j in range(keep):  # ascending: slice j + shift is read before anything overwrites it
+        buffers.accumulator[:, j].copy_(buffers.accumulator[:, j + shift])
+        buffers.weight_map[j].copy_(buffers.weight_map[j + shift])
+    buffers.accumulator[:, keep:].zero_()
+    buffers.weight_map[keep:].zero_()
+    buffers.z0 = z0
+
+
+def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: int, num_variants: int,
+                   activation: str) -> None:
+    """Padded z-slices ``[start, stop)`` have all their tiles: their weighted mean logits (every tile added
+    the Gaussian once to the weight map and ``num_variants`` times to the accumulator) become probabilities,
+    in place, and the image's part of them goes to the output. Temporary: one (slices x Yp x Xp) fp32 map."""
+    lo, hi = start - buffers.z0, stop - buffers.z0
+    logits, weights = buffers.accumulator[:, lo:hi], buffers.weight_map[lo:hi]
+    weights.mul_(num_variants)
+    logits /= weights  # weights >= the Gaussian's smallest value > 0 everywhere
+    if activation == "sigmoid":
+        logits.sigmoid_()  # in place, per region: no temporaries
+    else:  # in-place softmax over classes: temporaries are one slices x Yp x Xp fp32 map each
+        logits -= logits.amax(dim=0, keepdim=True)
+        logits.exp_()
+        logits /= logits.sum(dim=0, keepdim=True)
+    zs, ys, xs = layout.image_region
+    z_from, z_to = max(start, zs.start), min(stop, zs.stop)
+    if z_from < z_to:  # device -> host (a sync) and to the output's dtype
+        buffers.output[:, z_from - zs.start:z_to - zs.start].copy_(
+            logits[:, z_from - start:z_to - start, ys, xs])
 
 
 def _as_float_tensor(data: np.ndarray | torch.Tensor) -> torch.Tensor:

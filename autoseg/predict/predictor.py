@@ -47,7 +47,7 @@ from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.sliding_window import OUTPUT_DTYPES, sliding_window_predict
 from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, Plans
@@ -58,6 +58,11 @@ from autoseg.preprocess.resampling import resample_channel
 from autoseg.preprocess.store import CaseProperties
 
 log = logging.getLogger("autoseg")
+
+# The probabilities of a case between the sliding window and the export: float16 halves the largest array
+# prediction holds (outputs x the image); the label map is their argmax (regions: thresholded at 0.5), so only
+# voxels whose top two classes are within float16's 1e-3 of each other can change.
+PROBABILITIES_DTYPE = "float16"
 
 class CasesFailedError(InputError):
     """Some cases were not predicted because of their input; every other case was written."""
@@ -100,8 +105,9 @@ def export_segmentation(probabilities: torch.Tensor, props: CaseProperties, sche
     best_score = None
     labels = np.zeros(props.shape_after_crop, dtype=scheme.export_dtype())
     for k in range(num_outputs):
-        channel = probabilities[k].numpy().astype(np.float32, copy=False)
+        channel = probabilities[k].numpy().astype(np.float32, copy=False)  # float16: a float32 copy
         resampled = resample_channel(channel, props.shape_after_crop, props.target_spacing_mm, order=1, order_z=0)
+        del channel  # not alive while the next output's copy is made
         if on_output is not None:
             on_output(k, resampled)
         if scheme.has_regions:
@@ -170,7 +176,8 @@ def predict_probabilities(data: np.ndarray, case_id: str, networks: list[torch.n
         p = sliding_window_predict(network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
                                    mirror_axes=mirror_axes, tta=variants, tile_batch_size=window.tile_batch_size,
                                    device=device, accumulator_device=window.accumulator_device, precision=precision,
-                                   activation="sigmoid" if scheme.has_regions else "softmax")
+                                   activation="sigmoid" if scheme.has_regions else "softmax",
+                                   output_dtype=PROBABILITIES_DTYPE)
         probabilities = p if probabilities is None else probabilities.add_(p)
     assert probabilities is not None
     return probabilities.div_(len(networks))
@@ -203,7 +210,7 @@ def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], 
     ``inference_budget_bytes(device)``; a given ``tile_batch_size`` caps the batch at that number."""
     return plan_inference(config.network, config.patch_size, tuple(image_shape_zyx), num_outputs,
                           inference_budget_bytes(device), device, precision, mirror_axes, variants, step_fraction,
-                          max_tile_batch=tile_batch_size)
+                          max_tile_batch=tile_batch_size, output_dtype=PROBABILITIES_DTYPE)
 
 
 def inference_budget_bytes(device: str) -> int:
@@ -357,10 +364,12 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan,
     channels, scheme = len(plans.channel_names), plans.label_scheme
     preprocess = prediction_preprocess_bytes(shape, after, channels, spacing)
     plan = window(after)
-    on_host = (plan.peak_bytes - CPU_RUNTIME_BYTES if plan.accumulator_device == "cpu" and plan.host_accumulator_bytes
-               == 0 else plan.host_accumulator_bytes + scheme.num_outputs * math.prod(after) * 4)
+    # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
+    # whole of its predicted peak but the runtime, which is in the process's RSS already
+    on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
     return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-            "predict": on_host, "export": export_bytes(shape, after, scheme)["total"]}
+            "predict": on_host,
+            "export": export_bytes(shape, after, scheme, OUTPUT_DTYPES[PROBABILITIES_DTYPE].itemsize)["total"]}
 
 
 def pipeline_budget_bytes() -> int:

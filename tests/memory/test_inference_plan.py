@@ -24,18 +24,19 @@ TOPO2D = NetworkTopology(dim=2, in_channels=1, num_outputs=4, features_per_stage
                          kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)))
 
 
-@pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch"), [
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None),  # batch 4: half a tile's 8 variants
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5),  # 5 pairs of 3 variants: tiles split across passes
-    (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6),  # no TTA, 2D: tiles of different slices share a pass
+@pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch", "output"), [
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32"),  # batch 4: half a tile's 8 variants
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5, "float16"),  # 5 pairs of 3 variants: tiles split across passes
+    (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, "float16"),  # long in z: the accumulator holds a window
+    (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6, "float32"),  # no TTA, 2D: tiles of different slices share a pass
 ])
-def test_planned_peak_matches_the_real_sliding_window(topology, patch, shape, axes, tta, max_batch):
+def test_planned_peak_matches_the_real_sliding_window(topology, patch, shape, axes, tta, max_batch, output):
     plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta,
-                          max_tile_batch=max_batch)
+                          max_tile_batch=max_batch, output_dtype=output)
     assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == "float32"
     assert plan.tile_batch_size == (max_batch or CPU_MAX_TILE_BATCH)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(topology, data, patch, plan.tile_batch_size, "fp32", axes, tta)
+    measured = measure_inference_bytes(topology, data, patch, plan.tile_batch_size, "fp32", axes, tta, output)
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
 
@@ -56,12 +57,19 @@ def test_largest_batch_within_the_budget():
 
 def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     shape, patch = (40, 96, 96), (8, 16, 16)
-    on_device = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2))
-    on_host = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), accumulator_on_device=False)
-    padded = math.prod(shape) * 4
-    held = 3 * padded + padded + math.prod(patch) * 4  # accumulator, weight map, Gaussian
-    assert on_device.peak_bytes - on_host.peak_bytes == held
-    assert on_host.host_accumulator_bytes == held + 2 * 3 * math.prod(patch) * 4  # + the logits, one flipped
+    on_device = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), device="cuda")
+    on_host = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), accumulator_on_device=False,
+                               device="cuda")
+    window = 8 * 96 * 96 * 4  # one batch's z-slices (a patch deep), not the 40 of the image
+    held = 3 * window + window + math.prod(patch) * 4  # accumulator, weight map, Gaussian
+    output = 3 * math.prod(shape) * 4  # the image's probabilities: on the host
+    finishing = window  # the last z-slices' softmax temporary (a window deep), beyond a tile batch here
+    assert on_device.softmax_temp_bytes == finishing > on_device.tile_bytes
+    assert on_device.peak_bytes - on_host.peak_bytes == held + finishing - on_device.tile_bytes
+    assert on_device.host_accumulator_bytes == output
+    assert on_host.host_accumulator_bytes == output + held + 2 * 3 * math.prod(patch) * 4  # + logits, one flipped
+    on_cpu = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2))
+    assert on_cpu.peak_bytes - on_device.peak_bytes == output and on_cpu.host_accumulator_bytes == 0
     budget = predict_device_peak(on_device, "cuda")["total"] - 1  # the accumulator no longer fits beside a tile
     plan = plan_inference(TOPO3D, patch, shape, 3, budget, "cuda", mirror_axes=(0, 1, 2))
     assert plan.accumulator_device == "cpu" and plan.fits and plan.tile_batch_size >= 1

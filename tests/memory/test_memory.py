@@ -3,8 +3,6 @@ real on CPU, the linear timeline model against direct simulation, the device and
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -186,18 +184,19 @@ def test_flops_match_the_convolutions():
     assert training_step_flops(t, b, (16, 16)) == 3 * forward - first
 
 
-@pytest.mark.parametrize("topology, patch, tile_batch, shape, mirror", [
-    (ISO3D, (16, 16, 16), 2, (20, 24, 18), (0,)),
-    (FIVE2D, (32, 32), 3, (2, 40, 36), (0, 1)),
-    (ISO3D, (16, 16, 16), 4, (16, 16, 16), ()),  # one tile: the batch shrinks to it
+@pytest.mark.parametrize("topology, patch, tile_batch, shape, mirror, depth", [
+    (ISO3D, (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # z rows at 0 and 4: a batch stays in one row
+    (FIVE2D, (32, 32), 3, (2, 40, 36), (0, 1), 2),  # 16 (tile, variant) pairs a slice: a batch spans 2 slices
+    (ISO3D, (16, 16, 16), 4, (16, 16, 16), (), 16),  # one tile: the batch shrinks to it
 ])
-def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batch, shape, mirror):
+def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batch, shape, mirror, depth):
     predicted = inference_memory(topology, patch, tile_batch, shape, topology.num_outputs, "fp32", mirror)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
     measured = measure_inference_bytes(topology, data, patch, tile_batch, "fp32", mirror)
     assert abs(predicted.peak_bytes - measured) / measured < 0.01, (predicted.breakdown(), measured)
-    padded = math.prod(max(s, p) for s, p in zip(shape, (1, *patch)[-3:]))
-    assert predicted.accumulator_bytes == topology.num_outputs * padded * 4
+    padded = [max(s, p) for s, p in zip(shape, (1, *patch)[-3:])]
+    # the accumulator: the z-slices one tile batch writes
+    assert predicted.accumulator_bytes == topology.num_outputs * depth * padded[1] * padded[2] * 4
 
 
 def test_inference_memory_checks_num_classes():
@@ -270,13 +269,13 @@ def test_the_plans_optimizer_is_the_one_simulated() -> None:
     assert adam.optimizer_state_bytes == 2 * adam.parameter_bytes + 4 * tensors
 
 
-@pytest.mark.parametrize("regions", [False, True])
+@pytest.mark.parametrize(("regions", "dtype"), [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
 @pytest.mark.parametrize("shape_original, shape_resampled, outputs", [
     ((60, 120, 100), (30, 100, 90), 3),  # resampled up in every axis
     ((40, 80, 80), (40, 160, 160), 5),  # down in-plane
     ((50, 64, 64), (50, 64, 64), 2),  # unchanged
 ])
-def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled, outputs, regions):
+def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled, outputs, regions, dtype):
     """export_bytes against tracemalloc's peak of the real export_segmentation (the probabilities, held by the
     caller, left out): an upper bound, and within 25%."""
     import tracemalloc
@@ -295,11 +294,12 @@ def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled
     labels = {"background": 0, **{f"r{k}": list(range(k + 1, outputs + 1)) for k in range(outputs)}} if regions \
         else {"background": 0, **{f"c{k}": k for k in range(1, outputs)}}
     scheme = LabelScheme.from_labels(labels, tuple(range(1, outputs + 1)) if regions else ())
-    probabilities = torch.rand((scheme.num_outputs, *shape_resampled), generator=torch.Generator().manual_seed(0))
+    probabilities = torch.rand((scheme.num_outputs, *shape_resampled),
+                               generator=torch.Generator().manual_seed(0)).to(dtype)
     tracemalloc.start()
     export_segmentation(probabilities, props, scheme)
     measured = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    terms = export_bytes(shape_original, shape_resampled, scheme)
+    terms = export_bytes(shape_original, shape_resampled, scheme, probabilities.element_size())
     estimate = terms["total"] - terms["probabilities"]
     assert 0.75 * estimate <= measured <= estimate, (measured, estimate)

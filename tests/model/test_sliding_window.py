@@ -314,10 +314,17 @@ def test_buffer_estimate_by_hand() -> None:
     assert sizes["weight_map"] == 640 * 4
     assert sizes["padded_input"] == 2 * 640 * 4
     assert sizes["tile_batch"] == 2 * 2 * 256 * 4 and sizes["tile_logits"] == 2 * 3 * 256 * 4
+    assert sizes["output"] == 3 * 300 * 4  # the unpadded image, float32
     assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
-    # 2D patch: z is never padded
+    # 2D patch: z is never padded; a batch of 2 (of the 4 tiles of a slice) writes one slice
     sizes_2d = inference_buffer_bytes((3, 5, 20), (8, 8), num_outputs=3, tile_batch_size=2, in_channels=2)
-    assert sizes_2d["weight_map"] == 3 * 8 * 20 * 4
+    assert sizes_2d["weight_map"] == 1 * 8 * 20 * 4
+    # a long image: the accumulator holds the z-slices of one batch (tiles at z 0, 2: 2 + 4 slices), not 40;
+    # the output is float16 when asked
+    long = inference_buffer_bytes((40, 8, 8), (4, 8, 8), num_outputs=3, tile_batch_size=2, in_channels=1,
+                                  output_dtype="float16")
+    assert long["accumulator"] == 3 * 6 * 64 * 4 and long["weight_map"] == 6 * 64 * 4
+    assert long["output"] == 3 * 40 * 64 * 2 and long["padded_input"] == 40 * 64 * 4
 
 
 @pytest.mark.parametrize(
@@ -332,7 +339,7 @@ def test_buffer_estimate_matches_the_tensors_allocated(
 
     def record_allocation(*args, **kwargs):
         buffers = allocate(*args, **kwargs)
-        for name in ("padded_input", "accumulator", "weight_map", "gaussian"):
+        for name in ("padded_input", "accumulator", "weight_map", "gaussian", "output"):
             seen[name] = getattr(buffers, name).untyped_storage().nbytes()
         return buffers
 
