@@ -182,16 +182,10 @@ def test_predict_from_an_archive_loads_each_checkpoint_once(archive: Path, tiny_
     assert loads == {CHECKPOINT: 1}
 
 
-PREDICTOR_GAP = pytest.mark.xfail(strict=True, reason="predictor.load_trained_network lets load_state_dict's "
-                                  "RuntimeError and a missing 'network' (KeyError) through instead of an InputError "
-                                  "naming the checkpoint (a workspace checkpoint too); not this module's to change")
-
-
 @pytest.mark.parametrize("checkpoint, named", [
     ({"version": 2, "network": {}, "payload": Path("/etc/passwd")}, "it is not a readable checkpoint"),  # code
-    pytest.param({"version": 2, "network": torch.nn.Linear(2, 2).state_dict()}, "its weights do not fit the planned",
-                 marks=PREDICTOR_GAP),
-    pytest.param({"version": 2}, "holds no network weights", marks=PREDICTOR_GAP),
+    ({"version": 2, "network": torch.nn.Linear(2, 2).state_dict()}, "its weights do not fit the planned"),
+    ({"version": 2}, "holds no network weights"),
 ])
 def test_predict_refuses_a_crafted_checkpoint_naming_the_archive_and_member(
         archive: Path, tiny_dataset: Path, tmp_path: Path, capsys, checkpoint: dict, named: str) -> None:

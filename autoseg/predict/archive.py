@@ -339,6 +339,6 @@ def _in_archive(model: OpenedModel, error: InputError, name: str | None = None) 
     written for a workspace (another --checkpoint, train again) does not apply to an archive: it is dropped."""
     root, text = model.workspace.root, str(error)
     name = name or next((m.name for m in model.manifest.members if str(root / m.name) in text), None)
-    what = text.replace(str(root / name), "it") if name else text
+    what = text.removeprefix(f"{root / name}: ").replace(str(root / name), "it") if name else text
     what = " ".join(what.replace(str(root), "the archive").split()).split("; ")[0]
     return InputError(f"{model.archive}: {f'member {name}: ' if name else ''}{what[:400]}; export the model again")

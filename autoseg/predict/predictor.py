@@ -87,8 +87,16 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
         raise InputError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
     state = read_checkpoint_file(checkpoint_path, "predict with --checkpoint naming another one (best, final, "
                                  "latest), or train this fold again")
+    if not isinstance(state, dict) or not isinstance(state.get("network"), dict):
+        raise InputError(f"{checkpoint_path}: holds no network weights; train this fold again or predict with "
+                         "another --checkpoint")
     network = build_network(config.network)
-    network.load_state_dict(state["network"])
+    try:
+        network.load_state_dict(state["network"])
+    except (RuntimeError, TypeError) as e:  # missing, unexpected or mis-shaped weights
+        raise InputError(f"{checkpoint_path}: its weights do not fit the planned network of {config.name} "
+                         f"({str(e).splitlines()[0]}); it was trained with another plan: train this fold "
+                         "again, or predict with the workspace it was trained in") from e
     return network.to(device).eval()
 
 
