@@ -31,6 +31,7 @@ from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
+from autoseg.predict.predictor import PROBABILITIES_BYTES, PROBABILITIES_DTYPE
 
 __all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "next_patch_up"]
 
@@ -219,22 +220,24 @@ def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
     """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (tile batch 1,
     mirroring on every axis): the terms of the phase holding the peak, then the device's terms."""
     mem = _inference_cached(config.network, tuple(config.patch_size), tuple(config.median_shape_zyx),
-                            plans.label_scheme.num_outputs, precision)
-    tiles = {"parameters": mem.parameter_bytes, "tile_prediction": mem.tile_bytes,
-             "padded_input": mem.padded_input_bytes, "accumulator": mem.accumulator_bytes,
-             "weight_map": mem.weight_map_bytes, "gaussian": mem.gaussian_bytes}
-    softmax = {"parameters": mem.parameter_bytes, "accumulator": mem.accumulator_bytes,
-               "softmax_temp": mem.softmax_temp_bytes}
-    phase, terms = ("tiles", tiles) if sum(tiles.values()) >= sum(softmax.values()) else ("softmax", softmax)
+                            plans.label_scheme.num_outputs, precision, device)
+    held = {"parameters": mem.parameter_bytes, "padded_input": mem.padded_input_bytes,
+            "accumulator": mem.accumulator_bytes, "weight_map": mem.weight_map_bytes, "gaussian": mem.gaussian_bytes,
+            "output": mem.output_bytes}
+    tiles = {**held, "tile_prediction": mem.tile_bytes}
+    finishing = {**held, "softmax_temp": mem.softmax_temp_bytes}
+    phase, terms = ("tiles", tiles) if sum(tiles.values()) >= sum(finishing.values()) else ("finishing", finishing)
     device_terms = predict_device_peak(mem, device)
     return phase, {**terms, **{k: v for k, v in device_terms.items() if k in DEVICE_TERMS}}
 
 
 @functools.lru_cache(maxsize=16)
 def _inference_cached(topology: NetworkTopology, patch_size: tuple[int, ...],
-                      image_shape_zyx: tuple[int, ...], num_outputs: int, precision: str) -> InferenceMemory:
+                      image_shape_zyx: tuple[int, ...], num_outputs: int, precision: str,
+                      device: str) -> InferenceMemory:
     return inference_memory(topology, patch_size, 1, image_shape_zyx, num_outputs, precision,
-                            mirror_axes=tuple(range(topology.dim)))
+                            mirror_axes=tuple(range(topology.dim)), device=device,
+                            output_dtype=PROBABILITIES_DTYPE)
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
@@ -251,7 +254,8 @@ def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None)
         if largest is not median:
             picks.append((f"largest case ({largest[0]})", largest[1], largest[2]))
     return tuple(HostCase(label, before, after, preprocess_worker_bytes(before, after, channels),
-                          export_bytes(before, after, plans.label_scheme)) for label, before, after in picks)
+                          export_bytes(before, after, plans.label_scheme, PROBABILITIES_BYTES))
+                 for label, before, after in picks)
 
 
 def next_patch_up(config: ConfigurationPlan) -> tuple[tuple[int, ...], int]:

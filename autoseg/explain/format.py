@@ -18,8 +18,9 @@ TERM_NAMES = {
     "fragmentation": "allocator fragmentation / cache", "conv_workspace": "convolution workspace",
     "cuda_context": "CUDA context", "runtime": "process runtime",
     "tile_prediction": "one tile batch (network, mirrors)", "padded_input": "padded input (C x volume)",
-    "accumulator": "logit accumulator (K x volume)", "weight_map": "weight map (volume)",
-    "gaussian": "Gaussian (patch)", "softmax_temp": "softmax temporary (volume)",
+    "accumulator": "logit accumulator (K x z-window)", "weight_map": "weight map (z-window)",
+    "gaussian": "Gaussian (patch)", "softmax_temp": "softmax of finished slices (z-window)",
+    "output": "probabilities (K x volume, fp16)",
 }
 FIXED_TERMS = ("parameters", "gradients", "optimizer_state")
 
@@ -135,9 +136,10 @@ def _inference_section(e: Explanation) -> list[str]:
            f"mirroring on every axis, {e.inference_precision}): predicted peak "
            f"{format_bytes(e.inference_total_bytes)}, in the {e.inference_phase} phase.",
            *_terms_table(t, e.inference_total_bytes)]
-    volume = t.get("accumulator", 0)
-    out.append(f"  the accumulator (one fp32 volume per class) is {_pct(volume, e.inference_total_bytes)} of "
-               "it: it grows with the image, the tile term with the patch.")
+    volume = t.get("output", 0)
+    out.append(f"  the probabilities (one fp16 volume per class) are {_pct(volume, e.inference_total_bytes)} of "
+               "it: they grow with the image, the tile term with the patch (the accumulator holds a z-window of "
+               "the image; on CUDA the probabilities are on the host).")
     return out
 
 

@@ -2,17 +2,17 @@
 
 Two phases hold memory on the device:
 
-- tiles: the network's parameters, the call's buffers (padded input, logit accumulator, weight map,
-  Gaussian; ``autoseg.model.sliding_window.inference_buffer_bytes``) and one forward pass. The latter is
-  simulated: the inference code's own ``run_tile_batch`` (the batch of flipped tiles, the network's
-  activations and logits under ``inference_mode``, a tile's logits flipped back) runs under
-  ``FakeTensorMode`` with a ``StorageTracker``.
-- softmax: the input and weight map are freed; the accumulator and one ``(Zp, Yp, Xp)`` fp32 temporary remain.
+- tiles: the network's parameters, the call's buffers (padded input, the logit accumulator and weight map
+  over a z-window of the image, Gaussian, the output; ``autoseg.model.sliding_window.inference_buffer_bytes``)
+  and one forward pass. The latter is simulated: the inference code's own ``run_tile_batch`` (the batch of
+  flipped tiles, the network's activations and logits under ``inference_mode``, a tile's logits flipped back)
+  runs under ``FakeTensorMode`` with a ``StorageTracker``.
+- finishing: after a batch, the finished z-slices' softmax: the buffers and one (window x Yp x Xp) fp32 map.
 
 ``plan_inference`` turns these into choices made before a case starts: the largest tile batch within a
 memory budget and where the accumulator lives (the device, or the host when it does not fit beside a tile).
 
-The probabilities handed back (``(K, Z, Y, X)`` fp32 on the host) belong to the export
+The output (``(K, Z, Y, X)`` probabilities on the host, float16 in prediction) is handed to the export
 (``autoseg.memory.host.export_bytes``).
 """
 

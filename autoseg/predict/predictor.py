@@ -63,6 +63,7 @@ log = logging.getLogger("autoseg")
 # prediction holds (outputs x the image); the label map is their argmax (regions: thresholded at 0.5), so only
 # voxels whose top two classes are within float16's 1e-3 of each other can change.
 PROBABILITIES_DTYPE = "float16"
+PROBABILITIES_BYTES = OUTPUT_DTYPES[PROBABILITIES_DTYPE].itemsize
 
 class CasesFailedError(InputError):
     """Some cases were not predicted because of their input; every other case was written."""
@@ -377,7 +378,7 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan,
     on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
     return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
             "predict": on_host,
-            "export": export_bytes(shape, after, scheme, OUTPUT_DTYPES[PROBABILITIES_DTYPE].itemsize)["total"]}
+            "export": export_bytes(shape, after, scheme, PROBABILITIES_BYTES)["total"]}
 
 
 def pipeline_budget_bytes() -> int:
