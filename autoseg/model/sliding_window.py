@@ -221,6 +221,7 @@ class TileBuffers:
     gaussian: torch.Tensor  # (*patch) fp32, cached and shared
     output: torch.Tensor  # (K, Z, Y, X) probabilities of the unpadded image, on the host
     z0: int = 0  # the padded z-slice the accumulator's first slice holds
+    adding: bool = False  # the output holds other folds' probabilities: add to them
 
 
 def allocate_buffers(
@@ -232,9 +233,11 @@ def allocate_buffers(
     accumulator_device: torch.device,
     depth: int | None = None,
     output_dtype: str = "float32",
+    add_to: torch.Tensor | None = None,
 ) -> TileBuffers:
     """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input. ``depth``: the
-    accumulator's z-slices (``accumulator_depth``; None: all)."""
+    accumulator's z-slices (``accumulator_depth``; None: all). ``add_to``: an output to add the probabilities
+    to (another fold's) instead of a new one."""
     padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
     # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
     # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
@@ -254,8 +257,12 @@ def allocate_buffers(
     else:
         gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
     # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype (float16 halves it)
-    output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=OUTPUT_DTYPES[output_dtype])
-    return TileBuffers(padded_input, accumulator, weight_map, gaussian, output)
+    shape, dtype = (num_outputs, *layout.image_shape_zyx), OUTPUT_DTYPES[output_dtype]
+    if add_to is not None and (tuple(add_to.shape) != shape or add_to.dtype != dtype or add_to.device.type != "cpu"):
+        raise ValueError(f"add_to must be a {dtype} CPU tensor of shape {shape}; got {add_to.dtype} "
+                         f"{tuple(add_to.shape)} on {add_to.device}")
+    output = torch.empty(shape, dtype=dtype) if add_to is None else add_to
+    return TileBuffers(padded_input, accumulator, weight_map, gaussian, output, adding=add_to is not None)
 
 
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -346,6 +353,7 @@ def sliding_window_predict(
     progress: bool = False,
     activation: str = "softmax",
     output_dtype: str = "float32",
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Predict probabilities ``(num_outputs, Z, Y, X)`` in ``output_dtype`` (float32 or float16; CPU) for one
     image: ``activation`` "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the
@@ -359,7 +367,9 @@ def sliding_window_predict(
     averaged. One forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4
     variants in a batch of 8). ``accumulator_device`` (None: ``device``) holds the accumulator, weight map and
     softmax (``autoseg.memory.inference.plan_inference`` chooses it and the batch). ``precision``: "fp32",
-    "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32.
+    "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32. ``add_to``: the output of
+    an earlier call on the same image (another fold), to which this call's probabilities are added and which it
+    returns: a fold ensemble holds one output, not one per fold.
 
     The volume is finished slab by slab along z: tiles run in z order, and once no tile left touches a z-slice
     its logits are averaged, turned into probabilities and written to the output; the accumulator holds only
@@ -385,7 +395,7 @@ def sliding_window_predict(
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
             depth = accumulator_depth(layout, len(variants), tile_batch_size)
             buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device, depth,
-                                       output_dtype)
+                                       output_dtype, add_to)
             del data_t
             _run_tiles(network, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress,
                        activation)
@@ -460,9 +470,15 @@ def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: i
         logits /= logits.sum(dim=0, keepdim=True)
     zs, ys, xs = layout.image_region
     z_from, z_to = max(start, zs.start), min(stop, zs.stop)
-    if z_from < z_to:  # device -> host (a sync) and to the output's dtype
-        buffers.output[:, z_from - zs.start:z_to - zs.start].copy_(
-            logits[:, z_from - start:z_to - start, ys, xs])
+    if z_from >= z_to:
+        return
+    finished = logits[:, z_from - start:z_to - start, ys, xs]
+    target = buffers.output[:, z_from - zs.start:z_to - zs.start]
+    if not buffers.adding:
+        target.copy_(finished)  # device -> host (a sync) and to the output's dtype
+        return
+    for k in range(finished.shape[0]):  # one class at a time: the temporary is one slices x Y x X map
+        target[k].add_(finished[k].to(device=target.device, dtype=target.dtype))
 
 
 def _as_float_tensor(data: np.ndarray | torch.Tensor) -> torch.Tensor:

@@ -182,12 +182,12 @@ def predict_probabilities(data: np.ndarray, case_id: str, networks: list[torch.n
                                          window.describe())
     probabilities = None
     for network in networks:  # fold ensemble: mean of softmax (classes) / sigmoid (regions) probabilities
-        p = sliding_window_predict(network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
-                                   mirror_axes=mirror_axes, tta=variants, tile_batch_size=window.tile_batch_size,
-                                   device=device, accumulator_device=window.accumulator_device, precision=precision,
-                                   activation="sigmoid" if scheme.has_regions else "softmax",
-                                   output_dtype=PROBABILITIES_DTYPE)
-        probabilities = p if probabilities is None else probabilities.add_(p)
+        probabilities = sliding_window_predict(
+            network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
+            mirror_axes=mirror_axes, tta=variants, tile_batch_size=window.tile_batch_size, device=device,
+            accumulator_device=window.accumulator_device, precision=precision,
+            activation="sigmoid" if scheme.has_regions else "softmax", output_dtype=PROBABILITIES_DTYPE,
+            add_to=probabilities)  # the folds add into one output
     assert probabilities is not None
     return probabilities.div_(len(networks))
 
