@@ -28,6 +28,7 @@ from autoseg.memory.inference import InferenceMemory, inference_memory
 from autoseg.memory.training import TrainingMemory, simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
@@ -216,10 +217,12 @@ def _stages(config: ConfigurationPlan, step: TrainingMemory) -> tuple[StageMemor
 
 def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
                      precision: str) -> tuple[str, dict[str, int]]:
-    """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (tile batch 1,
-    mirroring on every axis): the terms of the phase holding the peak, then the device's terms."""
-    mem = _inference_cached(config.network, tuple(config.patch_size), tuple(config.median_shape_zyx),
-                            plans.label_scheme.num_outputs, precision)
+    """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (its planned tile,
+    ``tile_for_image``; tile batch 1, mirroring on every axis): the terms of the phase holding the peak, then the
+    device's terms."""
+    median = tuple(config.median_shape_zyx)
+    mem = _inference_cached(config.network, tile_for_image(config, median), median, plans.label_scheme.num_outputs,
+                            precision)
     tiles = {"parameters": mem.parameter_bytes, "tile_prediction": mem.tile_bytes,
              "padded_input": mem.padded_input_bytes, "accumulator": mem.accumulator_bytes,
              "weight_map": mem.weight_map_bytes, "gaussian": mem.gaussian_bytes}

@@ -119,8 +119,8 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
 
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
-                     mirror_axes: Sequence[int] = (), step_fraction: float = 0.5, tta: int | None = None,
-                     accumulator_on_device: bool = True) -> InferenceMemory:
+                     mirror_axes: Sequence[int] = (), step_fraction: float | Sequence[float] = 0.5,
+                     tta: int | None = None, accumulator_on_device: bool = True) -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
@@ -160,7 +160,8 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
 
 def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
                             tile_batch_size: int = 1, precision: str = "fp32",
-                            mirror_axes: Sequence[int] = (), tta: int | None = None) -> int:
+                            mirror_axes: Sequence[int] = (), tta: int | None = None,
+                            step_fraction: float | Sequence[float] = 0.5) -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
     is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
@@ -172,7 +173,7 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
         tracker.exclude([data_t])
         network = build_network(topology)
         probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
-                                               mirror_axes=tuple(mirror_axes), tta=tta,
+                                               mirror_axes=tuple(mirror_axes), tta=tta, step_fraction=step_fraction,
                                                tile_batch_size=tile_batch_size, precision=precision)
         del probabilities, network
     clear_gaussian_cache()
@@ -212,8 +213,8 @@ class InferencePlan:
 
 def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image_shape_zyx: tuple[int, int, int],
                    num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
-                   mirror_axes: Sequence[int] = (), tta: int | None = None, step_fraction: float = 0.5,
-                   max_tile_batch: int | None = None) -> InferencePlan:
+                   mirror_axes: Sequence[int] = (), tta: int | None = None,
+                   step_fraction: float | Sequence[float] = 0.5, max_tile_batch: int | None = None) -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
