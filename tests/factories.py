@@ -21,7 +21,8 @@ def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2
     topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(8, 16),
                                kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
     config = ConfigurationPlan(name="3d_fullres", spacing_mm=spacing_mm, median_shape_zyx=(12, 28, 28),
-                               patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology)
+                               patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology,
+                               inference_patch_size=(8, 16, 16))
     labels = {"background": 0, "organ": 1, "lesion": 2}
     return Plans(dataset_name="Tiny", channel_names=("MRI",), labels=labels, file_ending=".nii.gz",
                  normalization=("zscore",), use_nonzero_mask=(True,),
@@ -37,8 +38,11 @@ def tiny_topology(num_outputs: int) -> NetworkTopology:
 
 
 def set_configuration(workspace: Workspace, name: str, **changes) -> None:
-    """Rewrite configuration ``name`` of the workspace's plans.json with ``changes``."""
+    """Rewrite configuration ``name`` of the workspace's plans.json with ``changes``; a new ``patch_size`` is the
+    inference tile too unless ``inference_patch_size`` is given (the planned tile was for the old patch)."""
     plans = Plans.from_json(workspace.plans_path)
+    if "patch_size" in changes:
+        changes.setdefault("inference_patch_size", changes["patch_size"])
     config = plans.configuration(name).with_(**changes)
     dataclasses.replace(plans, configurations={**plans.configurations, name: config}).to_json(workspace.plans_path)
 

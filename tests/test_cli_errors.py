@@ -22,7 +22,8 @@ BAD_FLAGS = {
               ("--val-iterations", "0"), ("--seed", "-1"), ("--seed", str(2**32)), ("--loader-workers", "-1"),
               ("--gpus", "0"), ("--time-budget", "0s"), ("--time-budget", "-1h"), ("--time-budget", "soon")],
     "predict": [("--tile-batch-size", "0"), ("--tile-batch-size", "-2"), ("--tile-batch-size", "many"),
-                ("--tta", "x"), ("--tta", "-1"), ("--preprocess-workers", "-1"), ("--export-workers", "two")],
+                ("--tta", "x"), ("--tta", "-1"), ("--preprocess-workers", "-1"), ("--export-workers", "two"),
+                ("--tile", "huge")],
     "demo": [("--num-train", "1"), ("--epochs", "0"), ("--iterations-per-epoch", "-3")],
     "make-demo-dataset": [("--num-train", "0"), ("--num-test", "-1"), ("--seed", "-1")],
 }

@@ -186,3 +186,25 @@ def test_a_tta_count_beyond_the_networks_variants_is_refused_before_any_work(cap
     result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / "out", "-w", trained, "--tta", "9")
     assert_refused(result, 2, "--tta '9'", "8 variants")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_tile_patch_predicts_with_the_training_patch_and_planned_with_the_plans_tile(capsys, caplog, trained: Path,
+                                                                                    inputs: Path, tmp_path: Path):
+    """--tile planned (the default) uses plans.json's inference_patch_size, fitted to each image; --tile patch the
+    training patch, byte for byte what a plan whose tile is the patch predicts. --verbose names each case's tile."""
+    from factories import set_configuration
+
+    from autoseg.core.workspace import Workspace
+
+    before = _predict(capsys, trained, inputs, tmp_path / "before")
+    assert before.status == 0, before.err
+    ws = Path(shutil.copytree(trained, tmp_path / "ws"))
+    set_configuration(Workspace.at(ws), "3d_fullres", inference_patch_size=(12, 24, 24))  # the patch is 8x16x16
+    caplog.set_level("INFO", logger="autoseg")
+    for name, flags in (("planned", ()), ("patch", ("--tile", "patch"))):
+        result = _predict(capsys, ws, inputs, tmp_path / name, "--verbose", *flags)
+        assert result.status == 0, result.err
+        assert f"tile 8x16x16 ({name})" in caplog.text or name == "planned"
+    assert "(planned), " in caplog.text and "tile 8x16x24 (planned), 2 tile(s)" in caplog.text
+    assert snapshot(tmp_path / "patch") == snapshot(tmp_path / "before") != snapshot(tmp_path / "planned")

@@ -172,7 +172,8 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
                              preprocess_workers=args.preprocess_workers, export_workers=args.export_workers)
     written = predict(ws, args.input, args.output, config_name=config, folds=folds,
                       checkpoint=args.checkpoint or "final", mirror=not args.no_mirror,
-                      tile_batch_size=args.tile_batch_size, tta=args.tta, device=resolve_device(args.device),
+                      tile_batch_size=args.tile_batch_size, tta=args.tta, tile=args.tile,
+                      device=resolve_device(args.device),
                       progress=progress, options=options)
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0

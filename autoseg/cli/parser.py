@@ -186,6 +186,10 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tile-batch-size", type=_tile_batch, default=None, metavar="auto|N",
                    help="(tile, mirror variant) inputs per forward pass: auto (the default) takes the largest the "
                         "memory model predicts to fit, at most 4 on CPU; N caps it at N")
+    p.add_argument("--tile", choices=["planned", "patch"], default="planned",
+                   help="the sliding window's tile: planned (the default: plans.json's inference_patch_size, up to "
+                        "the median image and twice the training patch per axis where memory allows; consecutive "
+                        "tiles overlap by half a training patch) or patch (the training patch, at half-patch steps)")
     p.add_argument("--preprocess-workers", type=_workers, default=None, metavar="auto|N",
                    help="cases read and preprocessed ahead on background threads while one is predicted (nnU-Net's "
                         "-npp); auto (the default): as many as the host RAM holds beside the prediction, at most 4 "

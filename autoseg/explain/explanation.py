@@ -26,8 +26,10 @@ from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
 from autoseg.memory.training import TrainingMemory, simulate_training_step
+from autoseg.model.sliding_window import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
@@ -217,9 +219,12 @@ def _stages(config: ConfigurationPlan, step: TrainingMemory) -> tuple[StageMemor
 
 def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
                      precision: str) -> tuple[str, dict[str, int]]:
-    """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (tile batch 1,
-    mirroring on every axis): the terms of the phase holding the peak, then the device's terms."""
-    mem = _inference_cached(config.network, tuple(config.patch_size), tuple(config.median_shape_zyx),
+    """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (its planned tile,
+    ``tile_for_image``, overlapping by half a patch; tile batch 1, mirroring on every axis): the terms of the
+    phase holding the peak, then the device's terms."""
+    median = tuple(config.median_shape_zyx)
+    tile = tile_for_image(config, median)
+    mem = _inference_cached(config.network, tile, overlap_step_fractions(tile, config.patch_size), median,
                             plans.label_scheme.num_outputs, precision, device)
     held = {"parameters": mem.parameter_bytes, "padded_input": mem.padded_input_bytes,
             "accumulator": mem.accumulator_bytes, "weight_map": mem.weight_map_bytes, "gaussian": mem.gaussian_bytes,
@@ -232,11 +237,11 @@ def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
 
 
 @functools.lru_cache(maxsize=16)
-def _inference_cached(topology: NetworkTopology, patch_size: tuple[int, ...],
+def _inference_cached(topology: NetworkTopology, tile_size: tuple[int, ...], step_fraction: tuple[float, ...],
                       image_shape_zyx: tuple[int, ...], num_outputs: int, precision: str,
                       device: str) -> InferenceMemory:
-    return inference_memory(topology, patch_size, 1, image_shape_zyx, num_outputs, precision,
-                            mirror_axes=tuple(range(topology.dim)), device=device,
+    return inference_memory(topology, tile_size, 1, image_shape_zyx, num_outputs, precision,
+                            mirror_axes=tuple(range(topology.dim)), step_fraction=step_fraction, device=device,
                             output_dtype=PROBABILITIES_DTYPE)
 
 

@@ -122,8 +122,8 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
 
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
-                     mirror_axes: Sequence[int] = (), step_fraction: float = 0.5, tta: int | None = None,
-                     accumulator_on_device: bool = True, device: str = "cpu",
+                     mirror_axes: Sequence[int] = (), step_fraction: float | Sequence[float] = 0.5,
+                     tta: int | None = None, accumulator_on_device: bool = True, device: str = "cpu",
                      output_dtype: str = "float32") -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
@@ -145,7 +145,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
                                                          mirror_axes, tta)
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
-                                     num_variants=variants, output_dtype=output_dtype)
+                                     num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction)
     temp = buffers["weight_map"]  # a finished slab's softmax: one (slices x Yp x Xp) fp32 map, the window's at most
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
     # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
@@ -168,7 +168,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
 def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
                             tile_batch_size: int = 1, precision: str = "fp32",
                             mirror_axes: Sequence[int] = (), tta: int | None = None,
-                            output_dtype: str = "float32") -> int:
+                            output_dtype: str = "float32", step_fraction: float | Sequence[float] = 0.5) -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
     is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
@@ -180,7 +180,7 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
         tracker.exclude([data_t])
         network = build_network(topology)
         probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
-                                               mirror_axes=tuple(mirror_axes), tta=tta,
+                                               mirror_axes=tuple(mirror_axes), tta=tta, step_fraction=step_fraction,
                                                tile_batch_size=tile_batch_size, precision=precision,
                                                output_dtype=output_dtype)
         del probabilities, network
@@ -221,8 +221,9 @@ class InferencePlan:
 
 def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image_shape_zyx: tuple[int, int, int],
                    num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
-                   mirror_axes: Sequence[int] = (), tta: int | None = None, step_fraction: float = 0.5,
-                   max_tile_batch: int | None = None, output_dtype: str = "float32") -> InferencePlan:
+                   mirror_axes: Sequence[int] = (), tta: int | None = None,
+                   step_fraction: float | Sequence[float] = 0.5, max_tile_batch: int | None = None,
+                   output_dtype: str = "float32") -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch

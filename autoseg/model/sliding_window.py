@@ -89,7 +89,9 @@ def _axis_starts(size: int, patch: int, step_fraction: float) -> tuple[int, ...]
     ``ceil((size - patch) / (patch * step_fraction)) + 1`` starts, evenly spaced from 0 to ``size - patch``
     (rounded), so consecutive tiles overlap by at least ``1 - step_fraction`` of a patch and the last tile
     ends on the border."""
-    num_steps = math.ceil((size - patch) / (patch * step_fraction)) + 1
+    # 1e-9: a step from overlap_step_fractions (e.g. 48 * (1 - 20 / 48)) may land a rounding error above an
+    # exact number of steps
+    num_steps = math.ceil((size - patch) / (patch * step_fraction) - 1e-9) + 1
     return tuple(int(s) for s in np.round(np.linspace(0, size - patch, num_steps)).astype(int))
 
 
@@ -126,9 +128,11 @@ class TileLayout:
         return [(z, slice(y, y + py), slice(x, x + px)) for z, y, x in itertools.product(*self.axis_starts)]
 
 
-def tile_layout(image_shape_zyx: Sequence[int], patch_size: Sequence[int], step_fraction: float = 0.5) -> TileLayout:
+def tile_layout(image_shape_zyx: Sequence[int], patch_size: Sequence[int],
+                step_fraction: float | Sequence[float] = 0.5) -> TileLayout:
     """The padding and tiles of ``sliding_window_predict`` for an image of ``image_shape_zyx`` (Z, Y, X);
     ``patch_size`` (z, y, x) for a 3D network or (y, x) for a 2D network (each slice tiled over (Y, X)).
+    ``step_fraction``: one for every axis of the patch, or one per axis (``overlap_step_fractions``).
 
     Example: image (3, 5, 20), patch (4, 8, 8), step 0.5 -> padded (4, 8, 20), starts (0,), (0,), (0, 4, 8, 12)
     (ceil(12 / 4) + 1 = 4 along x): 4 tiles.
@@ -137,16 +141,32 @@ def tile_layout(image_shape_zyx: Sequence[int], patch_size: Sequence[int], step_
     if len(image) != 3:
         raise ValueError(f"image_shape_zyx must be (Z, Y, X); got {image}")
     patch = tuple(int(p) for p in patch_size)
-    _check_step_fraction(step_fraction)
+    fractions = _step_fractions(step_fraction, len(patch))
     padded = tuple(max(s, p) for s, p in zip(image, patch_as_zyx(patch), strict=True))
-    tiled = tuple(_axis_starts(s, p, step_fraction) for s, p in zip(padded[-len(patch):], patch, strict=True))
+    tiled = tuple(_axis_starts(s, p, f) for s, p, f in zip(padded[-len(patch):], patch, fractions, strict=True))
     starts = tiled if len(patch) == 3 else (tuple(range(padded[0])), *tiled)  # 2D: every slice
     return TileLayout(image, patch, padded, starts)  # type: ignore[arg-type]
 
 
-def _check_step_fraction(step_fraction: float) -> None:
-    if not 0 < step_fraction <= 1:
-        raise ValueError(f"step_fraction must be in (0, 1]; got {step_fraction}")
+def overlap_step_fractions(tile_size: Sequence[int], patch_size: Sequence[int],
+                           step_fraction: float = 0.5) -> tuple[float, ...]:
+    """Per-axis step fractions of a ``tile_size`` tile that keep the overlap of consecutive tiles, in voxels, what
+    ``step_fraction`` gives the training patch ``patch_size``: ``1 - (1 - step_fraction) * patch / tile``. A tile
+    of twice the patch at step 0.5 steps 3/4 of itself (overlap: half a patch); the patch itself steps 0.5."""
+    if len(tile_size) != len(patch_size):
+        raise ValueError(f"tile {tuple(tile_size)} and patch {tuple(patch_size)} must have as many axes")
+    _step_fractions(step_fraction, len(patch_size))
+    return tuple(1.0 - (1.0 - step_fraction) * p / t for t, p in zip(tile_size, patch_size, strict=True))
+
+
+def _step_fractions(step_fraction: float | Sequence[float], num_axes: int) -> tuple[float, ...]:
+    """One step fraction per patch axis, each in (0, 1]."""
+    fractions = (tuple(float(f) for f in step_fraction) if isinstance(step_fraction, Sequence)
+                 else (float(step_fraction),) * num_axes)
+    if len(fractions) != num_axes or not all(0 < f <= 1 for f in fractions):
+        raise ValueError(f"step_fraction must be in (0, 1], one value or one per patch axis ({num_axes}); "
+                         f"got {step_fraction}")
+    return fractions
 
 
 def patch_as_zyx(patch_size: Sequence[int]) -> tuple[int, int, int]:
@@ -181,6 +201,7 @@ def inference_buffer_bytes(
     precision: str = "fp32",
     num_variants: int = 1,
     output_dtype: str = "float32",
+    step_fraction: float | Sequence[float] = 0.5,
 ) -> dict[str, int]:
     """Bytes held by ``sliding_window_predict``'s buffers (fp32; the logits in ``precision``'s compute dtype),
     network activations excluded.
@@ -191,7 +212,7 @@ def inference_buffer_bytes(
     the image padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits
     flipped back) and the (D x Yp x Xp) fp32 temporary of a finished slab's softmax.
     """
-    layout = tile_layout(image_shape_zyx, patch_size)
+    layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     _, yp, xp = layout.padded_shape_zyx
     window = accumulator_depth(layout, num_variants, tile_batch_size) * yp * xp
     patch_voxels = math.prod(patch_size)
@@ -342,7 +363,7 @@ def sliding_window_predict(
     patch_size: Sequence[int],
     num_outputs: int,
     *,
-    step_fraction: float = 0.5,
+    step_fraction: float | Sequence[float] = 0.5,
     mirror_axes: Sequence[int] = (),
     tta: int | None = None,
     tile_batch_size: int = 1,
@@ -494,7 +515,7 @@ def _check_args(
     data: torch.Tensor,
     patch: tuple[int, ...],
     num_outputs: int,
-    step_fraction: float,
+    step_fraction: float | Sequence[float],
     mirror_axes: tuple[int, ...],
     tile_batch_size: int,
     precision: str,
@@ -507,7 +528,7 @@ def _check_args(
         raise ValueError(f"patch_size must be positive; got {patch}")
     if num_outputs < 1:
         raise ValueError(f"num_outputs must be >= 1; got {num_outputs}")
-    _check_step_fraction(step_fraction)
+    _step_fractions(step_fraction, len(patch))
     if tile_batch_size < 1:
         raise InputError(f"tile_batch_size must be >= 1; got {tile_batch_size}")
     if precision not in PRECISIONS:

@@ -17,6 +17,9 @@ Host RAM: preprocessing processes, and each configuration's loader workers, are 
 ``HOST_RAM_FRACTION`` of the host RAM budget holds (``autoseg.plan.sizing``, with the bytes of
 ``autoseg.memory.host``), capped by the CPU count; no loader workers when training on CPU
 (they would take the cores the training step uses).
+
+Each configuration's inference tile (``inference_patch_size``) is planned last, from its patch, network and
+median image (``autoseg.plan.inference_tile``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.inference_tile import plan_inference_tile
 from autoseg.plan.patch_search import (
     FEATURE_CAP,
     MIN_FEATURE_MAP,
@@ -120,7 +124,10 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     normalization = tuple(scheme_for_channel(c) for c in fp.channel_names)
     use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
     processes, host = host_workers(fp, configs, budget)
-    configs = {name: cfg.with_(**loader_workers(cfg, len(fp.channel_names), budget)) for name, cfg in configs.items()}
+    # the inference tile from the memory model; a plan with a stand-in peak_fn predicts with the training patch
+    configs = {name: cfg.with_(**loader_workers(cfg, len(fp.channel_names), budget), inference_patch_size=(
+        plan_inference_tile(cfg, budget.memory_bytes) if peak_fn is None else cfg.patch_size))
+        for name, cfg in configs.items()}
     return Plans(
         dataset_name=fp.dataset_name, channel_names=fp.channel_names, labels=dict(fp.labels),
         regions_class_order=fp.regions_class_order,

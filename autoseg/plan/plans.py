@@ -16,6 +16,9 @@ from autoseg.core.spacing import compute_new_shape
 from autoseg.dataset.labels import LabelScheme, LabelValue
 from autoseg.model.topology import NetworkTopology
 
+TILE_CHOICES = ("planned", "patch")  # ConfigurationPlan.inference_tile, autoseg predict --tile
+INFERENCE_ONLY_KEYS = ("inference_patch_size",)  # configuration keys training does not read (resume ignores them)
+
 
 @dataclass(frozen=True)
 class IntensityProperties:
@@ -52,10 +55,20 @@ class ConfigurationPlan:
     loader_workers: int = 0
     loader_queue_depth: int = 2
     loader_worker_bytes: float = 0.0
+    # the largest sliding-window tile at prediction (autoseg.plan.inference_tile; each image's is tile_for_image):
+    # a valid shape for the network, at least the patch, larger where memory allows; (): the training patch
+    inference_patch_size: tuple[int, ...] = ()
 
     @property
     def dim(self) -> int:
         return self.network.dim
+
+    def inference_tile(self, tile: str = "planned") -> tuple[int, ...]:
+        """The sliding window's tile: ``tile`` "planned" (``inference_patch_size``, or the patch where none is
+        planned) or "patch" (the training patch; ``autoseg predict --tile patch``)."""
+        if tile not in TILE_CHOICES:
+            raise InputError(f"tile {tile!r} is not one of {list(TILE_CHOICES)} (--tile)")
+        return tuple(self.inference_patch_size or self.patch_size) if tile == "planned" else tuple(self.patch_size)
 
     def case_spacing_mm(self, spacing_mm: tuple[float, float, float]) -> tuple[float, float, float]:
         """The spacing a case of ``spacing_mm`` is resampled to: the plan's; 2D configurations keep the slices."""
@@ -79,16 +92,25 @@ def upgrade_network_payload(network: dict) -> None:
     network.setdefault("architecture", "plain_unet")
 
 
-def _plans_2_to_3(payload: dict) -> dict:
+def _plans_2_to_4(payload: dict) -> dict:
     for config in payload.get("configurations", {}).values():
         upgrade_network_payload(config.get("network", {}))
+    return _plans_3_to_4(payload)
+
+
+def _plans_3_to_4(payload: dict) -> dict:
+    """Schema 4 records the inference tile; a plan from before predicts with its training patch, as it did."""
+    for config in payload.get("configurations", {}).values():
+        if "patch_size" in config:
+            config.setdefault("inference_patch_size", config["patch_size"])
     return payload
 
 
 @dataclass(frozen=True)
 class Plans(Artifact):
-    SCHEMA_VERSION = 3  # 2: loader workers per configuration; 3: network.architecture, network.num_outputs
-    UPGRADES = {2: _plans_2_to_3}  # a workspace planned by the previous version still trains and predicts
+    # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size
+    SCHEMA_VERSION = 4
+    UPGRADES = {2: _plans_2_to_4, 3: _plans_3_to_4}  # a workspace planned by an earlier version still trains, predicts
     KIND = "plans"
 
     dataset_name: str
@@ -152,6 +174,7 @@ class Plans(Artifact):
                 raise InputError(f"{at}: network.in_channels {config.network.in_channels} and num_outputs "
                                  f"{config.network.num_outputs} must be the {channels} channel(s) and {outputs} "
                                  "output(s) of the dataset's channel_names and labels")
+            _check_inference_tile(config, at)
             if len(config.spacing_mm) != 3 or min(config.spacing_mm) <= 0:
                 raise InputError(f"{at}: spacing_mm {list(config.spacing_mm)} must be 3 positive values (z, y, x)")
             if config.device not in ("cpu", "cuda") or config.loader_workers < 0 or config.loader_queue_depth < 1:
@@ -163,3 +186,15 @@ class Plans(Artifact):
         if name not in self.configurations:
             raise InputError(f"no configuration {name!r} in the plans; available: {sorted(self.configurations)}")
         return self.configurations[name]
+
+
+def _check_inference_tile(config: ConfigurationPlan, at: str) -> None:
+    """``inference_patch_size`` must be empty (the patch) or a tile the network can run: one size per axis of the
+    patch, each at least the patch's and a multiple of the strides' product."""
+    tile = config.inference_patch_size
+    divisor = config.network.patch_divisor()
+    if tile and (len(tile) != len(config.patch_size) or any(t < p or t % d for t, p, d in
+                                                            zip(tile, config.patch_size, divisor))):
+        raise InputError(f"{at}: inference_patch_size {list(tile)} must have {len(config.patch_size)} sizes, each at "
+                         f"least the patch_size {list(config.patch_size)} and a multiple of {list(divisor)} (the "
+                         "product of the network's strides); set it to the patch_size to predict with the patch")

@@ -117,8 +117,9 @@ def write_plan(workspace: Workspace, planned: PlannedWorkspace) -> None:
     WorkspaceInfo(dataset_root=str(planned.dataset.root), dataset=planned.source,
                   plans_hash=plans_hash).to_json(workspace.info_path)
     for name, cfg in planned.plans.configurations.items():
-        log.info("plan %s: spacing %s mm, patch %s, batch %d x %d, features %s, strides %s, predicted peak %.2f GiB",
-                 name, tuple(round(s, 3) for s in cfg.spacing_mm), cfg.patch_size, cfg.batch_size,
+        log.info("plan %s: spacing %s mm, patch %s (inference tile %s), batch %d x %d, features %s, strides %s, "
+                 "predicted peak %.2f GiB", name, tuple(round(s, 3) for s in cfg.spacing_mm), cfg.patch_size,
+                 cfg.inference_tile(), cfg.batch_size,
                  cfg.accumulation_steps, cfg.network.features_per_stage, cfg.network.strides,
                  cfg.memory.get("predicted_peak_bytes", 0) / GiB)
         for note in cfg.notes:

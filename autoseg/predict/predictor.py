@@ -47,9 +47,10 @@ from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import OUTPUT_DTYPES, sliding_window_predict
+from autoseg.model.sliding_window import OUTPUT_DTYPES, overlap_step_fractions, sliding_window_predict, tile_layout
 from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.pipeline import Pipeline, plan_pipeline
 from autoseg.predict.probabilities import ProbabilityFile
@@ -144,14 +145,15 @@ def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, conf
 def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                   config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
                   step_fraction: float = 0.5, probabilities_path: Path | None = None, tta: str | None = None,
-                  verbose: bool = False) -> tuple[np.ndarray, CaseProperties]:
+                  verbose: bool = False, tile: str = "planned") -> tuple[np.ndarray, CaseProperties]:
     """Label map (Z, Y, X) of ``data`` (C, Z, Y, X) float32 in its own grid; with ``probabilities_path``
     the probabilities are written there too (``ProbabilityFile``, atomically). The three stages one after the
-    other: ``preprocess_case``, ``predict_probabilities``, ``export_prediction``."""
+    other: ``preprocess_case``, ``predict_probabilities``, ``export_prediction``. ``tile``: the sliding
+    window's tile, "planned" (the plan's inference tile) or "patch" (the training patch)."""
     data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
     probabilities = predict_probabilities(data, case_id, networks, plans, config, mirror=mirror,
                                           tile_batch_size=tile_batch_size, device=device, step_fraction=step_fraction,
-                                          tta=tta, verbose=verbose)
+                                          tta=tta, verbose=verbose, tile=tile)
     del data
     return export_prediction(probabilities, props, plans.label_scheme, probabilities_path), props
 
@@ -166,28 +168,32 @@ def prepare_case(case: Case, plans: Plans, config: ConfigurationPlan) -> tuple[n
 
 def predict_probabilities(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                           config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
-                          step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False) -> torch.Tensor:
+                          step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False,
+                          tile: str = "planned") -> torch.Tensor:
     """(K, Z', Y', X') float32 probabilities (on the host) of a preprocessed image: the mean over ``networks``
     (the folds) of the sliding window's softmax (classes) or sigmoid (regions). ``tta``: the ``--tta`` flag
     (all, none, or the first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none.
     ``tile_batch_size`` None: the largest batch, and the accumulator's place, that ``plan_inference``
-    predicts to fit (``inference_plan``)."""
+    predicts to fit (``inference_plan``). ``tile``: "planned" or "patch", this image's tile (``tile_for_image``);
+    consecutive tiles overlap by ``1 - step_fraction`` of the training patch (``overlap_step_fractions``)."""
     mirror_axes = tuple(range(config.dim)) if mirror else ()
     variants = parse_tta((tta or default_tta(device)) if mirror else "none", len(mirror_axes))
     scheme = plans.label_scheme
     precision = effective_precision(config.precision, device)
     window = inference_plan(config, data.shape[1:], scheme.num_outputs, device, precision, mirror_axes, variants,
-                            step_fraction, tile_batch_size)
-    (log.info if verbose else log.debug)("case %s, input %s: %s", case_id, "x".join(map(str, data.shape[1:])),
-                                         window.describe())
+                            step_fraction, tile_batch_size, tile)
+    tile_size = tile_for_image(config, data.shape[1:], tile, step_fraction)
+    steps = overlap_step_fractions(tile_size, config.patch_size, step_fraction)
+    (log.info if verbose else log.debug)(
+        "case %s, input %s: tile %s (%s), %d tile(s); %s", case_id, "x".join(map(str, data.shape[1:])),
+        "x".join(map(str, tile_size)), tile, tile_layout(data.shape[1:], tile_size, steps).num_tiles, window.describe())
     probabilities = None
     for network in networks:  # fold ensemble: mean of softmax (classes) / sigmoid (regions) probabilities
         probabilities = sliding_window_predict(
-            network, data, config.patch_size, scheme.num_outputs, step_fraction=step_fraction,
-            mirror_axes=mirror_axes, tta=variants, tile_batch_size=window.tile_batch_size, device=device,
-            accumulator_device=window.accumulator_device, precision=precision,
-            activation="sigmoid" if scheme.has_regions else "softmax", output_dtype=PROBABILITIES_DTYPE,
-            add_to=probabilities)  # the folds add into one output
+            network, data, tile_size, scheme.num_outputs, step_fraction=steps, mirror_axes=mirror_axes, tta=variants,
+            tile_batch_size=window.tile_batch_size, device=device, accumulator_device=window.accumulator_device,
+            precision=precision, activation="sigmoid" if scheme.has_regions else "softmax",
+            output_dtype=PROBABILITIES_DTYPE, add_to=probabilities)  # the folds add into one output
     assert probabilities is not None
     return probabilities.div_(len(networks))
 
@@ -214,31 +220,35 @@ def default_tta(device: str) -> str:
 
 def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], num_outputs: int, device: str,
                    precision: str, mirror_axes: tuple[int, ...], variants: int, step_fraction: float,
-                   tile_batch_size: int | None) -> InferencePlan:
-    """How the sliding window runs on this image, chosen before it starts (``plan_inference``) within
-    ``inference_budget_bytes(device)``; a given ``tile_batch_size`` caps the batch at that number."""
-    return plan_inference(config.network, config.patch_size, tuple(image_shape_zyx), num_outputs,
-                          inference_budget_bytes(device), device, precision, mirror_axes, variants, step_fraction,
+                   tile_batch_size: int | None, tile: str = "planned") -> InferencePlan:
+    """How the sliding window runs on this image with ``tile`` ("planned" or "patch": ``predict_probabilities``),
+    chosen before it starts (``plan_inference``) within ``inference_budget_bytes(device)``; a given
+    ``tile_batch_size`` caps the batch at that number."""
+    tile_size = tile_for_image(config, tuple(image_shape_zyx), tile, step_fraction)
+    return plan_inference(config.network, tile_size, tuple(image_shape_zyx), num_outputs,
+                          inference_budget_bytes(device), device, precision, mirror_axes, variants,
+                          overlap_step_fractions(tile_size, config.patch_size, step_fraction),
                           max_tile_batch=tile_batch_size, output_dtype=PROBABILITIES_DTYPE)
 
 
 def inference_budget_bytes(device: str) -> int:
-    """The memory one sliding window may use: 90% of the CUDA device's memory, or half the host RAM available
-    now on CPU (the rest for reading, resampling and export)."""
+    """The memory one sliding window may use (``inference_budget_share``, as the inference tile was planned): 90%
+    of the CUDA device's memory, or half the host RAM available now on CPU (the rest for reading, resampling and
+    export)."""
     if device.startswith("cuda"):
-        return int(0.9 * torch.cuda.get_device_properties(torch.device(device)).total_memory)
-    return available_ram_bytes() // 2
+        return inference_budget_share(device, torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return inference_budget_share(device, available_ram_bytes())
 
 
 def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str | None = None,
             folds: tuple[int, ...] | None = None, checkpoint: str = "final", mirror: bool = True,
             tile_batch_size: int | None = None, device: str = "cpu", progress: bool = True,
-            options: PredictOptions = PredictOptions(), tta: str | None = None) -> list[Path]:
+            options: PredictOptions = PredictOptions(), tta: str | None = None, tile: str = "planned") -> list[Path]:
     """Segment every case in ``inputs`` (folder, file or folder of DICOM series) with the trained folds; write
     into ``output_dir``; the label maps written. ``config_name`` None: the plan's default configuration
     (3d_fullres if planned, else the first). Cases are read ahead and exported behind on background threads
     (``plan_pipeline``). Cases with bad input are skipped and listed at the end (``CasesFailedError``) unless
-    ``options.fail_fast``."""
+    ``options.fail_fast``. ``tile``: "planned" (the plan's inference tile) or "patch" (the training patch)."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)
@@ -249,6 +259,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
     tta = (tta or default_tta(device)) if mirror else "none"
     parse_tta(tta, config.dim)  # a bad --tta fails before any work, not once per case
+    config.inference_tile(tile)  # a bad tile choice too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
     networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
                 for f in folds]
@@ -263,11 +274,12 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     if device == "cpu":
         _choose_cpu_threads(networks[0], config, tile_batch_size or 1)
     segment = partial(predict_probabilities, networks=networks, plans=plans, config=config, mirror=mirror,
-                      tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose)
+                      tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile)
     window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
                      precision=effective_precision(config.precision, device),
                      mirror_axes=tuple(range(config.dim)) if mirror else (),
-                     variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size)
+                     variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size,
+                     tile=tile)
     try:
         return _predict_cases(found, plans, config, segment, window, output_dir, options, progress)
     finally:

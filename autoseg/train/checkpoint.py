@@ -24,7 +24,7 @@ import torch
 from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
 from autoseg.model.checkpoint_file import read_checkpoint_file, write_checkpoint_file
-from autoseg.plan.plans import ConfigurationPlan, upgrade_network_payload
+from autoseg.plan.plans import INFERENCE_ONLY_KEYS, ConfigurationPlan, upgrade_network_payload
 
 
 def loader_seed(run_seed: int, epoch: int, stream: int, generation: int = 0, rank: int = 0) -> int:
@@ -106,6 +106,9 @@ def check_same_plan(state: dict[str, Any], config: ConfigurationPlan, config_nam
         raise InputError(f"{path} belongs to configuration {state['config']!r}, not {config_name!r}")
     saved, now = json.loads(state["plan_configuration"]), json.loads(plan_configuration_json(config))
     upgrade_network_payload(saved.get("network", {}))  # a checkpoint written before plans schema 3
+    for key in INFERENCE_ONLY_KEYS:  # training does not read them (and checkpoints before plans schema 4 lack them)
+        saved.pop(key, None)
+        now.pop(key, None)
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])

@@ -189,9 +189,10 @@ def test_written_files_get_umask_permissions_not_0600(tmp_path: Path) -> None:
     assert loaded.dtype == np.float32 and loaded.shape == (2, 3) and float(loaded[1, 2]) == 5.0
 
 
-def test_plans_of_the_previous_schema_are_read_as_the_current_one(tmp_path: Path) -> None:
-    """A workspace planned before plans schema 3 (network.num_classes, no architecture) still loads, equal to
-    the same plan written now; a version with no upgrade still fails naming the file."""
+def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) -> None:
+    """A workspace planned before plans schema 4 (no inference_patch_size) or 3 (also network.num_classes, no
+    architecture) still loads, equal to the same plan written now with the training patch as its inference tile;
+    a version with no upgrade still fails naming the file."""
     from factories import tiny_plans
 
     from autoseg.plan.plans import Plans
@@ -199,6 +200,11 @@ def test_plans_of_the_previous_schema_are_read_as_the_current_one(tmp_path: Path
     plans = tiny_plans()
     plans.to_json(tmp_path / "plans.json")
     payload = json.loads((tmp_path / "plans.json").read_text())
+    payload["schema_version"] = 3
+    for config in payload["configurations"].values():
+        assert config.pop("inference_patch_size") == config["patch_size"]
+    (tmp_path / "v3.json").write_text(json.dumps(payload))
+    assert Plans.from_json(tmp_path / "v3.json") == plans
     payload["schema_version"] = 2
     for config in payload["configurations"].values():
         config["network"]["num_classes"] = config["network"].pop("num_outputs")
@@ -207,5 +213,5 @@ def test_plans_of_the_previous_schema_are_read_as_the_current_one(tmp_path: Path
     assert Plans.from_json(tmp_path / "old.json") == plans
     payload["schema_version"] = 1
     (tmp_path / "older.json").write_text(json.dumps(payload))
-    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 3"):
+    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 4"):
         Plans.from_json(tmp_path / "older.json")

@@ -16,6 +16,7 @@ from autoseg.memory.inference import (
     measure_inference_bytes,
     plan_inference,
 )
+from autoseg.model.sliding_window import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 
 TOPO3D = NetworkTopology(dim=3, in_channels=2, num_outputs=3, features_per_stage=(4, 8, 16),
@@ -83,3 +84,25 @@ def test_nothing_fits_says_so():
     plan = plan_inference(TOPO3D, (8, 16, 16), (10, 20, 30), 3, 1000, "cuda", mirror_axes=(0, 1, 2))
     assert not plan.fits and plan.tile_batch_size == 1 and plan.accumulator_device == "cpu"
     assert "does not fit" in plan.describe()
+
+
+@pytest.mark.parametrize(("topology", "patch", "tile", "shape", "axes", "tta"), [
+    (TOPO3D, (8, 16, 16), (16, 32, 32), (20, 40, 50), (0, 1, 2), 2),  # 2 patches per axis: 8 tiles (the patch: 96)
+    (TOPO3D, (8, 16, 16), (8, 32, 24), (10, 36, 30), (1, 2), None),  # grown in (y, x) only
+    (TOPO2D, (16, 16), (32, 24), (3, 40, 30), (0, 1), 1),  # 2D
+])
+def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the_patch(topology, patch, tile, shape,
+                                                                                       axes, tta):
+    """The planned inference tile (``autoseg.plan.inference_tile``) at its half-patch overlap steps, as predict runs
+    it: the memory model holds within 1% there too."""
+    steps = overlap_step_fractions(tile, patch)
+    plan = plan_inference(topology, tile, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta,
+                          step_fraction=steps)
+    data = np.random.default_rng(1).standard_normal((topology.in_channels, *shape)).astype(np.float32)
+    measured = measure_inference_bytes(topology, data, tile, plan.tile_batch_size, "fp32", axes, tta,
+                                       step_fraction=steps)
+    predicted = plan.peak_bytes - CPU_RUNTIME_BYTES
+    assert abs(predicted - measured) / measured < 0.01, (plan, measured)
+    patch_plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes,
+                                tta=tta)
+    assert plan.peak_bytes > patch_plan.peak_bytes  # the larger tile's activations are counted, not the patch's

@@ -36,6 +36,9 @@ EDITS = {
     "in_channels": (lambda p, c: c["network"].update(in_channels=2), "in_channels 2"),
     "spacing": (lambda p, c: c.update(spacing_mm=[1.0, 0.0, 1.0]), "spacing_mm [1.0, 0.0, 1.0]"),
     "loader_workers": (lambda p, c: c.update(loader_workers=-1), "loader_workers >= 0"),
+    "tile_not_divisible": (lambda p, c: c.update(inference_patch_size=[8, 20, 17]), "inference_patch_size [8, 20, 17]"),
+    "tile_below_patch": (lambda p, c: c.update(inference_patch_size=[8, 8, 16]), "at least the patch_size [8, 16, 16]"),
+    "tile_2d_for_3d": (lambda p, c: c.update(inference_patch_size=[16, 16]), "must have 3 sizes"),
     "normalization_count": (lambda p, c: p.update(normalization=["zscore", "ct"]), "normalization has 2 entries"),
 }
 

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.model.checkpoint_file import write_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.plan.budget import Budget
+from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.predict import predictor
@@ -257,7 +259,7 @@ def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, f
     geometry = Geometry(ndim=3, size_xyz=(26, 30, 14), spacing_xyz=tuple(reversed(spacing)),
                         origin_xyz=(0.0, 0.0, 0.0), direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0))
     labels, _ = predictor.predict_image(image.copy(), geometry, "x", networks, plans, config, mirror=True,
-                                        tile_batch_size=None, device="cpu", tta="4")
+                                        tile_batch_size=None, device="cpu", tta="4", tile="patch")
     data, _, props = preprocess_case(image.copy(), None, geometry, plans, config, "x")
     probabilities = sum(reference_predict(n, data, config.patch_size, 3, (0, 1, 2), 4) for n in networks) / folds
     expected = reference_labels(probabilities, props)
@@ -266,3 +268,62 @@ def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, f
     assert np.sort(counts)[-2] >= 0.05 * labels.size, counts  # two classes at least: boundaries to get wrong
     differ = np.count_nonzero(labels != expected)
     assert differ <= 0.001 * labels.size, f"{differ} of {labels.size} voxels differ"
+
+
+def test_a_planned_tile_larger_than_the_patch_predicts_a_voxelwise_network_exactly_as_the_patch(
+        trained_workspace, caplog: pytest.LogCaptureFixture) -> None:
+    """Where a voxel's logits do not depend on its neighbours (``box_network``), the planned tile (up to two patches
+    per axis, no larger than the image, half-patch overlap) gives the patch tile's labels voxel for voxel: fewer
+    tiles, same tiling arithmetic. ``--verbose`` names this image's tile and the number of tiles."""
+    _, plans, _ = trained_workspace
+    image, expected = box_case()
+    config = plans.configuration("3d_fullres")
+    config = config.with_(inference_patch_size=tuple(2 * p for p in config.patch_size))
+    spacing = tuple(2 * s for s in config.spacing_mm)
+    geometry = Geometry(ndim=3, size_xyz=image.shape[::-1], spacing_xyz=spacing[::-1], origin_xyz=(0.0, 0.0, 0.0),
+                        direction=tuple(float(v) for v in np.eye(3).ravel()))
+    network = box_network(image)
+    labels = {}
+    with caplog.at_level("INFO", logger="autoseg"):
+        for tile in ("planned", "patch"):
+            labels[tile], _ = predictor.predict_image(image[None], geometry, "box", [network], plans, config,
+                                                      mirror=True, tta="2", tile_batch_size=None, device="cpu",
+                                                      verbose=True, tile=tile)
+    np.testing.assert_array_equal(labels["planned"], labels["patch"])
+    np.testing.assert_array_equal(labels["planned"], expected)
+    logged = re.findall(r"input (\S+): tile (\S+) \((planned|patch)\), (\d+) tile\(s\)", caplog.text)
+    (shape, planned, _, planned_count), (_, patch, _, patch_count) = logged
+    image = tuple(int(v) for v in shape.split("x"))
+    assert planned == "x".join(map(str, tile_for_image(config, image))) != patch  # no larger than the image
+    assert patch == "x".join(map(str, config.patch_size)) and int(planned_count) < int(patch_count)
+    windows = [predictor.inference_plan(config, image, 3, "cpu", "fp32", (0, 1, 2), 2, 0.5, None, tile)
+               for tile in ("planned", "patch")]
+    assert windows[0].peak_bytes > windows[1].peak_bytes  # the memory plan is the planned tile's
+
+
+@pytest.mark.slow
+def test_a_planned_tile_agrees_with_the_patch_on_a_tiny_trained_model(prepared: Path, tmp_path: Path) -> None:
+    """A real network normalizes each tile by its own statistics (instance norm), so a larger tile changes its
+    logits: on the tiny dataset with a 2-stage network trained 40 iterations (8x16x16 patches), a planned tile of
+    12x24x24 (per case 8x16x24 and 8x16x20: 2 and 4 tiles instead of 4 and 8) labels at least 99% of the voxels as
+    the patch does (measured 99.6% and 99.8%); what differs lies mostly at the organ's boundary, where this barely
+    trained model is unsure."""
+    from autoseg.dataset.raw import list_prediction_inputs, load_case
+    from autoseg.train.run_config import RunConfig
+    from autoseg.train.trainer import train
+
+    workspace = Workspace.at(shutil.copytree(prepared, tmp_path / "ws"))
+    train(workspace, "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=40, val_iterations=1, validate=False,
+                                                cpu_threads=1), progress=False)
+    plans = Plans.from_json(workspace.plans_path)
+    config = plans.configuration("3d_fullres").with_(inference_patch_size=(12, 24, 24))
+    network = predictor.load_trained_network(workspace.checkpoint("3d_fullres", 0, "final"), config, "cpu")
+    for case in list_prediction_inputs(workspace.dataset_root() / "imagesTs", 1).cases:
+        data, _, geometry = load_case(case)
+        planned, patch = (predictor.predict_image(data, geometry, case.case_id, [network], plans, config, mirror=False,
+                                                  tile_batch_size=None, device="cpu", tile=tile)[0]
+                          for tile in ("planned", "patch"))
+        assert (planned == patch).mean() >= 0.99, case.case_id
+        differ = planned != patch
+        boundary = maximum_filter(patch, size=3) != minimum_filter(patch, size=3)
+        assert differ.sum() > 0 and (differ & ~boundary).sum() <= 0.5 * differ.sum()
