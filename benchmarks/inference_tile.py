@@ -41,7 +41,8 @@ from autoseg.dataset.imageio import write_image
 from autoseg.dataset.raw import list_prediction_inputs
 from autoseg.evaluate.metrics import evaluate_folder
 from autoseg.memory.inference import plan_inference
-from autoseg.model.sliding_window import overlap_step_fractions, sliding_window_predict, tile_layout
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.model.tta import parse_tta
 from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans

@@ -26,7 +26,7 @@ from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
 from autoseg.memory.training import TrainingMemory, simulate_training_step
-from autoseg.model.sliding_window import overlap_step_fractions
+from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import tile_for_image

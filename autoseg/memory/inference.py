@@ -35,13 +35,11 @@ from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import (
     allocate_buffers,
-    clear_gaussian_cache,
     inference_buffer_bytes,
-    patch_as_zyx,
     run_tile_batch,
     sliding_window_predict,
-    tile_layout,
 )
+from autoseg.model.tiles import clear_gaussian_cache, patch_as_zyx, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants
 

@@ -19,7 +19,7 @@ import math
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.inference import inference_memory
-from autoseg.model.sliding_window import overlap_step_fractions, tile_layout
+from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.plan.plans import ConfigurationPlan
 
 MAX_TILE_MULTIPLE = 2  # per axis: a tile of at most 2 patches (8 patches' voxels in 3D)

@@ -47,7 +47,8 @@ from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import OUTPUT_DTYPES, overlap_step_fractions, sliding_window_predict, tile_layout
+from autoseg.model.sliding_window import OUTPUT_DTYPES, sliding_window_predict
+from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import inference_budget_share, tile_for_image

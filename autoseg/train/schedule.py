@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoseg.core.errors import InputError
-from autoseg.model.sliding_window import tile_layout
+from autoseg.model.tiles import tile_layout
 
 log = logging.getLogger("autoseg.train.trainer")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}

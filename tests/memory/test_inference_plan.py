@@ -16,7 +16,7 @@ from autoseg.memory.inference import (
     measure_inference_bytes,
     plan_inference,
 )
-from autoseg.model.sliding_window import overlap_step_fractions
+from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 
 TOPO3D = NetworkTopology(dim=3, in_channels=2, num_outputs=3, features_per_stage=(4, 8, 16),

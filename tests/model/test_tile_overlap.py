@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from autoseg.model.sliding_window import overlap_step_fractions, sliding_window_predict, tile_layout
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.tiles import overlap_step_fractions, tile_layout
 
 
 def test_the_patch_steps_half_itself_and_a_larger_tile_keeps_half_a_patch_of_overlap() -> None:
