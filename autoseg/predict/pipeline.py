@@ -14,6 +14,7 @@ the process; every output is written under a temporary name (``atomic_path``), s
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,8 +22,14 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from autoseg.core.resources import cpu_count, processes_for
+from autoseg.core.resources import available_ram_bytes, cpu_count, process_rss_bytes, processes_for
 from autoseg.core.units import MiB
+from autoseg.dataset.imageio import read_geometry
+from autoseg.dataset.raw import Case
+from autoseg.memory.device import CPU_RUNTIME_BYTES
+from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
+from autoseg.memory.inference import InferencePlan
+from autoseg.plan.plans import ConfigurationPlan, Plans
 
 log = logging.getLogger("autoseg")
 
@@ -149,3 +156,34 @@ class Pipeline(Generic[Item, Ready]):
             self._pending.popleft().result()
         self._pending.append(self._writers.submit(work))
 
+
+def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, window: Callable[..., InferencePlan],
+                probability_bytes: int) -> dict[str, int]:
+    """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
+    ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
+    host tensors (``window``: ``inference_plan`` for its resampled shape) and its export (``export_bytes``),
+    the crop taken as the whole image."""
+    runtime = process_rss_bytes()
+    if not cases:
+        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
+    geometries = [read_geometry(c.image_paths[0]) if c.series_uid is None else None for c in cases]
+    known = [g for g in geometries if g is not None] or [None]
+    largest = max(known, key=lambda g: 0 if g is None else math.prod(g.shape_zyx))
+    if largest is None:  # a DICOM series: its header is its files; one case per folder, nothing runs beside it
+        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
+    shape, spacing = largest.shape_zyx, largest.spacing_zyx
+    after = config.resampled_shape(shape, spacing)
+    channels, scheme = len(plans.channel_names), plans.label_scheme
+    preprocess = prediction_preprocess_bytes(shape, after, channels, spacing)
+    plan = window(after)
+    # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
+    # whole of its predicted peak but the runtime, which is in the process's RSS already
+    on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
+    return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
+            "predict": on_host,
+            "export": export_bytes(shape, after, scheme, probability_bytes)["total"]}
+
+
+def pipeline_budget_bytes() -> int:
+    """Host RAM the whole prediction may hold: what the process holds now and 90% of the RAM still available."""
+    return process_rss_bytes() + int(0.9 * available_ram_bytes())

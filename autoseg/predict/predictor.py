@@ -16,7 +16,6 @@ a bug) stops the run: the next case would meet it too.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -33,17 +32,14 @@ from autoseg.core.resources import (
     available_ram_bytes,
     choose_cpu_threads,
     peak_rss_bytes,
-    process_rss_bytes,
     reset_peak_rss,
 )
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.cropping import uncrop
-from autoseg.dataset.imageio import Geometry, read_geometry, supported_ending, write_image
+from autoseg.dataset.imageio import Geometry, supported_ending, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, load_case
-from autoseg.memory.device import CPU_RUNTIME_BYTES
-from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
@@ -53,7 +49,7 @@ from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.predict.pipeline import Pipeline, plan_pipeline
+from autoseg.predict.pipeline import Pipeline, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.resampling import resample_channel
@@ -312,7 +308,8 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
         log.info("--continue: %d of %d case(s) already have their output(s); not predicted again",
                  len(done), len(found.cases))
     todo = [c for c in found.cases if c not in done and c.case_id not in failed]
-    stages = plan_pipeline(case_memory(todo, plans, config, window), len(todo), pipeline_budget_bytes(),
+    stages = plan_pipeline(case_memory(todo, plans, config, window, PROBABILITIES_BYTES), len(todo),
+                           pipeline_budget_bytes(),
                            options.preprocess_workers, options.export_workers)
     (log.info if options.verbose else log.debug)("pipeline: %s", stages.describe())
     reset_peak_rss()  # the measured peak below counts from here, as the predicted one does
@@ -365,38 +362,6 @@ def _write_case(probabilities: torch.Tensor, props: CaseProperties, scheme: Labe
         if probabilities_path is not None:  # no probabilities without their label map
             probabilities_path.unlink(missing_ok=True)
         raise
-
-
-def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan,
-                window: Callable[..., InferencePlan]) -> dict[str, int]:
-    """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
-    ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
-    host tensors (``window``: ``inference_plan`` for its resampled shape) and its export (``export_bytes``),
-    the crop taken as the whole image."""
-    runtime = process_rss_bytes()
-    if not cases:
-        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
-    geometries = [read_geometry(c.image_paths[0]) if c.series_uid is None else None for c in cases]
-    known = [g for g in geometries if g is not None] or [None]
-    largest = max(known, key=lambda g: 0 if g is None else math.prod(g.shape_zyx))
-    if largest is None:  # a DICOM series: its header is its files; one case per folder, nothing runs beside it
-        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
-    shape, spacing = largest.shape_zyx, largest.spacing_zyx
-    after = config.resampled_shape(shape, spacing)
-    channels, scheme = len(plans.channel_names), plans.label_scheme
-    preprocess = prediction_preprocess_bytes(shape, after, channels, spacing)
-    plan = window(after)
-    # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
-    # whole of its predicted peak but the runtime, which is in the process's RSS already
-    on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
-    return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-            "predict": on_host,
-            "export": export_bytes(shape, after, scheme, PROBABILITIES_BYTES)["total"]}
-
-
-def pipeline_budget_bytes() -> int:
-    """Host RAM the whole prediction may hold: what the process holds now and 90% of the RAM still available."""
-    return process_rss_bytes() + int(0.9 * available_ram_bytes())
 
 
 def _outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:
