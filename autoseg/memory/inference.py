@@ -187,6 +187,15 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
 
 
 CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)
+# CPU: a batch gains nothing beyond about this many voxels (the measurement above: 4 tiles of 16x40x40); a larger
+# tile is batched less (a 48x192x160 tile: 1), so its activations are not held 4 times for no speed
+CPU_BATCH_VOXELS = CPU_MAX_TILE_BATCH * 16 * 40 * 40
+
+
+def cpu_tile_batch_cap(tile_size: Sequence[int]) -> int:
+    """The most (tile, variant) pairs one forward pass takes on CPU: ``CPU_MAX_TILE_BATCH`` tiles at most,
+    ``CPU_BATCH_VOXELS`` voxels at most, at least 1."""
+    return max(1, min(CPU_MAX_TILE_BATCH, CPU_BATCH_VOXELS // math.prod(int(t) for t in tile_size)))
 CUDA_TILES_PER_BATCH = 2  # CUDA: up to every mirror variant of this many tiles in one forward pass
 
 
@@ -226,14 +235,15 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
     of one, else (CUDA only) it moves to the host. The batch is capped at ``max_tile_batch`` (None:
-    ``CPU_MAX_TILE_BATCH`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
+    ``cpu_tile_batch_cap`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
     number of (tile, variant) pairs. Device memory is nearly affine in the batch (the accumulator's z-window
     grows with the z-span of a batch): two simulations (batch 1, 2) estimate the batch, a third checks it and
     the batch shrinks until it fits. ``output_dtype``: the probabilities' (``sliding_window_predict``).
     """
     num_variants = len(mirror_variants(mirror_axes, tta))
     num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
-    cap = max_tile_batch or (CPU_MAX_TILE_BATCH if device == "cpu" else CUDA_TILES_PER_BATCH * num_variants)
+    cap = max_tile_batch or (cpu_tile_batch_cap(patch_size) if device == "cpu"
+                             else CUDA_TILES_PER_BATCH * num_variants)
     cap = max(1, min(cap, num_items))
 
     def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:

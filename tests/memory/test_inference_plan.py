@@ -12,6 +12,7 @@ from autoseg.core.units import GiB
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
 from autoseg.memory.inference import (
     CPU_MAX_TILE_BATCH,
+    cpu_tile_batch_cap,
     inference_memory,
     measure_inference_bytes,
     plan_inference,
@@ -106,3 +107,13 @@ def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the
     patch_plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes,
                                 tta=tta)
     assert plan.peak_bytes > patch_plan.peak_bytes  # the larger tile's activations are counted, not the patch's
+
+
+def test_cpu_batches_a_large_tile_less():
+    """On CPU a batch stops paying beyond 4 tiles of 16x40x40 (docs/memory.md): a tile of that size batches 4, a
+    GPU-sized one 1 (it held 4x the activations for no speed: 5.7 GiB predicted on a 64x256x256 case)."""
+    assert cpu_tile_batch_cap((16, 40, 40)) == CPU_MAX_TILE_BATCH
+    assert cpu_tile_batch_cap((16, 80, 40)) == 2
+    assert cpu_tile_batch_cap((48, 192, 160)) == 1
+    big = plan_inference(TOPO3D, (32, 64, 64), (40, 80, 80), 3, 4 * GiB, "cpu")
+    assert big.tile_batch_size == 1
