@@ -6,6 +6,6 @@ FLOPs of a step, CPU calibration by timing the training step, GPU FLOP/s), refer
 (``reference``), and ``run.plan_dataset`` (`autoseg plan`).
 
 Owns: ``fingerprint``, ``budget``, ``planner``, ``patch_search``, ``sizing``, ``training_data``, ``plans``,
-``throughput``, ``reference``, ``run``.
+``inference_tile`` (the sliding window's tile at prediction), ``throughput``, ``reference``, ``run``.
 Imports: ``autoseg.memory``, ``autoseg.model``, ``autoseg.dataset``, ``autoseg.core``.
 """
