@@ -251,23 +251,17 @@ def sliding_window_predict(
     an earlier call on the same image (another fold), to which this call's probabilities are added and which it
     returns: a fold ensemble holds one output, not one per fold.
 
-    The volume is finished slab by slab along z: tiles run in z order, and once no tile left touches a z-slice
-    its logits are averaged, turned into probabilities and written to the output; the accumulator holds only
-    the z-slices tiles still add to (``accumulator_depth``), not the whole volume.
+    The volume is finished slab by slab along z (tiles run in z order): the accumulator holds only the z-slices
+    tiles still add to (``accumulator_depth``); the others have gone to the output as probabilities.
     """
     patch = tuple(int(p) for p in patch_size)
     mirror = tuple(int(a) for a in mirror_axes)
     device = torch.device(device)
     acc_device = device if accumulator_device is None else torch.device(accumulator_device)
     data_t = _as_float_tensor(data)
-    _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision, activation,
+                output_dtype)
     variants = mirror_variants(mirror, tta)
-
-    if output_dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}; got {output_dtype!r}")
-
     was_training = network.training
     network.eval()
     try:
@@ -378,7 +372,13 @@ def _check_args(
     mirror_axes: tuple[int, ...],
     tile_batch_size: int,
     precision: str,
+    activation: str,
+    output_dtype: str,
 ) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    if output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}; got {output_dtype!r}")
     if data.ndim != 4:
         raise ValueError(f"data must be (C, Z, Y, X); got shape {tuple(data.shape)}. "
                          "Lift 2D images to Z = 1 and add a channel axis")
