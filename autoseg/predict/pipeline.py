@@ -18,7 +18,6 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -104,7 +103,6 @@ class Pipeline(Generic[Item, Ready]):
 
     def __init__(self, prepare: Callable[[Item], Ready], ahead: int, behind: int) -> None:
         self._prepare, self._ahead, self._behind = prepare, ahead, behind
-        self._stack = ExitStack()
         self._pending: deque[Future] = deque()
         self._readers: ThreadPoolExecutor | None = None
         self._writers: ThreadPoolExecutor | None = None
@@ -164,13 +162,11 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     host tensors (``window``: ``inference_plan`` for its resampled shape) and its export (``export_bytes``),
     the crop taken as the whole image."""
     runtime = process_rss_bytes()
-    if not cases:
+    # a DICOM series has no single header to read; it is alone in its folder, so nothing runs beside it
+    geometries = [read_geometry(c.image_paths[0]) for c in cases if c.series_uid is None]
+    if not geometries:
         return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
-    geometries = [read_geometry(c.image_paths[0]) if c.series_uid is None else None for c in cases]
-    known = [g for g in geometries if g is not None] or [None]
-    largest = max(known, key=lambda g: 0 if g is None else math.prod(g.shape_zyx))
-    if largest is None:  # a DICOM series: its header is its files; one case per folder, nothing runs beside it
-        return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
+    largest = max(geometries, key=lambda g: math.prod(g.shape_zyx))
     shape, spacing = largest.shape_zyx, largest.spacing_zyx
     after = config.resampled_shape(shape, spacing)
     channels, scheme = len(plans.channel_names), plans.label_scheme
