@@ -16,10 +16,12 @@ from autoseg.preprocess.resampling import resample_channel
 from autoseg.preprocess.store import CaseProperties
 
 
-def reference_predict(net: nn.Module, data: np.ndarray, patch: tuple[int, ...], num_outputs: int,
-                       mirror_axes: tuple[int, ...], tta: int | None) -> np.ndarray:
-    """The obvious way: pad with zeros (centred), every tile one at a time, every mirror variant one at a
-    time, a float32 accumulator of Gaussian-weighted logits, divide by the summed weights, softmax, crop."""
+def reference_predict(net: nn.Module | list[nn.Module], data: np.ndarray, patch: tuple[int, ...], num_outputs: int,
+                      mirror_axes: tuple[int, ...], tta: int | None) -> np.ndarray:
+    """The obvious way: pad with zeros (centred), every tile one at a time, every network (fold) and every mirror
+    variant one at a time, their mean logits into a float32 accumulator Gaussian-weighted, divide by the summed
+    weights, softmax, crop."""
+    nets = [net] if isinstance(net, nn.Module) else net
     every = [()] + [(a,) for a in mirror_axes] + [c for c in itertools.combinations(mirror_axes, 2)]
     every += [tuple(mirror_axes)] if len(mirror_axes) == 3 else []
     variants = every[:max(tta, 1)] if tta is not None else every
@@ -47,13 +49,13 @@ def reference_predict(net: nn.Module, data: np.ndarray, patch: tuple[int, ...], 
                 if len(patch) == 2:
                     tile = tile[:, 0]
                 total = torch.zeros((num_outputs, *tile.shape[1:]))
-                for flip in variants:
+                for one_net, flip in itertools.product(nets, variants):
                     dims = [a + 1 for a in flip]
                     with torch.no_grad():
-                        out = net(torch.flip(tile, dims)[None] if dims else tile[None])
+                        out = one_net(torch.flip(tile, dims)[None] if dims else tile[None])
                     out = out[0] if isinstance(out, (list, tuple)) else out
                     total += torch.flip(out[0], dims) if dims else out[0]
-                logits = (total / len(variants)).numpy().reshape(num_outputs, *patch3)
+                logits = (total / (len(variants) * len(nets))).numpy().reshape(num_outputs, *patch3)
                 acc[:, z:z + patch3[0], y:y + patch3[1], x:x + patch3[2]] += logits * gauss
                 weights[z:z + patch3[0], y:y + patch3[1], x:x + patch3[2]] += gauss
     probs = torch.softmax(torch.from_numpy(acc / weights), dim=0).numpy()

@@ -2,7 +2,7 @@
 
 Each function returns its terms and their ``total``; a stage that runs in phases reports each phase and
 the ``total`` is the largest. They follow the code they model (``autoseg.preprocess.preprocessor``,
-``autoseg.predict.predictor.export_segmentation``) and are meant to be
+``autoseg.predict.export``) and are meant to be
 held against measurements of those modules; where a quantity is not known (the crop, the exact path of
 a resampling) they take the larger case. The resampling terms (``resampling_peak_bytes``,
 ``segmentation_resampling_peak_bytes``) follow ``autoseg.preprocess.resampling``.
@@ -27,6 +27,8 @@ from autoseg.dataset.labels import LabelScheme
 WORKER_RUNTIME_BYTES = 150 * MiB
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 _F32, _F64, _I64 = 4, 8, 8
+# What an export holds beyond its arrays (Python objects, numpy's small arrays; tracemalloc measured up to 43 KB)
+_EXPORT_OVERHEAD_BYTES = 64 * KiB
 # Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
 _CALL_OVERHEAD_BYTES = 16 * KiB
 # autoseg.data.augment_spatial interpolates this many label indicator planes per call with the image:
@@ -90,26 +92,51 @@ def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Seque
 
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
                  scheme: LabelScheme, probability_bytes: int = _F32) -> dict[str, int]:
-    """RAM of exporting one prediction (``autoseg.predict.predictor.export_segmentation``), streamed per output.
+    """RAM of exporting one prediction held whole (``autoseg.predict.export.export_segmentation``, the
+    ``--save-probabilities`` path): ``probabilities`` the network's (K, resampled shape) softmax or sigmoid, held
+    throughout, of ``probability_bytes`` per value (4: float32, 2: float16), and ``slab_export_bytes`` with the
+    whole image as one slab."""
+    vr = _voxels(shape_zyx_resampled)
+    terms = {"probabilities": scheme.num_outputs * vr * int(probability_bytes),
+             **slab_export_bytes(shape_zyx_original, shape_zyx_resampled, scheme, int(shape_zyx_resampled[0]),
+                                 probability_bytes)}
+    terms["total"] = terms["probabilities"] + terms.pop("total")
+    return terms
 
-    ``probabilities`` the network's (K, resampled shape) softmax or sigmoid, held throughout, of
-    ``probability_bytes`` per value (4: float32, 2: float16); ``float32_copy`` one output's float32 copy when
-    they are float16; ``class_map`` one output resampled to the original shape (float32) and its resampling
-    temporaries;
-    ``best_score`` the running maximum (float32; plain labels only, regions are painted in order);
-    ``compare`` a bool buffer; ``labels`` the label map and its uncropped copy (``scheme.export_dtype()``).
-    The crop is taken as the whole image.
+
+def slab_export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int], scheme: LabelScheme,
+                      slab_depth: int, probability_bytes: int = _F32) -> dict[str, int]:
+    """RAM of ``autoseg.predict.export.SlabExport`` beside the slabs it is handed (``slab_depth`` z-slices of the
+    resampled image at most, ``probability_bytes`` per value). The crop is taken as the whole image.
+
+    ``labels``: the label map (``scheme.export_dtype()``), uncropped, held throughout. While a slab is exported,
+    one output at a time: ``float32_copy`` its float32 copy (float16 slabs only); ``interpolation`` the largest
+    pass of ``interpolate_separable`` (z, y, x: the previous pass's result and the two gathered float32 arrays of
+    this one; an axis that keeps its size is a view); ``best_score`` the running maximum (float32; plain labels)
+    and ``compare`` a bool mask of the output slab; ``kept`` the input slices across a slab border (K x 3 slices,
+    float32, when the z-axis is resampled); ``taps`` the interpolation's index arrays and small objects.
     """
-    vo, vr, k = _voxels(shape_zyx_original), _voxels(shape_zyx_resampled), scheme.num_outputs
-    label_bytes = np.dtype(scheme.export_dtype()).itemsize
-    resample = resampling_peak_bytes(shape_zyx_resampled, shape_zyx_original, 1, order=1, order_z=0)
+    original, resampled = [int(n) for n in shape_zyx_original], [int(n) for n in shape_zyx_resampled]
+    k, depth = scheme.num_outputs, min(int(slab_depth), resampled[0])
+    out_depth = min(original[0], math.ceil(depth * original[0] / resampled[0]) + 1)
+    # the block after each pass: (out_depth, Y', X'), (out_depth, Y, X'), (out_depth, Y, X)
+    sizes = [out_depth * resampled[1] * resampled[2], out_depth * original[1] * resampled[2],
+             out_depth * original[1] * original[2]]
+    interpolation, previous = 0, 0
+    for axis, size in enumerate(sizes):
+        if original[axis] != resampled[axis]:
+            interpolation = max(interpolation, _F32 * (previous + 2 * size))
+            previous = size
+    plane = resampled[1] * resampled[2]
     terms = {
-        "probabilities": k * vr * int(probability_bytes),
-        "float32_copy": 0 if probability_bytes == _F32 else vr * _F32,
-        "class_map": max(resample, vo * _F32),
-        "best_score": 0 if scheme.has_regions else vo * _F32,
-        "compare": vo,
-        "labels": 2 * vo * label_bytes,
+        "labels": _voxels(original) * np.dtype(scheme.export_dtype()).itemsize,
+        "float32_copy": 0 if probability_bytes == _F32 else depth * plane * _F32,
+        "interpolation": interpolation,
+        "best_score": 0 if scheme.has_regions else _F32 * sizes[2],
+        "compare": sizes[2],
+        "kept": 0 if original[0] == resampled[0] else 3 * k * plane * _F32,
+        # per axis and output voxel a float64 coordinate, int64 indices and a float32 weight, and small arrays
+        "taps": 40 * sum(original) + _EXPORT_OVERHEAD_BYTES,
     }
     terms["total"] = sum(terms.values())
     return terms
@@ -194,7 +221,7 @@ def segmentation_resampling_peak_bytes(
 def _separable_temp_bytes(shape: tuple[int, ...], new_shape: tuple[int, ...]) -> int:
     """Peak temporaries of ``_resample_labels_separable`` beside its output, running sum and best score,
     for a label whose box is the whole volume: the largest of its bool + float32 mask (5 B per input voxel);
-    a pass of ``_interpolate_separable`` (the mask, the pass's float32 input and two gathered float32 arrays
+    a pass of ``interpolate_separable`` (the mask, the pass's float32 input and two gathered float32 arrays
     of its output size; passes go z, y, x); the response with its comparison and selection (9 B per output voxel); the
     final comparisons (4 bool arrays)."""
     n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))

@@ -39,7 +39,7 @@ from autoseg.model.sliding_window import (
     run_tile_batch,
     sliding_window_predict,
 )
-from autoseg.model.tiles import clear_gaussian_cache, patch_as_zyx, tile_layout
+from autoseg.model.tiles import accumulator_depth, clear_gaussian_cache, patch_as_zyx, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants
 
@@ -66,6 +66,7 @@ class InferenceMemory:
     largest_conv_output_bytes: int
     live_allocations_at_peak: int
     tile_batch_size: int = 1  # (tile, mirror variant) pairs per forward pass
+    accumulator_depth: int = 0  # z-slices the accumulator holds: the deepest slab it finishes at once
     host_accumulator_bytes: int = 0  # host bytes on CUDA: the output, and the accumulator etc. when they live there
 
     def breakdown(self) -> dict[str, int]:
@@ -103,11 +104,12 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
         network.eval()
         params = sum(p.numel() * p.element_size() for p in network.parameters())
         image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
-        buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu)  # no real Gaussian
+        buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu,  # no real Gaussian
+                                   on_slab=_discard)
         del image
         items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
         tracker.mark("tiles")
-        run_tile_batch(network, buffers, items, variants, topology.num_outputs, precision)
+        run_tile_batch([network], buffers, items, variants, topology.num_outputs, precision)
         tracker.mark("end")
         del buffers
     start, stop = tracker.index_of("tiles"), tracker.index_of("end")
@@ -118,18 +120,24 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
     return params, int(live[start:].max()) - base, tracker.largest_conv_output_bytes, count
 
 
+def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
+    """A ``SlabSink`` that keeps nothing (the simulation's stand-in buffers have no output)."""
+
+
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
                      mirror_axes: Sequence[int] = (), step_fraction: float | Sequence[float] = 0.5,
                      tta: int | None = None, accumulator_on_device: bool = True, device: str = "cpu",
-                     output_dtype: str = "float32") -> InferenceMemory:
+                     output_dtype: str | None = "float32", num_networks: int = 1) -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
     The tile batch is at most the number of (tile, mirror variant) pairs. ``accumulator_on_device`` False:
     the accumulator, weight map, Gaussian and softmax live on the host (``host_accumulator_bytes``) and
     the device holds the parameters, the padded input and the tile batch. ``device``: "cpu" or "cuda" (where
-    the output counts); ``output_dtype``: the probabilities' (``sliding_window_predict``).
+    the output counts); ``output_dtype``: the probabilities' (``sliding_window_predict``; None: no output, the
+    slabs go to a sink that the caller counts). ``num_networks``: the folds predicted together (each one's
+    parameters are held; one forward pass runs at a time).
     """
     if num_outputs != topology.num_outputs:
         raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
@@ -138,12 +146,14 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
         raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
                          f"{topology.dim}D")
     variants = len(mirror_variants(mirror_axes, tta))
-    num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * variants
-    batch = min(tile_batch_size, num_items)
+    layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
+    batch = min(tile_batch_size, layout.num_tiles * variants)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
                                                          mirror_axes, tta)
+    params *= num_networks
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
-                                     num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction)
+                                     num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction,
+                                     device=device)
     temp = buffers["weight_map"]  # a finished slab's softmax: one (slices x Yp x Xp) fp32 map, the window's at most
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
     # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
@@ -160,7 +170,8 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
         gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
         softmax_temp_bytes=temp if accumulator_on_device else 0, output_bytes=output_here,
         peak_bytes=max(tiles, finishing), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
-        tile_batch_size=batch, host_accumulator_bytes=host)
+        tile_batch_size=batch, accumulator_depth=accumulator_depth(layout, variants, batch),
+        host_accumulator_bytes=host)
 
 
 def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
@@ -212,6 +223,7 @@ class InferencePlan:
     accumulator_device: str  # "cuda" or "cpu"
     accumulator_dtype: str  # always "float32": a tile corner's Gaussian x logit underflows fp16
     num_variants: int  # mirror variants per tile
+    slab_depth: int  # the most z-slices one finished slab holds (the accumulator's depth)
     peak_bytes: int
     host_accumulator_bytes: int
     budget_bytes: int
@@ -230,7 +242,7 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
                    num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
                    mirror_axes: Sequence[int] = (), tta: int | None = None,
                    step_fraction: float | Sequence[float] = 0.5, max_tile_batch: int | None = None,
-                   output_dtype: str = "float32") -> InferencePlan:
+                   output_dtype: str | None = "float32", num_networks: int = 1) -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
@@ -238,7 +250,7 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     ``cpu_tile_batch_cap`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
     number of (tile, variant) pairs. Device memory is nearly affine in the batch (the accumulator's z-window
     grows with the z-span of a batch): two simulations (batch 1, 2) estimate the batch, a third checks it and
-    the batch shrinks until it fits. ``output_dtype``: the probabilities' (``sliding_window_predict``).
+    the batch shrinks until it fits. ``output_dtype``, ``num_networks``: as ``inference_memory``.
     """
     num_variants = len(mirror_variants(mirror_axes, tta))
     num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
@@ -248,7 +260,7 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
 
     def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
         mem = inference_memory(topology, patch_size, batch, image_shape_zyx, num_outputs, precision,
-                               mirror_axes, step_fraction, tta, on_device, device, output_dtype)
+                               mirror_axes, step_fraction, tta, on_device, device, output_dtype, num_networks)
         return mem, predict_device_peak(mem, device)["total"]
 
     placements = (True,) if device == "cpu" else (True, False)
@@ -277,6 +289,6 @@ def _inference_plan(best: tuple[int, str, int, InferenceMemory], choices: list, 
     batch, acc_device, total, mem = best
     others = tuple((b, d, t) for b, d, t, _ in choices if (b, d) != (batch, acc_device))
     return InferencePlan(tile_batch_size=batch, accumulator_device=acc_device, accumulator_dtype="float32",
-                         num_variants=num_variants, peak_bytes=total,
+                         num_variants=num_variants, slab_depth=mem.accumulator_depth, peak_bytes=total,
                          host_accumulator_bytes=mem.host_accumulator_bytes, budget_bytes=budget_bytes, fits=fits,
                          choices=((batch, acc_device, total), *others))

@@ -2,8 +2,10 @@
 or sigmoid (regions).
 
 The core holds no file IO: it takes a normalized, resampled ``(C, Z, Y, X)`` float32 array and returns
-``(num_outputs, Z, Y, X)`` float32 or float16 probabilities on the CPU (``num_outputs``: the network's outputs).
-Reading, preprocessing and exporting live in ``autoseg.predict.predictor``.
+``(num_outputs, Z, Y, X)`` float32 or float16 probabilities on the CPU (``num_outputs``: the network's outputs),
+or hands each finished slab of z-slices to a callback (``on_slab``) and holds no output at all. Several networks
+(the folds of a model) are one ensemble: every tile runs through each of them and their logits are averaged, as
+nnU-Net does. Reading, preprocessing and exporting live in ``autoseg.predict``.
 
 A 3D network sees ``(B, C, pz, py, px)`` tiles. A 2D network (``patch_size`` of 2 values) sees
 ``(B, C, py, px)`` tiles cut from single slices; tiles from different slices share a batch.
@@ -13,11 +15,11 @@ Test-time augmentation averages the logits of the first N ``mirror_variants`` (`
 ``autoseg.model.tiles.tile_layout`` owns the padding and the tiles (``autoseg.memory.inference`` counts them
 with it), and ``run_tile_batch`` one forward pass and its accumulation (the memory model simulates it).
 
-Memory held for the whole call (``inference_buffer_bytes``): the padded input (on the device), the logit
-accumulator and weight map over a z-window (the volume is finished slab by slab) and the Gaussian (on the
-accumulator's device: the device, or the host when they do not fit beside the tiles), the output (host), and
-one tile batch with its logits. Network activations are not counted here
-(``autoseg.memory`` models them).
+Memory held for the whole call (``inference_buffer_bytes``): the padded input (on the device; on CPU the input
+itself when it needs no padding), the logit accumulator and weight map over a z-window (the volume is finished
+slab by slab) and the Gaussian (on the accumulator's device: the device, or the host when they do not fit beside
+the tiles), the output (host; none with ``on_slab``), and one tile batch with its logits. Network activations
+are not counted here (``autoseg.memory`` models them).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -59,28 +62,32 @@ def inference_buffer_bytes(
     in_channels: int,
     precision: str = "fp32",
     num_variants: int = 1,
-    output_dtype: str = "float32",
+    output_dtype: str | None = "float32",
     step_fraction: float | Sequence[float] = 0.5,
+    device: str = "cpu",
 ) -> dict[str, int]:
     """Bytes held by ``sliding_window_predict``'s buffers (fp32; the logits in ``precision``'s compute dtype),
     network activations excluded.
 
-    Keys: ``padded_input`` (C x Zp x Yp x Xp), ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``),
-    ``weight_map`` (D x Yp x Xp), ``gaussian`` (patch), ``output`` (K x Z x Y x X in ``output_dtype``, on the
-    host), ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch), and ``total``. ``Zp, Yp, Xp`` is
-    the image padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits
-    flipped back) and the (D x Yp x Xp) fp32 temporary of a finished slab's softmax.
+    Keys: ``padded_input`` (C x Zp x Yp x Xp; 0 on CPU when the image needs no padding: the input itself is read),
+    ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``), ``weight_map`` (D x Yp x Xp), ``gaussian``
+    (patch), ``output`` (K x Z x Y x X in ``output_dtype``, on the host; 0 for None: the slabs go to ``on_slab``),
+    ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch), and ``total``. ``Zp, Yp, Xp`` is the image
+    padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits flipped back)
+    and the (D x Yp x Xp) fp32 temporary of a finished slab's softmax.
     """
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
+    reads_input = device == "cpu" and not layout.pads
     _, yp, xp = layout.padded_shape_zyx
     window = accumulator_depth(layout, num_variants, tile_batch_size) * yp * xp
     patch_voxels = math.prod(patch_size)
     sizes = {
-        "padded_input": in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
+        "padded_input": 0 if reads_input else in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
         "accumulator": num_outputs * window * _FP32_BYTES,
         "weight_map": window * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
-        "output": num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype].itemsize,
+        "output": 0 if output_dtype is None else
+        num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype].itemsize,
         "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
         "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
     }
@@ -88,20 +95,26 @@ def inference_buffer_bytes(
     return sizes
 
 
+# Where finished probabilities go: ``on_slab(z_start, z_stop, probabilities)`` with the image's z-slices
+# ``[z_start, z_stop)`` as a (K, z_stop - z_start, Y, X) fp32 tensor on the accumulator's device, valid only
+# during the call (its memory is the accumulator's, reused afterwards). Slabs come in z order, each once.
+SlabSink = Callable[[int, int, torch.Tensor], None]
+
+
 @dataclass
 class TileBuffers:
     """The buffers of one ``sliding_window_predict`` call (``inference_buffer_bytes`` counts them). The padded
     input lives on the compute device; the accumulator, weight map and Gaussian on the accumulator's device;
-    the output on the host. The accumulator and weight map hold the padded z-slices ``[z0, z0 + D)`` only:
-    slices before ``z0`` are final and have been written to the output."""
+    the output (if any) on the host. The accumulator and weight map hold the padded z-slices ``[z0, z0 + D)``
+    only: slices before ``z0`` are final and have gone to ``on_slab``."""
 
-    padded_input: torch.Tensor  # (C, Zp, Yp, Xp) fp32
-    accumulator: torch.Tensor  # (K, D, Yp, Xp) fp32, sum over tiles and mirror variants of Gaussian x logits
+    padded_input: torch.Tensor  # (C, Zp, Yp, Xp) fp32 (on CPU the input itself when it needs no padding)
+    accumulator: torch.Tensor  # (K, D, Yp, Xp) fp32, sum over networks, tiles and mirror variants of Gaussian x logits
     weight_map: torch.Tensor  # (D, Yp, Xp) fp32, sum over tiles of the Gaussian
     gaussian: torch.Tensor  # (*patch) fp32, cached and shared
-    output: torch.Tensor  # (K, Z, Y, X) probabilities of the unpadded image, on the host
+    on_slab: SlabSink  # where finished slabs go
+    output: torch.Tensor | None = None  # (K, Z, Y, X) probabilities of the unpadded image on the host, or None
     z0: int = 0  # the padded z-slice the accumulator's first slice holds
-    adding: bool = False  # the output holds other folds' probabilities: add to them
 
 
 def allocate_buffers(
@@ -113,20 +126,21 @@ def allocate_buffers(
     accumulator_device: torch.device,
     depth: int | None = None,
     output_dtype: str = "float32",
-    add_to: torch.Tensor | None = None,
+    on_slab: SlabSink | None = None,
 ) -> TileBuffers:
-    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input. ``depth``: the
-    accumulator's z-slices (``accumulator_depth``; None: all). ``add_to``: an output to add the probabilities
-    to (another fold's) instead of a new one."""
+    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input (on CPU, an
+    image that needs no padding is read where it is). ``depth``: the accumulator's z-slices
+    (``accumulator_depth``; None: all). ``on_slab`` None: an ``output_dtype`` output receives the slabs."""
     padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
-    # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
-    # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
-    # to a 128^3 patch 26.3 vs 27.0 ms, 1x60x400x480 to 512^2 31.4 vs 29.8 ms, 50 / 60 MiB live either way), it
-    # re-derives the placement that tile_layout owns, and where nothing needs padding it hands back the input
-    # itself: on CPU the padded input would then be the caller's array, not the buffer inference_buffer_bytes
-    # counts (tests/memory/test_memory.py's 3 estimate-vs-measurement cases fail by exactly that buffer).
-    padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
-    padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
+    if device.type == "cpu" and not layout.pads and data.device.type == "cpu":
+        padded_input = data  # read only: tiles are copied out of it
+    else:
+        # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
+        # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
+        # to a 128^3 patch 26.3 vs 27.0 ms, 1x60x400x480 to 512^2 31.4 vs 29.8 ms, 50 / 60 MiB live either way),
+        # and it re-derives the placement that tile_layout owns.
+        padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
+        padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
     # K x D x Yp x Xp fp32: the z-slices tiles still add to. fp32, not fp16: a tile corner's Gaussian (exp(-24)
     # for a 3D patch) times a logit underflows fp16 (smallest subnormal 6e-8).
     window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
@@ -136,13 +150,15 @@ def allocate_buffers(
         gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)
     else:
         gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
-    # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype (float16 halves it)
-    shape, dtype = (num_outputs, *layout.image_shape_zyx), OUTPUT_DTYPES[output_dtype]
-    if add_to is not None and (tuple(add_to.shape) != shape or add_to.dtype != dtype or add_to.device.type != "cpu"):
-        raise ValueError(f"add_to must be a {dtype} CPU tensor of shape {shape}; got {add_to.dtype} "
-                         f"{tuple(add_to.shape)} on {add_to.device}")
-    output = torch.empty(shape, dtype=dtype) if add_to is None else add_to
-    return TileBuffers(padded_input, accumulator, weight_map, gaussian, output, adding=add_to is not None)
+    output = None
+    if on_slab is None:  # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype
+        output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=OUTPUT_DTYPES[output_dtype])
+        on_slab = partial(_write_slab, output)
+    return TileBuffers(padded_input, accumulator, weight_map, gaussian, on_slab, output)
+
+
+def _write_slab(output: torch.Tensor, z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
+    output[:, z_start:z_stop].copy_(probabilities)  # device -> host (a sync) and to the output's dtype
 
 
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
@@ -177,18 +193,20 @@ Item = tuple[Region, int]
 
 
 def run_tile_batch(
-    network: nn.Module,
+    networks: Sequence[nn.Module],
     buffers: TileBuffers,
     items: Sequence[Item],
     variants: Sequence[tuple[int, ...]],
     num_outputs: int,
     precision: str,
 ) -> None:
-    """Predict ``items`` in one forward pass and add their Gaussian-weighted logits to the accumulator.
+    """Predict ``items`` with each of ``networks`` in one forward pass each and add their Gaussian-weighted logits
+    to the accumulator.
 
     Held at the peak (``autoseg.memory.inference`` simulates this function): the ``(B, C, *patch)`` fp32
-    input, the network's activations and its ``(B, K, *patch)`` logits, one tile's flipped-back logits (on
-    the accumulator's device, with a copy of the logits there when it is not the compute device).
+    input, one network's activations and its ``(B, K, *patch)`` logits, one tile's flipped-back logits (on
+    the accumulator's device, with a copy of the logits there when it is not the compute device). A network's
+    logits are added and freed before the next network runs.
     """
     shape = buffers.padded_input[(slice(None), *items[0][0])].shape  # C x patch
     # B x C x patch fp32: each tile copied in, flipped as its variant says
@@ -196,18 +214,27 @@ def run_tile_batch(
     for row, (region, v) in zip(tile_batch, items, strict=True):
         tile = buffers.padded_input[(slice(None), *region)]
         row.copy_(torch.flip(tile, [a + 1 for a in variants[v]]) if variants[v] else tile)
-    logits = predict_tile_batch(network, tile_batch, num_outputs, precision)
-    del tile_batch
-    accumulator, weight_map, gaussian = buffers.accumulator, buffers.weight_map, buffers.gaussian
+    for i, network in enumerate(networks):
+        logits = predict_tile_batch(network, tile_batch, num_outputs, precision)
+        if i == len(networks) - 1:
+            del tile_batch  # not held while the last logits are added
+        _accumulate(logits, buffers, items, variants)
+        del logits  # before the next network's forward pass
+    for region, v in items:
+        if v == 0:  # once per tile, whatever the networks and variants (_finish_slices divides by them)
+            buffers.weight_map[_in_window(region, buffers.z0)] += buffers.gaussian
+
+
+def _accumulate(logits: torch.Tensor, buffers: TileBuffers, items: Sequence[Item],
+                variants: Sequence[tuple[int, ...]]) -> None:
+    """Add one forward pass's ``(B, K, *patch)`` logits, each flipped back, Gaussian-weighted, to the accumulator."""
+    accumulator, gaussian = buffers.accumulator, buffers.gaussian
     # to the accumulator's device, once per batch (where it is the host: a B x K x patch copy there, one sync)
     logits = logits.to(accumulator.device)
     for tile_logits, (region, v) in zip(logits, items, strict=True):  # K x patch each
         if variants[v]:
             tile_logits = torch.flip(tile_logits, [a + 1 for a in variants[v]])  # a copy: K x patch
-        local = _in_window(region, buffers.z0)
-        accumulator[(slice(None), *local)].addcmul_(tile_logits, gaussian)  # bf16/fp16 promoted to fp32
-        if v == 0:
-            weight_map[local] += gaussian
+        accumulator[(slice(None), *_in_window(region, buffers.z0))].addcmul_(tile_logits, gaussian)  # fp32
 
 
 def _in_window(region: Region, z0: int) -> Region:
@@ -217,7 +244,7 @@ def _in_window(region: Region, z0: int) -> Region:
 
 
 def sliding_window_predict(
-    network: nn.Module,
+    network: nn.Module | Sequence[nn.Module],
     data: np.ndarray | torch.Tensor,
     patch_size: Sequence[int],
     num_outputs: int,
@@ -233,53 +260,57 @@ def sliding_window_predict(
     progress: bool = False,
     activation: str = "softmax",
     output_dtype: str = "float32",
-    add_to: torch.Tensor | None = None,
-) -> torch.Tensor:
+    on_slab: SlabSink | None = None,
+) -> torch.Tensor | None:
     """Predict probabilities ``(num_outputs, Z, Y, X)`` in ``output_dtype`` (float32 or float16; CPU) for one
     image: ``activation`` "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the
-    averaged logits.
+    averaged logits. With ``on_slab`` (``SlabSink``) each finished slab goes there instead and None is returned:
+    no output volume is held.
 
-    ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
+    ``network``: one network or several (a fold ensemble: each tile runs through every one, and their logits are
+    averaged). ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
     network or (y, x) for a 2D network (then each slice is tiled; tiles of several slices share a batch).
-    The network must already sit on ``device``; it is run in eval mode (its mode is restored afterwards).
+    The networks must already sit on ``device``; they are run in eval mode (their modes are restored afterwards).
     ``mirror_axes`` index the patch's spatial axes; ``tta`` picks the first N of their ``mirror_variants``
     (None: all ``2 ** len(mirror_axes)``): each variant is flipped, predicted and flipped back, and the logits
     averaged. One forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4
     variants in a batch of 8). ``accumulator_device`` (None: ``device``) holds the accumulator, weight map and
     softmax (``autoseg.memory.inference.plan_inference`` chooses it and the batch). ``precision``: "fp32",
-    "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32. ``add_to``: the output of
-    an earlier call on the same image (another fold), to which this call's probabilities are added and which it
-    returns: a fold ensemble holds one output, not one per fold.
+    "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32.
 
     The volume is finished slab by slab along z (tiles run in z order): the accumulator holds only the z-slices
-    tiles still add to (``accumulator_depth``); the others have gone to the output as probabilities.
+    tiles still add to (``accumulator_depth``); the others have gone to the output (or ``on_slab``) as
+    probabilities.
     """
+    networks = [network] if isinstance(network, nn.Module) else list(network)
     patch = tuple(int(p) for p in patch_size)
     mirror = tuple(int(a) for a in mirror_axes)
     device = torch.device(device)
     acc_device = device if accumulator_device is None else torch.device(accumulator_device)
     data_t = _as_float_tensor(data)
     _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision, activation,
-                output_dtype)
+                output_dtype, len(networks))
     variants = mirror_variants(mirror, tta)
-    was_training = network.training
-    network.eval()
+    was_training = [n.training for n in networks]
+    for n in networks:
+        n.eval()
     try:
         with torch.no_grad():
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
             depth = accumulator_depth(layout, len(variants), tile_batch_size)
             buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device, depth,
-                                       output_dtype, add_to)
+                                       output_dtype, on_slab)
             del data_t
-            _run_tiles(network, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress,
+            _run_tiles(networks, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress,
                        activation)
             return buffers.output
     finally:
-        network.train(was_training)
+        for n, mode in zip(networks, was_training, strict=True):
+            n.train(mode)
 
 
 def _run_tiles(
-    network: nn.Module,
+    networks: list[nn.Module],
     buffers: TileBuffers,
     layout: TileLayout,
     variants: list[tuple[int, ...]],
@@ -300,11 +331,11 @@ def _run_tiles(
             batch = items[first:first + tile_batch_size]
             if _z_range(batch[-1][0])[1] - buffers.z0 > depth:
                 _slide(buffers, finished)
-            run_tile_batch(network, buffers, batch, variants, num_outputs, precision)
+            run_tile_batch(networks, buffers, batch, variants, num_outputs, precision)
             bar.update(len(batch))
             done = z_start[first + len(batch)] if first + len(batch) < len(items) else num_slices
             if done > finished:
-                _finish_slices(buffers, layout, finished, done, len(variants), activation)
+                _finish_slices(buffers, layout, finished, done, len(variants) * len(networks), activation)
                 finished = done
 
 
@@ -327,14 +358,15 @@ def _slide(buffers: TileBuffers, z0: int) -> None:
     buffers.z0 = z0
 
 
-def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: int, num_variants: int,
+def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: int, passes: int,
                    activation: str) -> None:
     """Padded z-slices ``[start, stop)`` have all their tiles: their weighted mean logits (every tile added
-    the Gaussian once to the weight map and ``num_variants`` times to the accumulator) become probabilities,
-    in place, and the image's part of them goes to the output. Temporary: one (slices x Yp x Xp) fp32 map."""
+    the Gaussian once to the weight map and ``passes`` (networks x variants) times to the accumulator) become
+    probabilities, in place, and the image's part of them goes to ``on_slab``. Temporary: one
+    (slices x Yp x Xp) fp32 map."""
     lo, hi = start - buffers.z0, stop - buffers.z0
     logits, weights = buffers.accumulator[:, lo:hi], buffers.weight_map[lo:hi]
-    weights.mul_(num_variants)
+    weights.mul_(passes)
     logits /= weights  # weights >= the Gaussian's smallest value > 0 everywhere
     if activation == "sigmoid":
         logits.sigmoid_()  # in place, per region: no temporaries
@@ -344,15 +376,8 @@ def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: i
         logits /= logits.sum(dim=0, keepdim=True)
     zs, ys, xs = layout.image_region
     z_from, z_to = max(start, zs.start), min(stop, zs.stop)
-    if z_from >= z_to:
-        return
-    finished = logits[:, z_from - start:z_to - start, ys, xs]
-    target = buffers.output[:, z_from - zs.start:z_to - zs.start]
-    if not buffers.adding:
-        target.copy_(finished)  # device -> host (a sync) and to the output's dtype
-        return
-    for k in range(finished.shape[0]):  # one class at a time: the temporary is one slices x Y x X map
-        target[k].add_(finished[k].to(device=target.device, dtype=target.dtype))
+    if z_from < z_to:
+        buffers.on_slab(z_from - zs.start, z_to - zs.start, logits[:, z_from - start:z_to - start, ys, xs])
 
 
 def _as_float_tensor(data: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -374,7 +399,10 @@ def _check_args(
     precision: str,
     activation: str,
     output_dtype: str,
+    num_networks: int,
 ) -> None:
+    if num_networks < 1:
+        raise ValueError("sliding_window_predict needs at least one network")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
     if output_dtype not in OUTPUT_DTYPES:

@@ -87,6 +87,11 @@ class TileLayout:
         return math.prod(len(starts) for starts in self.axis_starts)
 
     @property
+    def pads(self) -> bool:
+        """Whether the image is smaller than the patch along some axis (and padded there)."""
+        return self.padded_shape_zyx != self.image_shape_zyx
+
+    @property
     def image_region(self) -> tuple[slice, slice, slice]:
         """Slices of the unpadded image inside the padded ``(Zp, Yp, Xp)`` volume."""
         return tuple(slice((p - s) // 2, (p - s) // 2 + s)  # type: ignore[return-value]

@@ -1,6 +1,7 @@
 """Many cases as a pipeline: while the network predicts case i, background threads read and preprocess the
-next cases and export (resample, argmax, write) the previous ones, like nnU-Net's ``-npp``/``-nps`` processes
-but sized from the host-RAM budget before the first case starts (``plan_pipeline``) and bounded: at most
+next cases and write the previous ones (with ``--save-probabilities``: export them too), like nnU-Net's
+``-npp``/``-nps`` processes but sized from the host-RAM budget before the first case starts (``plan_pipeline``)
+and bounded: at most
 ``preprocess_workers`` cases are read ahead and ``export_workers`` cases wait for their export, so the host
 holds a known number of preprocessed images and probability maps.
 
@@ -21,12 +22,14 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+import numpy as np
+
 from autoseg.core.resources import available_ram_bytes, cpu_count, process_rss_bytes, processes_for
 from autoseg.core.units import MiB
 from autoseg.dataset.imageio import read_geometry
 from autoseg.dataset.raw import Case
 from autoseg.memory.device import CPU_RUNTIME_BYTES
-from autoseg.memory.host import export_bytes, prediction_preprocess_bytes
+from autoseg.memory.host import export_bytes, prediction_preprocess_bytes, slab_export_bytes
 from autoseg.memory.inference import InferencePlan
 from autoseg.plan.plans import ConfigurationPlan, Plans
 
@@ -156,11 +159,14 @@ class Pipeline(Generic[Item, Ready]):
 
 
 def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, window: Callable[..., InferencePlan],
-                probability_bytes: int) -> dict[str, int]:
+                probability_bytes: int | None) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
     ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
-    host tensors (``window``: ``inference_plan`` for its resampled shape) and its export (``export_bytes``),
-    the crop taken as the whole image."""
+    host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the crop taken as the
+    whole image. ``probability_bytes`` None: the export runs slab by slab inside the prediction
+    (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
+    map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
+    (``export_bytes``)."""
     runtime = process_rss_bytes()
     # a DICOM series has no single header to read; it is alone in its folder, so nothing runs beside it
     geometries = [read_geometry(c.image_paths[0]) for c in cases if c.series_uid is None]
@@ -175,9 +181,15 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
     # whole of its predicted peak but the runtime, which is in the process's RSS already
     on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
+    if probability_bytes is None:
+        slabs = slab_export_bytes(shape, after, scheme, plan.slab_depth)["total"]
+        if plan.accumulator_device != "cpu":  # each slab is copied to the host first
+            slabs += scheme.num_outputs * plan.slab_depth * after[1] * after[2] * 4
+        labels = math.prod(shape) * np.dtype(scheme.export_dtype()).itemsize
+        return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
+                "predict": on_host + slabs, "export": 2 * labels}  # the label map and SimpleITK's copy of it
     return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-            "predict": on_host,
-            "export": export_bytes(shape, after, scheme, probability_bytes)["total"]}
+            "predict": on_host, "export": export_bytes(shape, after, scheme, probability_bytes)["total"]}
 
 
 def pipeline_budget_bytes() -> int:

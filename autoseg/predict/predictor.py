@@ -1,12 +1,12 @@
 """Prediction of new scans: preprocess, sliding window over every fold's network, export in the
 input's exact geometry (size, spacing, origin, direction).
 
-Export streams one output channel at a time: each class's probability map is resampled back to the
-cropped original shape and folded into a running argmax (plain labels), or each region's map is
-resampled, thresholded at 0.5 and painted with its ``regions_class_order`` value over the regions before
-it (region-based labels; ``autoseg.dataset.labels``). Host memory grows with the volume (one resampled map, best
-score fp32, labels), not with volume x channels. ``--save-probabilities`` streams the same resampled maps, one
-at a time as float16, into ``{case}.npz`` (``ProbabilityFile``).
+The export runs slab by slab inside the sliding window (``autoseg.predict.export.SlabExport``): each finished
+slab of z-slices is resampled back to the original grid and becomes label-map slices at once, so the image's
+probabilities are never held; the folds are one ensemble (each tile runs through every fold, logits averaged).
+``--save-probabilities`` needs every output's whole map: then the sliding window keeps the probabilities
+(float16, ``PROBABILITIES_DTYPE``) and the export streams the resampled maps, one output at a time, into
+``{case}.npz`` (``ProbabilityFile``) on its way to the label map.
 
 A case whose input is bad (``InputError`` or an unreadable file while it is read) is listed and skipped; the
 run goes on and ends with ``CasesFailedError`` listing them (exit status 2). Any other failure (a full disk,
@@ -37,7 +37,6 @@ from autoseg.core.resources import (
 )
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
-from autoseg.dataset.cropping import uncrop
 from autoseg.dataset.imageio import Geometry, supported_ending, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, load_case
@@ -50,10 +49,10 @@ from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.predict.export import SlabExport, export_segmentation
 from autoseg.predict.pipeline import Pipeline, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.preprocess.preprocessor import preprocess_case
-from autoseg.preprocess.resampling import resample_channel
 from autoseg.preprocess.store import CaseProperties
 
 log = logging.getLogger("autoseg")
@@ -100,37 +99,6 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
     return network.to(device).eval()
 
 
-def export_segmentation(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme | None = None,
-                        on_output: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
-    """(K, Z', Y', X') probabilities in preprocessed space -> label map (Z, Y, X) of label values
-    (``scheme.export_dtype()``) in the original image's array space. ``scheme`` None: plain classes
-    0 .. K-1 (``LabelScheme.for_outputs``). Peak extra memory: one resampled channel + best score (plain
-    labels only) + labels."""
-    num_outputs = probabilities.shape[0]
-    scheme = scheme or LabelScheme.for_outputs(num_outputs)
-    if scheme.num_outputs != num_outputs:
-        raise InputError(f"{num_outputs} probability maps for labels with {scheme.num_outputs} outputs")
-    best_score = None
-    labels = np.zeros(props.shape_after_crop, dtype=scheme.export_dtype())
-    for k in range(num_outputs):
-        channel = probabilities[k].numpy().astype(np.float32, copy=False)  # float16: a float32 copy
-        resampled = resample_channel(channel, props.shape_after_crop, props.target_spacing_mm, order=1, order_z=0)
-        del channel  # not alive while the next output's copy is made
-        if on_output is not None:
-            on_output(k, resampled)
-        if scheme.has_regions:
-            scheme.paint_region(labels, k, resampled)  # later regions overwrite earlier ones
-        elif best_score is None:
-            best_score = resampled
-        else:
-            better = resampled > best_score
-            labels[better] = k
-            np.maximum(best_score, resampled, out=best_score)
-            del better
-        del resampled  # not alive while the next channel is resampled (autoseg.memory.host.export_bytes)
-    return uncrop(labels, props.crop_bbox, props.shape_before_crop, fill=0)
-
-
 def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, *,
                  mirror: bool, tile_batch_size: int | None, device: str, step_fraction: float = 0.5,
                  probabilities_path: Path | None = None) -> tuple[np.ndarray, CaseProperties]:
@@ -145,13 +113,15 @@ def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: 
                   step_fraction: float = 0.5, probabilities_path: Path | None = None, tta: str | None = None,
                   verbose: bool = False, tile: str = "planned") -> tuple[np.ndarray, CaseProperties]:
     """Label map (Z, Y, X) of ``data`` (C, Z, Y, X) float32 in its own grid; with ``probabilities_path``
-    the probabilities are written there too (``ProbabilityFile``, atomically). The three stages one after the
-    other: ``preprocess_case``, ``predict_probabilities``, ``export_prediction``. ``tile``: the sliding
-    window's tile, "planned" (the plan's inference tile) or "patch" (the training patch)."""
+    the probabilities are written there too (``ProbabilityFile``, atomically). The stages one after the other:
+    ``preprocess_case``, then ``predict_labels`` (or ``predict_probabilities`` and ``export_prediction``).
+    ``tile``: the sliding window's tile, "planned" (the plan's inference tile) or "patch" (the training patch)."""
     data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
-    probabilities = predict_probabilities(data, case_id, networks, plans, config, mirror=mirror,
-                                          tile_batch_size=tile_batch_size, device=device, step_fraction=step_fraction,
-                                          tta=tta, verbose=verbose, tile=tile)
+    window = {"mirror": mirror, "tile_batch_size": tile_batch_size, "device": device, "step_fraction": step_fraction,
+              "tta": tta, "verbose": verbose, "tile": tile}
+    if probabilities_path is None:
+        return predict_labels(data, props, case_id, networks, plans, config, **window), props
+    probabilities = predict_probabilities(data, case_id, networks, plans, config, **window)
     del data
     return export_prediction(probabilities, props, plans.label_scheme, probabilities_path), props
 
@@ -165,35 +135,53 @@ def prepare_case(case: Case, plans: Plans, config: ConfigurationPlan) -> tuple[n
 
 
 def predict_probabilities(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
-                          config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
-                          step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False,
-                          tile: str = "planned") -> torch.Tensor:
-    """(K, Z', Y', X') float32 probabilities (on the host) of a preprocessed image: the mean over ``networks``
-    (the folds) of the sliding window's softmax (classes) or sigmoid (regions). ``tta``: the ``--tta`` flag
-    (all, none, or the first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none.
-    ``tile_batch_size`` None: the largest batch, and the accumulator's place, that ``plan_inference``
-    predicts to fit (``inference_plan``). ``tile``: "planned" or "patch", this image's tile (``tile_for_image``);
-    consecutive tiles overlap by ``1 - step_fraction`` of the training patch (``overlap_step_fractions``)."""
+                          config: ConfigurationPlan, **window) -> torch.Tensor:
+    """(K, Z', Y', X') float16 probabilities (on the host) of a preprocessed image: the sliding window's softmax
+    (classes) or sigmoid (regions) of the logits averaged over ``networks`` (the folds) and mirror variants.
+    ``window``: ``_sliding_window``'s options."""
+    probabilities = _sliding_window(data, case_id, networks, plans, config, on_slab=None, **window)
+    assert probabilities is not None
+    return probabilities
+
+
+def predict_labels(data: np.ndarray, props: CaseProperties, case_id: str, networks: list[torch.nn.Module],
+                   plans: Plans, config: ConfigurationPlan, **window) -> np.ndarray:
+    """The label map (Z, Y, X) in the original grid of a preprocessed image, exported slab by slab as the sliding
+    window finishes them (``SlabExport``): the probabilities are never held whole. ``window``: ``_sliding_window``'s
+    options."""
+    export = SlabExport(props, plans.label_scheme, tuple(data.shape[1:]))
+    _sliding_window(data, case_id, networks, plans, config, on_slab=export.add, **window)
+    return export.labels()
+
+
+def _sliding_window(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
+                    config: ConfigurationPlan, *, on_slab: Callable | None, mirror: bool, tile_batch_size: int | None,
+                    device: str, step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False,
+                    tile: str = "planned") -> torch.Tensor | None:
+    """``sliding_window_predict`` over every fold at once with the plan's settings: the probabilities (float16,
+    ``on_slab`` None) or nothing (each slab went to ``on_slab``). ``tta``: the ``--tta`` flag (all, none, or the
+    first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none. ``tile_batch_size`` None: the
+    largest batch, and the accumulator's place, that ``plan_inference`` predicts to fit (``inference_plan``).
+    ``tile``: "planned" or "patch", this image's tile (``tile_for_image``); consecutive tiles overlap by
+    ``1 - step_fraction`` of the training patch (``overlap_step_fractions``)."""
     mirror_axes = tuple(range(config.dim)) if mirror else ()
     variants = parse_tta((tta or default_tta(device)) if mirror else "none", len(mirror_axes))
     scheme = plans.label_scheme
     precision = effective_precision(config.precision, device)
     window = inference_plan(config, data.shape[1:], scheme.num_outputs, device, precision, mirror_axes, variants,
-                            step_fraction, tile_batch_size, tile)
+                            step_fraction, tile_batch_size, tile, streamed=on_slab is not None,
+                            num_networks=len(networks))
     tile_size = tile_for_image(config, data.shape[1:], tile, step_fraction)
     steps = overlap_step_fractions(tile_size, config.patch_size, step_fraction)
     (log.info if verbose else log.debug)(
-        "case %s, input %s: tile %s (%s), %d tile(s); %s", case_id, "x".join(map(str, data.shape[1:])),
-        "x".join(map(str, tile_size)), tile, tile_layout(data.shape[1:], tile_size, steps).num_tiles, window.describe())
-    probabilities = None
-    for network in networks:  # fold ensemble: mean of softmax (classes) / sigmoid (regions) probabilities
-        probabilities = sliding_window_predict(
-            network, data, tile_size, scheme.num_outputs, step_fraction=steps, mirror_axes=mirror_axes, tta=variants,
-            tile_batch_size=window.tile_batch_size, device=device, accumulator_device=window.accumulator_device,
-            precision=precision, activation="sigmoid" if scheme.has_regions else "softmax",
-            output_dtype=PROBABILITIES_DTYPE, add_to=probabilities)  # the folds add into one output
-    assert probabilities is not None
-    return probabilities.div_(len(networks))
+        "case %s, input %s: tile %s (%s), %d tile(s) x %d fold(s); %s", case_id,
+        "x".join(map(str, data.shape[1:])), "x".join(map(str, tile_size)), tile,
+        tile_layout(data.shape[1:], tile_size, steps).num_tiles, len(networks), window.describe())
+    return sliding_window_predict(
+        networks, data, tile_size, scheme.num_outputs, step_fraction=steps, mirror_axes=mirror_axes, tta=variants,
+        tile_batch_size=window.tile_batch_size, device=device, accumulator_device=window.accumulator_device,
+        precision=precision, activation="sigmoid" if scheme.has_regions else "softmax",
+        output_dtype=PROBABILITIES_DTYPE, on_slab=on_slab)
 
 
 def export_prediction(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme,
@@ -218,15 +206,18 @@ def default_tta(device: str) -> str:
 
 def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], num_outputs: int, device: str,
                    precision: str, mirror_axes: tuple[int, ...], variants: int, step_fraction: float,
-                   tile_batch_size: int | None, tile: str = "planned") -> InferencePlan:
-    """How the sliding window runs on this image with ``tile`` ("planned" or "patch": ``predict_probabilities``),
+                   tile_batch_size: int | None, tile: str = "planned", streamed: bool = True,
+                   num_networks: int = 1) -> InferencePlan:
+    """How the sliding window runs on this image with ``tile`` ("planned" or "patch": ``_sliding_window``),
     chosen before it starts (``plan_inference``) within ``inference_budget_bytes(device)``; a given
-    ``tile_batch_size`` caps the batch at that number."""
+    ``tile_batch_size`` caps the batch at that number. ``streamed``: the slabs go to a ``SlabExport`` (no
+    output volume); else a float16 output. ``num_networks``: the folds predicted together."""
     tile_size = tile_for_image(config, tuple(image_shape_zyx), tile, step_fraction)
     return plan_inference(config.network, tile_size, tuple(image_shape_zyx), num_outputs,
                           inference_budget_bytes(device), device, precision, mirror_axes, variants,
                           overlap_step_fractions(tile_size, config.patch_size, step_fraction),
-                          max_tile_batch=tile_batch_size, output_dtype=PROBABILITIES_DTYPE)
+                          max_tile_batch=tile_batch_size, output_dtype=None if streamed else PROBABILITIES_DTYPE,
+                          num_networks=num_networks)
 
 
 def inference_budget_bytes(device: str) -> int:
@@ -271,13 +262,13 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     threads = torch.get_num_threads()
     if device == "cpu":
         _choose_cpu_threads(networks[0], config)
-    segment = partial(predict_probabilities, networks=networks, plans=plans, config=config, mirror=mirror,
+    segment = partial(_segment_case, networks=networks, plans=plans, config=config, mirror=mirror,
                       tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile)
     window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
                      precision=effective_precision(config.precision, device),
                      mirror_axes=tuple(range(config.dim)) if mirror else (),
                      variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size,
-                     tile=tile)
+                     tile=tile, streamed=not options.save_probabilities, num_networks=len(networks))
     try:
         return _predict_cases(found, plans, config, segment, window, output_dir, options, progress)
     finally:
@@ -307,11 +298,11 @@ def probe_shape(patch_size: tuple[int, ...], divisor: tuple[int, ...]) -> tuple[
 
 
 def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationPlan,
-                   segment: Callable[[np.ndarray, str], torch.Tensor], window: Callable[..., InferencePlan],
+                   segment: Callable[..., Callable[[], None]], window: Callable[..., InferencePlan],
                    output_dir: Path, options: PredictOptions, progress: bool) -> list[Path]:
     """Every case that is not done and has no problem: read and preprocess it (``prepare_case``, ahead),
-    ``segment`` it (``predict_probabilities`` with the networks and window settings bound), export and write
-    it (``_write_case``, behind); raise CasesFailedError at the end listing the bad cases."""
+    ``segment`` it (``_segment_case`` with the networks and window settings bound) and write it (behind); raise
+    CasesFailedError at the end listing the bad cases."""
     written: list[Path] = []
     failed = dict(found.problems)  # case id -> why
     done = [c for c in found.cases if options.skip_existing and c.case_id not in failed
@@ -320,7 +311,9 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
         log.info("--continue: %d of %d case(s) already have their output(s); not predicted again",
                  len(done), len(found.cases))
     todo = [c for c in found.cases if c not in done and c.case_id not in failed]
-    stages = plan_pipeline(case_memory(todo, plans, config, window, PROBABILITIES_BYTES), len(todo),
+    streamed = not options.save_probabilities
+    stages = plan_pipeline(case_memory(todo, plans, config, window, None if streamed else PROBABILITIES_BYTES),
+                           len(todo),
                            pipeline_budget_bytes(),
                            options.preprocess_workers, options.export_workers)
     (log.info if options.verbose else log.debug)("pipeline: %s", stages.describe())
@@ -338,12 +331,11 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
                     failed[case.case_id] = str(e) if isinstance(e, InputError) else f"{e.filename}: {e.strerror}"
                     log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
                     continue
-                probabilities = segment(data, case.case_id)
-                del data
                 labels_path, *probabilities_path = _outputs(case, output_dir, options.save_probabilities)
-                pipeline.finish(partial(_write_case, probabilities, props, plans.label_scheme, labels_path,
-                                        probabilities_path[0] if probabilities_path else None))
-                del probabilities  # the export holds it until written
+                write = segment(data, props, case.case_id, labels_path,
+                                probabilities_path[0] if probabilities_path else None)
+                del data
+                pipeline.finish(write)
                 written.append(labels_path)
     except BaseException:
         if failed:  # the error itself is reported by the caller
@@ -363,16 +355,29 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
     return written
 
 
+def _segment_case(data: np.ndarray, props: CaseProperties, case_id: str, labels_path: Path,
+                  probabilities_path: Path | None, *, networks: list[torch.nn.Module], plans: Plans,
+                  config: ConfigurationPlan, **window) -> Callable[[], None]:
+    """Predict one preprocessed case and return what is left to do behind (an export thread): write its label map
+    (exported slab by slab already, ``predict_labels``), or, with ``probabilities_path``, export its probabilities
+    into that file and the label map (``_write_case``)."""
+    if probabilities_path is None:
+        labels = predict_labels(data, props, case_id, networks, plans, config, **window)
+        return partial(write_image, labels_path, labels, props.geometry)
+    probabilities = predict_probabilities(data, case_id, networks, plans, config, **window)
+    return partial(_write_case, probabilities, props, plans.label_scheme, labels_path, probabilities_path)
+
+
 def _write_case(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme, labels_path: Path,
-                probabilities_path: Path | None) -> None:
-    """Export one case and write its label map (atomically; a failed write raises WriteError naming it); its
-    probabilities file is removed if the label map could not be written."""
+                probabilities_path: Path) -> None:
+    """Export one case's probabilities into ``probabilities_path`` and its label map, and write the label map
+    (atomically; a failed write raises WriteError naming it); the probabilities file is removed if the label map
+    could not be written."""
     labels = export_prediction(probabilities, props, scheme, probabilities_path)
     try:
         write_image(labels_path, labels, props.geometry)
     except BaseException:
-        if probabilities_path is not None:  # no probabilities without their label map
-            probabilities_path.unlink(missing_ok=True)
+        probabilities_path.unlink(missing_ok=True)  # no probabilities without their label map
         raise
 
 

@@ -151,7 +151,7 @@ def resample_segmentation(
 
     Linear / nearest (``order`` and ``order_z`` <= 1, what preprocessing uses) take a faster path with the
     same result up to float32 rounding (ties may break differently): each label's response is computed
-    only inside the output box its voxels can reach (``_interpolate_separable``), and the most frequent
+    only inside the output box its voxels can reach (``interpolate_separable``), and the most frequent
     label's response is not computed at all but is one minus the others' (linear weights sum to one).
     Memory: a float32 running sum instead of the response; one label's box at a time.
     """
@@ -193,7 +193,7 @@ def resample_segmentation(
     return out
 
 
-def _axis_taps(n_in: int, n_out: int, order: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def axis_taps(n_in: int, n_out: int, order: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each output index along an axis: the two input indices it interpolates (clamped to the edge)
     and the weight of the second (0 for nearest), on the grid of the module docstring."""
     coord = (np.arange(n_out) + 0.5) * (n_in / n_out) - 0.5
@@ -206,11 +206,15 @@ def _axis_taps(n_in: int, n_out: int, order: int) -> tuple[np.ndarray, np.ndarra
     return np.clip(low, 0, n_in - 1), np.clip(low + 1, 0, n_in - 1), weight
 
 
-def _interpolate_separable(block: np.ndarray, taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-                           ) -> np.ndarray:
+def interpolate_separable(block: np.ndarray, taps: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                          ) -> np.ndarray:
     """Linear / nearest interpolation of float32 ``block`` one axis at a time with precomputed ``taps``
-    (indices into ``block`` and weights per axis)."""
+    (``axis_taps``: indices into ``block`` and weights per axis). An axis whose taps read consecutive voxels with
+    no weight is sliced, not copied: when every axis is, the result is a view of ``block``."""
     for axis, (low, high, weight) in enumerate(taps):
+        if not np.any(weight) and len(low) and np.array_equal(low, np.arange(low[0], low[0] + len(low))):
+            block = block[(slice(None),) * axis + (slice(int(low[0]), int(low[0]) + len(low)),)]
+            continue
         shape = [1] * block.ndim
         shape[axis] = -1
         w = weight.reshape(shape)
@@ -229,7 +233,7 @@ def _resample_labels_separable(seg: np.ndarray, labels: list[int], out: np.ndarr
                                orders: tuple[int, ...]) -> np.ndarray:
     """``resample_segmentation``'s fast path (see its docstring) into ``out`` ``(1, *new_shape)``."""
     shape, new_shape = seg.shape[1:], out.shape[1:]
-    taps = [_axis_taps(n_in, n_out, o) for n_in, n_out, o in zip(shape, new_shape, orders, strict=True)]
+    taps = [axis_taps(n_in, n_out, o) for n_in, n_out, o in zip(shape, new_shape, orders, strict=True)]
     counts = {label: 0 for label in labels}
     for k in range(shape[0]):  # slice by slice: no volume-sized temporaries
         values, n = np.unique(seg[0, k], return_counts=True)
@@ -243,7 +247,7 @@ def _resample_labels_separable(seg: np.ndarray, labels: list[int], out: np.ndarr
         if label == dominant:
             continue
         box_in, box_out, box_taps = _label_box(seg[0], label, taps)
-        response = _interpolate_separable((seg[0][box_in] == label).astype(np.float32), box_taps)
+        response = interpolate_separable((seg[0][box_in] == label).astype(np.float32), box_taps)
         others_sum[box_out] += response
         best = best_score[box_out]  # a view: updated in place
         better = response > best

@@ -207,12 +207,14 @@ def test_inference_memory_checks_num_classes():
 def test_export_streams_classes():
     small = export_bytes((40, 50, 60), (30, 40, 50), LabelScheme.plain(2))
     large = export_bytes((40, 50, 60), (30, 40, 50), LabelScheme.plain(12))
-    # only the network's probabilities grow with the classes; the original-shape buffers do not
-    assert large["total"] - small["total"] == 10 * 30 * 40 * 50 * 4
+    # only the network's probabilities (and the 3 slices kept across a slab border) grow with the classes; the
+    # original-shape buffers do not
+    assert large["total"] - small["total"] == 10 * 30 * 40 * 50 * 4 + 10 * 3 * 40 * 50 * 4
     assert large["best_score"] == small["best_score"] == 40 * 50 * 60 * 4
-    # the label maps' dtype is the scheme's export dtype: uint8 up to 256 label values, int16 beyond
-    assert export_bytes((4, 5, 6), (4, 5, 6), LabelScheme.plain(200))["labels"] == 2 * 120 * 1
-    assert export_bytes((4, 5, 6), (4, 5, 6), LabelScheme.plain(300))["labels"] == 2 * 120 * 2
+    # the label map's dtype is the scheme's export dtype: uint8 up to 256 label values, int16 beyond; it is
+    # written into the uncropped volume, no copy
+    assert export_bytes((4, 5, 6), (4, 5, 6), LabelScheme.plain(200))["labels"] == 120 * 1
+    assert export_bytes((4, 5, 6), (4, 5, 6), LabelScheme.plain(300))["labels"] == 120 * 2
 
 
 def test_preprocess_worker_bytes_phases():
@@ -281,7 +283,7 @@ def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled
     import tracemalloc
 
     from autoseg.dataset.imageio import Geometry
-    from autoseg.predict.predictor import export_segmentation
+    from autoseg.predict.export import export_segmentation
     from autoseg.preprocess.store import CaseProperties
 
     spacing = (2.0, 1.0, 1.0)

@@ -41,19 +41,36 @@ def test_agrees_with_the_plain_reference(dim: int, shape: tuple[int, ...], patch
             np.testing.assert_allclose(probs.numpy(), expected, atol=1e-4)
 
 
-def test_folds_added_into_one_output_equal_their_sum() -> None:
-    """add_to: a second network's probabilities are added into the first one's output, which is returned (one
-    output for a fold ensemble), equal to the two outputs summed."""
+def test_folds_are_one_ensemble_of_mean_logits() -> None:
+    """Several networks (folds): every tile runs through each, and their logits are averaged before the softmax,
+    as the plain reference does; not the mean of each network's probabilities."""
     data = _random_image((2, 9, 13, 18), seed=5)
     first, second = _small_unet(3), _small_unet(3)
     torch.manual_seed(4)
     for p in second.parameters():
-        p.data.add_(0.1 * torch.randn_like(p))
+        p.data.add_(0.5 * torch.randn_like(p))
     kwargs = {"mirror_axes": (0, 1, 2), "tta": 2, "tile_batch_size": 3}
-    a = sliding_window_predict(first, data, (8, 8, 8), 3, **kwargs)
-    b = sliding_window_predict(second, data, (8, 8, 8), 3, **kwargs)
-    both = sliding_window_predict(first, data, (8, 8, 8), 3, **kwargs)
-    returned = sliding_window_predict(second, data, (8, 8, 8), 3, add_to=both, **kwargs)
-    assert returned is both
-    torch.testing.assert_close(both, a + b)
-    assert not torch.allclose(a, b)  # the networks differ: the test sees the addition
+    both = sliding_window_predict([first, second], data, (8, 8, 8), 3, **kwargs).numpy()
+    expected = reference_predict([first, second], data, (8, 8, 8), 3, (0, 1, 2), 2)
+    np.testing.assert_allclose(both, expected, atol=1e-4)
+    a = sliding_window_predict(first, data, (8, 8, 8), 3, **kwargs).numpy()
+    b = sliding_window_predict(second, data, (8, 8, 8), 3, **kwargs).numpy()
+    assert np.abs(both - (a + b) / 2).max() > 1e-3  # mean logits, not mean probabilities: the test tells them apart
+
+
+def test_slabs_go_to_the_sink_in_order_and_equal_the_output() -> None:
+    """on_slab: every image z-slice arrives once, in z order, with the probabilities the output would hold; no
+    output is returned."""
+    data = _random_image((2, 21, 13, 18), seed=6)
+    net = _small_unet(3)
+    expected = sliding_window_predict(net, data, (8, 8, 8), 3, tile_batch_size=2)
+    got, ranges = torch.zeros_like(expected), []
+
+    def sink(z0: int, z1: int, probabilities: torch.Tensor) -> None:
+        ranges.append((z0, z1))
+        got[:, z0:z1] = probabilities
+
+    assert sliding_window_predict(net, data, (8, 8, 8), 3, tile_batch_size=2, on_slab=sink) is None
+    assert ranges[0][0] == 0 and ranges[-1][1] == 21 and len(ranges) > 2
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    torch.testing.assert_close(got, expected)

@@ -23,7 +23,8 @@ from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
 from autoseg.predict import predictor
-from autoseg.predict.predictor import export_segmentation, predict
+from autoseg.predict.export import export_segmentation
+from autoseg.predict.predictor import predict
 from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.preprocess.store import CaseProperties
@@ -237,11 +238,11 @@ def test_probability_file_is_dropped_when_the_export_fails(tmp_path: Path) -> No
     ((1.4, 1.0, 1.0), (1.0, 0.7, 0.7), 2),  # isotropic: trilinear
 ])
 def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, folds) -> None:
-    """predict_image (batches of (tile, variant) pairs, an accumulator sliding along z, float16 probabilities,
-    folds added into one output, export one class at a time) against the plain reference (one tile and one
-    variant at a time into a float32 accumulator of the whole image, each class's whole map resampled, then
-    argmax): identical labels but at most 0.1% of voxels. Anisotropic (nearest across slices) and isotropic
-    (trilinear) export, one and two folds."""
+    """predict_image (batches of (tile, variant) pairs through every fold, an accumulator sliding along z, each
+    finished slab exported at once, one class at a time, by separable interpolation) against the plain reference
+    (one tile, one fold and one variant at a time into a float32 accumulator of the whole image, each class's
+    whole map resampled by scipy, then argmax): identical labels but at most 0.1% of voxels. Anisotropic (nearest
+    across slices) and isotropic (trilinear) export, one and two folds."""
     from factories import tiny_plans
     from reference_predict import reference_labels, reference_predict
     from scipy.ndimage import gaussian_filter
@@ -261,7 +262,7 @@ def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, f
     labels, _ = predictor.predict_image(image.copy(), geometry, "x", networks, plans, config, mirror=True,
                                         tile_batch_size=None, device="cpu", tta="4", tile="patch")
     data, _, props = preprocess_case(image.copy(), None, geometry, plans, config, "x")
-    probabilities = sum(reference_predict(n, data, config.patch_size, 3, (0, 1, 2), 4) for n in networks) / folds
+    probabilities = reference_predict(networks, data, config.patch_size, 3, (0, 1, 2), 4)
     expected = reference_labels(probabilities, props)
     assert labels.shape == expected.shape == (14, 30, 26)
     counts = np.bincount(expected.ravel(), minlength=3)
