@@ -23,17 +23,16 @@ from dataclasses import asdict, dataclass
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
-from autoseg.memory.host import export_bytes, preprocess_worker_bytes, worker_bytes
+from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
 from autoseg.memory.training import TrainingMemory, simulate_training_step
-from autoseg.model.tiles import overlap_step_fractions
+from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
-from autoseg.predict.predictor import PROBABILITIES_BYTES, PROBABILITIES_DTYPE
 
 __all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "next_patch_up"]
 
@@ -242,7 +241,7 @@ def _inference_cached(topology: NetworkTopology, tile_size: tuple[int, ...], ste
                       device: str) -> InferenceMemory:
     return inference_memory(topology, tile_size, 1, image_shape_zyx, num_outputs, precision,
                             mirror_axes=tuple(range(topology.dim)), step_fraction=step_fraction, device=device,
-                            output_dtype=PROBABILITIES_DTYPE)
+                            output_dtype=None)  # predict exports each slab as it is finished (SlabExport)
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
@@ -259,8 +258,16 @@ def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None)
         if largest is not median:
             picks.append((f"largest case ({largest[0]})", largest[1], largest[2]))
     return tuple(HostCase(label, before, after, preprocess_worker_bytes(before, after, channels),
-                          export_bytes(before, after, plans.label_scheme, PROBABILITIES_BYTES))
+                          slab_export_bytes(before, after, plans.label_scheme, _slab_depth(config, after)))
                  for label, before, after in picks)
+
+
+def _slab_depth(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...]) -> int:
+    """The deepest slab the sliding window hands the export on this image (its planned tile, every mirror variant,
+    tile batch 1, as ``_inference_terms``)."""
+    tile = tile_for_image(config, image_shape_zyx)
+    layout = tile_layout(image_shape_zyx, tile, overlap_step_fractions(tile, config.patch_size))
+    return accumulator_depth(layout, 2 ** config.dim, 1)
 
 
 def next_patch_up(config: ConfigurationPlan) -> tuple[tuple[int, ...], int]:

@@ -156,7 +156,7 @@ def _host_section(e: Explanation) -> list[str]:
         rows.append([f"preprocessing worker, {case.label} {_shape(case.shape_zyx_before)} -> "
                      f"{_shape(case.shape_zyx_after)}", str(e.preprocessing_processes), format_bytes(worker),
                      format_bytes(e.preprocessing_processes * worker)])
-        rows.append([f"export, {case.label}", "1", format_bytes(case.export["total"]),
+        rows.append([f"export (slab by slab), {case.label}", "1", format_bytes(case.export["total"]),
                      format_bytes(case.export["total"])])
     return ["", f"HOST RAM (budget {format_bytes(e.host_ram_bytes)}):",
             *_table(["stage", "processes", "each", "together"], rows)]

@@ -118,7 +118,8 @@ def slab_export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Se
     """
     original, resampled = [int(n) for n in shape_zyx_original], [int(n) for n in shape_zyx_resampled]
     k, depth = scheme.num_outputs, min(int(slab_depth), resampled[0])
-    out_depth = min(original[0], math.ceil(depth * original[0] / resampled[0]) + 1)
+    out_depth = depth if original[0] == resampled[0] else min(original[0],
+                                                              math.ceil(depth * original[0] / resampled[0]) + 1)
     # the block after each pass: (out_depth, Y', X'), (out_depth, Y, X'), (out_depth, Y, X)
     sizes = [out_depth * resampled[1] * resampled[2], out_depth * original[1] * resampled[2],
              out_depth * original[1] * original[2]]

@@ -2,8 +2,9 @@
 ``autoseg.model.sliding_window`` over the trained folds, and the segmentation exported in the input's exact
 geometry.
 
-Owns: ``predictor`` (one case's three stages, and ``predict`` over many), ``pipeline`` (cases read ahead and
-exported behind on threads, sized from the host RAM), ``probabilities`` (``{case}.npz``), ``archive`` (a
+Owns: ``predictor`` (one case's three stages, and ``predict`` over many), ``export`` (probabilities back to the
+input's grid as a label map, slab by slab), ``pipeline`` (cases read ahead and written behind on threads, sized
+from the host RAM), ``probabilities`` (``{case}.npz``), ``archive`` (a
 trained model as one zip: ``autoseg export-model``, ``predict -m``).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """
