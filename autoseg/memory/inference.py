@@ -3,7 +3,7 @@
 Two phases hold memory on the device:
 
 - tiles: the network's parameters, the call's buffers (padded input, the logit accumulator and weight map
-  over a z-window of the image, Gaussian, the output; ``autoseg.model.sliding_window.inference_buffer_bytes``)
+  over a z-window of the image, Gaussian, the output; ``autoseg.model.tile_buffers.inference_buffer_bytes``)
   and one forward pass. The latter is simulated: the inference code's own ``run_tile_batch`` (the batch of
   flipped tiles, the network's activations and logits under ``inference_mode``, a tile's logits flipped back)
   runs under ``FakeTensorMode`` with a ``StorageTracker``.
@@ -33,12 +33,8 @@ from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import (
-    allocate_buffers,
-    inference_buffer_bytes,
-    run_tile_batch,
-    sliding_window_predict,
-)
+from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
+from autoseg.model.tile_buffers import allocate_buffers, inference_buffer_bytes
 from autoseg.model.tiles import accumulator_depth, clear_gaussian_cache, patch_as_zyx, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants

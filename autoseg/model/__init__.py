@@ -5,7 +5,8 @@ forward (tile layout, tile batches), the collectives of a multi-process run and 
 (written by training, read by resume and prediction).
 
 Owns: ``topology``, ``network``, ``loss``, ``step``, ``sliding_window``, ``tiles`` (tile layout, Gaussian, the
-accumulator window), ``tta`` (mirror variants, ``--tta``),
+accumulator window), ``tile_buffers`` (one sliding window's buffers and their bytes), ``tta`` (mirror variants,
+``--tta``),
 ``distributed``, ``checkpoint_file``.
 Imports: ``autoseg.core``, ``autoseg.dataset``.
 """

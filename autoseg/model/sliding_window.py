@@ -25,11 +25,8 @@ are not counted here (``autoseg.memory`` models them).
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from functools import partial
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -37,12 +34,12 @@ from torch import nn
 from tqdm import tqdm
 
 from autoseg.core.errors import InputError
-from autoseg.core.precision import PRECISIONS, element_bytes
+from autoseg.core.precision import PRECISIONS
+from autoseg.model.tile_buffers import OUTPUT_DTYPES, SlabSink, TileBuffers, allocate_buffers
 from autoseg.model.tiles import (
     Region,
     TileLayout,
     accumulator_depth,
-    gaussian_importance_map,
     patch_as_zyx,
     step_fractions,
     tile_layout,
@@ -50,117 +47,6 @@ from autoseg.model.tiles import (
 from autoseg.model.tta import mirror_variants
 
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
-# The output's dtypes: float16 halves the largest array prediction holds (K x the image) at 1e-3 precision.
-OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-_FP32_BYTES = 4
-
-def inference_buffer_bytes(
-    image_shape_zyx: Sequence[int],
-    patch_size: Sequence[int],
-    num_outputs: int,
-    tile_batch_size: int,
-    in_channels: int,
-    precision: str = "fp32",
-    num_variants: int = 1,
-    output_dtype: str | None = "float32",
-    step_fraction: float | Sequence[float] = 0.5,
-    device: str = "cpu",
-) -> dict[str, int]:
-    """Bytes held by ``sliding_window_predict``'s buffers (fp32; the logits in ``precision``'s compute dtype),
-    network activations excluded.
-
-    Keys: ``padded_input`` (C x Zp x Yp x Xp; 0 on CPU when the image needs no padding: the input itself is read),
-    ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``), ``weight_map`` (D x Yp x Xp), ``gaussian``
-    (patch), ``output`` (K x Z x Y x X in ``output_dtype``, on the host; 0 for None: the slabs go to ``on_slab``),
-    ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch), and ``total``. ``Zp, Yp, Xp`` is the image
-    padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits flipped back)
-    and the (D x Yp x Xp) fp32 temporary of a finished slab's softmax.
-    """
-    layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
-    reads_input = device == "cpu" and not layout.pads
-    _, yp, xp = layout.padded_shape_zyx
-    window = accumulator_depth(layout, num_variants, tile_batch_size) * yp * xp
-    patch_voxels = math.prod(patch_size)
-    sizes = {
-        "padded_input": 0 if reads_input else in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
-        "accumulator": num_outputs * window * _FP32_BYTES,
-        "weight_map": window * _FP32_BYTES,
-        "gaussian": patch_voxels * _FP32_BYTES,
-        "output": 0 if output_dtype is None else
-        num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype].itemsize,
-        "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
-        "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
-    }
-    sizes["total"] = sum(sizes.values())
-    return sizes
-
-
-# Where finished probabilities go: ``on_slab(z_start, z_stop, probabilities)`` with the image's z-slices
-# ``[z_start, z_stop)`` as a (K, z_stop - z_start, Y, X) fp32 tensor on the accumulator's device, valid only
-# during the call (its memory is the accumulator's, reused afterwards). Slabs come in z order, each once.
-SlabSink = Callable[[int, int, torch.Tensor], None]
-
-
-@dataclass
-class TileBuffers:
-    """The buffers of one ``sliding_window_predict`` call (``inference_buffer_bytes`` counts them). The padded
-    input lives on the compute device; the accumulator, weight map and Gaussian on the accumulator's device;
-    the output (if any) on the host. The accumulator and weight map hold the padded z-slices ``[z0, z0 + D)``
-    only: slices before ``z0`` are final and have gone to ``on_slab``."""
-
-    padded_input: torch.Tensor  # (C, Zp, Yp, Xp) fp32 (on CPU the input itself when it needs no padding)
-    accumulator: torch.Tensor  # (K, D, Yp, Xp) fp32, sum over networks, tiles and mirror variants of Gaussian x logits
-    weight_map: torch.Tensor  # (D, Yp, Xp) fp32, sum over tiles of the Gaussian
-    gaussian: torch.Tensor  # (*patch) fp32, cached and shared
-    on_slab: SlabSink  # where finished slabs go
-    output: torch.Tensor | None = None  # (K, Z, Y, X) probabilities of the unpadded image on the host, or None
-    z0: int = 0  # the padded z-slice the accumulator's first slice holds
-
-
-def allocate_buffers(
-    data: torch.Tensor,
-    layout: TileLayout,
-    num_outputs: int,
-    use_gaussian: bool,
-    device: torch.device,
-    accumulator_device: torch.device,
-    depth: int | None = None,
-    output_dtype: str = "float32",
-    on_slab: SlabSink | None = None,
-) -> TileBuffers:
-    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input (on CPU, an
-    image that needs no padding is read where it is). ``depth``: the accumulator's z-slices
-    (``accumulator_depth``; None: all). ``on_slab`` None: an ``output_dtype`` output receives the slabs."""
-    padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
-    if device.type == "cpu" and not layout.pads and data.device.type == "cpu":
-        padded_input = data  # read only: tiles are copied out of it
-    else:
-        # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
-        # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
-        # to a 128^3 patch 26.3 vs 27.0 ms, 1x60x400x480 to 512^2 31.4 vs 29.8 ms, 50 / 60 MiB live either way),
-        # and it re-derives the placement that tile_layout owns.
-        padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
-        padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
-    # K x D x Yp x Xp fp32: the z-slices tiles still add to. fp32, not fp16: a tile corner's Gaussian (exp(-24)
-    # for a 3D patch) times a logit underflows fp16 (smallest subnormal 6e-8).
-    window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
-    accumulator = torch.zeros((num_outputs, *window), dtype=torch.float32, device=accumulator_device)
-    weight_map = torch.zeros(window, dtype=torch.float32, device=accumulator_device)  # D x Yp x Xp fp32
-    if use_gaussian:
-        gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)
-    else:
-        gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
-    output = None
-    if on_slab is None:  # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype
-        output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=OUTPUT_DTYPES[output_dtype])
-        on_slab = partial(_write_slab, output)
-    return TileBuffers(padded_input, accumulator, weight_map, gaussian, on_slab, output)
-
-
-def _write_slab(output: torch.Tensor, z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
-    output[:, z_start:z_stop].copy_(probabilities)  # device -> host (a sync) and to the output's dtype
-
-
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     dtype = PRECISIONS[precision]
     if dtype is None or (dtype == torch.float16 and device.type == "cpu"):
@@ -262,10 +148,9 @@ def sliding_window_predict(
     output_dtype: str = "float32",
     on_slab: SlabSink | None = None,
 ) -> torch.Tensor | None:
-    """Predict probabilities ``(num_outputs, Z, Y, X)`` in ``output_dtype`` (float32 or float16; CPU) for one
-    image: ``activation`` "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the
-    averaged logits. With ``on_slab`` (``SlabSink``) each finished slab goes there instead and None is returned:
-    no output volume is held.
+    """Probabilities ``(num_outputs, Z, Y, X)`` in ``output_dtype`` (float32 or float16; CPU) of one image:
+    ``activation`` "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the averaged
+    logits; with ``on_slab`` (``SlabSink``) each finished slab goes there and None is returned (no output).
 
     ``network``: one network or several (a fold ensemble: each tile runs through every one, and their logits are
     averaged). ``data``: ``(C, Z, Y, X)`` float32, normalized and resampled. ``patch_size``: (z, y, x) for a 3D
@@ -274,13 +159,11 @@ def sliding_window_predict(
     ``mirror_axes`` index the patch's spatial axes; ``tta`` picks the first N of their ``mirror_variants``
     (None: all ``2 ** len(mirror_axes)``): each variant is flipped, predicted and flipped back, and the logits
     averaged. One forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4
-    variants in a batch of 8). ``accumulator_device`` (None: ``device``) holds the accumulator, weight map and
-    softmax (``autoseg.memory.inference.plan_inference`` chooses it and the batch). ``precision``: "fp32",
-    "bf16" or "fp16" (autocast; fp16 on CPU runs fp32). Accumulation is always fp32.
+    variants in a batch of 8). ``accumulator_device`` (None: ``device``; ``plan_inference`` chooses it and the
+    batch). ``precision``: "fp32", "bf16" or "fp16" (autocast; CPU: fp32). Accumulation is always fp32.
 
-    The volume is finished slab by slab along z (tiles run in z order): the accumulator holds only the z-slices
-    tiles still add to (``accumulator_depth``); the others have gone to the output (or ``on_slab``) as
-    probabilities.
+    The volume is finished slab by slab along z (tiles in z order): the accumulator holds only the z-slices
+    tiles still add to (``accumulator_depth``).
     """
     networks = [network] if isinstance(network, nn.Module) else list(network)
     patch = tuple(int(p) for p in patch_size)

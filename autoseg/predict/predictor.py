@@ -43,7 +43,8 @@ from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, 
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.model.sliding_window import OUTPUT_DTYPES, sliding_window_predict
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.tile_buffers import OUTPUT_DTYPES
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint

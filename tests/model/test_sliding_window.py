@@ -9,7 +9,8 @@ from torch import nn
 
 from autoseg.core.errors import InputError
 from autoseg.model import sliding_window as inference
-from autoseg.model.sliding_window import inference_buffer_bytes, sliding_window_predict
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.tile_buffers import inference_buffer_bytes
 from autoseg.model.tiles import TileLayout, gaussian_importance_map, tile_layout
 from autoseg.model.tta import mirror_variants, parse_tta
 
