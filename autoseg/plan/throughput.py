@@ -171,8 +171,9 @@ def cpu_throughput_from_times(step_flops: float, one: StepTimes, every: StepTime
       ``step_flops / one.cpu_seconds`` is a floor that does not depend on the load;
     - every CPU's best wall seconds give the figure an idle machine reaches (training uses every CPU).
 
-    The figure is the larger. When the cores were visibly busy (one thread got under 90% of a CPU, or every CPU
-    ran no faster than one) it is the floor, too low by the parallel speed-up, and is not to be cached."""
+    The figure is the larger, rounded to 2 significant digits. When the cores were visibly busy (one thread got
+    under 90% of a CPU, or every CPU ran no faster than one) it is the floor, too low by the parallel speed-up,
+    and is not to be cached."""
     per_core = step_flops / one.cpu_seconds
     parallel = step_flops / every.wall_seconds if every is not None else 0.0
     share = one.cpu_seconds / one.wall_seconds
@@ -185,7 +186,8 @@ def cpu_throughput_from_times(step_flops: float, one: StepTimes, every: StepTime
                "one_thread_cpu_seconds": one.cpu_seconds}
     if every is not None:
         details.update(threads=every.threads, all_threads_wall_seconds=every.wall_seconds)
-    return Measurement(max(per_core, parallel), keep=not busy,
+    figure = float(f"{max(per_core, parallel):.2g}")  # 2 significant digits: +-5% noise rarely changes the plan
+    return Measurement(figure, keep=not busy,
                        why_not_kept=f"the cores were busy ({why}); measured again next time, "
                                     "--cpu-flops overrides", details=details)
 

@@ -74,7 +74,7 @@ def test_calibration_flops_are_those_its_timed_step_runs(monkeypatch: pytest.Mon
     with FlopCounterMode(display=False) as counter:
         measured = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=1, max_threads=1)
     assert fake.step_calls == 2  # one warm-up and one timed step, with one thread
-    assert measured.value == pytest.approx(counter.get_total_flops() / 2 / 0.25, rel=0.02)
+    assert measured.value == pytest.approx(counter.get_total_flops() / 2 / 0.25, rel=0.05)  # 2 significant digits
 
 
 def _times(threads: int, wall: float, cpu: float) -> StepTimes:
@@ -83,7 +83,7 @@ def _times(threads: int, wall: float, cpu: float) -> StepTimes:
 
 def test_idle_cores_give_every_thread_s_speed_and_may_be_cached() -> None:
     measured = cpu_throughput_from_times(1e9, _times(1, 0.5, 0.5), _times(2, 0.3, 0.6))
-    assert measured.value == pytest.approx(1e9 / 0.3) and measured.keep
+    assert measured.value == 3.3e9 and measured.keep  # 1e9 / 0.3 s, to 2 significant digits
     assert measured.details["all_threads_wall_seconds"] == 0.3
 
 
@@ -97,6 +97,12 @@ def test_busy_cores_give_one_thread_s_cpu_time_rate_not_cached(one: StepTimes, e
     measured = cpu_throughput_from_times(1e9, one, every)
     assert measured.value == pytest.approx(1e9 / 0.5) and not measured.keep
     assert why in measured.why_not_kept and "--cpu-flops" in measured.why_not_kept
+
+
+def test_small_noise_gives_the_same_figure() -> None:
+    """Rounded to 2 significant digits: 48.2 and 48.0 GFLOP/s (measured idle and beside 2 busy processes) agree."""
+    figures = {cpu_throughput_from_times(1e9, _times(1, 0.5, cpu), None).value for cpu in (1 / 48.2, 1 / 48.0)}
+    assert figures == {48e9}
 
 
 def test_one_cpu_machine_uses_the_one_thread_figure() -> None:
@@ -113,7 +119,7 @@ def test_calibration_times_one_thread_and_every_cpu_best_of_repeats(monkeypatch:
     assert torch.get_num_threads() == before
     (args, kwargs), = fake.closure_args
     assert fake.step_calls == 8  # per thread count: one warm-up, then 3 timed
-    assert measured.value == pytest.approx(conv_flops(*args, **kwargs) / 0.25, rel=1e-12)
+    assert measured.value == pytest.approx(conv_flops(*args, **kwargs) / 0.25, rel=0.05)  # 2 significant digits
     assert measured.details["one_thread_wall_seconds"] == 0.5 and measured.keep
 
 
