@@ -32,6 +32,21 @@ def dataset_copy(tiny_dataset, tmp_path) -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _machine_cache(tmp_path_factory):
+    """The CLI keeps per-machine measurements (the CPU throughput) in $AUTOSEG_CACHE_DIR: a folder of this
+    session's, not the user's ~/.cache/autoseg."""
+    import os
+
+    previous = os.environ.get("AUTOSEG_CACHE_DIR")
+    os.environ["AUTOSEG_CACHE_DIR"] = str(tmp_path_factory.mktemp("machine_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("AUTOSEG_CACHE_DIR", None)
+    else:
+        os.environ["AUTOSEG_CACHE_DIR"] = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Unit tests run tiny tensors: one thread is as fast, and OpenMP threads spinning against another busy
     process on a 2-core machine made small networks 10-17x slower (measured)."""

@@ -154,3 +154,34 @@ def test_distributed_context_from_the_torchrun_environment() -> None:
     assert context_from_environment({}, "cpu") is SINGLE_PROCESS
     with pytest.raises(ValueError, match="cannot read the torchrun environment .*'LOCAL_WORLD_SIZE'"):
         context_from_environment({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "cpu")
+
+
+@pytest.mark.slow
+def test_cpu_plans_do_not_depend_on_the_load_while_planning(tiny_dataset: Path, tmp_path: Path, capsys,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The throughput measured on idle cores is cached per machine: a later plan made while the cores are busy (its
+    measurement would be 4x lower) reads it and is the same plan, which records the figure."""
+    import autoseg.plan.throughput
+    from autoseg.core.machine import Measurement
+
+    measurements = [Measurement(40e9), Measurement(10e9, keep=False, why_not_kept="the cores were busy")]
+    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda: measurements.pop(0))
+    monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
+    budget = ("--device", "cpu", "--gpu-memory", "8GiB", "--ram", "4GiB")
+    outputs = []
+    for name in ("idle", "busy"):
+        assert main(["-q", "plan", str(tiny_dataset), "-w", str(tmp_path / name), *budget]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert "CPU throughput 40.0 GFLOP/s (measured now, cached in " in outputs[0]
+    assert f"CPU throughput 40.0 GFLOP/s (cached in {tmp_path / 'cache' / 'cpu_throughput.json'})" in outputs[1]
+    assert len(measurements) == 1  # measured once
+    idle, busy = ((tmp_path / name / "plans.json").read_text() for name in ("idle", "busy"))
+    assert idle == busy and json.loads(idle)["cpu_flops_per_second"] == 40e9
+
+
+def test_the_cache_folder_comes_from_autoseg_cache_dir_or_xdg(tmp_path: Path) -> None:
+    from autoseg.cli.main import cache_dir
+
+    assert cache_dir({"AUTOSEG_CACHE_DIR": str(tmp_path), "XDG_CACHE_HOME": "/x"}) == tmp_path
+    assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/autoseg")
+    assert cache_dir({}) == Path.home() / ".cache" / "autoseg"

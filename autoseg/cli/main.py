@@ -7,12 +7,13 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from autoseg.cli.parser import default_device, parse_args, resolve_device, without_gpus
 from autoseg.core.errors import InputError
+from autoseg.core.machine import passive_openmp_waiting
 from autoseg.core.units import GiB, MiB
 
 
@@ -31,10 +32,11 @@ def _budget(args: argparse.Namespace):
     budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device)
     print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}")
     if device == "cpu":
-        from autoseg.plan.throughput import cached_cpu_throughput
+        from autoseg.core.machine import MachineCache
+        from autoseg.plan.throughput import cpu_throughput
 
         flops, source = (args.cpu_flops, "--cpu-flops") if args.cpu_flops else \
-            cached_cpu_throughput(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoseg")
+            cpu_throughput(MachineCache(cache_dir(os.environ)))
         budget = replace(budget, cpu_flops_per_second=flops)
         print(f"CPU throughput {flops / 1e9:.1f} GFLOP/s ({source}); planning for "
               f"{budget.cpu_seconds_per_iteration:g} s per iteration")
@@ -43,6 +45,14 @@ def _budget(args: argparse.Namespace):
 
         budget = replace(budget, gpu_name=cuda_device_name())
     return budget
+
+
+def cache_dir(environ: Mapping[str, str]) -> Path:
+    """Where per-machine measurements are kept: ``$AUTOSEG_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoseg``, else
+    ``~/.cache/autoseg``."""
+    if environ.get("AUTOSEG_CACHE_DIR"):
+        return Path(environ["AUTOSEG_CACHE_DIR"]).expanduser()
+    return Path(environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "autoseg"
 
 
 def _default_config(workspace) -> str:
@@ -75,6 +85,7 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    passive_openmp_waiting(os.environ)  # before torch is imported: idle OpenMP threads sleep instead of spinning
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     progress = not args.quiet and sys.stderr.isatty()

@@ -1,16 +1,12 @@
 """What the machine offers and how work is spread over it: available host RAM (cgroup limits included), CUDA
-memory, CPU count; ``processes_for`` (process and worker counts from a RAM budget) and ``fastest_thread_count``
-(torch threads for a workload)."""
+memory, CPU count; ``processes_for`` (process and worker counts from a RAM budget). Torch's CPU threads:
+``autoseg.core.machine.use_cpu_threads``."""
 
 from __future__ import annotations
 
 import logging
 import os
-import time
-from collections.abc import Callable
 from pathlib import Path
-
-import numpy as np
 
 from autoseg.core.units import GiB, KiB
 
@@ -111,40 +107,3 @@ def processes_for(budget_bytes: float, per_process_bytes: float, max_processes: 
         raise ValueError(f"need positive bytes per process and max_processes >= {minimum}; got "
                          f"{per_process_bytes} and {max_processes}")
     return max(minimum, min(int(max_processes), int(budget_bytes // per_process_bytes)))
-
-
-def fastest_thread_count(run_once: Callable[[], object], max_threads: int,
-                         repeats: int = 2) -> tuple[int, dict[int, float]]:
-    """Time ``run_once`` (e.g. one training step) with ``max_threads`` and with 1 torch thread; return the
-    faster count and the median seconds of each. With another busy process on the same cores, OpenMP threads
-    spinning against it made U-Net steps 4-17x slower than one thread (measured on 2 cores); on an idle
-    machine all threads win. The caller's thread count is restored."""
-    import torch
-
-    previous = torch.get_num_threads()
-    timings: dict[int, float] = {}
-    try:
-        for threads in sorted({max_threads, 1}, reverse=True):
-            torch.set_num_threads(threads)
-            run_once()  # warm-up
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                run_once()
-                times.append(time.perf_counter() - t0)
-            timings[threads] = float(np.median(times))
-    finally:
-        torch.set_num_threads(previous)
-    return min(timings, key=timings.get), timings
-
-
-def choose_cpu_threads(run_once: Callable[[], object], what: str) -> int:
-    """Set torch's threads to the faster of all CPUs and one for ``run_once`` (a training step, a tile batch) and
-    log the timings; returns the count."""
-    import torch
-
-    threads, timings = fastest_thread_count(run_once, max_threads=cpu_count())
-    torch.set_num_threads(threads)
-    log.info("CPU threads: %d (%s measured %s)", threads, what,
-             ", ".join(f"{t:.3f} s with {n}" for n, t in timings.items()))
-    return threads

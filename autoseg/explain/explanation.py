@@ -114,6 +114,8 @@ class Explanation:
     loader_worker: dict[str, int]  # autoseg.memory.host.worker_bytes
     host_cases: tuple[HostCase, ...]
     what_ifs: tuple[WhatIf, ...]
+    predicted_seconds_per_iteration: float | None = None  # the plan's, at the throughput below
+    cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput it was sized for
 
     @property
     def headroom_bytes(self) -> int:
@@ -157,6 +159,8 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
                                    len(plans.channel_names), config.loader_queue_depth, dummy_2d=loader.dummy_2d),
         host_cases=_host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
+        predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
+        cpu_flops_per_second=plans.cpu_flops_per_second,
     )
 
 

@@ -64,10 +64,20 @@ def _headline(e: Explanation) -> list[str]:
     return [f"autoseg explain: configuration {e.config_name!r} on {e.device}",
             f"plan: patch {_shape(e.patch_size)}, batch {e.batch_size} x {e.accumulation_steps} accumulation "
             f"step(s), precision {e.precision}{amp}, checkpointing {'on' if e.checkpointing else 'off'}",
+            *_time_line(e),
             "",
             f"TRAINING STEP: predicted peak {format_bytes(e.training_total_bytes)} of "
             f"{format_bytes(e.budget_bytes)} {e.budget_name}, {verdict}; "
             f"the peak falls in the {e.peak_phase}."]
+
+
+def _time_line(e: Explanation) -> list[str]:
+    """The plan's seconds per iteration and, on CPU, the measured throughput they come from."""
+    if e.predicted_seconds_per_iteration is None:
+        return []
+    source = "" if e.cpu_flops_per_second is None else \
+        f" at the CPU throughput measured when planning, {e.cpu_flops_per_second / 1e9:.1f} GFLOP/s"
+    return [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
 
 
 def _stage_table(e: Explanation) -> list[str]:

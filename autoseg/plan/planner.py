@@ -135,6 +135,7 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
         intensity_properties=fp.foreground_intensity, configurations=configs,
         gpu_memory_bytes=int(budget.gpu_memory_bytes), host_ram_bytes=int(budget.host_ram_bytes),
         preprocessing_processes=processes, host_memory=host,
+        cpu_flops_per_second=budget.cpu_flops_per_second if budget.device == "cpu" else None,
     )
 
 

@@ -126,6 +126,7 @@ class Plans(Artifact):
     preprocessing_processes: int = 1
     host_memory: dict[str, float] = field(default_factory=dict)  # the figures behind the process counts
     regions_class_order: tuple[int, ...] = ()  # region-based labels: the value painted for each region
+    cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput the patches were sized for
 
     @property
     def label_scheme(self) -> LabelScheme:

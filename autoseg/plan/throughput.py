@@ -3,8 +3,8 @@ peak FLOP/s, and this machine's measured CPU throughput (for the planner's secon
 
 CPU: ``calibrate_cpu_throughput`` times a few real training steps (THE step, ``autoseg.model.step``) of a small
 U-Net on this machine and returns the effective FLOP/s of such steps (norms, activations and the optimizer
-included), so that ``conv_flops / throughput`` predicts the seconds of a planned step; ``cached_cpu_throughput``
-keeps it per machine.
+included), so that ``conv_flops / throughput`` predicts the seconds of a planned step; ``cpu_throughput`` keeps it
+per machine (``autoseg.core.machine.MachineCache``), so that later plans do not depend on the load while planning.
 
 CUDA:
 Peaks are the vendors' datasheet figures for dense math: ``tensor_tflops`` fp16/bf16 on tensor cores with
@@ -18,18 +18,15 @@ the real device where it matters.
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from autoseg.core.artifacts import WriteError, atomic_write_text
-from autoseg.core.resources import cpu_count, fastest_thread_count
+from autoseg.core.machine import MachineCache, Measurement, machine_key
+from autoseg.core.resources import cpu_count
 from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.step import build_step, synthetic_batches
@@ -89,43 +86,6 @@ def cuda_device_name() -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
 
-def cached_cpu_throughput(cache_dir: Path) -> tuple[float, str]:
-    """This machine's CPU training throughput (FLOP/s) and where it came from: measured once with
-    ``calibrate_cpu_throughput`` (a few seconds), then read from ``cache_dir`` for the same
-    CPU model, CPU count, torch version and thread count."""
-    import torch
-
-    key = f"{platform.machine()}|{platform.processor()}|{_cpu_model()}|{cpu_count()}|{torch.__version__}|" \
-          f"{torch.get_num_threads()}"
-    path = cache_dir / "cpu_throughput.json"
-    try:
-        cached = json.loads(path.read_text())
-        if cached.get("key") == key:
-            return float(cached["flops_per_second"]), f"cached in {path}"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    load_before = os.getloadavg()[0]
-    flops = calibrate_cpu_throughput(repeats=1)
-    if load_before > 0.5 * cpu_count():  # other processes were running: the figure is too low to keep
-        return flops, f"measured now under load {load_before:.1f}, not cached; --cpu-flops overrides"
-    try:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"key": key, "flops_per_second": flops}) + "\n")
-    except (OSError, WriteError):
-        return flops, "measured now (could not cache it)"
-    return flops, "measured now"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
     """FLOPs of one training step (forward + backward ~ 3x forward), counted over convolutions.
 
@@ -159,6 +119,7 @@ CALIBRATION_TOPOLOGY = NetworkTopology(
 
 
 CALIBRATION_PATCH = (16, 48, 48)
+CALIBRATION_VERSION = 2  # part of the cache key: a change to the calibration step or rule measures again
 
 
 def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
@@ -172,10 +133,79 @@ def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...]
     return lambda: step(batches)
 
 
-def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> float:
-    """Effective FLOP/s of U-Net training steps on this machine's CPU (a few seconds to measure), with the
-    faster of all threads and one (as the trainer chooses): with all threads against another busy process
-    the step measured up to 20x slower (3.2 instead of 65 GFLOP/s on 2 cores), which would shrink the plan."""
+@dataclass(frozen=True)
+class StepTimes:
+    """The best (shortest) of several timed runs of a step: wall seconds and the process's CPU seconds."""
+
+    threads: int
+    wall_seconds: float
+    cpu_seconds: float
+
+
+def time_step(run_once: Callable[[], object], threads: int, repeats: int) -> StepTimes:
+    """``run_once`` with ``threads`` torch threads: one warm-up, then the best of ``repeats`` runs. The caller's
+    thread count is restored."""
+    import torch
+
+    previous = torch.get_num_threads()
+    walls, cpus = [], []
+    try:
+        torch.set_num_threads(threads)
+        run_once()  # warm-up: allocations, oneDNN kernel choice
+        for _ in range(repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            run_once()
+            walls.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
+    finally:
+        torch.set_num_threads(previous)
+    return StepTimes(threads, min(walls), min(cpus))
+
+
+def cpu_throughput_from_times(step_flops: float, one: StepTimes, every: StepTimes | None) -> Measurement:
+    """Effective FLOP/s of training steps from the timings of one step with 1 thread (``one``) and with every CPU
+    (``every``; None on a 1-CPU machine), robust to other processes as far as timing allows:
+
+    - one thread's CPU seconds do not grow when another process takes turns on its core (measured 0.50-0.63 s
+      a step idle and beside 1-2 busy processes, while its wall seconds went from 0.53 to 3.6), so
+      ``step_flops / one.cpu_seconds`` is a floor that does not depend on the load;
+    - every CPU's best wall seconds give the figure an idle machine reaches (training uses every CPU).
+
+    The figure is the larger, rounded to 2 significant digits. When the cores were visibly busy (one thread got
+    under 90% of a CPU, or every CPU ran no faster than one) it is the floor, too low by the parallel speed-up,
+    and is not to be cached."""
+    per_core = step_flops / one.cpu_seconds
+    parallel = step_flops / every.wall_seconds if every is not None else 0.0
+    share = one.cpu_seconds / one.wall_seconds
+    no_speedup = every is not None and every.wall_seconds > 0.9 * one.wall_seconds
+    busy = share < 0.9 or no_speedup
+    why = (f"one thread got {share:.0%} of a CPU" if share < 0.9 else
+           f"{every.threads} threads ran no faster than one ({every.wall_seconds:.3f} vs {one.wall_seconds:.3f} s)"
+           if no_speedup else "")
+    details = {"step_flops": step_flops, "one_thread_wall_seconds": one.wall_seconds,
+               "one_thread_cpu_seconds": one.cpu_seconds}
+    if every is not None:
+        details.update(threads=every.threads, all_threads_wall_seconds=every.wall_seconds)
+    figure = float(f"{max(per_core, parallel):.2g}")  # 2 significant digits: +-5% noise rarely changes the plan
+    return Measurement(figure, keep=not busy,
+                       why_not_kept=f"the cores were busy ({why}); measured again next time, "
+                                    "--cpu-flops overrides", details=details)
+
+
+def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> Measurement:
+    """Effective FLOP/s of U-Net training steps on this machine's CPU (``cpu_throughput_from_times``): the best
+    of ``repeats`` steps with 1 thread and with every CPU (``max_threads``; default all); about 4 s on 2 cores."""
     step = training_step_closure(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
-    _, timings = fastest_thread_count(step, max_threads or cpu_count(), repeats)
-    return conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2) / min(timings.values())
+    flops = conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
+    threads = max_threads or cpu_count()
+    one = time_step(step, 1, repeats)
+    every = time_step(step, threads, repeats) if threads > 1 else None
+    return cpu_throughput_from_times(flops, one, every)
+
+
+def cpu_throughput(cache: MachineCache) -> tuple[float, str]:
+    """This machine's CPU training throughput (FLOP/s) and where it came from: read from ``cache`` for this machine
+    (``autoseg.core.machine.machine_key``), else measured now with ``calibrate_cpu_throughput`` (a few seconds) and
+    cached unless the cores were busy."""
+    key = {**machine_key(), "calibration": CALIBRATION_VERSION}
+    return cache.measured("cpu_throughput", key, calibrate_cpu_throughput)

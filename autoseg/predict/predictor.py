@@ -16,7 +16,6 @@ a bug) stops the run: the next case would meet it too.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -28,10 +27,10 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError
+from autoseg.core.machine import use_cpu_threads
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import (
     available_ram_bytes,
-    choose_cpu_threads,
     peak_rss_bytes,
     reset_peak_rss,
 )
@@ -262,7 +261,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
                                           for p in _outputs(case, output_dir, save_probabilities=True)])
     threads = torch.get_num_threads()
     if device == "cpu":
-        _choose_cpu_threads(networks[0], config)
+        use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
     segment = partial(_segment_case, networks=networks, plans=plans, config=config, mirror=mirror,
                       tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile)
     window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
@@ -274,28 +273,6 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
         return _predict_cases(found, plans, config, segment, window, output_dir, options, progress)
     finally:
         torch.set_num_threads(threads)
-
-
-def _choose_cpu_threads(network: torch.nn.Module, config: ConfigurationPlan) -> None:
-    """All CPUs unless one thread measures faster for a forward pass (cores busy with another process). Timed on
-    ``probe_shape``, not the whole tile batch: a GPU-sized patch took 91-143 s to probe on 2 cores."""
-    x = torch.zeros(1, config.network.in_channels, *probe_shape(config.patch_size, config.network.patch_divisor()))
-
-    def forward() -> None:
-        with torch.inference_mode():
-            network(x)
-
-    choose_cpu_threads(forward, "a forward pass")
-
-
-PROBE_VOXELS = 16 * 40 * 40  # the thread probe's input: about the demo's patch (0.15 s a pass on 2 cores)
-
-
-def probe_shape(patch_size: tuple[int, ...], divisor: tuple[int, ...]) -> tuple[int, ...]:
-    """``patch_size`` shrunk by one factor on every axis to about ``PROBE_VOXELS`` (never grown), each axis the
-    nearest multiple of the network's ``divisor``."""
-    scale = min(1.0, (PROBE_VOXELS / math.prod(patch_size)) ** (1 / len(patch_size)))
-    return tuple(max(d, round(p * scale / d) * d) for p, d in zip(patch_size, divisor, strict=True))
 
 
 def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationPlan,

@@ -15,7 +15,7 @@ class RunConfig:
     ``resume``: continue from the fold's checkpoint_latest.pt (its schedule, degradations and random
     states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
     and the final validation end within this many seconds (``epochs`` is then only the first guess).
-    ``cpu_threads``: torch threads on CPU (None: the fastest of a short measurement).
+    ``cpu_threads``: torch threads on CPU (None: every CPU, ``autoseg.core.machine.use_cpu_threads``).
     ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
     ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
     on the fly (None: yes when every training case has copies; True fails if a case has none).

@@ -30,8 +30,9 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import LogFile, append_line, atomic_write_text, remove_stale_temporaries
 from autoseg.core.errors import InputError
+from autoseg.core.machine import use_cpu_threads
 from autoseg.core.precision import effective_precision
-from autoseg.core.resources import choose_cpu_threads, cpu_count
+from autoseg.core.resources import cpu_count
 from autoseg.core.workspace import Workspace, load_or_create_splits
 from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
 from autoseg.dataset.labels import LabelScheme, label_map_dtype
@@ -39,7 +40,6 @@ from autoseg.memory.host import output_batch_bytes
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
 from autoseg.model.step import TrainStep, build_step, distribute
 from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.plan.throughput import training_step_closure
 from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.run import check_preprocessed
 from autoseg.preprocess.store import list_cases, missing_files, open_case, precomputed_copies
@@ -185,12 +185,8 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     share = planned.with_(batch_size=micro, accumulation_steps=accumulation)  # this rank's part of a step
     config = apply_degradations(share, resumed["degradations"]) if resumed else share
     if run.device == "cpu":
-        if run.cpu_threads is not None:
-            torch.set_num_threads(run.cpu_threads)
-        elif distributed.local_world_size > 1:  # the node's cores shared by its ranks, not measured
-            torch.set_num_threads(max(1, cpu_count() // distributed.local_world_size))
-        else:
-            _choose_cpu_threads(config)
+        shared = max(1, cpu_count() // distributed.local_world_size)  # the node's cores shared by its ranks
+        use_cpu_threads(run.cpu_threads or (shared if distributed.local_world_size > 1 else None), "training")
     torch.manual_seed(run.seed)
     ctx = _Context(job, config, step=_make_step(config, run, job.plans.label_scheme), epochs=run.epochs,
                    iterations_per_epoch=run.iterations_per_epoch)
@@ -367,12 +363,6 @@ def _make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -
     return build_step(config.network, scheme, precision=effective_precision(config.precision, device.type),
                       checkpointing=config.checkpointing, accumulation_steps=config.accumulation_steps,
                       device=device, optimizer=run.optimizer)
-
-
-def _choose_cpu_threads(config: ConfigurationPlan) -> None:
-    """Use all CPUs for training unless one thread measures faster (cores busy with another process)."""
-    choose_cpu_threads(training_step_closure(config.network, tuple(config.patch_size), config.batch_size),
-                       "a training step")
 
 
 def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:

@@ -279,6 +279,7 @@ def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
     flops = 10e9
     for target in (0.5, 2.0):
         plans = _rough_plan(8, device="cpu", cpu_flops_per_second=flops, cpu_seconds_per_iteration=target)
+        assert plans.cpu_flops_per_second == flops  # recorded: the figure the patches were sized for
         for cfg in plans.configurations.values():
             assert cfg.device == "cpu" and cfg.precision == "fp32" and not cfg.checkpointing
             assert cfg.predicted_seconds_per_iteration == pytest.approx(cfg.flops_per_iteration / flops)
@@ -287,6 +288,10 @@ def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
         full = plans.configuration("3d_fullres")
         assert full.limited_by == "time" and full.predicted_seconds_per_iteration > 0.5 * target
         assert cfg.loader_workers == 0  # workers would take the cores the CPU training step uses
+
+
+def test_a_cuda_plan_records_no_cpu_throughput() -> None:
+    assert _rough_plan(8, device="cuda", cpu_flops_per_second=10e9).cpu_flops_per_second is None
 
 
 def test_cpu_width_drops_to_8_only_when_16_leaves_too_small_a_patch() -> None:

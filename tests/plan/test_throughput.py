@@ -1,8 +1,6 @@
 from __future__ import annotations
 
-import json
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,7 +9,14 @@ from torch.utils.flop_counter import FlopCounterMode
 import autoseg.plan.throughput
 from autoseg.core.units import GiB
 from autoseg.model.topology import NetworkTopology
-from autoseg.plan.throughput import GPUS, cached_cpu_throughput, conv_flops, cuda_flops_per_second, gpu_spec
+from autoseg.plan.throughput import (
+    GPUS,
+    StepTimes,
+    conv_flops,
+    cpu_throughput_from_times,
+    cuda_flops_per_second,
+    gpu_spec,
+)
 
 
 def test_gpu_names_match_the_table() -> None:
@@ -31,50 +36,22 @@ def test_unknown_gpu_is_the_smallest_listed_one_with_that_memory() -> None:
     assert amp == pytest.approx(spec.tensor_tflops * 1e12 * 0.15) and fp32 == pytest.approx(spec.fp32_tflops * 0.5e12)
 
 
-def test_cpu_throughput_is_measured_once_then_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput",
-                        lambda repeats=3: calls.append(repeats) or 5e9)
-    monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert cached_cpu_throughput(tmp_path) == (5e9, "measured now")
-    assert cached_cpu_throughput(tmp_path) == (5e9, f"cached in {tmp_path / 'cpu_throughput.json'}")
-    assert calls == [1]
-    stored = json.loads((tmp_path / "cpu_throughput.json").read_text())
-    (tmp_path / "cpu_throughput.json").write_text(json.dumps({**stored, "key": "another machine"}))
-    assert cached_cpu_throughput(tmp_path) == (5e9, "measured now") and calls == [1, 1]
-
-
-def test_cpu_throughput_measured_under_load_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda repeats=3: 3e9)
-    monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (64.0, 64.0, 64.0))
-    flops, source = cached_cpu_throughput(tmp_path)
-    assert flops == 3e9 and source.startswith("measured now under load 64.0, not cached")
-    assert not (tmp_path / "cpu_throughput.json").exists()
-
-
-class _FakeClock:
-    """``time.perf_counter`` for tests: it moves only when a fake step says how long it took."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 class _FakeSteps:
-    """Replaces ``training_step_closure`` for ``calibrate_cpu_throughput``: each step it hands out takes
-    ``seconds_by_threads[torch threads]`` on a fake ``time.perf_counter`` and, with ``run_real_step``, also
-    runs the real step (so torch can count its FLOPs). Records the closure's arguments and the step calls."""
+    """Replaces ``training_step_closure`` for ``calibrate_cpu_throughput``: the timed steps with n torch threads
+    take ``seconds_by_threads[n]`` in turn (the warm-up 0 s) on a fake ``time.perf_counter`` and ``process_time``
+    (an idle machine: one thread's CPU seconds are its wall seconds) and, with ``run_real_step``, also run the
+    real step (so torch can count its FLOPs). Records the closure's arguments and the step calls."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds_by_threads: dict[int, float],
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, seconds_by_threads: dict[int, list[float]],
                  run_real_step: bool) -> None:
-        self.seconds_by_threads, self.run_real_step = seconds_by_threads, run_real_step
+        self.seconds_by_threads = {n: [0.0, *s] for n, s in seconds_by_threads.items()}
+        self.run_real_step = run_real_step
         self.now, self.step_calls = 1000.0, 0
         self.closure_args: list[tuple[tuple, dict]] = []
         self._real_closure = autoseg.plan.throughput.training_step_closure
         monkeypatch.setattr(autoseg.plan.throughput, "training_step_closure", self.closure)
         monkeypatch.setattr(time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(time, "process_time", lambda: self.now)
 
     def closure(self, *args, **kwargs):
         self.closure_args.append((args, kwargs))
@@ -84,34 +61,66 @@ class _FakeSteps:
             self.step_calls += 1
             if real_step is not None:
                 real_step()
-            self.now += self.seconds_by_threads[torch.get_num_threads()]
+            self.now += self.seconds_by_threads[torch.get_num_threads()].pop(0)
 
         return step
-
-
-@pytest.mark.parametrize("seconds_by_threads", [{4: 0.5, 1: 2.0}, {4: 3.0, 1: 1.5}], ids=["idle", "busy"])
-def test_calibration_divides_the_step_flops_by_the_faster_thread_count(
-        monkeypatch: pytest.MonkeyPatch, seconds_by_threads: dict[int, float]) -> None:
-    """All threads faster (idle machine) or one thread faster (cores shared with another process): the
-    throughput is the FLOPs of the timed step over the faster time; the caller's threads are restored."""
-    fake = _FakeSteps(monkeypatch, seconds_by_threads, run_real_step=False)
-    before = torch.get_num_threads()
-    flops = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=3, max_threads=4)
-    assert torch.get_num_threads() == before
-    (args, kwargs), = fake.closure_args
-    assert fake.step_calls == 8  # per thread count: one warm-up, then 3 timed
-    assert flops == pytest.approx(conv_flops(*args, **kwargs) / min(seconds_by_threads.values()), rel=1e-12)
 
 
 def test_calibration_flops_are_those_its_timed_step_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The FLOPs in the numerator are the convolutions the timed training step executes (counted by torch),
     within 2% (the first convolution computes no input gradient): the throughput then turns ``conv_flops``
     of a planned step into its seconds."""
-    fake = _FakeSteps(monkeypatch, {1: 0.25}, run_real_step=True)
+    fake = _FakeSteps(monkeypatch, {1: [0.25]}, run_real_step=True)
     with FlopCounterMode(display=False) as counter:
-        flops_per_second = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=1, max_threads=1)
+        measured = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=1, max_threads=1)
     assert fake.step_calls == 2  # one warm-up and one timed step, with one thread
-    assert flops_per_second == pytest.approx(counter.get_total_flops() / 2 / 0.25, rel=0.02)
+    assert measured.value == pytest.approx(counter.get_total_flops() / 2 / 0.25, rel=0.05)  # 2 significant digits
+
+
+def _times(threads: int, wall: float, cpu: float) -> StepTimes:
+    return StepTimes(threads=threads, wall_seconds=wall, cpu_seconds=cpu)
+
+
+def test_idle_cores_give_every_thread_s_speed_and_may_be_cached() -> None:
+    measured = cpu_throughput_from_times(1e9, _times(1, 0.5, 0.5), _times(2, 0.3, 0.6))
+    assert measured.value == 3.3e9 and measured.keep  # 1e9 / 0.3 s, to 2 significant digits
+    assert measured.details["all_threads_wall_seconds"] == 0.3
+
+
+@pytest.mark.parametrize("one, every, why", [
+    (_times(1, 1.5, 0.5), _times(2, 1.2, 0.7), "one thread got 33% of a CPU"),
+    (_times(1, 0.5, 0.5), _times(2, 0.6, 0.7), "2 threads ran no faster than one (0.600 vs 0.500 s)"),
+], ids=["core_shared", "threads_no_faster"])
+def test_busy_cores_give_one_thread_s_cpu_time_rate_not_cached(one: StepTimes, every: StepTimes, why: str) -> None:
+    """Another process on the cores: the figure falls back to one thread's FLOPs per CPU second (which the load
+    does not change) and is not cached, so that an idle run measures the faster figure later."""
+    measured = cpu_throughput_from_times(1e9, one, every)
+    assert measured.value == pytest.approx(1e9 / 0.5) and not measured.keep
+    assert why in measured.why_not_kept and "--cpu-flops" in measured.why_not_kept
+
+
+def test_small_noise_gives_the_same_figure() -> None:
+    """Rounded to 2 significant digits: 48.2 and 48.0 GFLOP/s (measured idle and beside 2 busy processes) agree."""
+    figures = {cpu_throughput_from_times(1e9, _times(1, 0.5, cpu), None).value for cpu in (1 / 48.2, 1 / 48.0)}
+    assert figures == {48e9}
+
+
+def test_one_cpu_machine_uses_the_one_thread_figure() -> None:
+    measured = cpu_throughput_from_times(1e9, _times(1, 0.25, 0.25), None)
+    assert measured.value == pytest.approx(4e9) and measured.keep
+
+
+def test_calibration_times_one_thread_and_every_cpu_best_of_repeats(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The calibration step runs once to warm up and ``repeats`` times timed, with 1 thread and with every CPU;
+    the best run counts (a slow run does not lower the figure); the caller's threads are restored."""
+    fake = _FakeSteps(monkeypatch, {4: [0.9, 0.25, 0.4], 1: [2.0, 0.8, 0.5]}, run_real_step=False)
+    before = torch.get_num_threads()
+    measured = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=3, max_threads=4)
+    assert torch.get_num_threads() == before
+    (args, kwargs), = fake.closure_args
+    assert fake.step_calls == 8  # per thread count: one warm-up, then 3 timed
+    assert measured.value == pytest.approx(conv_flops(*args, **kwargs) / 0.25, rel=0.05)  # 2 significant digits
+    assert measured.details["one_thread_wall_seconds"] == 0.5 and measured.keep
 
 
 def _topologies() -> dict[str, tuple[NetworkTopology, tuple[int, ...], int]]:
@@ -138,15 +147,3 @@ def test_conv_flops_counts_the_convolutions_torch_runs(name: str) -> None:
     predicted = conv_flops(topology, patch_size, batch_size)
     assert counts["aten.convolution"] == pytest.approx(predicted / 3, rel=1e-9)
     assert counter.get_total_flops() == pytest.approx(predicted, rel=0.02)
-
-
-def test_a_cache_that_cannot_be_written_does_not_stop_planning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from autoseg.core.artifacts import WriteError
-
-    def refuse(path, text):
-        raise WriteError(path, "Read-only file system")
-
-    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda repeats=3: 5e9)
-    monkeypatch.setattr(autoseg.plan.throughput.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    monkeypatch.setattr(autoseg.plan.throughput, "atomic_write_text", refuse)
-    assert cached_cpu_throughput(tmp_path) == (5e9, "measured now (could not cache it)")

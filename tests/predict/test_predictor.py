@@ -328,13 +328,3 @@ def test_a_planned_tile_agrees_with_the_patch_on_a_tiny_trained_model(prepared: 
         differ = planned != patch
         boundary = maximum_filter(patch, size=3) != minimum_filter(patch, size=3)
         assert differ.sum() > 0 and (differ & ~boundary).sum() <= 0.5 * differ.sum()
-
-
-def test_the_thread_probe_runs_a_small_input_of_a_large_patch() -> None:
-    """The CPU thread count is timed on about 16x40x40 voxels, a multiple of the network's divisor; a patch that
-    small or smaller is probed as it is."""
-    assert predictor.probe_shape((16, 40, 40), (2, 8, 8)) == (16, 40, 40)
-    assert predictor.probe_shape((8, 16, 16), (2, 8, 8)) == (8, 16, 16)
-    shape = predictor.probe_shape((48, 192, 160), (4, 32, 32))
-    assert all(s % d == 0 for s, d in zip(shape, (4, 32, 32)))
-    assert 0.5 * 16 * 40 * 40 <= math.prod(shape) <= 2 * 16 * 40 * 40, shape

@@ -1,0 +1,156 @@
+"""Per-machine measurements kept between runs, and how torch's CPU threads are set.
+
+``MachineCache`` keeps a figure that takes seconds to measure (the CPU's training throughput) in a folder the
+CLI resolves (``$AUTOSEG_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoseg``, else ``~/.cache/autoseg``), one JSON file
+per measurement, each entry keyed by what changes the answer (``machine_key``: CPU model, the CPUs this process
+may run on, torch's version and OpenMP wait policy). The second run on the same machine reads the figure instead of
+timing it again, so it does not depend on how busy the machine is then. Writes are atomic; an unreadable file is
+ignored with a warning and rewritten.
+
+Threads: ``use_cpu_threads`` gives torch every CPU this process may use, with OpenMP threads that sleep while they
+wait (``OMP_WAIT_POLICY=PASSIVE``, set by ``passive_openmp_waiting`` before torch is imported). With libgomp's
+default spinning, 2 threads against one busy process on 2 cores made a U-Net training step 3-13x slower than one
+thread; sleeping threads ran it as fast as one thread there, and no timing probe is needed (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoseg.core.artifacts import WriteError, atomic_write_text
+from autoseg.core.resources import cpu_count
+
+log = logging.getLogger("autoseg")
+
+CACHE_VERSION = 1
+MAX_ENTRIES = 16  # keys kept per measurement file (e.g. several torch versions in several environments)
+WAIT_POLICY = "PASSIVE"
+
+
+def passive_openmp_waiting(environ: MutableMapping[str, str], modules: Mapping[str, object] = sys.modules) -> bool:
+    """Ask OpenMP (libgomp, as torch's CPU wheels use) to let waiting threads sleep instead of spin, unless the
+    user chose a policy. libgomp reads it when loaded, with torch: the CLI calls this first thing, and it leaves
+    ``environ`` alone once torch is in ``modules`` (too late; the log would claim a policy torch never read).
+    Returns whether the policy is now passive."""
+    if "OMP_WAIT_POLICY" not in environ and "torch" not in modules:
+        environ["OMP_WAIT_POLICY"] = WAIT_POLICY
+    return environ.get("OMP_WAIT_POLICY", "").upper() == WAIT_POLICY
+
+
+def cpu_model() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else ``platform.processor()``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_key(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """What a CPU measurement depends on: architecture, CPU model, the CPUs this process may run on (count and
+    affinity), torch's version and OpenMP's wait policy (from ``environ``, default this process's, as libgomp
+    read it when torch was imported)."""
+    import torch
+
+    environ = os.environ if environ is None else environ
+    try:
+        affinity = sorted(os.sched_getaffinity(0))
+    except AttributeError:
+        affinity = []
+    return {"arch": platform.machine(), "cpu_model": cpu_model(), "cpus": cpu_count(), "affinity": affinity,
+            "torch": torch.__version__, "omp_wait_policy": environ.get("OMP_WAIT_POLICY", "").upper()}
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """A measured figure; ``keep``: whether it may be cached (False: measured while the cores were busy, say
+    ``why_not_kept``); ``details``: the timings behind it, kept beside it in the cache."""
+
+    value: float
+    keep: bool = True
+    why_not_kept: str = ""
+    details: dict[str, float] = field(default_factory=dict)
+
+
+class MachineCache:
+    """Measurements of this machine in ``folder`` (None: keep nothing), one ``<name>.json`` per measurement."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = None if folder is None else Path(folder)
+
+    def path(self, name: str) -> Path | None:
+        return None if self.folder is None else self.folder / f"{name}.json"
+
+    def measured(self, name: str, key: Mapping[str, Any], measure: Callable[[], Measurement]) -> tuple[float, str]:
+        """The figure cached under ``key``, else ``measure()``'s (cached when it may be); returns (value, where it
+        came from), e.g. "cached in PATH" or "measured now, cached in PATH"."""
+        path = self.path(name)
+        entries = self._read(path)
+        key_text = json.dumps(dict(key), sort_keys=True)
+        cached = entries.get(key_text)
+        if cached is not None:
+            return float(cached["value"]), f"cached in {path}"
+        found = measure()
+        if path is None:
+            return found.value, "measured now (no cache folder)"
+        if not found.keep:
+            return found.value, f"measured now, not cached: {found.why_not_kept}"
+        entries = {key_text: {"value": found.value, "details": found.details},
+                   **{k: v for k, v in entries.items() if k != key_text}}
+        payload = {"schema_version": CACHE_VERSION, "kind": name,
+                   "entries": [{"key": json.loads(k), **v} for k, v in list(entries.items())[:MAX_ENTRIES]]}
+        try:
+            atomic_write_text(path, json.dumps(payload, indent=1) + "\n")
+        except (OSError, WriteError) as e:
+            return found.value, f"measured now (could not cache it in {path}: {e})"
+        return found.value, f"measured now, cached in {path}"
+
+    @staticmethod
+    def _read(path: Path | None) -> dict[str, dict[str, Any]]:
+        """The file's entries by key text; {} when there is none, or (with a warning) when it is unreadable."""
+        if path is None or not path.is_file():
+            return {}
+        try:
+            payload = json.loads(path.read_text())
+            if payload.get("schema_version") != CACHE_VERSION:
+                raise ValueError(f"schema_version {payload.get('schema_version')!r}, expected {CACHE_VERSION}")
+            entries = {json.dumps(e["key"], sort_keys=True): {"value": float(e["value"]), "details": e["details"]}
+                       for e in payload["entries"]}
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            log.warning("%s: not a readable autoseg measurement cache (%s); measuring again and rewriting it", path,
+                        f"{type(e).__name__}: {e}")
+            return {}
+        return entries
+
+
+def use_cpu_threads(requested: int | None, what: str, environ: Mapping[str, str] | None = None) -> int:
+    """Set torch's CPU threads for ``what`` (training, prediction) to ``requested`` or every CPU this process may
+    use, and log where the count came from; returns it. The same count whatever the load: with passive OpenMP
+    waiting (``passive_openmp_waiting``) extra threads cost next to nothing when another process holds a core."""
+    import torch
+
+    if requested is not None:
+        threads, source = requested, "as requested"
+    else:
+        threads, source = cpu_count(), "every CPU this process may use"
+    torch.set_num_threads(threads)
+    policy = (os.environ if environ is None else environ).get("OMP_WAIT_POLICY", "")  # as libgomp read it
+    if threads > 1 and policy.upper() != WAIT_POLICY:
+        log.warning("CPU threads for %s: %d (%s); OMP_WAIT_POLICY is %r, not PASSIVE: spinning OpenMP threads ran "
+                    "3-13x slower than one thread when another process kept a core busy. The autoseg command sets "
+                    "it; from Python, set OMP_WAIT_POLICY=PASSIVE before importing torch", what, threads, source,
+                    policy or "unset")
+    else:
+        log.info("CPU threads for %s: %d (%s; OpenMP waits %s)", what, threads, source,
+                 "passively" if policy.upper() == WAIT_POLICY else "as set")
+    return threads
