@@ -35,7 +35,8 @@ from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 from autoseg.predict.predictor import PROBABILITIES_BYTES, PROBABILITIES_DTYPE
 
-__all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "next_patch_up"]
+__all__ = ["Explanation", "HostCase", "NetworkSummary", "StageMemory", "WhatIf", "explain", "network_summary",
+           "next_patch_up"]
 
 
 @dataclass(frozen=True)
@@ -80,13 +81,39 @@ class HostCase:
 
 
 @dataclass(frozen=True)
+class NetworkSummary:
+    """The planned network: its ``architecture`` (``NetworkTopology.architecture``), channels per stage, the blocks of
+    each encoder stage (``encoder_block``: "conv" blocks of a plain U-Net, "residual" blocks after a stem conv
+    block of a residual encoder) and the conv blocks per decoder stage; ``parameters``: trainable values."""
+
+    architecture: str
+    features_per_stage: tuple[int, ...]
+    encoder_block: str
+    encoder_blocks_per_stage: tuple[int, ...]
+    decoder_convs_per_stage: int
+    parameters: int
+
+
+def network_summary(topology: NetworkTopology, parameter_bytes: int) -> NetworkSummary:
+    """``NetworkSummary`` of ``topology``; ``parameter_bytes``: its fp32 parameters as the memory model counts them."""
+    residual = bool(topology.blocks_per_stage)
+    return NetworkSummary(
+        architecture=topology.architecture, features_per_stage=tuple(topology.features_per_stage),
+        encoder_block="residual" if residual else "conv",
+        encoder_blocks_per_stage=tuple(topology.blocks_per_stage) if residual else
+        (topology.conv_per_stage,) * topology.num_stages,
+        decoder_convs_per_stage=topology.conv_per_stage, parameters=parameter_bytes // 4)
+
+
+@dataclass(frozen=True)
 class Explanation:
     """Where one configuration's memory goes. All sizes in bytes.
 
     ``training_terms`` sum to ``training_total_bytes`` (the predicted device peak of one training step);
     ``inference_terms`` sum to ``inference_total_bytes``. ``precision`` is what runs on ``device`` (AMP
     applies on CUDA only; on CPU the trainer runs fp32), ``planned_precision`` what the plan says.
-    ``budget_bytes`` is the plan's GPU memory for cuda, its host RAM for cpu.
+    ``budget_bytes`` is the plan's GPU memory for cuda, its host RAM for cpu. ``network``: what the plan builds
+    (``NetworkSummary``).
     """
 
     config_name: str
@@ -115,6 +142,7 @@ class Explanation:
     loader_worker: dict[str, int]  # autoseg.memory.host.worker_bytes
     host_cases: tuple[HostCase, ...]
     what_ifs: tuple[WhatIf, ...]
+    network: NetworkSummary | None = None
 
     @property
     def headroom_bytes(self) -> int:
@@ -158,6 +186,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
                                    len(plans.channel_names), config.loader_queue_depth, dummy_2d=loader.dummy_2d),
         host_cases=_host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
+        network=network_summary(config.network, step.parameter_bytes),
     )
 
 
