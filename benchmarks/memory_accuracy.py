@@ -5,13 +5,14 @@ real on CPU and measured with the same storage tracker, the error; the fitted mo
 (``TrainingMemoryModel``, from 2-3 simulations) against the direct simulation; and the predicted CUDA total
 (``predict_device_peak``), which needs a GPU to check.
 
-    python benchmarks/memory_accuracy.py [--threads N] [--quick]
+    python benchmarks/memory_accuracy.py [--threads N] [--quick] [--architecture unet|resenc]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
@@ -19,7 +20,7 @@ from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel
 from autoseg.memory.training import measure_training_step, simulate_training_step
-from autoseg.model.topology import NetworkTopology
+from autoseg.model.topology import ARCHITECTURES, NetworkTopology, preset_fields
 
 
 def unet(dim: int, stages: int, strides: list[tuple[int, ...]] | None = None,
@@ -49,11 +50,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--quick", action="store_true", help="only the first two configurations")
+    parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="unet",
+                        help="the same shapes as a residual encoder U-Net (resenc) instead of a plain one")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{'configuration':40s} {'predicted':>10s} {'measured':>10s} {'error':>9s} {'diff B':>7s} {'fitted':>10s} "
           f"{'fit err':>8s} {'CUDA':>9s}  {'sim s':>5s} {'fit s':>5s} {'query':>7s} {'real s':>6s}  peak in")
     for name, topology, batch, patch, kwargs in CONFIGS[:2] if args.quick else CONFIGS:
+        architecture = ARCHITECTURES[args.architecture]
+        topology = replace(topology, **preset_fields(architecture, topology.num_stages))
+        name += "" if args.architecture == "unet" else f" {args.architecture}"
         t0 = time.perf_counter()
         predicted = simulate_training_step(topology, batch, patch, **kwargs)
         t1 = time.perf_counter()

@@ -45,6 +45,38 @@ def test_bad_gpu_memory_flag_exits_with_usage_error(capsys) -> None:
     assert "cannot read 'lots' as a memory size" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["plan", "plan_and_preprocess"])
+def test_architecture_flag_names_a_preset_default_unet(command: str, capsys) -> None:
+    assert build_parser().parse_args([command, "data"]).architecture == "unet"
+    assert build_parser().parse_args([command, "data", "--architecture", "resenc"]).architecture == "resenc"
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([command, "data", "--architecture", "resunet"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--architecture: invalid choice: 'resunet'" in err and "resenc" in err and "unet" in err
+
+
+@pytest.mark.slow
+def test_resenc_plan_trains_and_predicts_unchanged(tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    """`--architecture resenc`: plans.json names the residual encoder U-Net and its blocks; the same train and
+    predict commands run it (1 epoch x 2 iterations on CPU, one case predicted; about 20 s on 2 busy cores)."""
+    ws, out = tmp_path / "ws", tmp_path / "pred"
+    assert main(["-q", "plan_and_preprocess", str(tiny_dataset), "-w", str(ws), "--device", "cpu", "-c", "3d_fullres",
+                 "--ram", "4GiB", "--cpu-flops", "2e10", "--architecture", "resenc", "--processes", "1"]) == 0
+    assert "network residual_encoder_unet" in capsys.readouterr().out
+    network = json.loads((ws / "plans.json").read_text())["configurations"]["3d_fullres"]["network"]
+    assert network["architecture"] == "residual_encoder_unet" and network["conv_per_stage"] == 1
+    assert network["blocks_per_stage"] == [1, 3, 4, 6, 6, 6][:len(network["features_per_stage"])]
+    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--device", "cpu", "--epochs", "1",
+                 "--iterations-per-epoch", "2", "--val-iterations", "1", "--no-validation"]) == 0
+    assert (ws / "results" / "3d_fullres" / "fold_0" / "checkpoint_final.pt").is_file()
+    image = sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz"))[0]
+    assert main(["-q", "predict", "-i", str(image), "-o", str(out), "-w", str(ws), "--no-mirror",
+                 "--device", "cpu"]) == 0
+    assert "wrote 1 segmentation(s)" in capsys.readouterr().out
+    assert [p.name for p in out.iterdir()] == [image.name.replace("_0000", "")]
+
+
 @pytest.mark.parametrize(
     ("values", "expected"),
     [(["fold", "0"], 0), (["3"], 3), (["fold", "all"], "all"), (["all"], "all"), (["fold", "12"], 12)],

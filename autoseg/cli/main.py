@@ -19,6 +19,7 @@ from autoseg.core.units import GiB, MiB
 
 def _budget(args: argparse.Namespace):
     from autoseg.core.resources import available_ram_bytes, cuda_total_memory
+    from autoseg.model.topology import ARCHITECTURES
     from autoseg.plan.budget import Budget
 
     device = args.device or default_device()
@@ -29,8 +30,10 @@ def _budget(args: argparse.Namespace):
             gpu = 8 * GiB
             print("note: no CUDA device found; planning for 8 GiB of GPU memory (set --gpu-memory to change)")
     ram = args.ram or available_ram_bytes()
-    budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device)
-    print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}")
+    architecture = ARCHITECTURES[args.architecture]
+    budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device, architecture=architecture)
+    print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
+          f"network {architecture}")
     if device == "cpu":
         from autoseg.core.machine import MachineCache
         from autoseg.plan.throughput import cpu_throughput

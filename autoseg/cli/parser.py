@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 
 from autoseg.core.errors import InputError
+from autoseg.model.topology import ARCHITECTURES
 
 
 def parse_bytes(text: str) -> int:
@@ -123,6 +124,10 @@ def _add_plan_commands(sub: argparse._SubParsersAction) -> None:
                             "preprocessed cases (a plans.json edited by hand is kept; delete it to plan anew); "
                             "trained folds of a changed plan or dataset are moved to results/<config>.stale-<n>, "
                             "never deleted. Without it such a workspace is refused")
+        p.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="unet",
+                       help="the network every configuration is planned with: unet (plain conv U-Net, nnU-Net's "
+                            "default) or resenc (residual encoder U-Net, nnU-Net's ResEnc: residual blocks "
+                            "1, 3, 4, 6, 6, 6 per encoder stage); default: unet")
         if name == "plan_and_preprocess":
             p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
             p.add_argument("--processes", type=int_at_least(1), default=None,

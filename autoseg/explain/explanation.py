@@ -34,7 +34,8 @@ from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 
-__all__ = ["Explanation", "HostCase", "StageMemory", "WhatIf", "explain", "next_patch_up"]
+__all__ = ["Explanation", "HostCase", "NetworkSummary", "StageMemory", "WhatIf", "explain", "network_summary",
+           "next_patch_up"]
 
 
 @dataclass(frozen=True)
@@ -79,13 +80,39 @@ class HostCase:
 
 
 @dataclass(frozen=True)
+class NetworkSummary:
+    """The planned network: its ``architecture`` (``NetworkTopology.architecture``), channels per stage, the blocks of
+    each encoder stage (``encoder_block``: "conv" blocks of a plain U-Net, "residual" blocks after a stem conv
+    block of a residual encoder) and the conv blocks per decoder stage; ``parameters``: trainable values."""
+
+    architecture: str
+    features_per_stage: tuple[int, ...]
+    encoder_block: str
+    encoder_blocks_per_stage: tuple[int, ...]
+    decoder_convs_per_stage: int
+    parameters: int
+
+
+def network_summary(topology: NetworkTopology, parameter_bytes: int) -> NetworkSummary:
+    """``NetworkSummary`` of ``topology``; ``parameter_bytes``: its fp32 parameters as the memory model counts them."""
+    residual = bool(topology.blocks_per_stage)
+    return NetworkSummary(
+        architecture=topology.architecture, features_per_stage=tuple(topology.features_per_stage),
+        encoder_block="residual" if residual else "conv",
+        encoder_blocks_per_stage=tuple(topology.blocks_per_stage) if residual else
+        (topology.conv_per_stage,) * topology.num_stages,
+        decoder_convs_per_stage=topology.conv_per_stage, parameters=parameter_bytes // 4)
+
+
+@dataclass(frozen=True)
 class Explanation:
     """Where one configuration's memory goes. All sizes in bytes.
 
     ``training_terms`` sum to ``training_total_bytes`` (the predicted device peak of one training step);
     ``inference_terms`` sum to ``inference_total_bytes``. ``precision`` is what runs on ``device`` (AMP
     applies on CUDA only; on CPU the trainer runs fp32), ``planned_precision`` what the plan says.
-    ``budget_bytes`` is the plan's GPU memory for cuda, its host RAM for cpu.
+    ``budget_bytes`` is the plan's GPU memory for cuda, its host RAM for cpu. ``network``: what the plan builds
+    (``NetworkSummary``).
     """
 
     config_name: str
@@ -116,6 +143,7 @@ class Explanation:
     what_ifs: tuple[WhatIf, ...]
     predicted_seconds_per_iteration: float | None = None  # the plan's, at the throughput below
     cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput it was sized for
+    network: NetworkSummary | None = None
 
     @property
     def headroom_bytes(self) -> int:
@@ -161,6 +189,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
         predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
         cpu_flops_per_second=plans.cpu_flops_per_second,
+        network=network_summary(config.network, step.parameter_bytes),
     )
 
 

@@ -51,6 +51,19 @@ def _table(header: list[str], rows: list[list[str]], indent: str = "  ") -> list
     return [line(header), indent + "-" * (sum(widths) + 2 * (len(widths) - 1)), *map(line, rows)]
 
 
+def _network_line(e: Explanation) -> list[str]:
+    """E.g. "network: residual_encoder_unet, 6 stages of 32-64-128-256-320-320 features; encoder: stem + 1-3-4-6-6-6
+    residual blocks per stage; decoder: 1 conv block(s) per stage; 102.35 M parameters"."""
+    n = e.network
+    if n is None:
+        return []
+    stem = "stem + " if n.encoder_block == "residual" else ""
+    return [f"network: {n.architecture}, {len(n.features_per_stage)} stages of "
+            f"{'-'.join(map(str, n.features_per_stage))} features; encoder: {stem}"
+            f"{'-'.join(map(str, n.encoder_blocks_per_stage))} {n.encoder_block} blocks per stage; decoder: "
+            f"{n.decoder_convs_per_stage} conv block(s) per stage; {n.parameters / 1e6:.2f} M parameters"]
+
+
 def _terms_table(terms: dict[str, int], total: int) -> list[str]:
     rows = [[TERM_NAMES.get(k, k), format_bytes(v), _pct(v, total)] for k, v in terms.items()]
     return _table(["term", "size", "share"], [*rows, ["total", format_bytes(total), "100.0%"]])
@@ -65,6 +78,7 @@ def _headline(e: Explanation) -> list[str]:
             f"plan: patch {_shape(e.patch_size)}, batch {e.batch_size} x {e.accumulation_steps} accumulation "
             f"step(s), precision {e.precision}{amp}, checkpointing {'on' if e.checkpointing else 'off'}",
             *_time_line(e),
+            *_network_line(e),
             "",
             f"TRAINING STEP: predicted peak {format_bytes(e.training_total_bytes)} of "
             f"{format_bytes(e.budget_bytes)} {e.budget_name}, {verdict}; "

@@ -4,7 +4,9 @@ backward pass: training, the memory model and the throughput calibration all run
 forward (tile layout, tile batches), the collectives of a multi-process run and the checkpoint file format
 (written by training, read by resume and prediction).
 
-Owns: ``topology``, ``network``, ``loss``, ``step``, ``sliding_window``, ``tiles`` (tile layout, Gaussian, the
+Owns: ``topology`` (the architectures a plan may name, ``validate_topology``), ``network`` (the registry),
+``blocks`` (the conv block, decoder stage and U-Net skeleton every architecture shares), ``residual`` (the
+residual encoder U-Net), ``loss``, ``step``, ``sliding_window``, ``tiles`` (tile layout, Gaussian, the
 accumulator window), ``tile_buffers`` (one sliding window's buffers and their bytes), ``tta`` (mirror variants,
 ``--tta``),
 ``distributed``, ``checkpoint_file``.

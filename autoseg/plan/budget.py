@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
 from autoseg.core.units import GiB
+from autoseg.model.topology import ARCHITECTURES, PLAIN_UNET
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,7 @@ class Budget:
     the CLI measures the throughput with ``autoseg.plan.throughput.calibrate_cpu_throughput``.
     ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
     ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
+    ``architecture``: the network every configuration is planned with (``NetworkTopology.architecture``).
     """
 
     gpu_memory_bytes: int = 8 * GiB
@@ -34,6 +36,7 @@ class Budget:
     precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
     gpu_name: str | None = None
     cpu_count: int | None = None
+    architecture: str = PLAIN_UNET
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -42,6 +45,9 @@ class Budget:
             raise InputError(f"Budget.safety_margin {self.safety_margin} must be in [0, 0.5)")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise InputError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
+        if self.architecture not in ARCHITECTURES.values():
+            raise InputError(f"Budget.architecture {self.architecture!r}: use one of {sorted(ARCHITECTURES.values())} "
+                             f"(autoseg plan --architecture {'|'.join(ARCHITECTURES)})")
         if self.device == "cpu" and self.precision not in (None, "fp32"):
             raise InputError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
                              "leave Budget.precision unset for device 'cpu'")

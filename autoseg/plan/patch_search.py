@@ -33,7 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoseg.core.precision import element_bytes
-from autoseg.model.topology import NetworkTopology
+from autoseg.model.residual import forward_conv_flops
+from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology, preset_fields
 from autoseg.plan.throughput import conv_flops
 
 MIN_FEATURE_MAP = 4  # no axis is pooled below this many voxels
@@ -53,8 +54,10 @@ PeakFn = Callable[[NetworkTopology, int, tuple[int, ...], str, bool, int], int]
 @functools.lru_cache(maxsize=65536)
 def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_channels: int,
                  num_outputs: int, base_features: int, max_features: int,
-                 max_pools: tuple[int, ...] | None = None) -> tuple[NetworkTopology, tuple[int, ...]]:
-    """Pooling per axis and kernel sizes from the spacing (nnU-Net's rule, our code).
+                 max_pools: tuple[int, ...] | None = None,
+                 architecture: str = PLAIN_UNET) -> tuple[NetworkTopology, tuple[int, ...]]:
+    """Pooling per axis and kernel sizes from the spacing (nnU-Net's rule, our code); ``architecture``'s blocks
+    (``preset_fields``).
 
     An axis is pooled while its current spacing is at most twice the finest one and its feature map
     stays >= MIN_FEATURE_MAP voxels (and, with ``max_pools``, at most that many times); its kernel is 3
@@ -84,7 +87,8 @@ def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_
         kernels.append(tuple(kernel))
     features = tuple(min(base_features * 2**s, max_features) for s in range(len(strides)))
     topology = NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
-                               features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides))
+                               features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides),
+                               **preset_fields(architecture, len(strides)))
     div = topology.patch_divisor()
     patch = tuple(int(math.ceil(p / d) * d) for p, d in zip(patch_size, div))
     return topology, patch
@@ -135,6 +139,7 @@ class Setting:
     precision: str  # "fp32" | "fp16" | "bf16"
     checkpointing: bool
     single: bool  # micro-batch 1 with 2 accumulation steps (else micro-batch >= 2, no accumulation)
+    architecture: str = PLAIN_UNET  # NetworkTopology.architecture of every network searched
 
     @property
     def accumulation_steps(self) -> int:
@@ -181,7 +186,7 @@ class StepCost:
 
     def flops(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
         factor = self.setting.accumulation_steps * (CHECKPOINT_FLOPS if self.setting.checkpointing else 1.0)
-        return conv_flops(topology, patch, batch) * factor
+        return step_flops(topology, patch, batch) * factor
 
     def fits(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> bool:
         """Within the time and memory limits; a topology of one stage (a patch too small to pool) never
@@ -194,20 +199,29 @@ class StepCost:
         return not self.use_memory or self.peak(topology, batch, patch) <= lim.memory_bytes
 
 
+def step_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
+    """``autoseg.plan.throughput.conv_flops`` (one training step, forward + backward ~ 3x the forward's convolutions)
+    for the topology's architecture: the plain U-Net's formula there, a residual encoder's from its own module."""
+    if topology.architecture == RESIDUAL_ENCODER_UNET:
+        return 3.0 * forward_conv_flops(topology, patch_size) * batch_size
+    return conv_flops(topology, patch_size, batch_size)
+
+
 def rough_training_peak_bytes(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
                               precision: str = "fp32", checkpointing: bool = False,
                               accumulation_steps: int = 1) -> int:
     """A first-order estimate, the search's proxy between simulations: parameters x 16 bytes (weights,
     gradients, momentum, transient) + ~6 stored tensors per convolution block at each resolution,
-    encoder and decoder."""
+    encoder and decoder (the encoder's convolutions as the architecture has them)."""
     voxels = float(math.prod(patch_size)) * batch_size
     params = 0.0
     act = 0.0
     prev = topology.in_channels
-    for f, k, st in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides):
+    for f, k, st, convs in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides,
+                               topology.encoder_convs()):
         voxels /= float(math.prod(st))
-        params += float(math.prod(k)) * (prev * f + (topology.conv_per_stage - 1) * f * f)
-        act += 3 * topology.conv_per_stage * f * voxels * 2  # encoder + decoder
+        params += float(math.prod(k)) * (prev * f + (convs - 1) * f * f)  # the encoder's
+        act += 3 * (convs + topology.conv_per_stage) * f * voxels  # encoder + decoder
         prev = f
     bytes_per = element_bytes(precision)
     return int(16 * params + act * bytes_per * (0.6 if checkpointing else 1.0))
@@ -291,7 +305,8 @@ def canonical(space: SearchSpace, setting: Setting, patch: tuple[int, ...], max_
               ) -> tuple[NetworkTopology, tuple[int, ...]]:
     """The topology ``topology_for`` gives this patch under ``setting``, and the patch rounded to it."""
     return topology_for(tuple(int(v) for v in patch), tuple(space.spacing_mm), space.in_channels,
-                        space.num_outputs, setting.base_features, setting.max_features, max_pools)
+                        space.num_outputs, setting.base_features, setting.max_features, max_pools,
+                        setting.architecture)
 
 
 def pools_per_axis(topology: NetworkTopology) -> tuple[int, ...]:

@@ -8,6 +8,9 @@ margin, and on CPU an iteration stays within a time target. Configurations: ``3d
 ``3d_lowres`` (when the fullres patch covers less than a quarter of the median image; planned for a
 cascade that autoseg does not train yet), ``2d``.
 
+The network's architecture is the budget's (``Budget.architecture``: ``plain_unet`` or ``residual_encoder_unet``,
+``autoseg plan --architecture unet|resenc``); every architecture is sized by simulating its own training step.
+
 Settings are tried in order of cost, the first whose patch is large enough wins (see ``_settings``):
 CUDA: fp16 autocast with fp32 master weights (nnU-Net's AMP), then + activation checkpointing (about a
 third more compute), then + micro-batch 1 with 2 accumulation steps. CPU: fp32, base width 16, then 8.
@@ -165,13 +168,13 @@ def lowres_spacing(spacing_mm: tuple[float, float, float], median_shape_zyx: tup
 
 def _settings(budget: Budget, dim: int) -> list[Setting]:
     """The settings to try, cheapest first (see the module docstring)."""
-    cap = FEATURE_CAP[dim]
+    cap, arch = FEATURE_CAP[dim], budget.architecture
     if budget.device == "cuda":
         base, precision = budget.base_features or 32, budget.precision or AMP_PRECISION
-        return [Setting(base, cap, precision, False, False), Setting(base, cap, precision, True, False),
-                Setting(base, cap, precision, True, True)]
+        return [Setting(base, cap, precision, False, False, arch), Setting(base, cap, precision, True, False, arch),
+                Setting(base, cap, precision, True, True, arch)]
     bases = (budget.base_features,) if budget.base_features else CPU_BASE_FEATURES
-    return [Setting(b, cap, "fp32", False, False) for b in bases]
+    return [Setting(b, cap, "fp32", False, False, arch) for b in bases]
 
 
 def _limits(budget: Budget, precision: str) -> tuple[Limits, str]:

@@ -14,7 +14,7 @@ from autoseg.core.artifacts import Artifact
 from autoseg.core.errors import InputError
 from autoseg.core.spacing import compute_new_shape
 from autoseg.dataset.labels import LabelScheme, LabelValue
-from autoseg.model.topology import NetworkTopology
+from autoseg.model.topology import PLAIN_UNET, NetworkTopology, validate_topology
 
 TILE_CHOICES = ("planned", "patch")  # ConfigurationPlan.inference_tile, autoseg predict --tile
 INFERENCE_ONLY_KEYS = ("inference_patch_size",)  # configuration keys training does not read (resume ignores them)
@@ -85,32 +85,41 @@ class ConfigurationPlan:
 
 
 def upgrade_network_payload(network: dict) -> None:
-    """A configuration's ``network`` as plans schema 2 wrote it, in place, to schema 3: ``num_classes`` is
-    ``num_outputs``, and it names its architecture (there was one). A schema 3 payload is left as it is."""
+    """A configuration's ``network`` as plans schema 2-4 wrote it, in place, to schema 5: ``num_classes`` is
+    ``num_outputs`` (schema 3), it names its architecture (there was one: schema 3) and its residual blocks per
+    stage (none: schema 5). A schema 5 payload is left as it is."""
     if "num_classes" in network:
         network["num_outputs"] = network.pop("num_classes")
-    network.setdefault("architecture", "plain_unet")
+    network.setdefault("architecture", PLAIN_UNET)
+    network.setdefault("blocks_per_stage", [])
 
 
-def _plans_2_to_4(payload: dict) -> dict:
-    for config in payload.get("configurations", {}).values():
-        upgrade_network_payload(config.get("network", {}))
-    return _plans_3_to_4(payload)
+def _plans_2_to_5(payload: dict) -> dict:
+    return _plans_3_to_5(payload)
 
 
-def _plans_3_to_4(payload: dict) -> dict:
+def _plans_3_to_5(payload: dict) -> dict:
     """Schema 4 records the inference tile; a plan from before predicts with its training patch, as it did."""
     for config in payload.get("configurations", {}).values():
         if "patch_size" in config:
             config.setdefault("inference_patch_size", config["patch_size"])
+    return _plans_4_to_5(payload)
+
+
+def _plans_4_to_5(payload: dict) -> dict:
+    """Schema 5: the network may be a residual encoder U-Net (``blocks_per_stage``); every earlier plan's is plain."""
+    for config in payload.get("configurations", {}).values():
+        upgrade_network_payload(config.get("network", {}))
     return payload
 
 
 @dataclass(frozen=True)
 class Plans(Artifact):
-    # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size
-    SCHEMA_VERSION = 4
-    UPGRADES = {2: _plans_2_to_4, 3: _plans_3_to_4}  # a workspace planned by an earlier version still trains, predicts
+    # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
+    # 5: network.blocks_per_stage (architecture residual_encoder_unet)
+    SCHEMA_VERSION = 5
+    # a workspace planned by an earlier version still trains, predicts
+    UPGRADES = {2: _plans_2_to_5, 3: _plans_3_to_5, 4: _plans_4_to_5}
     KIND = "plans"
 
     dataset_name: str
@@ -155,7 +164,6 @@ class Plans(Artifact):
         """Raise ``InputError`` for values no stage could run: networks, patches, batches, precisions and
         channel counts that do not fit each other (``check_step_arguments``, ``validate_topology``)."""
         from autoseg.memory.training import check_step_arguments
-        from autoseg.model.network import validate_topology
 
         channels = len(self.channel_names)
         for key in ("normalization", "use_nonzero_mask", "intensity_properties"):

@@ -207,3 +207,26 @@ def test_cli_unknown_config_names_the_available_ones(tmp_path: Path, capsys) -> 
 def test_cli_workspace_without_plans_says_what_to_run(tmp_path: Path, capsys) -> None:
     assert main(["explain", "-w", str(tmp_path)]) == 2
     assert "autoseg plan" in capsys.readouterr().err
+
+
+def test_the_network_line_names_the_architecture_and_its_blocks(explanation: Explanation) -> None:
+    """The plain U-Net's conv blocks, or the residual encoder's stem and residual blocks per stage (nnU-Net's
+    1-3-4 for three stages), with the parameter count the memory model simulated."""
+    from autoseg.model.topology import RESIDUAL_ENCODER_UNET, resenc_blocks_per_stage
+
+    text = format_explanation(explanation)
+    params = explanation.training_terms["parameters"] // 4
+    assert (f"network: plain_unet, 3 stages of 8-16-32 features; encoder: 2-2-2 conv blocks per stage; decoder: 2 "
+            f"conv block(s) per stage; {params / 1e6:.2f} M parameters") in text
+    plans = tiny_plans()
+    network = replace(TOPOLOGY, architecture=RESIDUAL_ENCODER_UNET, conv_per_stage=1,
+                      blocks_per_stage=resenc_blocks_per_stage(3))
+    plans = replace(plans, configurations={"3d_fullres": plans.configurations["3d_fullres"].with_(network=network)})
+    resenc = explain(plans, "3d_fullres")
+    step = simulate_training_step(network, 2, (16, 16, 16))
+    assert resenc.training_terms["parameters"] == step.parameter_bytes > explanation.training_terms["parameters"]
+    assert ("network: residual_encoder_unet, 3 stages of 8-16-32 features; encoder: stem + 1-3-4 residual blocks per "
+            "stage; decoder: 1 conv block(s) per stage") in format_explanation(resenc)
+    summary = json.loads(json.dumps(resenc.to_dict()))["network"]
+    assert summary["architecture"] == RESIDUAL_ENCODER_UNET and summary["encoder_blocks_per_stage"] == [1, 3, 4]
+    assert {s.name for s in resenc.stages} >= {"encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1"}

@@ -3,6 +3,8 @@ real on CPU, the linear timeline model against direct simulation, the device and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,7 @@ from autoseg.memory.host import export_bytes, preprocess_worker_bytes
 from autoseg.memory.inference import inference_memory, measure_inference_bytes
 from autoseg.memory.training import measure_training_step, simulate_training_step, training_step_flops
 from autoseg.model.network import build_network
-from autoseg.model.topology import NetworkTopology
+from autoseg.model.topology import RESIDUAL_ENCODER_UNET, NetworkTopology, preset_fields
 
 
 def topo(dim: int, features: tuple[int, ...], strides: list[tuple[int, ...]], in_channels: int = 1,
@@ -25,6 +27,11 @@ def topo(dim: int, features: tuple[int, ...], strides: list[tuple[int, ...]], in
     return NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
                            features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides),
                            deep_supervision=deep_supervision)
+
+
+def resenc(topology: NetworkTopology) -> NetworkTopology:
+    """The same shape as a residual encoder U-Net, as the planner builds one (nnU-Net's block counts)."""
+    return replace(topology, **preset_fields(RESIDUAL_ENCODER_UNET, topology.num_stages))
 
 
 ISO3D = topo(3, (4, 8, 16, 32), [(1, 1, 1)] + [(2, 2, 2)] * 3)
@@ -67,6 +74,38 @@ def test_simulated_peak_matches_real_cpu_step(name, topology, batch, patch, kwar
     measured = measure_training_step(topology, batch, patch, **kwargs)
     # The acceptance bound is 5%; on torch 2.13 the two agree to the byte, so hold them to 1%.
     assert abs(predicted.peak_bytes - measured) / measured < 0.01, (predicted.peak_bytes, measured)
+
+
+# The residual encoder U-Net (ResEnc: stem, 1-3-4-6-6 residual blocks, one conv per decoder stage), as planned.
+RESENC_CONFIGS = [
+    ("resenc-3d-aniso-4st-b2-fp32", resenc(ANISO3D), 2, (8, 16, 16), {}),
+    ("resenc-3d-aniso-4st-b2-bf16", resenc(ANISO3D), 2, (8, 16, 16), {"precision": "bf16"}),
+    ("resenc-3d-5st-b1-bf16-ckpt-4ch", resenc(FIVE3D), 1, (8, 32, 32), {"precision": "bf16", "checkpointing": True}),
+    ("resenc-2d-5st-b3-fp32", resenc(FIVE2D), 3, (32, 32), {}),
+    ("resenc-2d-6st-aniso-b2-fp16", resenc(SIX2D), 2, (64, 16), {"precision": "fp16"}),
+    ("resenc-3d-iso-4st-b2-regions-ignore-accumulation", resenc(ISO3D), 2, (16, 16, 16),
+     {"labels": REGIONS_IGNORE, "accumulation_steps": 2}),
+]
+
+
+@pytest.mark.parametrize("name, topology, batch, patch, kwargs", RESENC_CONFIGS, ids=[c[0] for c in RESENC_CONFIGS])
+def test_residual_encoder_simulated_peak_is_the_measured_one_to_the_byte(name, topology, batch, patch, kwargs):
+    """The planner sizes a ResEnc plan by simulating its real step: the simulation equals the same step run on CPU
+    tensors to the byte (2D and 3D, fp32, bf16 and fp16 autocast, checkpointing, regions, accumulation)."""
+    predicted = simulate_training_step(topology, batch, patch, **kwargs)
+    measured = measure_training_step(topology, batch, patch, **kwargs)
+    assert predicted.peak_bytes == measured
+    assert predicted.parameter_bytes == 4 * sum(p.numel() for p in build_network(topology).parameters())
+
+
+def test_residual_encoder_fitted_model_is_the_direct_simulation():
+    """The planner queries the timeline model fitted from simulations at two patch sizes: for a ResEnc U-Net it
+    gives the direct simulation of a third patch to the byte, breakdown and stages included."""
+    t = resenc(topo(2, (4, 8, 16), [(1, 1), (2, 2), (2, 2)]))
+    model = TrainingMemoryModel(t)
+    direct = simulate_training_step(t, 2, (40, 56))
+    assert model.predict(2, (40, 56)) == direct
+    assert model.simulations == 3
 
 
 def test_breakdown_sums_to_total_and_counts_parameters():
@@ -188,6 +227,8 @@ def test_flops_match_the_convolutions():
     (ISO3D, (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # z rows at 0 and 4: a batch stays in one row
     (FIVE2D, (32, 32), 3, (2, 40, 36), (0, 1), 2),  # 16 (tile, variant) pairs a slice: a batch spans 2 slices
     (ISO3D, (16, 16, 16), 4, (16, 16, 16), (), 16),  # one tile: the batch shrinks to it
+    (resenc(ISO3D), (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # the residual encoder U-Net
+    (resenc(FIVE2D), (32, 32), 3, (2, 40, 36), (0, 1), 2),
 ])
 def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batch, shape, mirror, depth):
     predicted = inference_memory(topology, patch, tile_batch, shape, topology.num_outputs, "fp32", mirror)

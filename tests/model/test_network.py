@@ -1,39 +1,56 @@
-"""Contract tests of the segmentation network: shapes, backward, deep supervision, checkpointing, init."""
+"""Contract tests every registered architecture passes (shapes, backward, deep supervision, checkpointing, the
+sliding window in eval mode, input checks), and the plain U-Net's own layout and init. The residual encoder's own
+tests are in test_residual.py."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from autoseg.model.network import NETWORKS, build_network
-from autoseg.model.topology import NetworkTopology
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology, resenc_blocks_per_stage
 
 
 def topology(dim: int = 3, features: tuple[int, ...] = (4, 8, 16), deep_supervision: bool = True,
              strides: tuple[tuple[int, ...], ...] | None = None,
              kernel_sizes: tuple[tuple[int, ...], ...] | None = None, conv_per_stage: int = 2,
-             in_channels: int = 2, num_outputs: int = 3) -> NetworkTopology:
+             in_channels: int = 2, num_outputs: int = 3, architecture: str = PLAIN_UNET) -> NetworkTopology:
+    """A small topology of ``architecture`` (a residual encoder gets nnU-Net's block counts and ``conv_per_stage``
+    decoder convs)."""
     n = len(features)
+    blocks = resenc_blocks_per_stage(n) if architecture == RESIDUAL_ENCODER_UNET else ()
     return NetworkTopology(
         dim=dim, in_channels=in_channels, num_outputs=num_outputs, features_per_stage=features,
         kernel_sizes=kernel_sizes or ((3,) * dim,) * n,
         strides=strides or ((1,) * dim,) + ((2,) * dim,) * (n - 1),
-        conv_per_stage=conv_per_stage, deep_supervision=deep_supervision,
+        conv_per_stage=conv_per_stage, deep_supervision=deep_supervision, architecture=architecture,
+        blocks_per_stage=blocks,
     )
 
 
 # (dim, patch) pairs; 3 stages of stride 2 need multiples of 4
 CASES = [(2, (32, 32)), (3, (16, 16, 16))]
+ARCHITECTURES = sorted(NETWORKS)  # every registered architecture passes the contract tests
 
 
+def test_every_architecture_a_plan_can_name_is_registered() -> None:
+    from autoseg.model.topology import ARCHITECTURES as NAMED
+
+    assert sorted(NAMED.values()) == ARCHITECTURES == [PLAIN_UNET, RESIDUAL_ENCODER_UNET]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("dim,patch", CASES)
-def test_forward_backward_with_deep_supervision(dim: int, patch: tuple[int, ...]) -> None:
+def test_forward_backward_with_deep_supervision(dim: int, patch: tuple[int, ...], architecture: str) -> None:
     torch.manual_seed(0)
-    net = build_network(topology(dim))
+    net = build_network(topology(dim, architecture=architecture))
+    assert type(net) is NETWORKS[architecture]
     x = torch.randn(2, 2, *patch)
     out = net(x)
     assert isinstance(out, list) and len(out) == 2  # num_stages - 1
@@ -45,9 +62,11 @@ def test_forward_backward_with_deep_supervision(dim: int, patch: tuple[int, ...]
     assert all(torch.isfinite(p.grad).all() for p in net.parameters())
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("dim,patch", CASES)
-def test_forward_without_deep_supervision_returns_one_tensor(dim: int, patch: tuple[int, ...]) -> None:
-    net = build_network(topology(dim, deep_supervision=False))
+def test_forward_without_deep_supervision_returns_one_tensor(dim: int, patch: tuple[int, ...],
+                                                             architecture: str) -> None:
+    net = build_network(topology(dim, deep_supervision=False, architecture=architecture))
     out = net(torch.randn(1, 2, *patch))
     assert isinstance(out, torch.Tensor)
     assert out.shape == (1, 3, *patch)
@@ -55,9 +74,10 @@ def test_forward_without_deep_supervision_returns_one_tensor(dim: int, patch: tu
     assert any(isinstance(m, conv_type) for m in net.modules())
 
 
-def test_deep_supervision_can_be_toggled_after_construction() -> None:
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_deep_supervision_can_be_toggled_after_construction(architecture: str) -> None:
     torch.manual_seed(0)
-    net = build_network(topology(2, features=(4, 8, 16, 16))).eval()
+    net = build_network(topology(2, features=(4, 8, 16, 16), architecture=architecture)).eval()
     x = torch.randn(1, 2, 32, 32)
     with torch.no_grad():
         outputs = net(x)
@@ -68,7 +88,43 @@ def test_deep_supervision_can_be_toggled_after_construction() -> None:
     assert torch.equal(single, outputs[0])  # the full-resolution output does not depend on the flag
 
 
-def test_anisotropic_strides_and_kernels() -> None:
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_anisotropic_strides_and_kernels_give_every_stage_its_resolution(architecture: str) -> None:
+    topo = topology(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)), kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)),
+                    architecture=architecture)
+    net = build_network(topo)
+    sizes = []
+    handles = [stage.register_forward_hook(lambda m, i, o: sizes.append((o.shape[1], tuple(o.shape[2:]))))
+               for stage in net.encoder]
+    out = net(torch.randn(1, 2, 6, 16, 12))
+    for h in handles:
+        h.remove()
+    assert sizes == [(4, (6, 16, 12)), (8, (6, 8, 6)), (16, (3, 4, 3))]
+    assert [tuple(o.shape) for o in out] == [(1, 3, 6, 16, 12), (1, 3, 6, 8, 6)]
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("dim,shape,patch", [(3, (2, 9, 13, 18), (8, 8, 8)), (2, (2, 3, 13, 18), (8, 8))])
+def test_sliding_window_runs_the_network_in_eval_mode(dim: int, shape: tuple[int, ...], patch: tuple[int, ...],
+                                                      architecture: str) -> None:
+    """Eval mode, no grad: a volume not a multiple of the patch is predicted tile by tile into probabilities that
+    sum to one, and a tile equals the network's own full-resolution output there."""
+    torch.manual_seed(0)
+    net = build_network(topology(dim, features=(4, 8), architecture=architecture)).eval()
+    data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    probs = sliding_window_predict(net, data, patch, 3, mirror_axes=tuple(range(dim)), tile_batch_size=2)
+    assert probs.shape == (3, *shape[1:]) and torch.isfinite(probs).all()
+    assert torch.allclose(probs.sum(0), torch.ones(shape[1:]), atol=1e-5)
+    whole = sliding_window_predict(net, data[:, :, :8, :8] if dim == 2 else data[:, :8, :8, :8], patch, 3)
+    tile = torch.from_numpy(data[:, :, :8, :8] if dim == 2 else data[None, :, :8, :8, :8])
+    with torch.no_grad():
+        logits = net(tile.permute(1, 0, 2, 3) if dim == 2 else tile)[0]
+    expected = torch.softmax(logits, dim=1)
+    expected = expected.permute(1, 0, 2, 3) if dim == 2 else expected[0]
+    assert torch.allclose(whole, expected, atol=1e-5)
+
+
+def test_plain_anisotropic_layout() -> None:
     topo = topology(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)),
                     kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)))
     assert topo.patch_divisor() == (2, 4, 4)
@@ -99,11 +155,12 @@ def _count_saved_tensors(net: nn.Module, x: torch.Tensor) -> int:
     return len(saved)
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("dim,patch", CASES)
-def test_checkpointing_gives_same_outputs_and_gradients(dim: int, patch: tuple[int, ...]) -> None:
+def test_checkpointing_gives_same_outputs_and_gradients(dim: int, patch: tuple[int, ...], architecture: str) -> None:
     torch.manual_seed(0)
-    plain = build_network(topology(dim)).train()
-    ckpt = build_network(topology(dim), checkpointing=True).train()
+    plain = build_network(topology(dim, architecture=architecture)).train()
+    ckpt = build_network(topology(dim, architecture=architecture), checkpointing=True).train()
     ckpt.load_state_dict(plain.state_dict())
     x = torch.randn(2, 2, *patch, requires_grad=True)
     x_ckpt = x.detach().clone().requires_grad_(True)
@@ -119,10 +176,11 @@ def test_checkpointing_gives_same_outputs_and_gradients(dim: int, patch: tuple[i
     assert torch.allclose(x.grad, x_ckpt.grad, atol=1e-6, rtol=1e-4)
 
 
-def test_checkpointing_stores_fewer_activations_and_is_off_outside_training() -> None:
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_checkpointing_stores_fewer_activations_and_is_off_outside_training(architecture: str) -> None:
     torch.manual_seed(0)
-    plain = build_network(topology(2)).train()
-    ckpt = build_network(topology(2), checkpointing=True).train()
+    plain = build_network(topology(2, architecture=architecture)).train()
+    ckpt = build_network(topology(2, architecture=architecture), checkpointing=True).train()
     x = torch.randn(1, 2, 16, 16)
     n_plain, n_ckpt = _count_saved_tensors(plain, x), _count_saved_tensors(ckpt, x)
     assert n_ckpt < n_plain / 3  # only stage inputs and the seg heads' tensors stay
@@ -171,7 +229,7 @@ def test_build_network_builds_the_architecture_the_plan_names(monkeypatch: pytes
 
 
 def test_unknown_architecture_is_a_clear_error() -> None:
-    with pytest.raises(ValueError, match=r"architecture 'resunet'.*plans.json.*plain_unet"):
+    with pytest.raises(ValueError, match=r"architecture 'resunet'.*plans.json.*plain_unet.*residual_encoder_unet"):
         build_network(replace(topology(2), architecture="resunet"))
 
 
@@ -190,8 +248,9 @@ def test_invalid_topology_is_rejected_with_the_field_to_fix(changes: dict, messa
         build_network(NetworkTopology(**{**fields, **changes}))
 
 
-def test_bad_input_shape_says_what_to_change() -> None:
-    net = build_network(topology(2))
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_bad_input_shape_says_what_to_change(architecture: str) -> None:
+    net = build_network(topology(2, architecture=architecture))
     with pytest.raises(ValueError, match=r"\(18, 32\) is not a multiple of \(4, 4\)"):
         net(torch.randn(1, 2, 18, 32))
     with pytest.raises(ValueError, match=r"expected \(B, 2, \.\.\., \.\.\.\)"):

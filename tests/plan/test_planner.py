@@ -453,3 +453,48 @@ def test_a_budget_too_small_for_any_network_names_the_smallest_that_works(device
     enough = {"gpu_memory_bytes": needed} if device == "cuda" else {"host_ram_bytes": needed}
     plans = plan(fp, Budget(device=device, cpu_count=8, **enough), peak_fn=rough_training_peak_bytes)
     assert "3d_fullres" in plans.configurations  # the budget the message names is enough
+
+
+# --- the residual encoder U-Net (--architecture resenc) -----------------------------------------------
+
+
+def test_resenc_budget_plans_residual_encoders_with_nnunets_block_counts(tmp_path: Path) -> None:
+    """Every configuration names the architecture and carries nnU-Net's ResEnc block counts for its depth and one
+    conv block per decoder stage; plans.json keeps them; the plain U-Net stays the default."""
+    from autoseg.model.topology import RESIDUAL_ENCODER_UNET, resenc_blocks_per_stage
+
+    fp = _fingerprint_3d()
+    plans = _rough_plan(8, fp, architecture=RESIDUAL_ENCODER_UNET)
+    for cfg in plans.configurations.values():
+        net = cfg.network
+        assert net.architecture == RESIDUAL_ENCODER_UNET and net.conv_per_stage == 1
+        assert net.blocks_per_stage == resenc_blocks_per_stage(net.num_stages)
+        _check_fill(cfg, 8 * GiB)
+    plans.to_json(tmp_path / "plans.json")
+    assert Plans.from_json(tmp_path / "plans.json") == plans
+    plain = _rough_plan(8, fp)
+    assert all(c.network.architecture == "plain_unet" and c.network.blocks_per_stage == ()
+               for c in plain.configurations.values())
+    with pytest.raises(ValueError, match=r"Budget.architecture 'resunet'.*--architecture unet\|resenc"):
+        Budget(architecture="resunet")
+
+
+@pytest.mark.slow
+def test_model_backed_resenc_configuration_fits_the_budget_by_its_own_simulated_step() -> None:
+    """The planner's peaks for a ResEnc plan are the memory model's for the ResEnc step (not the plain U-Net's):
+    a deeper encoder holds more activations, so the same space and budget get a smaller step (about a minute)."""
+    from dataclasses import replace
+
+    from autoseg.plan.patch_search import SearchSpace
+    from autoseg.plan.planner import configuration
+
+    space = SearchSpace((1.0, 1.0, 1.0), (32, 48, 48), 1, 2, dataset_voxels=1000 * 32 * 48 * 48)
+    budget = Budget(gpu_memory_bytes=int(0.9 * GiB), cpu_count=2)
+    cfgs = {arch: configuration("3d_fullres", (1.0, 1.0, 1.0), (32, 48, 48), space, replace(budget, architecture=arch))
+            for arch in ("plain_unet", "residual_encoder_unet")}
+    resenc = cfgs["residual_encoder_unet"]
+    assert resenc.network.architecture == "residual_encoder_unet"
+    _check_model_memory(resenc)
+    assert resenc.memory["predicted_peak_bytes"] <= 0.9 * GiB * (1 - budget.safety_margin)
+    plain_voxels = math.prod(cfgs["plain_unet"].patch_size) * cfgs["plain_unet"].batch_size
+    assert math.prod(resenc.patch_size) * resenc.batch_size <= plain_voxels

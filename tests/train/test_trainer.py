@@ -215,8 +215,8 @@ def test_a_preprocessed_case_with_missing_arrays_stops_training_instead_of_leavi
 
 def test_a_checkpoint_written_before_plans_schema_3_still_resumes(workspace: Workspace) -> None:
     """The saved configuration of a pre-restructure checkpoint (network.num_classes, no architecture, no
-    inference_patch_size) matches the upgraded plan: resuming reports no plan change; nor does a changed inference
-    tile, which training does not read."""
+    blocks_per_stage, no inference_patch_size) matches the upgraded plan: resuming reports no plan change; nor does a
+    changed inference tile, which training does not read."""
     from autoseg.train.checkpoint import check_same_plan
 
     fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1}), progress=False)
@@ -224,6 +224,7 @@ def test_a_checkpoint_written_before_plans_schema_3_still_resumes(workspace: Wor
     saved = json.loads(state["plan_configuration"])
     saved["network"]["num_classes"] = saved["network"].pop("num_outputs")
     del saved["network"]["architecture"]
+    assert saved["network"].pop("blocks_per_stage") == []  # plans schema 5
     del saved["inference_patch_size"]
     state["plan_configuration"] = json.dumps(saved)
     config = Plans.from_json(workspace.plans_path).configuration(CONFIG)
