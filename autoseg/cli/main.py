@@ -183,7 +183,8 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
     options = PredictOptions(save_probabilities=args.save_probabilities, skip_existing=args.skip_existing,
                              fail_fast=args.fail_fast, series=args.series, verbose=args.verbose,
-                             preprocess_workers=args.preprocess_workers, export_workers=args.export_workers)
+                             preprocess_workers=args.preprocess_workers, export_workers=args.export_workers,
+                             cache_dir=cache_dir(os.environ))
     written = predict(ws, args.input, args.output, config_name=config, folds=folds,
                       checkpoint=args.checkpoint or "final", mirror=not args.no_mirror,
                       tile_batch_size=args.tile_batch_size, tta=args.tta, tile=args.tile,

@@ -105,15 +105,36 @@ class MachineCache:
             return found.value, "measured now (no cache folder)"
         if not found.keep:
             return found.value, f"measured now, not cached: {found.why_not_kept}"
-        entries = {key_text: {"value": found.value, "details": found.details},
+        return found.value, self._write(path, name, entries, key_text, found.value, found.details, MAX_ENTRIES)
+
+    def kept(self, name: str, key: Mapping[str, Any], compute: Callable[[], Any],
+             max_entries: int = MAX_ENTRIES) -> tuple[Any, str]:
+        """A JSON value worth keeping between runs (e.g. a simulation's result, seconds to compute) cached under
+        ``key``, else ``compute()``'s, cached; returns (value, where it came from). The newest ``max_entries``
+        keys are kept."""
+        path = self.path(name)
+        entries = self._read(path)
+        key_text = json.dumps(dict(key), sort_keys=True)
+        if key_text in entries:
+            return entries[key_text]["value"], f"cached in {path}"
+        value = compute()
+        if path is None:
+            return value, "computed now (no cache folder)"
+        return value, self._write(path, name, entries, key_text, value, {}, max_entries)
+
+    @staticmethod
+    def _write(path: Path, name: str, entries: dict[str, dict[str, Any]], key_text: str, value: Any,
+               details: dict[str, float], max_entries: int) -> str:
+        """Put ``value`` first among ``entries`` and write the file (atomically); says where the value came from."""
+        entries = {key_text: {"value": value, "details": details},
                    **{k: v for k, v in entries.items() if k != key_text}}
         payload = {"schema_version": CACHE_VERSION, "kind": name,
-                   "entries": [{"key": json.loads(k), **v} for k, v in list(entries.items())[:MAX_ENTRIES]]}
+                   "entries": [{"key": json.loads(k), **v} for k, v in list(entries.items())[:max_entries]]}
         try:
             atomic_write_text(path, json.dumps(payload, indent=1) + "\n")
         except (OSError, WriteError) as e:
-            return found.value, f"measured now (could not cache it in {path}: {e})"
-        return found.value, f"measured now, cached in {path}"
+            return f"measured now (could not cache it in {path}: {e})"
+        return f"measured now, cached in {path}"
 
     @staticmethod
     def _read(path: Path | None) -> dict[str, dict[str, Any]]:
@@ -124,7 +145,7 @@ class MachineCache:
             payload = json.loads(path.read_text())
             if payload.get("schema_version") != CACHE_VERSION:
                 raise ValueError(f"schema_version {payload.get('schema_version')!r}, expected {CACHE_VERSION}")
-            entries = {json.dumps(e["key"], sort_keys=True): {"value": float(e["value"]), "details": e["details"]}
+            entries = {json.dumps(e["key"], sort_keys=True): {"value": e["value"], "details": e["details"]}
                        for e in payload["entries"]}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             log.warning("%s: not a readable autoseg measurement cache (%s); measuring again and rewriting it", path,

@@ -19,15 +19,19 @@ The output (``(K, Z, Y, X)`` probabilities on the host, float16 in prediction) i
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.core.errors import InputError
+from autoseg.core.machine import MachineCache
 from autoseg.core.precision import autocast_dtype, element_bytes
 from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
@@ -74,18 +78,43 @@ class InferenceMemory:
 
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                              precision: str = "fp32", mirror_axes: Sequence[int] = (),
-                             tta: int | None = None) -> tuple[int, int, int, int]:
+                             tta: int | None = None, cache: MachineCache | None = None) -> tuple[int, int, int, int]:
     """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
     ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
     (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
-    bytes, live allocations at the peak, buffers included). Cached: the answer does not depend on the image.
+    bytes, live allocations at the peak, buffers included). Cached: the answer does not depend on the image;
+    with ``cache`` also between runs (keyed by the simulated code and torch's version): the simulation, and
+    importing the fake-tensor machinery for it, cost a prediction 1-4 s of its start.
 
     fp16 runs as bf16 (same bytes): the inference code turns fp16 autocast off on CPU devices.
     """
     autocast_dtype(precision)  # an unknown name says what to use
-    sim_precision = "bf16" if precision == "fp16" else precision
-    return _simulate_cached(topology, tuple(int(p) for p in patch_size), int(tile_batch_size), sim_precision,
-                            tuple(int(a) for a in mirror_axes), tta)
+    args = (topology, tuple(int(p) for p in patch_size), int(tile_batch_size), "bf16" if precision == "fp16"
+            else precision, tuple(int(a) for a in mirror_axes), tta)
+    if cache is None:
+        return _simulate_cached(*args)
+    key = {"code": _simulated_code_digest(), "torch": torch.__version__, "topology": asdict(topology),
+           "tile": args[1], "tile_batch": args[2], "precision": args[3], "mirror_axes": args[4], "tta": args[5]}
+    value, _ = cache.kept("inference_simulation", key, lambda: list(_simulate_cached(*args)), SIMULATIONS_KEPT)
+    return tuple(int(v) for v in value)  # type: ignore[return-value]
+
+
+SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between runs
+
+
+@functools.lru_cache(maxsize=1)
+def _simulated_code_digest() -> str:
+    """A digest of the code a tile simulation runs (the networks, the sliding window's step and buffers, the
+    tracker and this module): a cached simulation is reused only while that code is unchanged."""
+    digest = hashlib.sha256()
+    for name in _SIMULATED_MODULES:
+        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+_SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window",
+                                                          "tile_buffers", "tiles", "tta", "topology")) + (
+    "autoseg.memory.tracker", __name__)
 
 
 @functools.lru_cache(maxsize=64)
@@ -124,7 +153,8 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
                      image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
                      mirror_axes: Sequence[int] = (), step_fraction: float | Sequence[float] = 0.5,
                      tta: int | None = None, accumulator_on_device: bool = True, device: str = "cpu",
-                     output_dtype: str | None = "float32", num_networks: int = 1) -> InferenceMemory:
+                     output_dtype: str | None = "float32", num_networks: int = 1,
+                     cache: MachineCache | None = None) -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
@@ -133,7 +163,8 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     the device holds the parameters, the padded input and the tile batch. ``device``: "cpu" or "cuda" (where
     the output counts); ``output_dtype``: the probabilities' (``sliding_window_predict``; None: no output, the
     slabs go to a sink that the caller counts). ``num_networks``: the folds predicted together (each one's
-    parameters are held; one forward pass runs at a time).
+    parameters are held; one forward pass runs at a time). ``cache``: keep the simulation between runs
+    (``simulate_tile_prediction``).
     """
     if num_outputs != topology.num_outputs:
         raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
@@ -145,7 +176,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
-                                                         mirror_axes, tta)
+                                                         mirror_axes, tta, cache)
     params *= num_networks
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
                                      num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction,
@@ -238,7 +269,8 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
                    num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
                    mirror_axes: Sequence[int] = (), tta: int | None = None,
                    step_fraction: float | Sequence[float] = 0.5, max_tile_batch: int | None = None,
-                   output_dtype: str | None = "float32", num_networks: int = 1) -> InferencePlan:
+                   output_dtype: str | None = "float32", num_networks: int = 1,
+                   cache: MachineCache | None = None) -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
@@ -246,7 +278,7 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     ``cpu_tile_batch_cap`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
     number of (tile, variant) pairs. Device memory is nearly affine in the batch (the accumulator's z-window
     grows with the z-span of a batch): two simulations (batch 1, 2) estimate the batch, a third checks it and
-    the batch shrinks until it fits. ``output_dtype``, ``num_networks``: as ``inference_memory``.
+    the batch shrinks until it fits. ``output_dtype``, ``num_networks``, ``cache``: as ``inference_memory``.
     """
     num_variants = len(mirror_variants(mirror_axes, tta))
     num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
@@ -256,7 +288,8 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
 
     def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
         mem = inference_memory(topology, patch_size, batch, image_shape_zyx, num_outputs, precision,
-                               mirror_axes, step_fraction, tta, on_device, device, output_dtype, num_networks)
+                               mirror_axes, step_fraction, tta, on_device, device, output_dtype, num_networks,
+                               cache)
         return mem, predict_device_peak(mem, device)["total"]
 
     placements = (True,) if device == "cpu" else (True, False)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError
-from autoseg.core.machine import use_cpu_threads
+from autoseg.core.machine import MachineCache, use_cpu_threads
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import (
     available_ram_bytes,
@@ -79,6 +79,7 @@ class PredictOptions:
     verbose: bool = False  # log the pipeline's and each case's inference plan (tile batch, accumulator, peaks)
     preprocess_workers: int | None = None  # cases read and preprocessed ahead (threads); None: plan_pipeline
     export_workers: int | None = None  # cases exported and written behind (threads); None: plan_pipeline
+    cache_dir: Path | None = None  # memory simulations kept between runs (MachineCache); None: none kept
 
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
@@ -157,20 +158,21 @@ def predict_labels(data: np.ndarray, props: CaseProperties, case_id: str, networ
 def _sliding_window(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                     config: ConfigurationPlan, *, on_slab: Callable | None, mirror: bool, tile_batch_size: int | None,
                     device: str, step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False,
-                    tile: str = "planned") -> torch.Tensor | None:
+                    tile: str = "planned", cache: MachineCache | None = None) -> torch.Tensor | None:
     """``sliding_window_predict`` over every fold at once with the plan's settings: the probabilities (float16,
     ``on_slab`` None) or nothing (each slab went to ``on_slab``). ``tta``: the ``--tta`` flag (all, none, or the
     first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none. ``tile_batch_size`` None: the
     largest batch, and the accumulator's place, that ``plan_inference`` predicts to fit (``inference_plan``).
     ``tile``: "planned" or "patch", this image's tile (``tile_for_image``); consecutive tiles overlap by
-    ``1 - step_fraction`` of the training patch (``overlap_step_fractions``)."""
+    ``1 - step_fraction`` of the training patch (``overlap_step_fractions``). ``cache``: memory simulations kept
+    between runs."""
     mirror_axes = tuple(range(config.dim)) if mirror else ()
     variants = parse_tta((tta or default_tta(device)) if mirror else "none", len(mirror_axes))
     scheme = plans.label_scheme
     precision = effective_precision(config.precision, device)
     window = inference_plan(config, data.shape[1:], scheme.num_outputs, device, precision, mirror_axes, variants,
                             step_fraction, tile_batch_size, tile, streamed=on_slab is not None,
-                            num_networks=len(networks))
+                            num_networks=len(networks), cache=cache)
     tile_size = tile_for_image(config, data.shape[1:], tile, step_fraction)
     steps = overlap_step_fractions(tile_size, config.patch_size, step_fraction)
     (log.info if verbose else log.debug)(
@@ -207,17 +209,18 @@ def default_tta(device: str) -> str:
 def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], num_outputs: int, device: str,
                    precision: str, mirror_axes: tuple[int, ...], variants: int, step_fraction: float,
                    tile_batch_size: int | None, tile: str = "planned", streamed: bool = True,
-                   num_networks: int = 1) -> InferencePlan:
+                   num_networks: int = 1, cache: MachineCache | None = None) -> InferencePlan:
     """How the sliding window runs on this image with ``tile`` ("planned" or "patch": ``_sliding_window``),
     chosen before it starts (``plan_inference``) within ``inference_budget_bytes(device)``; a given
     ``tile_batch_size`` caps the batch at that number. ``streamed``: the slabs go to a ``SlabExport`` (no
-    output volume); else a float16 output. ``num_networks``: the folds predicted together."""
+    output volume); else a float16 output. ``num_networks``: the folds predicted together. ``cache``: memory
+    simulations kept between runs (``simulate_tile_prediction``)."""
     tile_size = tile_for_image(config, tuple(image_shape_zyx), tile, step_fraction)
     return plan_inference(config.network, tile_size, tuple(image_shape_zyx), num_outputs,
                           inference_budget_bytes(device), device, precision, mirror_axes, variants,
                           overlap_step_fractions(tile_size, config.patch_size, step_fraction),
                           max_tile_batch=tile_batch_size, output_dtype=None if streamed else PROBABILITIES_DTYPE,
-                          num_networks=num_networks)
+                          num_networks=num_networks, cache=cache)
 
 
 def inference_budget_bytes(device: str) -> int:
@@ -262,13 +265,15 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     threads = torch.get_num_threads()
     if device == "cpu":
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
+    cache = MachineCache(options.cache_dir) if options.cache_dir is not None else None
     segment = partial(_segment_case, networks=networks, plans=plans, config=config, mirror=mirror,
-                      tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile)
+                      tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile,
+                      cache=cache)
     window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
                      precision=effective_precision(config.precision, device),
                      mirror_axes=tuple(range(config.dim)) if mirror else (),
                      variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size,
-                     tile=tile, streamed=not options.save_probabilities, num_networks=len(networks))
+                     tile=tile, streamed=not options.save_probabilities, num_networks=len(networks), cache=cache)
     try:
         return _predict_cases(found, plans, config, segment, window, output_dir, options, progress)
     finally:

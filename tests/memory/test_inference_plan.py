@@ -121,3 +121,26 @@ def test_cpu_batches_a_large_tile_less():
     assert cpu_tile_batch_cap((48, 192, 160)) == 1
     big = plan_inference(TOPO3D, (32, 64, 64), (40, 80, 80), 3, 4 * GiB, "cpu")
     assert big.tile_batch_size == 1
+
+
+def test_tile_simulations_are_kept_between_runs(tmp_path, monkeypatch):
+    """With a MachineCache the simulation's answer is written once and read back by a later run (here: with the
+    in-process cache cleared and the simulation made to fail), and not reused once the simulated code changes."""
+    from autoseg.core.machine import MachineCache
+    from autoseg.memory import inference
+
+    cache = MachineCache(tmp_path)
+    first = inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache)
+    assert first == inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2))
+    assert (tmp_path / "inference_simulation.json").is_file()
+
+    def no_simulation(*args):
+        raise AssertionError("simulated again")
+
+    monkeypatch.setattr(inference, "_simulate_cached", no_simulation)
+    assert inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache) == first
+    inference._simulated_code_digest.cache_clear()
+    monkeypatch.setattr(inference, "_SIMULATED_MODULES", inference._SIMULATED_MODULES[:-1])  # other code
+    with pytest.raises(AssertionError, match="simulated again"):
+        inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache)
+    inference._simulated_code_digest.cache_clear()
