@@ -154,3 +154,27 @@ def test_distributed_context_from_the_torchrun_environment() -> None:
     assert context_from_environment({}, "cpu") is SINGLE_PROCESS
     with pytest.raises(ValueError, match="cannot read the torchrun environment .*'LOCAL_WORLD_SIZE'"):
         context_from_environment({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "cpu")
+
+
+def test_evaluate_surface_flags(tmp_path: Path, capsys) -> None:
+    """--nsd-tolerance reaches the summary and the table; --no-surface drops the surface columns; not both."""
+    import numpy as np
+
+    from autoseg.dataset.imageio import Geometry, write_image
+
+    label = np.zeros((4, 6, 6), dtype=np.uint8)
+    label[1:3, 1:4, 1:4] = 1
+    geometry = Geometry(3, (6, 6, 4), (1.0, 1.0, 2.0), (0.0, 0.0, 0.0), (1, 0, 0, 0, 1, 0, 0, 0, 1))
+    for folder in ("gt", "pred"):
+        write_image(tmp_path / folder / "a.nii.gz", label, geometry)
+    pred, gt = str(tmp_path / "pred"), str(tmp_path / "gt")
+    assert main(["-q", "evaluate", pred, gt, "--nsd-tolerance", "1.5"]) == 0
+    assert "mean HD95 mm  mean NSD@1.5mm" in capsys.readouterr().out
+    assert json.loads((tmp_path / "pred" / "summary.json").read_text())["nsd_tolerance_mm"] == 1.5
+    assert main(["-q", "evaluate", pred, gt, "--no-surface"]) == 0
+    assert "HD95" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "pred" / "summary.json").read_text())["nsd_tolerance_mm"] is None
+    for flags in (["--no-surface", "--nsd-tolerance", "1"], ["--nsd-tolerance", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(["-q", "evaluate", pred, gt, *flags])
+        assert info.value.code == 2
