@@ -27,10 +27,10 @@ per label value, one pass over each image for all classes). No margin is needed:
 are empty, which is what the erosion assumes at the box's faces, so the surfaces are those of the whole image.
 The distances come from a k-d tree (``scipy.spatial.cKDTree``) over the physical coordinates of the surface
 voxels: the exact Euclidean nearest neighbour, as a Euclidean distance transform gives, but with memory and time
-per surface voxel rather than per box voxel. On a body-sized ellipsoid in a 300x512x512 box (0.44 M surface
-voxels per mask, shifted by 2 voxels), both directions took 3.6 s and 203 MiB, against 35 s and 1128 MiB with
-``distance_transform_edt(sampling=spacing)`` (whose feature transform holds 12 bytes per box voxel and its
-distances 24 more). ``surface_metrics_bytes`` estimates the peak; a small organ's box is a few MiB.
+per surface voxel rather than per box voxel. For a body-sized class in a 300x512x512 image (a 59 M voxel box,
+0.43 M surface voxels per mask), both directions took 1.4-1.9 CPU s and 142 MiB, against 38 CPU s and 2.8 GiB with
+``distance_transform_edt(sampling=spacing)`` (``benchmarks/evaluate.py --compare-edt``; same distances).
+``surface_metrics_bytes`` estimates the peak; a small organ's box is a few MiB.
 """
 
 from __future__ import annotations
@@ -51,9 +51,10 @@ from autoseg.dataset.labels import LabelValue
 # one slice off on 5 mm slices is outside it. Set it per task with `autoseg evaluate --nsd-tolerance MM`.
 DEFAULT_NSD_TOLERANCE_MM = 2.0
 
-# surface_metrics_bytes: bool bytes per box voxel (the two masks, a surface, binary_erosion's output, its
-# negation: 5.4 measured), and per surface voxel a float64 coordinate per axis plus the k-d tree's index (8),
-# the query's distances and indices (16), the distances kept (8) and the tree's nodes (~10, leafsize 16)
+# surface_metrics_bytes: bool bytes per box voxel (the two masks, their two surfaces, a comparison with the
+# ignore label; 5.4 measured with the first surface voxels' coordinates), and per surface voxel a float64
+# coordinate per axis plus the k-d tree's index (8), the query's distances and indices (16), the distances
+# kept (8) and the tree's nodes (~10 at leafsize 16; tracemalloc does not see them)
 _BOX_BYTES_PER_VOXEL = 5
 _SURFACE_BYTES_PER_VOXEL_PER_AXIS = 8
 _SURFACE_BYTES_PER_VOXEL = 8 + 16 + 8 + 10
