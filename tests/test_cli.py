@@ -5,11 +5,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from autoseg.cli.main import main
 from autoseg.cli.parser import build_parser, parse_args, parse_bytes, parse_fold
 from autoseg.core.units import GiB
+from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.preprocess.store import list_complete_cases
 
 
@@ -158,10 +160,6 @@ def test_distributed_context_from_the_torchrun_environment() -> None:
 
 def test_evaluate_surface_flags(tmp_path: Path, capsys) -> None:
     """--nsd-tolerance reaches the summary and the table; --no-surface drops the surface columns; not both."""
-    import numpy as np
-
-    from autoseg.dataset.imageio import Geometry, write_image
-
     label = np.zeros((4, 6, 6), dtype=np.uint8)
     label[1:3, 1:4, 1:4] = 1
     geometry = Geometry(3, (6, 6, 4), (1.0, 1.0, 2.0), (0.0, 0.0, 0.0), (1, 0, 0, 0, 1, 0, 0, 0, 1))

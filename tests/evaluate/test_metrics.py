@@ -227,3 +227,19 @@ def test_unusable_dataset_json_beside_references_is_named(folders: tuple[Path, P
     (gt.parent / "dataset.json").write_bytes(content)
     with pytest.raises(EvaluationError, match=r"dataset.json: .*pass labels explicitly"):
         evaluate_folder(pred, gt)
+
+
+def test_version_1_summary_reads_as_surface_metrics_not_computed(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    out = pred / "summary.json"
+    evaluate_folder(pred, gt, output_json=out)
+    raw = json.loads(out.read_text())
+    raw["schema_version"] = 1  # as written before the surface metrics: no hd95_mm, nsd, nsd_tolerance_mm
+    del raw["nsd_tolerance_mm"]
+    for entry in [*(c for case in raw["cases"] for c in case["classes"].values()), *raw["mean"].values()]:
+        del entry["hd95_mm"], entry["nsd"]
+    out.write_text(json.dumps(raw))
+    loaded = EvaluationSummary.from_json(out)
+    assert loaded.nsd_tolerance_mm is None and math.isnan(loaded.mean["organ"].hd95_mm)
+    assert loaded.cases[0].classes["organ"].dice == pytest.approx(4 / 7)
+    assert "HD95" not in format_table(loaded)
