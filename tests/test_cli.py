@@ -5,11 +5,13 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from autoseg.cli.main import main
 from autoseg.cli.parser import build_parser, parse_args, parse_bytes, parse_fold
 from autoseg.core.units import GiB
+from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.preprocess.store import list_complete_cases
 
 
@@ -217,3 +219,23 @@ def test_the_cache_folder_comes_from_autoseg_cache_dir_or_xdg(tmp_path: Path) ->
     assert cache_dir({"AUTOSEG_CACHE_DIR": str(tmp_path), "XDG_CACHE_HOME": "/x"}) == tmp_path
     assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/autoseg")
     assert cache_dir({}) == Path.home() / ".cache" / "autoseg"
+
+
+def test_evaluate_surface_flags(tmp_path: Path, capsys) -> None:
+    """--nsd-tolerance reaches the summary and the table; --no-surface drops the surface columns; not both."""
+    label = np.zeros((4, 6, 6), dtype=np.uint8)
+    label[1:3, 1:4, 1:4] = 1
+    geometry = Geometry(3, (6, 6, 4), (1.0, 1.0, 2.0), (0.0, 0.0, 0.0), (1, 0, 0, 0, 1, 0, 0, 0, 1))
+    for folder in ("gt", "pred"):
+        write_image(tmp_path / folder / "a.nii.gz", label, geometry)
+    pred, gt = str(tmp_path / "pred"), str(tmp_path / "gt")
+    assert main(["-q", "evaluate", pred, gt, "--nsd-tolerance", "1.5"]) == 0
+    assert "mean HD95 mm  mean NSD@1.5mm" in capsys.readouterr().out
+    assert json.loads((tmp_path / "pred" / "summary.json").read_text())["nsd_tolerance_mm"] == 1.5
+    assert main(["-q", "evaluate", pred, gt, "--no-surface"]) == 0
+    assert "HD95" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "pred" / "summary.json").read_text())["nsd_tolerance_mm"] is None
+    for flags in (["--no-surface", "--nsd-tolerance", "1"], ["--nsd-tolerance", "0"]):
+        with pytest.raises(SystemExit) as info:
+            main(["-q", "evaluate", pred, gt, *flags])
+        assert info.value.code == 2

@@ -211,7 +211,10 @@ def _evaluate(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.evaluate.metrics import evaluate_folder, format_table
 
     out = args.output or os.path.join(args.pred_dir, "summary.json")
-    summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out)
+    surface = {"nsd_tolerance_mm": None} if args.no_surface else {}
+    if args.nsd_tolerance is not None:
+        surface = {"nsd_tolerance_mm": args.nsd_tolerance}
+    summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out, **surface)
     print(format_table(summary))
     print(f"summary: {out}")
     return 0

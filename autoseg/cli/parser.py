@@ -244,10 +244,15 @@ def _fold_name(text: str) -> str:
 
 
 def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="Dice and IoU per class: autoseg evaluate PRED_DIR GT_DIR")
+    p = sub.add_parser("evaluate", help="Dice, IoU, HD95, surface Dice per class: autoseg evaluate PRED_DIR GT_DIR")
     p.add_argument("pred_dir")
     p.add_argument("gt_dir")
     p.add_argument("-o", "--output", default=None, help="summary.json path (default: PRED_DIR/summary.json)")
+    surface = p.add_mutually_exclusive_group()
+    surface.add_argument("--nsd-tolerance", type=positive_float, default=None, metavar="MM",
+                         help="tolerance of the normalized surface Dice in mm (default: 2; docs/evaluation.md)")
+    surface.add_argument("--no-surface", action="store_true",
+                         help="skip HD95 and the normalized surface Dice (Dice, IoU and volumes only)")
 
 
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:

@@ -1,5 +1,6 @@
-"""Evaluation (`autoseg evaluate`): Dice and IoU per class or region, the ignore label left out, summary.json.
+"""Evaluation (`autoseg evaluate`): Dice, IoU, HD95 and normalized surface Dice per class or region, the ignore
+label left out, summary.json.
 
-Owns: ``metrics``.
+Owns: ``metrics`` (the counts, means, summary.json and table), ``surface`` (HD95 and NSD of one case).
 Imports: ``autoseg.dataset``, ``autoseg.core``; not ``autoseg.predict``.
 """

@@ -1,7 +1,9 @@
 """Compare a folder of predicted segmentations with a folder of reference segmentations.
 
-Per case and per foreground class: Dice, IoU, TP/FP/FN voxel counts and the volumes of prediction and
-reference. Then the mean per class over cases and the mean foreground Dice (mean of the class means).
+Per case and per foreground class: Dice, IoU, TP/FP/FN voxel counts, the volumes of prediction and
+reference, and the surface metrics of ``surface`` (HD95 in mm and the normalized surface Dice at a tolerance in
+mm, in the images' spacing; ``nsd_tolerance_mm=None`` skips them). Then the mean per class over cases and the
+mean foreground Dice (mean of the class means).
 
 Labels as in dataset.json (``autoseg.dataset.labels``): a region (a list of values) is scored as the union of its
 values in both prediction and reference; voxels holding the ignore label in the reference are left out of
@@ -11,7 +13,7 @@ Empty-vs-empty convention: when a class is absent from both the prediction and t
 its Dice and IoU are undefined and stored as NaN in memory (``null`` in summary.json, which keeps the file
 standard JSON). Such entries are left out of the class means; a class undefined in every case has a NaN
 mean and is left out of the mean foreground Dice. An empty prediction against a non-empty reference (or
-the reverse) scores 0.
+the reverse) scores 0 (Dice, IoU, NSD), and HD95 the image diagonal (see ``surface``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from autoseg.core.artifacts import Artifact, to_dict, write_json
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry, read_geometry, read_image
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
+from autoseg.evaluate.surface import DEFAULT_NSD_TOLERANCE_MM, NOT_COMPUTED, SurfaceMetrics, case_surface_metrics
 
 
 class EvaluationError(InputError):
@@ -46,6 +49,8 @@ class ClassMetrics:
     fn: int  # voxels of the class in the reference only
     volume_pred_mm3: float
     volume_ref_mm3: float
+    hd95_mm: float = math.nan  # NaN likewise, or when not computed; the image diagonal when in only one
+    nsd: float = math.nan  # normalized surface Dice at the summary's nsd_tolerance_mm; NaN likewise
 
 
 @dataclass(frozen=True)
@@ -63,12 +68,15 @@ class MeanMetrics:
     dice: float
     iou: float
     num_cases: int
+    hd95_mm: float = math.nan  # NaN when surface metrics were not computed
+    nsd: float = math.nan
 
 
 @dataclass(frozen=True)
 class EvaluationSummary(Artifact):
-    SCHEMA_VERSION = 1
+    SCHEMA_VERSION = 2
     KIND = "evaluation summary"
+    UPGRADES = {1: lambda payload: payload}  # version 1 had no surface metrics: they read as not computed
 
     pred_dir: str
     gt_dir: str
@@ -77,6 +85,7 @@ class EvaluationSummary(Artifact):
     mean: dict[str, MeanMetrics]  # class name -> mean over cases
     mean_foreground_dice: float  # mean of the defined class mean Dice values
     ignore_value: int | None = None  # reference voxels with this value were not counted
+    nsd_tolerance_mm: float | None = None  # None: surface metrics (HD95, NSD) not computed
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write as JSON; NaN values become ``null`` so any JSON reader accepts the file."""
@@ -84,8 +93,8 @@ class EvaluationSummary(Artifact):
 
     @classmethod
     def from_payload(cls, data: Any, where: str) -> EvaluationSummary:
-        if isinstance(data, dict):  # null is NaN for metrics, but "no ignore label" for ignore_value
-            data = {k: v if k == "ignore_value" else _none_to_nan(v) for k, v in data.items()}
+        if isinstance(data, dict):  # null is NaN for metrics, but "none" for ignore_value and nsd_tolerance_mm
+            data = {k: v if k in ("ignore_value", "nsd_tolerance_mm") else _none_to_nan(v) for k, v in data.items()}
         return super().from_payload(data, where)
 
 
@@ -95,6 +104,7 @@ def evaluate_folder(
     labels: dict[str, Any] | None = None,
     file_ending: str = ".nii.gz",
     output_json: str | Path | None = None,
+    nsd_tolerance_mm: float | None = DEFAULT_NSD_TOLERANCE_MM,
 ) -> EvaluationSummary:
     """Evaluate every reference ``gt_dir/{case}{file_ending}`` against ``pred_dir/{case}{file_ending}``.
 
@@ -103,12 +113,14 @@ def evaluate_folder(
     from a dataset.json in ``gt_dir`` or its parent, else from the values found in the images (named by
     their value). Raises EvaluationError, before reading any voxels, when predictions are missing or a
     prediction's geometry differs from its reference. Writes the summary to ``output_json`` if given.
+    ``nsd_tolerance_mm``: the normalized surface Dice's tolerance; None skips the surface metrics (HD95, NSD).
     """
     pred_dir, gt_dir = Path(pred_dir), Path(gt_dir)
     pairs = _match_files(pred_dir, gt_dir, file_ending)
     if labels is None:
         labels = _labels_from_dataset_json(gt_dir)
-    return evaluate_pairs(pairs, labels, file_ending, output_json, pred_dir=str(pred_dir), gt_dir=str(gt_dir))
+    return evaluate_pairs(pairs, labels, file_ending, output_json, pred_dir=str(pred_dir), gt_dir=str(gt_dir),
+                          nsd_tolerance_mm=nsd_tolerance_mm)
 
 
 def evaluate_pairs(
@@ -118,25 +130,24 @@ def evaluate_pairs(
     output_json: str | Path | None = None,
     pred_dir: str = "",
     gt_dir: str = "",
+    nsd_tolerance_mm: float | None = DEFAULT_NSD_TOLERANCE_MM,
 ) -> EvaluationSummary:
     """Evaluate explicit (prediction, reference) file pairs; see ``evaluate_folder``."""
     _check_geometries(pairs)
+    if nsd_tolerance_mm is not None and not (math.isfinite(nsd_tolerance_mm) and nsd_tolerance_mm > 0):
+        raise EvaluationError(f"NSD tolerance {nsd_tolerance_mm} mm: give a finite number of mm above 0")
     ignore = labels.get(IGNORE) if labels is not None else None
-    confusions = []
-    for pred_path, ref_path in pairs:
-        pred, _ = _read_label_map(pred_path, "prediction")
-        ref, geometry = _read_label_map(ref_path, "reference")
-        voxel_mm3 = float(np.prod(geometry.spacing_xyz))
-        confusions.append((_confusion(pred, ref, pred_path, ref_path, ignore), voxel_mm3))
+    scored = [_score_case(pred_path, ref_path, labels, ignore, nsd_tolerance_mm) for pred_path, ref_path in pairs]
     if labels is None:  # name classes by the values found
-        found = sorted({v for c, _ in confusions for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
+        found = sorted({v for c, _, _ in scored for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
         labels = {str(v): v for v in found}
     foreground = foreground_entries(labels)
     if not any(isinstance(v, tuple) for v in foreground.values()):  # plain classes: in value order
         foreground = dict(sorted(foreground.items(), key=lambda kv: kv[1]))
     cases = []
-    for (pred_path, ref_path), (confusion, voxel_mm3) in zip(pairs, confusions, strict=True):
-        classes = {name: _metrics(*_counts(confusion, v), voxel_mm3) for name, v in foreground.items()}
+    for (pred_path, ref_path), (confusion, voxel_mm3, surface) in zip(pairs, scored, strict=True):
+        classes = {name: _metrics(*_counts(confusion, v), voxel_mm3, surface.get(name, NOT_COMPUTED))
+                   for name, v in foreground.items()}
         cases.append(CaseMetrics(ref_path.name[: -len(file_ending)], str(pred_path), str(ref_path), classes))
     mean = {name: _mean_over_cases([c.classes[name] for c in cases]) for name in foreground}
     summary = EvaluationSummary(
@@ -147,6 +158,7 @@ def evaluate_pairs(
         mean=mean,
         mean_foreground_dice=_nanmean([m.dice for m in mean.values()]),
         ignore_value=ignore,
+        nsd_tolerance_mm=nsd_tolerance_mm,
     )
     if output_json is not None:
         summary.to_json(output_json)
@@ -154,27 +166,35 @@ def evaluate_pairs(
 
 
 def format_table(summary: EvaluationSummary) -> str:
-    """Plain-text table: a row per foreground class or region (mean Dice, mean IoU), then the mean
-    foreground Dice."""
+    """Plain-text table: a row per foreground class or region (mean Dice, mean IoU, and when computed mean
+    HD95 and mean NSD), then the mean foreground Dice, and how many HD95 values are the image diagonal."""
     regions = any(isinstance(v, tuple) for v in summary.labels.values())
     values = {name: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for name, v in summary.labels.items()}
     kind = "region" if regions else "class"
     width = max([len(kind), *(len(name) for name in summary.labels)])
     value_width = max([5, *(len(v) for v in values.values())])
-    lines = [f"{kind:<{width}}  {'value':>{value_width}}  mean Dice  mean IoU  cases"]
+    tolerance = summary.nsd_tolerance_mm
+    nsd_head = "" if tolerance is None else f"mean NSD@{tolerance:g}mm"
+    surface_head = "" if tolerance is None else f"  mean HD95 mm  {nsd_head}"
+    lines = [f"{kind:<{width}}  {'value':>{value_width}}  mean Dice  mean IoU{surface_head}  cases"]
     for name in summary.labels:
         m = summary.mean[name]
-        lines.append(f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}  "
-                     f"{m.num_cases:>5}")
+        surface = "" if tolerance is None else f"  {_fmt(m.hd95_mm, 2):>12}  {_fmt(m.nsd):>{len(nsd_head)}}"
+        lines.append(f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}"
+                     f"{surface}  {m.num_cases:>5}")
     ignored = "" if summary.ignore_value is None else f"; ignore label {summary.ignore_value} not counted"
     lines.append(f"mean foreground Dice: {_fmt(summary.mean_foreground_dice)} "
                  f"({len(summary.labels)} {'regions' if regions else 'classes'}, {len(summary.cases)} cases"
                  f"{ignored})")
+    one_sided = sum((c.tp + c.fp == 0) != (c.tp + c.fn == 0) for case in summary.cases for c in case.classes.values())
+    if tolerance is not None and one_sided:
+        lines.append(f"HD95: {one_sided} (case, {kind}) pair(s) with the {kind} in only one of prediction and "
+                     "reference count as the image diagonal")
     return "\n".join(lines)
 
 
-def _fmt(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.4f}"
+def _fmt(value: float, digits: int = 4) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
 
 
 def _match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[Path, Path]]:
@@ -285,17 +305,38 @@ def _counts(confusion: np.ndarray, value: LabelValue) -> tuple[int, int, int]:
             int(confusion[values, :].sum()))
 
 
-def _metrics(tp: int, n_pred: int, n_ref: int, voxel_mm3: float) -> ClassMetrics:
+def _score_case(pred_path: Path, ref_path: Path, labels: dict[str, Any] | None, ignore: int | None,
+                nsd_tolerance_mm: float | None) -> tuple[np.ndarray, float, dict[str, SurfaceMetrics]]:
+    """One case read once: its confusion matrix, voxel volume (mm^3) and surface metrics per class name (the
+    classes of ``labels``, or when None each value found, named by its value; none if the tolerance is None)."""
+    pred, _ = _read_label_map(pred_path, "prediction")
+    ref, geometry = _read_label_map(ref_path, "reference")
+    confusion = _confusion(pred, ref, pred_path, ref_path, ignore)
+    surface: dict[str, SurfaceMetrics] = {}
+    if nsd_tolerance_mm is not None:
+        if labels is None:
+            classes = {str(v): v for v in np.flatnonzero(confusion.sum(0) + confusion.sum(1)).tolist() if v}
+        else:
+            classes = foreground_entries(labels)
+        spacing_mm = tuple(float(s) for s in reversed(geometry.spacing_xyz))  # array axis order
+        if geometry.ndim == 2:  # (1, Y, X) arrays: the surfaces are 2D contours
+            pred, ref = pred[0], ref[0]
+        surface = case_surface_metrics(pred, ref, classes, spacing_mm, nsd_tolerance_mm, ignore)
+    return confusion, float(np.prod(geometry.spacing_xyz)), surface
+
+
+def _metrics(tp: int, n_pred: int, n_ref: int, voxel_mm3: float, surface: SurfaceMetrics) -> ClassMetrics:
     fp, fn = n_pred - tp, n_ref - tp
     defined = n_pred + n_ref > 0
     dice = 2 * tp / (n_pred + n_ref) if defined else math.nan
     iou = tp / (tp + fp + fn) if defined else math.nan
-    return ClassMetrics(dice, iou, tp, fp, fn, n_pred * voxel_mm3, n_ref * voxel_mm3)
+    return ClassMetrics(dice, iou, tp, fp, fn, n_pred * voxel_mm3, n_ref * voxel_mm3, surface.hd95_mm, surface.nsd)
 
 
 def _mean_over_cases(metrics: list[ClassMetrics]) -> MeanMetrics:
     defined = [m for m in metrics if not math.isnan(m.dice)]
-    return MeanMetrics(_nanmean([m.dice for m in defined]), _nanmean([m.iou for m in defined]), len(defined))
+    return MeanMetrics(_nanmean([m.dice for m in defined]), _nanmean([m.iou for m in defined]), len(defined),
+                       _nanmean([m.hd95_mm for m in defined]), _nanmean([m.nsd for m in defined]))
 
 
 def _nanmean(values: list[float]) -> float:

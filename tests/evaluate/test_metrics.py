@@ -51,6 +51,14 @@ def test_known_overlaps_give_exact_values(folders: tuple[Path, Path]) -> None:
     assert organ_a.volume_pred_mm3 == pytest.approx(3 * 6.0)
     assert organ_a.volume_ref_mm3 == pytest.approx(4 * 6.0)
     assert math.isnan(a.classes["lesion"].dice) and math.isnan(a.classes["lesion"].iou)
+    # surfaces (every voxel: one slice thick), spacing (z, y, x) = (3, 2, 1) mm: prediction -> reference
+    # [0, 0, 2] mm (P95 1.8), reference -> prediction [0, 0, 1, 2] mm (P95 1.85); all within the 2 mm tolerance
+    assert organ_a.hd95_mm == pytest.approx(1.85) and organ_a.nsd == 1.0
+    assert math.isnan(a.classes["lesion"].hd95_mm) and math.isnan(a.classes["lesion"].nsd)
+    assert b.classes["organ"].hd95_mm == 0.0 and b.classes["organ"].nsd == 1.0
+    # lesion only in b's reference: NSD 0, HD95 the diagonal of the 4 x 2 x 1 voxel image
+    assert b.classes["lesion"].hd95_mm == pytest.approx(math.sqrt(4**2 + 4**2 + 3**2)) and b.classes["lesion"].nsd == 0
+    assert summary.mean["organ"].hd95_mm == pytest.approx(1.85 / 2) and summary.mean["organ"].nsd == 1.0
     assert b.classes["organ"].dice == 1.0
     lesion_b = b.classes["lesion"]
     assert (lesion_b.dice, lesion_b.iou, lesion_b.tp, lesion_b.fp, lesion_b.fn) == (0.0, 0.0, 0, 0, 2)
@@ -108,8 +116,9 @@ def test_summary_json_round_trip(folders: tuple[Path, Path]) -> None:
     text = out.read_text()
     assert "NaN" not in text  # undefined Dice is written as null: standard JSON
     raw = json.loads(text)
-    assert raw["schema_version"] == 1
+    assert raw["schema_version"] == 2
     assert raw["cases"][0]["classes"]["lesion"]["dice"] is None
+    assert raw["cases"][0]["classes"]["lesion"]["hd95_mm"] is None and raw["nsd_tolerance_mm"] == 2.0
     loaded = EvaluationSummary.from_json(out)
     assert math.isnan(loaded.cases[0].classes["lesion"].dice)
     assert json.dumps(to_dict(loaded)) == json.dumps(to_dict(summary))
@@ -120,10 +129,19 @@ def test_summary_json_round_trip(folders: tuple[Path, Path]) -> None:
 def test_format_table(folders: tuple[Path, Path]) -> None:
     table = format_table(evaluate_folder(*folders))
     lines = table.splitlines()
-    assert lines[0].split() == ["class", "value", "mean", "Dice", "mean", "IoU", "cases"]
-    assert lines[1].split() == ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2"]
-    assert lines[2].split() == ["lesion", "2", "0.0000", "0.0000", "1"]
+    assert lines[0].split() == ["class", "value", "mean", "Dice", "mean", "IoU", "mean", "HD95", "mm",
+                                "mean", "NSD@2mm", "cases"]
+    organ = lines[1].split()
+    assert organ[:4] == ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}"]
+    assert float(organ[4]) == pytest.approx(1.85 / 2, abs=0.006) and organ[5:] == ["1.0000", "2"]  # 2 decimals
+    # lesion: only in the reference of case b -> NSD 0, HD95 the image diagonal (4 x 2 x 1 voxels of 1x2x3 mm)
+    diagonal = math.sqrt(4**2 + 4**2 + 3**2)
+    assert lines[2].split() == ["lesion", "2", "0.0000", "0.0000", f"{diagonal:.2f}", "0.0000", "1"]
     assert lines[3].startswith(f"mean foreground Dice: {((4 / 7 + 1) / 2) / 2:.4f}")
+    assert lines[4].startswith("HD95: 1 (case, class) pair(s) with the class in only one")
+    assert [ln.split() for ln in format_table(evaluate_folder(*folders, nsd_tolerance_mm=None)).splitlines()[:2]] == [
+        ["class", "value", "mean", "Dice", "mean", "IoU", "cases"],
+        ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2"]]
 
 
 def test_empty_reference_folder_is_an_error(tmp_path: Path) -> None:
@@ -209,3 +227,19 @@ def test_unusable_dataset_json_beside_references_is_named(folders: tuple[Path, P
     (gt.parent / "dataset.json").write_bytes(content)
     with pytest.raises(EvaluationError, match=r"dataset.json: .*pass labels explicitly"):
         evaluate_folder(pred, gt)
+
+
+def test_version_1_summary_reads_as_surface_metrics_not_computed(folders: tuple[Path, Path]) -> None:
+    pred, gt = folders
+    out = pred / "summary.json"
+    evaluate_folder(pred, gt, output_json=out)
+    raw = json.loads(out.read_text())
+    raw["schema_version"] = 1  # as written before the surface metrics: no hd95_mm, nsd, nsd_tolerance_mm
+    del raw["nsd_tolerance_mm"]
+    for entry in [*(c for case in raw["cases"] for c in case["classes"].values()), *raw["mean"].values()]:
+        del entry["hd95_mm"], entry["nsd"]
+    out.write_text(json.dumps(raw))
+    loaded = EvaluationSummary.from_json(out)
+    assert loaded.nsd_tolerance_mm is None and math.isnan(loaded.mean["organ"].hd95_mm)
+    assert loaded.cases[0].classes["organ"].dice == pytest.approx(4 / 7)
+    assert "HD95" not in format_table(loaded)
