@@ -81,23 +81,24 @@ def test_resenc_plan_trains_and_predicts_unchanged(tiny_dataset: Path, tmp_path:
 
 @pytest.mark.parametrize(
     ("values", "expected"),
-    [(["fold", "0"], 0), (["3"], 3), (["fold", "all"], "all"), (["all"], "all"), (["fold", "12"], 12)],
+    [(["fold", "0"], [0]), (["3"], [3]), (["fold", "all"], ["all"]), (["all"], ["all"]), (["fold", "12"], [12]),
+     (["fold", "0", "1", "2", "3", "4"], [0, 1, 2, 3, 4]), (["2", "0"], [2, 0])],
 )
-def test_fold_parsing(values: list[str], expected: int | str) -> None:
+def test_fold_parsing(values: list[str], expected: list[int | str]) -> None:
     assert parse_fold(values) == expected
 
 
-@pytest.mark.parametrize("values", [["fold"], ["fold", "x"], ["fold", "0", "1"], ["fold", "All"]])
+@pytest.mark.parametrize("values", [["fold"], ["fold", "x"], ["fold", "0", "0"], ["fold", "All"]])
 def test_bad_fold_exits_at_parse_time_with_a_hint(values: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as info:
         parse_args(["train", *values, "-w", "ws"])
     assert info.value.code == 2
-    assert "give the fold as `fold 0`" in capsys.readouterr().err
+    assert "give the folds as `fold 0`" in capsys.readouterr().err
 
 
 def test_train_parser_accepts_fold_then_flags() -> None:
     args = parse_args(["train", "fold", "0", "-w", "ws", "--epochs", "1", "--no-validation"])
-    assert args.fold == 0 and args.epochs == 1 and args.no_validation and args.workspace == "ws"
+    assert args.folds == [0] and args.epochs == 1 and args.no_validation and args.workspace == "ws"
 
 
 def test_missing_dataset_returns_nonzero_naming_the_path(tmp_path: Path, capsys) -> None:

@@ -142,8 +142,8 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
 def _train(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
     from autoseg.model.distributed import context_from_environment, process_group
+    from autoseg.train.folds import train_folds
     from autoseg.train.run_config import RunConfig
-    from autoseg.train.trainer import train
 
     ws = Workspace.at(args.workspace)
     config = args.config or _default_config(ws)
@@ -156,13 +156,14 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         time_budget_s=args.time_budget,
     )
     if distributed.is_main:
-        print(f"workspace: {ws.root}\nconfiguration: {config}\nrun: {run}\nprocesses: {distributed.world_size}"
+        print(f"workspace: {ws.root}\nconfiguration: {config}\nfold(s): {' '.join(map(str, args.folds))}\nrun: {run}\n"
+              f"processes: {distributed.world_size}"
               f" ({distributed.backend if distributed.is_distributed else 'single process'})")
     else:  # rank 0 reports
         logging.getLogger().setLevel(logging.WARNING)
         progress = False
     with process_group(distributed):
-        train(ws, config, args.fold, run, progress=progress, distributed=distributed)
+        train_folds(ws, config, args.folds, run, progress=progress, distributed=distributed)
     return 0
 
 

@@ -138,8 +138,9 @@ def _add_plan_commands(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_train_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train one fold: `autoseg train fold 0` (or `fold all`)")
-    p.add_argument("fold", nargs="+", help="'fold 0', '0' or 'all'")
+    p = sub.add_parser("train", help="train folds: `autoseg train fold 0`, `fold 0 1 2 3 4` (one after the other) "
+                                     "or `fold all`")
+    p.add_argument("fold", nargs="+", help="'fold 0', '0', 'fold 0 1 2 3 4' or 'all'")
     _add_workspace(p)
     p.add_argument("-c", "--config", default=None,
                    help="configuration (default: 3d_fullres if planned, else the first)")
@@ -151,7 +152,8 @@ def _add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=SEED, default=0)
     p.add_argument("--no-validation", action="store_true", help="skip predicting the validation cases at the end")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the fold's checkpoint_latest.pt (the plan must be unchanged)")
+                   help="continue each fold from its checkpoint_latest.pt (the plan must be unchanged); a fold that "
+                        "finished is skipped, one without a checkpoint starts from its first epoch")
     p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
                    help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: the number "
                         "of epochs is chosen from the measured speed")
@@ -310,7 +312,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.command == "train":
         try:
-            args.fold = parse_fold(args.fold)
+            args.folds = parse_fold(args.fold)
         except ValueError as e:
             args.command_parser.error(str(e))
     if args.command == "predict" and args.model is not None and args.checkpoint is not None:
@@ -325,12 +327,14 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
-def parse_fold(values: list[str]) -> int | str:
+def parse_fold(values: list[str]) -> list[int | str]:
+    """``fold 0``, ``0``, ``fold 0 1 2 3 4``, ``fold all`` -> the folds, in the order given (each once)."""
     if values[:1] == ["fold"]:
         values = values[1:]
-    if len(values) != 1 or not (values[0] == "all" or values[0].isdigit()):
-        raise ValueError(f"fold {' '.join(values)!r}: give the fold as `fold 0` .. `fold 4` or `fold all`")
-    return "all" if values[0] == "all" else int(values[0])
+    if not values or any(not (v == "all" or v.isdigit()) for v in values) or len(set(values)) != len(values):
+        raise ValueError(f"fold {' '.join(values)!r}: give the folds as `fold 0` .. `fold 4`, several as "
+                         "`fold 0 1 2 3 4` (each once), or `fold all`")
+    return ["all" if v == "all" else int(v) for v in values]
 
 
 def without_gpus(argv: Sequence[str]) -> list[str]:

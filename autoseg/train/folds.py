@@ -1,0 +1,49 @@
+"""Several folds in one command (``autoseg train fold 0 1 2 3 4``): each fold trained in turn by ``trainer.train``,
+the run resumable as a whole.
+
+With ``--resume`` each fold goes on from where an interrupted command left it: a fold that finished (its
+``run.json`` written and, when the run validates, its ``validation/summary.json``) is skipped, one with a
+``checkpoint_latest.pt`` resumes from it, one without starts from its first epoch. Without ``--resume`` every fold
+starts from its first epoch, as one fold does. ``--time-budget`` applies to each fold.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+from autoseg.core.workspace import Workspace
+from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext
+from autoseg.train.run_config import RunConfig
+from autoseg.train.trainer import train
+
+log = logging.getLogger("autoseg")
+
+
+def fold_finished(workspace: Workspace, config_name: str, fold: int | str, validate: bool) -> bool:
+    """Whether ``fold`` of ``config_name`` ran to its end: ``run.json`` (written after the last epoch) and, when
+    the run validates, the final validation's ``summary.json``."""
+    out = workspace.results(config_name, fold)
+    return (out / "run.json").is_file() and (not validate or (out / "validation" / "summary.json").is_file())
+
+
+def train_folds(workspace: Workspace, config_name: str, folds: Sequence[int | str], run: RunConfig,
+                progress: bool = True, distributed: DistributedContext = SINGLE_PROCESS) -> list[Path]:
+    """Train ``folds`` one after the other (``train``); returns their results folders, finished ones included.
+    ``run.resume``: skip finished folds, resume the others from their latest checkpoint where they have one."""
+    done = []
+    for i, fold in enumerate(folds):
+        out = workspace.results(config_name, fold)
+        if run.resume and fold_finished(workspace, config_name, fold, run.validate):
+            log.info("fold %s (%d of %d): finished before (%s); skipped", fold, i + 1, len(folds), out / "run.json")
+            done.append(out)
+            continue
+        resume = run.resume and workspace.checkpoint(config_name, fold, "latest").is_file()
+        if len(folds) > 1:
+            how = "resuming from its latest checkpoint" if resume else "from its first epoch"
+            log.info("fold %s (%d of %d): %s", fold, i + 1, len(folds), how)
+        done.append(train(workspace, config_name, fold, replace(run, resume=resume), progress=progress,
+                          distributed=distributed))
+    return done
