@@ -70,6 +70,12 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
     assert len(row["pseudo_dice"]) == 2 and np.isfinite(row["train_loss"])
     validation = json.loads((fold / "validation" / "summary.json").read_text())
     assert validation["labels"] == {"organ": [1, 2], "lesion": 2} and validation["ignore_value"] == IGNORE
+    # every validation case's probabilities beside its label map, for choosing configurations without predicting
+    # again: one sigmoid map per region, in the label map's grid
+    for case in validation["cases"]:
+        label_map = sitk.GetArrayFromImage(sitk.ReadImage(case["prediction"]))
+        with np.load(Path(case["prediction"]).parent / f"{case['case_id']}.npz") as saved:
+            assert saved["probabilities"].shape == (2, *label_map.shape) and str(saved["activation"]) == "sigmoid"
 
     out = tmp_path / "pred"
     written = predict(ws, raw / "imagesTs", out, config_name="3d_fullres", folds=(0,), device="cpu", progress=False)

@@ -20,7 +20,9 @@ log = logging.getLogger("autoseg.train.trainer")
 
 def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network: torch.nn.Module,
                   val_ids: list[str], out_dir: Path, device: str, progress: bool = True) -> EvaluationSummary:
-    """Sliding-window prediction (with mirroring) of each validation case into ``out_dir``, then
+    """Sliding-window prediction (with mirroring) of each validation case into ``out_dir``: its label map and its
+    probabilities (``{case}.npz``, ``autoseg.predict.probabilities.ProbabilityFile``: what choosing between
+    configurations, ensembles and postprocessing reads, with no second inference pass), then
     ``out_dir/summary.json`` against the raw labels."""
     dataset = load_dataset(workspace.dataset_root())
     config = plans.configuration(config_name)
@@ -28,7 +30,8 @@ def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network:
     network.eval()
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
-        labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=None, device=device)
+        labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=None, device=device,
+                                     probabilities_path=out_dir / f"{case.case_id}.npz")
         out = out_dir / f"{case.case_id}{dataset.file_ending}"
         write_image(out, labels, props.geometry)
         pairs.append((out, case.label_path))
