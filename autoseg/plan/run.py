@@ -73,7 +73,8 @@ def make_plan(dataset: str | Path | RawDataset, workspace: Workspace, budget: Bu
              len(dataset.cases), dataset.num_channels, list(dataset.channel_names), dataset.labels,
              time.perf_counter() - t0)
     changes = check_dataset(workspace, dataset.root, source, overwrite)
-    fp = fingerprint(dataset, progress=progress, processes=fingerprint_processes(dataset, budget))
+    fp = reused_fingerprint(workspace, source) or fingerprint(dataset, progress=progress,
+                                                              processes=fingerprint_processes(dataset, budget))
     fresh = plan(fp, budget)
     previous = _previous_plans(workspace, overwrite)
     info = workspace.info() if workspace.info_path.is_file() else None
@@ -90,6 +91,24 @@ def make_plan(dataset: str | Path | RawDataset, workspace: Workspace, budget: Bu
                     "; ".join(differences[:SHOWN_CHANGES]))
     return PlannedWorkspace(dataset, source, fp, previous, previous, False, tuple(changes),
                             info.plans_hash if info else "")
+
+
+def reused_fingerprint(workspace: Workspace, source: DatasetSource) -> Fingerprint | None:
+    """The workspace's fingerprint.json when the dataset is the one it was made from, unchanged (``source``
+    equal to workspace.json's: dataset.json, and every training file's name, size and first and last 64 KiB):
+    re-planning for another budget, device or architecture then reads no image. None otherwise, or when the
+    file cannot be read (it is then computed again and rewritten)."""
+    if not (workspace.info_path.is_file() and workspace.fingerprint_path.is_file()):
+        return None
+    try:
+        if workspace.info().dataset != source:
+            return None
+        fp = Fingerprint.from_json(workspace.fingerprint_path)
+    except InputError as e:
+        log.warning("%s: not reused (%s); fingerprinting the dataset again", workspace.fingerprint_path, e)
+        return None
+    log.info("fingerprint: %s reused (the dataset is unchanged since it was made)", workspace.fingerprint_path)
+    return fp
 
 
 def _previous_plans(workspace: Workspace, overwrite: bool) -> Plans | None:

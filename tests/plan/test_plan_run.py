@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 from cli_checks import snapshot
 
+from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace, dataset_source
 from autoseg.plan.budget import Budget
+from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import check_dataset, make_plan, plan_dataset, write_plan
 
@@ -76,3 +78,32 @@ def test_check_dataset_refuses_a_changed_dataset_and_lists_the_changes(ws: Works
     assert snapshot(ws.root) == before
     changes = check_dataset(ws, copy, dataset_source(copy), overwrite=True)
     assert changes == ["imagesTr/demo_003_0000.nii.gz: removed", "labelsTr/demo_003.nii.gz: removed"]
+
+
+def test_replanning_an_unchanged_dataset_reuses_its_fingerprint(ws: Workspace, tiny_dataset: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another budget on the same dataset reads fingerprint.json instead of fingerprinting again; a changed dataset
+    (a copy with one label file edited) is fingerprinted again, and so is a workspace whose fingerprint.json
+    cannot be read."""
+    import autoseg.plan.run as run_module
+
+    computed: list[str] = []
+    real = run_module.fingerprint
+
+    def counting_fingerprint(dataset, **kwargs):
+        computed.append(dataset.name)
+        return real(dataset, **kwargs)
+
+    monkeypatch.setattr(run_module, "fingerprint", counting_fingerprint)
+    before = ws.fingerprint_path.read_text()
+    replanned = make_plan(tiny_dataset, ws, _budget(4), progress=False, overwrite=True)
+    assert computed == [] and to_dict(replanned.fingerprint) == to_dict(Fingerprint.from_json(ws.fingerprint_path))
+    assert ws.fingerprint_path.read_text() == before
+    changed = Path(shutil.copytree(tiny_dataset, tmp_path / "changed"))
+    label = sorted((changed / "labelsTr").glob("*"))[0]
+    label.write_bytes(label.read_bytes() + b"\0")  # another size: another file
+    make_plan(changed, ws, _budget(4), progress=False, overwrite=True)
+    assert len(computed) == 1
+    ws.fingerprint_path.write_text("{not json")
+    make_plan(tiny_dataset, ws, _budget(4), progress=False, overwrite=True)
+    assert len(computed) == 2
