@@ -3,7 +3,8 @@
 poly schedule and time budget (``schedule``), the per-epoch patch validation (``patch_validation``),
 progress.png (``curves``) and the final validation of the fold's cases (``validation``).
 
-Owns: ``trainer``, ``run_config``, ``checkpoint``, ``degrade``, ``schedule``, ``patch_validation``, ``curves``,
+Owns: ``trainer``, ``run_config``, ``checkpoint``, ``degrade``, ``memory_check`` (the memory model checked against
+the first real steps, and ``autoseg check-memory``), ``schedule``, ``patch_validation``, ``curves``,
 ``validation``.
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.
 """
