@@ -242,6 +242,31 @@ def _explain(args: argparse.Namespace, progress: bool) -> int:
     return 0
 
 
+def _check_memory(args: argparse.Namespace, progress: bool) -> int:
+    import json
+
+    import torch
+
+    from autoseg.core.machine import use_cpu_threads
+    from autoseg.core.workspace import Workspace
+    from autoseg.plan.plans import Plans
+    from autoseg.train.memory_check import EXIT_MEMORY_MISMATCH, check_plan
+
+    ws = Workspace.at(args.workspace)
+    plans = Plans.from_json(ws.require(ws.plans_path, "plan"))
+    config = args.config or plans.default_configuration()
+    device = torch.device(resolve_device(args.device))
+    if device.type == "cpu":
+        use_cpu_threads(None, "check-memory")
+    print(f"workspace: {ws.root}\nconfiguration: {config}, {args.steps} real steps on synthetic batches on {device}")
+    check = check_plan(plans, config, device, steps=args.steps)
+    print(json.dumps(check.to_dict(), indent=2) if args.json else check.table())
+    if check.ok:
+        return 0
+    print(f"autoseg check-memory: {check.warning()}", file=sys.stderr)
+    return EXIT_MEMORY_MISMATCH
+
+
 def _make_demo_dataset(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.demo.data import make_demo_dataset
 
@@ -260,7 +285,7 @@ def _demo(args: argparse.Namespace, progress: bool) -> int:
 
 COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
             "export-model": _export_model, "evaluate": _evaluate, "explain": _explain,
-            "make-demo-dataset": _make_demo_dataset, "demo": _demo}
+            "check-memory": _check_memory, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
 
 
 if __name__ == "__main__":

@@ -277,6 +277,19 @@ def _add_explain_command(sub: argparse._SubParsersAction) -> None:
                    help="device whose overheads to add (default: the one the configuration was planned for)")
 
 
+def _add_check_memory_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("check-memory", help="run a few real steps of a planned configuration and compare their "
+                                            "measured memory with the memory model's prediction")
+    _add_workspace(p)
+    p.add_argument("-c", "--config", default=None,
+                   help="configuration (default: 3d_fullres if planned, else the first)")
+    p.add_argument("--steps", type=int_at_least(2), default=3,
+                   help="real training steps on synthetic batches (default: 3; at least 2)")
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="device to check on (default: cuda if available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print the check as JSON (bytes)")
+
+
 def _add_make_demo_dataset_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("make-demo-dataset", help="write the synthetic demo dataset (nnU-Net layout)")
     p.add_argument("output", help="dataset folder to create")
@@ -297,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate_command(sub)
     _add_demo_command(sub)
     _add_explain_command(sub)
+    _add_check_memory_command(sub)
     _add_make_demo_dataset_command(sub)
     for command in sub.choices.values():  # also after the command: `autoseg train ... --debug`
         command.set_defaults(command_parser=command)
@@ -319,7 +333,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
         args.command_parser.error(f"argument --checkpoint: not allowed with argument -m/--model: the archive holds one "
                                   f"checkpoint per fold, chosen by `autoseg export-model --checkpoint`; leave "
                                   f"--checkpoint {args.checkpoint} out, or export the model again with it")
-    if args.command in ("train", "predict") and args.device == "cuda":
+    if args.command in ("train", "predict", "check-memory") and args.device == "cuda":
         try:
             resolve_device(args.device)
         except InputError as e:

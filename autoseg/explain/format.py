@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from autoseg.core.units import GiB, KiB, MiB
+from autoseg.core.units import format_bytes
 from autoseg.explain.explanation import Explanation
 from autoseg.memory.device import CUDA_FRAGMENTATION, DEVICE_TERMS
 
@@ -23,13 +23,6 @@ TERM_NAMES = {
     "output": "probabilities (K x volume, fp16)",
 }
 FIXED_TERMS = ("parameters", "gradients", "optimizer_state")
-
-
-def format_bytes(n: int | float) -> str:
-    """``1.23 GiB`` from 1 GiB up, ``123.4 MiB`` from 1 MiB up, else ``12.3 KiB``."""
-    if abs(n) >= GiB:
-        return f"{n / GiB:.2f} GiB"
-    return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / KiB:.1f} KiB"
 
 
 def _shape(shape: tuple[int, ...]) -> str:

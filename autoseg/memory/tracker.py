@@ -50,6 +50,7 @@ class StorageTracker(TorchDispatchMode):
         self.mark_list: list[tuple[str, int]] = []
         self.largest_conv_output_bytes = 0
         self.tagging = False  # tag new storages with the module stack (forward passes only)
+        self.paused = False  # while True, operators run untracked (e.g. a data loader's own work)
         self._module_stack: list[str] = []
         self._refs: dict[int, tuple[weakref.ref, int]] = {}  # id(storage) -> (weak ref, storage number)
         self._excluded: set[int] = set()
@@ -57,6 +58,8 @@ class StorageTracker(TorchDispatchMode):
     # --- recording ---------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
         name = func.__name__
         # inference_mode dispatches aten::conv2d/conv3d (not decomposed into aten::convolution)
         conv_names = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
@@ -139,6 +142,14 @@ class StorageTracker(TorchDispatchMode):
 
     def _leave(self, _module, _args, _output) -> None:
         self._module_stack.pop()
+
+    def count(self, tensors: Iterable[torch.Tensor | None]) -> None:
+        """Count the storages of ``tensors`` made outside the tracker (before it, or while ``paused``) as allocated
+        now, and watch them until they are freed: what a real step starts with (parameters, gradients, optimizer
+        state) and the batches a loader hands it."""
+        for t in tensors:
+            if t is not None:
+                self._see(t)
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
         """Count the storages of ``tensors`` (made before tracking began) as 0 bytes from now on."""

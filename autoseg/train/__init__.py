@@ -4,7 +4,8 @@ poly schedule and time budget (``schedule``), the per-epoch patch validation (``
 progress.png (``curves``) and the final validation of the fold's cases (``validation``).
 
 Owns: ``trainer``, ``folds`` (several folds in turn, resumable as a whole), ``run_config``, ``checkpoint``,
-``degrade``, ``schedule``, ``patch_validation``, ``curves``,
+``degrade``, ``memory_check`` (the memory model checked against the first real steps, and ``autoseg
+check-memory``), ``schedule``, ``patch_validation``, ``curves``,
 ``validation``.
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.
 """

@@ -3,7 +3,8 @@
 A checkpoint holds the network, optimizer and grad-scaler state dicts, the schedule position (``epoch``:
 the last finished epoch; ``schedule``: total epochs and iterations per epoch), the EMA and best pseudo-Dice,
 the metrics so far (JSON text), the degradations made after out-of-memory errors (per-rank micro-batches),
-the number of processes (``world_size``), the plan configuration it was trained with (JSON text) and the
+the memory checks of the run so far (``autoseg.train.memory_check``, JSON text), the number of processes
+(``world_size``), the plan configuration it was trained with (JSON text) and the
 state of every random generator the trainer touches (torch CPU and CUDA, numpy's global and Python's
 ``random``). The data loaders need no state: the trainer re-creates them at every epoch from
 ``loader_seed(run seed, epoch, degradations, rank)``, so a resumed run draws the same batches.
@@ -81,6 +82,7 @@ def save_checkpoint(path: Path, network: torch.nn.Module, optimizer: torch.optim
         "degradations_json": json.dumps(progress["degradations"]),
         "time_budget_json": json.dumps(progress.get("time_budget")),
         "world_size": int(progress.get("world_size", 1)),
+        "memory_checks_json": json.dumps(progress.get("memory_checks", [])),
         "rng": rng_states(),
     }
     write_checkpoint_file(path, state)
@@ -97,6 +99,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     state["time_budget"] = json.loads(state.pop("time_budget_json"))
     state["ema"] = None if state["ema_dice"] < 0 else state["ema_dice"]
     state.setdefault("world_size", 1)  # written before distributed training
+    state["memory_checks"] = json.loads(state.pop("memory_checks_json", "[]"))  # written before memory checks
     return state
 
 

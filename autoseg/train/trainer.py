@@ -7,7 +7,8 @@ cases are predicted and evaluated.
 
 Safety: an out-of-memory error in a step is never fatal; the step is retried with a degraded
 configuration (``autoseg.train.degrade``), recorded in run.json and the checkpoints. ``time_budget_s`` sets
-the number of epochs from measured speed (``autoseg.train.schedule``).
+the number of epochs from measured speed (``autoseg.train.schedule``). The first steps of every run check the
+memory model on this machine (``autoseg.train.memory_check``): one log line, run.json, a warning when off.
 
 Distributed (torchrun, ``autoseg.model.distributed``): each rank takes its share of the planned global batch
 (``rank_batch``) from its own loader stream; the loss's Dice sums and, after backward, the gradients are
@@ -31,14 +32,13 @@ from tqdm import tqdm
 from autoseg.core.artifacts import LogFile, append_line, atomic_write_text, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
-from autoseg.core.precision import effective_precision
 from autoseg.core.resources import cpu_count
 from autoseg.core.workspace import Workspace, load_or_create_splits
 from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
 from autoseg.dataset.labels import LabelScheme, label_map_dtype
 from autoseg.memory.host import output_batch_bytes
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
-from autoseg.model.step import TrainStep, build_step, distribute
+from autoseg.model.step import TrainStep, distribute
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.run import check_preprocessed
@@ -46,6 +46,7 @@ from autoseg.preprocess.store import list_cases, missing_files, open_case, preco
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import plot_progress
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
+from autoseg.train.memory_check import MemoryCheck, MemoryObserver, configured_step, log_check
 from autoseg.train.patch_validation import validate_patches
 from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import TimeBudget, poly_lr
@@ -148,6 +149,8 @@ class _Context:
     started: float = 0.0
     loader_workers: int = 0
     use_precomputed: bool = False
+    memory: MemoryObserver | None = None  # runs the steps; checks the memory model over the first ones
+    memory_checks: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ranks(self) -> Ranks:
@@ -167,7 +170,7 @@ class _Context:
         return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
                 "ema": self.ema, "best_ema": self.best_ema, "metrics": self.metrics,
                 "degradations": self.degradations, "time_budget": self.budget_decisions,
-                "world_size": self.ranks.world_size}
+                "world_size": self.ranks.world_size, "memory_checks": self.memory_checks}
 
     def save(self, which: str, epoch: int) -> None:
         """``checkpoint_{which}.pt``. Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
@@ -191,6 +194,7 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     ctx = _Context(job, config, step=_make_step(config, run, job.plans.label_scheme), epochs=run.epochs,
                    iterations_per_epoch=run.iterations_per_epoch)
     distribute(ctx.step, distributed)
+    _watch_memory(ctx)
     _choose_data_pipeline(ctx)
     if resumed is None:
         if ctx.ranks.is_main:
@@ -211,6 +215,7 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     ctx.metrics = [r for r in resumed["metrics"] if r["epoch"] <= resumed["epoch"]]
     ctx.ema, ctx.best_ema = resumed["ema"], resumed["best_ema_dice"]
     ctx.degradations, ctx.budget_decisions = resumed["degradations"], resumed["time_budget"] or []
+    ctx.memory_checks = resumed["memory_checks"]  # this process checks again: it may run on another machine
     if ctx.ranks.is_main:
         atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in ctx.metrics))
     if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
@@ -285,7 +290,7 @@ def _train(ctx: _Context) -> Path:
                                           "accumulation_steps": ctx.config.accumulation_steps,
                                           "checkpointing": ctx.config.checkpointing},
               "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
-              "distributed": {"world_size": world, "global_batch": global_batch}}
+              "distributed": {"world_size": world, "global_batch": global_batch}, "memory_checks": ctx.memory_checks}
     atomic_write_text(ctx.job.out / "run.json", json.dumps(record, indent=2))
     if run.validate:
         from autoseg.train.validation import validate_fold
@@ -341,7 +346,7 @@ def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
     with the new micro-batch and retry. Returns ((loss, data wait seconds), the loader now in use)."""
     while True:
         try:
-            return ctx.step(loader), loader
+            return ctx.memory.step(ctx.step, loader), loader
         except torch.OutOfMemoryError:
             ctx.step.optimizer.zero_grad(set_to_none=True)  # drop the partial gradients
             if ctx.step.device.type == "cuda":
@@ -353,16 +358,26 @@ def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
             ctx.degradations.append(record)
             ctx.step.accumulation_steps = degraded.accumulation_steps
             ctx.step.network.checkpointing = degraded.checkpointing
+            _watch_memory(ctx)  # the degraded configuration has its own prediction: checked afresh
             loader.close()
             loader = ctx.loader(epoch, augment=True)
 
 
 def _make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -> TrainStep:
     """The plan's training step on the run's device; the plan's precision on CUDA, fp32 on CPU."""
-    device = torch.device(run.device)
-    return build_step(config.network, scheme, precision=effective_precision(config.precision, device.type),
-                      checkpointing=config.checkpointing, accumulation_steps=config.accumulation_steps,
-                      device=device, optimizer=run.optimizer)
+    return configured_step(config, torch.device(run.device), run.optimizer, scheme)
+
+
+def _watch_memory(ctx: _Context) -> None:
+    """Check the memory model over the configuration's first steps (``memory_check``): a log line, a warning when
+    off. Every rank measures its own device; rank 0's checks go to run.json and the checkpoints."""
+    def record(check: MemoryCheck) -> None:
+        log_check(check)
+        if ctx.ranks.is_main:
+            ctx.memory_checks.append(check.to_dict())
+
+    ctx.memory = MemoryObserver(ctx.config, ctx.step.device, ctx.job.run.optimizer, ctx.job.plans.label_scheme,
+                                record)
 
 
 def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:

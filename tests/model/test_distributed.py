@@ -190,6 +190,10 @@ def test_out_of_memory_on_one_rank_degrades_every_rank(workspace: Workspace) -> 
     assert run["effective_configuration"]["batch_size"] == 1
     assert run["effective_configuration"]["accumulation_steps"] == 2
     assert run["distributed"] == {"world_size": 2, "global_batch": 4}
+    (check,) = run["memory_checks"]  # rank 0's, of its share after the degradation (the OOM came in the first steps)
+    assert (check["configuration"]["batch_size"], check["configuration"]["accumulation_steps"]) == (1, 2)
+    tensors = check["rows"][0]  # the all-reduce averages the gradients in place: nothing the simulation lacks
+    assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= 64, tensors
     assert [json.loads(line)["epoch"] for line in (fold / "metrics.jsonl").read_text().splitlines()] == [0, 1]
     assert load_checkpoint(fold / "checkpoint_final.pt")["world_size"] == 2
 
