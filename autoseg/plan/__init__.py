@@ -5,7 +5,8 @@ augmentation the plan asks for (``training_data``), the ``Plans`` schema (``plan
 FLOPs of a step, CPU calibration by timing the training step, GPU FLOP/s), reference plans of public datasets
 (``reference``), and ``run.plan_dataset`` (`autoseg plan`).
 
-Owns: ``fingerprint``, ``budget``, ``planner``, ``patch_search``, ``sizing``, ``training_data``, ``plans``,
+Owns: ``fingerprint``, ``budget``, ``planner``, ``patch_search``, ``topology_rules`` (the network a patch gets),
+``sizing``, ``training_data``, ``plans``,
 ``inference_tile`` (the sliding window's tile at prediction), ``throughput``, ``reference``, ``run``.
 Imports: ``autoseg.memory``, ``autoseg.model``, ``autoseg.dataset``, ``autoseg.core``.
 """

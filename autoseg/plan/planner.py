@@ -42,8 +42,6 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import plan_inference_tile
 from autoseg.plan.patch_search import (
-    FEATURE_CAP,
-    MIN_FEATURE_MAP,
     Candidate,
     Limits,
     PeakFn,
@@ -56,6 +54,7 @@ from autoseg.plan.patch_search import (
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.sizing import host_workers, loader_workers
 from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
+from autoseg.plan.topology_rules import FEATURE_CAP, MIN_FEATURE_MAP
 
 MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
 CPU_BASE_FEATURES = (16, 8)

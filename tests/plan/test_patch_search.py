@@ -11,11 +11,10 @@ from autoseg.plan.patch_search import (
     Setting,
     StepCost,
     family_shape,
-    pools_per_axis,
     rough_training_peak_bytes,
     search,
-    topology_for,
 )
+from autoseg.plan.topology_rules import pools_per_axis, topology_for
 
 # --- family_shape -------------------------------------------------------------------------------------
 
