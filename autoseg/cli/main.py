@@ -221,6 +221,21 @@ def _evaluate(args: argparse.Namespace, progress: bool) -> int:
     return 0
 
 
+def _find_best(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.workspace import Workspace
+    from autoseg.selection.report import predict_command
+    from autoseg.selection.run import find_best
+
+    ws = Workspace.at(args.workspace)
+    print(f"workspace: {ws.root}")
+    result = find_best(ws, configs=args.configs, folds=None if args.folds is None else tuple(args.folds),
+                       progress=progress)
+    print(result.markdown.split("\nPredict with it:")[0].rstrip())
+    print(f"wrote {ws.inference_path}, {ws.find_best_path} and {ws.find_best_path.with_suffix('.md')}\n"
+          f"predict with: {predict_command(str(ws.root))}")
+    return 0
+
+
 def _explain(args: argparse.Namespace, progress: bool) -> int:
     import json
 
@@ -284,7 +299,7 @@ def _demo(args: argparse.Namespace, progress: bool) -> int:
 
 
 COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
-            "export-model": _export_model, "evaluate": _evaluate, "explain": _explain,
+            "export-model": _export_model, "evaluate": _evaluate, "find-best": _find_best, "explain": _explain,
             "check-memory": _check_memory, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
 
 

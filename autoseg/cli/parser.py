@@ -257,6 +257,17 @@ def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
                          help="skip HD95 and the normalized surface Dice (Dice, IoU and volumes only)")
 
 
+def _add_find_best_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("find-best", help="choose the configuration or ensemble of two, and the postprocessing, from "
+                                         "the folds' cross-validation; writes inference.json")
+    _add_workspace(p)
+    p.add_argument("-c", "--configs", nargs="+", default=None,
+                   help="configurations to compare (default: every planned configuration with trained folds)")
+    p.add_argument("-f", "--folds", nargs="+", type=int_at_least(0), default=None,
+                   help="folds whose validation cases are pooled (default: every fold of splits.json, 0 1 2 3 4); "
+                        "every configuration needs each of them")
+
+
 def _add_demo_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="synthetic dataset -> plan -> train -> predict -> evaluate, on CPU")
     p.add_argument("-w", "--workspace", default=None, help="workspace (default: a temporary folder)")
@@ -308,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_predict_command(sub)
     _add_export_model_command(sub)
     _add_evaluate_command(sub)
+    _add_find_best_command(sub)
     _add_demo_command(sub)
     _add_explain_command(sub)
     _add_check_memory_command(sub)

@@ -4,6 +4,7 @@
 
     workspace.json  fingerprint.json  plans.json  splits.json
     preprocessed/<config>/   results/<config>/fold_<k>/
+    inference.json  find_best.json  find_best.md      (autoseg find-best)
 
 ``workspace.json`` (``WorkspaceInfo``) records which dataset the workspace was made from: its folder and
 its ``DatasetSource``, the content of dataset.json and, per file of imagesTr/ and labelsTr/, its name, size
@@ -153,6 +154,16 @@ class Workspace:
     @property
     def splits_path(self) -> Path:
         return self.root / "splits.json"
+
+    @property
+    def inference_path(self) -> Path:
+        """``inference.json`` (``autoseg.predict.choice``): the configuration(s) and postprocessing to predict with."""
+        return self.root / "inference.json"
+
+    @property
+    def find_best_path(self) -> Path:
+        """``find_best.json``: every candidate's cross-validation figures (``find_best.md``: the same as a table)."""
+        return self.root / "find_best.json"
 
     def preprocessed(self, config: str) -> Path:
         return self.root / "preprocessed" / config

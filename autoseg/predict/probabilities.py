@@ -13,10 +13,15 @@ from typing import IO
 import numpy as np
 
 from autoseg.core.artifacts import atomic_path
+from autoseg.core.errors import InputError
+from autoseg.core.units import KiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.preprocess.store import CaseProperties
 
 PROBABILITY_DTYPE = np.float16  # 2 bytes a voxel per output; 1e-3 relative precision, ample for averaging folds
+# read_probabilities' bytes beyond the array, whatever its size: numpy reads a zip member in 256 KiB chunks, beside
+# zipfile's inflate buffers (measured 0.51-0.55 MiB for 0.1-4.7 MiB arrays)
+READ_BUFFER_BYTES = 768 * KiB
 
 
 @dataclass
@@ -82,3 +87,46 @@ class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+def read_probabilities(path: Path, scheme: LabelScheme) -> np.ndarray:
+    """A ``{case}.npz`` back: float16 (K, Z, Y, X), 2 bytes a voxel per output (decompressed in chunks into that
+    array: ``READ_BUFFER_BYTES`` beside it). Raises ``InputError`` naming the file when it is not such a file or
+    its outputs are not ``scheme``'s (another dataset's labels)."""
+    names = scheme.names if scheme.has_regions else ("background", *scheme.names)
+    activation = "sigmoid" if scheme.has_regions else "softmax"
+    try:
+        with np.load(path, allow_pickle=False) as npz:
+            found_names, found_activation = tuple(str(n) for n in npz["names"]), str(npz["activation"])
+            if found_names != names or found_activation != activation:
+                raise InputError(f"{path}: holds {found_activation} outputs {list(found_names)}, but the labels have "
+                                 f"{activation} outputs {list(names)}; it was written for other labels: predict "
+                                 "these cases again with this workspace")
+            probabilities = npz["probabilities"]
+    except InputError:
+        raise
+    except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
+        raise InputError(f"{path}: not a readable probability file ({type(e).__name__}: {e}); predict the case "
+                         "again to rewrite it") from e
+    if probabilities.ndim != 4 or probabilities.shape[0] != len(names):
+        raise InputError(f"{path}: probabilities of shape {probabilities.shape}; expected ({len(names)}, Z, Y, X)")
+    return probabilities
+
+
+def labels_from_probabilities(probabilities: np.ndarray, scheme: LabelScheme) -> np.ndarray:
+    """(K, Z, Y, X) probabilities in the image's grid -> label map (Z, Y, X), ``scheme.export_dtype()``, by
+    export's rule (``autoseg.predict.export``): the argmax over the classes (the first on ties), or each region
+    above 0.5 painted in ``regions_class_order``. Holds the label map, one output's map and a mask beside it."""
+    labels = np.zeros(probabilities.shape[1:], dtype=scheme.export_dtype())
+    if scheme.has_regions:
+        for r in range(probabilities.shape[0]):
+            scheme.paint_region(labels, r, probabilities[r])
+        return labels
+    # a running argmax, as export's: np.argmax over axis 0 would copy the whole (K, Z, Y, X) array transposed
+    best = probabilities[0].copy()  # one output's map (4 bytes a voxel in float32) and a bool mask beside it
+    better = np.empty(best.shape, dtype=bool)
+    for k in range(1, probabilities.shape[0]):
+        np.greater(probabilities[k], best, out=better)
+        labels[better] = k
+        np.maximum(best, probabilities[k], out=best)
+    return labels

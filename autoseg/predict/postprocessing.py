@@ -1,0 +1,87 @@
+"""Postprocessing of a label map: keep only the largest connected component of all foreground together, then of
+each chosen class or region. ``autoseg find-best`` (``autoseg.selection``) decides from cross-validation which of
+these steps helps and records them in inference.json (``autoseg.predict.choice``); prediction applies them with
+``apply_postprocessing``.
+
+Connected components are those of ``scipy.ndimage.label`` with full connectivity (26 neighbours in 3D, 8 in a 2D
+image read as (1, Y, X)), as nnU-Net's (acvl-utils' ``remove_all_but_largest_component``, skimage's default
+connectivity); when several components share the largest size, all of them are kept, as there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import ndimage
+
+from autoseg.core.errors import InputError
+from autoseg.dataset.labels import LabelScheme
+
+FOREGROUND = "foreground"  # the name of the step "all foreground classes as one" in the tables
+
+
+@dataclass(frozen=True)
+class Postprocessing:
+    """What to do to a predicted label map, in this order:
+
+    - ``largest_foreground_component``: keep only the largest connected component of the voxels of any
+      foreground class (or region); the rest become background (0).
+    - ``largest_component_of``: foreground class or region names (as in dataset.json); for each, in this
+      order, keep only the largest connected component of its voxels (a region: the union of its values);
+      the rest become background.
+
+    ``Postprocessing()``: none.
+    """
+
+    largest_foreground_component: bool = False
+    largest_component_of: tuple[str, ...] = ()
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.largest_foreground_component and not self.largest_component_of
+
+    def describe(self) -> str:
+        steps = (["largest component of all foreground"] if self.largest_foreground_component else []) + \
+            [f"largest component of {name}" for name in self.largest_component_of]
+        return ", then ".join(steps) if steps else "none"
+
+
+def largest_component_mask(mask: np.ndarray) -> np.ndarray:
+    """bool like ``mask``: the voxels of its largest connected component(s) (all of those tied for the largest
+    size). Holds an int32 component map (4 bytes a voxel) while it runs: ``largest_component_bytes``."""
+    structure = ndimage.generate_binary_structure(mask.ndim, mask.ndim)  # full connectivity
+    components, count = ndimage.label(mask, structure=structure)
+    if count <= 1:
+        return mask.astype(bool, copy=True)
+    sizes = np.bincount(components.ravel(), minlength=count + 1)
+    sizes[0] = 0  # background
+    keep = np.flatnonzero(sizes == sizes.max())
+    return np.isin(components, keep)
+
+
+def largest_component_bytes(num_voxels: int) -> int:
+    """Host bytes ``apply_postprocessing`` holds beside the label map: the int32 component map, the class mask
+    and the kept mask (bool each)."""
+    return num_voxels * (4 + 1 + 1)
+
+
+def apply_postprocessing(labels: np.ndarray, postprocessing: Postprocessing, scheme: LabelScheme) -> np.ndarray:
+    """``labels`` (Z, Y, X) label values, as exported -> a postprocessed copy (same shape and dtype); the input is
+    left unchanged. Unknown class names raise ``InputError`` (an inference.json of another dataset)."""
+    out = labels.copy()
+    if postprocessing.largest_foreground_component:
+        values = sorted({v for vs in scheme.foreground_values for v in vs})
+        _keep_largest(out, values)
+    for name in postprocessing.largest_component_of:
+        if name not in scheme.names:
+            raise InputError(f"postprocessing names {name!r}, which is not a foreground class or region of these "
+                             f"labels ({', '.join(scheme.names)}); run `autoseg find-best` again for this workspace")
+        _keep_largest(out, list(scheme.foreground_values[scheme.names.index(name)]))
+    return out
+
+
+def _keep_largest(labels: np.ndarray, values: list[int]) -> None:
+    """Set to 0, in place, the voxels holding any of ``values`` outside their largest connected component."""
+    mask = np.isin(labels, values)
+    labels[mask & ~largest_component_mask(mask)] = 0
