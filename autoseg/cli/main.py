@@ -177,20 +177,28 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
                                                   "config": config, "folds": folds,
                                                   "checkpoint": model.manifest.checkpoint}), progress)
     from autoseg.core.workspace import Workspace
+    from autoseg.predict.choice import InferenceChoice
+    from autoseg.predict.chosen import predict_chosen
     from autoseg.predict.predictor import PredictOptions, predict
 
     ws = Workspace.at(args.workspace or ".")
-    config = args.config or _default_config(ws)
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
     options = PredictOptions(save_probabilities=args.save_probabilities, skip_existing=args.skip_existing,
                              fail_fast=args.fail_fast, series=args.series, verbose=args.verbose,
                              preprocess_workers=args.preprocess_workers, export_workers=args.export_workers,
                              cache_dir=cache_dir(os.environ))
-    written = predict(ws, args.input, args.output, config_name=config, folds=folds,
-                      checkpoint=args.checkpoint or "final", mirror=not args.no_mirror,
-                      tile_batch_size=args.tile_batch_size, tta=args.tta, tile=args.tile,
-                      device=resolve_device(args.device),
-                      progress=progress, options=options)
+    window = {"mirror": not args.no_mirror, "tile_batch_size": args.tile_batch_size, "tta": args.tta,
+              "tile": args.tile, "device": resolve_device(args.device)}
+    if args.config is None and ws.inference_path.is_file():  # autoseg find-best's choice
+        choice = InferenceChoice.from_json(ws.inference_path)
+        print(f"following {ws.inference_path}: {' + '.join(choice.configurations)}, fold(s) "
+              f"{' '.join(map(str, folds or choice.folds))}, postprocessing: {choice.postprocessing.describe()} "
+              "(-c CONFIG predicts one configuration without it)")
+        written = predict_chosen(ws, choice, args.input, args.output, folds=folds, checkpoint=args.checkpoint,
+                                 options=options, progress=progress, **window)
+    else:
+        written = predict(ws, args.input, args.output, config_name=args.config or _default_config(ws), folds=folds,
+                          checkpoint=args.checkpoint or "final", progress=progress, options=options, **window)
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0
 
@@ -202,8 +210,9 @@ def _export_model(args: argparse.Namespace, progress: bool) -> int:
     ws = Workspace.at(args.workspace)
     manifest = export_model(ws, args.output, config_name=args.config, folds=args.folds, checkpoint=args.checkpoint)
     out = Path(args.output).resolve()
-    print(f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): configuration {manifest.configuration}, fold(s) "
-          f"{' '.join(map(str, manifest.folds))}, checkpoint_{manifest.checkpoint}.pt; predict with "
+    print(f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): configuration {' + '.join(manifest.configurations)}, "
+          f"fold(s) {' '.join(map(str, manifest.folds))}, checkpoint_{manifest.checkpoint}.pt, postprocessing: "
+          f"{manifest.postprocessing}{' (inference.json)' if manifest.follows_choice else ''}; predict with "
           f"`autoseg predict -m {out} -i INPUT -o OUTPUT`")
     return 0
 

@@ -231,11 +231,13 @@ def _add_export_model_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("output", metavar="OUT.zip", help="archive to write (written under a temporary name, then renamed)")
     _add_workspace(p)
     p.add_argument("-c", "--config", default=None,
-                   help="configuration (default: 3d_fullres if planned, else the first)")
+                   help="configuration (default: the workspace's inference.json, autoseg find-best's choice with its "
+                        "postprocessing; without one 3d_fullres if planned, else the first)")
     p.add_argument("-f", "--folds", nargs="+", type=_fold_name, default=None,
-                   help="folds to include, e.g. 0 1 2 or all (default: every fold trained with the checkpoint)")
-    p.add_argument("--checkpoint", default="final", choices=["final", "best"],
-                   help="which checkpoint of each fold (default: final)")
+                   help="folds to include, e.g. 0 1 2 or all (default: inference.json's, else every fold trained "
+                        "with the checkpoint)")
+    p.add_argument("--checkpoint", default=None, choices=["final", "best"],
+                   help="which checkpoint of each fold (default: inference.json's, else final)")
 
 
 def _fold_name(text: str) -> str:

@@ -6,7 +6,8 @@ Owns: ``predictor`` (one case's three stages, and ``predict`` over many), ``expo
 input's grid as a label map, slab by slab), ``pipeline`` (cases read ahead and written behind on threads, sized
 from the host RAM), ``probabilities`` (``{case}.npz``: written, read back, made a label map),
 ``postprocessing`` (the largest connected component kept, ``apply_postprocessing``), ``choice``
-(``inference.json``, what ``autoseg find-best`` chose), ``archive`` (a
+(``inference.json``, what ``autoseg find-best`` chose), ``chosen`` (prediction as inference.json says: an
+ensemble of two configurations, the postprocessing), ``archive`` (a
 trained model as one zip: ``autoseg export-model``, ``predict -m``).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """

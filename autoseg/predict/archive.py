@@ -4,7 +4,8 @@
 
     autoseg_model.json                              the manifest (``ModelManifest``)
     plans.json  fingerprint.json                    the plan (label scheme included) and the image dim
-    results/<config>/fold_<k>/checkpoint_<which>.pt one per chosen fold
+    inference.json                                  when exported from ``autoseg find-best``'s choice
+    results/<config>/fold_<k>/checkpoint_<which>.pt one per chosen fold (of each configuration)
 
 The members keep their workspace paths, so an archive unpacked into a folder *is* a minimal workspace that
 ``autoseg.predict.predictor.predict`` reads. ``export_model`` writes it (temporary name, then rename).
@@ -19,14 +20,19 @@ process (SIGKILL, the OOM killer) cannot remove its own, so each ``open_model_ar
 processes no longer running (``remove_abandoned_model_folders``).
 
 The sha256 sums catch damage (a truncated copy, a flipped byte), not a forger who rewrites the manifest too;
-``weights_only=True`` is what keeps a crafted checkpoint from running code. autoseg has no postprocessing
-step yet (no connected-component removal): the manifest's ``postprocessing`` is null, and predictions are
-the network's labels as exported.
+``weights_only=True`` is what keeps a crafted checkpoint from running code.
+
+``export-model`` without ``-c`` in a workspace with ``inference.json`` exports that choice: its configuration or
+ensemble of two, its folds (or ``-f``'s, written into the archived inference.json) and its postprocessing; ``predict
+-m`` then follows it as ``predict -w`` does (``autoseg.predict.chosen``). With ``-c``, or without inference.json,
+one configuration without postprocessing. Archives of format 1 (one configuration, no inference.json) are read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -47,13 +53,12 @@ from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
+from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.predictor import load_trained_network
 
 MANIFEST = "autoseg_model.json"
 MODEL_FOLDER_PREFIX = "autoseg-model-"  # + "<pid>-<random>": the unpacked archive in the temporary folder
 CHUNK_BYTES = 1 << 20  # members are hashed and copied in 1 MiB pieces: memory does not grow with the model
-NO_POSTPROCESSING = ("autoseg has no postprocessing step yet (no connected-component removal); predictions are "
-                     "the network's labels as exported")
 
 
 @dataclass(frozen=True)
@@ -67,16 +72,20 @@ class ArchiveMember:
 class ModelManifest(Artifact):
     """``autoseg_model.json``: what the archive holds. ``schema_version`` is the archive format version."""
 
-    SCHEMA_VERSION = 1
+    SCHEMA_VERSION = 2
     KIND = "model archive manifest"
 
     autoseg_version: str
-    configuration: str
-    folds: tuple[int | str, ...]  # numbered folds and/or "all"
+    configurations: tuple[str, ...]  # one, or two: an ensemble (then inference.json is a member)
+    folds: tuple[int | str, ...]  # numbered folds and/or "all", of each configuration
     checkpoint: str  # "final" or "best": the members are checkpoint_<checkpoint>.pt
     members: tuple[ArchiveMember, ...]  # every member but the manifest itself
-    postprocessing: str | None = None  # none exists in autoseg yet
-    notes: str = NO_POSTPROCESSING
+    postprocessing: str = "none"  # what predict -m does to each label map (inference.json's, described)
+
+    @property
+    def follows_choice(self) -> bool:
+        """inference.json is a member: ``predict -m`` without ``-c`` follows it."""
+        return any(m.name == "inference.json" for m in self.members)
 
 
 @dataclass(frozen=True)
@@ -87,41 +96,59 @@ class OpenedModel:
     workspace: Workspace
     manifest: ModelManifest
 
-    def select(self, config: str | None, folds: list[str] | None) -> tuple[str, list[str]]:
-        """The configuration and folds to predict with: the archive's, or the requested ones if it holds them."""
+    def select(self, config: str | None, folds: list[str] | None) -> tuple[str | None, list[str] | None]:
+        """The configuration and folds to predict with: the archive's, or the requested ones if it holds them;
+        (None, folds or None) when the archive holds inference.json and no configuration is requested: predict
+        follows it."""
         manifest = self.manifest
-        if config is not None and config != manifest.configuration:
+        if config is not None and config not in manifest.configurations:
             raise InputError(f"-c {config}: the model archive {self.archive} holds configuration "
-                             f"{manifest.configuration!r} only; leave -c out or export that configuration")
+                             f"{' and '.join(map(repr, manifest.configurations))} only; leave -c out or export that "
+                             "configuration")
         held = [str(f) for f in manifest.folds]
         missing = [f for f in folds or [] if f not in held]
         if missing:
             raise InputError(f"--folds {' '.join(missing)}: not in the model archive {self.archive}, which holds "
                              f"fold(s) {' '.join(held)}; leave --folds out to use them all")
-        return manifest.configuration, list(folds) if folds else held
+        if config is None and manifest.follows_choice:  # predict follows the archived inference.json
+            return None, list(folds) if folds else None
+        return config or manifest.configurations[0], list(folds) if folds else held
 
 
 def export_model(workspace: Workspace, out: str | Path, *, config_name: str | None = None,
-                 folds: list[int | str] | None = None, checkpoint: str = "final") -> ModelManifest:
-    """Write the zip ``out`` holding what prediction with ``config_name`` (default: the plan's default) and
-    ``folds`` (default: every fold trained with ``checkpoint_<checkpoint>.pt``) needs; its manifest.
-    Refuses (``InputError``) an unplanned workspace, a fold not trained, a checkpoint that does not load."""
+                 folds: list[int | str] | None = None, checkpoint: str | None = None) -> ModelManifest:
+    """Write the zip ``out`` holding what prediction needs: with ``config_name`` None and an inference.json in the
+    workspace, that choice (its configurations, folds and checkpoint unless given, postprocessing); else
+    ``config_name`` (default: the plan's default) without postprocessing, ``folds`` (default: every fold trained
+    with ``checkpoint_<checkpoint>.pt``, final by default). Returns its manifest. Refuses (``InputError``) an
+    unplanned workspace, a fold not trained, a checkpoint that does not load."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     workspace.require(workspace.fingerprint_path, "plan_and_preprocess")
-    config_name = config_name or plans.default_configuration()
-    config = plans.configuration(config_name)
-    chosen = _chosen_folds(workspace, config_name, folds, checkpoint)
-    files = {"plans.json": workspace.plans_path, "fingerprint.json": workspace.fingerprint_path}
-    for fold in chosen:
-        path = workspace.checkpoint(config_name, fold, checkpoint)
-        load_trained_network(path, config, "cpu")  # refuse to pack a checkpoint that does not load
-        files[path.relative_to(workspace.root).as_posix()] = path
+    choice = InferenceChoice.from_json(workspace.inference_path) \
+        if config_name is None and workspace.inference_path.is_file() else None
+    configurations = choice.configurations if choice else (config_name or plans.default_configuration(),)
+    checkpoint = checkpoint or (choice.checkpoint if choice else "final")
+    folds = folds if folds is not None or choice is None else list(choice.folds)
+    chosen = _chosen_folds(workspace, configurations[0], folds, checkpoint)
+    files: dict[str, Path | bytes] = {"plans.json": workspace.plans_path,
+                                      "fingerprint.json": workspace.fingerprint_path}
+    for name in configurations:
+        config = plans.configuration(name)
+        for fold in _chosen_folds(workspace, name, list(chosen), checkpoint):
+            path = workspace.checkpoint(name, fold, checkpoint)
+            load_trained_network(path, config, "cpu")  # refuse to pack a checkpoint that does not load
+            files[path.relative_to(workspace.root).as_posix()] = path
+    if choice is not None:  # as predict -m will follow it: the archived folds and checkpoint
+        archived = dataclasses.replace(choice, folds=chosen, checkpoint=checkpoint)
+        files["inference.json"] = (json.dumps({"schema_version": InferenceChoice.SCHEMA_VERSION, **to_dict(archived)},
+                                              indent=2) + "\n").encode()
     out = Path(out)
     remove_stale_temporaries(out.parent, [out.name])  # a killed export's .OUT.zip.*.tmp.zip
     with atomic_path(out, suffix=".zip") as tmp, zipfile.ZipFile(tmp, "w") as zf:
-        members = tuple(_pack(zf, name, path) for name, path in files.items())
-        manifest = ModelManifest(autoseg_version=autoseg.__version__, configuration=config_name, folds=chosen,
-                                 checkpoint=checkpoint, members=members)
+        members = tuple(_pack(zf, name, source) for name, source in files.items())
+        manifest = ModelManifest(autoseg_version=autoseg.__version__, configurations=configurations, folds=chosen,
+                                 checkpoint=checkpoint, members=members,
+                                 postprocessing=choice.postprocessing.describe() if choice else "none")
         payload = {"schema_version": ModelManifest.SCHEMA_VERSION, **to_dict(manifest)}
         zf.writestr(_member_info(MANIFEST), json.dumps(payload, indent=2) + "\n")
     return manifest
@@ -146,10 +173,11 @@ def _chosen_folds(workspace: Workspace, config_name: str, folds: list[int | str]
     return chosen
 
 
-def _pack(zf: zipfile.ZipFile, name: str, path: Path) -> ArchiveMember:
-    """Copy ``path`` into ``zf`` as ``name``, hashing what is written."""
+def _pack(zf: zipfile.ZipFile, name: str, source: Path | bytes) -> ArchiveMember:
+    """Copy ``source`` (a file, or the bytes themselves) into ``zf`` as ``name``, hashing what is written."""
     digest, size = hashlib.sha256(), 0
-    with open(path, "rb") as src, zf.open(_member_info(name), "w", force_zip64=True) as dst:
+    with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as src, \
+            zf.open(_member_info(name), "w", force_zip64=True) as dst:
         while chunk := src.read(CHUNK_BYTES):
             digest.update(chunk)
             dst.write(chunk)
@@ -249,6 +277,10 @@ def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InputError(f"{archive}: member {MANIFEST} is not valid JSON ({e}); export the model again") from e
     version = payload.get("schema_version") if isinstance(payload, dict) else None
+    if version == 1 and isinstance(payload, dict):  # format 1: one configuration, no postprocessing
+        payload = {k: v for k, v in payload.items() if k not in ("configuration", "notes", "postprocessing")} | {
+            "schema_version": ModelManifest.SCHEMA_VERSION, "configurations": [payload.get("configuration")]}
+        version = ModelManifest.SCHEMA_VERSION
     if version != ModelManifest.SCHEMA_VERSION:
         written_by = payload.get("autoseg_version", "unknown") if isinstance(payload, dict) else "unknown"
         raise InputError(f"{archive}: member {MANIFEST}: archive format version {version!r} is not the one this "
@@ -312,23 +344,28 @@ def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:
     name = "plans.json"
     try:
         plans = Plans.from_json(ws.plans_path)
-        config = plans.configuration(manifest.configuration)
         name = "fingerprint.json"
         Fingerprint.from_json(ws.fingerprint_path)
-        for fold in manifest.folds:
-            path = ws.checkpoint(manifest.configuration, fold, manifest.checkpoint)
-            name = path.relative_to(ws.root).as_posix()
-            if not path.is_file():
-                raise InputError(f"is missing, though the manifest lists fold {fold}")
-            if not load_checkpoints:
-                continue
-            state = read_checkpoint_file(path, "export the model again")
-            if not isinstance(state.get("network"), dict):
-                raise InputError("holds no network weights")
-            try:
-                build_network(config.network).load_state_dict(state["network"])
-            except RuntimeError as e:
-                raise InputError(f"its weights do not fit the planned {manifest.configuration} network ({e})") from e
+        if manifest.follows_choice:
+            name = "inference.json"
+            InferenceChoice.from_json(ws.inference_path)
+        for config_name in manifest.configurations:
+            name = "plans.json"
+            config = plans.configuration(config_name)
+            for fold in manifest.folds:
+                path = ws.checkpoint(config_name, fold, manifest.checkpoint)
+                name = path.relative_to(ws.root).as_posix()
+                if not path.is_file():
+                    raise InputError(f"is missing, though the manifest lists fold {fold}")
+                if not load_checkpoints:
+                    continue
+                state = read_checkpoint_file(path, "export the model again")
+                if not isinstance(state.get("network"), dict):
+                    raise InputError("holds no network weights")
+                try:
+                    build_network(config.network).load_state_dict(state["network"])
+                except RuntimeError as e:
+                    raise InputError(f"its weights do not fit the planned {config_name} network ({e})") from e
     except InputError as e:
         raise _in_archive(model, e, name) from e
 

@@ -32,6 +32,7 @@ from autoseg.memory.device import CPU_RUNTIME_BYTES
 from autoseg.memory.host import export_bytes, prediction_preprocess_bytes, slab_export_bytes
 from autoseg.memory.inference import InferencePlan
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.predict.postprocessing import largest_component_bytes
 
 log = logging.getLogger("autoseg")
 
@@ -159,14 +160,15 @@ class Pipeline(Generic[Item, Ready]):
 
 
 def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, window: Callable[..., InferencePlan],
-                probability_bytes: int | None) -> dict[str, int]:
+                probability_bytes: int | None, postprocessed: bool = False) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
     ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
     host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the crop taken as the
     whole image. ``probability_bytes`` None: the export runs slab by slab inside the prediction
     (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
     map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
-    (``export_bytes``)."""
+    (``export_bytes``). ``postprocessed``: each label map is postprocessed before it is written, the label map
+    beside ``largest_component_bytes``."""
     runtime = process_rss_bytes()
     # a DICOM series has no single header to read; it is alone in its folder, so nothing runs beside it
     geometries = [read_geometry(c.image_paths[0]) for c in cases if c.series_uid is None]
@@ -181,15 +183,21 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
     # whole of its predicted peak but the runtime, which is in the process's RSS already
     on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
+    slabs = 0
     if probability_bytes is None:
         slabs = slab_export_bytes(shape, after, scheme, plan.slab_depth)["total"]
         if plan.accumulator_device != "cpu":  # each slab is copied to the host first
             slabs += scheme.num_outputs * plan.slab_depth * after[1] * after[2] * 4
-        labels = math.prod(shape) * np.dtype(scheme.export_dtype()).itemsize
+    itemsize = np.dtype(scheme.export_dtype()).itemsize
+    labels = math.prod(shape) * itemsize
+    write = 2 * labels  # the label map and SimpleITK's copy of it
+    if postprocessed:  # the label map beside the postprocessing, then the written copy beside both
+        write = labels + max(largest_component_bytes(math.prod(shape), itemsize), write)
+    if probability_bytes is None:
         return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-                "predict": on_host + slabs, "export": 2 * labels}  # the label map and SimpleITK's copy of it
+                "predict": on_host + slabs, "export": write}
     return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-            "predict": on_host, "export": export_bytes(shape, after, scheme, probability_bytes)["total"]}
+            "predict": on_host, "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write)}
 
 
 def pipeline_budget_bytes() -> int:

@@ -81,16 +81,24 @@ def largest_component_bytes(num_voxels: int, label_itemsize: int = 1) -> int:
 def apply_postprocessing(labels: np.ndarray, postprocessing: Postprocessing, scheme: LabelScheme) -> np.ndarray:
     """``labels`` (Z, Y, X) label values, as exported -> a postprocessed copy (same shape and dtype); the input is
     left unchanged. Unknown class names raise ``InputError`` (an inference.json of another dataset)."""
+    check_postprocessing(postprocessing, scheme)
     out = labels.copy()
     if postprocessing.largest_foreground_component:
         values = sorted({v for vs in scheme.foreground_values for v in vs})
         _keep_largest(out, values)
     for name in postprocessing.largest_component_of:
-        if name not in scheme.names:
-            raise InputError(f"postprocessing names {name!r}, which is not a foreground class or region of these "
-                             f"labels ({', '.join(scheme.names)}); run `autoseg find-best` again for this workspace")
         _keep_largest(out, list(scheme.foreground_values[scheme.names.index(name)]))
     return out
+
+
+def check_postprocessing(postprocessing: Postprocessing, scheme: LabelScheme) -> None:
+    """Raise ``InputError`` when ``postprocessing`` names a class or region ``scheme`` does not have (an
+    inference.json of another dataset)."""
+    unknown = [name for name in postprocessing.largest_component_of if name not in scheme.names]
+    if unknown:
+        raise InputError(f"postprocessing names {', '.join(map(repr, unknown))}, which is not a foreground class or "
+                         f"region of these labels ({', '.join(scheme.names)}); run `autoseg find-best` again for "
+                         "this workspace")
 
 
 def _keep_largest(labels: np.ndarray, values: list[int]) -> None:

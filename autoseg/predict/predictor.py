@@ -51,6 +51,7 @@ from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.export import SlabExport, export_segmentation
 from autoseg.predict.pipeline import Pipeline, case_memory, pipeline_budget_bytes, plan_pipeline
+from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
 from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.store import CaseProperties
@@ -80,6 +81,7 @@ class PredictOptions:
     preprocess_workers: int | None = None  # cases read and preprocessed ahead (threads); None: plan_pipeline
     export_workers: int | None = None  # cases exported and written behind (threads); None: plan_pipeline
     cache_dir: Path | None = None  # memory simulations kept between runs (MachineCache); None: none kept
+    done_cases: frozenset[str] = frozenset()  # case ids finished elsewhere (an ensemble's --continue): not predicted
 
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
@@ -235,12 +237,15 @@ def inference_budget_bytes(device: str) -> int:
 def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *, config_name: str | None = None,
             folds: tuple[int, ...] | None = None, checkpoint: str = "final", mirror: bool = True,
             tile_batch_size: int | None = None, device: str = "cpu", progress: bool = True,
-            options: PredictOptions = PredictOptions(), tta: str | None = None, tile: str = "planned") -> list[Path]:
+            options: PredictOptions = PredictOptions(), tta: str | None = None, tile: str = "planned",
+            postprocessing: Postprocessing = Postprocessing()) -> list[Path]:
     """Segment every case in ``inputs`` (folder, file or folder of DICOM series) with the trained folds; write
     into ``output_dir``; the label maps written. ``config_name`` None: the plan's default configuration
     (3d_fullres if planned, else the first). Cases are read ahead and exported behind on background threads
     (``plan_pipeline``). Cases with bad input are skipped and listed at the end (``CasesFailedError``) unless
-    ``options.fail_fast``. ``tile``: "planned" (the plan's inference tile) or "patch" (the training patch)."""
+    ``options.fail_fast``. ``tile``: "planned" (the plan's inference tile) or "patch" (the training patch).
+    ``postprocessing``: applied to each label map before it is written (``--save-probabilities`` keeps the
+    probabilities as predicted), as ``autoseg find-best`` chose it (``autoseg.predict.chosen``)."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)
@@ -252,50 +257,52 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     tta = (tta or default_tta(device)) if mirror else "none"
     parse_tta(tta, config.dim)  # a bad --tta fails before any work, not once per case
     config.inference_tile(tile)  # a bad tile choice too
+    check_postprocessing(postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
     networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
                 for f in folds]
-    image_dim = (Fingerprint.from_json(workspace.fingerprint_path).image_dim  # the images trained on: 2 or 3
-                 if workspace.fingerprint_path.is_file() else None)
-    found = list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, options.series)  # headers
+    found = prediction_inputs(workspace, plans, inputs, options.series)
     if options.fail_fast:
         found.raise_problems()
     remove_stale_temporaries(output_dir, [p.name for case in found.cases  # left by a killed run
-                                          for p in _outputs(case, output_dir, save_probabilities=True)])
+                                          for p in case_outputs(case, output_dir, save_probabilities=True)])
     threads = torch.get_num_threads()
     if device == "cpu":
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
     cache = MachineCache(options.cache_dir) if options.cache_dir is not None else None
     segment = partial(_segment_case, networks=networks, plans=plans, config=config, mirror=mirror,
                       tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile,
-                      cache=cache)
+                      cache=cache, postprocessing=postprocessing)
     window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
                      precision=effective_precision(config.precision, device),
                      mirror_axes=tuple(range(config.dim)) if mirror else (),
                      variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size,
                      tile=tile, streamed=not options.save_probabilities, num_networks=len(networks), cache=cache)
     try:
-        return _predict_cases(found, plans, config, segment, window, output_dir, options, progress)
+        return _predict_cases(found, plans, config, segment, window, output_dir, options, progress,
+                              postprocessed=not postprocessing.is_identity)
     finally:
         torch.set_num_threads(threads)
 
 
 def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationPlan,
                    segment: Callable[..., Callable[[], None]], window: Callable[..., InferencePlan],
-                   output_dir: Path, options: PredictOptions, progress: bool) -> list[Path]:
+                   output_dir: Path, options: PredictOptions, progress: bool, postprocessed: bool) -> list[Path]:
     """Every case that is not done and has no problem: read and preprocess it (``prepare_case``, ahead),
     ``segment`` it (``_segment_case`` with the networks and window settings bound) and write it (behind); raise
     CasesFailedError at the end listing the bad cases."""
     written: list[Path] = []
     failed = dict(found.problems)  # case id -> why
-    done = [c for c in found.cases if options.skip_existing and c.case_id not in failed
-            and all(p.is_file() for p in _outputs(c, output_dir, options.save_probabilities))]
+    done = [c for c in found.cases if c.case_id in options.done_cases or (
+        options.skip_existing and c.case_id not in failed
+        and all(p.is_file() for p in case_outputs(c, output_dir, options.save_probabilities)))]
     if done:
         log.info("--continue: %d of %d case(s) already have their output(s); not predicted again",
                  len(done), len(found.cases))
     todo = [c for c in found.cases if c not in done and c.case_id not in failed]
     streamed = not options.save_probabilities
-    stages = plan_pipeline(case_memory(todo, plans, config, window, None if streamed else PROBABILITIES_BYTES),
+    stages = plan_pipeline(case_memory(todo, plans, config, window, None if streamed else PROBABILITIES_BYTES,
+                                       postprocessed),
                            len(todo),
                            pipeline_budget_bytes(),
                            options.preprocess_workers, options.export_workers)
@@ -314,7 +321,7 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
                     failed[case.case_id] = str(e) if isinstance(e, InputError) else f"{e.filename}: {e.strerror}"
                     log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
                     continue
-                labels_path, *probabilities_path = _outputs(case, output_dir, options.save_probabilities)
+                labels_path, *probabilities_path = case_outputs(case, output_dir, options.save_probabilities)
                 write = segment(data, props, case.case_id, labels_path,
                                 probabilities_path[0] if probabilities_path else None)
                 del data
@@ -340,31 +347,48 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
 
 def _segment_case(data: np.ndarray, props: CaseProperties, case_id: str, labels_path: Path,
                   probabilities_path: Path | None, *, networks: list[torch.nn.Module], plans: Plans,
-                  config: ConfigurationPlan, **window) -> Callable[[], None]:
-    """Predict one preprocessed case and return what is left to do behind (an export thread): write its label map
-    (exported slab by slab already, ``predict_labels``), or, with ``probabilities_path``, export its probabilities
-    into that file and the label map (``_write_case``)."""
+                  config: ConfigurationPlan, postprocessing: Postprocessing, **window) -> Callable[[], None]:
+    """Predict one preprocessed case and return what is left to do behind (an export thread): postprocess and
+    write its label map (exported slab by slab already, ``predict_labels``), or, with ``probabilities_path``,
+    export its probabilities into that file and the label map (``_write_case``)."""
     if probabilities_path is None:
         labels = predict_labels(data, props, case_id, networks, plans, config, **window)
-        return partial(write_image, labels_path, labels, props.geometry)
+        return partial(_write_labels, labels_path, labels, props.geometry, postprocessing, plans.label_scheme)
     probabilities = predict_probabilities(data, case_id, networks, plans, config, **window)
-    return partial(_write_case, probabilities, props, plans.label_scheme, labels_path, probabilities_path)
+    return partial(_write_case, probabilities, props, plans.label_scheme, labels_path, probabilities_path,
+                   postprocessing)
+
+
+def _write_labels(path: Path, labels: np.ndarray, geometry: Geometry, postprocessing: Postprocessing,
+                  scheme: LabelScheme) -> None:
+    if not postprocessing.is_identity:
+        labels = apply_postprocessing(labels, postprocessing, scheme)
+    write_image(path, labels, geometry)
 
 
 def _write_case(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme, labels_path: Path,
-                probabilities_path: Path) -> None:
+                probabilities_path: Path, postprocessing: Postprocessing) -> None:
     """Export one case's probabilities into ``probabilities_path`` and its label map, and write the label map
-    (atomically; a failed write raises WriteError naming it); the probabilities file is removed if the label map
-    could not be written."""
+    postprocessed (atomically; a failed write raises WriteError naming it); the probabilities file is removed if
+    the label map could not be written."""
     labels = export_prediction(probabilities, props, scheme, probabilities_path)
     try:
-        write_image(labels_path, labels, props.geometry)
+        _write_labels(labels_path, labels, props.geometry, postprocessing, scheme)
     except BaseException:
         probabilities_path.unlink(missing_ok=True)  # no probabilities without their label map
         raise
 
 
-def _outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:
+def prediction_inputs(workspace: Workspace, plans: Plans, inputs: str | Path, series: str | None
+                      ) -> PredictionInputs:
+    """The cases of ``inputs`` for this workspace's model, from their headers (``list_prediction_inputs``; the
+    image dimension checked against the images trained on)."""
+    image_dim = (Fingerprint.from_json(workspace.fingerprint_path).image_dim  # the images trained on: 2 or 3
+                 if workspace.fingerprint_path.is_file() else None)
+    return list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series)
+
+
+def case_outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:
     """The label map (the case id with its image's ending; a DICOM series: .nii.gz), then, if asked, the
     probabilities ({case}.npz)."""
     ending = ".nii.gz" if case.series_uid is not None else supported_ending(case.image_paths[0].name)

@@ -4,7 +4,7 @@ image's own grid, streamed one output and one z-plane at a time and renamed into
 from __future__ import annotations
 
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,25 +47,8 @@ class ProbabilityFile:
     @classmethod
     @contextmanager
     def open(cls, path: Path, props: CaseProperties, scheme: LabelScheme) -> Iterator[ProbabilityFile]:
-        names = scheme.names if scheme.has_regions else ("background", *scheme.names)
-        shape = (scheme.num_outputs, *props.shape_before_crop)
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(PROBABILITY_DTYPE)), "fortran_order": False,
-                  "shape": shape}
-        try:
-            with atomic_path(path, suffix=".npz") as tmp, \
-                    zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
-                with archive.open("probabilities.npy", "w", force_zip64=True) as stream:
-                    np.lib.format.write_array_header_1_0(stream, header)
-                    try:
-                        yield cls(props, scheme, stream)
-                    except BaseException as e:  # not a write error: the file is dropped, the error goes on
-                        raise _Abandoned(e) from e
-                for name, value in (("names", np.array(names)),
-                                    ("activation", np.array("sigmoid" if scheme.has_regions else "softmax"))):
-                    with archive.open(f"{name}.npy", "w") as f:
-                        np.lib.format.write_array(f, value, allow_pickle=False)
-        except _Abandoned as abandoned:
-            raise abandoned.error from None
+        with _probability_stream(path, (scheme.num_outputs, *props.shape_before_crop), scheme) as stream:
+            yield cls(props, scheme, stream)
 
     def write_output(self, k: int, resampled: np.ndarray) -> None:
         """Output ``k``'s map (the cropped original shape, float32), uncropped one z-slice at a time: one
@@ -87,6 +70,41 @@ class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
+
+
+@contextmanager
+def _probability_stream(path: Path, shape: tuple[int, ...], scheme: LabelScheme) -> Iterator[IO[bytes]]:
+    """The ``probabilities.npy`` member of a new ``{case}.npz`` (header written; the caller writes the float16
+    values in C order), then its ``names`` and ``activation``; renamed into place when complete. An error raised
+    by the caller drops the file and goes on unchanged."""
+    names = scheme.names if scheme.has_regions else ("background", *scheme.names)
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(PROBABILITY_DTYPE)), "fortran_order": False,
+              "shape": shape}
+    try:
+        with atomic_path(path, suffix=".npz") as tmp, \
+                zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+            with archive.open("probabilities.npy", "w", force_zip64=True) as stream:
+                np.lib.format.write_array_header_1_0(stream, header)
+                try:
+                    yield stream
+                except BaseException as e:  # not a write error: the file is dropped, the error goes on
+                    raise _Abandoned(e) from e
+            for name, value in (("names", np.array(names)),
+                                ("activation", np.array("sigmoid" if scheme.has_regions else "softmax"))):
+                with archive.open(f"{name}.npy", "w") as f:
+                    np.lib.format.write_array(f, value, allow_pickle=False)
+    except _Abandoned as abandoned:
+        raise abandoned.error from None
+
+
+def write_probabilities(path: Path, probabilities: np.ndarray, scheme: LabelScheme) -> None:
+    """A whole (K, Z, Y, X) array in the image's grid (an ensemble's mean) as a ``{case}.npz``, one z-plane of
+    one output converted to float16 at a time."""
+    with _probability_stream(path, probabilities.shape, scheme) as stream:
+        for k in range(probabilities.shape[0]):
+            for z in range(probabilities.shape[1]):
+                plane = np.ascontiguousarray(probabilities[k, z], dtype=PROBABILITY_DTYPE)
+                stream.write(memoryview(plane.reshape(-1)).cast("B"))
 
 
 def read_probabilities(path: Path, scheme: LabelScheme) -> np.ndarray:
@@ -111,6 +129,35 @@ def read_probabilities(path: Path, scheme: LabelScheme) -> np.ndarray:
     if probabilities.ndim != 4 or probabilities.shape[0] != len(names):
         raise InputError(f"{path}: probabilities of shape {probabilities.shape}; expected ({len(names)}, Z, Y, X)")
     return probabilities
+
+
+def mean_probabilities(paths: Sequence[Path], scheme: LabelScheme) -> np.ndarray:
+    """The mean of several ``{case}.npz`` of one case (an ensemble of configurations): float32 (K, Z, Y, X),
+    ``ensemble_case_bytes``. Raises ``InputError`` naming the files when their shapes differ."""
+    total: np.ndarray | None = None
+    for path in paths:
+        probabilities = read_probabilities(path, scheme)  # float16 (K, Z, Y, X)
+        if total is None:
+            total = probabilities.astype(np.float32)
+        elif total.shape != probabilities.shape:
+            raise InputError(f"{path}: probabilities of shape {probabilities.shape}, but {paths[0]} has "
+                             f"{total.shape}; predict both in the image's own grid (predict and train's final "
+                             "validation do)")
+        else:
+            total += probabilities
+        del probabilities
+    assert total is not None, "no probability files"
+    total /= len(paths)  # the mean: regions are thresholded at 0.5
+    return total
+
+
+def ensemble_case_bytes(num_outputs: int, num_voxels: int) -> int:
+    """Host bytes an ensemble's label map of one case holds at its peak: the float32 probability sum (4 bytes a
+    voxel per output) beside one configuration's float16 probabilities (2) as they are read and added; later the
+    sum beside the label map, the running maximum and its mask (``labels_from_probabilities``: 1 + 4 + 1), less
+    for two outputs or more; and the reader's buffers."""
+    return max(num_outputs * num_voxels * (4 + 2) + READ_BUFFER_BYTES,
+               num_outputs * num_voxels * 4 + num_voxels * (1 + 4 + 1))
 
 
 def labels_from_probabilities(probabilities: np.ndarray, scheme: LabelScheme) -> np.ndarray:

@@ -10,7 +10,8 @@ case's other classes with it.
 
 A configuration's label map of a case is the one its final validation wrote; an ensemble's is made from the mean
 of its two configurations' ``{case}.npz`` probabilities (argmax, or regions at 0.5). One case at a time: its
-reference (int16), one candidate's label map and, for an ensemble, the probability sum (``ensemble_case_bytes``).
+reference (int16), one candidate's label map and, for an ensemble, the probability sum
+(``autoseg.predict.probabilities.ensemble_case_bytes``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from autoseg.core.errors import InputError
 from autoseg.evaluate.metrics import case_dice, mean_dice, read_label_map
 from autoseg.predict.choice import PostprocessingStep, nan_to_none
 from autoseg.predict.postprocessing import FOREGROUND, Postprocessing, apply_postprocessing
-from autoseg.predict.probabilities import READ_BUFFER_BYTES, labels_from_probabilities, read_probabilities
+from autoseg.predict.probabilities import labels_from_probabilities, mean_probabilities
 from autoseg.selection.sources import CrossValidation, ValidationCase
 
 
@@ -53,35 +54,12 @@ def candidates(configurations: tuple[str, ...]) -> list[Candidate]:
         [Candidate(pair) for pair in itertools.combinations(configurations, 2)]
 
 
-def ensemble_case_bytes(num_outputs: int, num_voxels: int) -> int:
-    """Host bytes an ensemble's label map of one case holds at its peak: the float32 probability sum (4 bytes a
-    voxel per output) beside one configuration's float16 probabilities (2) as they are read and added; later the
-    sum beside the label map, the running maximum and its mask (``labels_from_probabilities``: 1 + 4 + 1), less
-    for two outputs or more; and the reader's buffers."""
-    return max(num_outputs * num_voxels * (4 + 2) + READ_BUFFER_BYTES,
-               num_outputs * num_voxels * 4 + num_voxels * (1 + 4 + 1))
-
-
 def candidate_labels(cv: CrossValidation, candidate: Candidate, case: ValidationCase) -> np.ndarray:
     """The candidate's label map (Z, Y, X) of a validation case."""
     if len(candidate.configurations) == 1:
         return read_label_map(cv.label_map(candidate.configurations[0], case), "prediction")[0]
-    total: np.ndarray | None = None
-    for config in candidate.configurations:
-        path = cv.probabilities(config, case)
-        probabilities = read_probabilities(path, cv.scheme)  # float16 (K, Z, Y, X)
-        if total is None:
-            total = probabilities.astype(np.float32)  # (K, Z, Y, X) float32: the big buffer (ensemble_case_bytes)
-        elif total.shape != probabilities.shape:
-            raise InputError(f"{path}: probabilities of shape {probabilities.shape}, but "
-                             f"{cv.probabilities(candidate.configurations[0], case)} has {total.shape}; predict "
-                             "both in the image's own grid (train's final validation does)")
-        else:
-            total += probabilities
-        del probabilities
-    assert total is not None
-    total /= len(candidate.configurations)  # the mean: regions are thresholded at 0.5
-    return labels_from_probabilities(total, cv.scheme)
+    mean = mean_probabilities([cv.probabilities(c, case) for c in candidate.configurations], cv.scheme)
+    return labels_from_probabilities(mean, cv.scheme)
 
 
 def _score(cv: CrossValidation, labels: np.ndarray, ref: np.ndarray, case: ValidationCase, what: str

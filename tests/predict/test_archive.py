@@ -64,9 +64,9 @@ def test_export_holds_what_prediction_needs_and_a_manifest(workspace: Workspace,
     checkpoints = [f"results/{CONFIG}/fold_{k}/checkpoint_final.pt" for k in (0, 1)]
     assert sorted(members) == sorted([MANIFEST, "plans.json", "fingerprint.json", *checkpoints])
     manifest = json.loads(members[MANIFEST])
-    assert manifest["schema_version"] == 1 and manifest["autoseg_version"] == autoseg.__version__
-    assert (manifest["configuration"], manifest["folds"], manifest["checkpoint"]) == (CONFIG, [0, 1], "final")
-    assert manifest["postprocessing"] is None and "no postprocessing" in manifest["notes"]
+    assert manifest["schema_version"] == 2 and manifest["autoseg_version"] == autoseg.__version__
+    assert (manifest["configurations"], manifest["folds"], manifest["checkpoint"]) == ([CONFIG], [0, 1], "final")
+    assert manifest["postprocessing"] == "none"
     for m in manifest["members"]:
         data = members[m["name"]]
         assert data == (workspace.root / m["name"]).read_bytes()
@@ -132,7 +132,7 @@ def test_open_unpacks_a_checked_workspace_and_removes_it(workspace: Workspace, a
     (lambda m: {**m, "plans.json": m["plans.json"].replace(b"3d_fullres", b"3d_fullrez")},
      "member plans.json: sha256 [0-9a-f]+ differs from the manifest's"),
     (lambda m: {**m, "plans.json": m["plans.json"] + b" "}, "member plans.json is 4.* bytes, its manifest says"),
-    (lambda m: {**m, MANIFEST: m[MANIFEST].replace(b'"schema_version": 1', b'"schema_version": 7')},
+    (lambda m: {**m, MANIFEST: m[MANIFEST].replace(b'"schema_version": 2', b'"schema_version": 7')},
      f"member {MANIFEST}: archive format version 7 is not the one this autoseg"),
     (lambda m: {**m, MANIFEST: b"{not json"}, f"member {MANIFEST} is not valid JSON"),
 ])
@@ -182,3 +182,37 @@ def test_export_removes_what_a_killed_export_left(workspace: Workspace, tmp_path
     mine.write_text("a user's file beside the archive")
     export_model(workspace, tmp_path / "model.zip")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.zip", "notes.txt"]
+
+
+def test_a_format_1_archive_is_still_read(archive: Path, tmp_path: Path) -> None:
+    members = _members(archive)
+    manifest = json.loads(members[MANIFEST])
+    manifest.update(schema_version=1, configuration=CONFIG, postprocessing=None, notes="no postprocessing step yet")
+    del manifest["configurations"]
+    old = _write(tmp_path / "old.zip", {**members, MANIFEST: json.dumps(manifest).encode()})
+    with open_model_archive(old, load_checkpoints=False) as model:
+        assert model.manifest.configurations == (CONFIG,) and model.select(None, None) == (CONFIG, ["0", "1"])
+
+
+def test_export_of_find_best_choice_carries_inference_json(workspace: Workspace, tmp_path: Path) -> None:
+    """Without -c, export-model packs inference.json's choice (with the exported folds and checkpoint) and its
+    postprocessing; predict -m then follows it (select gives no configuration). With -c: one configuration."""
+    from autoseg.predict.choice import InferenceChoice
+    from autoseg.predict.postprocessing import Postprocessing
+
+    ws = Workspace.at(tmp_path / "ws")
+    shutil.copytree(workspace.root, ws.root)
+    names = Plans.from_json(ws.plans_path).label_scheme.names
+    InferenceChoice(configurations=(CONFIG,), folds=(0, 1), checkpoint="final",
+                    postprocessing=Postprocessing(True, (names[0],)), cv_dice=0.9, cv_dice_postprocessed=0.91,
+                    class_dice={}, class_dice_postprocessed={}, steps=(), candidates={}, num_cases=5,
+                    ).to_json(ws.inference_path)
+    manifest = export_model(ws, tmp_path / "chosen.zip", folds=["1"])
+    assert manifest.follows_choice and manifest.folds == (1,)
+    assert manifest.postprocessing == f"largest component of all foreground, then largest component of {names[0]}"
+    with open_model_archive(tmp_path / "chosen.zip") as model:
+        archived = InferenceChoice.from_json(model.workspace.inference_path)
+        assert archived.folds == (1,) and archived.postprocessing == Postprocessing(True, (names[0],))
+        assert model.select(None, None) == (None, None) and model.select(CONFIG, None) == (CONFIG, ["1"])
+    plain = export_model(ws, tmp_path / "plain.zip", config_name=CONFIG)
+    assert not plain.follows_choice and plain.postprocessing == "none" and plain.folds == (0, 1)

@@ -15,8 +15,9 @@ from autoseg.cli.main import main
 from autoseg.core.errors import InputError
 from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.postprocessing import Postprocessing
+from autoseg.predict.probabilities import ensemble_case_bytes
 from autoseg.selection.run import find_best
-from autoseg.selection.scoring import Candidate, candidate_labels, ensemble_case_bytes
+from autoseg.selection.scoring import Candidate, candidate_labels
 from autoseg.selection.sources import collect
 
 

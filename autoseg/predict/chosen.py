@@ -1,0 +1,114 @@
+"""Prediction as ``inference.json`` says (``autoseg find-best``'s choice, ``InferenceChoice``): one configuration,
+or an ensemble of two; then the chosen postprocessing. ``autoseg predict`` without ``-c`` follows it.
+
+An ensemble is predicted configuration by configuration, each as ``predict --save-probabilities`` into a scratch
+folder ``{output}/.autoseg-ensemble/<config>/`` (its own pipeline, memory plan and folds), then case by case the
+two ``{case}.npz`` are averaged (``mean_probabilities``), made a label map by export's rule, postprocessed and
+written atomically into ``{output}``; each case's scratch files are removed once it is written, and the folder
+when every case is. A killed run keeps the scratch outputs: ``--continue`` reuses them and skips the cases already
+written; a run without ``--continue`` starts the scratch folder afresh.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from autoseg.core.artifacts import check_writable_folder
+from autoseg.core.units import MiB
+from autoseg.core.workspace import Workspace
+from autoseg.dataset.imageio import read_geometry, write_image
+from autoseg.plan.plans import Plans
+from autoseg.predict.choice import InferenceChoice
+from autoseg.predict.postprocessing import apply_postprocessing, check_postprocessing, largest_component_bytes
+from autoseg.predict.predictor import (
+    CasesFailedError,
+    PredictOptions,
+    case_outputs,
+    predict,
+    prediction_inputs,
+)
+from autoseg.predict.probabilities import (
+    ensemble_case_bytes,
+    labels_from_probabilities,
+    mean_probabilities,
+    write_probabilities,
+)
+
+log = logging.getLogger("autoseg")
+
+SCRATCH = ".autoseg-ensemble"  # inside the output folder: the configurations' own predictions of an ensemble
+
+
+def predict_chosen(workspace: Workspace, choice: InferenceChoice, inputs: str | Path, output_dir: str | Path, *,
+                   folds: tuple[int, ...] | None = None, checkpoint: str | None = None,
+                   options: PredictOptions = PredictOptions(), progress: bool = True, **window) -> list[Path]:
+    """Segment every case of ``inputs`` as ``choice`` says, into ``output_dir``; the label maps written.
+    ``folds`` / ``checkpoint`` None: the choice's. ``window``: ``predict``'s other options (device, tta, tile, ...),
+    the same for each configuration."""
+    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
+    check_postprocessing(choice.postprocessing, plans.label_scheme)
+    folds = choice.folds if folds is None else folds
+    checkpoint = checkpoint or choice.checkpoint
+    if not choice.is_ensemble:
+        return predict(workspace, inputs, output_dir, config_name=choice.configurations[0], folds=folds,
+                       checkpoint=checkpoint, options=options, progress=progress,
+                       postprocessing=choice.postprocessing, **window)
+    output_dir = check_writable_folder(output_dir, "-o/--output")
+    scratch = output_dir / SCRATCH
+    found = prediction_inputs(workspace, plans, inputs, options.series)
+    done = frozenset(c.case_id for c in found.cases if options.skip_existing and all(
+        p.is_file() for p in case_outputs(c, output_dir, options.save_probabilities)))
+    if not options.skip_existing:
+        shutil.rmtree(scratch, ignore_errors=True)  # another model's outputs may be there
+    inner = replace(options, save_probabilities=True, skip_existing=True, done_cases=done)
+    failed: list[str] = []
+    for config in choice.configurations:
+        log.info("ensemble: predicting %s (%d of %d) into %s", config, choice.configurations.index(config) + 1,
+                 len(choice.configurations), scratch / config)
+        try:
+            predict(workspace, inputs, scratch / config, config_name=config, folds=folds, checkpoint=checkpoint,
+                    options=inner, progress=progress, **window)
+        except CasesFailedError as e:  # the other configuration still predicts every good case
+            failed.append(f"{config}: {e}")
+    cases = [c for c in found.cases if c.case_id not in done and all(
+        (scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)]
+    written = _combine(cases, choice, plans, scratch, output_dir, options.save_probabilities, progress)
+    if failed:
+        raise CasesFailedError("\n".join(failed))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return written
+
+
+def _combine(cases: list, choice: InferenceChoice, plans: Plans, scratch: Path, output_dir: Path,
+             save_probabilities: bool, progress: bool) -> list[Path]:
+    """Each case: the mean of its configurations' probabilities, the label map, postprocessing, written (with the
+    mean as ``{case}.npz`` when asked); then its scratch files removed."""
+    scheme, written = plans.label_scheme, []
+    for case in tqdm(cases, desc="ensemble", unit="case", disable=not progress):
+        labels_path, *probabilities_path = case_outputs(case, output_dir, save_probabilities)
+        first = case_outputs(case, scratch / choice.configurations[0], True)[0]  # its geometry: the image's
+        geometry = read_geometry(first)
+        num_voxels = math.prod(geometry.shape_zyx)
+        log.debug("ensemble: case %s holds %.0f MiB (probabilities) then %.0f MiB (postprocessing)", case.case_id,
+                  ensemble_case_bytes(scheme.num_outputs, num_voxels) / MiB,
+                  largest_component_bytes(num_voxels, np.dtype(scheme.export_dtype()).itemsize) / MiB)
+        mean = mean_probabilities([scratch / c / f"{case.case_id}.npz" for c in choice.configurations], scheme)
+        labels = labels_from_probabilities(mean, scheme)
+        if probabilities_path:
+            write_probabilities(probabilities_path[0], mean, scheme)
+        del mean
+        if not choice.postprocessing.is_identity:
+            labels = apply_postprocessing(labels, choice.postprocessing, scheme)
+        write_image(labels_path, labels, geometry)
+        written.append(labels_path)
+        for config in choice.configurations:
+            for path in case_outputs(case, scratch / config, True):
+                path.unlink(missing_ok=True)
+    return written

@@ -1,0 +1,127 @@
+"""autoseg predict following inference.json (autoseg.predict.chosen): an ensemble of two configurations is the mean
+of their probabilities, the chosen postprocessing is applied, -c predicts without it, --continue skips written
+cases."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from factories import set_configuration
+
+from autoseg.cli.main import main
+from autoseg.core.workspace import Workspace
+from autoseg.dataset.imageio import read_image
+from autoseg.model.topology import NetworkTopology
+from autoseg.plan.plans import Plans
+from autoseg.predict.choice import InferenceChoice
+from autoseg.predict.chosen import SCRATCH, predict_chosen
+from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing
+from autoseg.predict.predictor import PredictOptions, predict
+from autoseg.predict.probabilities import labels_from_probabilities, mean_probabilities, read_probabilities
+from autoseg.preprocess.run import preprocess_workspace
+
+pytestmark = pytest.mark.slow  # two configurations trained once per module (~10 s)
+
+WINDOW = {"device": "cpu", "mirror": False}
+
+
+@pytest.fixture(scope="module")
+def two_configs(trained: Path, tmp_path_factory) -> Path:
+    """The trained workspace with a tiny 2d configuration trained too (fold 0, one iteration)."""
+    from autoseg.train.run_config import RunConfig
+    from autoseg.train.trainer import train
+
+    root = Path(shutil.copytree(trained, tmp_path_factory.mktemp("chosen") / "ws"))
+    ws = Workspace.at(root)
+    plans = Plans.from_json(ws.plans_path)
+    set_configuration(ws, "2d", network=NetworkTopology(
+        dim=2, in_channels=1, num_outputs=plans.label_scheme.num_outputs, features_per_stage=(4, 8),
+        kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2))), patch_size=(16, 16), batch_size=2,
+        accumulation_steps=1, checkpointing=False)
+    preprocess_workspace(ws, ["2d"], processes=1, progress=False)
+    train(ws, "2d", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1),
+          progress=False)
+    return root
+
+
+def _choice(configurations: tuple[str, ...], postprocessing: Postprocessing = Postprocessing()) -> InferenceChoice:
+    return InferenceChoice(configurations=configurations, folds=(0,), checkpoint="final",
+                           postprocessing=postprocessing, cv_dice=0.5, cv_dice_postprocessed=0.5, class_dice={},
+                           class_dice_postprocessed={}, steps=(), candidates={}, num_cases=1)
+
+
+def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(two_configs: Path, inputs: Path,
+                                                                       tmp_path: Path) -> None:
+    ws = Workspace.at(two_configs)
+    scheme = Plans.from_json(ws.plans_path).label_scheme
+    for config in ("2d", "3d_fullres"):  # each alone, with its probabilities
+        predict(ws, inputs, tmp_path / config, config_name=config, folds=(0,), progress=False,
+                options=PredictOptions(save_probabilities=True), **WINDOW)
+    out = tmp_path / "ensemble"
+    written = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, progress=False,
+                             options=PredictOptions(save_probabilities=True), **WINDOW)
+    assert sorted(p.name for p in written) == sorted(p.name for p in (tmp_path / "3d_fullres").glob("*.nii.gz"))
+    assert not (out / SCRATCH).exists()  # the configurations' own outputs are removed
+    for path in written:
+        case = path.name.removesuffix(".nii.gz")
+        alone = [read_probabilities(tmp_path / c / f"{case}.npz", scheme) for c in ("2d", "3d_fullres")]
+        assert not np.array_equal(*alone)  # the two models differ: a mean of one alone would fail below
+        mean = mean_probabilities([tmp_path / c / f"{case}.npz" for c in ("2d", "3d_fullres")], scheme)
+        np.testing.assert_array_equal(read_image(path, None)[0], labels_from_probabilities(mean, scheme))
+        np.testing.assert_array_equal(read_probabilities(out / f"{case}.npz", scheme), mean.astype(np.float16))
+        assert read_image(tmp_path / "3d_fullres" / path.name)[1] == read_image(path)[1]  # the image's geometry
+
+
+def test_the_chosen_postprocessing_is_applied_to_each_label_map(two_configs: Path, inputs: Path,
+                                                                tmp_path: Path) -> None:
+    ws = Workspace.at(two_configs)
+    scheme = Plans.from_json(ws.plans_path).label_scheme
+    plain = predict(ws, inputs, tmp_path / "plain", config_name="3d_fullres", folds=(0,), progress=False, **WINDOW)
+    postprocessing = Postprocessing(largest_foreground_component=True)
+    chosen = predict_chosen(ws, _choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen",
+                            progress=False, **WINDOW)
+    changed = 0
+    for a, b in zip(sorted(plain), sorted(chosen)):
+        expected = apply_postprocessing(read_image(a, None)[0], postprocessing, scheme)
+        np.testing.assert_array_equal(read_image(b, None)[0], expected)
+        changed += int((expected != read_image(a, None)[0]).sum())
+    assert changed > 0  # the one-iteration model's maps have stray components: the step did something
+
+
+def test_cli_predict_follows_inference_json_from_the_workspace_or_a_model_archive(
+        two_configs: Path, inputs: Path, tmp_path: Path, capsys) -> None:
+    """predict -w follows inference.json (an ensemble with postprocessing); export-model packs that choice and
+    predict -m on the archive writes the same label maps; -c predicts one configuration without it."""
+    ws = Workspace.at(Path(shutil.copytree(two_configs, tmp_path / "ws")))
+    _choice(("2d", "3d_fullres"), Postprocessing(largest_foreground_component=True)).to_json(ws.inference_path)
+    flags = ["-i", str(inputs), "--device", "cpu", "--tta", "none"]
+    assert main(["predict", "-w", str(ws.root), "-o", str(tmp_path / "a"), *flags]) == 0
+    assert "following" in capsys.readouterr().out
+    assert main(["export-model", str(tmp_path / "model.zip"), "-w", str(ws.root)]) == 0
+    assert "2d + 3d_fullres" in capsys.readouterr().out
+    assert main(["predict", "-m", str(tmp_path / "model.zip"), "-o", str(tmp_path / "b"), *flags]) == 0
+    assert "following" in capsys.readouterr().out
+    written = sorted((tmp_path / "a").glob("*.nii.gz"))
+    assert written and [p.name for p in written] == [p.name for p in sorted((tmp_path / "b").glob("*.nii.gz"))]
+    for path in written:
+        np.testing.assert_array_equal(read_image(path, None)[0], read_image(tmp_path / "b" / path.name, None)[0])
+    assert main(["predict", "-w", str(ws.root), "-o", str(tmp_path / "c"), "-c", "3d_fullres", *flags]) == 0
+    assert "following" not in capsys.readouterr().out
+
+
+def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, inputs: Path, tmp_path: Path) -> None:
+    ws = Workspace.at(two_configs)
+    out = tmp_path / "out"
+    first = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, progress=False, **WINDOW)
+    kept = first[0]
+    kept.write_bytes(kept.read_bytes())  # a marker: rewriting would change its mtime
+    stamp = kept.stat().st_mtime_ns
+    others = [p for p in first if p != kept]
+    for p in others:
+        p.unlink()
+    again = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, progress=False,
+                           options=PredictOptions(skip_existing=True), **WINDOW)
+    assert sorted(again) == sorted(others) and kept.stat().st_mtime_ns == stamp
