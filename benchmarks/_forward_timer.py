@@ -17,6 +17,7 @@ spawned worker processes import this file again.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -124,6 +125,10 @@ def run(tool: str, argv: list[str]) -> int:
 
 def main() -> None:
     out, tool, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    if tool == "autoseg":  # as the autoseg command does before torch is imported (the timer imports it first)
+        from autoseg.core.machine import passive_openmp_waiting
+
+        passive_openmp_waiting(os.environ)
     timer = ForwardTimer()
     timer.install()
     code = 1

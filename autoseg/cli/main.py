@@ -13,7 +13,7 @@ from pathlib import Path
 
 from autoseg.cli.parser import default_device, parse_args, resolve_device, without_gpus
 from autoseg.core.errors import InputError
-from autoseg.core.machine import passive_openmp_waiting
+from autoseg.core.machine import MachineCache, keep_simulations_in, passive_openmp_waiting
 from autoseg.core.units import GiB, MiB
 
 
@@ -35,7 +35,6 @@ def _budget(args: argparse.Namespace):
     print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
           f"network {architecture}")
     if device == "cpu":
-        from autoseg.core.machine import MachineCache
         from autoseg.plan.throughput import cpu_throughput
 
         flops, source = (args.cpu_flops, "--cpu-flops") if args.cpu_flops else \
@@ -97,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             code = _launch_processes(args, argv)
             if code is not None:
                 return code
+        if args.command in SIMULATING:
+            keep_simulations_in(cache_dir(os.environ))
         return COMMANDS[args.command](args, progress)  # one stage per command
     except Exception as e:  # the one place an error becomes a message and an exit status
         if args.debug:
@@ -106,7 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"autoseg {args.command}: interrupted; finished artifacts are kept, unfinished ones are not "
               "(rerun the command to go on)", file=sys.stderr)
         return 130
+    finally:
+        keep_simulations_in(None)
 
+
+# commands that simulate training steps: their simulations are kept between runs (keep_simulations_in)
+SIMULATING = frozenset({"plan", "plan_and_preprocess", "train", "explain", "check-memory", "demo"})
 
 def report_error(prefix: str, error: Exception) -> int:
     """Print ``error`` as one message on stderr; return the exit status (2: bad input, 1: failure or bug)."""

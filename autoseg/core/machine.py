@@ -15,6 +15,8 @@ thread; sleeping threads ran it as fast as one thread there, and no timing probe
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import logging
 import os
@@ -152,6 +154,31 @@ class MachineCache:
                         f"{type(e).__name__}: {e}")
             return {}
         return entries
+
+
+_kept_simulations: Path | None = None
+
+
+def keep_simulations_in(folder: Path | None) -> None:
+    """Keep memory simulations (training steps, prediction tiles) between runs under ``folder`` (the CLI's cache
+    folder, for the length of one command); None: keep none. ``kept_simulations`` is what the simulations ask."""
+    global _kept_simulations
+    _kept_simulations = None if folder is None else Path(folder)
+
+
+def kept_simulations(subfolder: str = "") -> MachineCache | None:
+    """The cache memory simulations are kept in (``subfolder`` of it: one file an entry), as
+    ``keep_simulations_in`` set it; None when none is."""
+    return None if _kept_simulations is None else MachineCache(_kept_simulations / subfolder)
+
+
+def source_digest(modules: tuple[str, ...]) -> str:
+    """A digest of these modules' source files: a result cached with it as part of its key (a simulation's) is
+    reused only while the code that computed it is unchanged."""
+    digest = hashlib.sha256()
+    for name in modules:
+        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def use_cpu_threads(requested: int | None, what: str, environ: Mapping[str, str] | None = None) -> int:

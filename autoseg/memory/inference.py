@@ -19,19 +19,16 @@ The output (``(K, Z, Y, X)`` probabilities on the host, float16 in prediction) i
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.core.errors import InputError
-from autoseg.core.machine import MachineCache
+from autoseg.core.machine import MachineCache, kept_simulations, source_digest
 from autoseg.core.precision import autocast_dtype, element_bytes
 from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
@@ -91,6 +88,7 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
     autocast_dtype(precision)  # an unknown name says what to use
     args = (topology, tuple(int(p) for p in patch_size), int(tile_batch_size), "bf16" if precision == "fp16"
             else precision, tuple(int(a) for a in mirror_axes), tta)
+    cache = cache or kept_simulations()  # the planner's inference tile: the command's cache
     if cache is None:
         return _simulate_cached(*args)
     key = {"code": _simulated_code_digest(), "torch": torch.__version__, "topology": asdict(topology),
@@ -106,10 +104,7 @@ SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between run
 def _simulated_code_digest() -> str:
     """A digest of the code a tile simulation runs (the networks, the sliding window's step and buffers, the
     tracker and this module): a cached simulation is reused only while that code is unchanged."""
-    digest = hashlib.sha256()
-    for name in _SIMULATED_MODULES:
-        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
-    return digest.hexdigest()[:16]
+    return source_digest(_SIMULATED_MODULES)
 
 
 _SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window",

@@ -21,7 +21,10 @@ caching allocator's rounding, fragmentation and convolution workspaces are in ``
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.core.errors import InputError
+from autoseg.core.machine import kept_simulations, source_digest
 from autoseg.core.precision import autocast_dtype
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.tracker import StorageTracker
@@ -149,6 +153,20 @@ class StepRecord:
     def peak(self) -> TrainingMemory:
         return self.memory_at(int(np.argmax(self.timeline.sum(axis=1))))
 
+    def to_json(self) -> dict:
+        return {"timeline": self.timeline.tolist(), "live_count": self.live_count.tolist(),
+                "phases": [list(p) for p in self.phases], "signature": self.signature.tolist(),
+                "stage_bytes": self.stage_bytes, "largest_conv_output_bytes": self.largest_conv_output_bytes}
+
+    @classmethod
+    def from_json(cls, value: dict) -> StepRecord:
+        return cls(timeline=np.asarray(value["timeline"], dtype=np.int64).reshape(-1, len(CATEGORIES)),
+                   live_count=np.asarray(value["live_count"], dtype=np.int64),
+                   phases=tuple((str(n), int(i)) for n, i in value["phases"]),
+                   signature=np.asarray(value["signature"], dtype=np.int64).reshape(-1, 2),
+                   stage_bytes={str(k): int(v) for k, v in value["stage_bytes"].items()},
+                   largest_conv_output_bytes=int(value["largest_conv_output_bytes"]))
+
 
 def stage_modules(network: nn.Module) -> dict[str, nn.Module]:
     """Top-level submodules by name; the items of a ``ModuleList`` as ``name.i`` (``encoder.0``, ...)."""
@@ -200,8 +218,32 @@ def _run_step(cfg: StepConfig, tracker: StorageTracker,
     return numbers, stage_bytes
 
 
+SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "loss", "network", "residual", "step",
+                                                         "topology")) + (
+    "autoseg.memory.tracker", "autoseg.dataset.labels", "autoseg.core.precision", __name__)
+
+
 def record_training_step(cfg: StepConfig, fake: bool = True) -> StepRecord:
-    """Run the step under ``FakeTensorMode`` (``fake``) or for real on CPU, and return its timeline."""
+    """Run the step under ``FakeTensorMode`` (``fake``) or for real on CPU, and return its timeline. A simulated
+    step is kept between runs while ``keep_simulations_in`` has set a cache (the CLI does), one file a step in its
+    ``training_steps/``, keyed by the step and the code that simulates it (``SIMULATED_MODULES``, torch's
+    version): a re-plan then reads its simulations instead of running them (each 0.3-1.5 s, and the first one
+    imports torch's fake-tensor machinery, ~1.5-3 s)."""
+    kept = kept_simulations("training_steps")
+    if not fake or kept is None:
+        return _record_training_step(cfg, fake)
+    key = {"code": _simulated_code_digest(), "torch": torch.__version__, "step": repr(cfg)}
+    name = "step-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    value, _ = kept.kept(name, key, lambda: _record_training_step(cfg, fake).to_json(), max_entries=1)
+    return StepRecord.from_json(value)
+
+
+@functools.lru_cache(maxsize=1)
+def _simulated_code_digest() -> str:
+    return source_digest(SIMULATED_MODULES)
+
+
+def _record_training_step(cfg: StepConfig, fake: bool) -> StepRecord:
     tracker = StorageTracker()
     gc_was_enabled = gc.isenabled()
     gc.disable()  # frees happen by reference counting only: the same order in every run

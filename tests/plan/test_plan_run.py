@@ -107,3 +107,36 @@ def test_replanning_an_unchanged_dataset_reuses_its_fingerprint(ws: Workspace, t
     ws.fingerprint_path.write_text("{not json")
     make_plan(tiny_dataset, ws, _budget(4), progress=False, overwrite=True)
     assert len(computed) == 2
+
+
+def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
+        tiny_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`autoseg plan` keeps its training-step and tile simulations in the machine cache; a second plan (after the
+    in-process caches are cleared, as in a new process) runs none and writes the same plans.json. Outside a
+    command nothing is kept."""
+    import autoseg.memory.inference as inference
+    import autoseg.memory.training as training
+    from autoseg.cli.main import main
+    from autoseg.core.machine import kept_simulations
+    from autoseg.memory.fit import training_memory_model
+
+    monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
+    command = ["--quiet", "plan", str(tiny_dataset), "-w", str(tmp_path / "ws"), "--device", "cpu", "--ram", "8GiB",
+               "--cpu-flops",
+               "1e10"]
+    assert main(command) == 0
+    first = (tmp_path / "ws" / "plans.json").read_text()
+    assert list((tmp_path / "cache" / "training_steps").glob("step-*.json"))
+    assert (tmp_path / "cache" / "inference_simulation.json").is_file()
+    assert kept_simulations() is None  # the command's cache ends with it
+
+    def no_simulation(*args, **kwargs):
+        raise AssertionError("simulated again")
+
+    training_memory_model.cache_clear()
+    inference._simulate_cached.cache_clear()
+    monkeypatch.setattr(training, "_record_training_step", no_simulation)
+    monkeypatch.setattr(inference, "_simulate_cached", no_simulation)
+    (tmp_path / "ws" / "plans.json").unlink()
+    assert main(command) == 0
+    assert (tmp_path / "ws" / "plans.json").read_text() == first
