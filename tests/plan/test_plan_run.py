@@ -121,6 +121,8 @@ def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
     from autoseg.memory.fit import training_memory_model
 
     monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
+    training_memory_model.cache_clear()  # as in a new process: earlier tests' fitted models would simulate nothing
+    inference._simulate_cached.cache_clear()
     command = ["--quiet", "plan", str(tiny_dataset), "-w", str(tmp_path / "ws"), "--device", "cpu", "--ram", "8GiB",
                "--cpu-flops",
                "1e10"]

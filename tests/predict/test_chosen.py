@@ -29,12 +29,13 @@ WINDOW = {"device": "cpu", "mirror": False}
 
 
 @pytest.fixture(scope="module")
-def two_configs(trained: Path, tmp_path_factory) -> Path:
-    """The trained workspace with a tiny 2d configuration trained too (fold 0, one iteration)."""
+def two_configs(prepared: Path, tmp_path_factory) -> Path:
+    """The prepared workspace with fold 0 of its tiny 3d_fullres and of a tiny 2d configuration trained (one
+    iteration each) and validated: each fold's final validation wrote what find-best reads."""
     from autoseg.train.run_config import RunConfig
     from autoseg.train.trainer import train
 
-    root = Path(shutil.copytree(trained, tmp_path_factory.mktemp("chosen") / "ws"))
+    root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("chosen") / "ws"))
     ws = Workspace.at(root)
     plans = Plans.from_json(ws.plans_path)
     set_configuration(ws, "2d", network=NetworkTopology(
@@ -42,9 +43,24 @@ def two_configs(trained: Path, tmp_path_factory) -> Path:
         kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2))), patch_size=(16, 16), batch_size=2,
         accumulation_steps=1, checkpointing=False)
     preprocess_workspace(ws, ["2d"], processes=1, progress=False)
-    train(ws, "2d", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1),
-          progress=False)
+    for config in ("3d_fullres", "2d"):
+        train(ws, config, 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, cpu_threads=1),
+              progress=False)
     return root
+
+
+def test_find_best_chooses_from_real_validation_outputs_and_predict_follows(two_configs: Path, inputs: Path,
+                                                                            tmp_path: Path) -> None:
+    """The loop from training to prediction: the folds' own final validation outputs feed find-best, whose
+    inference.json predict follows (the chosen candidate's label maps, postprocessed as chosen)."""
+    from autoseg.selection.run import find_best
+
+    ws = Workspace.at(Path(shutil.copytree(two_configs, tmp_path / "ws")))
+    result = find_best(ws, folds=(0,))
+    assert set(result.choice.candidates) == {"2d", "3d_fullres", "3d_fullres+2d"}  # pairs in plans.json order
+    assert InferenceChoice.from_json(ws.inference_path) == result.choice and result.choice.num_cases == 1
+    written = predict_chosen(ws, result.choice, inputs, tmp_path / "out", progress=False, **WINDOW)
+    assert len(written) == 2 and all(p.is_file() for p in written)
 
 
 def _choice(configurations: tuple[str, ...], postprocessing: Postprocessing = Postprocessing()) -> InferenceChoice:
