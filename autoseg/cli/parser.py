@@ -155,8 +155,9 @@ def _add_train_command(sub: argparse._SubParsersAction) -> None:
                    help="continue each fold from its checkpoint_latest.pt (the plan must be unchanged); a fold that "
                         "finished is skipped, one without a checkpoint starts from its first epoch")
     p.add_argument("--time-budget", type=_duration, default=None, metavar="DURATION",
-                   help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: the number "
-                        "of epochs is chosen from the measured speed")
+                   help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: epochs, "
+                        "iterations per epoch and the final validation's mirroring and cases are chosen from the "
+                        "measured speed and re-estimated as it runs (train.log, run.json)")
     p.add_argument("--loader-workers", type=int_at_least(0), default=None, metavar="N",
                    help="processes building training batches (default: the plan's, sized by its host RAM budget)")
     pre = p.add_mutually_exclusive_group()

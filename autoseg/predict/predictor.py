@@ -104,11 +104,11 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
 
 def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, *,
                  mirror: bool, tile_batch_size: int | None, device: str, step_fraction: float = 0.5,
-                 probabilities_path: Path | None = None) -> tuple[np.ndarray, CaseProperties]:
+                 probabilities_path: Path | None = None, tta: str | None = None) -> tuple[np.ndarray, CaseProperties]:
     data, _, geometry = load_case(case)
     return predict_image(data, geometry, case.case_id, networks, plans, config, mirror=mirror,
                          tile_batch_size=tile_batch_size, device=device, step_fraction=step_fraction,
-                         probabilities_path=probabilities_path)
+                         probabilities_path=probabilities_path, tta=tta)
 
 
 def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: list[torch.nn.Module], plans: Plans,

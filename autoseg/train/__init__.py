@@ -5,7 +5,7 @@ progress.png (``curves``) and the final validation of the fold's cases (``valida
 
 Owns: ``trainer``, ``folds`` (several folds in turn, resumable as a whole), ``run_config``, ``checkpoint``,
 ``degrade``, ``memory_check`` (the memory model checked against the first real steps, and ``autoseg
-check-memory``), ``schedule``, ``patch_validation``, ``curves``,
-``validation``.
+check-memory``), ``schedule``, ``data_pipeline`` (loader workers, precomputed copies), ``patch_validation``,
+``curves``, ``validation``.
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.
 """

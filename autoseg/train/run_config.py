@@ -13,8 +13,9 @@ class RunConfig:
     """Knobs of one training run that are not part of the plan.
 
     ``resume``: continue from the fold's checkpoint_latest.pt (its schedule, degradations and random
-    states; the plan must be unchanged). ``time_budget_s``: choose the number of epochs so that training
-    and the final validation end within this many seconds (``epochs`` is then only the first guess).
+    states; the plan must be unchanged). ``time_budget_s``: choose epochs, iterations per epoch (at most
+    ``iterations_per_epoch``) and the final validation's cost so that the run ends within this many seconds
+    (``autoseg.train.schedule.TimeBudget``; ``epochs`` is then only the schedule before the first decision).
     ``cpu_threads``: torch threads on CPU (None: every CPU, ``autoseg.core.machine.use_cpu_threads``).
     ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
     ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling

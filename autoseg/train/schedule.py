@@ -1,11 +1,16 @@
-"""The training schedule: poly learning rate, and epochs chosen to fit a wall-clock budget (``--time-budget``).
+"""The training schedule: poly learning rate, and a plan that fits a wall-clock budget (``--time-budget``).
 
-A budget fixes the *number of epochs* (iterations per epoch stay as configured), so the poly schedule
-still runs to zero at the end. The trainer decides twice: after the first few iterations (measured seconds
-per iteration, an estimate of the per-epoch validation), then at the end of the first epoch from its full
-measured time (validation, checkpoint and plot included); after that it only shortens the schedule, if
-epochs get slower. The final validation (sliding-window prediction of the fold's validation cases) is
-estimated beforehand and kept free at the end of the budget.
+``TimeBudget`` owns every decision. It measures seconds per iteration after a warm-up (the first
+``WARMUP_ITERATIONS`` are left out: loader start, first-call kernels) as the median of the recent ones, and the
+per-epoch cost beside the iterations (pseudo-Dice, checkpoints, plot, loader restart) from the epochs run. From
+these it estimates the final validation (``final_validation_seconds``) and reduces it when it would take more
+than ``VALIDATION_SHARE`` of the budget: no test-time mirroring first, then only the first validation cases
+(sorted ids). The rest goes to training: as many epochs as the configured iterations per epoch need, each
+shortened to fill the time (down to ``MIN_ITERATIONS_PER_EPOCH``). It re-estimates after the first steady
+iterations, every ``CHECK_EVERY`` iterations and after every epoch; a plan is kept while its predicted end
+stays within ``KEEP_BAND`` of the budget, otherwise a new one aims at ``TARGET_SHARE`` (shorter or longer).
+The learning rate follows the plan in force: ``poly_lr(steps done, steps done + steps still planned)``, so a
+new plan changes the curve's remaining length from the current step on, and the plan's last step runs near zero.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +28,16 @@ from autoseg.model.tiles import tile_layout
 
 log = logging.getLogger("autoseg.train.trainer")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+WARMUP_ITERATIONS = 2  # left out of the rate: loader workers starting, allocator and kernels on first use
+PROBE_ITERATIONS = 3  # steady iterations measured before the first decision
+CHECK_EVERY = 10  # iterations between re-estimates (and one after every epoch)
+RATE_WINDOW = 20  # the rate: median of the last 20 iteration times (a lasting slow-down shows in 10)
+TARGET_SHARE = 0.95  # a new plan aims to end here (a margin for the final validation's estimate) ...
+KEEP_BAND = (0.90, 0.98)  # ... and is kept while its predicted end stays in this share of the budget
+VALIDATION_SHARE = 0.25  # the final validation is reduced to fit in a quarter of the budget
+MIN_ITERATIONS_PER_EPOCH = 10  # iterations per epoch are shortened to fit, not below this
+EPOCH_OVERHEAD_SECONDS = 0.3  # first guess for checkpoint + progress plot per epoch; measured after epoch 0
 
 
 def poly_lr(initial_lr: float, step: int, total_steps: int, exponent: float = 0.9) -> float:
@@ -43,108 +58,187 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
+def final_validation_seconds(case_shapes: Sequence[Sequence[int]], patch_size: Sequence[int],
+                             seconds_per_sample_step: float, variants: int) -> float:
+    """Estimated seconds to predict the validation cases (preprocessed shapes (Z, Y, X)): per tile a forward
+    pass costs about a third of a training step per sample (forward + backward ~ 3 forwards), times the
+    ``variants`` of test-time mirroring; x1.5 for preprocessing, resampling and export."""
+    tiles = sum(tile_layout(s, patch_size).num_tiles for s in case_shapes)
+    return 1.5 * tiles * variants * seconds_per_sample_step / 3.0
+
+
+@dataclass(frozen=True)
+class ValidationChoice:
+    """What the final validation predicts: ``tta`` (the ``--tta`` value), ``case_ids``, and its estimate."""
+
+    tta: str
+    case_ids: tuple[str, ...]
+    seconds: float
+
+
+def choose_validation(cases: Mapping[str, Sequence[int]], patch_size: Sequence[int], seconds_per_sample_step: float,
+                      tta: str, variants: int, reserve_seconds: float) -> ValidationChoice:
+    """Every case of ``cases`` (id -> preprocessed (Z, Y, X)) with ``tta`` (``variants`` mirror variants) if that
+    fits ``reserve_seconds``; else without mirroring; else the first cases in sorted order that fit, at least one."""
+    ids = sorted(cases)
+
+    def cost(chosen: Sequence[str], v: int) -> float:
+        return final_validation_seconds([cases[c] for c in chosen], patch_size, seconds_per_sample_step, v)
+
+    if cost(ids, variants) <= reserve_seconds:
+        return ValidationChoice(tta, tuple(ids), cost(ids, variants))
+    k = len(ids)
+    while k > 1 and cost(ids[:k], 1) > reserve_seconds:
+        k -= 1
+    return ValidationChoice("none", tuple(ids[:k]), cost(ids[:k], 1))
+
+
+def plan_epochs(seconds_left: float, seconds_per_iteration: float, epoch_overhead_seconds: float,
+                iterations_per_epoch: int, iterations_done: int, minimum_epochs: int) -> tuple[int, int]:
+    """(epochs still to run, the one in progress included; iterations per epoch) filling ``seconds_left``.
+
+    An epoch of I iterations costs ``I * seconds_per_iteration + epoch_overhead_seconds``; ``iterations_done`` of
+    the epoch in progress are paid already. Epochs: as many as the configured ``iterations_per_epoch`` need to
+    fill the time (rounded up), then each shortened to fill it exactly; if epochs of ``MIN_ITERATIONS_PER_EPOCH``
+    would not fit, fewer of them. At least ``minimum_epochs`` (1 while an epoch is in progress or none ran)."""
+    s = max(seconds_per_iteration, 1e-9)
+    floor_iterations = min(MIN_ITERATIONS_PER_EPOCH, iterations_per_epoch)
+    room = max(seconds_left, 0.0) + iterations_done * s  # the epoch in progress counted whole
+    epochs = max(minimum_epochs, math.ceil(room / (iterations_per_epoch * s + epoch_overhead_seconds) - 1e-9))
+    if epochs and room / epochs - epoch_overhead_seconds < floor_iterations * s:
+        epochs = max(minimum_epochs, math.floor(room / (floor_iterations * s + epoch_overhead_seconds)))
+    if epochs == 0:
+        return 0, iterations_per_epoch
+    fill = math.floor((room / epochs - epoch_overhead_seconds) / s + 1e-9)
+    return epochs, min(iterations_per_epoch, max(floor_iterations, fill))
+
+
 @dataclass(frozen=True)
 class BudgetDecision:
-    """One decision on the number of epochs, with the figures it came from (all seconds)."""
+    """One plan (epochs x iterations per epoch, the final validation) with the figures it came from (seconds)."""
 
+    source: str  # where in the run: "iteration 5 of epoch 0", "end of epoch 3"
     epochs: int
+    iterations_per_epoch: int
     budget_seconds: float
     elapsed_seconds: float
     seconds_per_iteration: float
-    seconds_per_epoch: float
+    epoch_overhead_seconds: float
     final_validation_seconds: float
-    source: str  # "first iterations", "first epoch", "epoch k" (a later correction)
+    validation_tta: str
+    validation_cases: tuple[str, ...]
+    predicted_end_seconds: float
 
-    def to_dict(self) -> dict[str, float | int | str]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+    def to_dict(self) -> dict[str, object]:
+        record = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        record["validation_cases"] = list(self.validation_cases)
+        return record
 
-
-def epochs_within_budget(budget_seconds: float, elapsed_seconds: float, epochs_done: float,
-                         seconds_per_epoch: float, final_validation_seconds: float) -> int:
-    """Total epochs such that the rest of the run fits: ``epochs_done`` (may be fractional: the first epoch
-    in progress) plus as many whole epochs of ``seconds_per_epoch`` as the time left after the final
-    validation holds. At least ``ceil(epochs_done)`` and at least 1: an epoch in progress is finished."""
-    started = math.ceil(epochs_done)
-    left = budget_seconds - elapsed_seconds - final_validation_seconds - (started - epochs_done) * seconds_per_epoch
-    more = math.floor(max(left, 0.0) / max(seconds_per_epoch, 1e-9) + 1e-9)
-    return max(1, started + more)
-
-
-def final_validation_seconds(case_shapes: Sequence[Sequence[int]], patch_size: Sequence[int],
-                             seconds_per_sample_step: float, mirror: bool = True) -> float:
-    """Estimated seconds to predict the validation cases (preprocessed shapes (Z, Y, X)): per tile a
-    forward pass costs about a third of a training step per sample (forward + backward ~ 3 forwards),
-    times ``2 ** dim`` mirrorings; x1.5 for preprocessing, resampling and export."""
-    passes = 2 ** len(patch_size) if mirror else 1
-    tiles = sum(tile_layout(s, patch_size).num_tiles for s in case_shapes)
-    return 1.5 * tiles * passes * seconds_per_sample_step / 3.0
-
-
-EPOCH_OVERHEAD_SECONDS = 0.3  # first guess for checkpoint + progress plot per epoch; measured after epoch 0
+    def describe(self, total_cases: int) -> str:
+        """The decision's log line."""
+        return (f"time budget {self.budget_seconds:.0f} s, {self.source} ({self.elapsed_seconds:.1f} s elapsed): "
+                f"{self.seconds_per_iteration:.3f} s/iteration + {self.epoch_overhead_seconds:.1f} s per epoch "
+                f"besides, final validation ~{self.final_validation_seconds:.1f} s (tta {self.validation_tta}, "
+                f"{len(self.validation_cases)} of {total_cases} cases) -> {self.epochs} epoch(s) x "
+                f"{self.iterations_per_epoch} iterations, ending at ~{self.predicted_end_seconds:.0f} s "
+                f"({100 * self.predicted_end_seconds / self.budget_seconds:.0f}%)")
 
 
 class TimeBudget:
-    """Chooses the total number of epochs from measured speed so that the run ends within the budget.
+    """Plans epochs, iterations per epoch and the final validation so that the run ends within the budget.
 
-    ``started``: ``time.perf_counter()`` when the run started (setup counts against the budget).
-    ``validation_case_shapes``: preprocessed (Z, Y, X) of the cases the final validation predicts ([] if
-    there is none). ``micro_batches``: accumulation steps; ``batch_size``: the micro-batch.
+    The trainer calls ``epoch_started``, ``iteration_done`` after every optimizer step and ``epoch_done``; each
+    passes ``now`` from the run's clock, so tests drive it with fabricated times. ``started``: the clock when the
+    run started (setup counts against the budget). ``validation_cases``: case id -> preprocessed (Z, Y, X) of the
+    final validation ({} if there is none); ``tta``, ``tta_variants``: its default ``--tta`` and the variants
+    that gives. ``micro_batches``: accumulation steps; ``batch_size``: the micro-batch.
     """
 
-    def __init__(self, budget_seconds: float, started: float, iterations_per_epoch: int, val_iterations: int,
-                 micro_batches: int, batch_size: int, patch_size: Sequence[int],
-                 validation_case_shapes: Sequence[Sequence[int]], probe_iterations: int = 3) -> None:
+    def __init__(self, budget_seconds: float, started: float, epochs: int, iterations_per_epoch: int,
+                 val_iterations: int, micro_batches: int, batch_size: int, patch_size: Sequence[int],
+                 validation_cases: Mapping[str, Sequence[int]], tta: str, tta_variants: int) -> None:
         self.budget_seconds, self.started = float(budget_seconds), started
+        self.plan = (epochs, iterations_per_epoch)  # in force: (epochs, iterations per epoch)
         self.iterations_per_epoch, self.val_iterations = iterations_per_epoch, val_iterations
-        self.micro_batches, self.batch_size, self.patch_size = micro_batches, batch_size, tuple(patch_size)
-        self.validation_case_shapes = [tuple(s) for s in validation_case_shapes]
-        self.probe_iterations = max(1, min(probe_iterations, iterations_per_epoch))
+        self.samples_per_iteration, self.micro_batches = micro_batches * batch_size, micro_batches
+        self.patch_size = tuple(patch_size)
+        self.validation_cases = {c: tuple(s) for c, s in validation_cases.items()}
+        self.tta, self.tta_variants = tta, tta_variants
+        self.validation = ValidationChoice(tta, tuple(sorted(self.validation_cases)), 0.0)
         self.decisions: list[BudgetDecision] = []
-        self.seconds_per_iteration = 0.0
-        self.final_seconds = 0.0
-        self._marks: list[float] = []
-        self._epoch_seconds: list[float] = []
+        self._seconds: list[float] = []  # of every iteration, warm-up included
+        self._overheads: list[float] = []  # of every finished epoch: its time besides its iterations
+        self._epochs_done = self._in_epoch = 0
+        self._epoch_steps_seconds = 0.0  # the epoch's iterations after its first
+        self._epoch_started = self._last = self._epoch_ended = started
 
-    def iteration_done(self, now: float, epoch_started: float) -> int | None:
-        """Call after each iteration of the first epoch; returns the total epochs once the first
-        ``probe_iterations`` are measured (the first one, a warm-up, is left out when there are more)."""
-        if self.decisions:
+    def epoch_started(self, now: float) -> None:
+        """The time since the last ``epoch_done`` (the latest checkpoint) counts to that epoch's overhead."""
+        if self._overheads:
+            self._overheads[-1] += now - self._epoch_ended
+        self._epoch_started = self._last = now
+        self._in_epoch, self._epoch_steps_seconds = 0, 0.0
+
+    def iteration_done(self, now: float) -> tuple[int, int] | None:
+        """Returns the plan (epochs, iterations per epoch) at a check (after the warm-up and probe iterations,
+        then every ``CHECK_EVERY``; the same iterations on every rank), None between checks."""
+        self._seconds.append(now - self._last)
+        self._epoch_steps_seconds += self._seconds[-1] if self._in_epoch else 0.0
+        self._last = now
+        self._in_epoch += 1
+        since_probe = len(self._seconds) - WARMUP_ITERATIONS - PROBE_ITERATIONS
+        if since_probe < 0 or since_probe % CHECK_EVERY:
             return None
-        self._marks.append(now)
-        k = self.probe_iterations
-        if len(self._marks) < k:
-            return None
-        marks = [epoch_started, *self._marks]
-        span = marks[1:] if k > 1 else marks
-        self.seconds_per_iteration = (span[-1] - span[0]) / (len(span) - 1)
-        s_it = self.seconds_per_iteration
-        self.final_seconds = final_validation_seconds(
-            self.validation_case_shapes, self.patch_size, s_it / (self.micro_batches * self.batch_size))
-        per_epoch = self.iterations_per_epoch * s_it + self.val_iterations * s_it / self.micro_batches / 3 \
-            + EPOCH_OVERHEAD_SECONDS
-        return self._decide(now, k / self.iterations_per_epoch, per_epoch, "first iterations")
+        return self._check(now, f"iteration {self._in_epoch} of epoch {self._epochs_done}")
 
-    def epoch_done(self, epoch: int, epoch_seconds: float, now: float, epochs: int) -> int:
-        """Call after each epoch (checkpoint written); returns the total epochs from now on. After the first
-        epoch the decision follows its measured time; later ones only shorten the schedule."""
-        self._epoch_seconds.append(epoch_seconds)
-        per_epoch = float(np.mean(self._epoch_seconds))
-        fit = epochs_within_budget(self.budget_seconds, now - self.started, epoch + 1, per_epoch,
-                                   self.final_seconds)
-        first = len(self._epoch_seconds) == 1
-        new = fit if first else min(epochs, fit)
-        if first or new != epochs:
-            self._decide(now, epoch + 1, per_epoch, "first epoch" if first else f"epoch {epoch}")
-        return new
+    def epoch_done(self, now: float) -> tuple[int, int]:
+        """Measures the epoch's overhead: its time besides its iterations, the first one's excess over the rate
+        included (the loader starting again); returns the plan from now on."""
+        first = self.seconds_per_iteration() if self._in_epoch else 0.0
+        self._overheads.append(max(0.0, now - self._epoch_started - self._epoch_steps_seconds - first))
+        self._epoch_ended, self._in_epoch = now, 0
+        self._epochs_done += 1
+        return self._check(now, f"end of epoch {self._epochs_done - 1}")
 
-    def _decide(self, now: float, epochs_done: float, per_epoch: float, source: str) -> int:
-        elapsed = now - self.started
-        epochs = epochs_within_budget(self.budget_seconds, elapsed, epochs_done, per_epoch, self.final_seconds)
-        decision = BudgetDecision(epochs=epochs, budget_seconds=self.budget_seconds, elapsed_seconds=elapsed,
-                                  seconds_per_iteration=self.seconds_per_iteration, seconds_per_epoch=per_epoch,
-                                  final_validation_seconds=self.final_seconds, source=source)
+    def seconds_per_iteration(self) -> float:
+        """Median of the last ``RATE_WINDOW`` iteration times after the warm-up (the warm-up ones until then)."""
+        steady = self._seconds[WARMUP_ITERATIONS:] or self._seconds
+        return float(np.median(steady[-RATE_WINDOW:])) if steady else 0.0
+
+    def epoch_overhead_seconds(self, seconds_per_iteration: float) -> float:
+        """Mean measured overhead of the epochs run; before the first ends, the pseudo-Dice's validation iterations
+        (a forward of one micro-batch each, a third of a step's share) + ``EPOCH_OVERHEAD_SECONDS``."""
+        if self._overheads:
+            return float(np.mean(self._overheads))
+        return self.val_iterations * seconds_per_iteration / self.micro_batches / 3 + EPOCH_OVERHEAD_SECONDS
+
+    def _remaining_seconds(self, plan: tuple[int, int], s: float, overhead: float) -> float:
+        epochs, iterations = plan
+        left = (epochs - self._epochs_done) * (iterations * s + overhead) - min(self._in_epoch, iterations) * s
+        return max(left, 0.0)
+
+    def _check(self, now: float, source: str) -> tuple[int, int]:
+        """Keep the plan while its predicted end stays in ``KEEP_BAND`` and the validation choice holds; else a
+        new plan aimed at ``TARGET_SHARE`` of the budget, recorded and logged."""
+        s, elapsed = self.seconds_per_iteration(), now - self.started
+        overhead = self.epoch_overhead_seconds(s)
+        validation = choose_validation(self.validation_cases, self.patch_size, s / self.samples_per_iteration,
+                                       self.tta, self.tta_variants, VALIDATION_SHARE * self.budget_seconds)
+        end = elapsed + self._remaining_seconds(self.plan, s, overhead) + validation.seconds
+        same_validation = validation.case_ids == self.validation.case_ids and validation.tta == self.validation.tta
+        if self.decisions and same_validation and \
+                KEEP_BAND[0] * self.budget_seconds <= end <= KEEP_BAND[1] * self.budget_seconds:
+            return self.plan
+        left = TARGET_SHARE * self.budget_seconds - elapsed - validation.seconds
+        minimum = 1 if self._in_epoch or not self._epochs_done else 0
+        more, iterations = plan_epochs(left, s, overhead, self.iterations_per_epoch, self._in_epoch, minimum)
+        plan = (self._epochs_done + more, iterations if more else self.plan[1])  # more == 0: the run ends here
+        end = elapsed + self._remaining_seconds(plan, s, overhead) + validation.seconds
+        if self.decisions and plan == self.plan and same_validation:
+            return self.plan
+        self.plan, self.validation = plan, validation
+        decision = BudgetDecision(source, plan[0], plan[1], self.budget_seconds, elapsed, s, overhead,
+                                  validation.seconds, validation.tta, validation.case_ids, end)
         self.decisions.append(decision)
-        log.info("time budget %.0f s (%s): %.3f s/iteration, %.2f s/epoch, %.1f s elapsed, final validation "
-                 "~%.1f s -> %d epochs", self.budget_seconds, source, self.seconds_per_iteration, per_epoch,
-                 elapsed, self.final_seconds, epochs)
-        return epochs
+        log.info(decision.describe(len(self.validation_cases)))
+        return plan

@@ -7,7 +7,8 @@ cases are predicted and evaluated.
 
 Safety: an out-of-memory error in a step is never fatal; the step is retried with a degraded
 configuration (``autoseg.train.degrade``), recorded in run.json and the checkpoints. ``time_budget_s`` sets
-the number of epochs from measured speed (``autoseg.train.schedule``). The first steps of every run check the
+epochs, iterations per epoch and the final validation's cases and mirroring from measured speed
+(``autoseg.train.schedule.TimeBudget``, timed by the run's ``clock``). The first steps of every run check the
 memory model on this machine (``autoseg.train.memory_check``): one log line, run.json, a warning when off.
 
 Distributed (torchrun, ``autoseg.model.distributed``): each rank takes its share of the planned global batch
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,17 +36,17 @@ from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import cpu_count
 from autoseg.core.workspace import Workspace, load_or_create_splits
-from autoseg.data.loader import SHM_FOLDER, BatchLoader, workers_for_shared_memory
-from autoseg.dataset.labels import LabelScheme, label_map_dtype
-from autoseg.memory.host import output_batch_bytes
+from autoseg.data.loader import BatchLoader
+from autoseg.dataset.labels import LabelScheme
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
 from autoseg.model.step import TrainStep, distribute
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.run import check_preprocessed
-from autoseg.preprocess.store import list_cases, missing_files, open_case, precomputed_copies
+from autoseg.preprocess.store import list_cases, missing_files, open_case
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import plot_progress
+from autoseg.train.data_pipeline import choose_data_pipeline
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.train.memory_check import MemoryCheck, MemoryObserver, configured_step, log_check
 from autoseg.train.patch_validation import validate_patches
@@ -76,10 +78,11 @@ def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple
 
 
 def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True,
-          distributed: DistributedContext = SINGLE_PROCESS) -> Path:
+          distributed: DistributedContext = SINGLE_PROCESS, clock: Callable[[], float] = time.perf_counter) -> Path:
     """Train one fold; returns the fold's results folder. ``distributed``: this process's rank in a torchrun
-    launch, its process group open (``autoseg.model.distributed.process_group``)."""
-    started = time.perf_counter()
+    launch, its process group open (``autoseg.model.distributed.process_group``). ``clock``: seconds, what the
+    time budget and the epoch times are measured with (tests pass a simulated one)."""
+    started = clock()
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
     check_preprocessed(workspace, plans, config_name, needs_dataset=run.validate)  # refused, not mixed
@@ -103,9 +106,8 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     log.addHandler(handler)
     threads = torch.get_num_threads()
     try:
-        job = _Job(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress)
+        job = _Job(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, clock, started)
         ctx = _setup(job, resumed, distributed)
-        ctx.started = started
         return _train(ctx)
     finally:
         torch.set_num_threads(threads)
@@ -127,6 +129,8 @@ class _Job:
     out: Path
     run: RunConfig
     progress: bool
+    clock: Callable[[], float]
+    started: float  # clock() when train() was called
 
 
 @dataclass
@@ -139,6 +143,7 @@ class _Context:
     epochs: int
     iterations_per_epoch: int
     first_epoch: int = 0
+    steps_done: int = 0  # optimizer steps before the current epoch (epochs may differ in length under a budget)
     metrics: list[dict] = field(default_factory=list)
     ema: float | None = None
     best_ema: float = -1.0
@@ -146,7 +151,6 @@ class _Context:
     budget: TimeBudget | None = None
     budget_decisions: list[dict[str, Any]] = field(default_factory=list)
     oom_injected: bool = False
-    started: float = 0.0
     loader_workers: int = 0
     use_precomputed: bool = False
     memory: MemoryObserver | None = None  # runs the steps; checks the memory model over the first ones
@@ -167,7 +171,8 @@ class _Context:
                            queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda")
 
     def progress_state(self, epoch: int) -> dict[str, Any]:
-        return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch},
+        return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch,
+                                             "steps_done": self.steps_done},
                 "ema": self.ema, "best_ema": self.best_ema, "metrics": self.metrics,
                 "degradations": self.degradations, "time_budget": self.budget_decisions,
                 "world_size": self.ranks.world_size, "memory_checks": self.memory_checks}
@@ -195,16 +200,14 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
                    iterations_per_epoch=run.iterations_per_epoch)
     distribute(ctx.step, distributed)
     _watch_memory(ctx)
-    _choose_data_pipeline(ctx)
+    ctx.loader_workers, ctx.use_precomputed = choose_data_pipeline(
+        run, job.workspace.preprocessed(job.config_name), config, job.plans, job.train_ids,
+        distributed.local_world_size)
     if resumed is None:
         if ctx.ranks.is_main:
             (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
         if run.time_budget_s is not None:
-            folder = job.workspace.preprocessed(job.config_name)
-            shapes = [open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids] if run.validate else []
-            ctx.budget = TimeBudget(run.time_budget_s, time.perf_counter(), run.iterations_per_epoch,
-                                    run.val_iterations, config.accumulation_steps, config.batch_size,
-                                    config.patch_size, shapes)
+            ctx.budget = _time_budget(job, config)
         return ctx
     ctx.step.network.load_state_dict(resumed["network"])
     ctx.step.optimizer.load_state_dict(resumed["optimizer"])
@@ -212,6 +215,7 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     ctx.epochs = resumed["schedule"]["epochs"]
     ctx.iterations_per_epoch = resumed["schedule"]["iterations_per_epoch"]
     ctx.first_epoch = resumed["epoch"] + 1
+    ctx.steps_done = resumed["schedule"].get("steps_done", ctx.first_epoch * ctx.iterations_per_epoch)  # older ones
     ctx.metrics = [r for r in resumed["metrics"] if r["epoch"] <= resumed["epoch"]]
     ctx.ema, ctx.best_ema = resumed["ema"], resumed["best_ema_dice"]
     ctx.degradations, ctx.budget_decisions = resumed["degradations"], resumed["time_budget"] or []
@@ -227,33 +231,6 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     return ctx
 
 
-def _choose_data_pipeline(ctx: _Context) -> None:
-    """Loader workers and precomputed copies: the run's choice, else the plan's and what preprocessing wrote."""
-    run, folder = ctx.job.run, ctx.job.workspace.preprocessed(ctx.job.config_name)
-    ranks_here = ctx.ranks.context.local_world_size
-    node_share = ctx.config.loader_workers // ranks_here  # the plan's are for one node
-    ctx.loader_workers = node_share if run.loader_workers is None else run.loader_workers
-    if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
-        batch = output_batch_bytes(ctx.config.patch_size, ctx.config.batch_size, len(ctx.job.plans.channel_names),
-                                   np.dtype(label_map_dtype(ctx.job.plans.num_label_values)).itemsize)
-        ctx.loader_workers = workers_for_shared_memory(node_share, ctx.config.loader_queue_depth, batch, ranks_here)
-        if ctx.loader_workers < node_share:
-            log.warning("data: shared memory (%s) has room for the batch slots of %d of the planned %d loader "
-                        "worker(s); using %d (Docker: enlarge it with --shm-size)", SHM_FOLDER,
-                        ctx.loader_workers, node_share, ctx.loader_workers)
-    copies = precomputed_copies(folder, ctx.job.train_ids)
-    if run.use_precomputed and copies == 0:
-        raise InputError(f"{folder}: some training cases have no precomputed augmented copies; run "
-                         "`autoseg plan_and_preprocess --precompute-augmentations K` or train without "
-                         "--use-precomputed")
-    ctx.use_precomputed = copies > 0 if run.use_precomputed is None else run.use_precomputed
-    cfg = loader_config(ctx.config, augment=True, use_precomputed=ctx.use_precomputed)
-    spatial = (f"precomputed copies ({copies} per case)" if ctx.use_precomputed
-               else "in-plane (dummy 2D)" if cfg.dummy_2d else "3D on the fly")
-    log.info("data: %d loader worker(s) x %d queued batches; spatial augmentation %s", ctx.loader_workers,
-             ctx.config.loader_queue_depth, spatial)
-
-
 def _train(ctx: _Context) -> Path:
     config, run, world = ctx.config, ctx.job.run, ctx.ranks.world_size
     global_batch = world * config.batch_size * config.accumulation_steps
@@ -264,7 +241,9 @@ def _train(ctx: _Context) -> Path:
              job.planned.batch_size * job.planned.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
     epoch = ctx.first_epoch
     while epoch < ctx.epochs:
-        t0 = time.perf_counter()
+        t0 = job.clock()
+        if ctx.budget is not None:
+            ctx.budget.epoch_started(t0)
         row = _run_epoch(ctx, epoch, t0)
         if ctx.ranks.is_main:  # the other ranks have no row
             ctx.metrics.append(row)
@@ -273,9 +252,7 @@ def _train(ctx: _Context) -> Path:
                 ctx.best_ema = ctx.ema
                 ctx.save("best", epoch)
         if ctx.budget is not None:
-            epochs = ctx.budget.epoch_done(epoch, time.perf_counter() - t0, time.perf_counter(), ctx.epochs)
-            ctx.epochs = ctx.ranks.broadcast_int(epochs)  # rank 0's decision, so all ranks run as many epochs
-            ctx.budget_decisions = [d.to_dict() for d in ctx.budget.decisions]
+            _follow_plan(ctx, ctx.budget.epoch_done(job.clock()))
         ctx.save("latest", epoch)
         epoch += 1
         if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
@@ -291,41 +268,72 @@ def _train(ctx: _Context) -> Path:
                                           "checkpointing": ctx.config.checkpointing},
               "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
               "distributed": {"world_size": world, "global_batch": global_batch}, "memory_checks": ctx.memory_checks}
-    atomic_write_text(ctx.job.out / "run.json", json.dumps(record, indent=2))
-    if run.validate:
-        from autoseg.train.validation import validate_fold
+    if not run.validate:
+        atomic_write_text(job.out / "run.json", json.dumps(record, indent=2))
+        return job.out
+    from autoseg.train.validation import final_validation_record, validate_fold
 
-        validate_fold(ctx.job.workspace, ctx.job.plans, ctx.job.config_name, ctx.step.network, ctx.job.val_ids,
-                      ctx.job.out / "validation", run.device, ctx.job.progress)
-    return ctx.job.out
+    record["final_validation"] = final = final_validation_record(job.val_ids, run.device, ctx.budget)
+    atomic_write_text(job.out / "run.json", json.dumps(record, indent=2))
+    t0 = job.clock()
+    validate_fold(job.workspace, job.plans, job.config_name, ctx.step.network, final["cases"],
+                  job.out / "validation", run.device, job.progress, tta=final["tta"])
+    if ctx.budget is not None:
+        log.info("time budget %.0f s: the final validation took %.1f s (estimated %.1f s); the run ended at %.1f s",
+                 ctx.budget.budget_seconds, job.clock() - t0, final["estimated_seconds"], job.clock() - job.started)
+    return job.out
+
+
+def _time_budget(job: _Job, config: ConfigurationPlan) -> TimeBudget:
+    """The run's ``TimeBudget``: its final validation is the fold's validation cases with the device's default
+    ``--tta`` (``autoseg.predict.predictor.default_tta``) until the budget reduces it."""
+    from autoseg.model.tta import parse_tta
+    from autoseg.predict.predictor import default_tta
+
+    run, folder = job.run, job.workspace.preprocessed(job.config_name)
+    cases = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if run.validate else {}
+    tta = default_tta(run.device)
+    return TimeBudget(run.time_budget_s, job.started, run.epochs, run.iterations_per_epoch, run.val_iterations,
+                      config.accumulation_steps, config.batch_size, config.patch_size, cases, tta,
+                      parse_tta(tta, config.dim))
+
+
+def _follow_plan(ctx: _Context, plan: tuple[int, int]) -> None:
+    """Run rank 0's plan (epochs, iterations per epoch) on every rank; keep the decisions for run.json."""
+    ctx.epochs, ctx.iterations_per_epoch = (ctx.ranks.broadcast_int(v) for v in plan)
+    ctx.budget_decisions = [d.to_dict() for d in ctx.budget.decisions]
 
 
 def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
-    """Train ``iterations_per_epoch`` steps and measure the pseudo-Dice; returns the metrics row (rank 0; the
-    other ranks skip the pseudo-Dice and return None)."""
-    step, run, ipe = ctx.step, ctx.job.run, ctx.iterations_per_epoch
-    wait, losses, lr = 0.0, [], run.optimizer.initial_lr
+    """Train ``iterations_per_epoch`` steps (a time budget may change it while the epoch runs) and measure the
+    pseudo-Dice; returns the metrics row (rank 0; the other ranks skip the pseudo-Dice and return None)."""
+    step, run = ctx.step, ctx.job.run
+    wait, losses, lr, it = 0.0, [], run.optimizer.initial_lr, 0
     train_loader = ctx.loader(epoch, augment=True)
     try:
         step.network.train()
-        bar = tqdm(range(ipe), desc=f"epoch {epoch}", unit="it", disable=not ctx.job.progress, leave=False)
-        for it in bar:
-            lr = poly_lr(run.optimizer.initial_lr, epoch * ipe + it, ctx.epochs * ipe)
+        bar = tqdm(total=ctx.iterations_per_epoch, desc=f"epoch {epoch}", unit="it", disable=not ctx.job.progress,
+                   leave=False)
+        while it < ctx.iterations_per_epoch:
+            done, planned = ctx.steps_done + it, ctx.steps_done + (ctx.epochs - epoch) * ctx.iterations_per_epoch
+            lr = poly_lr(run.optimizer.initial_lr, done, planned)  # over the steps of the plan in force
             for group in step.optimizer.param_groups:
                 group["lr"] = lr
-            if run.inject_oom_at_step == epoch * ipe + it and not ctx.oom_injected:
+            if run.inject_oom_at_step == done and not ctx.oom_injected:
                 step.inject_oom, ctx.oom_injected = ctx.ranks.is_main, True  # rank 0 only: the others follow
             (loss, waited), train_loader = _step_or_degrade(ctx, train_loader, epoch, it)
             loss = loss.item()  # syncs with the device, once per step
             losses.append(loss)
-            wait += waited
+            wait, it = wait + waited, it + 1
+            bar.total = ctx.iterations_per_epoch
+            bar.update()
             bar.set_postfix(loss=f"{loss:.3f}")
-            if ctx.budget is not None and epoch == ctx.first_epoch:
-                decided = ctx.budget.iteration_done(time.perf_counter(), t0)
-                if decided is not None:  # at the same iteration on every rank
-                    ctx.epochs = ctx.ranks.broadcast_int(decided)
+            if ctx.budget is not None and (plan := ctx.budget.iteration_done(ctx.job.clock())) is not None:
+                _follow_plan(ctx, plan)  # at the same iteration on every rank
+        bar.close()
     finally:
         train_loader.close()
+    ctx.steps_done += it
     train_loss = ctx.ranks.mean(float(np.mean(losses)))  # the global batch's loss
     if not ctx.ranks.is_main:
         return None
@@ -334,7 +342,7 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
                                           ctx.job.plans.label_scheme)
     mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
     ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
-    epoch_s = time.perf_counter() - t0
+    epoch_s = ctx.job.clock() - t0
     return {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss,
             "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ctx.ema, "lr": lr,
             "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}

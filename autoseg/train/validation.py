@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -13,14 +14,28 @@ from autoseg.dataset.imageio import write_image
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import EvaluationSummary, evaluate_pairs, format_table
 from autoseg.plan.plans import Plans
-from autoseg.predict.predictor import predict_case
+from autoseg.predict.predictor import default_tta, predict_case
+from autoseg.train.schedule import TimeBudget
 
 log = logging.getLogger("autoseg.train.trainer")
 
 
+def final_validation_record(val_ids: list[str], device: str, budget: TimeBudget | None) -> dict[str, Any]:
+    """run.json's ``final_validation``: the cases and ``--tta`` it predicts (all cases, the device's default
+    ``--tta``), or under a time budget the budget's choice, its estimate and whether it was reduced."""
+    tta = default_tta(device)
+    if budget is None:
+        return {"cases": list(val_ids), "tta": tta, "reduced_by_time_budget": False}
+    choice = budget.validation
+    return {"cases": list(choice.case_ids), "tta": choice.tta, "estimated_seconds": choice.seconds,
+            "reduced_by_time_budget": len(choice.case_ids) < len(val_ids) or choice.tta != tta}
+
+
 def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network: torch.nn.Module,
-                  val_ids: list[str], out_dir: Path, device: str, progress: bool = True) -> EvaluationSummary:
-    """Sliding-window prediction (with mirroring) of each validation case into ``out_dir``: its label map and its
+                  val_ids: list[str], out_dir: Path, device: str, progress: bool = True,
+                  tta: str | None = None) -> EvaluationSummary:
+    """Sliding-window prediction (mirror variants: ``tta``, the ``--tta`` value; None: the device's default) of
+    each validation case into ``out_dir``: its label map and its
     probabilities (``{case}.npz``, ``autoseg.predict.probabilities.ProbabilityFile``: what choosing between
     configurations, ensembles and postprocessing reads, with no second inference pass), then
     ``out_dir/summary.json`` against the raw labels."""
@@ -31,7 +46,7 @@ def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network:
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
         labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=None, device=device,
-                                     probabilities_path=out_dir / f"{case.case_id}.npz")
+                                     probabilities_path=out_dir / f"{case.case_id}.npz", tta=tta)
         out = out_dir / f"{case.case_id}{dataset.file_ending}"
         write_image(out, labels, props.geometry)
         pairs.append((out, case.label_path))

@@ -20,7 +20,7 @@ from autoseg.train import trainer
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
 from autoseg.train.run_config import RunConfig
-from autoseg.train.schedule import epochs_within_budget, final_validation_seconds, parse_duration, poly_lr
+from autoseg.train.schedule import final_validation_seconds, parse_duration, poly_lr
 from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
@@ -59,7 +59,7 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace: Workspa
         assert torch.equal(tensor, got["network"][name]), name
     momentum = [s["momentum_buffer"] for s in expected["optimizer"]["state"].values()]
     assert all(torch.equal(a, s["momentum_buffer"]) for a, s in zip(momentum, got["optimizer"]["state"].values()))
-    assert got["schedule"] == {"epochs": 3, "iterations_per_epoch": 2}  # the checkpoint's, not epochs=50
+    assert got["schedule"] == {"epochs": 3, "iterations_per_epoch": 2, "steps_done": 6}  # not epochs=50
     rows, reference_rows = _rows(fold), _rows(reference)
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in reference_rows]
@@ -133,52 +133,75 @@ def test_parse_duration_rejects(text: str) -> None:
         parse_duration(text)
 
 
-def test_epochs_within_budget() -> None:
-    # 100 s budget, 10 s spent, 20 s kept for the final validation: 70 s of 7 s epochs -> 10
-    assert epochs_within_budget(100, 10, 0, 7, 20) == 10
-    # 0.5 of the first epoch done: its other half (3.5 s) is paid first -> 1 + floor(66.5 / 7) = 10
-    assert epochs_within_budget(100, 10, 0.5, 7, 20) == 10
-    assert epochs_within_budget(100, 99, 3, 7, 20) == 3  # over budget: stop after the epochs done
-    assert epochs_within_budget(1, 5, 0.1, 7, 0) == 1  # never fewer than one epoch
-    assert final_validation_seconds([(12, 28, 28)], (8, 16, 16), 0.3) == pytest.approx(1.5 * 2 * 3 * 3 * 8 * 0.1)
+def test_final_validation_estimate_and_poly_lr() -> None:
+    # 2 x 3 x 3 tiles, 8 mirror variants, a third of 0.3 s per sample, x1.5
+    assert final_validation_seconds([(12, 28, 28)], (8, 16, 16), 0.3, 8) == pytest.approx(1.5 * 2 * 3 * 3 * 8 * 0.1)
     assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5 ** 0.9) and poly_lr(0.01, 10, 10) == 0.0
 
 
-def test_time_budget_sets_the_epochs_from_measured_speed(workspace: Workspace,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The trainer's clock is simulated: the training steps take 2 s (warm-up), 1 s, 1 s, 1 s, then 3 s each;
-    nothing else takes time. Budget 14 s, 2 iterations and 1 validation iteration per epoch, no final
-    validation; the decisions below are worked out by hand."""
+def _simulated_steps(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> SimpleNamespace:
+    """A clock that only the training steps advance: ``seconds`` for the first steps, then the last one each."""
     clock = SimpleNamespace(now=50.0)
-    step_seconds = iter([2.0, 1.0, 1.0, 1.0] + [3.0] * 100)
     real_step = TrainStep.__call__
+    steps = iter(seconds)
 
     def timed_step(self, *args, **kwargs):
         result = real_step(self, *args, **kwargs)
         if not is_fake(next(self.network.parameters())):  # the memory check's simulation runs TrainStep too
-            clock.now += next(step_seconds)
+            clock.now += next(steps, seconds[-1])
         return result
 
     monkeypatch.setattr(TrainStep, "__call__", timed_step)
-    monkeypatch.setattr(trainer, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1000}, time_budget_s=14.0), progress=False)
-    run = json.loads((fold / "run.json").read_text())
-    decisions = [(d["source"], d["epochs"], d["elapsed_seconds"], d["seconds_per_epoch"]) for d in run["time_budget"]]
-    assert decisions == [
-        # after 2 iterations (t = 3 s): 1 s per iteration (the 2 s warm-up left out); an epoch 2 x 1 s + 1 s / 3
-        # (validation) + 0.3 s: 11 s left hold 4 more epochs after this one
-        ("first iterations", 5, 3.0, pytest.approx(2.0 + 1.0 / 3.0 + 0.3)),
-        ("first epoch", 4, 3.0, 3.0),  # epoch 0 took 3 s: 11 s hold 3 more
-        # epoch 1 (2 s) would allow 5 epochs: not lengthened; epoch 2 (6 s) makes the mean 11/3 s: 3 epochs
-        ("epoch 2", 3, 11.0, pytest.approx(11.0 / 3.0)),
-    ]
-    assert run["schedule"]["epochs"] == 3
+    return clock
+
+
+def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The run's clock is simulated: the training steps take 2.4 s twice (warm-up), then 1 s; nothing else takes
+    time. Budget 120 s, 50 iterations and 1 validation iteration per epoch, no final validation; the plan below is
+    worked out by hand."""
+    clock = _simulated_steps(monkeypatch, [2.4, 2.4, 1.0])
+    run = RunConfig(**{**TINY, "epochs": 1000, "iterations_per_epoch": 50}, time_budget_s=120.0)
+    fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
+    run_json = json.loads((fold / "run.json").read_text())
+    decisions = [(d["source"], d["epochs"], d["iterations_per_epoch"], d["elapsed_seconds"],
+                  d["seconds_per_iteration"]) for d in run_json["time_budget"]]
+    # after 5 iterations (7.8 s): 1 s per iteration (the warm-up left out), 1 / 3 + 0.3 s per epoch besides;
+    # 95% of 120 s is 114 s: 106.2 s left + the 5 iterations done need ceil(111.2 / 50.63) = 3 epochs, each
+    # shortened to floor(111.2 / 3 - 0.63) = 36 iterations. Later checks find it on time: no new decision.
+    assert decisions == [("iteration 5 of epoch 0", 3, 36, pytest.approx(7.8), 1.0)]
+    assert run_json["schedule"] == {"epochs": 3, "iterations_per_epoch": 36}
+    assert clock.now - 50.0 == pytest.approx(110.8)  # 2 x 2.4 + 106 x 1 s: 92% of the budget
     rows = _rows(fold)
-    assert [r["epoch"] for r in rows] == [0, 1, 2] and [r["epoch_seconds"] for r in rows] == [3.0, 2.0, 6.0]
-    assert clock.now - 50.0 == 11.0 <= 14.0
-    # each row's learning rate is its last step's: on the schedule in force when the step ran (1000 epochs
-    # until the first decision, then 4, until epoch 2 ended)
-    assert [r["lr"] for r in rows] == pytest.approx([poly_lr(1e-2, 1, 2000), poly_lr(1e-2, 3, 8), poly_lr(1e-2, 5, 8)])
+    assert [r["epoch"] for r in rows] == [0, 1, 2]
+    # each row's learning rate is its last step's, on the 108 steps of the plan in force
+    assert [r["lr"] for r in rows] == pytest.approx([poly_lr(1e-2, s, 108) for s in (35, 71, 107)])
+    assert load_checkpoint(fold / "checkpoint_final.pt")["schedule"]["steps_done"] == 108
+
+
+def test_time_budget_reduces_the_final_validation_and_it_is_honoured(workspace: Workspace,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of 3 s simulated make the final validation of fold "all" (5 cases, 4 mirror variants on CPU) cost more
+    than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
+    from autoseg.train import validation
+
+    clock = _simulated_steps(monkeypatch, [3.0])
+    real_predict, seen = validation.predict_case, []
+
+    def spy(case, *args, **kwargs):
+        seen.append((case.case_id, kwargs["tta"]))
+        return real_predict(case, *args, **kwargs)
+
+    monkeypatch.setattr(validation, "predict_case", spy)
+    run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)
+    fold = train(workspace, CONFIG, "all", run, progress=False, clock=lambda: clock.now)
+    final = json.loads((fold / "run.json").read_text())["final_validation"]
+    all_cases = sorted(trainer.fold_cases(workspace, CONFIG, "all")[1])
+    assert final["tta"] == "none" and final["reduced_by_time_budget"]
+    assert 1 <= len(final["cases"]) < len(all_cases) and final["cases"] == all_cases[:len(final["cases"])]
+    assert seen == [(c, "none") for c in final["cases"]]
+    assert sorted(p.stem for p in (fold / "validation").glob("*.npz")) == final["cases"]
+    decision = json.loads((fold / "run.json").read_text())["time_budget"][-1]
+    assert decision["validation_cases"] == final["cases"] and decision["validation_tta"] == "none"
 
 
 def test_train_cli_reads_resume_and_time_budget() -> None:
