@@ -1,10 +1,43 @@
-"""progress.png: the training curve a person looks at (losses, pseudo-Dice, learning rate, epoch time)."""
+"""What a person reads after each epoch: the log line (with the run's elapsed and predicted time), metrics.jsonl
+and progress.png (losses, pseudo-Dice, learning rate, epoch time)."""
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
-from autoseg.core.artifacts import atomic_path
+from autoseg.core.artifacts import append_line, atomic_path
+
+log = logging.getLogger("autoseg.train.trainer")
+
+
+def run_times(elapsed_seconds: float, epochs_done: int, epochs: int, epoch_seconds: list[float],
+              planned_seconds: float | None) -> dict[str, float | None]:
+    """The run's time after ``epochs_done`` of ``epochs``: elapsed, the rest predicted from the measured epochs
+    (their mean), and ``planned_seconds`` (the plan's prediction for the whole run, None if it has none)."""
+    left = (epochs - epochs_done) * sum(epoch_seconds) / max(len(epoch_seconds), 1)
+    return {"elapsed_seconds": elapsed_seconds, "predicted_run_seconds": elapsed_seconds + left,
+            "planned_run_seconds": planned_seconds}
+
+
+def _duration(seconds: float) -> str:
+    minutes, s = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{s:02d}s"
+
+
+def record_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
+    """One readable log line, a metrics.jsonl row and a fresh progress.png. ``row``: the epoch's figures and
+    ``run_times``'."""
+    planned = row.get("planned_run_seconds")
+    log.info("epoch %d  train loss %.4f  val loss %.4f  pseudo-Dice %s  (EMA %.4f)  lr %.2e  %.1f s  data wait %.0f%%"
+             "  run %s of ~%s%s", row["epoch"], row["train_loss"], row["val_loss"],
+             [round(d, 4) for d in row["pseudo_dice"]], row["ema_pseudo_dice"], row["lr"], row["epoch_seconds"],
+             100 * row["data_wait_fraction"], _duration(row["elapsed_seconds"]),
+             _duration(row["predicted_run_seconds"]), f" (planned ~{_duration(planned)})" if planned else "")
+    append_line(out / "metrics.jsonl", json.dumps(row))  # a resumed run rewrites it from the checkpoint
+    plot_progress(metrics, out / "progress.png")
 
 
 def plot_progress(metrics: list[dict], path: Path) -> None:

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from autoseg.core.artifacts import LogFile, append_line, atomic_write_text, remove_stale_temporaries
+from autoseg.core.artifacts import LogFile, atomic_write_text, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import cpu_count
@@ -45,7 +45,7 @@ from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.run import check_preprocessed
 from autoseg.preprocess.store import list_cases, missing_files, open_case
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
-from autoseg.train.curves import plot_progress
+from autoseg.train.curves import record_epoch, run_times
 from autoseg.train.data_pipeline import choose_data_pipeline
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.train.memory_check import MemoryCheck, MemoryObserver, configured_step, log_check
@@ -246,8 +246,10 @@ def _train(ctx: _Context) -> Path:
             ctx.budget.epoch_started(t0)
         row = _run_epoch(ctx, epoch, t0)
         if ctx.ranks.is_main:  # the other ranks have no row
+            row.update(run_times(job.clock() - job.started, epoch + 1, ctx.epochs,
+                                 [m["epoch_seconds"] for m in ctx.metrics] + [row["epoch_seconds"]], _planned(ctx)))
             ctx.metrics.append(row)
-            _log_epoch(row, ctx.job.out, ctx.metrics)
+            record_epoch(row, ctx.job.out, ctx.metrics)
             if ctx.ema > ctx.best_ema:
                 ctx.best_ema = ctx.ema
                 ctx.save("best", epoch)
@@ -296,6 +298,16 @@ def _time_budget(job: _Job, config: ConfigurationPlan) -> TimeBudget:
     return TimeBudget(run.time_budget_s, job.started, run.epochs, run.iterations_per_epoch, run.val_iterations,
                       config.accumulation_steps, config.batch_size, config.patch_size, cases, tta,
                       parse_tta(tta, config.dim))
+
+
+def _planned(ctx: _Context) -> float | None:
+    """The run's planned seconds: the time budget, else the plan's seconds per iteration (when planned for this
+    device) times the iterations."""
+    if ctx.budget is not None:
+        return ctx.budget.budget_seconds
+    s = ctx.config.predicted_seconds_per_iteration
+    same_device = ctx.config.device == ctx.step.device.type
+    return s * ctx.epochs * ctx.iterations_per_epoch if s and same_device else None
 
 
 def _follow_plan(ctx: _Context, plan: tuple[int, int]) -> None:
@@ -386,13 +398,3 @@ def _watch_memory(ctx: _Context) -> None:
 
     ctx.memory = MemoryObserver(ctx.config, ctx.step.device, ctx.job.run.optimizer, ctx.job.plans.label_scheme,
                                 record)
-
-
-def _log_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
-    """One readable log line, a metrics.jsonl row and a fresh progress.png."""
-    log.info("epoch %d  train loss %.4f  val loss %.4f  pseudo-Dice %s  (EMA %.4f)  lr %.2e  %.1f s  "
-             "data wait %.0f%%", row["epoch"], row["train_loss"], row["val_loss"],
-             [round(d, 4) for d in row["pseudo_dice"]], row["ema_pseudo_dice"], row["lr"], row["epoch_seconds"],
-             100 * row["data_wait_fraction"])
-    append_line(out / "metrics.jsonl", json.dumps(row))  # a resumed run rewrites it from the checkpoint
-    plot_progress(metrics, out / "progress.png")

@@ -176,6 +176,10 @@ def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, mon
     # each row's learning rate is its last step's, on the 108 steps of the plan in force
     assert [r["lr"] for r in rows] == pytest.approx([poly_lr(1e-2, s, 108) for s in (35, 71, 107)])
     assert load_checkpoint(fold / "checkpoint_final.pt")["schedule"]["steps_done"] == 108
+    # each epoch's line and row: the run's elapsed time, its end predicted from the epochs so far, the budget
+    assert [r["planned_run_seconds"] for r in rows] == [120.0] * 3
+    assert rows[0]["predicted_run_seconds"] == pytest.approx(rows[0]["elapsed_seconds"] + 2 * rows[0]["epoch_seconds"])
+    assert rows[-1]["predicted_run_seconds"] == pytest.approx(rows[-1]["elapsed_seconds"]) == pytest.approx(110.8)
 
 
 def test_time_budget_reduces_the_final_validation_and_it_is_honoured(workspace: Workspace,
