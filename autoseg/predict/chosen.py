@@ -23,16 +23,17 @@ from tqdm import tqdm
 from autoseg.core.artifacts import check_writable_folder
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
-from autoseg.dataset.imageio import read_geometry, write_image
+from autoseg.dataset.imageio import read_geometry
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
-from autoseg.predict.postprocessing import apply_postprocessing, check_postprocessing, largest_component_bytes
+from autoseg.predict.postprocessing import check_postprocessing, largest_component_bytes
 from autoseg.predict.predictor import (
     CasesFailedError,
     PredictOptions,
     case_outputs,
     predict,
     prediction_inputs,
+    write_labels,
 )
 from autoseg.predict.probabilities import (
     ensemble_case_bytes,
@@ -104,9 +105,7 @@ def _combine(cases: list, choice: InferenceChoice, plans: Plans, scratch: Path, 
         if probabilities_path:
             write_probabilities(probabilities_path[0], mean, scheme)
         del mean
-        if not choice.postprocessing.is_identity:
-            labels = apply_postprocessing(labels, choice.postprocessing, scheme)
-        write_image(labels_path, labels, geometry)
+        write_labels(labels_path, labels, geometry, choice.postprocessing, scheme)
         written.append(labels_path)
         for config in choice.configurations:
             for path in case_outputs(case, scratch / config, True):

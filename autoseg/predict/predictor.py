@@ -353,14 +353,15 @@ def _segment_case(data: np.ndarray, props: CaseProperties, case_id: str, labels_
     export its probabilities into that file and the label map (``_write_case``)."""
     if probabilities_path is None:
         labels = predict_labels(data, props, case_id, networks, plans, config, **window)
-        return partial(_write_labels, labels_path, labels, props.geometry, postprocessing, plans.label_scheme)
+        return partial(write_labels, labels_path, labels, props.geometry, postprocessing, plans.label_scheme)
     probabilities = predict_probabilities(data, case_id, networks, plans, config, **window)
     return partial(_write_case, probabilities, props, plans.label_scheme, labels_path, probabilities_path,
                    postprocessing)
 
 
-def _write_labels(path: Path, labels: np.ndarray, geometry: Geometry, postprocessing: Postprocessing,
-                  scheme: LabelScheme) -> None:
+def write_labels(path: Path, labels: np.ndarray, geometry: Geometry, postprocessing: Postprocessing,
+                 scheme: LabelScheme) -> None:
+    """Write a label map in ``geometry`` (atomically), postprocessed first unless ``postprocessing`` is none."""
     if not postprocessing.is_identity:
         labels = apply_postprocessing(labels, postprocessing, scheme)
     write_image(path, labels, geometry)
@@ -373,7 +374,7 @@ def _write_case(probabilities: torch.Tensor, props: CaseProperties, scheme: Labe
     the label map could not be written."""
     labels = export_prediction(probabilities, props, scheme, probabilities_path)
     try:
-        _write_labels(labels_path, labels, props.geometry, postprocessing, scheme)
+        write_labels(labels_path, labels, props.geometry, postprocessing, scheme)
     except BaseException:
         probabilities_path.unlink(missing_ok=True)  # no probabilities without their label map
         raise

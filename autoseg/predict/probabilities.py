@@ -72,12 +72,20 @@ class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one
         self.error = error
 
 
+def _outputs_of(scheme: LabelScheme) -> tuple[tuple[str, ...], str]:
+    """The file's ``names`` and ``activation`` for ``scheme``: its regions (sigmoid), or background and its classes
+    (softmax)."""
+    if scheme.has_regions:
+        return tuple(scheme.names), "sigmoid"
+    return ("background", *scheme.names), "softmax"
+
+
 @contextmanager
 def _probability_stream(path: Path, shape: tuple[int, ...], scheme: LabelScheme) -> Iterator[IO[bytes]]:
     """The ``probabilities.npy`` member of a new ``{case}.npz`` (header written; the caller writes the float16
     values in C order), then its ``names`` and ``activation``; renamed into place when complete. An error raised
     by the caller drops the file and goes on unchanged."""
-    names = scheme.names if scheme.has_regions else ("background", *scheme.names)
+    names, activation = _outputs_of(scheme)
     header = {"descr": np.lib.format.dtype_to_descr(np.dtype(PROBABILITY_DTYPE)), "fortran_order": False,
               "shape": shape}
     try:
@@ -89,8 +97,7 @@ def _probability_stream(path: Path, shape: tuple[int, ...], scheme: LabelScheme)
                     yield stream
                 except BaseException as e:  # not a write error: the file is dropped, the error goes on
                     raise _Abandoned(e) from e
-            for name, value in (("names", np.array(names)),
-                                ("activation", np.array("sigmoid" if scheme.has_regions else "softmax"))):
+            for name, value in (("names", np.array(names)), ("activation", np.array(activation))):
                 with archive.open(f"{name}.npy", "w") as f:
                     np.lib.format.write_array(f, value, allow_pickle=False)
     except _Abandoned as abandoned:
@@ -111,8 +118,7 @@ def read_probabilities(path: Path, scheme: LabelScheme) -> np.ndarray:
     """A ``{case}.npz`` back: float16 (K, Z, Y, X), 2 bytes a voxel per output (decompressed in chunks into that
     array: ``READ_BUFFER_BYTES`` beside it). Raises ``InputError`` naming the file when it is not such a file or
     its outputs are not ``scheme``'s (another dataset's labels)."""
-    names = scheme.names if scheme.has_regions else ("background", *scheme.names)
-    activation = "sigmoid" if scheme.has_regions else "softmax"
+    names, activation = _outputs_of(scheme)
     try:
         with np.load(path, allow_pickle=False) as npz:
             found_names, found_activation = tuple(str(n) for n in npz["names"]), str(npz["activation"])
