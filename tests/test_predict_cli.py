@@ -154,7 +154,7 @@ def test_tta_and_tile_batch_choices_change_speed_not_labels(capsys, caplog, trai
     run("one_tile", "--tta", "2", "--tile-batch-size", "1")
     caplog.set_level("INFO", logger="autoseg")
     run("auto", "--tta", "2", "--verbose")
-    assert "(2 mirror variant(s) per tile), accumulator float32 on cpu; predicted peak" in caplog.text
+    assert "(2 mirror variant(s) per tile), accumulator float16 on cpu; predicted peak" in caplog.text
     assert "tile batch 4" in caplog.text  # the CPU cap: the tiny network fits many
     for name, labels in _labels(tmp_path / "one_tile").items():
         differ = np.count_nonzero(labels != _labels(tmp_path / "auto")[name])

@@ -195,6 +195,8 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
                              cache_dir=cache_dir(os.environ))
     window = {"mirror": not args.no_mirror, "tile_batch_size": args.tile_batch_size, "tta": args.tta,
               "tile": args.tile, "device": resolve_device(args.device)}
+    if args.accumulator is not None:  # else predict's default (PREDICTION_ACCUMULATOR)
+        window["accumulator"] = args.accumulator
     if args.config is None and ws.inference_path.is_file():  # autoseg find-best's choice
         choice = InferenceChoice.from_json(ws.inference_path)
         print(f"following {ws.inference_path}: {' + '.join(choice.configurations)}, fold(s) "

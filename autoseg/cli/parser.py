@@ -194,6 +194,10 @@ def _add_predict_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tile-batch-size", type=_tile_batch, default=None, metavar="auto|N",
                    help="(tile, mirror variant) inputs per forward pass: auto (the default) takes the largest the "
                         "memory model predicts to fit, at most 4 on CPU; N caps it at N")
+    p.add_argument("--accumulator", default=None, metavar="float16|float32",
+                   help="the dtype of the sliding window's running mean of logits (its largest buffer: classes x "
+                        "a tile's depth x the image's plane): float16 (the default: half the bytes; labels within "
+                        "0.1%% of float32's, docs/prediction.md) or float32")
     p.add_argument("--tile", choices=["planned", "patch"], default="planned",
                    help="the sliding window's tile: planned (the default: plans.json's inference_patch_size, up to "
                         "the median image and twice the training patch per axis where memory allows; consecutive "

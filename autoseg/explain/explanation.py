@@ -26,6 +26,7 @@ from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
 from autoseg.memory.training import TrainingMemory, simulate_training_step
+from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
 from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
@@ -274,7 +275,8 @@ def _inference_cached(topology: NetworkTopology, tile_size: tuple[int, ...], ste
                       device: str) -> InferenceMemory:
     return inference_memory(topology, tile_size, 1, image_shape_zyx, num_outputs, precision,
                             mirror_axes=tuple(range(topology.dim)), step_fraction=step_fraction, device=device,
-                            output_dtype=None)  # predict exports each slab as it is finished (SlabExport)
+                            output_dtype=None,  # predict exports each slab as it is finished (SlabExport)
+                            accumulator_dtype=PREDICTION_ACCUMULATOR)
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:

@@ -35,7 +35,13 @@ from autoseg.memory.device import predict_device_peak
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
-from autoseg.model.tile_buffers import allocate_buffers, inference_buffer_bytes
+from autoseg.model.tile_buffers import (
+    PREDICTION_ACCUMULATOR,
+    allocate_buffers,
+    finish_chunk_slices,
+    finish_temp_bytes,
+    inference_buffer_bytes,
+)
 from autoseg.model.tiles import accumulator_depth, clear_gaussian_cache, patch_as_zyx, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants
@@ -75,7 +81,8 @@ class InferenceMemory:
 
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                              precision: str = "fp32", mirror_axes: Sequence[int] = (),
-                             tta: int | None = None, cache: MachineCache | None = None) -> tuple[int, int, int, int]:
+                             tta: int | None = None, cache: MachineCache | None = None,
+                             accumulator_dtype: str = "float32") -> tuple[int, int, int, int]:
     """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
     ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
     (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
@@ -87,12 +94,13 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
     """
     autocast_dtype(precision)  # an unknown name says what to use
     args = (topology, tuple(int(p) for p in patch_size), int(tile_batch_size), "bf16" if precision == "fp16"
-            else precision, tuple(int(a) for a in mirror_axes), tta)
+            else precision, tuple(int(a) for a in mirror_axes), tta, accumulator_dtype)
     cache = cache or kept_simulations()  # the planner's inference tile: the command's cache
     if cache is None:
         return _simulate_cached(*args)
     key = {"code": _simulated_code_digest(), "torch": torch.__version__, "topology": asdict(topology),
-           "tile": args[1], "tile_batch": args[2], "precision": args[3], "mirror_axes": args[4], "tta": args[5]}
+           "tile": args[1], "tile_batch": args[2], "precision": args[3], "mirror_axes": args[4], "tta": args[5],
+           "accumulator": args[6]}
     value, _ = cache.kept("inference_simulation", key, lambda: list(_simulate_cached(*args)), SIMULATIONS_KEPT)
     return tuple(int(v) for v in value)  # type: ignore[return-value]
 
@@ -114,7 +122,8 @@ _SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "
 
 @functools.lru_cache(maxsize=64)
 def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
-                     precision: str, mirror_axes: tuple[int, ...], tta: int | None) -> tuple[int, int, int, int]:
+                     precision: str, mirror_axes: tuple[int, ...], tta: int | None,
+                     accumulator_dtype: str) -> tuple[int, int, int, int]:
     variants = mirror_variants(mirror_axes, tta)
     one_tile = tile_layout(patch_as_zyx(patch_size), patch_size)  # patch-sized stand-ins for the buffers
     cpu = torch.device("cpu")
@@ -125,7 +134,7 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
         params = sum(p.numel() * p.element_size() for p in network.parameters())
         image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
         buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu,  # no real Gaussian
-                                   on_slab=_discard)
+                                   on_slab=_discard, accumulator_dtype=accumulator_dtype)
         del image
         items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
         tracker.mark("tiles")
@@ -149,7 +158,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
                      mirror_axes: Sequence[int] = (), step_fraction: float | Sequence[float] = 0.5,
                      tta: int | None = None, accumulator_on_device: bool = True, device: str = "cpu",
                      output_dtype: str | None = "float32", num_networks: int = 1,
-                     cache: MachineCache | None = None) -> InferenceMemory:
+                     cache: MachineCache | None = None, accumulator_dtype: str = "float32") -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
@@ -159,7 +168,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     the output counts); ``output_dtype``: the probabilities' (``sliding_window_predict``; None: no output, the
     slabs go to a sink that the caller counts). ``num_networks``: the folds predicted together (each one's
     parameters are held; one forward pass runs at a time). ``cache``: keep the simulation between runs
-    (``simulate_tile_prediction``).
+    (``simulate_tile_prediction``). ``accumulator_dtype``: a key of ``ACCUMULATOR_DTYPES``.
     """
     if num_outputs != topology.num_outputs:
         raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
@@ -171,15 +180,19 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
-                                                         mirror_axes, tta, cache)
+                                                         mirror_axes, tta, cache, accumulator_dtype)
     params *= num_networks
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
                                      num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction,
-                                     device=device)
-    temp = buffers["weight_map"]  # a finished slab's softmax: one (slices x Yp x Xp) fp32 map, the window's at most
+                                     device=device, accumulator_dtype=accumulator_dtype)
+    depth = accumulator_depth(layout, variants, batch)
+    temp = finish_temp_bytes(depth, math.prod(layout.padded_shape_zyx[1:]), num_outputs, accumulator_dtype)
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
     # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
-    logit_copies = (batch + 1) * num_outputs * math.prod(patch_size) * element_bytes(precision)
+    # (and, adding a tile: its share g / W, and for float16 the region's fp32 copy)
+    patch_voxels = math.prod(patch_size)
+    logit_copies = ((batch + 1) * num_outputs * patch_voxels * element_bytes(precision) + patch_voxels * 4
+                    + (num_outputs * patch_voxels * 4 if accumulator_dtype == "float16" else 0))
     output_here = buffers["output"] if device == "cpu" else 0  # the output lives on the host
     host = (buffers["output"] if device != "cpu" else 0) + (0 if accumulator_on_device else held + logit_copies)
     on_device = (held if accumulator_on_device else 0) + params + buffers["padded_input"] + output_here
@@ -192,17 +205,19 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
         gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
         softmax_temp_bytes=temp if accumulator_on_device else 0, output_bytes=output_here,
         peak_bytes=max(tiles, finishing), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
-        tile_batch_size=batch, accumulator_depth=accumulator_depth(layout, variants, batch),
+        tile_batch_size=batch, accumulator_depth=depth,
         host_accumulator_bytes=host)
 
 
 def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
                             tile_batch_size: int = 1, precision: str = "fp32",
                             mirror_axes: Sequence[int] = (), tta: int | None = None,
-                            output_dtype: str = "float32", step_fraction: float | Sequence[float] = 0.5) -> int:
+                            output_dtype: str | None = "float32", step_fraction: float | Sequence[float] = 0.5,
+                            accumulator_dtype: str = "float32") -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
     parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
-    is not counted (the prediction copies it into its padded input, which is). Leaves the caller's RNG alone.
+    is not counted (the prediction copies it into its padded input, which is). ``output_dtype`` None: the slabs
+    go to a sink that keeps nothing. Leaves the caller's RNG alone.
     """
     clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
     tracker = StorageTracker()
@@ -213,7 +228,9 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
         probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
                                                mirror_axes=tuple(mirror_axes), tta=tta, step_fraction=step_fraction,
                                                tile_batch_size=tile_batch_size, precision=precision,
-                                               output_dtype=output_dtype)
+                                               output_dtype=output_dtype or "float32",
+                                               accumulator_dtype=accumulator_dtype,
+                                               on_slab=_discard if output_dtype is None else None)
         del probabilities, network
     clear_gaussian_cache()
     return tracker.peak_bytes
@@ -243,9 +260,9 @@ class InferencePlan:
 
     tile_batch_size: int
     accumulator_device: str  # "cuda" or "cpu"
-    accumulator_dtype: str  # always "float32": a tile corner's Gaussian x logit underflows fp16
+    accumulator_dtype: str  # a key of ACCUMULATOR_DTYPES: the caller's (prediction: PREDICTION_ACCUMULATOR)
     num_variants: int  # mirror variants per tile
-    slab_depth: int  # the most z-slices one finished slab holds (the accumulator's depth)
+    slab_depth: int  # the most z-slices one finished slab holds (``finish_chunk_slices`` of the accumulator's depth)
     peak_bytes: int
     host_accumulator_bytes: int
     budget_bytes: int
@@ -265,7 +282,8 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
                    mirror_axes: Sequence[int] = (), tta: int | None = None,
                    step_fraction: float | Sequence[float] = 0.5, max_tile_batch: int | None = None,
                    output_dtype: str | None = "float32", num_networks: int = 1,
-                   cache: MachineCache | None = None) -> InferencePlan:
+                   cache: MachineCache | None = None,
+                   accumulator_dtype: str = PREDICTION_ACCUMULATOR) -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
@@ -273,7 +291,8 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     ``cpu_tile_batch_cap`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
     number of (tile, variant) pairs. Device memory is nearly affine in the batch (the accumulator's z-window
     grows with the z-span of a batch): two simulations (batch 1, 2) estimate the batch, a third checks it and
-    the batch shrinks until it fits. ``output_dtype``, ``num_networks``, ``cache``: as ``inference_memory``.
+    the batch shrinks until it fits. ``output_dtype``, ``num_networks``, ``cache``, ``accumulator_dtype``: as
+    ``inference_memory``.
     """
     num_variants = len(mirror_variants(mirror_axes, tta))
     num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
@@ -284,7 +303,7 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
         mem = inference_memory(topology, patch_size, batch, image_shape_zyx, num_outputs, precision,
                                mirror_axes, step_fraction, tta, on_device, device, output_dtype, num_networks,
-                               cache)
+                               cache, accumulator_dtype)
         return mem, predict_device_peak(mem, device)["total"]
 
     placements = (True,) if device == "cpu" else (True, False)
@@ -304,15 +323,16 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
                 break
             batch -= 1
         best = max((c for c in choices if c[1] == acc_device and c[2] <= budget_bytes), key=lambda c: c[0])
-        return _inference_plan(best, choices, num_variants, budget_bytes, True)
-    return _inference_plan(choices[-1], choices, num_variants, budget_bytes, False)
+        return _inference_plan(best, choices, num_variants, budget_bytes, True, accumulator_dtype, num_outputs)
+    return _inference_plan(choices[-1], choices, num_variants, budget_bytes, False, accumulator_dtype, num_outputs)
 
 
 def _inference_plan(best: tuple[int, str, int, InferenceMemory], choices: list, num_variants: int,
-                    budget_bytes: int, fits: bool) -> InferencePlan:
+                    budget_bytes: int, fits: bool, accumulator_dtype: str, num_outputs: int) -> InferencePlan:
     batch, acc_device, total, mem = best
     others = tuple((b, d, t) for b, d, t, _ in choices if (b, d) != (batch, acc_device))
-    return InferencePlan(tile_batch_size=batch, accumulator_device=acc_device, accumulator_dtype="float32",
-                         num_variants=num_variants, slab_depth=mem.accumulator_depth, peak_bytes=total,
+    return InferencePlan(tile_batch_size=batch, accumulator_device=acc_device, accumulator_dtype=accumulator_dtype,
+                         num_variants=num_variants, peak_bytes=total,
+                         slab_depth=finish_chunk_slices(mem.accumulator_depth, num_outputs, accumulator_dtype),
                          host_accumulator_bytes=mem.host_accumulator_bytes, budget_bytes=budget_bytes, fits=fits,
                          choices=((batch, acc_device, total), *others))

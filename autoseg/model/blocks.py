@@ -8,6 +8,8 @@ only in what its encoder stages hold.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -62,6 +64,39 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         return self.convs(torch.cat((self.upsample(x), skip), dim=1))
 
+    def forward_releasing(self, maps: list[torch.Tensor]) -> torch.Tensor:
+        """``forward(maps.pop(), maps.pop())`` for inference (no autograd), with fewer maps alive at once: the
+        concatenation is allocated first and filled in place, each input released as soon as it is copied
+        (``maps`` holds the only references), and the conv blocks' modules run one at a time, so one input and one
+        output are alive. The stage's peak, in maps of its output: the concatenation (2), the coarse map and its
+        upsampling (1) against ``forward``'s 6 (the concatenation, the conv stage's input held while its blocks
+        run, the skip, the upsampling, a conv block's input, output and norm): on a 48x192x160 tile of 32 features
+        1310 -> 650 MiB, the largest tensor memory of CPU prediction (docs/prediction.md)."""
+        skip = maps[-2]
+        dtype = torch.promote_types(skip.dtype, _upsampled_dtype(maps[-1]))  # torch.cat's
+        merged = skip.new_empty((skip.shape[0], 2 * skip.shape[1], *skip.shape[2:]), dtype=dtype)
+        del skip
+        merged[:, merged.shape[1] // 2:].copy_(maps.pop(-2))  # the skip, released after the copy
+        merged[:, :merged.shape[1] // 2].copy_(self.upsample(maps.pop()))  # the coarse map, then its upsampling
+        for module in _modules_in_order(self.convs):
+            merged = module(merged)  # the input is released as soon as the output exists
+        return merged
+
+
+def _upsampled_dtype(coarse: torch.Tensor) -> torch.dtype:
+    """The dtype of a transposed convolution's output on ``coarse``: autocast's where it is on, else the input's."""
+    device = coarse.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else coarse.dtype
+
+
+def _modules_in_order(module: nn.Module) -> Iterator[nn.Module]:
+    """The modules a (nested) ``nn.Sequential`` calls, in order; any other module is itself."""
+    if isinstance(module, nn.Sequential):
+        for child in module:
+            yield from _modules_in_order(child)
+    else:
+        yield module
+
 
 def _run(module: nn.Module, use_checkpoint: bool, *inputs: torch.Tensor) -> torch.Tensor:
     """Call ``module``; with ``use_checkpoint`` keep only its inputs and recompute the inside in backward."""
@@ -115,12 +150,15 @@ class UNet(nn.Module):
         for stage in self.encoder:
             x = _run(stage, use_checkpoint, x)
             skips.append(x)
-        x = skips.pop()  # the bottleneck output feeds the lowest decoder stage
-        logits: list[torch.Tensor] = []
-        for s in reversed(range(len(self.decoder))):
-            x = _run(self.decoder[s], use_checkpoint, x, skips[s])
+        del x  # maps: every stage's output; the last one (the bottleneck's) feeds the lowest decoder stage
+        maps, logits = skips, []
+        for s in reversed(range(len(self.decoder))):  # each replaces the last two maps with its output
+            if torch.is_grad_enabled():  # autograd keeps what backward reads, whatever is released here
+                maps.append(_run(self.decoder[s], use_checkpoint, maps.pop(), maps.pop()))
+            else:
+                maps.append(self.decoder[s].forward_releasing(maps))
             if self.deep_supervision or s == 0:
-                logits.append(self.seg_heads[s](x))
+                logits.append(self.seg_heads[s](maps[-1]))
         return logits[::-1] if self.deep_supervision else logits[-1]
 
     def _check_input(self, x: torch.Tensor) -> None:

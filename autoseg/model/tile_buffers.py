@@ -17,7 +17,29 @@ from autoseg.model.tiles import TileLayout, accumulator_depth, gaussian_importan
 
 # The output's dtypes: float16 halves the largest array prediction holds (K x the image) at 1e-3 precision.
 OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+# The accumulator's dtypes. float16 halves the largest buffer of the sliding window (K x D x Yp x Xp: 624 -> 312 MiB
+# for 13 classes, 48 slices of 512 x 512), as nnU-Net's half-precision logits do; its 11-bit precision changed
+# the labels of at most 0.1% of voxels, at class boundaries (tests/model/test_sliding_window_reference.py).
+ACCUMULATOR_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+PREDICTION_ACCUMULATOR = "float16"  # what prediction, validation and the planned inference tile use unless told
+FLOAT16_MAX = 65504.0  # float16's largest value: a float16 accumulator's mean logits are clamped to it
 _FP32_BYTES = 4
+
+
+def finish_chunk_slices(depth: int, num_outputs: int, accumulator_dtype: str) -> int:
+    """z-slices finished at once: float32, all of a finished range in place; float16, ``depth // (K + 1)`` (at
+    least 1) at a time, each copied to float32 first, so the copy and its softmax temporary hold at most the
+    (D x Yp x Xp) fp32 map the float32 path's temporary holds."""
+    return depth if accumulator_dtype == "float32" else max(1, depth // (num_outputs + 1))
+
+
+def finish_temp_bytes(depth: int, plane_voxels: int, num_outputs: int, accumulator_dtype: str) -> int:
+    """Bytes of finishing the accumulator's slices beside the buffers: float32, the softmax's (slices x Yp x Xp)
+    fp32 temporary; float16, a chunk's fp32 copy (K x chunk x Yp x Xp) and that temporary (``plane_voxels``: Yp x
+    Xp)."""
+    chunk = finish_chunk_slices(depth, num_outputs, accumulator_dtype)
+    copies = 0 if accumulator_dtype == "float32" else num_outputs
+    return (copies + 1) * chunk * plane_voxels * _FP32_BYTES
 
 def inference_buffer_bytes(
     image_shape_zyx: Sequence[int],
@@ -30,16 +52,17 @@ def inference_buffer_bytes(
     output_dtype: str | None = "float32",
     step_fraction: float | Sequence[float] = 0.5,
     device: str = "cpu",
+    accumulator_dtype: str = "float32",
 ) -> dict[str, int]:
-    """Bytes held by ``sliding_window_predict``'s buffers (fp32; the logits in ``precision``'s compute dtype),
-    network activations excluded.
+    """Bytes held by ``sliding_window_predict``'s buffers (fp32; the accumulator in ``accumulator_dtype``, the
+    logits in ``precision``'s compute dtype), network activations excluded.
 
     Keys: ``padded_input`` (C x Zp x Yp x Xp; 0 on CPU when the image needs no padding: the input itself is read),
     ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``), ``weight_map`` (D x Yp x Xp), ``gaussian``
     (patch), ``output`` (K x Z x Y x X in ``output_dtype``, on the host; 0 for None: the slabs go to ``on_slab``),
     ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch), and ``total``. ``Zp, Yp, Xp`` is the image
     padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits flipped back)
-    and the (D x Yp x Xp) fp32 temporary of a finished slab's softmax.
+    and finishing a slab's slices (``finish_temp_bytes``).
     """
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     reads_input = device == "cpu" and not layout.pads
@@ -48,7 +71,7 @@ def inference_buffer_bytes(
     patch_voxels = math.prod(patch_size)
     sizes = {
         "padded_input": 0 if reads_input else in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
-        "accumulator": num_outputs * window * _FP32_BYTES,
+        "accumulator": num_outputs * window * ACCUMULATOR_DTYPES[accumulator_dtype].itemsize,
         "weight_map": window * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
         "output": 0 if output_dtype is None else
@@ -74,8 +97,8 @@ class TileBuffers:
     only: slices before ``z0`` are final and have gone to ``on_slab``."""
 
     padded_input: torch.Tensor  # (C, Zp, Yp, Xp) fp32 (on CPU the input itself when it needs no padding)
-    accumulator: torch.Tensor  # (K, D, Yp, Xp) fp32, sum over networks, tiles and mirror variants of Gaussian x logits
-    weight_map: torch.Tensor  # (D, Yp, Xp) fp32, sum over tiles of the Gaussian
+    accumulator: torch.Tensor  # (K, D, Yp, Xp), Gaussian-weighted mean logits over networks, tiles and variants
+    weight_map: torch.Tensor  # (D, Yp, Xp) fp32, sum of the Gaussian over every (network, tile, variant) added
     gaussian: torch.Tensor  # (*patch) fp32, cached and shared
     on_slab: SlabSink  # where finished slabs go
     output: torch.Tensor | None = None  # (K, Z, Y, X) probabilities of the unpadded image on the host, or None
@@ -92,10 +115,12 @@ def allocate_buffers(
     depth: int | None = None,
     output_dtype: str = "float32",
     on_slab: SlabSink | None = None,
+    accumulator_dtype: str = "float32",
 ) -> TileBuffers:
     """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input (on CPU, an
     image that needs no padding is read where it is). ``depth``: the accumulator's z-slices
-    (``accumulator_depth``; None: all). ``on_slab`` None: an ``output_dtype`` output receives the slabs."""
+    (``accumulator_depth``; None: all). ``on_slab`` None: an ``output_dtype`` output receives the slabs.
+    ``accumulator_dtype``: a key of ``ACCUMULATOR_DTYPES``."""
     padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
     if device.type == "cpu" and not layout.pads and data.device.type == "cpu":
         padded_input = data  # read only: tiles are copied out of it
@@ -106,10 +131,10 @@ def allocate_buffers(
         # and it re-derives the placement that tile_layout owns.
         padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
         padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
-    # K x D x Yp x Xp fp32: the z-slices tiles still add to. fp32, not fp16: a tile corner's Gaussian (exp(-24)
-    # for a 3D patch) times a logit underflows fp16 (smallest subnormal 6e-8).
+    # K x D x Yp x Xp: the z-slices tiles still add to
     window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
-    accumulator = torch.zeros((num_outputs, *window), dtype=torch.float32, device=accumulator_device)
+    accumulator = torch.zeros((num_outputs, *window), dtype=ACCUMULATOR_DTYPES[accumulator_dtype],
+                              device=accumulator_device)
     weight_map = torch.zeros(window, dtype=torch.float32, device=accumulator_device)  # D x Yp x Xp fp32
     if use_gaussian:
         gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)

@@ -6,10 +6,11 @@ training patch. A larger tile means fewer tiles, and with the overlap kept at ha
 (``autoseg.model.sliding_window.overlap_step_fractions``) less of each tile is predicted twice. The planned tile
 grows from the patch up to the smallest valid tile that covers the median image and at most
 ``MAX_TILE_MULTIPLE`` patches per axis, and shrinks until the memory model (``autoseg.memory.inference``)
-predicts the sliding window on the median image, one tile per forward pass and the accumulator on the device, to
-fit the device's inference budget (``inference_budget_share``); where even the patch does not fit so, it is the
-patch. Per image, each axis then takes the size up to the planned one, never larger than the image, that
-predicts the fewest voxels (``tile_for_image``): a tile padded beyond the image lost Dice (docs/prediction.md).
+predicts the sliding window on the median image, one tile per forward pass and the accumulator (prediction's
+``PREDICTION_ACCUMULATOR`` dtype) on the device, to fit the device's inference budget (``inference_budget_share``);
+where even the patch does not fit so, it is the patch. Per image, each axis then takes the size up to the planned
+one, never larger than the image, that predicts the fewest voxels (``tile_for_image``): a tile padded beyond the
+image lost Dice (docs/prediction.md).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import math
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.inference import inference_memory
+from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.plan.plans import ConfigurationPlan
 
@@ -66,7 +68,7 @@ def plan_inference_tile(config: ConfigurationPlan, memory_bytes: int) -> tuple[i
     precision = effective_precision(config.precision, config.device)
     for tile in candidates:
         mem = inference_memory(config.network, tile, 1, median, config.network.num_outputs, precision,
-                               mirror_axes=tuple(range(config.dim)))
+                               mirror_axes=tuple(range(config.dim)), accumulator_dtype=PREDICTION_ACCUMULATOR)
         if predict_device_peak(mem, config.device)["total"] <= budget:
             return tile
     return tuple(config.patch_size)

@@ -43,7 +43,7 @@ from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import sliding_window_predict
-from autoseg.model.tile_buffers import OUTPUT_DTYPES
+from autoseg.model.tile_buffers import ACCUMULATOR_DTYPES, OUTPUT_DTYPES, PREDICTION_ACCUMULATOR
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
@@ -114,14 +114,15 @@ def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, conf
 def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                   config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
                   step_fraction: float = 0.5, probabilities_path: Path | None = None, tta: str | None = None,
-                  verbose: bool = False, tile: str = "planned") -> tuple[np.ndarray, CaseProperties]:
+                  verbose: bool = False, tile: str = "planned",
+                  accumulator: str = PREDICTION_ACCUMULATOR) -> tuple[np.ndarray, CaseProperties]:
     """Label map (Z, Y, X) of ``data`` (C, Z, Y, X) float32 in its own grid; with ``probabilities_path``
     the probabilities are written there too (``ProbabilityFile``, atomically). The stages one after the other:
     ``preprocess_case``, then ``predict_labels`` (or ``predict_probabilities`` and ``export_prediction``).
     ``tile``: the sliding window's tile, "planned" (the plan's inference tile) or "patch" (the training patch)."""
     data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
     window = {"mirror": mirror, "tile_batch_size": tile_batch_size, "device": device, "step_fraction": step_fraction,
-              "tta": tta, "verbose": verbose, "tile": tile}
+              "tta": tta, "verbose": verbose, "tile": tile, "accumulator": accumulator}
     if probabilities_path is None:
         return predict_labels(data, props, case_id, networks, plans, config, **window), props
     probabilities = predict_probabilities(data, case_id, networks, plans, config, **window)
@@ -160,21 +161,22 @@ def predict_labels(data: np.ndarray, props: CaseProperties, case_id: str, networ
 def _sliding_window(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                     config: ConfigurationPlan, *, on_slab: Callable | None, mirror: bool, tile_batch_size: int | None,
                     device: str, step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False,
-                    tile: str = "planned", cache: MachineCache | None = None) -> torch.Tensor | None:
+                    tile: str = "planned", cache: MachineCache | None = None,
+                    accumulator: str = PREDICTION_ACCUMULATOR) -> torch.Tensor | None:
     """``sliding_window_predict`` over every fold at once with the plan's settings: the probabilities (float16,
     ``on_slab`` None) or nothing (each slab went to ``on_slab``). ``tta``: the ``--tta`` flag (all, none, or the
     first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none. ``tile_batch_size`` None: the
     largest batch, and the accumulator's place, that ``plan_inference`` predicts to fit (``inference_plan``).
     ``tile``: "planned" or "patch", this image's tile (``tile_for_image``); consecutive tiles overlap by
     ``1 - step_fraction`` of the training patch (``overlap_step_fractions``). ``cache``: memory simulations kept
-    between runs."""
+    between runs. ``accumulator``: the accumulator's dtype (``ACCUMULATOR_DTYPES``)."""
     mirror_axes = tuple(range(config.dim)) if mirror else ()
     variants = parse_tta((tta or default_tta(device)) if mirror else "none", len(mirror_axes))
     scheme = plans.label_scheme
     precision = effective_precision(config.precision, device)
     window = inference_plan(config, data.shape[1:], scheme.num_outputs, device, precision, mirror_axes, variants,
                             step_fraction, tile_batch_size, tile, streamed=on_slab is not None,
-                            num_networks=len(networks), cache=cache)
+                            num_networks=len(networks), cache=cache, accumulator=accumulator)
     tile_size = tile_for_image(config, data.shape[1:], tile, step_fraction)
     steps = overlap_step_fractions(tile_size, config.patch_size, step_fraction)
     (log.info if verbose else log.debug)(
@@ -185,7 +187,7 @@ def _sliding_window(data: np.ndarray, case_id: str, networks: list[torch.nn.Modu
         networks, data, tile_size, scheme.num_outputs, step_fraction=steps, mirror_axes=mirror_axes, tta=variants,
         tile_batch_size=window.tile_batch_size, device=device, accumulator_device=window.accumulator_device,
         precision=precision, activation="sigmoid" if scheme.has_regions else "softmax",
-        output_dtype=PROBABILITIES_DTYPE, on_slab=on_slab)
+        output_dtype=PROBABILITIES_DTYPE, on_slab=on_slab, accumulator_dtype=window.accumulator_dtype)
 
 
 def export_prediction(probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme,
@@ -211,18 +213,19 @@ def default_tta(device: str) -> str:
 def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], num_outputs: int, device: str,
                    precision: str, mirror_axes: tuple[int, ...], variants: int, step_fraction: float,
                    tile_batch_size: int | None, tile: str = "planned", streamed: bool = True,
-                   num_networks: int = 1, cache: MachineCache | None = None) -> InferencePlan:
+                   num_networks: int = 1, cache: MachineCache | None = None,
+                   accumulator: str = PREDICTION_ACCUMULATOR) -> InferencePlan:
     """How the sliding window runs on this image with ``tile`` ("planned" or "patch": ``_sliding_window``),
     chosen before it starts (``plan_inference``) within ``inference_budget_bytes(device)``; a given
     ``tile_batch_size`` caps the batch at that number. ``streamed``: the slabs go to a ``SlabExport`` (no
     output volume); else a float16 output. ``num_networks``: the folds predicted together. ``cache``: memory
-    simulations kept between runs (``simulate_tile_prediction``)."""
+    simulations kept between runs (``simulate_tile_prediction``). ``accumulator``: its dtype."""
     tile_size = tile_for_image(config, tuple(image_shape_zyx), tile, step_fraction)
     return plan_inference(config.network, tile_size, tuple(image_shape_zyx), num_outputs,
                           inference_budget_bytes(device), device, precision, mirror_axes, variants,
                           overlap_step_fractions(tile_size, config.patch_size, step_fraction),
                           max_tile_batch=tile_batch_size, output_dtype=None if streamed else PROBABILITIES_DTYPE,
-                          num_networks=num_networks, cache=cache)
+                          num_networks=num_networks, cache=cache, accumulator_dtype=accumulator)
 
 
 def inference_budget_bytes(device: str) -> int:
@@ -238,14 +241,16 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
             folds: tuple[int, ...] | None = None, checkpoint: str = "final", mirror: bool = True,
             tile_batch_size: int | None = None, device: str = "cpu", progress: bool = True,
             options: PredictOptions = PredictOptions(), tta: str | None = None, tile: str = "planned",
-            postprocessing: Postprocessing = Postprocessing()) -> list[Path]:
+            postprocessing: Postprocessing = Postprocessing(), accumulator: str = PREDICTION_ACCUMULATOR) -> list[Path]:
     """Segment every case in ``inputs`` (folder, file or folder of DICOM series) with the trained folds; write
     into ``output_dir``; the label maps written. ``config_name`` None: the plan's default configuration
     (3d_fullres if planned, else the first). Cases are read ahead and exported behind on background threads
     (``plan_pipeline``). Cases with bad input are skipped and listed at the end (``CasesFailedError``) unless
     ``options.fail_fast``. ``tile``: "planned" (the plan's inference tile) or "patch" (the training patch).
     ``postprocessing``: applied to each label map before it is written (``--save-probabilities`` keeps the
-    probabilities as predicted), as ``autoseg find-best`` chose it (``autoseg.predict.chosen``)."""
+    probabilities as predicted), as ``autoseg find-best`` chose it (``autoseg.predict.chosen``). ``accumulator``:
+    the sliding window's accumulator dtype, float16 (the default: half the bytes, labels within 0.1% of float32's)
+    or float32."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)
@@ -257,6 +262,8 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     tta = (tta or default_tta(device)) if mirror else "none"
     parse_tta(tta, config.dim)  # a bad --tta fails before any work, not once per case
     config.inference_tile(tile)  # a bad tile choice too
+    if accumulator not in ACCUMULATOR_DTYPES:
+        raise InputError(f"--accumulator {accumulator!r}: use one of {', '.join(sorted(ACCUMULATOR_DTYPES))}")
     check_postprocessing(postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
     networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
@@ -272,12 +279,13 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     cache = MachineCache(options.cache_dir) if options.cache_dir is not None else None
     segment = partial(_segment_case, networks=networks, plans=plans, config=config, mirror=mirror,
                       tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile,
-                      cache=cache, postprocessing=postprocessing)
+                      cache=cache, postprocessing=postprocessing, accumulator=accumulator)
     window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
                      precision=effective_precision(config.precision, device),
                      mirror_axes=tuple(range(config.dim)) if mirror else (),
                      variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size,
-                     tile=tile, streamed=not options.save_probabilities, num_networks=len(networks), cache=cache)
+                     tile=tile, streamed=not options.save_probabilities, num_networks=len(networks), cache=cache,
+                     accumulator=accumulator)
     try:
         return _predict_cases(found, plans, config, segment, window, output_dir, options, progress,
                               postprocessed=not postprocessing.is_identity)

@@ -26,19 +26,23 @@ TOPO2D = NetworkTopology(dim=2, in_channels=1, num_outputs=4, features_per_stage
                          kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)))
 
 
-@pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch", "output"), [
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32"),  # batch 4: half a tile's 8 variants
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5, "float16"),  # 5 pairs of 3 variants: tiles split across passes
-    (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, "float16"),  # long in z: the accumulator holds a window
-    (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6, "float32"),  # no TTA, 2D: tiles of different slices share a pass
+@pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch", "output", "accumulator"), [
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32", "float32"),  # batch 4: half of 8 variants
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32", "float16"),
+    (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5, "float16", "float16"),  # 5 pairs of 3 variants: tiles split
+    (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, "float16", "float32"),  # long in z: the accumulator's window
+    (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, None, "float16"),  # slabs to a sink, finished 1 slice at a time
+    (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6, "float32", "float16"),  # no TTA, 2D: slices share a pass
 ])
-def test_planned_peak_matches_the_real_sliding_window(topology, patch, shape, axes, tta, max_batch, output):
+def test_planned_peak_matches_the_real_sliding_window(topology, patch, shape, axes, tta, max_batch, output,
+                                                      accumulator):
     plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta,
-                          max_tile_batch=max_batch, output_dtype=output)
-    assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == "float32"
+                          max_tile_batch=max_batch, output_dtype=output, accumulator_dtype=accumulator)
+    assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == accumulator
     assert plan.tile_batch_size == (max_batch or CPU_MAX_TILE_BATCH)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(topology, data, patch, plan.tile_batch_size, "fp32", axes, tta, output)
+    measured = measure_inference_bytes(topology, data, patch, plan.tile_batch_size, "fp32", axes, tta, output,
+                                       accumulator_dtype=accumulator)
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
 
@@ -48,7 +52,7 @@ def test_largest_batch_within_the_budget():
     peaks = {b: predict_device_peak(inference_memory(*args[:2], b, *args[3:]), "cpu")["total"] for b in (3, 4)}
     assert peaks[4] > peaks[3]
     plan = plan_inference(TOPO3D, (8, 16, 16), (10, 20, 30), 3, peaks[3], "cpu", mirror_axes=(0, 1, 2),
-                          max_tile_batch=16)
+                          max_tile_batch=16, accumulator_dtype="float32")
     assert plan.tile_batch_size == 3 and plan.peak_bytes == peaks[3] and plan.fits
     assert plan.choices[0] == (3, "cpu", peaks[3])
     assert all(total > peaks[3] for batch, _, total in plan.choices if batch > 3)
@@ -69,7 +73,8 @@ def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     assert on_device.softmax_temp_bytes == finishing > on_device.tile_bytes
     assert on_device.peak_bytes - on_host.peak_bytes == held + finishing - on_device.tile_bytes
     assert on_device.host_accumulator_bytes == output
-    assert on_host.host_accumulator_bytes == output + held + 2 * 3 * math.prod(patch) * 4  # + logits, one flipped
+    # + the logits, one tile's flipped back and its share g / W
+    assert on_host.host_accumulator_bytes == output + held + (2 * 3 + 1) * math.prod(patch) * 4
     on_cpu = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2))
     # on CUDA a copy of the image; on CPU the image itself is read (no padding)
     padded_input = TOPO3D.in_channels * math.prod(shape) * 4
@@ -77,7 +82,7 @@ def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     streamed = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), output_dtype=None)
     assert on_cpu.peak_bytes - streamed.peak_bytes == output and streamed.accumulator_depth == 8
     budget = predict_device_peak(on_device, "cuda")["total"] - 1  # the accumulator no longer fits beside a tile
-    plan = plan_inference(TOPO3D, patch, shape, 3, budget, "cuda", mirror_axes=(0, 1, 2))
+    plan = plan_inference(TOPO3D, patch, shape, 3, budget, "cuda", mirror_axes=(0, 1, 2), accumulator_dtype="float32")
     assert plan.accumulator_device == "cpu" and plan.fits and plan.tile_batch_size >= 1
     assert plan.peak_bytes <= budget and plan.host_accumulator_bytes > 0
     assert "accumulator float32 on cpu" in plan.describe()
@@ -105,7 +110,7 @@ def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the
                           step_fraction=steps)
     data = np.random.default_rng(1).standard_normal((topology.in_channels, *shape)).astype(np.float32)
     measured = measure_inference_bytes(topology, data, tile, plan.tile_batch_size, "fp32", axes, tta,
-                                       step_fraction=steps)
+                                       step_fraction=steps, accumulator_dtype=plan.accumulator_dtype)
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
     patch_plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes,

@@ -188,6 +188,40 @@ def test_checkpointing_stores_fewer_activations_and_is_off_outside_training(arch
     assert _count_saved_tensors(ckpt, x) == n_plain
 
 
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("deep_supervision", [False, True])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_inference_forward_releases_maps_early_and_gives_the_same_logits(
+        architecture: str, deep_supervision: bool, autocast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without autograd the decoder releases each map as soon as it is read (``DecoderStage.forward_releasing``):
+    the logits of the autograd forward (bf16 autocast included: the concatenation takes torch.cat's dtype), with
+    at least two full-resolution maps fewer alive than ``DecoderStage.forward`` holds without autograd."""
+    from autoseg.memory.tracker import StorageTracker
+    from autoseg.model.blocks import DecoderStage
+
+    torch.manual_seed(0)
+    net = build_network(topology(3, features=(8, 16, 32), deep_supervision=deep_supervision,
+                                 architecture=architecture)).eval()
+    x = torch.randn(1, 2, 16, 24, 24)
+
+    def run(grad: bool) -> tuple[list[torch.Tensor], int]:
+        tracker = StorageTracker()
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", torch.bfloat16, enabled=autocast), tracker:
+            out = net(x)
+        return [o.detach() for o in (out if deep_supervision else [out])], tracker.peak_bytes
+
+    reference, _ = run(grad=True)
+    released, peak = run(grad=False)
+    monkeypatch.setattr(DecoderStage, "forward_releasing", lambda self, maps: self(maps.pop(), maps.pop()))
+    held, held_peak = run(grad=False)
+    for a, b, c in zip(reference, released, held, strict=True):
+        assert a.dtype == b.dtype == c.dtype
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+        torch.testing.assert_close(c, a, rtol=0, atol=0)
+    full_resolution_map = 8 * 16 * 24 * 24 * (2 if autocast else 4)  # 8 features
+    assert peak <= held_peak - 2 * full_resolution_map
+
+
 def parameter_count(net: nn.Module) -> int:
     return sum(p.numel() for p in net.parameters())
 

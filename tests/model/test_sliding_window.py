@@ -360,6 +360,35 @@ def test_buffer_estimate_matches_the_tensors_allocated(
     assert seen == expected
 
 
+@pytest.mark.parametrize("logits", [[1.0, 0.0, -0.5], [9e4, -9e4, 0.0]])
+def test_a_float16_accumulator_keeps_every_voxel_and_stays_finite(logits: list[float]) -> None:
+    """A running mean, not a sum: at the image's corners, where every tile covering a voxel weighs it about
+    exp(-24), a float16 sum of Gaussian x logits would underflow to 0 (uniform probabilities there), and logits
+    beyond float16's range would sum to inf; the mean gives each voxel its logits' softmax."""
+    data = _random_image((1, 12, 20, 20))
+    expected = torch.softmax(torch.tensor(logits).clamp(-65504, 65504), 0)
+    probs = sliding_window_predict(_ConstantLogits(logits), data, (8, 8, 8), num_outputs=3, mirror_axes=(0, 1, 2),
+                                   tta=2, tile_batch_size=3, accumulator_dtype="float16")
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs, expected[:, None, None, None].expand_as(probs), atol=2e-3, rtol=0)
+
+
+def test_buffer_estimate_counts_a_float16_accumulator_at_half_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = {}
+    allocate = inference.allocate_buffers
+
+    def record_allocation(*args, **kwargs):
+        buffers = allocate(*args, **kwargs)
+        seen["accumulator"] = buffers.accumulator.untyped_storage().nbytes()
+        return buffers
+
+    monkeypatch.setattr(inference, "allocate_buffers", record_allocation)
+    sliding_window_predict(_pointwise_net(3, in_channels=1, num_outputs=4), _random_image((1, 9, 8, 8)), (4, 8, 8),
+                           num_outputs=4, accumulator_dtype="float16")
+    sizes = inference_buffer_bytes((9, 8, 8), (4, 8, 8), 4, 1, 1, accumulator_dtype="float16")
+    assert seen["accumulator"] == sizes["accumulator"] == 4 * 4 * 64 * 2  # K x 4 slices x 8 x 8, float16
+
+
 def test_sigmoid_activation_for_regions() -> None:
     data = _random_image((1, 5, 6, 7))
     probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2,
