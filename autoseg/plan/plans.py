@@ -164,11 +164,14 @@ class Plans(Artifact):
         output channels are ``label_scheme.num_outputs``."""
         return self.label_scheme.num_label_values
 
+    def previous_stage_values(self, config: ConfigurationPlan) -> tuple[int, ...]:
+        """The label values one-hot encoded into ``config``'s extra input channels, in channel order: for a cascade
+        stage every foreground value a prediction holds (``LabelScheme.predicted_values``), else none."""
+        return self.label_scheme.predicted_values if config.previous_stage else ()
+
     def input_channels(self, config: ConfigurationPlan) -> int:
-        """The network's input channels for ``config``: the image's, and for a cascade stage one per predicted
-        foreground value of its previous stage (``LabelScheme.predicted_values``)."""
-        extra = len(self.label_scheme.predicted_values) if config.previous_stage else 0
-        return len(self.channel_names) + extra
+        """The network's input channels for ``config``: the image's, then ``previous_stage_values``' one-hot."""
+        return len(self.channel_names) + len(self.previous_stage_values(config))
 
     def default_configuration(self) -> str:
         """The configuration commands use when none is named: 3d_fullres if planned, else the first."""
