@@ -60,18 +60,19 @@ class CascadeCase:
 
 @dataclass(frozen=True)
 class CascadePrediction:
-    """The previous stage of a cascade stage's prediction: its plan, its networks (one per fold) and the sliding
-    window's options (``predict_labels``' ``window``)."""
+    """The previous stage of a cascade stage's prediction: its plan, its networks (one per fold) and ``labels``,
+    ``autoseg.predict.predictor.predict_labels`` with the sliding window's options bound: (preprocessed image, its
+    properties, case id, networks, plans, configuration) -> the label map (Z, Y, X) in the image's grid."""
 
     plans: Plans
     config: ConfigurationPlan  # the cascade stage
     stage: ConfigurationPlan  # its previous stage
     networks: list[torch.nn.Module]
-    window: dict[str, Any]
+    labels: Callable[..., np.ndarray]
 
     @classmethod
     def load(cls, workspace: Workspace, plans: Plans, config: ConfigurationPlan, folds: tuple[int, ...],
-             checkpoint: str, device: str, window: dict[str, Any]) -> CascadePrediction:
+             checkpoint: str, device: str, labels: Callable[..., np.ndarray]) -> CascadePrediction:
         """The previous stage's networks of ``folds``; refused, naming them, when one is not trained."""
         stage = plans.configuration(config.previous_stage)
         missing = [f for f in folds if not workspace.checkpoint(stage.name, f, checkpoint).is_file()]
@@ -81,7 +82,7 @@ class CascadePrediction:
                              f"{stage.name} fold(s) {listed} have no checkpoint_{checkpoint}.pt; train them "
                              f"(`autoseg train fold {listed} -c {stage.name} -w {workspace.root}`) or predict with "
                              "--folds naming folds both stages have")
-        return cls(plans, config, stage, load_networks(workspace, stage, folds, checkpoint, device), window)
+        return cls(plans, config, stage, load_networks(workspace, stage, folds, checkpoint, device), labels)
 
     def prepare(self, case: Case) -> tuple[CascadeCase, CaseProperties]:
         """Read ``case`` and preprocess it for both stages (``preprocess_case`` copies what it crops: the image as
@@ -94,11 +95,9 @@ class CascadePrediction:
     def segment_with(self, segment: Callable[..., Callable[[], None]]) -> Callable[..., Callable[[], None]]:
         """``segment`` (the cascade's own: a preprocessed input, its properties, the case id, the output paths)
         preceded by the previous stage's label map and ``cascade_input``."""
-        from autoseg.predict.predictor import predict_labels
-
         def run(prepared: CascadeCase, props: CaseProperties, case_id: str, *outputs: Any) -> Callable[[], None]:
-            labels = predict_labels(prepared.previous_image, prepared.previous_props, case_id, self.networks,
-                                    self.plans, self.stage, **self.window)
+            labels = self.labels(prepared.previous_image, prepared.previous_props, case_id, self.networks, self.plans,
+                                 self.stage)
             return segment(cascade_input(prepared.image, labels, props, self.plans, self.config), props, case_id,
                            *outputs)
 

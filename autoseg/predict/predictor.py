@@ -48,6 +48,7 @@ from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.predict.cascade import CascadePrediction, cascade_input
 from autoseg.predict.export import SlabExport, export_segmentation
 from autoseg.predict.networks import load_networks
 from autoseg.predict.pipeline import Pipeline, case_memory, pipeline_budget_bytes, plan_pipeline
@@ -106,8 +107,6 @@ def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: 
     ``previous``: a cascade stage's previous-stage label map (Z, Y, X) of the image (``cascade_input``)."""
     data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
     if config.previous_stage:
-        from autoseg.predict.cascade import cascade_input
-
         data = cascade_input(data, previous, props, plans, config)
     window = {"mirror": mirror, "tile_batch_size": tile_batch_size, "device": device, "step_fraction": step_fraction,
               "tta": tta, "verbose": verbose, "tile": tile}
@@ -264,9 +263,8 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
 
     prepare, previous = partial(prepare_case, plans=plans, config=config), None
     if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
-        from autoseg.predict.cascade import CascadePrediction
-
-        cascade = CascadePrediction.load(workspace, plans, config, folds, checkpoint, device, window_options)
+        cascade = CascadePrediction.load(workspace, plans, config, folds, checkpoint, device,
+                                         partial(predict_labels, **window_options))
         prepare, segment, previous = cascade.prepare, cascade.segment_with(segment), (cascade.stage, window(
             cascade.stage, True))
     found = prediction_inputs(workspace, plans, inputs, options.series)
