@@ -10,7 +10,7 @@ Per case ``<case>``:
 - ``<case>.json``: ``CaseProperties``, written last: a case without it is incomplete.
 
 A cascade stage (``ConfigurationPlan.previous_stage``) reads another configuration's cases; its own folder holds per
-case ``<case>_previous.npy``: int8 (1, Z, Y, X), the previous stage's predicted label map on that case's grid
+case ``<case>_previous.npy``: int8 (int16 past 127 values) (1, Z, Y, X), the previous stage's label map on its grid
 (``write_previous_stage``, ``open_previous_stage``), and ``<case>_previous.json`` (``PreviousStageSource``,
 written second): the label file it was made from.
 
@@ -39,6 +39,7 @@ import numpy as np
 from autoseg.core.artifacts import Artifact, ArtifactError, atomic_save_npy
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry
+from autoseg.dataset.labels import label_map_dtype
 from autoseg.preprocess.precompute import SpatialParams
 
 AUGMENTED = re.compile(r"_aug\d+_data\.npy$")  # an augmented copy's data file, not a case's
@@ -131,13 +132,13 @@ def _previous_stage_files(folder: str | Path, case_id: str) -> tuple[Path, Path]
 
 
 def write_previous_stage(folder: str | Path, case_id: str, labels: np.ndarray, source: PreviousStageSource) -> None:
-    """The case's previous-stage label map, int8 (1, Z, Y, X), then its source (each under a temporary name)."""
+    """The case's previous-stage label map (1, Z, Y, X) (``label_map_dtype``), then its source (each atomically)."""
     if labels.ndim != 4 or labels.shape[0] != 1 or tuple(labels.shape[1:]) != tuple(source.shape_zyx):
         raise ValueError(f"case {case_id!r}: previous-stage labels {labels.shape}, expected (1, *{source.shape_zyx})")
     array, record = _previous_stage_files(folder, case_id)
     Path(folder).mkdir(parents=True, exist_ok=True)
     record.unlink(missing_ok=True)  # from here on the map is unaccounted for until its source is written
-    atomic_save_npy(array, labels.astype(np.int8))
+    atomic_save_npy(array, labels.astype(label_map_dtype(int(labels.max(initial=0)) + 1)))
     source.to_json(record)
 
 
