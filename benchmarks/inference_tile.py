@@ -46,10 +46,10 @@ from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.model.tta import parse_tta
 from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans
+from autoseg.predict.networks import load_trained_network
 from autoseg.predict.predictor import (
     export_prediction,
     inference_budget_bytes,
-    load_trained_network,
     predict_probabilities,
     prepare_case,
 )

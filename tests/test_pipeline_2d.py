@@ -12,8 +12,8 @@ from factories import box_case, box_network
 
 from autoseg.cli.main import main
 from autoseg.dataset.imageio import Geometry, write_image
-from autoseg.predict import predictor
-from autoseg.predict.predictor import load_trained_network
+from autoseg.predict import networks
+from autoseg.predict.networks import load_trained_network
 from autoseg.preprocess.store import list_complete_cases, open_case
 
 
@@ -75,7 +75,7 @@ def _predict_known_boxes(ws: Path, tmp_path: Path, channels: int, monkeypatch: p
         trained.append(load_trained_network(path, config, device))
         return box_network(image)
 
-    monkeypatch.setattr(predictor, "load_trained_network", load_then_replace)
+    monkeypatch.setattr(networks, "load_trained_network", load_then_replace)
     spacing_yx = [2 * s for s in json.loads((ws / "plans.json").read_text())["configurations"]["2d"]["spacing_mm"][1:]]
     geometry = Geometry(ndim=2, size_xyz=(16, 14), spacing_xyz=tuple(spacing_yx[::-1]), origin_xyz=(-7.5, 30.25),
                         direction=(0.6, -0.8, 0.8, 0.6))

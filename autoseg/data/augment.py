@@ -10,6 +10,9 @@ needs (``autoseg.data.augment_spatial``). ``Augmenter`` turns the batch into tra
 - ``use_precomputed=True``: as ``augment=True`` without the spatial step; the patches come from the
   spatially augmented copies ``autoseg.preprocess.precompute`` wrote, read at the patch size.
 
+A cascade stage's one-hot previous-stage channels (the last ``len(config.previous_labels)`` data channels) are
+rotated, scaled and mirrored with the image but left out of every intensity transform.
+
 The spatial step is ``autoseg.data.augment_spatial``'s. This module's noise, gamma, low-resolution and
 mirroring (and blur) transforms draw their parameters exactly as batchgenerators' do (tests compare them with
 batchgenerators' on the same seed; the noise values come from a torch generator) and cost a third of the
@@ -221,15 +224,16 @@ class Mirror(AbstractTransform):
         return batch
 
 
-def build_train_transforms(config: LoaderConfig) -> Compose:
-    """nnU-Net's default training transforms for ``config`` (probabilities and ranges from the config),
-    except mirroring, which ``Augmenter`` applies last, as nnU-Net does, while writing its output.
+def build_train_transforms(config: LoaderConfig) -> tuple[Compose, Compose]:
+    """nnU-Net's default training transforms for ``config`` (probabilities and ranges from the config), as the
+    spatial step and the intensity transforms, except mirroring, which ``Augmenter`` applies last, as nnU-Net does,
+    while writing its output.
 
     ``config.use_precomputed``: no spatial step (patches come from precomputed augmented copies, read
     at the patch size); mirroring and the intensity transforms stay."""
     ignore_axes = (0,) if config.dummy_2d else None
-    transforms: list[AbstractTransform] = [] if config.use_precomputed else [PatchSpatialTransform(config)]
-    transforms += [
+    spatial: list[AbstractTransform] = [] if config.use_precomputed else [PatchSpatialTransform(config)]
+    transforms: list[AbstractTransform] = [
         GaussianNoise((0.0, 0.1), p_per_sample=config.p_noise),
         GaussianBlur((0.5, 1.0), p_per_sample=config.p_blur, p_per_channel=0.5),
         BrightnessMultiplicativeTransform(multiplier_range=(0.75, 1.25), p_per_sample=config.p_brightness),
@@ -239,7 +243,7 @@ def build_train_transforms(config: LoaderConfig) -> Compose:
         Gamma((0.7, 1.5), invert_image=True, p_per_sample=config.p_gamma_inverted),
         Gamma((0.7, 1.5), invert_image=False, p_per_sample=config.p_gamma),
     ]
-    return Compose(transforms)
+    return Compose(spatial), Compose(transforms)
 
 
 class Augmenter:
@@ -256,6 +260,7 @@ class Augmenter:
     def __init__(self, config: LoaderConfig) -> None:
         self.config = config
         self.transforms = build_train_transforms(config) if config.augment else None
+        self.previous_channels = len(config.previous_labels)
         axes = config.mirror_axes_effective if config.augment else ()
         self.mirror = Mirror(axes) if axes else None
 
@@ -269,8 +274,13 @@ class Augmenter:
         np.random.seed(int(seed) % 2**32)
         random.seed(int(seed))  # GaussianNoiseTransform draws its variance from Python's random
         try:
-            done = self.transforms(data=batch.pop("data"), seg=batch.pop("seg"), transforms=batch.get("transforms"))
+            spatial, intensity = self.transforms
+            done = spatial(data=batch.pop("data"), seg=batch.pop("seg"), transforms=batch.get("transforms"))
             data, seg = done["data"], done["seg"]
+            image = data[:, :data.shape[1] - self.previous_channels]  # a view: the image channels only
+            changed = intensity(data=image, seg=seg)["data"]
+            if changed is not image:
+                image[...] = changed
             flips = self.mirror.draw(len(data), data.ndim - 2) if self.mirror else [()] * len(data)
         finally:
             np.random.set_state(numpy_state)

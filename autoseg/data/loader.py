@@ -121,8 +121,9 @@ class _BatchStream(IterableDataset):
     made a (56, 192, 192) float32 matrix product take 0.9 s instead of 0.01 s on the 2-core machine)."""
 
     def __init__(self, folder: Path, case_ids: tuple[str, ...], config: LoaderConfig, seed: int,
-                 slots: _Slots | None) -> None:
+                 slots: _Slots | None, previous_folder: Path | None = None) -> None:
         self.folder, self.case_ids, self.config, self.seed, self.slots = folder, case_ids, config, seed, slots
+        self.previous_folder = previous_folder
         self.parent_pid = os.getpid()
         self.forked_by_main_thread = threading.current_thread() is threading.main_thread()  # iter() follows
 
@@ -130,7 +131,7 @@ class _BatchStream(IterableDataset):
         info = get_worker_info()
         worker_id = 0 if info is None else info.id
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, worker_id]))
-        sampler = PatchSampler(self.folder, self.case_ids, self.config, rng)
+        sampler = PatchSampler(self.folder, self.case_ids, self.config, rng, self.previous_folder)
         augmenter = Augmenter(self.config)
         threads = ThreadpoolController()
         b, patch = self.config.batch_size, self.config.patch_size
@@ -172,15 +173,18 @@ class BatchLoader:
     at most ``queue_depth`` finished batches ahead in its shared-memory slots (see the module's docstring).
     Every batch returned is this process's own tensor (pinned with ``pin_memory`` on CUDA). A worker that
     raises re-raises here; one that dies raises RuntimeError here instead of hanging. Use as a context
-    manager or call ``close()`` to stop the workers.
+    manager or call ``close()`` to stop the workers. ``previous_folder``: a cascade stage's previous-stage label maps
+    (``PatchSampler``), one-hot as the last data channels.
     """
 
     def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig, seed: int,
-                 num_workers: int = 0, queue_depth: int = 2, pin_memory: bool = False) -> None:
+                 num_workers: int = 0, queue_depth: int = 2, pin_memory: bool = False,
+                 previous_folder: str | Path | None = None) -> None:
         if num_workers < 0 or queue_depth < 1:
             raise InputError(f"need num_workers >= 0 and queue_depth >= 1; got {num_workers}, {queue_depth}")
         folder = Path(folder)
-        probe = PatchSampler(folder, case_ids, config, np.random.default_rng(0))  # fail here, not in a worker
+        previous_folder = None if previous_folder is None else Path(previous_folder)
+        probe = PatchSampler(folder, case_ids, config, np.random.default_rng(0), previous_folder)  # fail here
         self.config, self.num_workers, self.queue_depth = config, num_workers, queue_depth
         self.num_channels, self.enlarged_patch_size = probe.num_channels, probe.enlarged_patch_size
         self.seg_itemsize = probe.seg_dtype.itemsize
@@ -192,7 +196,7 @@ class BatchLoader:
             self._slots = _Slots(num_workers, queue_depth + 1, (b, self.num_channels, *p), (b, 1, *p),
                                  target_dtype)
         self._loader = DataLoader(
-            _BatchStream(folder, tuple(case_ids), config, int(seed), self._slots),
+            _BatchStream(folder, tuple(case_ids), config, int(seed), self._slots, previous_folder),
             batch_size=None,  # the stream yields whole batches
             num_workers=num_workers,
             prefetch_factor=queue_depth if num_workers > 0 else None,

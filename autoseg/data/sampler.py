@@ -7,7 +7,8 @@ Stages, each usable alone:
   largest transform needs (``read_size``; the patch itself when no sample is rotated or scaled), read from
   the case's memory-mapped data and seg (``autoseg.preprocess.store``; only the box's pages are read:
   ``open_npy_for_patches``), padded with 0 (data) / -1 (seg) outside the image; with ``use_precomputed``,
-  at the patch size from the case or one of its augmented copies.
+  at the patch size from the case or one of its augmented copies. A cascade stage (``previous_labels``) also reads
+  the box of the case's previous-stage label map and appends its one-hot as the last data channels (0 outside).
 - ``PatchSampler.sample_patches()``: the same draws, each sample's box read and rotated/scaled into the
   patch before the next is read (what the workers run: one box in memory at a time).
 - ``Augmenter(batch, seed)`` (``autoseg.data.augment``): nnU-Net's default augmentation, cropping to the patch.
@@ -34,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from autoseg.data.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
+from autoseg.dataset.labels import one_hot
 from autoseg.plan.training_data import LoaderConfig
-from autoseg.preprocess.store import StoredCase, open_case, prefetch_pages
+from autoseg.preprocess.store import StoredCase, open_case, open_previous_stage, prefetch_pages
 
 __all__ = ["PatchSampler"]
 
@@ -51,6 +53,7 @@ class _Draw:
     lead: tuple[int, ...]  # 2D: the z-slice; 3D: ()
     lower: tuple[int, ...]  # first voxel of the patch window per patch axis (may be < 0)
     transform: PatchTransform | None
+    previous: np.ndarray | None = None  # (1, Z, Y, X) memory map of a cascade stage's previous-stage labels
 
 
 class PatchSampler:
@@ -64,12 +67,18 @@ class PatchSampler:
 
     The cases' properties (their copy lists) are kept after the first read, and the foreground voxels of
     the last ``LOCATIONS_CACHE`` cases or copies read (at most 10,000 x 12 bytes per class each).
+
+    ``previous_folder``: where a cascade stage's previous-stage label maps are (``config.previous_labels``);
+    ``num_channels`` counts their one-hot channels after the image's ``image_channels``.
     """
 
     LOCATIONS_CACHE = 64
 
     def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, previous_folder: str | Path | None = None) -> None:
+        if config.previous_labels and previous_folder is None:
+            raise ValueError("a loader of previous-stage labels (a cascade stage) needs their folder")
+        self.previous_folder = Path(previous_folder) if config.previous_labels else None
         self.folder = Path(folder)
         self.case_ids = tuple(case_ids)
         self.config = config
@@ -78,7 +87,8 @@ class PatchSampler:
             raise ValueError(f"no case ids given for the loader over {self.folder}")
         self._cases: dict[str, StoredCase] = {c: open_case(self.folder, c) for c in self.case_ids}
         first_data, first_seg = self._cases[self.case_ids[0]].arrays()
-        self.num_channels = int(first_data.shape[0])
+        self.image_channels = int(first_data.shape[0])
+        self.num_channels = self.image_channels + len(config.previous_labels)
         self.seg_dtype = first_seg.dtype
         self.enlarged_patch_size = config.enlarged_patch_size
         self._locations: OrderedDict[tuple[str, int], dict[str, np.ndarray]] = OrderedDict()
@@ -146,10 +156,14 @@ class PatchSampler:
             pick = int(rng.integers(len(copies) + 1)) - 1  # -1: the case itself
             copy = copies[pick] if pick >= 0 else -1
         data, seg = self._cases[case_id].arrays(copy)
-        if data.shape[0] != self.num_channels or seg.dtype != self.seg_dtype:
+        if data.shape[0] != self.image_channels or seg.dtype != self.seg_dtype:
             raise ValueError(f"case {case_id!r} has {data.shape[0]} channels / seg {seg.dtype}, but "
-                             f"{self.case_ids[0]!r} has {self.num_channels} / {self.seg_dtype}; "
+                             f"{self.case_ids[0]!r} has {self.image_channels} / {self.seg_dtype}; "
                              "re-run preprocessing")
+        previous = None if self.previous_folder is None else open_previous_stage(self.previous_folder, case_id)
+        if previous is not None and previous.shape[1:] != data.shape[1:]:
+            raise ValueError(f"{self.previous_folder}: case {case_id!r}'s previous-stage labels are "
+                             f"{previous.shape[1:]}, its image {data.shape[1:]}; train the cascade stage again")
         shape_zyx = data.shape[1:]
         voxel = None
         if rng.random() < config.oversample_foreground:
@@ -163,7 +177,7 @@ class PatchSampler:
             lead = (int(voxel[0]) if voxel is not None else int(rng.integers(shape_zyx[0])),)
         spatial = config.augment and not config.use_precomputed
         transform = draw_patch_transform(rng, config) if spatial else None
-        return _Draw(case_id, copy, data, seg, lead, lower, transform)
+        return _Draw(case_id, copy, data, seg, lead, lower, transform, previous)
 
     def _read_box(self, draw: _Draw, box: tuple[int, ...], need: tuple[int, ...], out_data: np.ndarray,
                   out_seg: np.ndarray) -> tuple[int, ...]:
@@ -182,8 +196,12 @@ class PatchSampler:
         source = (slice(None), *draw.lead, *src)
         prefetch_pages(draw.data, source)
         prefetch_pages(draw.seg, source)
-        out_data[(slice(None), *dst)] = draw.data[source]
+        c = self.image_channels
+        out_data[(slice(None, c), *dst)] = draw.data[source]
         out_seg[(slice(None), *dst)] = draw.seg[source]
+        if draw.previous is not None:  # one-hot of the previous stage, read like the seg: K x box float32
+            prefetch_pages(draw.previous, source)
+            one_hot(draw.previous[source][0], self.config.previous_labels, out=out_data[(slice(c, None), *dst)])
         return tuple(int(v) for v in (*draw.lead, *(lo - o for lo, o in zip(lower, offset, strict=True))))
 
     def _window_start(self, size: int, patch: int, voxel: int | None) -> int:

@@ -139,6 +139,17 @@ class LabelScheme:
             return tuple(range(len(self.foreground_values)))
         return tuple(v[0] for v in self.foreground_values)
 
+    @property
+    def predicted_values(self) -> tuple[int, ...]:
+        """The foreground values a predicted label map holds: each class's value (plain labels) or the value painted
+        for each region (``regions_class_order``). A cascade's network takes one one-hot input channel per value
+        (``one_hot``): ``num_outputs - 1`` for plain labels, one per region."""
+        return self.regions_class_order if self.has_regions else tuple(v[0] for v in self.foreground_values)
+
+    def one_hot(self, labels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """``one_hot`` of ``labels`` over ``predicted_values``: a cascade's extra input channels."""
+        return one_hot(labels, self.predicted_values, out)
+
     def export_dtype(self) -> type[np.integer]:
         """The smallest dtype of an exported label map: uint8, or int16 beyond 255."""
         return np.uint8 if self.num_label_values <= 256 else np.int16
@@ -173,6 +184,19 @@ class LabelScheme:
         """Write ``regions_class_order[region]`` into ``labels`` where ``probability`` > 0.5 (in place)."""
         labels[probability > 0.5] = self.regions_class_order[region]
 
+
+
+def one_hot(labels: np.ndarray, values: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+    """float32 ``(F, *S)``: channel ``i`` is 1 where the label map ``labels`` ``(*S)`` holds ``values[i]``, else 0
+    (so background, -1 and ignore are 0 in every channel); written into ``out`` (a view may do) when given.
+    F x S x 4 bytes."""
+    if out is None:
+        out = np.empty((len(values), *labels.shape), dtype=np.float32)
+    if out.shape != (len(values), *labels.shape):
+        raise ValueError(f"one-hot output {out.shape} does not fit {len(values)} values x {labels.shape}")
+    for channel, value in zip(out, values, strict=True):
+        np.equal(labels, value, out=channel, casting="unsafe")
+    return out
 
 
 def _parse_values(labels: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:

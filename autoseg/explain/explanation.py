@@ -26,7 +26,7 @@ from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
 from autoseg.memory.training import TrainingMemory, simulate_training_step
-from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
+from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
 from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import Fingerprint
@@ -185,7 +185,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
         preprocessing_processes=plans.preprocessing_processes, loader_workers=config.loader_workers,
         loader_queue_depth=config.loader_queue_depth,
         loader_worker=worker_bytes(config.patch_size, loader.enlarged_patch_size, config.batch_size,
-                                   len(plans.channel_names), config.loader_queue_depth, dummy_2d=loader.dummy_2d),
+                                   plans.input_channels(config), config.loader_queue_depth, dummy_2d=loader.dummy_2d),
         host_cases=_host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
         predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
@@ -299,10 +299,11 @@ def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None)
 
 def _slab_depth(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...]) -> int:
     """The deepest slab the sliding window hands the export on this image (its planned tile, every mirror variant,
-    tile batch 1, as ``_inference_terms``)."""
+    tile batch 1, the prediction's accumulator dtype, as ``_inference_terms``)."""
     tile = tile_for_image(config, image_shape_zyx)
     layout = tile_layout(image_shape_zyx, tile, overlap_step_fractions(tile, config.patch_size))
-    return accumulator_depth(layout, 2 ** config.dim, 1)
+    return finish_chunk_slices(accumulator_depth(layout, 2 ** config.dim, 1), config.network.num_outputs,
+                               PREDICTION_ACCUMULATOR)
 
 
 def next_patch_up(config: ConfigurationPlan) -> tuple[tuple[int, ...], int]:

@@ -90,6 +90,25 @@ def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Seque
     return {**phases, "result": c * va * _F32, "total": max(phases.values())}
 
 
+def cascade_input_bytes(shape_zyx: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,
+                        num_previous: int, spacing_mm: Sequence[float] | None = None,
+                        label_itemsize: int = 1) -> dict[str, int]:
+    """Host bytes a cascade stage's prediction of one case holds beside its preprocessed image
+    (``prediction_preprocess_bytes``' result) while it builds the network input
+    (``autoseg.predict.cascade.cascade_input``), the crop taken as the whole image: ``labels`` the previous stage's
+    label map in the image's grid (V x ``label_itemsize``), ``on_grid`` resampling it to the preprocessed grid
+    (``segmentation_resampling_peak_bytes``, the labels being the previous stage's values and background), and
+    ``input`` the network input, (C + K) x V' float32 (K = ``num_previous`` one-hot channels). ``total``: the
+    peak, at the input's allocation (the labels on the grid still alive)."""
+    vb, va = _voxels(shape_zyx), _voxels(shape_zyx_after)
+    labels = vb * label_itemsize
+    on_grid = segmentation_resampling_peak_bytes(shape_zyx, shape_zyx_after, spacing_mm, label_itemsize=1,
+                                                 num_labels=num_previous + 1)
+    network_input = (num_channels + num_previous) * va * _F32
+    return {"labels": labels, "on_grid": on_grid, "input": network_input,
+            "total": max(labels + on_grid, labels + va + network_input)}
+
+
 def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
                  scheme: LabelScheme, probability_bytes: int = _F32) -> dict[str, int]:
     """RAM of exporting one prediction held whole (``autoseg.predict.export.export_segmentation``, the

@@ -180,11 +180,9 @@ def sliding_window_predict(
     (None: all ``2 ** len(mirror_axes)``): each variant is flipped, predicted and flipped back, and the logits
     averaged. One forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4
     variants in a batch of 8). ``accumulator_device`` (None: ``device``; ``plan_inference`` chooses it and the
-    batch). ``precision``: "fp32", "bf16" or "fp16" (autocast; CPU: fp32). ``accumulator_dtype``: "float32" or
-    "float16" (``ACCUMULATOR_DTYPES``; each tile is added in fp32, the softmax runs in fp32).
-
-    The volume is finished slab by slab along z (tiles in z order): the accumulator holds only the z-slices
-    tiles still add to (``accumulator_depth``).
+    batch). ``precision``: "fp32", "bf16" or "fp16" (autocast; CPU: fp32). ``accumulator_dtype``: a key of
+    ``ACCUMULATOR_DTYPES`` (each tile is added in fp32, the softmax runs in fp32). The volume is finished slab by
+    slab along z (tiles in z order): the accumulator holds only the z-slices tiles still add to.
     """
     networks = [network] if isinstance(network, nn.Module) else list(network)
     patch = tuple(int(p) for p in patch_size)
@@ -194,8 +192,7 @@ def sliding_window_predict(
     data_t = _as_float_tensor(data)
     _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision, activation,
                 output_dtype, len(networks), accumulator_dtype)
-    variants = mirror_variants(mirror, tta)
-    was_training = [n.training for n in networks]
+    variants, was_training = mirror_variants(mirror, tta), [n.training for n in networks]
     for n in networks:
         n.eval()
     try:

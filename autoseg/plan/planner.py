@@ -5,8 +5,9 @@ the patch and the spacing), width, patch size, micro-batch, gradient accumulatio
 activation checkpointing (``autoseg.plan.patch_search``) so that the predicted device peak of one training step
 (``autoseg.memory``: simulated, with the device's own overheads) stays under the budget minus the safety
 margin, and on CPU an iteration stays within a time target. Configurations: ``3d_fullres`` (3D data),
-``3d_lowres`` (when the fullres patch covers less than a quarter of the median image; planned for a
-cascade that autoseg does not train yet), ``2d``.
+``3d_lowres`` (when the fullres patch covers less than a quarter of the median image) and with it
+``3d_cascade_fullres`` (``cascade_configuration``: 3d_fullres's spacing, patch and data, its network taking the
+one-hot of 3d_lowres's predicted label map as extra input channels; docs/find_best.md), ``2d``.
 
 The network's architecture is the budget's (``Budget.architecture``: ``plain_unet`` or ``residual_encoder_unet``,
 ``autoseg plan --architecture unet|resenc``); every architecture is sized by simulating its own training step.
@@ -38,6 +39,7 @@ from autoseg.core.units import MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
+from autoseg.model.topology import NetworkTopology
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import plan_inference_tile
@@ -50,6 +52,7 @@ from autoseg.plan.patch_search import (
     StepCost,
     canonical,
     search,
+    step_flops,
 )
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.sizing import host_workers, loader_workers
@@ -63,6 +66,7 @@ LOWRES_TARGET = 0.5  # ... with a spacing at which a patch of that size covers t
 LOWRES_STEP = 1.03
 AMP_PRECISION = "fp16"  # the autocast dtype planned on CUDA (nnU-Net's AMP); Budget.precision overrides
 FILL_TARGET = 0.85  # a memory-limited plan's predicted peak is at least this fraction of the budget
+CASCADE = "3d_cascade_fullres"  # planned with 3d_lowres: 3d_fullres given 3d_lowres's prediction
 
 
 def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[float, float, float]:
@@ -114,9 +118,11 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
                 low = lowres_spacing(spacing, full.median_shape_zyx, math.prod(full.patch_size))
                 lowres = _plan_3d(fp, "3d_lowres", low, in_ch, num_outputs, budget, peak_fn)
                 configs["3d_lowres"] = lowres.with_(notes=lowres.notes + (
-                    f"planned because 3d_fullres's patch covers {coverage:.0%} of the median image; the "
-                    "cascade (3d_lowres, then 3d_fullres given its prediction) is not trained or predicted "
-                    "by autoseg yet",))
+                    f"planned because 3d_fullres's patch covers {coverage:.0%} of the median image; alone, and "
+                    f"as the first stage of {CASCADE}",))
+                extra = len(LabelScheme.from_labels(fp.labels, fp.regions_class_order).predicted_values)
+                space = _space_3d(fp, spacing, in_ch + extra, num_outputs)
+                configs[CASCADE] = cascade_configuration(full, space, budget, peak_fn)
     # 2d: in-plane spacing of 3d_fullres, slices kept as they are (z spacing is each case's own)
     spacing_2d = (float(np.median(fp.spacings[:, 0])), spacing[1], spacing[2])
     resampled = fp.cropped_shapes * fp.spacings / np.array(spacing_2d)
@@ -127,7 +133,7 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
     processes, host = host_workers(fp, configs, budget)
     # the inference tile from the memory model; a plan with a stand-in peak_fn predicts with the training patch
-    configs = {name: cfg.with_(**loader_workers(cfg, len(fp.channel_names), budget), inference_patch_size=(
+    configs = {name: cfg.with_(**loader_workers(cfg, cfg.network.in_channels, budget), inference_patch_size=(
         plan_inference_tile(cfg, budget.memory_bytes) if peak_fn is None else cfg.patch_size))
         for name, cfg in configs.items()}
     return Plans(
@@ -141,14 +147,46 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
     )
 
 
-def _plan_3d(fp: Fingerprint, name: str, spacing: tuple[float, float, float], in_ch: int, num_outputs: int,
-             budget: Budget, peak_fn: PeakFn | None) -> ConfigurationPlan | None:
+def _space_3d(fp: Fingerprint, spacing: tuple[float, float, float], in_ch: int, num_outputs: int) -> SearchSpace:
     resampled = fp.cropped_shapes * fp.spacings / np.array(spacing)
     median = tuple(int(round(v)) for v in np.median(resampled, axis=0))
-    if median[0] <= 1:
+    return SearchSpace(tuple(spacing), median, in_ch, num_outputs, float(np.sum(np.prod(resampled, axis=1))))
+
+
+def _plan_3d(fp: Fingerprint, name: str, spacing: tuple[float, float, float], in_ch: int, num_outputs: int,
+             budget: Budget, peak_fn: PeakFn | None) -> ConfigurationPlan | None:
+    space = _space_3d(fp, spacing, in_ch, num_outputs)
+    if space.median_shape[0] <= 1:
         return None
-    space = SearchSpace(tuple(spacing), median, in_ch, num_outputs, float(np.sum(np.prod(resampled, axis=1))))
-    return configuration(name, spacing, median, space, budget, peak_fn)
+    return configuration(name, spacing, space.median_shape, space, budget, peak_fn)
+
+
+def cascade_configuration(full: ConfigurationPlan, space: SearchSpace, budget: Budget,
+                          peak_fn: PeakFn | None = None) -> ConfigurationPlan:
+    """``3d_cascade_fullres``: 3d_fullres (``full``) given 3d_lowres's prediction. Its data is 3d_fullres's
+    (``preprocessed_as``, nothing preprocessed twice); its network takes ``space.in_channels`` inputs (the image's
+    and one one-hot channel per predicted foreground value). Its patch, batch and settings are 3d_fullres's, its
+    bytes predicted again by the same memory model (the wider input and first convolution counted); only where
+    those no longer fit the budget is it searched afresh over ``space``."""
+    network = replace(full.network, in_channels=space.in_channels)
+    step = (network, full.batch_size, tuple(full.patch_size), full.precision, full.checkpointing,
+            full.accumulation_steps)
+    memory = _memory_terms(*step, budget.device) if peak_fn is None else {"predicted_peak_bytes": float(peak_fn(*step))}
+    stages = {"previous_stage": "3d_lowres", "preprocessed_as": "3d_fullres"}
+    note = (f"the cascade's second stage: 3d_fullres given 3d_lowres's predicted label map, one-hot, as "
+            f"{space.in_channels - full.network.in_channels} extra input channel(s); trains on 3d_fullres's "
+            "preprocessed data")
+    if memory["predicted_peak_bytes"] > budget.memory_limit_bytes:
+        planned = configuration(CASCADE, full.spacing_mm, full.median_shape_zyx, space, budget, peak_fn)
+        return planned.with_(notes=(note + "; searched afresh: 3d_fullres's patch and batch do not fit with the "
+                                           "extra channels",) + planned.notes, **stages)
+    # the FLOPs of 3d_fullres's step (recomputation and accumulation included) scaled by the wider first convolution
+    ratio = step_flops(network, full.patch_size, full.batch_size) / step_flops(full.network, full.patch_size,
+                                                                               full.batch_size)
+    return full.with_(name=CASCADE, network=network, memory=memory, notes=(note,) + full.notes,
+                      flops_per_iteration=full.flops_per_iteration and full.flops_per_iteration * ratio,
+                      predicted_seconds_per_iteration=full.predicted_seconds_per_iteration and
+                      full.predicted_seconds_per_iteration * ratio, **stages)
 
 
 def lowres_spacing(spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
@@ -236,7 +274,8 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
                  f"used: predicted {chosen.peak_bytes / MiB:.0f} MiB of the {limits.memory_bytes / MiB:.0f} MiB "
                  f"allowed" + ("" if limits.seconds is None else
                                f", {seconds:.2f} s per iteration (target {limits.seconds:g} s)"),)
-    memory = _memory_terms(chosen, setting, budget.device) if model_backed else \
+    memory = _memory_terms(chosen.topology, chosen.batch, chosen.patch, setting.precision, setting.checkpointing,
+                           chosen.accumulation_steps, budget.device) if model_backed else \
         {"predicted_peak_bytes": float(chosen.peak_bytes)}
     notes += _limit_notes(chosen, limited_by, budget, limits, source)
     return ConfigurationPlan(
@@ -310,12 +349,12 @@ def _smallest(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate
                      coverage=space.coverage(patch), max_batch=space.max_batch(patch))
 
 
-def _memory_terms(chosen: Candidate, setting: Setting, device: str) -> dict[str, float]:
-    """The predicted peak and its terms in bytes: the device's (``predict_device_peak``) and the tensors'
-    (``TrainingMemory.breakdown``)."""
-    model = training_memory_model(chosen.topology, setting.precision, setting.checkpointing, "sgd",
-                                  chosen.accumulation_steps)
-    step = model.predict_or_simulate(chosen.batch, chosen.patch)
+def _memory_terms(topology: NetworkTopology, batch: int, patch: tuple[int, ...], precision: str, checkpointing: bool,
+                  accumulation_steps: int, device: str) -> dict[str, float]:
+    """The predicted peak of one training step and its terms in bytes: the device's (``predict_device_peak``) and
+    the tensors' (``TrainingMemory.breakdown``)."""
+    model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps)
+    step = model.predict_or_simulate(batch, tuple(patch))
     device_terms = predict_device_peak(step, device)
     terms = {"predicted_peak_bytes": float(device_terms.pop("total"))}
     terms.update({k: float(v) for k, v in device_terms.items()})

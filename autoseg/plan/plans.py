@@ -32,7 +32,7 @@ class IntensityProperties:
 
 @dataclass(frozen=True)
 class ConfigurationPlan:
-    name: str  # "3d_fullres", "3d_lowres", "2d"
+    name: str  # "3d_fullres", "3d_lowres", "3d_cascade_fullres", "2d"
     spacing_mm: tuple[float, float, float]  # (z, y, x) target spacing
     median_shape_zyx: tuple[int, int, int]  # median cropped shape after resampling to spacing_mm
     patch_size: tuple[int, ...]  # (z, y, x) for 3D, (y, x) for 2D
@@ -58,10 +58,20 @@ class ConfigurationPlan:
     # the largest sliding-window tile at prediction (autoseg.plan.inference_tile; each image's is tile_for_image):
     # a valid shape for the network, at least the patch, larger where memory allows; (): the training patch
     inference_patch_size: tuple[int, ...] = ()
+    # a cascade stage (3d_cascade_fullres): the configuration whose predicted label map, one-hot
+    # (``LabelScheme.one_hot``), is the network's extra input channels ("3d_lowres"); "" for any other
+    previous_stage: str = ""
+    # the configuration whose preprocessed cases it trains on ("3d_fullres" for the cascade); "": its own
+    preprocessed_as: str = ""
 
     @property
     def dim(self) -> int:
         return self.network.dim
+
+    @property
+    def data_configuration(self) -> str:
+        """The name of the ``preprocessed/<name>/`` folder this configuration trains on."""
+        return self.preprocessed_as or self.name
 
     def inference_tile(self, tile: str = "planned") -> tuple[int, ...]:
         """The sliding window's tile: ``tile`` "planned" (``inference_patch_size``, or the patch where none is
@@ -113,13 +123,19 @@ def _plans_4_to_5(payload: dict) -> dict:
     return payload
 
 
+def _plans_5_to_6(payload: dict) -> dict:
+    """Schema 6 adds the cascade's ``previous_stage`` and ``preprocessed_as``; an earlier plan has no cascade."""
+    return payload
+
+
 @dataclass(frozen=True)
 class Plans(Artifact):
     # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
-    # 5: network.blocks_per_stage (architecture residual_encoder_unet)
-    SCHEMA_VERSION = 5
-    # a workspace planned by an earlier version still trains, predicts
-    UPGRADES = {2: _plans_2_to_5, 3: _plans_3_to_5, 4: _plans_4_to_5}
+    # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade)
+    SCHEMA_VERSION = 6
+    # a workspace planned by an earlier version still trains, predicts (5 -> 6 changes no key: a schema 5 payload
+    # is a schema 6 one, so the upgrades to 5 end at 6 too)
+    UPGRADES = {2: _plans_2_to_5, 3: _plans_3_to_5, 4: _plans_4_to_5, 5: _plans_5_to_6}
     KIND = "plans"
 
     dataset_name: str
@@ -147,6 +163,15 @@ class Plans(Artifact):
         """Highest label value + 1, ignore included: sizes label maps and per-value counts. The network's
         output channels are ``label_scheme.num_outputs``."""
         return self.label_scheme.num_label_values
+
+    def previous_stage_values(self, config: ConfigurationPlan) -> tuple[int, ...]:
+        """The label values one-hot encoded into ``config``'s extra input channels, in channel order: for a cascade
+        stage every foreground value a prediction holds (``LabelScheme.predicted_values``), else none."""
+        return self.label_scheme.predicted_values if config.previous_stage else ()
+
+    def input_channels(self, config: ConfigurationPlan) -> int:
+        """The network's input channels for ``config``: the image's, then ``previous_stage_values``' one-hot."""
+        return len(self.channel_names) + len(self.previous_stage_values(config))
 
     def default_configuration(self) -> str:
         """The configuration commands use when none is named: 3d_fullres if planned, else the first."""
@@ -179,10 +204,14 @@ class Plans(Artifact):
                                      "sgd", config.accumulation_steps)
             except InputError as e:
                 raise InputError(f"{at}: {e}") from None
-            if config.network.in_channels != channels or config.network.num_outputs != outputs:
+            inputs = self.input_channels(config)
+            if config.network.in_channels != inputs or config.network.num_outputs != outputs:
+                cascade = f" + {inputs - channels} one-hot channel(s) of {config.previous_stage}'s prediction" \
+                    if config.previous_stage else ""
                 raise InputError(f"{at}: network.in_channels {config.network.in_channels} and num_outputs "
-                                 f"{config.network.num_outputs} must be the {channels} channel(s) and {outputs} "
-                                 "output(s) of the dataset's channel_names and labels")
+                                 f"{config.network.num_outputs} must be the {channels} channel(s){cascade} and "
+                                 f"{outputs} output(s) of the dataset's channel_names and labels")
+            self._check_stages(config, at)
             _check_inference_tile(config, at)
             if len(config.spacing_mm) != 3 or min(config.spacing_mm) <= 0:
                 raise InputError(f"{at}: spacing_mm {list(config.spacing_mm)} must be 3 positive values (z, y, x)")
@@ -190,6 +219,20 @@ class Plans(Artifact):
                 raise InputError(f"{at}: device {config.device!r} must be 'cpu' or 'cuda', loader_workers >= 0 and "
                                  f"loader_queue_depth >= 1 (found {config.loader_workers}, "
                                  f"{config.loader_queue_depth})")
+
+    def _check_stages(self, config: ConfigurationPlan, at: str) -> None:
+        """A cascade's previous stage and the data it trains on are planned, are no cascades themselves, and the data
+        is at its spacing."""
+        for key in ("previous_stage", "preprocessed_as"):
+            other = self.configurations.get(getattr(config, key))
+            if getattr(config, key) and (other is None or other.previous_stage or other.preprocessed_as):
+                raise InputError(f"{at}: {key} {getattr(config, key)!r} must name another planned configuration "
+                                 f"that is no cascade stage ({list(self.configurations)}), or be \"\"")
+        source = self.configurations.get(config.preprocessed_as)
+        if source is not None and (tuple(source.spacing_mm) != tuple(config.spacing_mm) or source.dim != config.dim):
+            raise InputError(f"{at}: preprocessed_as {config.preprocessed_as!r} has spacing_mm "
+                             f"{list(source.spacing_mm)}, not this configuration's {list(config.spacing_mm)}; "
+                             "a configuration trains on data preprocessed at its own spacing")
 
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:

@@ -32,6 +32,9 @@ class LoaderConfig:
     ``mirror_axes``: spatial axes (0-based, in patch order) to flip with p=0.5 each; None = all, () = none.
     ``rotation_deg``: max angle about each axis for 3D; ``rotation_deg_2d``: max in-plane angle for 2D and
     dummy 2D. ``scale_range``: zoom factors (< 1 zooms in). ``p_*``: per-sample probabilities.
+    ``previous_labels`` (a cascade stage): the values of the previous stage's label map (``autoseg.preprocess.store``
+    ``open_previous_stage``) one-hot encoded as the last ``len(previous_labels)`` data channels; they are rotated,
+    scaled and mirrored with the image (interpolated as image channels) but no intensity transform touches them.
     ``order_data``: image interpolation of rotated/scaled samples, 1 linear (nnU-Net v2's SpatialTransform),
     0 nearest, 3 cubic B-spline (nnU-Net v1; 3-10x slower); ``order_seg``: 1 per label linearly, then the
     largest response; 0 nearest.
@@ -58,6 +61,7 @@ class LoaderConfig:
     p_gamma_inverted: float = 0.1
     p_gamma: float = 0.3
     use_precomputed: bool = False  # sample the case or one of its precomputed copies; no spatial transform
+    previous_labels: tuple[int, ...] = ()  # a cascade stage: one-hot of the previous stage's labels, last channels
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
@@ -77,6 +81,10 @@ class LoaderConfig:
                 f"mirror_axes {self.mirror_axes} out of range for a {self.dim}D patch (0..{self.dim - 1})")
         if len(self.scale_range) != 2 or not 0 < self.scale_range[0] <= self.scale_range[1]:
             raise InputError(f"scale_range must be (low, high) with 0 < low <= high, got {self.scale_range}")
+        object.__setattr__(self, "previous_labels", tuple(int(v) for v in self.previous_labels))
+        if self.previous_labels and self.use_precomputed:
+            raise InputError("precomputed augmented copies have no previous-stage labels: a cascade stage samples "
+                             "the cases themselves (use_precomputed=False)")
         if self.order_data not in (0, 1, 3) or self.order_seg not in (0, 1):
             raise InputError(f"order_data must be 0, 1 or 3 and order_seg 0 or 1; got {self.order_data}, "
                              f"{self.order_seg}")
@@ -112,12 +120,15 @@ def uses_dummy_2d(patch_size: Sequence[int]) -> bool:
     return len(patch_size) == 3 and max(patch_size) / patch_size[0] > DUMMY_2D_ANISOTROPY
 
 
-def loader_config(config: ConfigurationPlan, augment: bool, use_precomputed: bool = False) -> LoaderConfig:
+def loader_config(config: ConfigurationPlan, augment: bool, use_precomputed: bool = False,
+                  previous_labels: Sequence[int] = ()) -> LoaderConfig:
     """The loader of ``config``: its patch and micro-batch; augmentation as nnU-Net's defaults, in-plane
-    only for a dummy-2D patch; with ``use_precomputed`` the spatial transform is skipped."""
+    only for a dummy-2D patch; with ``use_precomputed`` the spatial transform is skipped. ``previous_labels``: a
+    cascade stage's (``Plans.previous_stage_values``)."""
     patch = tuple(config.patch_size)
     return LoaderConfig(patch_size=patch, batch_size=config.batch_size, augment=augment,
-                        dummy_2d=augment and uses_dummy_2d(patch), use_precomputed=use_precomputed)
+                        dummy_2d=augment and uses_dummy_2d(patch), use_precomputed=use_precomputed,
+                        previous_labels=tuple(previous_labels))
 
 
 # Angles tried per rotation axis when bounding the rotated patch (3D: a 31^3 grid of rotation matrices).

@@ -5,7 +5,9 @@
     autoseg_model.json                              the manifest (``ModelManifest``)
     plans.json  fingerprint.json                    the plan (label scheme included) and the image dim
     inference.json                                  when exported from ``autoseg find-best``'s choice
-    results/<config>/fold_<k>/checkpoint_<which>.pt one per chosen fold (of each configuration)
+    results/<config>/fold_<k>/checkpoint_<which>.pt one per chosen fold (of each configuration, and of the
+                                                    previous stage of a cascade stage: 3d_cascade_fullres packs
+                                                    3d_lowres's same folds, which predict runs first)
 
 The members keep their workspace paths, so an archive unpacked into a folder *is* a minimal workspace that
 ``autoseg.predict.predictor.predict`` reads. ``export_model`` writes it (temporary name, then rename).
@@ -54,7 +56,7 @@ from autoseg.model.network import build_network
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
-from autoseg.predict.predictor import load_trained_network
+from autoseg.predict.networks import load_trained_network
 
 MANIFEST = "autoseg_model.json"
 MODEL_FOLDER_PREFIX = "autoseg-model-"  # + "<pid>-<random>": the unpacked archive in the temporary folder
@@ -132,7 +134,7 @@ def export_model(workspace: Workspace, out: str | Path, *, config_name: str | No
     chosen = _chosen_folds(workspace, configurations[0], folds, checkpoint)
     files: dict[str, Path | bytes] = {"plans.json": workspace.plans_path,
                                       "fingerprint.json": workspace.fingerprint_path}
-    for name in configurations:
+    for name in with_previous_stages(plans, configurations):
         config = plans.configuration(name)
         for fold in _chosen_folds(workspace, name, list(chosen), checkpoint):
             path = workspace.checkpoint(name, fold, checkpoint)
@@ -152,6 +154,13 @@ def export_model(workspace: Workspace, out: str | Path, *, config_name: str | No
         payload = {"schema_version": ModelManifest.SCHEMA_VERSION, **to_dict(manifest)}
         zf.writestr(_member_info(MANIFEST), json.dumps(payload, indent=2) + "\n")
     return manifest
+
+
+def with_previous_stages(plans: Plans, configurations: tuple[str, ...]) -> list[str]:
+    """``configurations`` and, after each cascade stage, its previous stage: every configuration whose networks a
+    prediction with them runs, each once."""
+    names = [n for c in configurations for n in (c, plans.configuration(c).previous_stage) if n]
+    return list(dict.fromkeys(names))
 
 
 def _chosen_folds(workspace: Workspace, config_name: str, folds: list[int | str] | None,
@@ -349,7 +358,7 @@ def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:
         if manifest.follows_choice:
             name = "inference.json"
             InferenceChoice.from_json(ws.inference_path)
-        for config_name in manifest.configurations:
+        for config_name in with_previous_stages(plans, manifest.configurations):
             name = "plans.json"
             config = plans.configuration(config_name)
             for fold in manifest.folds:

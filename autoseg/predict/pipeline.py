@@ -27,9 +27,10 @@ import numpy as np
 from autoseg.core.resources import available_ram_bytes, cpu_count, process_rss_bytes, processes_for
 from autoseg.core.units import MiB
 from autoseg.dataset.imageio import read_geometry
+from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
 from autoseg.memory.device import CPU_RUNTIME_BYTES
-from autoseg.memory.host import export_bytes, prediction_preprocess_bytes, slab_export_bytes
+from autoseg.memory.host import cascade_input_bytes, export_bytes, prediction_preprocess_bytes, slab_export_bytes
 from autoseg.memory.inference import InferencePlan
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.postprocessing import largest_component_bytes
@@ -160,7 +161,8 @@ class Pipeline(Generic[Item, Ready]):
 
 
 def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, window: Callable[..., InferencePlan],
-                probability_bytes: int | None, postprocessed: bool = False) -> dict[str, int]:
+                probability_bytes: int | None, postprocessed: bool = False,
+                previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
     ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
     host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the crop taken as the
@@ -168,7 +170,10 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
     map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
     (``export_bytes``). ``postprocessed``: each label map is postprocessed before it is written, the label map
-    beside ``largest_component_bytes``."""
+    beside ``largest_component_bytes``. ``previous``: a cascade stage's previous stage and its (streamed) window
+    (``autoseg.predict.cascade``): each case is preprocessed for both and held so until predicted; the previous
+    stage's sliding window and slab export run first, then ``cascade_input_bytes`` builds the (C + K)-channel input
+    that the cascade's window reads beside the image."""
     runtime = process_rss_bytes()
     # a DICOM series has no single header to read; it is alone in its folder, so nothing runs beside it
     geometries = [read_geometry(c.image_paths[0]) for c in cases if c.series_uid is None]
@@ -183,11 +188,23 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
     # whole of its predicted peak but the runtime, which is in the process's RSS already
     on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
-    slabs = 0
-    if probability_bytes is None:
-        slabs = slab_export_bytes(shape, after, scheme, plan.slab_depth)["total"]
-        if plan.accumulator_device != "cpu":  # each slab is copied to the host first
-            slabs += scheme.num_outputs * plan.slab_depth * after[1] * after[2] * 4
+    slabs = _slab_bytes(shape, after, scheme, plan) if probability_bytes is None else 0
+    previous_predict = 0
+    if previous is not None:
+        stage, stage_window = previous
+        low_after = stage.resampled_shape(shape, spacing)
+        low = prediction_preprocess_bytes(shape, low_after, channels, spacing)
+        low_plan = stage_window(low_after)
+        values = plans.previous_stage_values(config)
+        cascade = cascade_input_bytes(shape, after, channels, len(values), spacing,
+                                      np.dtype(scheme.export_dtype()).itemsize)
+        # the previous stage's window and slab export, then the input built, each beside both preprocessed images
+        previous_predict = max(low_plan.host_accumulator_bytes or low_plan.peak_bytes - CPU_RUNTIME_BYTES,
+                               0) + _slab_bytes(shape, low_after, scheme, low_plan)
+        previous_predict = max(previous_predict, cascade["total"])
+        on_host += cascade["input"]  # the cascade's window reads the (C + K)-channel input beside the image
+        preprocess = {"total": max(low["total"], low["result"] + preprocess["total"]),
+                      "result": preprocess["result"] + low["result"]}
     itemsize = np.dtype(scheme.export_dtype()).itemsize
     labels = math.prod(shape) * itemsize
     write = 2 * labels  # the label map and SimpleITK's copy of it
@@ -195,9 +212,20 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
         write = labels + max(largest_component_bytes(math.prod(shape), itemsize), write)
     if probability_bytes is None:
         return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-                "predict": on_host + slabs, "export": write}
+                "predict": max(on_host + slabs, previous_predict), "export": write}
     return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-            "predict": on_host, "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write)}
+            "predict": max(on_host, previous_predict),
+            "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write)}
+
+
+def _slab_bytes(shape_zyx: tuple[int, ...], after_zyx: tuple[int, ...], scheme: LabelScheme,
+                plan: InferencePlan) -> int:
+    """The host bytes of a streamed export (``slab_export_bytes`` for the window's deepest slab), with each slab's
+    copy to the host when the accumulator is on the device."""
+    slabs = slab_export_bytes(shape_zyx, after_zyx, scheme, plan.slab_depth)["total"]
+    if plan.accumulator_device != "cpu":  # each slab is copied to the host first
+        slabs += scheme.num_outputs * plan.slab_depth * after_zyx[1] * after_zyx[2] * 4
+    return slabs
 
 
 def pipeline_budget_bytes() -> int:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,8 +41,6 @@ from autoseg.dataset.imageio import Geometry, supported_ending, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, load_case
 from autoseg.memory.inference import InferencePlan, plan_inference
-from autoseg.model.checkpoint_file import read_checkpoint_file
-from autoseg.model.network import build_network
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.tile_buffers import ACCUMULATOR_DTYPES, OUTPUT_DTYPES, PREDICTION_ACCUMULATOR
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
@@ -49,7 +48,9 @@ from autoseg.model.tta import parse_tta
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.predict.cascade import CascadePrediction, cascade_input
 from autoseg.predict.export import SlabExport, export_segmentation
+from autoseg.predict.networks import load_networks
 from autoseg.predict.pipeline import Pipeline, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
 from autoseg.predict.probabilities import ProbabilityFile
@@ -84,43 +85,29 @@ class PredictOptions:
     done_cases: frozenset[str] = frozenset()  # case ids finished elsewhere (an ensemble's --continue): not predicted
 
 
-def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
-    if not checkpoint_path.is_file():
-        raise InputError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
-    state = read_checkpoint_file(checkpoint_path, "predict with --checkpoint naming another one (best, final, "
-                                 "latest), or train this fold again")
-    if not isinstance(state, dict) or not isinstance(state.get("network"), dict):
-        raise InputError(f"{checkpoint_path}: holds no network weights; train this fold again or predict with "
-                         "another --checkpoint")
-    network = build_network(config.network)
-    try:
-        network.load_state_dict(state["network"])
-    except (RuntimeError, TypeError) as e:  # missing, unexpected or mis-shaped weights
-        raise InputError(f"{checkpoint_path}: its weights do not fit the planned network of {config.name} "
-                         f"({str(e).splitlines()[0]}); it was trained with another plan: train this fold "
-                         "again, or predict with the workspace it was trained in") from e
-    return network.to(device).eval()
-
-
 def predict_case(case: Case, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, *,
                  mirror: bool, tile_batch_size: int | None, device: str, step_fraction: float = 0.5,
-                 probabilities_path: Path | None = None, tta: str | None = None) -> tuple[np.ndarray, CaseProperties]:
+                 probabilities_path: Path | None = None, tta: str | None = None,
+                 previous: np.ndarray | None = None) -> tuple[np.ndarray, CaseProperties]:
     data, _, geometry = load_case(case)
     return predict_image(data, geometry, case.case_id, networks, plans, config, mirror=mirror,
                          tile_batch_size=tile_batch_size, device=device, step_fraction=step_fraction,
-                         probabilities_path=probabilities_path, tta=tta)
+                         probabilities_path=probabilities_path, tta=tta, previous=previous)
 
 
 def predict_image(data: np.ndarray, geometry: Geometry, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                   config: ConfigurationPlan, *, mirror: bool, tile_batch_size: int | None, device: str,
                   step_fraction: float = 0.5, probabilities_path: Path | None = None, tta: str | None = None,
-                  verbose: bool = False, tile: str = "planned",
+                  verbose: bool = False, tile: str = "planned", previous: np.ndarray | None = None,
                   accumulator: str = PREDICTION_ACCUMULATOR) -> tuple[np.ndarray, CaseProperties]:
     """Label map (Z, Y, X) of ``data`` (C, Z, Y, X) float32 in its own grid; with ``probabilities_path``
     the probabilities are written there too (``ProbabilityFile``, atomically). The stages one after the other:
     ``preprocess_case``, then ``predict_labels`` (or ``predict_probabilities`` and ``export_prediction``).
-    ``tile``: the sliding window's tile, "planned" (the plan's inference tile) or "patch" (the training patch)."""
+    ``tile``: the sliding window's tile, "planned" (the plan's inference tile) or "patch" (the training patch).
+    ``previous``: a cascade stage's previous-stage label map (Z, Y, X) of the image (``cascade_input``)."""
     data, _, props = preprocess_case(data, None, geometry, plans, config, case_id)
+    if config.previous_stage:
+        data = cascade_input(data, previous, props, plans, config)
     window = {"mirror": mirror, "tile_batch_size": tile_batch_size, "device": device, "step_fraction": step_fraction,
               "tta": tta, "verbose": verbose, "tile": tile, "accumulator": accumulator}
     if probabilities_path is None:
@@ -247,10 +234,8 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     (3d_fullres if planned, else the first). Cases are read ahead and exported behind on background threads
     (``plan_pipeline``). Cases with bad input are skipped and listed at the end (``CasesFailedError``) unless
     ``options.fail_fast``. ``tile``: "planned" (the plan's inference tile) or "patch" (the training patch).
-    ``postprocessing``: applied to each label map before it is written (``--save-probabilities`` keeps the
-    probabilities as predicted), as ``autoseg find-best`` chose it (``autoseg.predict.chosen``). ``accumulator``:
-    the sliding window's accumulator dtype, float16 (the default: half the bytes, labels within 0.1% of float32's)
-    or float32."""
+    ``postprocessing``: applied to each label map before it is written (not to ``--save-probabilities``' maps), as
+    ``autoseg find-best`` chose it. ``accumulator``: the sliding window's dtype."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)
@@ -260,14 +245,31 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
             raise InputError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
     tta = (tta or default_tta(device)) if mirror else "none"
-    parse_tta(tta, config.dim)  # a bad --tta fails before any work, not once per case
-    config.inference_tile(tile)  # a bad tile choice too
+    parse_tta(tta, config.dim), config.inference_tile(tile)  # a bad --tta or tile fails before any work
     if accumulator not in ACCUMULATOR_DTYPES:
         raise InputError(f"--accumulator {accumulator!r}: use one of {', '.join(sorted(ACCUMULATOR_DTYPES))}")
     check_postprocessing(postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
-    networks = [load_trained_network(workspace.checkpoint(config_name, f, checkpoint), config, device)
-                for f in folds]
+    cache = MachineCache(options.cache_dir) if options.cache_dir is not None else None
+    networks = load_networks(workspace, config, folds, checkpoint, device)
+    window_options = {"mirror": mirror, "tile_batch_size": tile_batch_size, "device": device, "tta": tta,
+                      "verbose": options.verbose, "tile": tile, "cache": cache, "accumulator": accumulator}
+    segment = partial(_segment_case, networks=networks, plans=plans, config=config, postprocessing=postprocessing,
+                      **window_options)
+
+    def window(cfg: ConfigurationPlan, streamed: bool) -> Callable[..., InferencePlan]:
+        return partial(inference_plan, cfg, num_outputs=plans.label_scheme.num_outputs, device=device,
+                       precision=effective_precision(cfg.precision, device),
+                       mirror_axes=tuple(range(cfg.dim)) if mirror else (), variants=parse_tta(tta, cfg.dim),
+                       step_fraction=0.5, tile_batch_size=tile_batch_size, tile=tile, streamed=streamed,
+                       num_networks=len(networks), cache=cache, accumulator=accumulator)
+
+    prepare, previous = partial(prepare_case, plans=plans, config=config), None
+    if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
+        cascade = CascadePrediction.load(workspace, plans, config, folds, checkpoint, device,
+                                         partial(predict_labels, **window_options))
+        prepare, segment, previous = cascade.prepare, cascade.segment_with(segment), (cascade.stage, window(
+            cascade.stage, True))
     found = prediction_inputs(workspace, plans, inputs, options.series)
     if options.fail_fast:
         found.raise_problems()
@@ -276,29 +278,21 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     threads = torch.get_num_threads()
     if device == "cpu":
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
-    cache = MachineCache(options.cache_dir) if options.cache_dir is not None else None
-    segment = partial(_segment_case, networks=networks, plans=plans, config=config, mirror=mirror,
-                      tile_batch_size=tile_batch_size, device=device, tta=tta, verbose=options.verbose, tile=tile,
-                      cache=cache, postprocessing=postprocessing, accumulator=accumulator)
-    window = partial(inference_plan, config, num_outputs=plans.label_scheme.num_outputs, device=device,
-                     precision=effective_precision(config.precision, device),
-                     mirror_axes=tuple(range(config.dim)) if mirror else (),
-                     variants=parse_tta(tta, config.dim), step_fraction=0.5, tile_batch_size=tile_batch_size,
-                     tile=tile, streamed=not options.save_probabilities, num_networks=len(networks), cache=cache,
-                     accumulator=accumulator)
+    memory = partial(case_memory, plans=plans, config=config, window=window(config, not options.save_probabilities),
+                     postprocessed=not postprocessing.is_identity, previous=previous)
     try:
-        return _predict_cases(found, plans, config, segment, window, output_dir, options, progress,
-                              postprocessed=not postprocessing.is_identity)
+        return _predict_cases(found, prepare, segment, memory, output_dir, options, progress)
     finally:
         torch.set_num_threads(threads)
 
 
-def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationPlan,
-                   segment: Callable[..., Callable[[], None]], window: Callable[..., InferencePlan],
-                   output_dir: Path, options: PredictOptions, progress: bool, postprocessed: bool) -> list[Path]:
-    """Every case that is not done and has no problem: read and preprocess it (``prepare_case``, ahead),
+def _predict_cases(found: PredictionInputs, prepare: Callable[[Case], tuple[Any, CaseProperties]],
+                   segment: Callable[..., Callable[[], None]], memory: Callable[..., dict[str, int]],
+                   output_dir: Path, options: PredictOptions, progress: bool) -> list[Path]:
+    """Every case that is not done and has no problem: read and preprocess it (``prepare``: ``prepare_case``, ahead),
     ``segment`` it (``_segment_case`` with the networks and window settings bound) and write it (behind); raise
-    CasesFailedError at the end listing the bad cases."""
+    CasesFailedError at the end listing the bad cases. ``memory``: ``case_memory`` of the cases to do, with its
+    probabilities' bytes per value (None: streamed)."""
     written: list[Path] = []
     failed = dict(found.problems)  # case id -> why
     done = [c for c in found.cases if c.case_id in options.done_cases or (
@@ -309,15 +303,14 @@ def _predict_cases(found: PredictionInputs, plans: Plans, config: ConfigurationP
                  len(done), len(found.cases))
     todo = [c for c in found.cases if c not in done and c.case_id not in failed]
     streamed = not options.save_probabilities
-    stages = plan_pipeline(case_memory(todo, plans, config, window, None if streamed else PROBABILITIES_BYTES,
-                                       postprocessed),
+    stages = plan_pipeline(memory(todo, probability_bytes=None if streamed else PROBABILITIES_BYTES),
                            len(todo),
                            pipeline_budget_bytes(),
                            options.preprocess_workers, options.export_workers)
     (log.info if options.verbose else log.debug)("pipeline: %s", stages.describe())
     reset_peak_rss()  # the measured peak below counts from here, as the predicted one does
     try:
-        with Pipeline(partial(prepare_case, plans=plans, config=config), stages.preprocess_workers,
+        with Pipeline(prepare, stages.preprocess_workers,
                       stages.export_workers) as pipeline:
             for case, prepared in tqdm(pipeline.prepared(todo), total=len(todo), desc="predict", unit="case",
                                        disable=not progress):

@@ -79,6 +79,18 @@ def preprocess_case(
     return data, seg, props
 
 
+def labels_on_grid(labels: np.ndarray, props: CaseProperties) -> np.ndarray:
+    """A label map (Z, Y, X) in a case's original grid (a previous stage's prediction) on the grid ``preprocess_case``
+    made of it (``props``): cropped to its box and resampled as its labels are (each label linearly, then the
+    largest). int (1, Z', Y', X'), the input's dtype; unlike a training label, no -1 outside the body."""
+    if tuple(labels.shape) != tuple(props.shape_before_crop):
+        raise InputError(f"case {props.case_id!r}: label map of shape {labels.shape} for an image of shape "
+                         f"{props.shape_before_crop}; it was predicted for another image")
+    box = tuple(slice(lo, hi) for lo, hi in props.crop_bbox)
+    cropped = np.ascontiguousarray(labels[box])[None]
+    return resample_segmentation(cropped, props.shape_after_resample, props.spacing_mm, order=1, order_z=0)
+
+
 def class_voxels_per_slice(seg: np.ndarray, num_label_values: int) -> np.ndarray:
     """int64 (Z, K): voxels of each label value per z-slice of ``seg`` (1, Z, Y, X); -1 counts as 0."""
     counts = np.zeros((seg.shape[1], num_label_values), dtype=np.int64)

@@ -1,6 +1,9 @@
 """`autoseg plan_and_preprocess`, its second half: each planned configuration preprocessed into the workspace,
 in as many processes as the plan's RAM budget holds; and what keeps preprocessed data tied to its sources.
 
+A configuration that trains on another's data (``preprocessed_as``: 3d_cascade_fullres on 3d_fullres's) has no
+folder of its own and is never preprocessed; naming it preprocesses the configuration it reads.
+
 Preprocessed cases are never mixed with stale ones: ``preprocessed/<config>_source.json`` records the plan
 fields (``preprocessing_fields``) and the raw files (per case, a digest) the folder's cases are made from.
 A case made from other files, a case no longer in the dataset, or a folder made with other plan fields is
@@ -67,7 +70,7 @@ def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None,
     dataset = load_dataset(workspace.dataset_root())
     source = dataset_source(dataset.root)
     check_dataset(workspace, dataset.root, source)  # a dataset changed since planning is refused
-    names = configs or list(plans.configurations)
+    names = preprocessed_configurations(plans, configs)
     stale = stale_preprocessed(workspace, plans, dataset, source, names)
     if stale and not overwrite:
         raise InputError(_stale_message(workspace, dataset.root, stale))
@@ -82,6 +85,13 @@ def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None,
         preprocess(dataset, plans, name, out_dir, processes=n, progress=progress, precompute=precompute,
                    report_path=out_dir.with_name(f"{name}_report.json"))
         log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
+
+
+def preprocessed_configurations(plans: Plans, configs: list[str] | None = None) -> list[str]:
+    """The configurations with a ``preprocessed/<config>/`` folder among ``configs`` (default: every planned one): each
+    one's ``data_configuration`` (a cascade stage's is the configuration it reads), each once, in plan order."""
+    wanted = {plans.configuration(c).data_configuration for c in (configs or list(plans.configurations))}
+    return [c for c in plans.configurations if c in wanted]
 
 
 def preprocessing_fields(plans: Plans, config_name: str) -> dict[str, Any]:
@@ -125,7 +135,7 @@ def stale_preprocessed(workspace: Workspace, plans: Plans, dataset: RawDataset, 
     changed since the workspace was made)."""
     digests = case_digests(dataset, source)
     stale = []
-    for name in configs or list(plans.configurations):
+    for name in preprocessed_configurations(plans, configs):
         folder = workspace.preprocessed(name)
         stored = stored_case_ids(folder) if folder.is_dir() else []
         record = read_source(folder) if stored else None
@@ -152,7 +162,8 @@ def check_preprocessed(workspace: Workspace, plans: Plans, config_name: str, nee
     """Before training on ``preprocessed/<config_name>/``: refuse when the dataset changed since the workspace
     was made from it, or the folder was preprocessed with other plan fields than plans.json's. A dataset
     folder that is gone is no error (training reads the preprocessed data only) unless ``needs_dataset``
-    (the final validation predicts the raw images)."""
+    (the final validation predicts the raw images). A cascade stage's folder is the one it trains on."""
+    config_name = plans.configuration(config_name).data_configuration
     folder = workspace.preprocessed(config_name)
     root = workspace.dataset_root()
     if (root / "dataset.json").is_file():
@@ -211,10 +222,13 @@ def _set_aside_results(workspace: Workspace, planned: PlannedWorkspace, stale_co
     whose cases are no longer the dataset's."""
     files_changed = any(not c.startswith("dataset.json") for c in planned.dataset_changes)
     previous = planned.previous_plans.configurations if planned.previous_plans and planned.write_plans else {}
-    for name in sorted(planned.plans.configurations):
-        old = previous.get(name)
-        plan_changed = old is not None and _trained_on(old) != _trained_on(planned.plans.configurations[name])
-        if files_changed or plan_changed or name in stale_configs:
+    configs = planned.plans.configurations
+    changed = {name for name, config in configs.items() if name in stale_configs or (
+        name in previous and _trained_on(previous[name]) != _trained_on(config))}
+    # a cascade stage was trained on its previous stage's predictions and on the data it reads: changed with them
+    changed |= {name for name, c in configs.items() if {c.previous_stage, c.preprocessed_as} & changed}
+    for name in sorted(configs):
+        if files_changed or name in changed:
             moved = workspace.set_aside(workspace.results(name, 0).parent)
             if moved is not None:
                 log.warning("--overwrite: %s was trained on the %s before this change; moved to %s (autoseg no "

@@ -9,6 +9,11 @@ Per case ``<case>``:
 - ``<case>_aug{k}_data.npy`` / ``_seg.npy`` / ``_locations.npy``: the same for precomputed augmented copy k;
 - ``<case>.json``: ``CaseProperties``, written last: a case without it is incomplete.
 
+A cascade stage (``ConfigurationPlan.previous_stage``) reads another configuration's cases; its own folder holds per
+case ``<case>_previous.npy``: int8 (int16 past 127 values) (1, Z, Y, X), the previous stage's label map on its grid
+(``write_previous_stage``, ``open_previous_stage``), and ``<case>_previous.json`` (``PreviousStageSource``,
+written second): the label file it was made from.
+
 Beside the folder, ``preprocessed/<config>_source.json`` (``PreprocessedSource``) records what its cases are
 made from: the plan's preprocessing fields and, per case, a digest of its raw files (``DatasetSource.digest_of``).
 
@@ -34,15 +39,17 @@ import numpy as np
 from autoseg.core.artifacts import Artifact, ArtifactError, atomic_save_npy
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry
+from autoseg.dataset.labels import label_map_dtype
 from autoseg.preprocess.precompute import SpatialParams
 
 AUGMENTED = re.compile(r"_aug\d+_data\.npy$")  # an augmented copy's data file, not a case's
 ClassLocations = Mapping[str, Sequence[Sequence[int]]]  # output channel -> (z, y, x) voxels
 
 __all__ = ["AugmentedCopy", "CaseFiles", "CaseProperties", "CaseWriter", "PreprocessedSource", "StoredCase",
-           "case_files", "delete_case", "is_complete", "list_complete_cases", "locations_array", "missing_files",
-           "open_case", "open_npy_for_patches", "precomputed_copies", "prefetch_pages", "properties_path",
-           "read_properties", "read_source", "source_path", "stored_case_ids", "write_case"]
+           "PreviousStageSource", "case_files", "delete_case", "is_complete", "list_complete_cases",
+           "locations_array", "missing_files", "open_case", "open_npy_for_patches", "open_previous_stage",
+           "precomputed_copies", "prefetch_pages", "properties_path", "read_previous_stage_source", "read_properties",
+           "read_source", "source_path", "stored_case_ids", "write_case", "write_previous_stage"]
 
 
 @dataclass(frozen=True)
@@ -103,6 +110,50 @@ def read_source(folder: str | Path) -> PreprocessedSource | None:
     """The folder's ``PreprocessedSource``; None when there is none (written by an older autoseg)."""
     path = source_path(folder)
     return PreprocessedSource.from_json(path) if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class PreviousStageSource(Artifact):
+    """``<case>_previous.json``: what the case's previous-stage label map was made from: ``label_file`` (the previous
+    stage's predicted label map in the image's grid), the blake2b of its bytes, and the case's grid it was
+    resampled to (its crop box and resampled shape)."""
+
+    SCHEMA_VERSION = 1
+    KIND = "previous stage source"
+
+    label_file: str
+    label_digest: str
+    crop_bbox: tuple[tuple[int, int], ...]
+    shape_zyx: tuple[int, int, int]
+
+
+def _previous_stage_files(folder: str | Path, case_id: str) -> tuple[Path, Path]:
+    return Path(folder) / f"{case_id}_previous.npy", Path(folder) / f"{case_id}_previous.json"
+
+
+def write_previous_stage(folder: str | Path, case_id: str, labels: np.ndarray, source: PreviousStageSource) -> None:
+    """The case's previous-stage label map (1, Z, Y, X) (``label_map_dtype``), then its source (each atomically)."""
+    if labels.ndim != 4 or labels.shape[0] != 1 or tuple(labels.shape[1:]) != tuple(source.shape_zyx):
+        raise ValueError(f"case {case_id!r}: previous-stage labels {labels.shape}, expected (1, *{source.shape_zyx})")
+    array, record = _previous_stage_files(folder, case_id)
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    record.unlink(missing_ok=True)  # from here on the map is unaccounted for until its source is written
+    atomic_save_npy(array, labels.astype(label_map_dtype(int(labels.max(initial=0)) + 1)))
+    source.to_json(record)
+
+
+def read_previous_stage_source(folder: str | Path, case_id: str) -> PreviousStageSource | None:
+    """The case's ``PreviousStageSource``; None when it has no complete previous-stage map."""
+    array, record = _previous_stage_files(folder, case_id)
+    return PreviousStageSource.from_json(record) if record.is_file() and array.is_file() else None
+
+
+def open_previous_stage(folder: str | Path, case_id: str) -> np.ndarray:
+    """A read-only memory map (``open_npy_for_patches``) of the case's previous-stage label map (1, Z, Y, X)."""
+    if read_previous_stage_source(folder, case_id) is None:
+        raise InputError(f"{folder}: no previous-stage label map of case {case_id!r}; train the cascade stage again "
+                         "(its start writes them)")
+    return open_npy_for_patches(_previous_stage_files(folder, case_id)[0])
 
 
 @dataclass(frozen=True)

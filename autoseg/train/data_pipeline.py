@@ -26,7 +26,7 @@ def choose_data_pipeline(run: RunConfig, folder: Path, config: ConfigurationPlan
     node_share = config.loader_workers // ranks_here  # the plan's are for one node
     workers = node_share if run.loader_workers is None else run.loader_workers
     if run.loader_workers is None and node_share > 0:  # /dev/shm may be smaller than the RAM (Docker: 64 MiB)
-        batch = output_batch_bytes(config.patch_size, config.batch_size, len(plans.channel_names),
+        batch = output_batch_bytes(config.patch_size, config.batch_size, plans.input_channels(config),
                                    np.dtype(label_map_dtype(plans.num_label_values)).itemsize)
         workers = workers_for_shared_memory(node_share, config.loader_queue_depth, batch, ranks_here)
         if workers < node_share:
@@ -34,6 +34,11 @@ def choose_data_pipeline(run: RunConfig, folder: Path, config: ConfigurationPlan
                         "worker(s); using %d (Docker: enlarge it with --shm-size)", SHM_FOLDER, workers, node_share,
                         workers)
     copies = precomputed_copies(folder, train_ids)
+    if plans.previous_stage_values(config):  # the copies have no previous-stage labels
+        if run.use_precomputed:
+            raise InputError(f"{config.name} takes {config.previous_stage}'s labels of each case as input, which the "
+                             "precomputed augmented copies do not have; train it without --use-precomputed")
+        copies = 0
     if run.use_precomputed and copies == 0:
         raise InputError(f"{folder}: some training cases have no precomputed augmented copies; run "
                          "`autoseg plan_and_preprocess --precompute-augmentations K` or train without "

@@ -35,7 +35,7 @@ from autoseg.core.artifacts import LogFile, atomic_write_text, remove_stale_temp
 from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import cpu_count
-from autoseg.core.workspace import Workspace, load_or_create_splits
+from autoseg.core.workspace import Workspace
 from autoseg.data.loader import BatchLoader
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, Ranks, rank_batch
@@ -43,38 +43,20 @@ from autoseg.model.step import TrainStep, distribute
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.run import check_preprocessed
-from autoseg.preprocess.store import list_cases, missing_files, open_case
+from autoseg.preprocess.store import open_case
 from autoseg.train.checkpoint import check_same_plan, load_checkpoint, loader_seed, restore_rng_states, save_checkpoint
 from autoseg.train.curves import record_epoch, run_times
 from autoseg.train.data_pipeline import choose_data_pipeline
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
+from autoseg.train.fold_data import fold_cases, prepare_previous_stage
 from autoseg.train.memory_check import MemoryCheck, MemoryObserver, configured_step, log_check
 from autoseg.train.patch_validation import validate_patches
 from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import TimeBudget, poly_lr
 
-__all__ = ["fold_cases", "train"]
+__all__ = ["train"]
 
 log = logging.getLogger("autoseg.train.trainer")
-
-
-def fold_cases(workspace: Workspace, config_name: str, fold: int | str) -> tuple[list[str], list[str]]:
-    """(train, val) case ids; fold "all" trains on every case and validates on all of them too."""
-    folder = workspace.require(workspace.preprocessed(config_name), "plan_and_preprocess")
-    case_ids = list_cases(folder)
-    if not case_ids:
-        raise InputError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
-    for case_id in case_ids:  # a case never silently leaves the folds
-        if missing := missing_files(folder, case_id):
-            raise InputError(f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
-                                    "run `autoseg plan_and_preprocess` again (it redoes incomplete cases)")
-    splits = load_or_create_splits(workspace, case_ids)
-    if fold == "all":
-        return case_ids, case_ids
-    if not 0 <= int(fold) < len(splits.folds):
-        raise InputError(f"fold {fold} does not exist; {workspace.splits_path} has folds 0..{len(splits.folds) - 1}")
-    split = splits.folds[int(fold)]
-    return list(split.train), list(split.val)
 
 
 def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True,
@@ -86,7 +68,8 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
     check_preprocessed(workspace, plans, config_name, needs_dataset=run.validate)  # refused, not mixed
-    train_ids, val_ids = fold_cases(workspace, config_name, fold)
+    train_ids, val_ids = fold_cases(workspace, config.data_configuration, fold)
+    previous = prepare_previous_stage(workspace, plans, config_name, sorted({*train_ids, *val_ids}))  # cascade
     out = workspace.results(config_name, fold)
     resumed = None
     if run.resume:
@@ -106,7 +89,8 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     log.addHandler(handler)
     threads = torch.get_num_threads()
     try:
-        job = _Job(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, clock, started)
+        job = _Job(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, clock, started,
+                   previous)
         ctx = _setup(job, resumed, distributed)
         return _train(ctx)
     finally:
@@ -131,6 +115,11 @@ class _Job:
     progress: bool
     clock: Callable[[], float]
     started: float  # clock() when train() was called
+    previous_folder: Path | None  # a cascade stage's previous-stage label maps (autoseg.train.fold_data)
+
+    @property
+    def data_folder(self) -> Path:
+        return self.workspace.preprocessed(self.planned.data_configuration)
 
 
 @dataclass
@@ -165,10 +154,12 @@ class _Context:
         Each rank draws its own stream from all training cases (see docs/architecture.md, Multi-GPU)."""
         job = self.job
         seed = loader_seed(job.run.seed, epoch, 0 if augment else 1, len(self.degradations), self.ranks.context.rank)
-        cfg = loader_config(self.config, augment, self.use_precomputed and augment)
-        return BatchLoader(job.workspace.preprocessed(job.config_name), job.train_ids if augment else job.val_ids,
-                           cfg, seed=seed, num_workers=self.loader_workers if augment else 0,
-                           queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda")
+        cfg = loader_config(self.config, augment, self.use_precomputed and augment,
+                            job.plans.previous_stage_values(job.planned))
+        return BatchLoader(job.data_folder, job.train_ids if augment else job.val_ids, cfg, seed=seed,
+                           num_workers=self.loader_workers if augment else 0,
+                           queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda",
+                           previous_folder=job.previous_folder)
 
     def progress_state(self, epoch: int) -> dict[str, Any]:
         return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch,
@@ -201,7 +192,7 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     distribute(ctx.step, distributed)
     _watch_memory(ctx)
     ctx.loader_workers, ctx.use_precomputed = choose_data_pipeline(
-        run, job.workspace.preprocessed(job.config_name), config, job.plans, job.train_ids,
+        run, job.data_folder, config, job.plans, job.train_ids,
         distributed.local_world_size)
     if resumed is None:
         if ctx.ranks.is_main:
@@ -292,7 +283,7 @@ def _time_budget(job: _Job, config: ConfigurationPlan) -> TimeBudget:
     from autoseg.model.tta import parse_tta
     from autoseg.predict.predictor import default_tta
 
-    run, folder = job.run, job.workspace.preprocessed(job.config_name)
+    run, folder = job.run, job.data_folder
     cases = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if run.validate else {}
     tta = default_tta(run.device)
     return TimeBudget(run.time_budget_s, job.started, run.epochs, run.iterations_per_epoch, run.val_iterations,

@@ -1,4 +1,6 @@
-"""End of a fold: predict its validation cases from the raw images and evaluate them."""
+"""End of a fold: predict its validation cases from the raw images and evaluate them. A cascade stage's input takes
+each case's previous-stage label map from that stage's final validation (``fold_data.previous_stage_label_file``),
+as its training did."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ import torch
 from tqdm import tqdm
 
 from autoseg.core.workspace import Workspace
-from autoseg.dataset.imageio import write_image
+from autoseg.dataset.imageio import read_image, write_image
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import EvaluationSummary, evaluate_pairs, format_table
 from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import default_tta, predict_case
+from autoseg.train.fold_data import previous_stage_label_file
 from autoseg.train.schedule import TimeBudget
 
 log = logging.getLogger("autoseg.train.trainer")
@@ -45,8 +48,10 @@ def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network:
     network.eval()
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
+        previous = read_image(previous_stage_label_file(workspace, plans, config_name, case.case_id), dtype=None)[0] \
+            if config.previous_stage else None
         labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=None, device=device,
-                                     probabilities_path=out_dir / f"{case.case_id}.npz", tta=tta)
+                                     probabilities_path=out_dir / f"{case.case_id}.npz", tta=tta, previous=previous)
         out = out_dir / f"{case.case_id}{dataset.file_ending}"
         write_image(out, labels, props.geometry)
         pairs.append((out, case.label_path))

@@ -218,5 +218,5 @@ def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) ->
     assert Plans.from_json(tmp_path / "old.json") == plans
     payload["schema_version"] = 1
     (tmp_path / "older.json").write_text(json.dumps(payload))
-    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 5"):
+    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 6"):
         Plans.from_json(tmp_path / "older.json")

@@ -104,19 +104,20 @@ def test_fits_and_headroom_follow_the_budget() -> None:
 def test_inference_terms_sum_to_the_device_peak(explanation: Explanation) -> None:
     e = explanation
     mem = inference_memory(TOPOLOGY, (16, 16, 16), 1, (20, 24, 40), 3, "fp32", mirror_axes=(0, 1, 2),
-                           device="cuda", output_dtype=None)
+                           device="cuda", output_dtype=None, accumulator_dtype="float16")
     assert sum(e.inference_terms.values()) == e.inference_total_bytes
     assert e.inference_total_bytes == predict_device_peak(mem, "cuda")["total"]
-    assert e.inference_terms["accumulator"] == 3 * 16 * 24 * 40 * 4  # K x a patch-deep z-window x fp32
+    assert e.inference_terms["accumulator"] == 3 * 16 * 24 * 40 * 2  # K x a patch-deep z-window x float16
     assert e.inference_terms["output"] == 0  # on CUDA the probabilities are on the host
 
 
 def test_host_rows_use_the_median_shape_without_a_fingerprint(explanation: Explanation) -> None:
     (case,) = explanation.host_cases
     assert case.shape_zyx_before == case.shape_zyx_after == (20, 24, 40)
-    # the export runs slab by slab: the label map whole, a slab (16 slices: the tile's depth) of one class at a time
+    # the export runs slab by slab: the label map whole, a slab of one class at a time (a float16 accumulator of
+    # 16 slices, the tile's depth, is finished 16 // (K + 1) = 4 slices at a time)
     assert "probabilities" not in case.export and case.export["labels"] == 20 * 24 * 40
-    assert case.export["best_score"] == 16 * 24 * 40 * 4
+    assert case.export["best_score"] == 4 * 24 * 40 * 4
     assert explanation.loader_worker["slots"] == 3 * 2 * 16**3 * (4 + 1)  # queue depth 2 + 1 slots: float32 + int8
 
 

@@ -170,7 +170,8 @@ def rough_plans() -> dict[int, Plans]:
 
 def test_3d_dataset_gets_3d_fullres_and_2d(rough_plans: dict[int, Plans]) -> None:
     for plans in rough_plans.values():
-        assert {"3d_fullres", "2d"} <= set(plans.configurations) <= {"3d_fullres", "3d_lowres", "2d"}
+        assert {"3d_fullres", "2d"} <= set(plans.configurations) <= {"3d_fullres", "3d_lowres", "3d_cascade_fullres",
+                                                                      "2d"}
         full, flat = plans.configuration("3d_fullres"), plans.configuration("2d")
         assert full.dim == 3 and len(full.patch_size) == 3
         assert flat.dim == 2 and len(flat.patch_size) == 2
@@ -230,6 +231,28 @@ def test_lowres_only_when_fullres_covers_under_a_quarter(rough_plans: dict[int, 
             low_cov = math.prod(min(p / m, 1) for p, m in zip(low.patch_size, low.median_shape_zyx))
             assert low_cov > 2 * coverage
             assert any("cascade" in n for n in low.notes)
+
+
+def test_the_cascade_is_planned_with_lowres_and_takes_its_one_hot_prediction(rough_plans: dict[int, Plans]) -> None:
+    """3d_cascade_fullres: planned exactly when 3d_lowres is; 3d_fullres's spacing, patch and data, its network with
+    one input channel per image channel and per foreground class (K - 1), its peak the memory model's for them."""
+    planned = {gib: "3d_lowres" in plans.configurations for gib, plans in rough_plans.items()}
+    assert any(planned.values()) and not all(planned.values())  # both cases are tested
+    for gib, plans in rough_plans.items():
+        assert ("3d_cascade_fullres" in plans.configurations) == planned[gib], gib
+        if not planned[gib]:
+            continue
+        full, cascade = plans.configuration("3d_fullres"), plans.configuration("3d_cascade_fullres")
+        assert cascade.network.in_channels == 1 + (3 - 1)  # one image channel, labels background + 2 classes
+        assert cascade.network.num_outputs == full.network.num_outputs
+        assert (cascade.spacing_mm, cascade.patch_size, cascade.batch_size) == (full.spacing_mm, full.patch_size,
+                                                                                 full.batch_size)
+        assert (cascade.previous_stage, cascade.preprocessed_as, cascade.data_configuration) == (
+            "3d_lowres", "3d_fullres", "3d_fullres")
+        assert cascade.memory["predicted_peak_bytes"] == rough_training_peak_bytes(
+            cascade.network, cascade.batch_size, cascade.patch_size, cascade.precision, cascade.checkpointing,
+            cascade.accumulation_steps) > full.memory["predicted_peak_bytes"]
+        assert plans.input_channels(cascade) == 3 and plans.input_channels(full) == 1
 
 
 def test_lowres_spacing_grows_fine_axes_first() -> None:

@@ -22,7 +22,7 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
-from autoseg.predict import predictor
+from autoseg.predict import networks, predictor
 from autoseg.predict.export import export_segmentation
 from autoseg.predict.predictor import predict
 from autoseg.predict.probabilities import ProbabilityFile
@@ -80,7 +80,7 @@ def _assert_same_header(output: Path, reference: Path) -> None:
 def _use_box_network(monkeypatch: pytest.MonkeyPatch, image: np.ndarray) -> None:
     """Every fold's network answers with ``box_case``'s labels in preprocessed space (``box_network``)."""
     network = box_network(image)
-    monkeypatch.setattr(predictor, "load_trained_network", lambda path, config, device: network)
+    monkeypatch.setattr(networks, "load_trained_network", lambda path, config, device: network)
 
 
 def _write_box(path: Path, image: np.ndarray, spacing_zyx: tuple[float, ...], origin_xyz: tuple[float, ...],
@@ -318,7 +318,7 @@ def test_a_planned_tile_agrees_with_the_patch_on_a_tiny_trained_model(prepared: 
                                                 cpu_threads=1), progress=False)
     plans = Plans.from_json(workspace.plans_path)
     config = plans.configuration("3d_fullres").with_(inference_patch_size=(12, 24, 24))
-    network = predictor.load_trained_network(workspace.checkpoint("3d_fullres", 0, "final"), config, "cpu")
+    network = networks.load_trained_network(workspace.checkpoint("3d_fullres", 0, "final"), config, "cpu")
     for case in list_prediction_inputs(workspace.dataset_root() / "imagesTs", 1).cases:
         data, _, geometry = load_case(case)
         planned, patch = (predictor.predict_image(data, geometry, case.case_id, [network], plans, config, mirror=False,

@@ -173,8 +173,8 @@ def test_a_case_without_the_requested_copies_is_redone(tiny_dataset: Path, tmp_p
 def test_use_precomputed_drops_the_spatial_transform_only() -> None:
     plain = LoaderConfig(patch_size=(8, 16, 16), batch_size=2)
     precomputed = dataclasses.replace(plain, use_precomputed=True)
-    kinds = [type(t) for t in build_train_transforms(precomputed).transforms]
-    assert PatchSpatialTransform in [type(t) for t in build_train_transforms(plain).transforms]
+    kinds = [type(t) for part in build_train_transforms(precomputed) for t in part.transforms]
+    assert PatchSpatialTransform in [type(t) for part in build_train_transforms(plain) for t in part.transforms]
     assert PatchSpatialTransform not in kinds and len(kinds) >= 7  # the intensity transforms stay
     assert Augmenter(precomputed).mirror is not None  # and mirroring, applied while writing the output
     assert precomputed.enlarged_patch_size == (8, 16, 16) != plain.enlarged_patch_size

@@ -16,9 +16,9 @@ from autoseg.memory.device import predict_device_peak
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.step import TrainStep
 from autoseg.plan.plans import Plans
-from autoseg.train import trainer
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
+from autoseg.train.fold_data import fold_cases
 from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import final_validation_seconds, parse_duration, poly_lr
 from autoseg.train.trainer import train
@@ -199,7 +199,7 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(workspace: 
     run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)
     fold = train(workspace, CONFIG, "all", run, progress=False, clock=lambda: clock.now)
     final = json.loads((fold / "run.json").read_text())["final_validation"]
-    all_cases = sorted(trainer.fold_cases(workspace, CONFIG, "all")[1])
+    all_cases = sorted(fold_cases(workspace, CONFIG, "all")[1])
     assert final["tta"] == "none" and final["reduced_by_time_budget"]
     assert 1 <= len(final["cases"]) < len(all_cases) and final["cases"] == all_cases[:len(final["cases"])]
     assert seen == [(c, "none") for c in final["cases"]]
@@ -239,7 +239,7 @@ def test_a_preprocessed_case_with_missing_arrays_stops_training_instead_of_leavi
     case_id = sorted(p.stem for p in folder.glob("*.json"))[0]
     (folder / f"{case_id}_seg.npy").unlink()
     with pytest.raises(InputError, match=rf"case '{case_id}' is missing {case_id}_seg.npy.*plan_and_preprocess"):
-        trainer.fold_cases(workspace, CONFIG, 0)
+        fold_cases(workspace, CONFIG, 0)
 
 
 def test_a_checkpoint_written_before_plans_schema_3_still_resumes(workspace: Workspace) -> None:

@@ -1,0 +1,107 @@
+"""The cascade end to end on the tiny dataset: 3d_lowres and 3d_cascade_fullres planned by hand (the tiny images are
+too small for the planner to want them), two folds; the cascade refuses to train until every lowres fold that
+validated one of its cases is trained, then trains on their out-of-fold label maps, and predicts new scans with
+both stages; export-model packs both."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from factories import tiny_topology
+
+from autoseg.core.errors import InputError
+from autoseg.core.workspace import FoldSplit, Splits, Workspace
+from autoseg.dataset.imageio import read_geometry, read_image
+from autoseg.plan.plans import Plans
+from autoseg.predict.archive import export_model
+from autoseg.predict.predictor import predict
+from autoseg.preprocess.preprocessor import labels_on_grid
+from autoseg.preprocess.run import preprocess_workspace
+from autoseg.preprocess.store import list_cases, open_previous_stage, read_properties
+from autoseg.train.fold_data import previous_stage_label_file
+from autoseg.train.run_config import RunConfig
+from autoseg.train.trainer import train
+
+CASCADE = "3d_cascade_fullres"
+RUN = RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, cpu_threads=1)
+
+
+def with_cascade(root: Path) -> Plans:
+    """Add a tiny 3d_lowres (twice 3d_fullres's spacing) and 3d_cascade_fullres (3d_fullres's, with the one-hot
+    channels) to the workspace's plans.json, as the planner does for large images; preprocess 3d_lowres."""
+    ws = Workspace.at(root)
+    plans = Plans.from_json(ws.plans_path)
+    full = plans.configuration("3d_fullres")
+    low_spacing = tuple(2 * s for s in full.spacing_mm)
+    low = full.with_(name="3d_lowres", spacing_mm=low_spacing, patch_size=(4, 8, 8), inference_patch_size=(4, 8, 8),
+                     median_shape_zyx=tuple(max(1, m // 2) for m in full.median_shape_zyx))
+    extra = len(plans.label_scheme.predicted_values)
+    cascade = full.with_(name=CASCADE, previous_stage="3d_lowres", preprocessed_as="3d_fullres",
+                         network=dataclasses.replace(tiny_topology(plans.num_label_values), in_channels=1 + extra))
+    plans = dataclasses.replace(plans, configurations={**plans.configurations, "3d_lowres": low, CASCADE: cascade})
+    plans.to_json(ws.plans_path)
+    preprocess_workspace(ws, ["3d_lowres", CASCADE], processes=1, progress=False)
+    return plans
+
+
+@pytest.fixture(scope="module")
+def cascade_ws(prepared: Path, tmp_path_factory) -> Path:
+    """The prepared workspace with the cascade planned, two folds (splits.json written by hand), lowres fold 0
+    trained and validated."""
+    root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("cascade") / "ws"))
+    with_cascade(root)
+    ws = Workspace.at(root)
+    cases = list_cases(ws.preprocessed("3d_fullres"))
+    halves = (tuple(cases[::2]), tuple(cases[1::2]))
+    Splits(seed=0, folds=(FoldSplit(train=halves[1], val=halves[0]),
+                          FoldSplit(train=halves[0], val=halves[1]))).to_json(ws.splits_path)
+    train(ws, "3d_lowres", 0, RUN, progress=False)
+    return root
+
+
+def test_the_cascade_reads_3d_fullres_data_and_nothing_is_preprocessed_for_it(cascade_ws: Path) -> None:
+    ws = Workspace.at(cascade_ws)
+    assert sorted(p.name for p in (ws.root / "preprocessed").iterdir() if p.is_dir()) == ["3d_fullres", "3d_lowres"]
+    assert Plans.from_json(ws.plans_path).input_channels(Plans.from_json(ws.plans_path).configuration(CASCADE)) == 3
+
+
+def test_the_cascade_refuses_to_train_until_every_lowres_fold_of_its_cases_is_trained(cascade_ws: Path,
+                                                                                      tmp_path: Path) -> None:
+    ws = Workspace.at(Path(shutil.copytree(cascade_ws, tmp_path / "ws")))
+    with pytest.raises(InputError, match=r"3d_lowres fold\(s\) 1 not trained: run `autoseg train fold 1 -c "
+                                         r"3d_lowres -w .*`") as e:
+        train(ws, CASCADE, 0, RUN, progress=False)
+    assert "fold 0" not in str(e.value).split("missing:")[1]  # trained: not named
+    assert not (ws.root / "results" / CASCADE).exists()  # refused before anything was written
+
+
+def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages(cascade_ws: Path, inputs: Path,
+                                                                               tmp_path: Path) -> None:
+    ws = Workspace.at(Path(shutil.copytree(cascade_ws, tmp_path / "ws")))
+    plans = Plans.from_json(ws.plans_path)
+    train(ws, "3d_lowres", 1, RUN, progress=False)
+    out = train(ws, CASCADE, 0, RUN, progress=False)
+    assert (out / "checkpoint_final.pt").is_file() and (out / "validation" / "summary.json").is_file()
+    # each case's previous-stage map: its own lowres fold's validation label map on the 3d_fullres grid
+    data = ws.preprocessed("3d_fullres")
+    for case_id in list_cases(data):
+        source = previous_stage_label_file(ws, plans, CASCADE, case_id)
+        fold = 0 if case_id in Splits.from_json(ws.splits_path).folds[0].val else 1
+        assert source == ws.results("3d_lowres", fold) / "validation" / f"{case_id}.nii.gz"
+        expected = labels_on_grid(read_image(source, dtype=None)[0], read_properties(data, case_id))
+        assert np.array_equal(open_previous_stage(ws.preprocessed(CASCADE), case_id), expected)
+    written = predict(ws, inputs, tmp_path / "pred", config_name=CASCADE, folds=(0,),
+                      device="cpu", mirror=False, progress=False)
+    for path in written:
+        image = inputs / path.name.replace(".nii.gz", "_0000.nii.gz")
+        assert read_geometry(path) == read_geometry(image)
+        labels, _ = read_image(path, dtype=None)
+        assert set(np.unique(labels)) <= set(range(plans.num_label_values))
+    manifest = export_model(ws, tmp_path / "model.zip", config_name=CASCADE)
+    names = {m.name for m in manifest.members}
+    assert {f"results/{c}/fold_0/checkpoint_final.pt" for c in (CASCADE, "3d_lowres")} <= names
+    assert manifest.configurations == (CASCADE,)
