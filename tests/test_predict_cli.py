@@ -161,6 +161,27 @@ def test_tta_and_tile_batch_choices_change_speed_not_labels(capsys, caplog, trai
         assert differ <= 0.001 * labels.size, f"{name}: {differ} voxels differ"
 
 
+def test_the_accumulator_dtype_is_a_choice_and_predict_keeps_its_tile_simulations(
+        capsys, caplog, monkeypatch: pytest.MonkeyPatch, trained: Path, inputs: Path, tmp_path: Path) -> None:
+    """--accumulator float32 gives the default float16's labels except at most 0.1% of voxels; an unknown dtype is
+    refused before any work; the tile simulations go to the cache folder (AUTOSEG_CACHE_DIR), as the planning
+    commands' do."""
+    monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
+    caplog.set_level("INFO", logger="autoseg")
+    for dtype in ("float16", "float32"):
+        result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / dtype, "-w", trained, "--tta", "2",
+                         "--accumulator", dtype, "--verbose")
+        assert result.status == 0, result.err
+        assert f"accumulator {dtype} on cpu" in caplog.text
+    for name, labels in _labels(tmp_path / "float32").items():
+        assert np.count_nonzero(labels != _labels(tmp_path / "float16")[name]) <= 0.001 * labels.size
+    assert list((tmp_path / "cache").rglob("inference_simulation*"))
+    refused = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / "bad", "-w", trained, "--accumulator",
+                      "float64")
+    assert refused.status != 0 and "--accumulator 'float64'" in refused.err and "float16, float32" in refused.err
+    assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
+
+
 @pytest.mark.slow
 def test_background_workers_change_nothing_in_the_outputs(capsys, caplog, trained: Path, inputs: Path,
                                                           tmp_path: Path) -> None:

@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         keep_simulations_in(None)
 
 
-# commands that simulate training steps: their simulations are kept between runs (keep_simulations_in)
-SIMULATING = frozenset({"plan", "plan_and_preprocess", "train", "explain", "check-memory", "demo"})
+# commands that simulate training steps or sliding windows: their simulations are kept between runs
+# (keep_simulations_in)
+SIMULATING = frozenset({"plan", "plan_and_preprocess", "train", "explain", "check-memory", "demo", "predict"})
 
 def report_error(prefix: str, error: Exception) -> int:
     """Print ``error`` as one message on stderr; return the exit status (2: bad input, 1: failure or bug)."""
@@ -191,8 +192,7 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
     options = PredictOptions(save_probabilities=args.save_probabilities, skip_existing=args.skip_existing,
                              fail_fast=args.fail_fast, series=args.series, verbose=args.verbose,
-                             preprocess_workers=args.preprocess_workers, export_workers=args.export_workers,
-                             cache_dir=cache_dir(os.environ))
+                             preprocess_workers=args.preprocess_workers, export_workers=args.export_workers)
     window = {"mirror": not args.no_mirror, "tile_batch_size": args.tile_batch_size, "tta": args.tta,
               "tile": args.tile, "device": resolve_device(args.device)}
     if args.accumulator is not None:  # else predict's default (PREDICTION_ACCUMULATOR)

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError
-from autoseg.core.machine import MachineCache, use_cpu_threads
+from autoseg.core.machine import use_cpu_threads
 from autoseg.core.precision import effective_precision
 from autoseg.core.resources import (
     available_ram_bytes,
@@ -81,7 +81,6 @@ class PredictOptions:
     verbose: bool = False  # log the pipeline's and each case's inference plan (tile batch, accumulator, peaks)
     preprocess_workers: int | None = None  # cases read and preprocessed ahead (threads); None: plan_pipeline
     export_workers: int | None = None  # cases exported and written behind (threads); None: plan_pipeline
-    cache_dir: Path | None = None  # memory simulations kept between runs (MachineCache); None: none kept
     done_cases: frozenset[str] = frozenset()  # case ids finished elsewhere (an ensemble's --continue): not predicted
 
 
@@ -148,22 +147,21 @@ def predict_labels(data: np.ndarray, props: CaseProperties, case_id: str, networ
 def _sliding_window(data: np.ndarray, case_id: str, networks: list[torch.nn.Module], plans: Plans,
                     config: ConfigurationPlan, *, on_slab: Callable | None, mirror: bool, tile_batch_size: int | None,
                     device: str, step_fraction: float = 0.5, tta: str | None = None, verbose: bool = False,
-                    tile: str = "planned", cache: MachineCache | None = None,
-                    accumulator: str = PREDICTION_ACCUMULATOR) -> torch.Tensor | None:
+                    tile: str = "planned", accumulator: str = PREDICTION_ACCUMULATOR) -> torch.Tensor | None:
     """``sliding_window_predict`` over every fold at once with the plan's settings: the probabilities (float16,
     ``on_slab`` None) or nothing (each slab went to ``on_slab``). ``tta``: the ``--tta`` flag (all, none, or the
     first N mirror variants; None: ``default_tta(device)``); ``mirror`` False: none. ``tile_batch_size`` None: the
     largest batch, and the accumulator's place, that ``plan_inference`` predicts to fit (``inference_plan``).
     ``tile``: "planned" or "patch", this image's tile (``tile_for_image``); consecutive tiles overlap by
-    ``1 - step_fraction`` of the training patch (``overlap_step_fractions``). ``cache``: memory simulations kept
-    between runs. ``accumulator``: the accumulator's dtype (``ACCUMULATOR_DTYPES``)."""
+    ``1 - step_fraction`` of the training patch (``overlap_step_fractions``). ``accumulator``: the accumulator's
+    dtype (``ACCUMULATOR_DTYPES``)."""
     mirror_axes = tuple(range(config.dim)) if mirror else ()
     variants = parse_tta((tta or default_tta(device)) if mirror else "none", len(mirror_axes))
     scheme = plans.label_scheme
     precision = effective_precision(config.precision, device)
     window = inference_plan(config, data.shape[1:], scheme.num_outputs, device, precision, mirror_axes, variants,
                             step_fraction, tile_batch_size, tile, streamed=on_slab is not None,
-                            num_networks=len(networks), cache=cache, accumulator=accumulator)
+                            num_networks=len(networks), accumulator=accumulator)
     tile_size = tile_for_image(config, data.shape[1:], tile, step_fraction)
     steps = overlap_step_fractions(tile_size, config.patch_size, step_fraction)
     (log.info if verbose else log.debug)(
@@ -200,19 +198,18 @@ def default_tta(device: str) -> str:
 def inference_plan(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], num_outputs: int, device: str,
                    precision: str, mirror_axes: tuple[int, ...], variants: int, step_fraction: float,
                    tile_batch_size: int | None, tile: str = "planned", streamed: bool = True,
-                   num_networks: int = 1, cache: MachineCache | None = None,
-                   accumulator: str = PREDICTION_ACCUMULATOR) -> InferencePlan:
+                   num_networks: int = 1, accumulator: str = PREDICTION_ACCUMULATOR) -> InferencePlan:
     """How the sliding window runs on this image with ``tile`` ("planned" or "patch": ``_sliding_window``),
     chosen before it starts (``plan_inference``) within ``inference_budget_bytes(device)``; a given
     ``tile_batch_size`` caps the batch at that number. ``streamed``: the slabs go to a ``SlabExport`` (no
-    output volume); else a float16 output. ``num_networks``: the folds predicted together. ``cache``: memory
-    simulations kept between runs (``simulate_tile_prediction``). ``accumulator``: its dtype."""
+    output volume); else a float16 output. ``num_networks``: the folds predicted together. ``accumulator``: its
+    dtype. The tile simulations are kept between runs where the command keeps them (``kept_simulations``)."""
     tile_size = tile_for_image(config, tuple(image_shape_zyx), tile, step_fraction)
     return plan_inference(config.network, tile_size, tuple(image_shape_zyx), num_outputs,
                           inference_budget_bytes(device), device, precision, mirror_axes, variants,
                           overlap_step_fractions(tile_size, config.patch_size, step_fraction),
                           max_tile_batch=tile_batch_size, output_dtype=None if streamed else PROBABILITIES_DTYPE,
-                          num_networks=num_networks, cache=cache, accumulator_dtype=accumulator)
+                          num_networks=num_networks, accumulator_dtype=accumulator)
 
 
 def inference_budget_bytes(device: str) -> int:
@@ -250,10 +247,9 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
         raise InputError(f"--accumulator {accumulator!r}: use one of {', '.join(sorted(ACCUMULATOR_DTYPES))}")
     check_postprocessing(postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
-    cache = MachineCache(options.cache_dir) if options.cache_dir is not None else None
     networks = load_networks(workspace, config, folds, checkpoint, device)
     window_options = {"mirror": mirror, "tile_batch_size": tile_batch_size, "device": device, "tta": tta,
-                      "verbose": options.verbose, "tile": tile, "cache": cache, "accumulator": accumulator}
+                      "verbose": options.verbose, "tile": tile, "accumulator": accumulator}
     segment = partial(_segment_case, networks=networks, plans=plans, config=config, postprocessing=postprocessing,
                       **window_options)
 
@@ -262,7 +258,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
                        precision=effective_precision(cfg.precision, device),
                        mirror_axes=tuple(range(cfg.dim)) if mirror else (), variants=parse_tta(tta, cfg.dim),
                        step_fraction=0.5, tile_batch_size=tile_batch_size, tile=tile, streamed=streamed,
-                       num_networks=len(networks), cache=cache, accumulator=accumulator)
+                       num_networks=len(networks), accumulator=accumulator)
 
     prepare, previous = partial(prepare_case, plans=plans, config=config), None
     if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
