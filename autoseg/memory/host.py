@@ -43,8 +43,10 @@ def _voxels(shape: Sequence[int]) -> int:
 
 
 def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Sequence[int],
-                            num_channels: int) -> dict[str, int]:
+                            num_channels: int, runtime_bytes: int = WORKER_RUNTIME_BYTES) -> dict[str, int]:
     """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess.preprocessor.run_case``).
+    ``runtime_bytes``: the process before the case (a spawned worker's ``WORKER_RUNTIME_BYTES``, or the RSS of the
+    process that preprocesses in-process: with torch and the planner loaded, 300-500 MiB).
 
     ``shape_zyx_before``: the image as read (the crop is taken as the whole image: an upper bound);
     ``shape_zyx_after``: after resampling. Phases, each on top of ``runtime``:
@@ -65,7 +67,7 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
         "resample_seg": (raw + cropped + c * va * _F32 + va * (2 + _F32 + _F32 + 1) + vb * _F32
                          + max(seg_temps, 0)),
     }
-    return {"runtime": WORKER_RUNTIME_BYTES, **phases, "total": WORKER_RUNTIME_BYTES + max(phases.values())}
+    return {"runtime": runtime_bytes, **phases, "total": runtime_bytes + max(phases.values())}
 
 
 def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import remove_stale_temporaries, write_json
 from autoseg.core.errors import InputError
-from autoseg.core.resources import peak_rss_bytes, reset_peak_rss
+from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, MiB
 from autoseg.core.workers import run_in_processes
@@ -138,19 +138,20 @@ def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...
 
 def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, float],
                     config: ConfigurationPlan, num_channels: int, num_label_values: int,
-                    num_augmentations: int = 0) -> int:
+                    num_augmentations: int = 0, runtime_bytes: int = WORKER_RUNTIME_BYTES) -> int:
     """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing.
 
     The crop is taken as the whole image (an upper bound). With augmented copies the last phase holds the
-    resampled case (float32 data, labels) plus ``augment_case_bytes``.
+    resampled case (float32 data, labels) plus ``augment_case_bytes``. ``runtime_bytes``: the process before the
+    case (``preprocess_worker_bytes``).
     """
     after = config.resampled_shape(shape_zyx, spacing_mm)
-    peak = preprocess_worker_bytes(shape_zyx, after, num_channels)["total"]
+    peak = preprocess_worker_bytes(shape_zyx, after, num_channels, runtime_bytes)["total"]
     if num_augmentations > 0:
         va = math.prod(after)
         held = num_channels * va * 4 + va
         augment = augment_case_bytes(after, num_channels, num_label_values + 1)  # + 1: the -1 label
-        peak = max(peak, WORKER_RUNTIME_BYTES + held + augment)
+        peak = max(peak, runtime_bytes + held + augment)
     return int(peak)
 
 
@@ -212,13 +213,15 @@ PeaksOf = Callable[[set[str]], dict[str, int]]  # case ids -> predicted peak byt
 
 
 def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationPlan,
-                         num_augmentations: int = 0) -> dict[str, int]:
-    """``case_peak_bytes`` of each case, from the image headers (no voxel data read)."""
+                         num_augmentations: int = 0, runtime_bytes: int = WORKER_RUNTIME_BYTES) -> dict[str, int]:
+    """``case_peak_bytes`` of each case, from the image headers (no voxel data read), in a process that holds
+    ``runtime_bytes`` before it."""
     peaks = {}
     for case in cases:
         geometry = read_geometry(case.image_paths[0])
         peaks[case.case_id] = case_peak_bytes(geometry.shape_zyx, geometry.spacing_zyx, config,
-                                              len(case.image_paths), plans.num_label_values, num_augmentations)
+                                              len(case.image_paths), plans.num_label_values, num_augmentations,
+                                              runtime_bytes)
     return peaks
 
 
@@ -242,16 +245,19 @@ def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str
         log.info("removed %d temporary file(s) of an interrupted run in %s", len(stale), out_dir)
     todo = [c for c in dataset.cases if not is_complete(out_dir, c.case_id, precompute.num_copies)]
     tasks = [CaseTask(c, plans, config, out_dir, seed, precompute) for c in todo]
+    in_process = processes <= 1 or len(tasks) <= 1
+    # in this process, each case's peak is on top of what the process holds now, not a fresh worker's runtime
+    runtime = process_rss_bytes() if in_process else WORKER_RUNTIME_BYTES
 
     def peaks_of(case_ids: set[str]) -> dict[str, int]:  # only when reporting: case_peak_bytes imports torch
         return predicted_case_peaks([c for c in todo if c.case_id in case_ids], plans, config,
-                                    precompute.num_copies)
+                                    precompute.num_copies, runtime)
 
     bar = tqdm(total=len(dataset.cases), initial=len(dataset.cases) - len(todo),
                desc=f"preprocess {config_name}", unit="case", disable=not progress)
     t0 = time.perf_counter()
     try:
-        if processes <= 1 or len(tasks) <= 1:
+        if in_process:
             results = []
             for task in tasks:
                 results.append(case_runner(task))

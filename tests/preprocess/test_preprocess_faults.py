@@ -135,5 +135,8 @@ def test_report_holds_predicted_and_measured_peaks(dataset: RawDataset, tmp_path
     assert [c["case_id"] for c in report["cases"]] == [c.case_id for c in small.cases]
     for case in report["cases"]:
         assert case["predicted_peak_bytes"] > 0 and case["disk_bytes"] > 0
-        if sys.platform == "linux":  # VmHWM of this (test) process while it ran the case
-            assert case["measured_peak_rss_bytes"] > 50 * 2**20
+        if sys.platform == "linux":  # VmHWM of this (test) process while it ran the case, torch loaded
+            # in-process, a case's peak is on top of what this process held (not a fresh worker's 150 MiB):
+            # predicted within the 25% of the measured peak
+            measured = case["measured_peak_rss_bytes"]
+            assert abs(case["predicted_peak_bytes"] - measured) <= 0.25 * measured, case
