@@ -71,7 +71,7 @@ class DecoderStage(nn.Module):
         output are alive. The stage's peak, in maps of its output: the concatenation (2), the coarse map and its
         upsampling (1) against ``forward``'s 6 (the concatenation, the conv stage's input held while its blocks
         run, the skip, the upsampling, a conv block's input, output and norm): on a 48x192x160 tile of 32 features
-        1310 -> 650 MiB, the largest tensor memory of CPU prediction (docs/prediction.md)."""
+        1310 -> 651 MiB of tracked tensors (oneDNN's hidden convolution buffers come on top: docs/memory.md)."""
         skip = maps[-2]
         dtype = torch.promote_types(skip.dtype, _upsampled_dtype(maps[-1]))  # torch.cat's
         merged = skip.new_empty((skip.shape[0], 2 * skip.shape[1], *skip.shape[2:]), dtype=dtype)

@@ -242,9 +242,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
             raise InputError(f"{workspace.root / 'results' / config_name}: no trained fold with "
                                     f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first")
     tta = (tta or default_tta(device)) if mirror else "none"
-    parse_tta(tta, config.dim), config.inference_tile(tile)  # a bad --tta or tile fails before any work
-    if accumulator not in ACCUMULATOR_DTYPES:
-        raise InputError(f"--accumulator {accumulator!r}: use one of {', '.join(sorted(ACCUMULATOR_DTYPES))}")
+    _check_window_options(config, tta, tile, accumulator)
     check_postprocessing(postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
     networks = load_networks(workspace, config, folds, checkpoint, device)
@@ -280,6 +278,14 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
         return _predict_cases(found, prepare, segment, memory, output_dir, options, progress)
     finally:
         torch.set_num_threads(threads)
+
+
+def _check_window_options(config: ConfigurationPlan, tta: str, tile: str, accumulator: str) -> None:
+    """A bad --tta, --tile or --accumulator fails before any work, not once per case."""
+    parse_tta(tta, config.dim)
+    config.inference_tile(tile)
+    if accumulator not in ACCUMULATOR_DTYPES:
+        raise InputError(f"--accumulator {accumulator!r}: use one of {', '.join(sorted(ACCUMULATOR_DTYPES))}")
 
 
 def _predict_cases(found: PredictionInputs, prepare: Callable[[Case], tuple[Any, CaseProperties]],
