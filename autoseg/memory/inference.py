@@ -34,6 +34,7 @@ from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
+from autoseg.model.slabs import slabs_on
 from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
 from autoseg.model.tile_buffers import (
     PREDICTION_ACCUMULATOR,
@@ -82,7 +83,7 @@ class InferenceMemory:
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                              precision: str = "fp32", mirror_axes: Sequence[int] = (),
                              tta: int | None = None, cache: MachineCache | None = None,
-                             accumulator_dtype: str = "float32") -> tuple[int, int, int, int]:
+                             accumulator_dtype: str = "float32", device: str = "cpu") -> tuple[int, int, int, int]:
     """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
     ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
     (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
@@ -90,17 +91,20 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
     with ``cache`` also between runs (keyed by the simulated code and torch's version): the simulation, and
     importing the fake-tensor machinery for it, cost a prediction 1-4 s of its start.
 
-    fp16 runs as bf16 (same bytes): the inference code turns fp16 autocast off on CPU devices.
+    fp16 runs as bf16 (same bytes): the inference code turns fp16 autocast off on CPU devices. ``device`` "cpu":
+    the network runs its large convolutions in slabs as ``sliding_window_predict`` does there
+    (``autoseg.model.slabs``), and each convolution's hidden buffers count (``cpu_conv_scratch_bytes``).
     """
     autocast_dtype(precision)  # an unknown name says what to use
+    device = torch.device(device).type
     args = (topology, tuple(int(p) for p in patch_size), int(tile_batch_size), "bf16" if precision == "fp16"
-            else precision, tuple(int(a) for a in mirror_axes), tta, accumulator_dtype)
+            else precision, tuple(int(a) for a in mirror_axes), tta, accumulator_dtype, device)
     cache = cache or kept_simulations()  # the planner's inference tile: the command's cache
     if cache is None:
         return _simulate_cached(*args)
     key = {"code": _simulated_code_digest(), "torch": torch.__version__, "topology": asdict(topology),
            "tile": args[1], "tile_batch": args[2], "precision": args[3], "mirror_axes": args[4], "tta": args[5],
-           "accumulator": args[6]}
+           "accumulator": args[6], "device": args[7]}
     value, _ = cache.kept("inference_simulation", key, lambda: list(_simulate_cached(*args)), SIMULATIONS_KEPT)
     return tuple(int(v) for v in value)  # type: ignore[return-value]
 
@@ -115,7 +119,7 @@ def _simulated_code_digest() -> str:
     return source_digest(_SIMULATED_MODULES)
 
 
-_SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window",
+_SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window", "slabs",
                                                           "tile_buffers", "tiles", "tta", "topology")) + (
     "autoseg.memory.tracker", __name__)
 
@@ -123,11 +127,11 @@ _SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "
 @functools.lru_cache(maxsize=64)
 def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      precision: str, mirror_axes: tuple[int, ...], tta: int | None,
-                     accumulator_dtype: str) -> tuple[int, int, int, int]:
+                     accumulator_dtype: str, device: str) -> tuple[int, int, int, int]:
     variants = mirror_variants(mirror_axes, tta)
     one_tile = tile_layout(patch_as_zyx(patch_size), patch_size)  # patch-sized stand-ins for the buffers
     cpu = torch.device("cpu")
-    tracker = StorageTracker()
+    tracker = StorageTracker(cpu_conv_scratch=device == "cpu")
     with torch.random.fork_rng(devices=[]), FakeTensorMode(), tracker:
         network = build_network(topology)
         network.eval()
@@ -138,7 +142,8 @@ def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], til
         del image
         items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
         tracker.mark("tiles")
-        run_tile_batch([network], buffers, items, variants, topology.num_outputs, precision)
+        with slabs_on([network], device):
+            run_tile_batch([network], buffers, items, variants, topology.num_outputs, precision)
         tracker.mark("end")
         del buffers
     start, stop = tracker.index_of("tiles"), tracker.index_of("end")
@@ -180,7 +185,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
     params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
-                                                         mirror_axes, tta, cache, accumulator_dtype)
+                                                         mirror_axes, tta, cache, accumulator_dtype, device)
     params *= num_networks
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
                                      num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction,
@@ -215,12 +220,13 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
                             output_dtype: str | None = "float32", step_fraction: float | Sequence[float] = 0.5,
                             accumulator_dtype: str = "float32") -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
-    parameters included (for tests: hold ``inference_memory`` against it). ``data`` (C, Z, Y, X) float32
-    is not counted (the prediction copies it into its padded input, which is). ``output_dtype`` None: the slabs
-    go to a sink that keeps nothing. Leaves the caller's RNG alone.
+    parameters included, and each convolution's hidden buffers as ``cpu_conv_scratch_bytes`` models them (held
+    against real convolutions in ``tests/memory/test_conv_scratch.py``), for tests: hold ``inference_memory``
+    against it. ``data`` (C, Z, Y, X) float32 is not counted (the prediction copies it into its padded input,
+    which is). ``output_dtype`` None: the slabs go to a sink that keeps nothing. Leaves the caller's RNG alone.
     """
     clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
-    tracker = StorageTracker()
+    tracker = StorageTracker(cpu_conv_scratch=True)
     data_t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
     with torch.random.fork_rng(devices=[]), tracker:
         tracker.exclude([data_t])
@@ -255,7 +261,8 @@ class InferencePlan:
 
     ``choices``: every (tile batch, accumulator device, predicted peak bytes) considered, the chosen first.
     ``peak_bytes``: the compute device's predicted peak (``predict_device_peak`` total: on CPU the tensors
-    plus the runtime). ``fits``: False when even one tile with the accumulator on the host exceeds the budget.
+    plus the runtime), of which ``parameter_bytes`` are the networks' parameters. ``fits``: False when even one
+    tile with the accumulator on the host exceeds the budget.
     """
 
     tile_batch_size: int
@@ -264,6 +271,7 @@ class InferencePlan:
     num_variants: int  # mirror variants per tile
     slab_depth: int  # the most z-slices one finished slab holds (``finish_chunk_slices`` of the accumulator's depth)
     peak_bytes: int
+    parameter_bytes: int
     host_accumulator_bytes: int
     budget_bytes: int
     fits: bool
@@ -332,7 +340,7 @@ def _inference_plan(best: tuple[int, str, int, InferenceMemory], choices: list, 
     batch, acc_device, total, mem = best
     others = tuple((b, d, t) for b, d, t, _ in choices if (b, d) != (batch, acc_device))
     return InferencePlan(tile_batch_size=batch, accumulator_device=acc_device, accumulator_dtype=accumulator_dtype,
-                         num_variants=num_variants, peak_bytes=total,
+                         num_variants=num_variants, peak_bytes=total, parameter_bytes=mem.parameter_bytes,
                          slab_depth=finish_chunk_slices(mem.accumulator_depth, num_outputs, accumulator_dtype),
                          host_accumulator_bytes=mem.host_accumulator_bytes, budget_bytes=budget_bytes, fits=fits,
                          choices=((batch, acc_device, total), *others))

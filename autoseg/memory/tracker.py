@@ -8,7 +8,8 @@ exist) and on real CPU tensors, so a prediction can be held against a measuremen
 
 What it cannot see: memory that never becomes a tensor visible at the dispatcher, e.g. a CPU kernel's
 private scratch buffers, cuDNN workspaces, or the caching allocator's rounding and fragmentation (those
-are modelled in ``autoseg.memory.device``).
+are modelled in ``autoseg.memory.device``). The CPU convolutions' hidden buffers can be counted as a modelled
+allocation alive during each convolution (``cpu_conv_scratch``: ``cpu_conv_scratch_bytes``).
 
 The record is an event list: event ``i`` changes storage ``storage[i]`` (numbered in order of first
 sight) by ``delta[i]`` bytes (> 0 allocation, < 0 free, a resize either way). ``marks`` name event
@@ -27,6 +28,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 NETWORK_TAG = "network"  # tensors created in a forward pass outside any tagged module
+_CONV_NAMES = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose")
+IM2COL_MAX_CHANNELS = 8  # 3D convolutions with 1 to 8 input channels run through im2col on the CPU
+CHANNEL_BLOCK = 16  # oneDNN computes a convolution's output channels in blocks of this many
+
+
+def cpu_conv_scratch_bytes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool) -> int:
+    """The bytes a CPU convolution holds beyond its input and output while it runs (oneDNN's copies), as measured
+    on torch 2.13's CPU wheel (peak RSS above the output, ``tests/memory/test_conv_scratch.py``): a transposed
+    convolution twice its output (measured from 16 MiB outputs up; an 8 MiB one held only once); a 3D one with
+    at most ``IM2COL_MAX_CHANNELS`` input channels an im2col buffer (C_in x kernel volume x output voxels:
+    91 MiB for 4 -> 32 channels on 24x96x96); any other max(input, output) plus the output's channels rounded
+    up to ``CHANNEL_BLOCK`` (a 32 -> 2 head on a 36 MiB map: 36 + 16 MiB)."""
+    out_bytes = out.numel() * out.element_size()
+    if transposed:
+        return 2 * out_bytes
+    per_channel = out_bytes // out.shape[1]
+    if x.ndim == 5 and x.shape[1] <= IM2COL_MAX_CHANNELS:
+        return x.shape[1] * weight[0, 0].numel() * per_channel
+    padding = -out.shape[1] % CHANNEL_BLOCK * per_channel
+    return max(x.numel() * x.element_size(), out_bytes) + padding
 
 
 class StorageTracker(TorchDispatchMode):
@@ -35,11 +56,13 @@ class StorageTracker(TorchDispatchMode):
     Attributes: ``live_bytes`` and ``peak_bytes`` (running), ``sizes[n]`` bytes and ``tags[n]`` module tag of
     storage ``n``, the event lists ``event_storage`` / ``event_delta``, ``marks`` (name -> event index;
     a repeated name keeps every index in ``mark_list``), and ``largest_conv_output_bytes`` (the largest
-    forward convolution output seen, in its own dtype).
+    forward convolution output seen, in its own dtype). ``cpu_conv_scratch``: count ``cpu_conv_scratch_bytes``
+    as alive while each forward convolution runs (beside its input and output).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_conv_scratch: bool = False) -> None:
         super().__init__()
+        self.cpu_conv_scratch = cpu_conv_scratch
         self.live_bytes = 0
         self.peak_bytes = 0
         self.sizes: list[int] = []
@@ -62,8 +85,7 @@ class StorageTracker(TorchDispatchMode):
             return out
         name = func.__name__
         # inference_mode dispatches aten::conv2d/conv3d (not decomposed into aten::convolution)
-        conv_names = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d")
-        is_conv = name.startswith(conv_names) and "backward" not in name
+        is_conv = name.startswith(_CONV_NAMES) and "backward" not in name
         fp32_stats = "batch_norm" in name and "backward" not in name
         for i, t in enumerate(tree_flatten(out)[0]):
             if not isinstance(t, torch.Tensor):
@@ -76,7 +98,18 @@ class StorageTracker(TorchDispatchMode):
             if is_conv and i == 0:
                 conv_bytes = t.numel() * t.element_size()
                 self.largest_conv_output_bytes = max(self.largest_conv_output_bytes, conv_bytes)
+                if self.cpu_conv_scratch:
+                    transposed = name.startswith("conv_transpose") or (name.startswith(_CONV_NAMES[:2]) and args[6])
+                    self._transient(cpu_conv_scratch_bytes(args[0], args[1], t, bool(transposed)))
         return out
+
+    def _transient(self, nbytes: int) -> None:
+        """A modelled allocation that is alive for an instant (counted in the peak, then freed)."""
+        number = len(self.sizes)
+        self.sizes.append(nbytes)
+        self.tags.append(self._current_tag())
+        self._event(number, nbytes, 1)
+        self._event(number, -nbytes, -1)
 
     def _see(self, t: torch.Tensor, nbytes: int | None = None) -> None:
         storage = t.untyped_storage()

@@ -8,7 +8,6 @@ Owns: ``topology`` (the architectures a plan may name, ``validate_topology``), `
 ``blocks`` (the conv block, decoder stage and U-Net skeleton every architecture shares), ``residual`` (the
 residual encoder U-Net), ``loss``, ``step``, ``sliding_window``, ``tiles`` (tile layout, Gaussian, the
 accumulator window), ``tile_buffers`` (one sliding window's buffers and their bytes), ``tta`` (mirror variants,
-``--tta``),
-``distributed``, ``checkpoint_file``.
+``--tta``), ``slabs`` (large convolutions in slabs at inference on the CPU), ``distributed``, ``checkpoint_file``.
 Imports: ``autoseg.core``, ``autoseg.dataset``.
 """

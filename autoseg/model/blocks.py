@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from autoseg.model.slabs import run_module, transposed_into
 from autoseg.model.topology import NetworkTopology, validate_topology
 
 CONV = {2: nn.Conv2d, 3: nn.Conv3d}
@@ -64,23 +65,33 @@ class DecoderStage(nn.Module):
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
         return self.convs(torch.cat((self.upsample(x), skip), dim=1))
 
-    def forward_releasing(self, maps: list[torch.Tensor]) -> torch.Tensor:
+    def forward_releasing(self, maps: list[torch.Tensor], slab_bytes: int | None = None) -> torch.Tensor:
         """``forward(maps.pop(), maps.pop())`` for inference (no autograd), with fewer maps alive at once: the
         concatenation is allocated first and filled in place, each input released as soon as it is copied
         (``maps`` holds the only references), and the conv blocks' modules run one at a time, so one input and one
         output are alive. The stage's peak, in maps of its output: the concatenation (2), the coarse map and its
         upsampling (1) against ``forward``'s 6 (the concatenation, the conv stage's input held while its blocks
         run, the skip, the upsampling, a conv block's input, output and norm): on a 48x192x160 tile of 32 features
-        1310 -> 651 MiB of tracked tensors (oneDNN's hidden convolution buffers come on top: docs/memory.md)."""
+        1310 -> 651 MiB of tracked tensors (oneDNN's hidden convolution buffers come on top: docs/memory.md).
+        ``slab_bytes``: convolutions larger than this run in slabs, the upsampling straight into the concatenation
+        (``autoseg.model.slabs``)."""
         skip = maps[-2]
         dtype = torch.promote_types(skip.dtype, _upsampled_dtype(maps[-1]))  # torch.cat's
         merged = skip.new_empty((skip.shape[0], 2 * skip.shape[1], *skip.shape[2:]), dtype=dtype)
         del skip
         merged[:, merged.shape[1] // 2:].copy_(maps.pop(-2))  # the skip, released after the copy
-        merged[:, :merged.shape[1] // 2].copy_(self.upsample(maps.pop()))  # the coarse map, then its upsampling
+        transposed_into(self.upsample, maps.pop(), merged[:, :merged.shape[1] // 2], slab_bytes)  # the coarse map
         for module in _modules_in_order(self.convs):
-            merged = module(merged)  # the input is released as soon as the output exists
+            merged = run_module(module, merged, slab_bytes)  # the input is released as soon as the output exists
         return merged
+
+
+def run_in_order(module: nn.Module, x: torch.Tensor, slab_bytes: int | None) -> torch.Tensor:
+    """``module(x)`` without autograd: its (nested) ``nn.Sequential`` modules called one at a time through
+    ``run_module``, each intermediate released as soon as the next output exists."""
+    for inner in _modules_in_order(module):
+        x = run_module(inner, x, slab_bytes)
+    return x
 
 
 def _upsampled_dtype(coarse: torch.Tensor) -> torch.dtype:
@@ -115,6 +126,8 @@ class UNet(nn.Module):
         resolution tensor; the coarse seg heads are then skipped (their parameters stay, so checkpoints load).
       ``checkpointing``: recompute each encoder and decoder stage in backward instead of storing its
         activations (only in training mode with grads enabled; outputs are unchanged).
+      ``slab_bytes``: without autograd, convolutions larger than this run in slabs (``autoseg.model.slabs``; set
+        by ``sliding_window_predict`` on the CPU). None: whole.
     """
 
     def __init__(self, topology: NetworkTopology, checkpointing: bool = False) -> None:
@@ -123,6 +136,7 @@ class UNet(nn.Module):
         self.topology = topology
         self.deep_supervision = bool(topology.deep_supervision)
         self.checkpointing = bool(checkpointing)
+        self.slab_bytes: int | None = None
         dim, features = topology.dim, topology.features_per_stage
         self.encoder = nn.ModuleList(self.build_encoder(topology))
         # decoder[s] and seg_heads[s] work at the resolution of encoder stage s (s = 0 .. num_stages - 2)
@@ -146,19 +160,19 @@ class UNet(nn.Module):
         supervision, a list of ``num_stages - 1`` logits, full resolution first."""
         self._check_input(x)
         use_checkpoint = self.checkpointing and self.training and torch.is_grad_enabled()
-        skips = []
+        skips, grad = [], torch.is_grad_enabled()
         for stage in self.encoder:
-            x = _run(stage, use_checkpoint, x)
+            x = _run(stage, use_checkpoint, x) if grad else run_in_order(stage, x, self.slab_bytes)
             skips.append(x)
         del x  # maps: every stage's output; the last one (the bottleneck's) feeds the lowest decoder stage
         maps, logits = skips, []
         for s in reversed(range(len(self.decoder))):  # each replaces the last two maps with its output
-            if torch.is_grad_enabled():  # autograd keeps what backward reads, whatever is released here
+            if grad:  # autograd keeps what backward reads, whatever is released here
                 maps.append(_run(self.decoder[s], use_checkpoint, maps.pop(), maps.pop()))
             else:
-                maps.append(self.decoder[s].forward_releasing(maps))
+                maps.append(self.decoder[s].forward_releasing(maps, self.slab_bytes))
             if self.deep_supervision or s == 0:
-                logits.append(self.seg_heads[s](maps[-1]))
+                logits.append(run_module(self.seg_heads[s], maps[-1], self.slab_bytes))
         return logits[::-1] if self.deep_supervision else logits[-1]
 
     def _check_input(self, x: torch.Tensor) -> None:

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
+from autoseg.model.slabs import slabs_on
 from autoseg.model.tile_buffers import (
     ACCUMULATOR_DTYPES,
     FLOAT16_MAX,
@@ -196,7 +197,7 @@ def sliding_window_predict(
     for n in networks:
         n.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), slabs_on(networks, device):  # CPU: large convolutions in slabs
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
             depth = accumulator_depth(layout, len(variants), tile_batch_size)
             buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device, depth,

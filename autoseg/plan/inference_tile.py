@@ -68,7 +68,8 @@ def plan_inference_tile(config: ConfigurationPlan, memory_bytes: int) -> tuple[i
     precision = effective_precision(config.precision, config.device)
     for tile in candidates:
         mem = inference_memory(config.network, tile, 1, median, config.network.num_outputs, precision,
-                               mirror_axes=tuple(range(config.dim)), accumulator_dtype=PREDICTION_ACCUMULATOR)
+                               mirror_axes=tuple(range(config.dim)), device=config.device,
+                               accumulator_dtype=PREDICTION_ACCUMULATOR)
         if predict_device_peak(mem, config.device)["total"] <= budget:
             return tile
     return tuple(config.patch_size)

@@ -185,9 +185,7 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     channels, scheme = len(plans.channel_names), plans.label_scheme
     preprocess = prediction_preprocess_bytes(shape, after, channels, spacing)
     plan = window(after)
-    # CUDA: what the sliding window holds on the host (its output, the accumulator if it lives there); CPU: the
-    # whole of its predicted peak but the runtime, which is in the process's RSS already
-    on_host = plan.host_accumulator_bytes or plan.peak_bytes - CPU_RUNTIME_BYTES
+    on_host = _window_host_bytes(plan)
     slabs = _slab_bytes(shape, after, scheme, plan) if probability_bytes is None else 0
     previous_predict = 0
     if previous is not None:
@@ -199,8 +197,7 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
         cascade = cascade_input_bytes(shape, after, channels, len(values), spacing,
                                       np.dtype(scheme.export_dtype()).itemsize)
         # the previous stage's window and slab export, then the input built, each beside both preprocessed images
-        previous_predict = max(low_plan.host_accumulator_bytes or low_plan.peak_bytes - CPU_RUNTIME_BYTES,
-                               0) + _slab_bytes(shape, low_after, scheme, low_plan)
+        previous_predict = _window_host_bytes(low_plan) + _slab_bytes(shape, low_after, scheme, low_plan)
         previous_predict = max(previous_predict, cascade["total"])
         on_host += cascade["input"]  # the cascade's window reads the (C + K)-channel input beside the image
         preprocess = {"total": max(low["total"], low["result"] + preprocess["total"]),
@@ -216,6 +213,14 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
     return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
             "predict": max(on_host, previous_predict),
             "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write)}
+
+
+def _window_host_bytes(plan: InferencePlan) -> int:
+    """What a sliding window adds to the host's RSS. CUDA: its output, and the accumulator if it lives there; CPU:
+    its whole predicted peak but the runtime and the networks' parameters, which the process holds already."""
+    if plan.host_accumulator_bytes:
+        return plan.host_accumulator_bytes
+    return max(plan.peak_bytes - CPU_RUNTIME_BYTES - plan.parameter_bytes, 0)
 
 
 def _slab_bytes(shape_zyx: tuple[int, ...], after_zyx: tuple[int, ...], scheme: LabelScheme,

@@ -212,7 +212,8 @@ def test_inference_forward_releases_maps_early_and_gives_the_same_logits(
 
     reference, _ = run(grad=True)
     released, peak = run(grad=False)
-    monkeypatch.setattr(DecoderStage, "forward_releasing", lambda self, maps: self(maps.pop(), maps.pop()))
+    monkeypatch.setattr(DecoderStage, "forward_releasing",
+                        lambda self, maps, slab_bytes=None: self(maps.pop(), maps.pop()))
     held, held_peak = run(grad=False)
     for a, b, c in zip(reference, released, held, strict=True):
         assert a.dtype == b.dtype == c.dtype

@@ -1,0 +1,126 @@
+"""Convolutions run in slabs at inference on the CPU, so that oneDNN's hidden buffers stay small.
+
+A CPU convolution holds buffers the dispatcher never sees: oneDNN reorders its input (or computes its output) in a
+blocked layout, about max(input, output) bytes for a convolution and twice the output for a transposed one
+(measured on torch 2.13's CPU wheel: ``autoseg.memory.tracker.cpu_conv_scratch_bytes`` models them). On a
+48x192x160 tile the full-resolution decoder convolution (64 -> 32 channels) hid 360 MiB, a third of the tile's real
+peak. ``run_module`` runs a convolution whose input or output exceeds ``slab_bytes`` as slabs of output rows along
+its largest spatial axis: each slab's input rows (with the kernel's halo, zero-padded at the ends as the
+convolution's own padding would be) are copied out, convolved without padding on that axis and copied into one
+preallocated output. The result is the same up to float32 rounding (bitwise for most shapes; oneDNN may sum a
+slab's shape in another order: a 32 -> 16 convolution differed by 4e-6, tests/model/test_slabs.py); what is held
+beyond the input and output is a slab's input, output and hidden buffer. ``transposed_into`` does the same for a
+transposed convolution whose kernel equals its stride (the decoder's upsampling), writing straight into the
+caller's buffer (the decoder's concatenation), so the whole upsampled map never exists on its own.
+
+Only without autograd (inference), and only where the caller asks: ``UNet.slab_bytes`` is set by
+``sliding_window_predict`` for CPU devices (``slab_bytes_for``); on CUDA the convolutions run whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoseg.core.units import MiB
+
+SLAB_BYTES = 32 * MiB  # a slab's input or output at most; measured on a 64 -> 32 channel 48x192x160 convolution:
+# 546 -> 249 MiB held above its start (bitwise the same output), and 1.3x its time (the halo and the copies)
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def slab_bytes_for(device: torch.device | str) -> int | None:
+    """The slab size inference uses on ``device``: ``SLAB_BYTES`` on the CPU, None (whole convolutions) else."""
+    return SLAB_BYTES if torch.device(device).type == "cpu" else None
+
+
+@contextlib.contextmanager
+def slabs_on(networks: Sequence[nn.Module], device: torch.device | str) -> Iterator[None]:
+    """Within: the networks that have a ``slab_bytes`` attribute (``UNet``) use ``slab_bytes_for(device)``."""
+    saved = [(n, n.slab_bytes) for n in networks if hasattr(n, "slab_bytes")]
+    for n, _ in saved:
+        n.slab_bytes = slab_bytes_for(device)
+    try:
+        yield
+    finally:
+        for n, value in saved:
+            n.slab_bytes = value
+
+
+def run_module(module: nn.Module, x: torch.Tensor, slab_bytes: int | None) -> torch.Tensor:
+    """``module(x)``; a plain convolution (zeros padding) whose input or output is larger than ``slab_bytes`` runs
+    in slabs (``conv_in_slabs``) when autograd is off."""
+    if slab_bytes is None or torch.is_grad_enabled() or type(module) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        return module(x)
+    if module.padding_mode != "zeros" or isinstance(module.padding, str):
+        return module(x)
+    out_shape = _conv_output_shape(module, x.shape)
+    largest = max(x.numel(), math.prod(out_shape)) * x.element_size()
+    if largest <= slab_bytes:
+        return module(x)
+    return conv_in_slabs(module, x, math.ceil(largest / slab_bytes))
+
+
+def _conv_output_shape(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, shape: torch.Size) -> tuple[int, ...]:
+    spatial = (
+        (size + 2 * p - d * (k - 1) - 1) // s + 1
+        for size, k, s, p, d in zip(shape[2:], conv.kernel_size, conv.stride, conv.padding, conv.dilation, strict=True)
+    )
+    return (shape[0], conv.out_channels, *spatial)
+
+
+def conv_in_slabs(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor, slabs: int) -> torch.Tensor:
+    """``conv(x)`` computed as ``slabs`` slabs of output rows along the largest spatial axis of the output."""
+    out_shape = _conv_output_shape(conv, x.shape)
+    axis = 2 + max(range(len(out_shape) - 2), key=lambda a: out_shape[2 + a])
+    a = axis - 2
+    k, s, p, d = conv.kernel_size[a], conv.stride[a], conv.padding[a], conv.dilation[a]
+    rows, size = out_shape[axis], x.shape[axis]
+    step = -(-rows // min(slabs, rows))
+    padding = list(conv.padding)
+    padding[a] = 0
+    out = None
+    for o0 in range(0, rows, step):
+        o1 = min(o0 + step, rows)
+        lo, hi = o0 * s - p, (o1 - 1) * s - p + d * (k - 1) + 1  # the input rows these outputs read
+        part = x.narrow(axis, max(lo, 0), min(hi, size) - max(lo, 0))
+        pads = [0] * (2 * (x.ndim - 2))  # F.pad: the last axis first
+        pads[2 * (x.ndim - 1 - axis)], pads[2 * (x.ndim - 1 - axis) + 1] = max(-lo, 0), max(hi - size, 0)
+        part = F.pad(part, pads) if any(pads) else part.contiguous()
+        y = _CONV[x.ndim - 2](part, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+        del part
+        if out is None:
+            out = y.new_empty(out_shape)
+        out.narrow(axis, o0, o1 - o0).copy_(y)
+        del y
+    return out
+
+
+def transposed_into(upsample: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, x: torch.Tensor,
+                    out: torch.Tensor, slab_bytes: int | None) -> None:
+    """``out.copy_(upsample(x))`` for a transposed convolution whose kernel equals its stride (each input row makes
+    ``stride`` output rows of its own), in slabs of input rows along the largest spatial axis when the output is
+    larger than ``slab_bytes`` and autograd is off."""
+    plain = (upsample.kernel_size == upsample.stride and not any(upsample.padding)
+             and not any(upsample.output_padding) and all(dd == 1 for dd in upsample.dilation))
+    if slab_bytes is None or torch.is_grad_enabled() or not plain or out.numel() * x.element_size() <= slab_bytes:
+        out.copy_(upsample(x))
+        return
+    slabs = math.ceil(out.numel() * x.element_size() / slab_bytes)
+    axis = 2 + max(range(x.ndim - 2), key=lambda a: x.shape[2 + a])
+    s = upsample.stride[axis - 2]
+    rows = x.shape[axis]
+    step = -(-rows // min(slabs, rows))
+    transposed = _TRANSPOSED[x.ndim - 2]
+    for i0 in range(0, rows, step):
+        i1 = min(i0 + step, rows)
+        y = transposed(x.narrow(axis, i0, i1 - i0).contiguous(), upsample.weight, upsample.bias, upsample.stride)
+        out.narrow(axis, i0 * s, (i1 - i0) * s).copy_(y)
+        del y
