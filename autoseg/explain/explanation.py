@@ -169,7 +169,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
     precision = effective_precision(config.precision, device)
     budget_name, budget = ("GPU memory", plans.gpu_memory_bytes) if device == "cuda" else \
         ("host RAM", plans.host_ram_bytes)
-    step = _simulate(config, config.batch_size, tuple(config.patch_size), precision, config.checkpointing)
+    step = _simulate(config, config.batch_size, tuple(config.patch_size), precision, config.checkpointing, device)
     terms = _training_terms(step, device)
     inference_phase, inference_terms = _inference_terms(plans, config, device, precision)
     loader = loader_config(config, augment=True)  # the trainer's, on the fly
@@ -195,17 +195,17 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
 
 
 def _simulate(config: ConfigurationPlan, batch_size: int, patch_size: tuple[int, ...], precision: str,
-              checkpointing: bool) -> TrainingMemory:
+              checkpointing: bool, device: str) -> TrainingMemory:
     return _simulate_cached(config.network, batch_size, patch_size, precision, checkpointing,
-                            config.accumulation_steps)
+                            config.accumulation_steps, device)
 
 
 @functools.lru_cache(maxsize=64)
 def _simulate_cached(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], precision: str,
-                     checkpointing: bool, accumulation_steps: int) -> TrainingMemory:
-    """The simulation is deterministic: explaining again (another device, budget) reuses it."""
+                     checkpointing: bool, accumulation_steps: int, device: str) -> TrainingMemory:
+    """The simulation is deterministic: explaining again (another budget) reuses it."""
     return simulate_training_step(topology, batch_size, patch_size, precision=precision,
-                                  checkpointing=checkpointing, accumulation_steps=accumulation_steps)
+                                  checkpointing=checkpointing, accumulation_steps=accumulation_steps, device=device)
 
 
 def _training_terms(step: TrainingMemory, device: str) -> dict[str, int]:
@@ -341,7 +341,7 @@ def _what_ifs(config: ConfigurationPlan, device: str, precision: str, budget: in
               planned: TrainingMemory) -> tuple[WhatIf, ...]:
     out = []
     for i, (change, batch, patch, prec, ckpt) in enumerate(_what_if_settings(config, device, precision)):
-        step = planned if i == 0 else _simulate(config, batch, patch, prec, ckpt)
+        step = planned if i == 0 else _simulate(config, batch, patch, prec, ckpt, device)
         total = predict_device_peak(step, device)["total"]
         out.append(WhatIf(change, batch, patch, prec, ckpt, step.peak_bytes, total, total <= budget))
     return tuple(out)

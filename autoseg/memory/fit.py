@@ -106,7 +106,7 @@ class TrainingMemoryModel:
     """
 
     def __init__(self, topology: NetworkTopology, *, precision: str = "fp32", checkpointing: bool = False,
-                 optimizer: str = "sgd", accumulation_steps: int = 1) -> None:
+                 optimizer: str = "sgd", accumulation_steps: int = 1, device: str = "cpu") -> None:
         self.divisor = topology.patch_divisor()
         check_step_arguments(topology, 1, tuple(2 * d for d in self.divisor), precision, optimizer,
                              accumulation_steps)
@@ -115,6 +115,7 @@ class TrainingMemoryModel:
         self.checkpointing = checkpointing
         self.optimizer = optimizer
         self.accumulation_steps = accumulation_steps
+        self.device = device  # StepConfig.device
         self.simulations = 0
         self.fallback: dict[bool, bool] = {}
         self._lines: dict[bool, _Lines | None] = {}  # key: batch_size == 1
@@ -122,7 +123,7 @@ class TrainingMemoryModel:
 
     def _config(self, batch_size: int, patch_size: tuple[int, ...]) -> StepConfig:
         return StepConfig(self.topology, batch_size, tuple(patch_size), self.precision, self.checkpointing,
-                          self.optimizer, self.accumulation_steps)
+                          self.optimizer, self.accumulation_steps, device=self.device)
 
     def _lines_for(self, batch_size: int) -> _Lines | None:
         single = batch_size == 1
@@ -195,10 +196,11 @@ class TrainingMemoryModel:
 
 @functools.lru_cache(maxsize=64)
 def training_memory_model(topology: NetworkTopology, precision: str = "fp32", checkpointing: bool = False,
-                          optimizer: str = "sgd", accumulation_steps: int = 1) -> TrainingMemoryModel:
+                          optimizer: str = "sgd", accumulation_steps: int = 1,
+                          device: str = "cpu") -> TrainingMemoryModel:
     """A shared ``TrainingMemoryModel`` per setting (so a planner's search simulates each setting once)."""
     return TrainingMemoryModel(topology, precision=precision, checkpointing=checkpointing,
-                               optimizer=optimizer, accumulation_steps=accumulation_steps)
+                               optimizer=optimizer, accumulation_steps=accumulation_steps, device=device)
 
 
 def predicted_training_bytes(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
@@ -207,5 +209,5 @@ def predicted_training_bytes(topology: NetworkTopology, batch_size: int, patch_s
     """Predicted device bytes of one training step (tensors + the ``device`` terms of
     ``predict_device_peak``); the first five arguments are the planner's ``peak_fn``'s. With
     ``accumulation_steps > 1`` the gradients of earlier micro-batches are held during the later ones."""
-    model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps)
+    model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps, device)
     return predict_device_peak(model.predict(batch_size, tuple(patch_size)), device)["total"]

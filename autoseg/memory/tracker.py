@@ -33,21 +33,24 @@ IM2COL_MAX_CHANNELS = 8  # 3D convolutions with 1 to 8 input channels run throug
 CHANNEL_BLOCK = 16  # oneDNN computes a convolution's output channels in blocks of this many
 
 
-def cpu_conv_scratch_bytes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool) -> int:
+def cpu_conv_scratch_bytes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool,
+                           backward: bool = False) -> int:
     """The bytes a CPU convolution holds beyond its input and output while it runs (oneDNN's copies), as measured
     on torch 2.13's CPU wheel (peak RSS above the output, ``tests/memory/test_conv_scratch.py``): a transposed
     convolution twice its output (measured from 16 MiB outputs up; an 8 MiB one held only once); a 3D one with
     at most ``IM2COL_MAX_CHANNELS`` input channels an im2col buffer (C_in x kernel volume x output voxels:
     91 MiB for 4 -> 32 channels on 24x96x96); any other max(input, output) plus the output's channels rounded
-    up to ``CHANNEL_BLOCK`` (a 32 -> 2 head on a 36 MiB map: 36 + 16 MiB)."""
-    out_bytes = out.numel() * out.element_size()
-    if transposed:
-        return 2 * out_bytes
+    up to ``CHANNEL_BLOCK`` (a 32 -> 2 head on a 36 MiB map: 36 + 16 MiB). ``backward`` (``out`` the forward's
+    output, i.e. the gradient's shape): the same im2col buffer, else input + output + that channel padding, a
+    transposed one's too (blocked copies of the input and the output's gradient; 6 shapes measured within 5%)."""
+    out_bytes, in_bytes = out.numel() * out.element_size(), x.numel() * x.element_size()
     per_channel = out_bytes // out.shape[1]
-    if x.ndim == 5 and x.shape[1] <= IM2COL_MAX_CHANNELS:
+    if not transposed and x.ndim == 5 and x.shape[1] <= IM2COL_MAX_CHANNELS:
         return x.shape[1] * weight[0, 0].numel() * per_channel
-    padding = -out.shape[1] % CHANNEL_BLOCK * per_channel
-    return max(x.numel() * x.element_size(), out_bytes) + padding
+    if transposed and not backward:
+        return 2 * out_bytes
+    padding = 0 if transposed else -out.shape[1] % CHANNEL_BLOCK * per_channel
+    return (in_bytes + out_bytes if backward else max(in_bytes, out_bytes)) + padding
 
 
 class StorageTracker(TorchDispatchMode):
@@ -57,7 +60,7 @@ class StorageTracker(TorchDispatchMode):
     storage ``n``, the event lists ``event_storage`` / ``event_delta``, ``marks`` (name -> event index;
     a repeated name keeps every index in ``mark_list``), and ``largest_conv_output_bytes`` (the largest
     forward convolution output seen, in its own dtype). ``cpu_conv_scratch``: count ``cpu_conv_scratch_bytes``
-    as alive while each forward convolution runs (beside its input and output).
+    as alive while each convolution runs, forward and backward (beside its inputs and outputs).
     """
 
     def __init__(self, cpu_conv_scratch: bool = False) -> None:
@@ -101,6 +104,9 @@ class StorageTracker(TorchDispatchMode):
                 if self.cpu_conv_scratch:
                     transposed = name.startswith("conv_transpose") or (name.startswith(_CONV_NAMES[:2]) and args[6])
                     self._transient(cpu_conv_scratch_bytes(args[0], args[1], t, bool(transposed)))
+        if self.cpu_conv_scratch and name.startswith("convolution_backward"):
+            # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, ...)
+            self._transient(cpu_conv_scratch_bytes(args[1], args[2], args[0], bool(args[7]), backward=True))
         return out
 
     def _transient(self, nbytes: int) -> None:

@@ -90,6 +90,7 @@ class StepConfig:
     optimizer: str = "sgd"
     accumulation_steps: int = 1
     labels: LabelScheme | None = None  # the plan's labels; None: LabelScheme.for_outputs(num_outputs)
+    device: str = "cpu"  # "cpu": each convolution's hidden buffers count (``cpu_conv_scratch_bytes``); "cuda": not
 
     def __post_init__(self) -> None:
         check_step_arguments(self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer,
@@ -244,7 +245,7 @@ def _simulated_code_digest() -> str:
 
 
 def _record_training_step(cfg: StepConfig, fake: bool) -> StepRecord:
-    tracker = StorageTracker()
+    tracker = StorageTracker(cpu_conv_scratch=cfg.device == "cpu")
     gc_was_enabled = gc.isenabled()
     gc.disable()  # frees happen by reference counting only: the same order in every run
     try:
@@ -278,27 +279,31 @@ def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]],
 
 def simulate_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], *,
                            precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
-                           accumulation_steps: int = 1, labels: LabelScheme | None = None) -> TrainingMemory:
+                           accumulation_steps: int = 1, labels: LabelScheme | None = None,
+                           device: str = "cpu") -> TrainingMemory:
     """Peak live tensor bytes of one training step, predicted without allocating (FakeTensorMode).
 
     ``patch_size``: ``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``. ``labels``: the
     plan's ``LabelScheme`` (regions and the ignore label change the loss); None: plain classes (one region
-    for a single-output network). About 0.1-1 s, independent of the patch size.
+    for a single-output network). ``device`` "cpu": each convolution's hidden oneDNN buffers count as alive
+    while it runs (``StepConfig.device``). About 0.1-1 s, independent of the patch size.
     """
     cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
-                     accumulation_steps, labels)
+                     accumulation_steps, labels, device)
     return record_training_step(cfg, fake=True).peak()
 
 
 def measure_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
                           precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
-                          accumulation_steps: int = 1, labels: LabelScheme | None = None) -> int:
-    """The same step run for real on CPU tensors, tracked the same way: peak live tensor bytes.
+                          accumulation_steps: int = 1, labels: LabelScheme | None = None,
+                          device: str = "cpu") -> int:
+    """The same step run for real on CPU tensors, tracked the same way (``device`` as modelled: "cpu" counts the
+    convolutions' hidden buffers): peak live tensor bytes.
 
     Allocates and computes for real: keep the sizes small. The caller's RNG state is left untouched.
     """
     cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
-                     accumulation_steps, labels)
+                     accumulation_steps, labels, device)
     return int(record_training_step(cfg, fake=False).timeline.sum(axis=1).max())
 
 

@@ -96,7 +96,7 @@ def checked_peak_fn(device: str) -> PeakFn:
     """The device peak of one step, simulated for just that step unless the setting's model is fitted
     already: the CPU search checks one chosen step, where fitting would cost three simulations."""
     def peak(topology, batch, patch, precision, checkpointing, accumulation_steps) -> int:
-        model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps)
+        model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps, device)
         return predict_device_peak(model.predict_or_simulate(batch, tuple(patch)), device)["total"]
     return peak
 
@@ -353,7 +353,7 @@ def _memory_terms(topology: NetworkTopology, batch: int, patch: tuple[int, ...],
                   accumulation_steps: int, device: str) -> dict[str, float]:
     """The predicted peak of one training step and its terms in bytes: the device's (``predict_device_peak``) and
     the tensors' (``TrainingMemory.breakdown``)."""
-    model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps)
+    model = training_memory_model(topology, precision, checkpointing, "sgd", accumulation_steps, device)
     step = model.predict_or_simulate(batch, tuple(patch))
     device_terms = predict_device_peak(step, device)
     terms = {"predicted_peak_bytes": float(device_terms.pop("total"))}

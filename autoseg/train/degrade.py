@@ -37,7 +37,8 @@ def _predicted(config: ConfigurationPlan, device: str) -> int:
     memory = simulate_training_step(config.network, config.batch_size, tuple(config.patch_size),
                                     precision=effective_precision(config.precision, device),
                                     checkpointing=config.checkpointing,
-                                    accumulation_steps=config.accumulation_steps)
+                                    accumulation_steps=config.accumulation_steps,
+                                    device="cuda" if device == "cuda" else "cpu")
     return predict_device_peak(memory, "cuda" if device == "cuda" else "cpu")["total"]
 
 

@@ -157,11 +157,12 @@ def predict_step(config: ConfigurationPlan, device_type: str, optimizer: Optimiz
                  scheme: LabelScheme) -> StepPrediction:
     """One simulation of the step as it runs on ``device_type``: the configuration's batch, accumulation and
     checkpointing (after degradations, a rank's share), the precision it runs at there, the run's optimizer."""
+    device = "cuda" if device_type == "cuda" else "cpu"
     memory = simulate_training_step(config.network, config.batch_size, tuple(config.patch_size),
                                     precision=effective_precision(config.precision, device_type),
                                     checkpointing=config.checkpointing, optimizer=optimizer_key(optimizer),
-                                    accumulation_steps=config.accumulation_steps, labels=scheme)
-    return StepPrediction(memory, predict_device_peak(memory, "cuda" if device_type == "cuda" else "cpu"))
+                                    accumulation_steps=config.accumulation_steps, labels=scheme, device=device)
+    return StepPrediction(memory, predict_device_peak(memory, device))
 
 
 def compare(prediction: StepPrediction, measured: dict[str, int], device_type: str, configuration: dict[str, Any],
@@ -256,7 +257,9 @@ class CpuProbe:
     def run(self, step: TrainStep, batches: Iterator, index: int) -> Any:
         if index != TRACKED_STEP:
             return step(batches)
-        tracker = StorageTracker()  # costs the Python dispatch of every operator of this one step
+        # costs the Python dispatch of every operator of this one step; each convolution's hidden buffers count
+        # as in the CPU simulation (cpu_conv_scratch_bytes, held against peak RSS in tests/memory)
+        tracker = StorageTracker(cpu_conv_scratch=True)
         tracker.count(_state_tensors(step))
         with tracker:
             out = step(_Counted(batches, tracker))

@@ -48,7 +48,7 @@ def what_if(e: Explanation, change_prefix: str):
 def test_training_terms_sum_to_the_simulated_device_peak(explanation: Explanation) -> None:
     e = explanation
     assert sum(e.training_terms.values()) == e.training_total_bytes
-    step = simulate_training_step(TOPOLOGY, 2, (16, 16, 16))
+    step = simulate_training_step(TOPOLOGY, 2, (16, 16, 16), device="cuda")
     assert e.training_total_bytes == predict_device_peak(step, "cuda")["total"]
     assert e.training_terms["parameters"] == step.parameter_bytes
     assert (e.training_terms["saved_activations"] + e.training_terms["transient_activations"]

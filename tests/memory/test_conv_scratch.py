@@ -25,6 +25,14 @@ CASES = [  # name, input shape, weight shape, transposed, stride
     ("2D 1 -> 32 (no im2col in 2D)", (1, 1, 384, 384), (32, 1, 3, 3), False, 1),
     ("2D 32 -> 5 head", (1, 32, 384, 384), (5, 32, 1, 1), False, 1),
 ]
+BACKWARD_CASES = [  # the backward of a training step: gradients of the input and the weight
+    ("3D 32 -> 32 backward (input + output)", (1, 32, 16, 64, 64), (32, 32, 3, 3, 3), False, 1),
+    ("3D 64 -> 32 backward", (1, 64, 16, 48, 48), (32, 64, 3, 3, 3), False, 1),
+    ("3D 4 -> 32 backward (im2col)", (1, 4, 16, 48, 48), (32, 4, 3, 3, 3), False, 1),
+    ("3D 32 -> 3 head backward (output channels in blocks of 16)", (1, 32, 16, 64, 64), (3, 32, 1, 1, 1), False, 1),
+    ("3D transposed 64 -> 32 backward", (1, 64, 8, 48, 48), (64, 32, 2, 2, 2), True, 2),
+    ("2D 32 -> 32 backward", (1, 32, 384, 384), (32, 32, 3, 3), False, 1),
+]
 
 _MEASURE = r"""
 import json, sys
@@ -35,8 +43,9 @@ from autoseg.memory.tracker import cpu_conv_scratch_bytes
 
 torch.set_num_threads(2)
 results = []
+backward = sys.argv[2] == "backward"
 for name, x_shape, w_shape, transposed, stride in json.loads(sys.argv[1]):
-    x, w = torch.randn(x_shape), torch.randn(w_shape) * 0.01
+    x, w = torch.randn(x_shape, requires_grad=backward), (torch.randn(w_shape) * 0.01).requires_grad_(backward)
     dim = len(x_shape) - 2
     if transposed:
         conv = [F.conv_transpose2d, F.conv_transpose3d][dim - 2]
@@ -44,23 +53,34 @@ for name, x_shape, w_shape, transposed, stride in json.loads(sys.argv[1]):
     else:
         conv = [F.conv2d, F.conv3d][dim - 2]
         run = lambda: conv(x, w, padding=tuple(k // 2 for k in w_shape[2:]))
-    with torch.no_grad():
-        run()  # warm up: oneDNN's primitives and caches
-        before = process_rss_bytes()
-        reset_peak_rss()
-        out = run()
-        measured = peak_rss_bytes() - before - out.numel() * out.element_size()
-    results.append([name, measured, cpu_conv_scratch_bytes(x, w, out, transposed)])
+    if backward:  # what the backward adds beyond the input's and the weight's gradients
+        for _ in range(2):  # the first to warm up
+            out = run()
+            grad = torch.ones_like(out)
+            x.grad = w.grad = None
+            before = process_rss_bytes()
+            reset_peak_rss()
+            out.backward(grad)
+            measured = peak_rss_bytes() - before - (x.numel() + w.numel()) * 4
+    else:
+        with torch.no_grad():
+            run()  # warm up: oneDNN's primitives and caches
+            before = process_rss_bytes()
+            reset_peak_rss()
+            out = run()
+            measured = peak_rss_bytes() - before - out.numel() * out.element_size()
+    results.append([name, measured, cpu_conv_scratch_bytes(x, w, out, transposed, backward)])
     del x, w, out
 print(json.dumps(results))
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
-def test_the_modelled_cpu_convolution_scratch_matches_the_measured_peak_rss():
+@pytest.mark.parametrize(("cases", "direction"), [(CASES, "forward"), (BACKWARD_CASES, "backward")])
+def test_the_modelled_cpu_convolution_scratch_matches_the_measured_peak_rss(cases, direction):
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(CASES)], capture_output=True, text=True,
-                          env=env, timeout=300, check=True)
+    done = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(cases), direction], capture_output=True,
+                          text=True, env=env, timeout=300, check=True)
     results = json.loads(done.stdout.strip().splitlines()[-1])
     off = {name: (measured, modelled) for name, measured, modelled in results
            if abs(measured - modelled) > 0.05 * modelled + 256 * 1024}

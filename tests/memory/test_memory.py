@@ -131,10 +131,10 @@ def test_stage_bytes_are_what_backward_keeps():
 
 
 def test_checkpointing_and_bf16_lower_the_activation_peak():
-    t = topo(3, (8, 16, 32, 64), [(1, 1, 1)] + [(2, 2, 2)] * 3)
-    fp32 = simulate_training_step(t, 2, (32, 32, 32))
-    checkpointed = simulate_training_step(t, 2, (32, 32, 32), checkpointing=True)
-    bf16 = simulate_training_step(t, 2, (32, 32, 32), precision="bf16")
+    t = topo(3, (8, 16, 32, 64), [(1, 1, 1)] + [(2, 2, 2)] * 3)  # tensors only: no CPU convolution scratch
+    fp32 = simulate_training_step(t, 2, (32, 32, 32), device="cuda")
+    checkpointed = simulate_training_step(t, 2, (32, 32, 32), checkpointing=True, device="cuda")
+    bf16 = simulate_training_step(t, 2, (32, 32, 32), precision="bf16", device="cuda")
     assert checkpointed.activation_bytes < 0.85 * fp32.activation_bytes
     assert bf16.activation_bytes < 0.7 * fp32.activation_bytes
     assert checkpointed.parameter_bytes == bf16.parameter_bytes == fp32.parameter_bytes  # fp32 master weights
@@ -165,8 +165,8 @@ def test_linear_model_matches_direct_simulation(topology, kwargs):
         assert predicted.stage_activation_bytes == direct.stage_activation_bytes
         assert model.peak_bytes(batch, patch) == direct.peak_bytes
     assert model.simulations == 5  # 2 for batch 1, 3 for batch >= 2; the queries cost none
-    expected = predict_device_peak(simulate_training_step(topology, 2, patch, **kwargs))["total"]
-    if not kwargs:
+    expected = predict_device_peak(simulate_training_step(topology, 2, patch, **kwargs, device="cuda"))["total"]
+    if not kwargs:  # predicted_training_bytes: a CUDA device by default
         assert predicted_training_bytes(topology, 2, patch) == expected
 
 
