@@ -41,6 +41,7 @@ from batchgenerators.transforms.color_transforms import BrightnessMultiplicative
 from scipy import ndimage
 
 from autoseg.data.augment_spatial import PatchSpatialTransform
+from autoseg.memory.host import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES
 from autoseg.plan.training_data import LoaderConfig
 
 
@@ -82,14 +83,14 @@ def low_resolution(channel: np.ndarray, target_shape: tuple[int, ...], order: in
     return np.clip(out, small.min(), small.max())
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=RESIZE_CACHE_ENTRIES)
 def _nearest_indices(n_in: int, n_out: int) -> np.ndarray:
     """Source index of each of ``n_out`` samples (``ndimage.zoom`` order 0, grid mode, as skimage)."""
     ramp = np.arange(n_in, dtype=np.float64)
     return ndimage.zoom(ramp, n_out / n_in, order=0, mode="nearest", grid_mode=True).astype(np.intp)
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=RESIZE_CACHE_ENTRIES)
 def _resize_matrix(n_in: int, n_out: int, order: int) -> np.ndarray:
     """(n_out, n_in) float32: ``ndimage.zoom`` of length n_in to n_out (spline ``order``, 'nearest' edges,
     grid mode, as skimage's resize), column k being the zoom of the k-th unit vector."""
@@ -238,7 +239,7 @@ def build_train_transforms(config: LoaderConfig) -> tuple[Compose, Compose]:
         GaussianBlur((0.5, 1.0), p_per_sample=config.p_blur, p_per_channel=0.5),
         BrightnessMultiplicativeTransform(multiplier_range=(0.75, 1.25), p_per_sample=config.p_brightness),
         ContrastAugmentationTransform(p_per_sample=config.p_contrast),
-        SimulateLowResolution((0.5, 1.0), p_per_sample=config.p_low_res, p_per_channel=0.5,
+        SimulateLowResolution(LOW_RESOLUTION_ZOOM, p_per_sample=config.p_low_res, p_per_channel=0.5,
                               order_upsample=3, ignore_axes=ignore_axes),
         Gamma((0.7, 1.5), invert_image=True, p_per_sample=config.p_gamma_inverted),
         Gamma((0.7, 1.5), invert_image=False, p_per_sample=config.p_gamma),

@@ -13,8 +13,9 @@ faults per (2, 1, 56, 192, 192) batch on the 2-core VM, a third of the batch's C
 augmentations; the trainer's copy costs ~3 ms. A slot is written only after the trainer released it (one
 semaphore per slot), so a batch is never overwritten while it is read.
 
-Host memory: ``worker_bytes`` per worker (the process, one batch in flight, its slots), plus the
-trainer's copy of the batch it trains on (``output_batch_bytes``).
+Host memory: ``worker_bytes`` per worker (its own pages beside the trainer's it shares, one batch in flight, the
+freed buffers the allocator keeps, its slots, the augmentation's caches), plus the trainer's copy of the batch it
+trains on (``output_batch_bytes``).
 """
 
 from __future__ import annotations

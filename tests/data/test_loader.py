@@ -16,7 +16,7 @@ import autoseg.data.loader as batch_loader_module
 import autoseg.data.sampler as loader_module
 from autoseg.core.errors import InputError
 from autoseg.data.loader import BatchLoader, _Slots, workers_for_shared_memory
-from autoseg.memory.host import WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
+from autoseg.memory.host import LOADER_WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
 from autoseg.plan.training_data import LoaderConfig
 from autoseg.preprocess.store import case_files
 
@@ -84,7 +84,7 @@ def test_worker_bytes_terms_match_the_buffers(tmp_path: Path) -> None:
     ids = make_cases(tmp_path, num_channels=2)
     config = LoaderConfig((8, 16, 16), batch_size=2)
     terms = worker_bytes((8, 16, 16), config.enlarged_patch_size, 2, 2, queue_depth=3)
-    assert terms["runtime"] == WORKER_RUNTIME_BYTES
+    assert terms["runtime"] == LOADER_WORKER_RUNTIME_BYTES
     assert terms["in_flight"] == batch_bytes((8, 16, 16), config.enlarged_patch_size, 2, 2)
     assert terms["total"] == sum(v for k, v in terms.items() if k != "total")
     with BatchLoader(tmp_path, ids, config, seed=0, num_workers=2, queue_depth=3) as loader:
