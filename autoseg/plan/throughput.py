@@ -29,7 +29,6 @@ from autoseg.core.machine import MachineCache, Measurement, machine_key
 from autoseg.core.resources import cpu_count
 from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
-from autoseg.model.step import build_step, synthetic_batches
 from autoseg.model.topology import NetworkTopology
 
 AMP_EFFICIENCY = 0.15
@@ -126,6 +125,8 @@ def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...]
                           seed: int = 0) -> Callable[[], object]:
     """THE training step (``autoseg.model.step``) on a fresh network and synthetic batches, as a callable to time."""
     import torch
+
+    from autoseg.model.step import build_step, synthetic_batches  # torch: only when a step is timed
 
     scheme = LabelScheme.for_outputs(topology.num_outputs)
     step = build_step(topology, scheme)
