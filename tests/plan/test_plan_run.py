@@ -8,7 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +19,8 @@ from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace, dataset_source
+from autoseg.dataset.raw import load_dataset
+from autoseg.plan import run
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
@@ -194,3 +196,16 @@ def test_a_replan_with_every_simulation_kept_does_not_import_torch(kept_plan: Ke
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"code": 0, "torch": False}, done.stderr
     assert (ws / "plans.json").read_text() == kept_plan.plans_text
+
+
+def test_a_small_dataset_is_fingerprinted_in_this_process_a_large_one_in_workers(
+        tiny_dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker processes take about a second to start: a dataset read in less (under IN_PROCESS_FINGERPRINT_VOXELS)
+    is fingerprinted in this process; a larger one in as many workers as the RAM budget and the CPUs allow."""
+    dataset = load_dataset(tiny_dataset)
+    budget = replace(_budget(8), cpu_count=2)
+    assert run.fingerprint_processes(dataset, budget) == 1
+    monkeypatch.setattr(run, "IN_PROCESS_FINGERPRINT_VOXELS", 1)  # every dataset is a large one
+    assert run.fingerprint_processes(dataset, budget) == 2
+    assert run.fingerprint_processes(dataset, replace(budget, host_ram_bytes=1)) == 1  # no RAM for a second one
+
