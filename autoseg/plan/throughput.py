@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoseg.core.machine import MachineCache, Measurement, machine_key
-from autoseg.core.resources import cpu_count
+from autoseg.core.resources import cpu_count, cuda_available
 from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.topology import NetworkTopology
@@ -80,9 +80,11 @@ def cuda_flops_per_second(spec: GpuSpec, precision: str) -> float:
 
 def cuda_device_name() -> str | None:
     """torch's name of CUDA device 0, or None without one."""
+    if not cuda_available():
+        return None
     import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return torch.cuda.get_device_name(0)
 
 
 def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
