@@ -9,6 +9,7 @@ import re
 from collections.abc import Sequence
 
 from autoseg.core.errors import InputError
+from autoseg.core.resources import cuda_available
 from autoseg.model.topology import ARCHITECTURES
 
 
@@ -57,9 +58,7 @@ SEED = int_at_least(0, 2**32 - 1)  # numpy's and torch's seeds are non-negative
 
 
 def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if cuda_available() else "cpu"
 
 
 def resolve_device(requested: str | None) -> str:

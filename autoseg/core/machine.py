@@ -15,8 +15,9 @@ thread; sleeping threads ran it as fast as one thread there, and no timing probe
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -62,15 +63,13 @@ def machine_key(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """What a CPU measurement depends on: architecture, CPU model, the CPUs this process may run on (count and
     affinity), torch's version and OpenMP's wait policy (from ``environ``, default this process's, as libgomp
     read it when torch was imported)."""
-    import torch
-
     environ = os.environ if environ is None else environ
     try:
         affinity = sorted(os.sched_getaffinity(0))
     except AttributeError:
         affinity = []
     return {"arch": platform.machine(), "cpu_model": cpu_model(), "cpus": cpu_count(), "affinity": affinity,
-            "torch": torch.__version__, "omp_wait_policy": environ.get("OMP_WAIT_POLICY", "").upper()}
+            "torch": torch_version(), "omp_wait_policy": environ.get("OMP_WAIT_POLICY", "").upper()}
 
 
 @dataclass(frozen=True)
@@ -172,12 +171,38 @@ def kept_simulations(subfolder: str = "") -> MachineCache | None:
     return None if _kept_simulations is None else MachineCache(_kept_simulations / subfolder)
 
 
+@functools.lru_cache(maxsize=1)
+def torch_version() -> str:
+    """The installed torch's version (as ``torch.__version__`` says it), read from its package metadata: a re-plan
+    whose simulations are kept keys them by it without importing torch (about 1-2 s)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:  # torch not installed as a distribution (e.g. a source tree)
+        import torch
+
+        return torch.__version__
+
+
+def simulation_key(modules: tuple[str, ...]) -> dict[str, str]:
+    """What a simulation kept between runs is keyed by besides its own arguments: a digest of the code that runs it
+    (``modules``, e.g. a simulation's ``SIMULATED_MODULES``: a change to it simulates again) and torch's version.
+    Neither imports torch or those modules."""
+    return {"code": source_digest(tuple(modules)), "torch": torch_version()}
+
+
+@functools.lru_cache(maxsize=8)
 def source_digest(modules: tuple[str, ...]) -> str:
     """A digest of these modules' source files: a result cached with it as part of its key (a simulation's) is
-    reused only while the code that computed it is unchanged."""
+    reused only while the code that computed it is unchanged. The files are found, not imported: checking a kept
+    simulation imports none of the code (nor torch) that would run it."""
     digest = hashlib.sha256()
     for name in modules:
-        digest.update(Path(importlib.import_module(name).__file__).read_bytes())
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"no source file for module {name!r} (in a simulation's SIMULATED_MODULES)")
+        digest.update(Path(spec.origin).read_bytes())
     return digest.hexdigest()[:16]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 from pathlib import Path
 
 from autoseg.core.units import GiB, KiB, MiB
@@ -111,11 +112,26 @@ def cpu_count() -> int:
         return max(os.cpu_count() or 1, 1)
 
 
-def cuda_total_memory() -> int | None:
+# the device files of the GPU drivers torch's CUDA can run on (NVIDIA; AMD ROCm; WSL's GPU paravirtualization)
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd", "/dev/dxg")
+
+
+def cuda_available(device_files: tuple[str, ...] = GPU_DEVICE_FILES) -> bool:
+    """``torch.cuda.is_available()``, without importing torch (1-2 s) where the answer cannot be yes: on Linux
+    with none of ``device_files`` there is no GPU driver for torch to use (a CPU-only plan then imports no torch)."""
+    if sys.platform.startswith("linux") and not any(os.path.exists(p) for p in device_files):
+        return False
     import torch
 
-    if not torch.cuda.is_available():
+    return torch.cuda.is_available()
+
+
+def cuda_total_memory() -> int | None:
+    """CUDA device 0's memory in bytes; None without a CUDA device."""
+    if not cuda_available():
         return None
+    import torch
+
     return int(torch.cuda.get_device_properties(0).total_memory)
 
 

@@ -6,7 +6,8 @@ Two phases hold memory on the device:
   over a z-window of the image, Gaussian, the output; ``autoseg.model.tile_buffers.inference_buffer_bytes``)
   and one forward pass. The latter is simulated: the inference code's own ``run_tile_batch`` (the batch of
   flipped tiles, the network's activations and logits under ``inference_mode``, a tile's logits flipped back)
-  runs under ``FakeTensorMode`` with a ``StorageTracker``.
+  runs under ``FakeTensorMode`` with a ``StorageTracker`` (``autoseg.memory.inference_simulation``, imported
+  only when a tile is simulated: this module itself needs no torch).
 - finishing: after a batch, the finished z-slices' softmax: the buffers and one (window x Yp x Xp) fp32 map.
 
 ``plan_inference`` turns these into choices made before a case starts: the largest tile batch within a
@@ -23,27 +24,18 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-import numpy as np
-import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from autoseg.core.errors import InputError
-from autoseg.core.machine import MachineCache, kept_simulations, source_digest
-from autoseg.core.precision import autocast_dtype, element_bytes
+from autoseg.core.machine import MachineCache, kept_simulations, simulation_key
+from autoseg.core.precision import check_precision, element_bytes
 from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.tracker import StorageTracker
-from autoseg.model.network import build_network
-from autoseg.model.slabs import slabs_on
-from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
 from autoseg.model.tile_buffers import (
     PREDICTION_ACCUMULATOR,
-    allocate_buffers,
     finish_chunk_slices,
     finish_temp_bytes,
     inference_buffer_bytes,
 )
-from autoseg.model.tiles import accumulator_depth, clear_gaussian_cache, patch_as_zyx, tile_layout
+from autoseg.model.tiles import accumulator_depth, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants
 
@@ -95,14 +87,14 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
     the network runs its large convolutions in slabs as ``sliding_window_predict`` does there
     (``autoseg.model.slabs``), and each convolution's hidden buffers count (``cpu_conv_scratch_bytes``).
     """
-    autocast_dtype(precision)  # an unknown name says what to use
-    device = torch.device(device).type
+    check_precision(precision)  # an unknown name says what to use
+    device = device.split(":")[0]  # "cuda:1" -> "cuda"
     args = (topology, tuple(int(p) for p in patch_size), int(tile_batch_size), "bf16" if precision == "fp16"
             else precision, tuple(int(a) for a in mirror_axes), tta, accumulator_dtype, device)
     cache = cache or kept_simulations()  # the planner's inference tile: the command's cache
     if cache is None:
         return _simulate_cached(*args)
-    key = {"code": _simulated_code_digest(), "torch": torch.__version__, "topology": asdict(topology),
+    key = {**simulation_key(_SIMULATED_MODULES), "topology": asdict(topology),
            "tile": args[1], "tile_batch": args[2], "precision": args[3], "mirror_axes": args[4], "tta": args[5],
            "accumulator": args[6], "device": args[7]}
     value, _ = cache.kept("inference_simulation", key, lambda: list(_simulate_cached(*args)), SIMULATIONS_KEPT)
@@ -112,50 +104,21 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
 SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between runs
 
 
-@functools.lru_cache(maxsize=1)
-def _simulated_code_digest() -> str:
-    """A digest of the code a tile simulation runs (the networks, the sliding window's step and buffers, the
-    tracker and this module): a cached simulation is reused only while that code is unchanged."""
-    return source_digest(_SIMULATED_MODULES)
-
-
+# the code a tile simulation runs (the networks, the sliding window's step and buffers, the tracker, the simulation
+# and this module): a kept simulation is reused only while these files are unchanged
 _SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window", "slabs",
                                                           "tile_buffers", "tiles", "tta", "topology")) + (
-    "autoseg.memory.tracker", __name__)
+    "autoseg.core.precision", "autoseg.memory.tracker", "autoseg.memory.inference_simulation", __name__)
 
 
 @functools.lru_cache(maxsize=64)
 def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      precision: str, mirror_axes: tuple[int, ...], tta: int | None,
                      accumulator_dtype: str, device: str) -> tuple[int, int, int, int]:
-    variants = mirror_variants(mirror_axes, tta)
-    one_tile = tile_layout(patch_as_zyx(patch_size), patch_size)  # patch-sized stand-ins for the buffers
-    cpu = torch.device("cpu")
-    tracker = StorageTracker(cpu_conv_scratch=device == "cpu")
-    with torch.random.fork_rng(devices=[]), FakeTensorMode(), tracker:
-        network = build_network(topology)
-        network.eval()
-        params = sum(p.numel() * p.element_size() for p in network.parameters())
-        image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
-        buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu,  # no real Gaussian
-                                   on_slab=_discard, accumulator_dtype=accumulator_dtype)
-        del image
-        items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
-        tracker.mark("tiles")
-        with slabs_on([network], device):
-            run_tile_batch([network], buffers, items, variants, topology.num_outputs, precision)
-        tracker.mark("end")
-        del buffers
-    start, stop = tracker.index_of("tiles"), tracker.index_of("end")
-    live = np.cumsum(np.asarray(tracker.event_delta[:stop], dtype=np.int64))
-    base = int(live[start - 1]) if start > 0 else 0  # parameters and buffers, before the pass
-    peak_row = int(np.argmax(live[start:])) + start
-    count = int(tracker.live_count(stop)[peak_row + 1])
-    return params, int(live[start:].max()) - base, tracker.largest_conv_output_bytes, count
+    from autoseg.memory.inference_simulation import simulate_tile_batch  # torch: imported once a tile must run
 
-
-def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
-    """A ``SlabSink`` that keeps nothing (the simulation's stand-in buffers have no output)."""
+    return simulate_tile_batch(topology, patch_size, tile_batch_size, precision, mirror_axes, tta, accumulator_dtype,
+                               device)
 
 
 def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
@@ -212,34 +175,6 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
         peak_bytes=max(tiles, finishing), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
         tile_batch_size=batch, accumulator_depth=depth,
         host_accumulator_bytes=host)
-
-
-def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
-                            tile_batch_size: int = 1, precision: str = "fp32",
-                            mirror_axes: Sequence[int] = (), tta: int | None = None,
-                            output_dtype: str | None = "float32", step_fraction: float | Sequence[float] = 0.5,
-                            accumulator_dtype: str = "float32") -> int:
-    """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
-    parameters included, and each convolution's hidden buffers as ``cpu_conv_scratch_bytes`` models them (held
-    against real convolutions in ``tests/memory/test_conv_scratch.py``), for tests: hold ``inference_memory``
-    against it. ``data`` (C, Z, Y, X) float32 is not counted (the prediction copies it into its padded input,
-    which is). ``output_dtype`` None: the slabs go to a sink that keeps nothing. Leaves the caller's RNG alone.
-    """
-    clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
-    tracker = StorageTracker(cpu_conv_scratch=True)
-    data_t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-    with torch.random.fork_rng(devices=[]), tracker:
-        tracker.exclude([data_t])
-        network = build_network(topology)
-        probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
-                                               mirror_axes=tuple(mirror_axes), tta=tta, step_fraction=step_fraction,
-                                               tile_batch_size=tile_batch_size, precision=precision,
-                                               output_dtype=output_dtype or "float32",
-                                               accumulator_dtype=accumulator_dtype,
-                                               on_slab=_discard if output_dtype is None else None)
-        del probabilities, network
-    clear_gaussian_cache()
-    return tracker.peak_bytes
 
 
 CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)

@@ -9,8 +9,10 @@ The optimizer's state (SGD momentum, Adam moments) is allocated beforehand by on
 gradients, as it is in every step after the first. With ``accumulation_steps > 1`` two micro-batches are
 run: the second one carries the first one's gradients, and every later one looks like it.
 
-Simulation and measurement run the same code; only the tensors differ (fake ones hold no memory). The
-difference between them is what the dispatcher cannot see (a CPU kernel's private scratch).
+Simulation and measurement run the same code (``autoseg.memory.training_simulation``); only the tensors differ
+(fake ones hold no memory). The difference between them is what the dispatcher cannot see (a CPU kernel's
+private scratch). This module describes the step and keeps its simulations; it imports torch (through the
+simulation) only when a step must run.
 
 Known differences from a CUDA run, all small or modelled elsewhere: the step runs on a CPU device, so CPU
 autocast's op policy is used (convolutions in the low-precision dtype, the loss in fp32 as the loss casts
@@ -20,26 +22,18 @@ caching allocator's rounding, fragmentation and convolution workspaces are in ``
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import gc
 import hashlib
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.core.errors import InputError
-from autoseg.core.machine import kept_simulations, source_digest
-from autoseg.core.precision import autocast_dtype
+from autoseg.core.machine import kept_simulations, simulation_key
+from autoseg.core.precision import check_precision
 from autoseg.dataset.labels import LabelScheme
-from autoseg.memory.tracker import StorageTracker
-from autoseg.model.step import OPTIMIZERS, build_step, synthetic_batches
+from autoseg.model.optimizer import OPTIMIZERS
 from autoseg.model.topology import NetworkTopology
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "batch", "activations")
@@ -107,7 +101,7 @@ class StepConfig:
 def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
                          precision: str, optimizer: str, accumulation_steps: int = 1) -> None:
     """Raise ``ValueError`` naming the argument to change."""
-    autocast_dtype(precision)  # an unknown name says what to use
+    check_precision(precision)  # an unknown name says what to use
     if optimizer not in OPTIMIZERS:
         raise InputError(f"optimizer {optimizer!r} is not known; use one of {list(OPTIMIZERS)}")
     if batch_size < 1 or accumulation_steps < 1:
@@ -169,59 +163,11 @@ class StepRecord:
                    largest_conv_output_bytes=int(value["largest_conv_output_bytes"]))
 
 
-def stage_modules(network: nn.Module) -> dict[str, nn.Module]:
-    """Top-level submodules by name; the items of a ``ModuleList`` as ``name.i`` (``encoder.0``, ...)."""
-    out: dict[str, nn.Module] = {}
-    for name, child in network.named_children():
-        if isinstance(child, nn.ModuleList):
-            out.update({f"{name}.{i}": sub for i, sub in enumerate(child)})
-        else:
-            out[name] = child
-    return out
-
-
-def _run_step(cfg: StepConfig, tracker: StorageTracker,
-              generator: torch.Generator | None) -> tuple[dict[str, set[int]], dict[str, int]]:
-    """Build the trainer's step and run it once inside ``tracker``; returns the storage numbers per category and
-    the bytes per stage alive at the end of the (last) forward."""
-    step = build_step(cfg.topology, cfg.scheme, precision=cfg.precision, checkpointing=cfg.checkpointing,
-                      accumulation_steps=1 if cfg.accumulation_steps == 1 else 2,
-                      optimizer=OPTIMIZERS[cfg.optimizer])
-    step.network.train()
-    params = list(step.network.parameters())
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    step.optimizer.step()  # the previous step: allocates momentum / moments
-    handles = tracker.tag_modules(stage_modules(step.network))
-    batch_numbers: set[int] = set()
-    stage_bytes: dict[str, int] = {}
-
-    def batches() -> Iterator[dict[str, torch.Tensor]]:
-        for batch in synthetic_batches(cfg.topology, cfg.scheme, cfg.batch_size, cfg.patch_size, generator):
-            batch_numbers.update(tracker.storage_numbers(batch.values()))
-            yield batch
-
-    def trace(phase: str) -> None:
-        if phase == "loss":  # the forward is done: what its stages leave alive for backward
-            tracker.tagging = False
-            stage_bytes.update(tracker.live_bytes_by_tag())
-        tracker.mark(phase)
-        tracker.tagging = phase == "forward"
-
-    step.trace = trace
-    step(batches())
-    for h in handles:
-        h.remove()
-    state = [v for s in step.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    numbers = {"parameters": tracker.storage_numbers(params),
-               "gradients": tracker.storage_numbers(p.grad for p in params),
-               "optimizer_state": tracker.storage_numbers(state), "batch": batch_numbers}
-    return numbers, stage_bytes
-
-
-SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "loss", "network", "residual", "step",
-                                                         "topology")) + (
-    "autoseg.memory.tracker", "autoseg.dataset.labels", "autoseg.core.precision", __name__)
+# the code a simulated step runs: a change to any of these files simulates again
+SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "loss", "network", "optimizer", "residual",
+                                                         "step", "topology")) + (
+    "autoseg.memory.tracker", "autoseg.memory.training_simulation", "autoseg.dataset.labels",
+    "autoseg.core.precision", __name__)
 
 
 def record_training_step(cfg: StepConfig, fake: bool = True) -> StepRecord:
@@ -229,52 +175,20 @@ def record_training_step(cfg: StepConfig, fake: bool = True) -> StepRecord:
     step is kept between runs while ``keep_simulations_in`` has set a cache (the CLI does), one file a step in its
     ``training_steps/``, keyed by the step and the code that simulates it (``SIMULATED_MODULES``, torch's
     version): a re-plan then reads its simulations instead of running them (each 0.3-1.5 s, and the first one
-    imports torch's fake-tensor machinery, ~1.5-3 s)."""
+    imports torch and its fake-tensor machinery, ~2-4 s; a re-plan that finds every step kept imports neither)."""
     kept = kept_simulations("training_steps")
     if not fake or kept is None:
         return _record_training_step(cfg, fake)
-    key = {"code": _simulated_code_digest(), "torch": torch.__version__, "step": repr(cfg)}
+    key = {**simulation_key(SIMULATED_MODULES), "step": repr(cfg)}
     name = "step-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
     value, _ = kept.kept(name, key, lambda: _record_training_step(cfg, fake).to_json(), max_entries=1)
     return StepRecord.from_json(value)
 
 
-@functools.lru_cache(maxsize=1)
-def _simulated_code_digest() -> str:
-    return source_digest(SIMULATED_MODULES)
-
-
 def _record_training_step(cfg: StepConfig, fake: bool) -> StepRecord:
-    tracker = StorageTracker(cpu_conv_scratch=cfg.device == "cpu")
-    gc_was_enabled = gc.isenabled()
-    gc.disable()  # frees happen by reference counting only: the same order in every run
-    try:
-        with torch.random.fork_rng(devices=[]):
-            mode = FakeTensorMode() if fake else contextlib.nullcontext()
-            generator = None if fake else torch.Generator().manual_seed(0)
-            with mode, tracker:
-                numbers, stage_bytes = _run_step(cfg, tracker, generator)
-                return _to_record(tracker, numbers, stage_bytes)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
+    from autoseg.memory.training_simulation import record_step  # torch: imported once a step must run
 
-
-def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]],
-               stage_bytes: dict[str, int]) -> StepRecord:
-    start, stop = tracker.index_of("step"), tracker.index_of("end")
-    category_of = np.full(len(tracker.sizes), CATEGORIES.index("activations"), dtype=np.int64)
-    for name, members in numbers.items():
-        category_of[sorted(members)] = CATEGORIES.index(name)
-    timeline = tracker.timeline(category_of, len(CATEGORIES), stop)[start:]
-    live_count = tracker.live_count(stop)[start:]
-    storage = np.asarray(tracker.event_storage[start:stop], dtype=np.int64)
-    first_number = int(storage.min()) if len(storage) else 0
-    signature = np.stack([storage - first_number, np.asarray(tracker.event_kind[start:stop])], axis=1)
-    phases = tuple((name, index - start) for name, index in tracker.mark_list
-                   if start <= index and name not in ("step", "end"))
-    return StepRecord(timeline=timeline, live_count=live_count, phases=phases, signature=signature,
-                      stage_bytes=stage_bytes, largest_conv_output_bytes=tracker.largest_conv_output_bytes)
+    return record_step(cfg, fake)
 
 
 def simulate_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], *,
@@ -307,15 +221,3 @@ def measure_training_step(topology: NetworkTopology, batch_size: int, patch_size
     return int(record_training_step(cfg, fake=False).timeline.sum(axis=1).max())
 
 
-def training_step_flops(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...]) -> int:
-    """Floating-point operations of one training step's forward + backward (convolutions and matrix products, as
-    torch's ``FlopCounterMode`` counts them; a multiply-add is 2), counted under FakeTensorMode."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    cfg = StepConfig(topology, batch_size, tuple(patch_size))
-    with torch.random.fork_rng(devices=[]), FakeTensorMode():
-        step = build_step(topology, cfg.scheme)
-        counter = FlopCounterMode(display=False)
-        with counter:
-            step(synthetic_batches(topology, cfg.scheme, batch_size, cfg.patch_size))
-    return int(counter.get_total_flops())

@@ -2,8 +2,8 @@
 holds an encoder (given by the architecture) and builds the decoder, the segmentation heads and the forward pass.
 
 ``UNet`` keeps the module names the memory model and ``autoseg explain`` read (``encoder.s``, ``decoder.s``,
-``seg_heads.s``: one entry per stage, see ``autoseg.memory.training.stage_modules``), so an architecture differs
-only in what its encoder stages hold.
+``seg_heads.s``: one entry per stage, see ``autoseg.memory.training_simulation.stage_modules``), so an
+architecture differs only in what its encoder stages hold.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from torch import nn
 from tqdm import tqdm
 
 from autoseg.core.errors import InputError
-from autoseg.core.precision import PRECISIONS
+from autoseg.core.precision import PRECISIONS, autocast_dtype
 from autoseg.model.slabs import slabs_on
 from autoseg.model.tile_buffers import (
     ACCUMULATOR_DTYPES,
@@ -57,7 +57,7 @@ from autoseg.model.tta import mirror_variants
 
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
-    dtype = PRECISIONS[precision]
+    dtype = autocast_dtype(precision)
     if dtype is None or (dtype == torch.float16 and device.type == "cpu"):
         return contextlib.nullcontext()  # fp16 autocast is not meaningful on CPU: run fp32
     return torch.autocast(device_type=device.type, dtype=dtype)

@@ -1,6 +1,7 @@
 """The buffers of one ``sliding_window_predict`` call, and their bytes (``inference_buffer_bytes``, held against
 the allocated tensors in tests/model/test_sliding_window.py): the padded input, the logit accumulator and weight
-map over a z-window, the Gaussian, and the output or the sink that finished slabs go to.
+map over a z-window, the Gaussian, and the output or the sink that finished slabs go to. torch is imported where
+the buffers are allocated: the planner counts their bytes without it.
 """
 
 from __future__ import annotations
@@ -9,18 +10,20 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-
-import torch
+from typing import TYPE_CHECKING
 
 from autoseg.core.precision import element_bytes
 from autoseg.model.tiles import TileLayout, accumulator_depth, gaussian_importance_map, tile_layout
 
+if TYPE_CHECKING:
+    import torch
+
 # The output's dtypes: float16 halves the largest array prediction holds (K x the image) at 1e-3 precision.
-OUTPUT_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+OUTPUT_DTYPES = {"float32": 4, "float16": 2}  # torch's dtype of that name -> bytes per element
 # The accumulator's dtypes. float16 halves the largest buffer of the sliding window (K x D x Yp x Xp: 624 -> 312 MiB
 # for 13 classes, 48 slices of 512 x 512), as nnU-Net's half-precision logits do; its 11-bit precision changed
 # the labels of at most 0.1% of voxels, at class boundaries (tests/model/test_sliding_window_reference.py).
-ACCUMULATOR_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+ACCUMULATOR_DTYPES = {"float32": 4, "float16": 2}  # torch's dtype of that name -> bytes per element
 PREDICTION_ACCUMULATOR = "float16"  # what prediction, validation and the planned inference tile use unless told
 FLOAT16_MAX = 65504.0  # float16's largest value: a float16 accumulator's mean logits are clamped to it
 _FP32_BYTES = 4
@@ -71,11 +74,11 @@ def inference_buffer_bytes(
     patch_voxels = math.prod(patch_size)
     sizes = {
         "padded_input": 0 if reads_input else in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
-        "accumulator": num_outputs * window * ACCUMULATOR_DTYPES[accumulator_dtype].itemsize,
+        "accumulator": num_outputs * window * ACCUMULATOR_DTYPES[accumulator_dtype],
         "weight_map": window * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
         "output": 0 if output_dtype is None else
-        num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype].itemsize,
+        num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype],
         "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
         "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
     }
@@ -86,7 +89,7 @@ def inference_buffer_bytes(
 # Where finished probabilities go: ``on_slab(z_start, z_stop, probabilities)`` with the image's z-slices
 # ``[z_start, z_stop)`` as a (K, z_stop - z_start, Y, X) fp32 tensor on the accumulator's device, valid only
 # during the call (its memory is the accumulator's, reused afterwards). Slabs come in z order, each once.
-SlabSink = Callable[[int, int, torch.Tensor], None]
+SlabSink = Callable[[int, int, "torch.Tensor"], None]
 
 
 @dataclass
@@ -121,6 +124,8 @@ def allocate_buffers(
     image that needs no padding is read where it is). ``depth``: the accumulator's z-slices
     (``accumulator_depth``; None: all). ``on_slab`` None: an ``output_dtype`` output receives the slabs.
     ``accumulator_dtype``: a key of ``ACCUMULATOR_DTYPES``."""
+    import torch
+
     padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
     if device.type == "cpu" and not layout.pads and data.device.type == "cpu":
         padded_input = data  # read only: tiles are copied out of it
@@ -133,7 +138,7 @@ def allocate_buffers(
         padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
     # K x D x Yp x Xp: the z-slices tiles still add to
     window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
-    accumulator = torch.zeros((num_outputs, *window), dtype=ACCUMULATOR_DTYPES[accumulator_dtype],
+    accumulator = torch.zeros((num_outputs, *window), dtype=getattr(torch, accumulator_dtype),
                               device=accumulator_device)
     weight_map = torch.zeros(window, dtype=torch.float32, device=accumulator_device)  # D x Yp x Xp fp32
     if use_gaussian:
@@ -142,7 +147,7 @@ def allocate_buffers(
         gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
     output = None
     if on_slab is None:  # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype
-        output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=OUTPUT_DTYPES[output_dtype])
+        output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=getattr(torch, output_dtype))
         on_slab = partial(_write_slab, output)
     return TileBuffers(padded_input, accumulator, weight_map, gaussian, on_slab, output)
 

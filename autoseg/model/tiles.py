@@ -12,9 +12,12 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 # One tile's region in the padded (Z, Y, X) volume: 3 slices (3D), or (z index, y slice, x slice) (2D).
 Region = tuple[int | slice, ...]
@@ -23,16 +26,20 @@ Region = tuple[int | slice, ...]
 def gaussian_importance_map(
     patch_size: tuple[int, ...],
     sigma_scale: float = 1.0 / 8,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
 ) -> torch.Tensor:
-    """Gaussian weights ``(*patch_size)`` centred in the patch, sigma = ``patch_size * sigma_scale``.
+    """Gaussian weights ``(*patch_size)`` centred in the patch, sigma = ``patch_size * sigma_scale``, in ``dtype``
+    (None: float32).
 
     Normalized to a maximum of 1; voxels that underflow to 0 in ``dtype`` get the smallest nonzero value so
     the weight map never divides by zero. Cached per (patch, sigma, dtype, device): treat it as read-only.
+    (torch is imported here, not with the module: the tile layout below is counted without it.)
     """
+    import torch
+
     patch = tuple(int(p) for p in patch_size)
-    return _gaussian_cached(patch, float(sigma_scale), dtype, torch.device(device))
+    return _gaussian_cached(patch, float(sigma_scale), dtype or torch.float32, torch.device(device))
 
 
 def clear_gaussian_cache() -> None:
@@ -44,6 +51,8 @@ def clear_gaussian_cache() -> None:
 def _gaussian_cached(
     patch: tuple[int, ...], sigma_scale: float, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
+    import torch
+
     gauss = np.ones((), dtype=np.float64)
     for size in patch:
         offset = np.arange(size, dtype=np.float64) - (size - 1) / 2.0  # symmetric: flip(g) == g

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autoseg.core.precision import element_bytes
-from autoseg.model.residual import forward_conv_flops
+from autoseg.model.flops import forward_conv_flops
 from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology
 from autoseg.plan.throughput import conv_flops
 from autoseg.plan.topology_rules import pools_per_axis, topology_for

@@ -26,10 +26,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoseg.core.machine import MachineCache, Measurement, machine_key
-from autoseg.core.resources import cpu_count
+from autoseg.core.resources import cpu_count, cuda_available
 from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
-from autoseg.model.step import build_step, synthetic_batches
 from autoseg.model.topology import NetworkTopology
 
 AMP_EFFICIENCY = 0.15
@@ -81,9 +80,11 @@ def cuda_flops_per_second(spec: GpuSpec, precision: str) -> float:
 
 def cuda_device_name() -> str | None:
     """torch's name of CUDA device 0, or None without one."""
+    if not cuda_available():
+        return None
     import torch
 
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return torch.cuda.get_device_name(0)
 
 
 def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
@@ -126,6 +127,8 @@ def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...]
                           seed: int = 0) -> Callable[[], object]:
     """THE training step (``autoseg.model.step``) on a fresh network and synthetic batches, as a callable to time."""
     import torch
+
+    from autoseg.model.step import build_step, synthetic_batches  # torch: only when a step is timed
 
     scheme = LabelScheme.for_outputs(topology.num_outputs)
     step = build_step(topology, scheme)

@@ -59,7 +59,7 @@ log = logging.getLogger("autoseg")
 # prediction holds (outputs x the image); the label map is their argmax (regions: thresholded at 0.5), so only
 # voxels whose top two classes are within float16's 1e-3 of each other can change.
 PROBABILITIES_DTYPE = "float16"
-PROBABILITIES_BYTES = OUTPUT_DTYPES[PROBABILITIES_DTYPE].itemsize
+PROBABILITIES_BYTES = OUTPUT_DTYPES[PROBABILITIES_DTYPE]
 
 class CasesFailedError(InputError):
     """Some cases were not predicted because of their input; every other case was written."""

@@ -42,7 +42,8 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
 from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import TrainingMemory, simulate_training_step
-from autoseg.model.step import OPTIMIZERS, OptimizerSettings, TrainStep, build_step, synthetic_batches
+from autoseg.model.optimizer import OPTIMIZERS, OptimizerSettings
+from autoseg.model.step import TrainStep, build_step, synthetic_batches
 from autoseg.plan.plans import ConfigurationPlan, Plans
 
 __all__ = ["CHECK_STEPS", "EXIT_MEMORY_MISMATCH", "TOLERANCE", "CpuProbe", "CudaProbe", "MemoryCheck",

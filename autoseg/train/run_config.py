@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoseg.core.errors import InputError
-from autoseg.model.step import OPTIMIZERS, OptimizerSettings
+from autoseg.model.optimizer import OPTIMIZERS, OptimizerSettings
 
 
 @dataclass(frozen=True)

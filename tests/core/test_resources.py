@@ -5,8 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from autoseg.core.resources import processes_for
+from autoseg.core.resources import cuda_available, processes_for
 from autoseg.core.units import GiB, MiB
 
 
@@ -45,3 +46,11 @@ def test_freed_blocks_leave_the_rss_at_once_with_the_fixed_mmap_threshold():
                                      check=True, timeout=60).stdout.split()[-1]) for mode in ("default", "fixed")}
     assert held["default"] >= 7 * MiB, held  # the glibc behaviour this guards against is there
     assert held["fixed"] < 1 * MiB, held
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the GPU drivers' device files are Linux's")
+def test_cuda_is_not_available_without_a_gpu_drivers_device_file_else_torch_says(tmp_path) -> None:
+    """No device file of a GPU driver: no CUDA, said without asking torch; with one, torch's answer."""
+    assert cuda_available(device_files=(str(tmp_path / "nvidiactl"),)) is False
+    (tmp_path / "nvidiactl").touch()
+    assert cuda_available(device_files=(str(tmp_path / "nvidiactl"),)) == torch.cuda.is_available()

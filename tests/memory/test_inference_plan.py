@@ -14,9 +14,9 @@ from autoseg.memory.inference import (
     CPU_MAX_TILE_BATCH,
     cpu_tile_batch_cap,
     inference_memory,
-    measure_inference_bytes,
     plan_inference,
 )
+from autoseg.memory.inference_simulation import measure_inference_bytes
 from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 
@@ -147,8 +147,6 @@ def test_tile_simulations_are_kept_between_runs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(inference, "_simulate_cached", no_simulation)
     assert inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache) == first
-    inference._simulated_code_digest.cache_clear()
     monkeypatch.setattr(inference, "_SIMULATED_MODULES", inference._SIMULATED_MODULES[:-1])  # other code
     with pytest.raises(AssertionError, match="simulated again"):
         inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache)
-    inference._simulated_code_digest.cache_clear()

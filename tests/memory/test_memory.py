@@ -14,8 +14,10 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel, predicted_training_bytes
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes
-from autoseg.memory.inference import inference_memory, measure_inference_bytes
-from autoseg.memory.training import measure_training_step, simulate_training_step, training_step_flops
+from autoseg.memory.inference import inference_memory
+from autoseg.memory.inference_simulation import measure_inference_bytes
+from autoseg.memory.training import measure_training_step, simulate_training_step
+from autoseg.memory.training_simulation import training_step_flops
 from autoseg.model.network import build_network
 from autoseg.model.topology import RESIDUAL_ENCODER_UNET, NetworkTopology, preset_fields
 

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+from autoseg.model.flops import forward_conv_flops
 from autoseg.model.network import build_network
-from autoseg.model.residual import ResidualBlock, ResidualEncoderUNet, forward_conv_flops
+from autoseg.model.residual import ResidualBlock, ResidualEncoderUNet
 from autoseg.model.topology import RESIDUAL_ENCODER_UNET, NetworkTopology, resenc_blocks_per_stage
 
 

@@ -4,16 +4,23 @@ and plans.json, once written, is the workspace's plan (kept unless --overwrite; 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from cli_checks import snapshot
 
+import autoseg
 from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace, dataset_source
+from autoseg.dataset.raw import load_dataset
+from autoseg.plan import run
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
@@ -109,8 +116,36 @@ def test_replanning_an_unchanged_dataset_reuses_its_fingerprint(ws: Workspace, t
     assert len(computed) == 2
 
 
+@dataclass(frozen=True)
+class KeptPlan:
+    """A first `autoseg plan` through the CLI: its command, its cache folder (the simulations it kept) and
+    workspace, and the plans.json it wrote."""
+
+    command: list[str]
+    cache: Path
+    workspace: Path
+    plans_text: str
+
+
+@pytest.fixture(scope="module")
+def kept_plan(tiny_dataset: Path, tmp_path_factory) -> KeptPlan:
+    import autoseg.memory.inference as inference
+    from autoseg.cli.main import main
+    from autoseg.memory.fit import training_memory_model
+
+    root = tmp_path_factory.mktemp("kept_plan")
+    command = ["--quiet", "plan", str(tiny_dataset), "-w", str(root / "ws"), "--device", "cpu", "--ram", "8GiB",
+               "--gpu-memory", "8GiB", "--cpu-flops", "1e10"]  # every figure given: nothing asks torch
+    training_memory_model.cache_clear()  # as in a new process: earlier tests' fitted models would simulate nothing
+    inference._simulate_cached.cache_clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AUTOSEG_CACHE_DIR", str(root / "cache"))
+        assert main(command) == 0
+    return KeptPlan(command, root / "cache", root / "ws", (root / "ws" / "plans.json").read_text())
+
+
 def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
-        tiny_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        kept_plan: KeptPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`autoseg plan` keeps its training-step and tile simulations in the machine cache; a second plan (after the
     in-process caches are cleared, as in a new process) runs none and writes the same plans.json. Outside a
     command nothing is kept."""
@@ -120,16 +155,8 @@ def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
     from autoseg.core.machine import kept_simulations
     from autoseg.memory.fit import training_memory_model
 
-    monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
-    training_memory_model.cache_clear()  # as in a new process: earlier tests' fitted models would simulate nothing
-    inference._simulate_cached.cache_clear()
-    command = ["--quiet", "plan", str(tiny_dataset), "-w", str(tmp_path / "ws"), "--device", "cpu", "--ram", "8GiB",
-               "--cpu-flops",
-               "1e10"]
-    assert main(command) == 0
-    first = (tmp_path / "ws" / "plans.json").read_text()
-    assert list((tmp_path / "cache" / "training_steps").glob("step-*.json"))
-    assert (tmp_path / "cache" / "inference_simulation.json").is_file()
+    assert list((kept_plan.cache / "training_steps").glob("step-*.json"))
+    assert (kept_plan.cache / "inference_simulation.json").is_file()
     assert kept_simulations() is None  # the command's cache ends with it
 
     def no_simulation(*args, **kwargs):
@@ -139,6 +166,46 @@ def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
     inference._simulate_cached.cache_clear()
     monkeypatch.setattr(training, "_record_training_step", no_simulation)
     monkeypatch.setattr(inference, "_simulate_cached", no_simulation)
-    (tmp_path / "ws" / "plans.json").unlink()
+    monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(kept_plan.cache))
+    ws = shutil.copytree(kept_plan.workspace, tmp_path / "ws")
+    (ws / "plans.json").unlink()
+    command = [str(ws) if a == str(kept_plan.workspace) else a for a in kept_plan.command]
     assert main(command) == 0
-    assert (tmp_path / "ws" / "plans.json").read_text() == first
+    assert (ws / "plans.json").read_text() == kept_plan.plans_text
+
+
+REPLAN_IN_A_NEW_PROCESS = """
+import json, sys
+from autoseg.cli.main import main
+code = main(sys.argv[1:])
+print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_replan_with_every_simulation_kept_does_not_import_torch(kept_plan: KeptPlan, tmp_path: Path) -> None:
+    """A re-plan in a new process (the fingerprint in the workspace, every simulation kept) reads what it needs
+    without importing torch (1-2 s of a re-plan's time) and writes the same plans.json."""
+    ws = shutil.copytree(kept_plan.workspace, tmp_path / "ws")
+    (ws / "plans.json").unlink()
+    command = [str(ws) if a == str(kept_plan.workspace) else a for a in kept_plan.command]
+    env = {**os.environ, "AUTOSEG_CACHE_DIR": str(kept_plan.cache),
+           "PYTHONPATH": os.pathsep.join([str(Path(autoseg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", REPLAN_IN_A_NEW_PROCESS, *command], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"code": 0, "torch": False}, done.stderr
+    assert (ws / "plans.json").read_text() == kept_plan.plans_text
+
+
+def test_a_small_dataset_is_fingerprinted_in_this_process_a_large_one_in_workers(
+        tiny_dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker processes take about a second to start: a dataset read in less (under IN_PROCESS_FINGERPRINT_VOXELS)
+    is fingerprinted in this process; a larger one in as many workers as the RAM budget and the CPUs allow."""
+    dataset = load_dataset(tiny_dataset)
+    budget = replace(_budget(8), cpu_count=2)
+    assert run.fingerprint_processes(dataset, budget) == 1
+    monkeypatch.setattr(run, "IN_PROCESS_FINGERPRINT_VOXELS", 1)  # every dataset is a large one
+    assert run.fingerprint_processes(dataset, budget) == 2
+    assert run.fingerprint_processes(dataset, replace(budget, host_ram_bytes=1)) == 1  # no RAM for a second one
+

@@ -15,7 +15,7 @@ from factories import tiny_plans
 from autoseg.cli.main import main
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
-from autoseg.model.step import OPTIMIZERS
+from autoseg.model.optimizer import OPTIMIZERS
 from autoseg.plan.plans import Plans
 from autoseg.train import memory_check
 from autoseg.train.checkpoint import load_checkpoint

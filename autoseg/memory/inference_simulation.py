@@ -1,0 +1,89 @@
+"""Running the sliding window's tile batch inside a ``StorageTracker``: simulated under ``FakeTensorMode``
+(``simulate_tile_batch``, what ``autoseg.memory.inference`` predicts from) or measured on real CPU tensors
+(``measure_inference_bytes``, what tests hold the prediction against).
+
+This is the module that imports torch and its fake-tensor machinery: ``autoseg.memory.inference`` imports it
+only when a tile must be simulated, so a plan whose tile simulations are all kept between runs does not.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from autoseg.memory.tracker import StorageTracker
+from autoseg.model.network import build_network
+from autoseg.model.slabs import slabs_on
+from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
+from autoseg.model.tile_buffers import allocate_buffers
+from autoseg.model.tiles import clear_gaussian_cache, patch_as_zyx, tile_layout
+from autoseg.model.topology import NetworkTopology
+from autoseg.model.tta import mirror_variants
+
+
+def simulate_tile_batch(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
+                        precision: str, mirror_axes: tuple[int, ...], tta: int | None,
+                        accumulator_dtype: str, device: str) -> tuple[int, int, int, int]:
+    """``autoseg.memory.inference.simulate_tile_prediction``'s figures, simulated now (no cache): one forward pass
+    of ``run_tile_batch`` on ``tile_batch_size`` (tile, mirror variant) pairs under ``FakeTensorMode``. ``device``
+    "cpu": the network runs its large convolutions in slabs as ``sliding_window_predict`` does there
+    (``autoseg.model.slabs``), and each convolution's hidden buffers count (``cpu_conv_scratch_bytes``)."""
+    variants = mirror_variants(mirror_axes, tta)
+    one_tile = tile_layout(patch_as_zyx(patch_size), patch_size)  # patch-sized stand-ins for the buffers
+    cpu = torch.device("cpu")
+    tracker = StorageTracker(cpu_conv_scratch=device == "cpu")
+    with torch.random.fork_rng(devices=[]), FakeTensorMode(), tracker:
+        network = build_network(topology)
+        network.eval()
+        params = sum(p.numel() * p.element_size() for p in network.parameters())
+        image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
+        buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu,  # no real Gaussian
+                                   on_slab=_discard, accumulator_dtype=accumulator_dtype)
+        del image
+        items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
+        tracker.mark("tiles")
+        with slabs_on([network], device):
+            run_tile_batch([network], buffers, items, variants, topology.num_outputs, precision)
+        tracker.mark("end")
+        del buffers
+    start, stop = tracker.index_of("tiles"), tracker.index_of("end")
+    live = np.cumsum(np.asarray(tracker.event_delta[:stop], dtype=np.int64))
+    base = int(live[start - 1]) if start > 0 else 0  # parameters and buffers, before the pass
+    peak_row = int(np.argmax(live[start:])) + start
+    count = int(tracker.live_count(stop)[peak_row + 1])
+    return params, int(live[start:].max()) - base, tracker.largest_conv_output_bytes, count
+
+
+def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
+    """A ``SlabSink`` that keeps nothing (the simulation's stand-in buffers have no output)."""
+
+
+def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
+                            tile_batch_size: int = 1, precision: str = "fp32",
+                            mirror_axes: Sequence[int] = (), tta: int | None = None,
+                            output_dtype: str | None = "float32", step_fraction: float | Sequence[float] = 0.5,
+                            accumulator_dtype: str = "float32") -> int:
+    """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
+    parameters included, and each convolution's hidden buffers as ``cpu_conv_scratch_bytes`` models them (held
+    against real convolutions in ``tests/memory/test_conv_scratch.py``), for tests: hold ``inference_memory``
+    against it. ``data`` (C, Z, Y, X) float32 is not counted (the prediction copies it into its padded input,
+    which is). ``output_dtype`` None: the slabs go to a sink that keeps nothing. Leaves the caller's RNG alone.
+    """
+    clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
+    tracker = StorageTracker(cpu_conv_scratch=True)
+    data_t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+    with torch.random.fork_rng(devices=[]), tracker:
+        tracker.exclude([data_t])
+        network = build_network(topology)
+        probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
+                                               mirror_axes=tuple(mirror_axes), tta=tta, step_fraction=step_fraction,
+                                               tile_batch_size=tile_batch_size, precision=precision,
+                                               output_dtype=output_dtype or "float32",
+                                               accumulator_dtype=accumulator_dtype,
+                                               on_slab=_discard if output_dtype is None else None)
+        del probabilities, network
+    clear_gaussian_cache()
+    return tracker.peak_bytes
