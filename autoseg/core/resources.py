@@ -4,13 +4,12 @@ memory, CPU count; ``processes_for`` (process and worker counts from a RAM budge
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
 from pathlib import Path
 
-from autoseg.core.units import GiB, KiB, MiB
+from autoseg.core.units import GiB, KiB
 
 log = logging.getLogger("autoseg")
 
@@ -44,24 +43,6 @@ def proc_field_bytes(path: str, key: str) -> int | None:
     except OSError:
         return None
     return None
-
-
-# glibc maps each block from this size up on its own and unmaps it when it is freed (M_MMAP_THRESHOLD, fixed)
-MMAP_THRESHOLD_BYTES = 1 * MiB
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-
-
-def return_freed_blocks_at_once() -> bool:
-    """Fix glibc's mmap threshold at ``MMAP_THRESHOLD_BYTES`` for this process, so that a freed block of that size
-    or more goes back to the system at once. By default glibc raises the threshold (up to 32 MiB) each time it
-    unmaps a block, and later blocks below it come from the heap, where a small block allocated after them keeps
-    their pages resident. A CPU prediction frees and allocates maps of 1-32 MiB on every tile (its slabbed
-    convolutions): one 48x192x160 tile forward peaked 732 MiB above its start with the default, 631 MiB with this
-    (the tracked model: 657). False where the C library has no ``mallopt`` (not glibc)."""
-    try:
-        return bool(ctypes.CDLL(None).mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-    except (OSError, AttributeError):
-        return False
 
 
 def process_rss_bytes() -> int:

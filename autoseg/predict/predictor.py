@@ -30,7 +30,7 @@ from autoseg.core.artifacts import check_writable_folder, remove_stale_temporari
 from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.precision import effective_precision
-from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, reset_peak_rss, return_freed_blocks_at_once
+from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, reset_peak_rss
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, supported_ending, write_image
@@ -268,7 +268,6 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     threads = torch.get_num_threads()
     if device == "cpu":
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
-        return_freed_blocks_at_once()  # the tiles' maps leave the RSS as they are freed
     memory = partial(case_memory, plans=plans, config=config, window=window(config, not options.save_probabilities),
                      postprocessed=not postprocessing.is_identity, previous=previous)
     try:
