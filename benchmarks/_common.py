@@ -6,12 +6,14 @@ Standard library only at import, so that a benchmark can run parts of itself in 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 NNUNET_DATASET_ID = 977
@@ -174,3 +176,13 @@ def run_nnunet(python: str, dataset: Path, work: Path, processes: int, configs: 
     cmd = [python, "-c", entry, "-d", str(NNUNET_DATASET_ID), "-c", *configs,
            "-np", *[str(processes)] * len(configs), "-npfp", str(processes), "--verify_dataset_integrity"]
     return run_measured(cmd, env={**os.environ, **folders}, log_path=work / "nnunet.log")
+
+
+def serve_child(child: str | None, key: str, handlers: dict[str, Callable[[dict], dict]]) -> bool:
+    """A benchmark's own child process (``--child SPEC``): run the handler that ``SPEC[key]`` names on the spec and
+    write its result as JSON to ``SPEC["out"]``. False (nothing run) when this process is not a child."""
+    if child is None:
+        return False
+    spec = json.loads(child)
+    Path(spec["out"]).write_text(json.dumps(handlers[spec[key]](spec)))
+    return True

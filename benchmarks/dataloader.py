@@ -41,6 +41,7 @@ from _common import (
     nnunet_python,
     run_measured,
     run_nnunet,
+    serve_child,
     tree_cpu_seconds,
 )
 
@@ -214,10 +215,7 @@ def main() -> None:
     parser.add_argument("--nnunet-python", default=None, help="python of a venv with nnunetv2 installed")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child is not None:
-        spec = json.loads(args.child)
-        result = (child_autoseg if spec["pipeline"] == "autoseg" else child_nnunet)(spec)
-        Path(spec["out"]).write_text(json.dumps(result))
+    if serve_child(args.child, "pipeline", {"autoseg": child_autoseg, "nnU-Net v2": child_nnunet}):
         return
 
     root = Path(args.data_dir)

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import serve_child
 
 from autoseg.core.units import MiB
 
@@ -316,10 +317,7 @@ def main() -> None:
     parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "autoseg_host_memory_bench"))
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.child is not None:
-        spec = json.loads(args.child)
-        result = (child_loader if spec["kind"] == "loader" else child_export)(spec)
-        Path(spec["out"]).write_text(json.dumps(result))
+    if serve_child(args.child, "kind", {"loader": child_loader, "export": child_export}):
         return
     root = Path(args.data_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,8 @@ from autoseg.core.precision import effective_precision
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
-from autoseg.memory.training import TrainingMemory, simulate_training_step
+from autoseg.memory.step_record import TrainingMemory
+from autoseg.memory.training import simulate_training_step
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
 from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology

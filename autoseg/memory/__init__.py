@@ -8,11 +8,12 @@ testable without a GPU. A device's own overheads (allocator rounding and fragmen
 workspace, CUDA context) are added by ``device.predict_device_peak``. ``fit.TrainingMemoryModel`` turns 2-3
 simulations into exact predictions for any batch and patch in microseconds, for the planner's search.
 
-Owns: ``tracker`` (the counting dispatch mode), ``training`` (the step's memory, simulated or measured, and the
-simulations kept between runs), ``training_simulation`` (running the step in the tracker, and its FLOPs), ``fit``
-(the linear timeline model), ``device`` (device overheads), ``inference`` (sliding window) and
-``inference_simulation`` (running its tile batch in the tracker), ``host`` (host RAM formulas of preprocessing,
-loader workers and export). Only the ``*_simulation`` modules and ``tracker`` import torch: a plan whose
-simulations are all kept between runs imports none of them.
+Owns: ``tracker`` (the counting dispatch mode), ``step_record`` (a step's configuration, record and memory, as
+data), ``training`` (the step's memory, simulated or measured, and the simulations kept between runs),
+``training_simulation`` (running the step in the tracker, and its FLOPs), ``fit`` (the linear timeline model),
+``device`` (device overheads), ``inference`` (sliding window) and ``inference_simulation`` (running its tile batch
+in the tracker), ``host`` (host RAM formulas of preprocessing, loader workers and export). Only the
+``*_simulation`` modules and ``tracker`` import torch: a plan whose simulations are all kept between runs imports
+none of them.
 Imports: ``autoseg.model``, ``autoseg.dataset``, ``autoseg.core``; never a stage.
 """

@@ -20,14 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.training import (
-    CATEGORIES,
-    StepConfig,
-    StepRecord,
-    TrainingMemory,
-    check_step_arguments,
-    record_training_step,
-)
+from autoseg.memory.step_record import CATEGORIES, StepConfig, StepRecord, TrainingMemory, check_step_arguments
+from autoseg.memory.training import record_training_step
 from autoseg.model.topology import NetworkTopology
 
 

@@ -30,12 +30,9 @@ from autoseg.dataset.imageio import GZIP_READ_CHUNK_BYTES
 from autoseg.dataset.labels import LabelScheme
 
 WORKER_RUNTIME_BYTES = 150 * MiB
-# A training loader worker is forked from the trainer and shares the trainer's pages until it writes them (the
-# trainer's RSS is TRAINER_HOST_BYTES). Measured (benchmarks/host_memory.py, 2026-11-26): 15 MiB of private pages
-# beside its buffers after 30-200 batches, with a stand-in trainer (the training modules imported, a U-Net's
-# modules and optimizer). A full garbage collection in the worker writes the header of every object it inherited:
-# forcing one copied 60-91 MiB; CPython runs one only once the long-lived objects grew by a quarter, rare in a
-# worker. Twice the measured figure.
+# A loader worker is forked and shares the trainer's pages until it writes them. Measured (benchmarks/host_memory.py,
+# 2026-11-26, a stand-in trainer): 15 MiB of private pages after 30-200 batches; a forced full garbage collection
+# copied 60-91 MiB of inherited objects (rare in a worker). Twice the measured figure.
 LOADER_WORKER_RUNTIME_BYTES = 32 * MiB
 GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB  # glibc's largest dynamic mmap threshold on 64-bit Linux (heap_retention_bytes)
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
@@ -44,12 +41,10 @@ _F32, _F64, _I64 = 4, 8, 8
 _EXPORT_OVERHEAD_BYTES = 64 * KiB
 # Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
 _CALL_OVERHEAD_BYTES = 16 * KiB
-# autoseg.data.augment_spatial interpolates this many label indicator planes per call with the image:
-# memory (C + 2) x E float32. Set here, where the loader's estimate needs it.
-LABELS_PER_CALL = 2  # label indicator planes interpolated together with the image: memory (C + 2) x E float32
-# autoseg.data.augment's simulated low resolution: the zoom range of the target size (round(n * zoom) per axis)
-# and the entries of its caches of resize matrices and nearest indices (one per (target, size)). Set here,
-# where the loader worker's estimate needs them (``low_resolution_cache_bytes``).
+# autoseg.data.augment_spatial's label indicator planes interpolated per call with the image: (C + 2) x E float32
+LABELS_PER_CALL = 2
+# autoseg.data.augment's simulated low resolution: the target size's zoom range (round(n * zoom) per axis) and
+# the entries of its caches of resize matrices and nearest indices (``low_resolution_cache_bytes``)
 LOW_RESOLUTION_ZOOM = (0.5, 1.0)
 RESIZE_CACHE_ENTRIES = 256
 _CACHE_ENTRY_OVERHEAD_BYTES = 512  # an ndarray object, its key and lru_cache's link (tracemalloc: 470-590 B)
@@ -330,11 +325,7 @@ def heap_retention_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequenc
     slower), at the largest read box: patch (56, 192, 192) dummy 2D 72-223 MiB over six runs (model 112),
     (128, 128, 128) 2 channels 86-118 MiB (model 144), (512, 512) batch 12 42 MiB (model 30)."""
     buffers = _sample_buffers(patch_size, enlarged_patch_size, num_channels, seg_itemsize, dummy_2d)
-
-    def heap(sizes: list[int]) -> int:
-        return sum(n for n in sizes if n < GLIBC_MMAP_THRESHOLD_MAX)
-
-    return heap(buffers["read"]) + heap(buffers["spatial"]) + heap(buffers["intensity"])
+    return sum(n for phase in ("read", "spatial", "intensity") for n in buffers[phase] if n < GLIBC_MMAP_THRESHOLD_MAX)
 
 
 def batch_bytes(

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.memory.step_record import CATEGORIES, StepConfig, StepRecord
 from autoseg.memory.tracker import StorageTracker
-from autoseg.memory.training import CATEGORIES, StepConfig, StepRecord
 from autoseg.model.optimizer import OPTIMIZERS
 from autoseg.model.step import build_step, synthetic_batches
 from autoseg.model.topology import NetworkTopology

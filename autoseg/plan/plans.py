@@ -188,7 +188,7 @@ class Plans(Artifact):
     def check(self, where: str = "plans.json") -> None:
         """Raise ``InputError`` for values no stage could run: networks, patches, batches, precisions and
         channel counts that do not fit each other (``check_step_arguments``, ``validate_topology``)."""
-        from autoseg.memory.training import check_step_arguments
+        from autoseg.memory.step_record import check_step_arguments
 
         channels = len(self.channel_names)
         for key in ("normalization", "use_nonzero_mask", "intensity_properties"):

@@ -40,8 +40,9 @@ from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, process_
 from autoseg.core.units import format_bytes
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
+from autoseg.memory.step_record import TrainingMemory
 from autoseg.memory.tracker import StorageTracker
-from autoseg.memory.training import TrainingMemory, simulate_training_step
+from autoseg.memory.training import simulate_training_step
 from autoseg.model.optimizer import OPTIMIZERS, OptimizerSettings
 from autoseg.model.step import TrainStep, build_step, synthetic_batches
 from autoseg.plan.plans import ConfigurationPlan, Plans
@@ -258,9 +259,7 @@ class CpuProbe:
     def run(self, step: TrainStep, batches: Iterator, index: int) -> Any:
         if index != TRACKED_STEP:
             return step(batches)
-        # costs the Python dispatch of every operator of this one step; each convolution's hidden buffers count
-        # as in the CPU simulation (cpu_conv_scratch_bytes, held against peak RSS in tests/memory)
-        tracker = StorageTracker(cpu_conv_scratch=True)
+        tracker = StorageTracker(cpu_conv_scratch=True)  # as the CPU simulation; costs one step's Python dispatch
         tracker.count(_state_tensors(step))
         with tracker:
             out = step(_Counted(batches, tracker))
