@@ -6,11 +6,13 @@ Standard library only at import, so that a benchmark can run parts of itself in 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -178,11 +180,21 @@ def run_nnunet(python: str, dataset: Path, work: Path, processes: int, configs: 
     return run_measured(cmd, env={**os.environ, **folders}, log_path=work / "nnunet.log")
 
 
-def serve_child(child: str | None, key: str, handlers: dict[str, Callable[[dict], dict]]) -> bool:
-    """A benchmark's own child process (``--child SPEC``): run the handler that ``SPEC[key]`` names on the spec and
-    write its result as JSON to ``SPEC["out"]``. False (nothing run) when this process is not a child."""
-    if child is None:
-        return False
-    spec = json.loads(child)
+def parse_or_serve_child(parser: argparse.ArgumentParser, key: str,
+                         handlers: dict[str, Callable[[dict], dict]]) -> argparse.Namespace | None:
+    """The benchmark's arguments; None when this process is one of its own children (``--child SPEC``, see
+    ``add_child_arguments``), after running the handler that ``SPEC[key]`` names on the spec and writing its result
+    as JSON to ``SPEC["out"]``."""
+    args = parser.parse_args()
+    if args.child is None:
+        return args
+    spec = json.loads(args.child)
     Path(spec["out"]).write_text(json.dumps(handlers[spec[key]](spec)))
-    return True
+    return None
+
+
+def add_child_arguments(parser: argparse.ArgumentParser, data_dir_name: str) -> None:
+    """``--data-dir`` (default: ``data_dir_name`` in the temporary folder) and the hidden ``--child SPEC`` of a
+    benchmark that measures in its own child processes (``parse_or_serve_child``)."""
+    parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / data_dir_name))
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)

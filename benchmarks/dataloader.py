@@ -36,12 +36,13 @@ from pathlib import Path
 
 from _common import (
     TreeMemoryPeak,
+    add_child_arguments,
     make_dataset,
     nnunet_env,
     nnunet_python,
+    parse_or_serve_child,
     run_measured,
     run_nnunet,
-    serve_child,
     tree_cpu_seconds,
 )
 
@@ -211,11 +212,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None, help="override the plan's batch size")
     parser.add_argument("--gpu-memory", default="8GiB", help="GPU memory autoseg plans for")
     parser.add_argument("--processes", type=int, default=2, help="preprocessing processes")
-    parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "autoseg_dataloader_bench"))
     parser.add_argument("--nnunet-python", default=None, help="python of a venv with nnunetv2 installed")
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if serve_child(args.child, "pipeline", {"autoseg": child_autoseg, "nnU-Net v2": child_nnunet}):
+    add_child_arguments(parser, "autoseg_dataloader_bench")
+    args = parse_or_serve_child(parser, "pipeline", {"autoseg": child_autoseg, "nnU-Net v2": child_nnunet})
+    if args is None:
         return
 
     root = Path(args.data_dir)

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from _common import serve_child
+from _common import add_child_arguments, parse_or_serve_child
 
 from autoseg.core.units import MiB
 
@@ -314,10 +314,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=20, help="batches each loader worker builds, measured")
     parser.add_argument("--only", choices=("loader", "export"), default=None)
-    parser.add_argument("--data-dir", default=str(Path(tempfile.gettempdir()) / "autoseg_host_memory_bench"))
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if serve_child(args.child, "kind", {"loader": child_loader, "export": child_export}):
+    add_child_arguments(parser, "autoseg_host_memory_bench")
+    args = parse_or_serve_child(parser, "kind", {"loader": child_loader, "export": child_export})
+    if args is None:
         return
     root = Path(args.data_dir)
     root.mkdir(parents=True, exist_ok=True)
