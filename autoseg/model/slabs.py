@@ -76,6 +76,13 @@ def _conv_output_shape(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, shape: torch.Siz
     return (shape[0], conv.out_channels, *spatial)
 
 
+def _row_ranges(rows: int, slabs: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of ``slabs`` (at most ``rows``) consecutive, nearly equal runs of ``rows`` rows."""
+    step = -(-rows // min(slabs, rows))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
 def conv_in_slabs(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor, slabs: int) -> torch.Tensor:
     """``conv(x)`` computed as ``slabs`` slabs of output rows along the largest spatial axis of the output."""
     out_shape = _conv_output_shape(conv, x.shape)
@@ -83,12 +90,10 @@ def conv_in_slabs(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor, slab
     a = axis - 2
     k, s, p, d = conv.kernel_size[a], conv.stride[a], conv.padding[a], conv.dilation[a]
     rows, size = out_shape[axis], x.shape[axis]
-    step = -(-rows // min(slabs, rows))
     padding = list(conv.padding)
     padding[a] = 0
     out = None
-    for o0 in range(0, rows, step):
-        o1 = min(o0 + step, rows)
+    for o0, o1 in _row_ranges(rows, slabs):
         lo, hi = o0 * s - p, (o1 - 1) * s - p + d * (k - 1) + 1  # the input rows these outputs read
         part = x.narrow(axis, max(lo, 0), min(hi, size) - max(lo, 0))
         pads = [0] * (2 * (x.ndim - 2))  # F.pad: the last axis first
@@ -116,11 +121,8 @@ def transposed_into(upsample: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvT
     slabs = math.ceil(out.numel() * x.element_size() / slab_bytes)
     axis = 2 + max(range(x.ndim - 2), key=lambda a: x.shape[2 + a])
     s = upsample.stride[axis - 2]
-    rows = x.shape[axis]
-    step = -(-rows // min(slabs, rows))
     transposed = _TRANSPOSED[x.ndim - 2]
-    for i0 in range(0, rows, step):
-        i1 = min(i0 + step, rows)
+    for i0, i1 in _row_ranges(x.shape[axis], slabs):
         y = transposed(x.narrow(axis, i0, i1 - i0).contiguous(), upsample.weight, upsample.bias, upsample.stride)
         out.narrow(axis, i0 * s, (i1 - i0) * s).copy_(y)
         del y
