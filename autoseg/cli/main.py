@@ -35,12 +35,13 @@ def _budget(args: argparse.Namespace):
     print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
           f"network {architecture}")
     if device == "cpu":
-        from autoseg.plan.throughput import cpu_throughput
+        from autoseg.plan.throughput import StepRates, cpu_throughput
 
-        flops, source = (args.cpu_flops, "--cpu-flops") if args.cpu_flops else \
+        rates, source = (StepRates(args.cpu_flops), "--cpu-flops") if args.cpu_flops else \
             cpu_throughput(MachineCache(cache_dir(os.environ)))
-        budget = replace(budget, cpu_flops_per_second=flops)
-        print(f"CPU throughput {flops / 1e9:.1f} GFLOP/s ({source}); planning for "
+        budget = replace(budget, cpu_flops_per_second=rates.flops_per_second,
+                         cpu_elements_per_second=rates.elements_per_second)
+        print(f"CPU throughput {rates.describe()} ({source}); planning for "
               f"{budget.cpu_seconds_per_iteration:g} s per iteration")
     else:
         from autoseg.plan.throughput import cuda_device_name

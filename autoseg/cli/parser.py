@@ -82,7 +82,9 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="device training will run on (default: cuda if present, else cpu)")
     p.add_argument("--cpu-flops", type=positive_float, default=None,
-                   help="CPU training throughput in FLOP/s for --device cpu (default: measured once, then cached)")
+                   help="CPU training throughput in convolution FLOP/s for --device cpu, the step's seconds counted "
+                        "from its convolutions alone (default: measured once, then cached: a FLOP rate and a "
+                        "feature-map element rate, see docs/benchmarks.md)")
 
 
 def _tta(text: str) -> str:

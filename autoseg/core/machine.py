@@ -77,7 +77,7 @@ class Measurement:
     """A measured figure; ``keep``: whether it may be cached (False: measured while the cores were busy, say
     ``why_not_kept``); ``details``: the timings behind it, kept beside it in the cache."""
 
-    value: float
+    value: float | dict[str, float | None]
     keep: bool = True
     why_not_kept: str = ""
     details: dict[str, float] = field(default_factory=dict)
@@ -92,15 +92,15 @@ class MachineCache:
     def path(self, name: str) -> Path | None:
         return None if self.folder is None else self.folder / f"{name}.json"
 
-    def measured(self, name: str, key: Mapping[str, Any], measure: Callable[[], Measurement]) -> tuple[float, str]:
-        """The figure cached under ``key``, else ``measure()``'s (cached when it may be); returns (value, where it
-        came from), e.g. "cached in PATH" or "measured now, cached in PATH"."""
+    def measured(self, name: str, key: Mapping[str, Any], measure: Callable[[], Measurement]) -> tuple[Any, str]:
+        """The figure (a number, or a dict of them) cached under ``key``, else ``measure()``'s (cached when it may
+        be); returns (value, where it came from), e.g. "cached in PATH" or "measured now, cached in PATH"."""
         path = self.path(name)
         entries = self._read(path)
         key_text = json.dumps(dict(key), sort_keys=True)
         cached = entries.get(key_text)
         if cached is not None:
-            return float(cached["value"]), f"cached in {path}"
+            return cached["value"], f"cached in {path}"
         found = measure()
         if path is None:
             return found.value, "measured now (no cache folder)"

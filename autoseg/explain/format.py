@@ -8,6 +8,7 @@ import math
 from autoseg.core.units import format_bytes
 from autoseg.explain.explanation import Explanation
 from autoseg.memory.device import CUDA_FRAGMENTATION, DEVICE_TERMS
+from autoseg.plan.throughput import StepRates
 
 TERM_NAMES = {
     "parameters": "parameters", "gradients": "gradients (computed so far)",
@@ -82,8 +83,8 @@ def _time_line(e: Explanation) -> list[str]:
     """The plan's seconds per iteration and, on CPU, the measured throughput they come from."""
     if e.predicted_seconds_per_iteration is None:
         return []
-    source = "" if e.cpu_flops_per_second is None else \
-        f" at the CPU throughput measured when planning, {e.cpu_flops_per_second / 1e9:.1f} GFLOP/s"
+    source = "" if e.cpu_flops_per_second is None else " at the CPU throughput measured when planning, " + \
+        StepRates(e.cpu_flops_per_second, e.cpu_elements_per_second).describe()
     return [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
 
 

@@ -1,6 +1,8 @@
-"""FLOPs of a network's convolutions counted from its topology alone, without building it (and without torch): the
-planner sizes patches by them. ``forward_conv_flops``: the residual encoder U-Net's (``autoseg.model.residual``)
-forward pass; the plain U-Net's training step is ``autoseg.plan.throughput.conv_flops``.
+"""FLOPs of a network's convolutions, and the elements of its feature maps, counted from its topology alone, without
+building it (and without torch): the planner sizes patches by them. ``forward_conv_flops``: the residual encoder
+U-Net's (``autoseg.model.residual``) forward pass; the plain U-Net's training step is
+``autoseg.plan.throughput.conv_flops``. ``feature_map_elements``: the outputs of every convolution of a forward
+pass, either architecture (the memory-bound work of a CPU step, ``autoseg.plan.throughput.StepRates``).
 """
 
 from __future__ import annotations
@@ -33,4 +35,21 @@ def forward_conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...]) -
         total += 2 * kvol * (2 * f * f + (topology.conv_per_stage - 1) * f * f) * n
         total += 2 * f * outputs * n  # segmentation head (deep supervision: every decoder stage)
         prev = f
+    return total
+
+
+def feature_map_elements(topology: NetworkTopology, patch_size: tuple[int, ...]) -> float:
+    """Elements of the outputs of every convolution of one forward pass of one sample (encoder convolutions with
+    the stage's kernel, ``NetworkTopology.encoder_convs``; per decoder stage the transposed convolution and its
+    ``conv_per_stage`` convolutions; skip projections and the 1-channel-per-class heads not counted). Each is
+    normalized and activated, forward and backward: the work of a training step that runs at memory speed, not
+    at the convolutions' FLOP rate."""
+    voxels = float(math.prod(patch_size))
+    total, stage_voxels = 0.0, []
+    for f, convs, st in zip(topology.features_per_stage, topology.encoder_convs(), topology.strides):
+        voxels /= math.prod(st)
+        total += convs * f * voxels
+        stage_voxels.append(voxels)
+    for s in range(topology.num_stages - 2, -1, -1):
+        total += (1 + topology.conv_per_stage) * topology.features_per_stage[s] * stage_voxels[s]
     return total

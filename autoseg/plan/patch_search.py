@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from autoseg.core.precision import element_bytes
 from autoseg.model.flops import forward_conv_flops
 from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology
-from autoseg.plan.throughput import conv_flops
+from autoseg.plan.throughput import StepRates, conv_flops, step_elements
 from autoseg.plan.topology_rules import pools_per_axis, topology_for
 
 COVERAGE_TOLERANCE = 0.10  # patches within 10% of the best coverage compete on shape (if they fill enough)
@@ -104,7 +104,7 @@ class Setting:
 class Limits:
     memory_bytes: float  # predicted device bytes allowed (budget minus the safety margin)
     seconds: float | None  # predicted seconds per iteration allowed (CPU), None: no time limit
-    flops_per_second: float  # effective throughput of the training device
+    rates: StepRates  # the training device's: convolution FLOP/s (+ feature-map elements/s on CPU)
     fill_bytes: float = 0.0  # a patch chosen for its shape over a larger one must still reach this peak
 
 
@@ -116,6 +116,7 @@ class Candidate:
     accumulation_steps: int
     peak_bytes: int
     flops: float  # per optimizer step (all micro-batches, recomputation included)
+    seconds: float  # predicted, per optimizer step (``StepCost.seconds``)
     coverage: float
     max_batch: int
 
@@ -138,9 +139,26 @@ class StepCost:
                                                 s.accumulation_steps))
         return self._peaks[key]
 
+    def _factor(self) -> float:
+        return self.setting.accumulation_steps * (CHECKPOINT_FLOPS if self.setting.checkpointing else 1.0)
+
     def flops(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
-        factor = self.setting.accumulation_steps * (CHECKPOINT_FLOPS if self.setting.checkpointing else 1.0)
-        return step_flops(topology, patch, batch) * factor
+        return step_flops(topology, patch, batch) * self._factor()
+
+    def seconds(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
+        """Predicted seconds of one optimizer step (``StepRates.seconds``; recomputation re-runs the forward's
+        feature maps as it re-runs its FLOPs)."""
+        return self.limits.rates.seconds(self.flops(topology, batch, patch),
+                                         step_elements(topology, patch, batch) * self._factor())
+
+    def candidate(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...], coverage: float,
+                  max_batch: int, accumulation_steps: int | None = None) -> Candidate:
+        """THE ``Candidate`` of this topology, batch and patch, its bytes (when memory is checked) and time."""
+        return Candidate(topology=topology, patch=patch, batch=batch,
+                         accumulation_steps=accumulation_steps or self.setting.accumulation_steps,
+                         peak_bytes=self.peak(topology, batch, patch) if self.use_memory else 0,
+                         flops=self.flops(topology, batch, patch), seconds=self.seconds(topology, batch, patch),
+                         coverage=coverage, max_batch=max_batch)
 
     def fits(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> bool:
         """Within the time and memory limits; a topology of one stage (a patch too small to pool) never
@@ -148,7 +166,7 @@ class StepCost:
         lim = self.limits
         if topology.num_stages < 2:
             return False
-        if lim.seconds is not None and self.flops(topology, batch, patch) / lim.flops_per_second > lim.seconds:
+        if lim.seconds is not None and self.seconds(topology, batch, patch) > lim.seconds:
             return False
         return not self.use_memory or self.peak(topology, batch, patch) <= lim.memory_bytes
 
@@ -220,10 +238,7 @@ def search(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate | 
     topology, patch = best
     if not setting.single:
         batch = _largest_batch(space, topology, patch, cost)
-    return Candidate(topology=topology, patch=patch, batch=batch, accumulation_steps=setting.accumulation_steps,
-                     peak_bytes=cost.peak(topology, batch, patch) if cost.use_memory else 0,
-                     flops=cost.flops(topology, batch, patch), coverage=space.coverage(patch),
-                     max_batch=space.max_batch(patch))
+    return cost.candidate(topology, batch, patch, space.coverage(patch), space.max_batch(patch))
 
 
 def _pool_variants(space: SearchSpace, setting: Setting, topology: NetworkTopology, ratio: float, batch: int,
@@ -278,8 +293,7 @@ def _guesses(space: SearchSpace, setting: Setting, cost: StepCost, ratio: float,
     while True:
         shape = family_shape(space.spacing_mm, space.median_shape, min(voxels, median_voxels))
         topology, patch = canonical(space, setting, tuple(max(1, round(s)) for s in shape))
-        fits_time = cost.limits.seconds is None or (
-            cost.flops(topology, batch, patch) / cost.limits.flops_per_second <= cost.limits.seconds)
+        fits_time = cost.limits.seconds is None or cost.seconds(topology, batch, patch) <= cost.limits.seconds
         fits_bytes = not cost.use_memory or (
             ratio * _proxy_bytes(topology, batch, patch, setting) <= cost.limits.memory_bytes)
         family.append((voxels, topology, fits_time and fits_bytes))

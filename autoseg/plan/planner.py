@@ -56,7 +56,7 @@ from autoseg.plan.patch_search import (
 )
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.sizing import host_workers, loader_workers
-from autoseg.plan.throughput import cuda_flops_per_second, gpu_spec
+from autoseg.plan.throughput import StepRates, cuda_flops_per_second, gpu_spec
 from autoseg.plan.topology_rules import FEATURE_CAP, MIN_FEATURE_MAP
 
 MIN_PATCH_VOXELS = {"cuda": {3: 96**3, 2: 256**2}, "cpu": {3: 24**3, 2: 64**2}}
@@ -144,6 +144,7 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
         gpu_memory_bytes=int(budget.gpu_memory_bytes), host_ram_bytes=int(budget.host_ram_bytes),
         preprocessing_processes=processes, host_memory=host,
         cpu_flops_per_second=budget.cpu_flops_per_second if budget.device == "cpu" else None,
+        cpu_elements_per_second=budget.cpu_elements_per_second if budget.device == "cpu" else None,
     )
 
 
@@ -180,13 +181,17 @@ def cascade_configuration(full: ConfigurationPlan, space: SearchSpace, budget: B
         planned = configuration(CASCADE, full.spacing_mm, full.median_shape_zyx, space, budget, peak_fn)
         return planned.with_(notes=(note + "; searched afresh: 3d_fullres's patch and batch do not fit with the "
                                            "extra channels",) + planned.notes, **stages)
-    # the FLOPs of 3d_fullres's step (recomputation and accumulation included) scaled by the wider first convolution
+    # the FLOPs of 3d_fullres's step (recomputation and accumulation included) scaled by the wider first convolution;
+    # the feature maps are 3d_fullres's, so only the added FLOPs add seconds
     ratio = step_flops(network, full.patch_size, full.batch_size) / step_flops(full.network, full.patch_size,
                                                                                full.batch_size)
+    seconds = full.predicted_seconds_per_iteration
+    if seconds is not None and full.flops_per_iteration is not None:
+        rates = _limits(budget, full.precision)[0].rates
+        seconds += full.flops_per_iteration * (ratio - 1) / rates.flops_per_second
     return full.with_(name=CASCADE, network=network, memory=memory, notes=(note,) + full.notes,
                       flops_per_iteration=full.flops_per_iteration and full.flops_per_iteration * ratio,
-                      predicted_seconds_per_iteration=full.predicted_seconds_per_iteration and
-                      full.predicted_seconds_per_iteration * ratio, **stages)
+                      predicted_seconds_per_iteration=seconds, **stages)
 
 
 def lowres_spacing(spacing_mm: tuple[float, float, float], median_shape_zyx: tuple[int, ...],
@@ -218,11 +223,12 @@ def _limits(budget: Budget, precision: str) -> tuple[Limits, str]:
     """Memory and time limits, and where the throughput comes from (for the plan's notes)."""
     fill_bytes = (FILL_TARGET + 0.01) * budget.memory_bytes
     if budget.device == "cpu":
-        return (Limits(budget.memory_limit_bytes, budget.cpu_seconds_per_iteration, budget.cpu_flops_per_second,
-                       fill_bytes), f"CPU throughput {budget.cpu_flops_per_second / 1e9:.1f} GFLOP/s")
+        return (Limits(budget.memory_limit_bytes, budget.cpu_seconds_per_iteration, budget.cpu_rates, fill_bytes),
+                f"CPU throughput {budget.cpu_rates.describe()}")
     spec, matched = gpu_spec(budget.gpu_name, budget.gpu_memory_bytes)
     source = f"{spec.name}'s tabulated throughput" + ("" if matched else " (a typical GPU of this memory)")
-    return Limits(budget.memory_limit_bytes, None, cuda_flops_per_second(spec, precision), fill_bytes), source
+    rates = StepRates(cuda_flops_per_second(spec, precision))
+    return Limits(budget.memory_limit_bytes, None, rates, fill_bytes), source
 
 
 def _search(space: SearchSpace, setting: Setting, limits: Limits, peak_fn: PeakFn, device: str,
@@ -269,7 +275,7 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
         chosen, limited_by = _smallest(space, setting, StepCost(peak_fn, setting, limits)), "nothing_fits"
         if chosen.peak_bytes > limits.memory_bytes:
             raise InputError(_too_small_message(name, chosen, setting, budget))
-        seconds = chosen.flops / limits.flops_per_second
+        seconds = chosen.seconds
         notes = (f"the search found no patch within the limits; the smallest, {chosen.patch} at batch 1, is "
                  f"used: predicted {chosen.peak_bytes / MiB:.0f} MiB of the {limits.memory_bytes / MiB:.0f} MiB "
                  f"allowed" + ("" if limits.seconds is None else
@@ -282,7 +288,7 @@ def configuration(name: str, spacing_mm: tuple[float, float, float], median_shap
         name=name, spacing_mm=spacing_mm, median_shape_zyx=tuple(median_shape_zyx), patch_size=chosen.patch,
         batch_size=chosen.batch, accumulation_steps=chosen.accumulation_steps, network=chosen.topology,
         precision=setting.precision, checkpointing=setting.checkpointing, device=budget.device, memory=memory,
-        predicted_seconds_per_iteration=chosen.flops / limits.flops_per_second,
+        predicted_seconds_per_iteration=chosen.seconds,
         flops_per_iteration=chosen.flops, limited_by=limited_by, notes=notes,
     )
 
@@ -328,7 +334,7 @@ def _limited_by(chosen: Candidate, by_time: bool) -> str:
 
 
 def _limit_notes(chosen: Candidate, limited_by: str, budget: Budget, limits: Limits, source: str) -> tuple[str, ...]:
-    seconds = chosen.flops / limits.flops_per_second
+    seconds = chosen.seconds
     notes = [f"predicted {seconds:.2f} s per iteration from {source}"]
     if limited_by == "median_shape":
         what = "memory" if budget.device == "cuda" else "the time target"
@@ -344,9 +350,7 @@ def _limit_notes(chosen: Candidate, limited_by: str, budget: Budget, limits: Lim
 
 def _smallest(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate:
     topology, patch = canonical(space, setting, tuple(min(m, 2 * MIN_FEATURE_MAP) for m in space.median_shape))
-    return Candidate(topology=topology, patch=patch, batch=1, accumulation_steps=2,
-                     peak_bytes=cost.peak(topology, 1, patch), flops=cost.flops(topology, 1, patch),
-                     coverage=space.coverage(patch), max_batch=space.max_batch(patch))
+    return cost.candidate(topology, 1, patch, space.coverage(patch), space.max_batch(patch), accumulation_steps=2)
 
 
 def _memory_terms(topology: NetworkTopology, batch: int, patch: tuple[int, ...], precision: str, checkpointing: bool,

@@ -152,6 +152,7 @@ class Plans(Artifact):
     host_memory: dict[str, float] = field(default_factory=dict)  # the figures behind the process counts
     regions_class_order: tuple[int, ...] = ()  # region-based labels: the value painted for each region
     cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput the patches were sized for
+    cpu_elements_per_second: float | None = None  # ... and its feature-map element rate (None: FLOPs alone)
 
     @property
     def label_scheme(self) -> LabelScheme:

@@ -1,10 +1,14 @@
 """Compute beside memory: FLOPs of a training step, the effective throughput of a CUDA device from its tabulated
 peak FLOP/s, and this machine's measured CPU throughput (for the planner's seconds per iteration).
 
-CPU: ``calibrate_cpu_throughput`` times a few real training steps (THE step, ``autoseg.model.step``) of a small
-U-Net on this machine and returns the effective FLOP/s of such steps (norms, activations and the optimizer
-included), so that ``conv_flops / throughput`` predicts the seconds of a planned step; ``cpu_throughput`` keeps it
-per machine (``autoseg.core.machine.MachineCache``), so that later plans do not depend on the load while planning.
+CPU: a step's seconds are its convolutions' FLOPs (``conv_flops``) at one rate plus its feature maps' elements
+(``autoseg.model.flops.feature_map_elements``: norms, activations, element-wise work, fresh pages) at another
+(``StepRates``). ``calibrate_cpu_throughput`` times real training steps (THE step, ``autoseg.model.step``) of a
+small 3D and a small 2D U-Net on this machine and solves for both rates; ``cpu_throughput`` keeps them per machine
+(``autoseg.core.machine.MachineCache``), so that later plans do not depend on the load while planning.
+Convolution FLOPs alone at one measured rate were within 5% for 3D plans and 24-52% short for a 2D one (a 2D
+step does less arithmetic per element); the two rates are within 20% for both on the plans measured in
+docs/benchmarks.md.
 
 CUDA:
 Peaks are the vendors' datasheet figures for dense math: ``tensor_tflops`` fp16/bf16 on tensor cores with
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +33,7 @@ from autoseg.core.machine import MachineCache, Measurement, machine_key
 from autoseg.core.resources import cpu_count, cuda_available
 from autoseg.core.units import GiB
 from autoseg.dataset.labels import LabelScheme
+from autoseg.model.flops import feature_map_elements
 from autoseg.model.topology import NetworkTopology
 
 AMP_EFFICIENCY = 0.15
@@ -113,14 +118,24 @@ def conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_siz
     return 3.0 * total * batch_size
 
 
+def step_elements(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
+    """Feature-map elements of one training step's forward pass (``feature_map_elements`` x batch): the second
+    term of ``StepRates.seconds`` (the backward's share is in the measured rate, as for ``conv_flops``)."""
+    return feature_map_elements(topology, patch_size) * batch_size
+
+
 CALIBRATION_TOPOLOGY = NetworkTopology(
     dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
     kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
 )
-
-
-CALIBRATION_PATCH = (16, 48, 48)
-CALIBRATION_VERSION = 2  # part of the cache key: a change to the calibration step or rule measures again
+CALIBRATION_TOPOLOGY_2D = NetworkTopology(
+    dim=2, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
+    kernel_sizes=((3, 3),) * 4, strides=((1, 1), (2, 2), (2, 2), (2, 2)),
+)
+# (network, patch, batch) of the calibration steps: the 3D step runs ~2750 FLOPs per feature-map element, the 2D
+# one ~1470 (a 3x3 kernel), so their seconds separate the two rates of ``StepRates``
+CALIBRATION_STEPS = ((CALIBRATION_TOPOLOGY, (16, 48, 48), 2), (CALIBRATION_TOPOLOGY_2D, (96, 96), 8))
+CALIBRATION_VERSION = 3  # part of the cache key: a change to the calibration steps or rule measures again
 
 
 def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
@@ -165,50 +180,102 @@ def time_step(run_once: Callable[[], object], threads: int, repeats: int) -> Ste
     return StepTimes(threads, min(walls), min(cpus))
 
 
-def cpu_throughput_from_times(step_flops: float, one: StepTimes, every: StepTimes | None) -> Measurement:
-    """Effective FLOP/s of training steps from the timings of one step with 1 thread (``one``) and with every CPU
-    (``every``; None on a 1-CPU machine), robust to other processes as far as timing allows:
+@dataclass(frozen=True)
+class StepRates:
+    """How fast the training device runs training steps: on CPU a step of ``flops`` convolution FLOPs
+    (``conv_flops``) over feature maps of ``elements`` elements (``step_elements``) takes ``flops /
+    flops_per_second + elements / elements_per_second`` seconds; ``elements_per_second`` None: the convolutions
+    alone (``--cpu-flops``, and CUDA's tabulated FLOP/s)."""
 
-    - one thread's CPU seconds do not grow when another process takes turns on its core (measured 0.50-0.63 s
-      a step idle and beside 1-2 busy processes, while its wall seconds went from 0.53 to 3.6), so
-      ``step_flops / one.cpu_seconds`` is a floor that does not depend on the load;
-    - every CPU's best wall seconds give the figure an idle machine reaches (training uses every CPU).
+    flops_per_second: float
+    elements_per_second: float | None = None
 
-    The figure is the larger, rounded to 2 significant digits. When the cores were visibly busy (one thread got
-    under 90% of a CPU, or every CPU ran no faster than one) it is the floor, too low by the parallel speed-up,
-    and is not to be cached."""
-    per_core = step_flops / one.cpu_seconds
-    parallel = step_flops / every.wall_seconds if every is not None else 0.0
-    share = one.cpu_seconds / one.wall_seconds
-    no_speedup = every is not None and every.wall_seconds > 0.9 * one.wall_seconds
-    busy = share < 0.9 or no_speedup
-    why = (f"one thread got {share:.0%} of a CPU" if share < 0.9 else
-           f"{every.threads} threads ran no faster than one ({every.wall_seconds:.3f} vs {one.wall_seconds:.3f} s)"
-           if no_speedup else "")
-    details = {"step_flops": step_flops, "one_thread_wall_seconds": one.wall_seconds,
-               "one_thread_cpu_seconds": one.cpu_seconds}
-    if every is not None:
-        details.update(threads=every.threads, all_threads_wall_seconds=every.wall_seconds)
-    figure = float(f"{max(per_core, parallel):.2g}")  # 2 significant digits: +-5% noise rarely changes the plan
-    return Measurement(figure, keep=not busy,
-                       why_not_kept=f"the cores were busy ({why}); measured again next time, "
-                                    "--cpu-flops overrides", details=details)
+    def seconds(self, flops: float, elements: float) -> float:
+        element_seconds = elements / self.elements_per_second if self.elements_per_second else 0.0
+        return flops / self.flops_per_second + element_seconds
+
+    def describe(self) -> str:
+        """E.g. "320.0 GFLOP/s, 220 M feature-map elements/s", or "40.0 GFLOP/s" for the convolutions alone."""
+        elements = "" if self.elements_per_second is None else \
+            f", {self.elements_per_second / 1e6:.0f} M feature-map elements/s"
+        return f"{self.flops_per_second / 1e9:.1f} GFLOP/s{elements}"
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"flops_per_second": self.flops_per_second, "elements_per_second": self.elements_per_second}
+
+
+@dataclass(frozen=True)
+class TimedStep:
+    """One calibration step: its convolution FLOPs, feature-map elements, and its timings with 1 thread (``one``)
+    and with every CPU (``every``; None on a 1-CPU machine)."""
+
+    flops: float
+    elements: float
+    one: StepTimes
+    every: StepTimes | None
+
+    def seconds(self) -> float:
+        """The step's seconds as robust to other processes as timing allows: one thread's CPU seconds do not grow
+        when another process takes turns on its core (measured 0.50-0.63 s a step idle and beside 1-2 busy
+        processes, while its wall seconds went from 0.53 to 3.6), so they bound it; every CPU's best wall seconds
+        are what an idle machine reaches (training uses every CPU). The shorter counts."""
+        return min(self.one.cpu_seconds, self.every.wall_seconds) if self.every is not None else self.one.cpu_seconds
+
+    def busy(self) -> str:
+        """Why the cores looked busy while it ran ("" when they did not): one thread got under 90% of a CPU, or
+        every CPU ran no faster than one. Then its seconds are one thread's, too long by the parallel speed-up."""
+        share = self.one.cpu_seconds / self.one.wall_seconds
+        if share < 0.9:
+            return f"one thread got {share:.0%} of a CPU"
+        if self.every is not None and self.every.wall_seconds > 0.9 * self.one.wall_seconds:
+            return (f"{self.every.threads} threads ran no faster than one ({self.every.wall_seconds:.3f} vs "
+                    f"{self.one.wall_seconds:.3f} s)")
+        return ""
+
+
+def cpu_rates_from_times(steps: Sequence[TimedStep]) -> Measurement:
+    """``StepRates`` (as a dict) from timed calibration steps of different FLOPs per element (``CALIBRATION_STEPS``):
+    the two rates that give the first two steps' ``TimedStep.seconds`` exactly, each rounded to 2 significant
+    digits (+-5% noise rarely changes the plan). Where the timings leave no positive element rate (noise, or a
+    machine whose element work is free), the convolutions alone at the first step's rate. When the cores were
+    visibly busy (``TimedStep.busy``) the figures are too low and are not to be cached."""
+    first, second = steps[0], steps[1]
+    per_flop, per_element = np.linalg.solve([[first.flops, first.elements], [second.flops, second.elements]],
+                                            [first.seconds(), second.seconds()])
+    if per_flop > 0 and per_element > 0:
+        rates = StepRates(float(f"{1 / per_flop:.2g}"), float(f"{1 / per_element:.2g}"))
+    else:
+        rates = StepRates(float(f"{first.flops / first.seconds():.2g}"))
+    details = {}
+    for name, step in zip(("3d", "2d"), steps):
+        details.update({f"{name}_step_flops": step.flops, f"{name}_step_elements": step.elements,
+                        f"{name}_one_thread_wall_seconds": step.one.wall_seconds,
+                        f"{name}_one_thread_cpu_seconds": step.one.cpu_seconds})
+        if step.every is not None:
+            details.update({"threads": step.every.threads, f"{name}_all_threads_wall_seconds": step.every.wall_seconds})
+    busy = next((why for why in (step.busy() for step in steps) if why), "")
+    return Measurement(rates.as_dict(), keep=not busy, details=details,
+                       why_not_kept=f"the cores were busy ({busy}); measured again next time, --cpu-flops overrides")
 
 
 def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> Measurement:
-    """Effective FLOP/s of U-Net training steps on this machine's CPU (``cpu_throughput_from_times``): the best
-    of ``repeats`` steps with 1 thread and with every CPU (``max_threads``; default all); about 4 s on 2 cores."""
-    step = training_step_closure(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
-    flops = conv_flops(CALIBRATION_TOPOLOGY, CALIBRATION_PATCH, 2)
+    """This machine's ``StepRates`` (``cpu_rates_from_times``) from the best of ``repeats`` runs of each calibration
+    step (``CALIBRATION_STEPS``) with 1 thread and with every CPU (``max_threads``; default all); about 3 s on 2
+    cores."""
     threads = max_threads or cpu_count()
-    one = time_step(step, 1, repeats)
-    every = time_step(step, threads, repeats) if threads > 1 else None
-    return cpu_throughput_from_times(flops, one, every)
+    timed = []
+    for topology, patch, batch in CALIBRATION_STEPS:
+        step = training_step_closure(topology, patch, batch)
+        one = time_step(step, 1, repeats)
+        every = time_step(step, threads, repeats) if threads > 1 else None
+        timed.append(TimedStep(conv_flops(topology, patch, batch), step_elements(topology, patch, batch), one, every))
+    return cpu_rates_from_times(timed)
 
 
-def cpu_throughput(cache: MachineCache) -> tuple[float, str]:
-    """This machine's CPU training throughput (FLOP/s) and where it came from: read from ``cache`` for this machine
+def cpu_throughput(cache: MachineCache) -> tuple[StepRates, str]:
+    """This machine's ``StepRates`` and where they came from: read from ``cache`` for this machine
     (``autoseg.core.machine.machine_key``), else measured now with ``calibrate_cpu_throughput`` (a few seconds) and
     cached unless the cores were busy."""
     key = {**machine_key(), "calibration": CALIBRATION_VERSION}
-    return cache.measured("cpu_throughput", key, calibrate_cpu_throughput)
+    value, source = cache.measured("cpu_throughput", key, calibrate_cpu_throughput)
+    return StepRates(**value), source

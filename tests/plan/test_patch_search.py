@@ -14,6 +14,7 @@ from autoseg.plan.patch_search import (
     rough_training_peak_bytes,
     search,
 )
+from autoseg.plan.throughput import StepRates
 from autoseg.plan.topology_rules import pools_per_axis, topology_for
 
 # --- family_shape -------------------------------------------------------------------------------------
@@ -60,7 +61,7 @@ AMP = Setting(base_features=32, max_features=320, precision="fp16", checkpointin
 @pytest.mark.parametrize("gib", [1, 3, 6, 12])
 def test_search_fills_the_memory_limit(gib: int) -> None:
     space, limit = _space(), gib * GiB
-    found = search(space, AMP, StepCost(_rough, AMP, Limits(limit, None, 1e13, fill_bytes=0.86 * limit)))
+    found = search(space, AMP, StepCost(_rough, AMP, Limits(limit, None, StepRates(1e13), fill_bytes=0.86 * limit)))
     assert found is not None and found.batch == 2 and found.coverage < 1
     assert 0.86 * limit <= found.peak_bytes <= limit
     assert found.peak_bytes == _rough(found.topology, 2, found.patch, "fp16", False, 1)
@@ -76,7 +77,7 @@ def test_search_fills_the_memory_limit(gib: int) -> None:
 def test_search_grows_the_batch_once_the_patch_covers_the_median_image() -> None:
     space = SearchSpace((1.0, 1.0, 1.0), (40, 100, 100), 1, 3, dataset_voxels=1000 * 40 * 100 * 100)
     limit = 8 * GiB
-    found = search(space, AMP, StepCost(_rough, AMP, Limits(limit, None, 1e13)))
+    found = search(space, AMP, StepCost(_rough, AMP, Limits(limit, None, StepRates(1e13))))
     assert found.coverage == 1 and found.patch == (40, 112, 112)
     assert 2 < found.batch < found.max_batch
     assert found.peak_bytes <= limit < _rough(found.topology, found.batch + 1, found.patch, "fp16", False, 1)
@@ -84,19 +85,19 @@ def test_search_grows_the_batch_once_the_patch_covers_the_median_image() -> None
 
 def test_search_respects_the_time_limit_without_counting_bytes() -> None:
     space, setting = _space(), Setting(16, 320, "fp32", False, False)
-    limits = Limits(memory_bytes=1.0, seconds=1.0, flops_per_second=20e9)  # 1 byte: ignored without use_memory
+    limits = Limits(memory_bytes=1.0, seconds=1.0, rates=StepRates(20e9))  # 1 byte: ignored without use_memory
     found = search(space, setting, StepCost(_rough, setting, limits, use_memory=False))
     assert found is not None and found.peak_bytes == 0
     assert 0.5 * 20e9 < found.flops <= 20e9
 
 
 def test_search_returns_none_when_nothing_fits() -> None:
-    assert search(_space(), AMP, StepCost(_rough, AMP, Limits(1000, None, 1e13))) is None
+    assert search(_space(), AMP, StepCost(_rough, AMP, Limits(1000, None, StepRates(1e13)))) is None
 
 
 def test_micro_batch_one_setting_accumulates() -> None:
     setting = Setting(32, 320, "fp16", True, True)
-    found = search(_space(), setting, StepCost(_rough, setting, Limits(2 * GiB, None, 1e13)))
+    found = search(_space(), setting, StepCost(_rough, setting, Limits(2 * GiB, None, StepRates(1e13))))
     assert found.batch == 1 and found.accumulation_steps == 2
     assert found.peak_bytes == _rough(found.topology, 1, found.patch, "fp16", True, 2)
 
@@ -110,6 +111,6 @@ def _buildable_only(topology, batch, patch, precision, checkpointing, accumulati
 def test_a_one_stage_network_never_fits_and_its_peak_is_never_asked() -> None:
     one_stage, _ = topology_for((2, 2, 2), (1.0, 1.0, 1.0), 1, 3, 32, 320)
     assert one_stage.num_stages == 1
-    assert not StepCost(_buildable_only, AMP, Limits(1e15, None, 1e13)).fits(one_stage, 1, (2, 2, 2))
+    assert not StepCost(_buildable_only, AMP, Limits(1e15, None, StepRates(1e13))).fits(one_stage, 1, (2, 2, 2))
     # a budget too small for anything: the search tries ever smaller patches, down to unpoolable ones
-    assert search(_space(), AMP, StepCost(_buildable_only, AMP, Limits(1000, None, 1e13))) is None
+    assert search(_space(), AMP, StepCost(_buildable_only, AMP, Limits(1000, None, StepRates(1e13)))) is None

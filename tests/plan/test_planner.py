@@ -17,6 +17,7 @@ from autoseg.plan.patch_search import rough_training_peak_bytes
 from autoseg.plan.planner import FILL_TARGET, MIN_PATCH_VOXELS, lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.plan.sizing import loader_workers
+from autoseg.plan.throughput import step_elements
 from autoseg.plan.topology_rules import MAX_STAGES, topology_for
 from autoseg.plan.training_data import loader_config
 
@@ -312,6 +313,28 @@ def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
         full = plans.configuration("3d_fullres")
         assert full.limited_by == "time" and full.predicted_seconds_per_iteration > 0.5 * target
         assert cfg.loader_workers == 0  # workers would take the cores the CPU training step uses
+
+
+def test_a_cpu_plan_counts_feature_map_elements_at_their_own_rate() -> None:
+    """With an element rate (measured: ``plan.throughput.calibrate_cpu_throughput``) a planned step's seconds are its
+    FLOPs plus its feature maps' elements, each at its rate; the patch shrinks to keep the target, and the plan
+    records both rates."""
+    flops_only = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_seconds_per_iteration=1.0)
+    plans = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_elements_per_second=40e6,
+                        cpu_seconds_per_iteration=1.0)
+    assert (plans.cpu_flops_per_second, plans.cpu_elements_per_second) == (10e9, 40e6)
+    def elements(cfg: ConfigurationPlan) -> float:
+        return step_elements(cfg.network, tuple(cfg.patch_size), cfg.batch_size) * cfg.accumulation_steps
+
+    for cfg in plans.configurations.values():
+        assert elements(cfg) / 40e6 > 0.1 * cfg.predicted_seconds_per_iteration  # the term matters at these rates
+        assert cfg.predicted_seconds_per_iteration == pytest.approx(cfg.flops_per_iteration / 10e9 +
+                                                                    elements(cfg) / 40e6)
+        assert cfg.predicted_seconds_per_iteration <= 1.0
+    # the plan of the FLOPs alone would be too slow at these rates
+    full = flops_only.configuration("3d_fullres")
+    assert full.flops_per_iteration / 10e9 + elements(full) / 40e6 > 1.0
+    assert plans.configuration("3d_fullres").patch_size != full.patch_size
 
 
 def test_a_cuda_plan_records_no_cpu_throughput() -> None:
