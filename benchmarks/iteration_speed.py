@@ -80,7 +80,8 @@ def main() -> None:
         for target in args.targets:
             budget = Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB, device="cpu",
                             cpu_flops_per_second=rates.flops_per_second,
-                            cpu_elements_per_second=rates.elements_per_second, cpu_seconds_per_iteration=target)
+                            cpu_elements_per_second=rates.elements_per_second,
+                            cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second, cpu_seconds_per_iteration=target)
             for name, config in plan(fp, budget).configurations.items():
                 key = (config.network, tuple(config.patch_size), config.batch_size, config.accumulation_steps)
                 if name == "3d_lowres" or key in seen:

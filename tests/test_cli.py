@@ -199,9 +199,10 @@ def test_cpu_plans_do_not_depend_on_the_load_while_planning(tiny_dataset: Path, 
     import autoseg.plan.throughput
     from autoseg.core.machine import Measurement
 
-    measurements = [Measurement({"flops_per_second": 40e9, "elements_per_second": 300e6}),
-                    Measurement({"flops_per_second": 10e9, "elements_per_second": 75e6}, keep=False,
-                                why_not_kept="the cores were busy")]
+    measurements = [Measurement({"flops_per_second": 40e9, "elements_per_second": 300e6,
+                                 "mapped_bytes_per_second": 3e9}),
+                    Measurement({"flops_per_second": 10e9, "elements_per_second": 75e6,
+                                 "mapped_bytes_per_second": 1e9}, keep=False, why_not_kept="the cores were busy")]
     monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda: measurements.pop(0))
     monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
     budget = ("--device", "cpu", "--gpu-memory", "8GiB", "--ram", "4GiB")
@@ -209,13 +210,14 @@ def test_cpu_plans_do_not_depend_on_the_load_while_planning(tiny_dataset: Path, 
     for name in ("idle", "busy"):
         assert main(["-q", "plan", str(tiny_dataset), "-w", str(tmp_path / name), *budget]) == 0
         outputs.append(capsys.readouterr().out)
-    rates = "CPU throughput 40.0 GFLOP/s, 300 M feature-map elements/s"
+    rates = "CPU throughput 40.0 GFLOP/s, 300 M feature-map elements/s, 2.8 GiB/s of fresh pages"
     assert f"{rates} (measured now, cached in " in outputs[0]
     assert f"{rates} (cached in {tmp_path / 'cache' / 'cpu_throughput.json'})" in outputs[1]
     assert len(measurements) == 1  # measured once
     idle, busy = ((tmp_path / name / "plans.json").read_text() for name in ("idle", "busy"))
     assert idle == busy and json.loads(idle)["cpu_flops_per_second"] == 40e9
-    assert json.loads(idle)["cpu_elements_per_second"] == 300e6
+    recorded = json.loads(idle)
+    assert (recorded["cpu_elements_per_second"], recorded["cpu_mapped_bytes_per_second"]) == (300e6, 3e9)
 
 
 def test_the_cache_folder_comes_from_autoseg_cache_dir_or_xdg(tmp_path: Path) -> None:

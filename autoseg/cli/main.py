@@ -40,7 +40,8 @@ def _budget(args: argparse.Namespace):
         rates, source = (StepRates(args.cpu_flops), "--cpu-flops") if args.cpu_flops else \
             cpu_throughput(MachineCache(cache_dir(os.environ)))
         budget = replace(budget, cpu_flops_per_second=rates.flops_per_second,
-                         cpu_elements_per_second=rates.elements_per_second)
+                         cpu_elements_per_second=rates.elements_per_second,
+                         cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second)
         print(f"CPU throughput {rates.describe()} ({source}); planning for "
               f"{budget.cpu_seconds_per_iteration:g} s per iteration")
     else:

@@ -146,6 +146,7 @@ class Explanation:
     predicted_seconds_per_iteration: float | None = None  # the plan's, at the throughput below
     cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput it was sized for
     cpu_elements_per_second: float | None = None  # ... and the element rate beside it (None: FLOPs alone)
+    cpu_mapped_bytes_per_second: float | None = None  # ... and the rate of mapping fresh pages
     network: NetworkSummary | None = None
 
     @property
@@ -192,6 +193,7 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
         predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
         cpu_flops_per_second=plans.cpu_flops_per_second, cpu_elements_per_second=plans.cpu_elements_per_second,
+        cpu_mapped_bytes_per_second=plans.cpu_mapped_bytes_per_second,
         network=network_summary(config.network, step.parameter_bytes),
     )
 

@@ -84,7 +84,7 @@ def _time_line(e: Explanation) -> list[str]:
     if e.predicted_seconds_per_iteration is None:
         return []
     source = "" if e.cpu_flops_per_second is None else " at the CPU throughput measured when planning, " + \
-        StepRates(e.cpu_flops_per_second, e.cpu_elements_per_second).describe()
+        StepRates(e.cpu_flops_per_second, e.cpu_elements_per_second, e.cpu_mapped_bytes_per_second).describe()
     return [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
 
 

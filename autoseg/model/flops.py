@@ -38,18 +38,23 @@ def forward_conv_flops(topology: NetworkTopology, patch_size: tuple[int, ...]) -
     return total
 
 
-def feature_map_elements(topology: NetworkTopology, patch_size: tuple[int, ...]) -> float:
-    """Elements of the outputs of every convolution of one forward pass of one sample (encoder convolutions with
-    the stage's kernel, ``NetworkTopology.encoder_convs``; per decoder stage the transposed convolution and its
-    ``conv_per_stage`` convolutions; skip projections and the 1-channel-per-class heads not counted). Each is
-    normalized and activated, forward and backward: the work of a training step that runs at memory speed, not
-    at the convolutions' FLOP rate."""
+def stage_elements(topology: NetworkTopology, patch_size: tuple[int, ...]) -> list[tuple[float, float]]:
+    """Per stage of one sample's forward pass: (elements of one of its feature maps, elements of the outputs of all
+    its convolutions). Counted: the encoder convolutions with the stage's kernel (``NetworkTopology.encoder_convs``),
+    per decoder stage the transposed convolution and its ``conv_per_stage`` convolutions; not counted: skip
+    projections and the 1x1 segmentation heads."""
     voxels = float(math.prod(patch_size))
-    total, stage_voxels = 0.0, []
+    stages = []
     for f, convs, st in zip(topology.features_per_stage, topology.encoder_convs(), topology.strides):
         voxels /= math.prod(st)
-        total += convs * f * voxels
-        stage_voxels.append(voxels)
-    for s in range(topology.num_stages - 2, -1, -1):
-        total += (1 + topology.conv_per_stage) * topology.features_per_stage[s] * stage_voxels[s]
-    return total
+        stages.append([f * voxels, convs * f * voxels])
+    for s in range(topology.num_stages - 1):
+        stages[s][1] += (1 + topology.conv_per_stage) * stages[s][0]
+    return [(one, outputs) for one, outputs in stages]
+
+
+def feature_map_elements(topology: NetworkTopology, patch_size: tuple[int, ...]) -> float:
+    """Elements of the outputs of every convolution of one forward pass of one sample (``stage_elements``). Each is
+    normalized and activated, forward and backward: the work of a training step that runs at memory speed, not at
+    the convolutions' FLOP rate."""
+    return sum(outputs for _, outputs in stage_elements(topology, patch_size))

@@ -20,10 +20,11 @@ class Budget:
     see (another process on the GPU, a display). A memory-limited plan's predicted peak then lies
     between ``FILL_TARGET`` (85%) and 95% of the budget. The memory budget is ``gpu_memory_bytes`` on
     CUDA and ``host_ram_bytes`` on CPU (the step's tensors live in host RAM there).
-    ``cpu_seconds_per_iteration`` / ``cpu_flops_per_second`` / ``cpu_elements_per_second``: on CPU compute, not
-    memory, is the limit; a step's seconds are ``cpu_rates.seconds`` (``autoseg.plan.throughput.StepRates``: its
-    convolution FLOPs and its feature-map elements at these rates; no element rate: the FLOPs alone). The CLI
-    measures both with ``autoseg.plan.throughput.calibrate_cpu_throughput``.
+    ``cpu_seconds_per_iteration`` / ``cpu_flops_per_second`` / ``cpu_elements_per_second`` /
+    ``cpu_mapped_bytes_per_second``: on CPU compute, not memory, is the limit; a step's seconds are
+    ``cpu_rates.seconds`` (``autoseg.plan.throughput.StepRates``: its convolution FLOPs, its feature-map elements
+    and the bytes it maps afresh, each at its rate; a rate of None drops its term). The CLI measures them with
+    ``autoseg.plan.throughput.calibrate_cpu_throughput``.
     ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
     ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
     ``architecture``: the network every configuration is planned with (``NetworkTopology.architecture``).
@@ -36,6 +37,7 @@ class Budget:
     cpu_seconds_per_iteration: float = 1.0
     cpu_flops_per_second: float = 20e9
     cpu_elements_per_second: float | None = None
+    cpu_mapped_bytes_per_second: float | None = None
     base_features: int | None = None  # None: 32 on CUDA; on CPU 16, or 8 if 16 leaves too small a patch
     precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
     gpu_name: str | None = None
@@ -58,7 +60,7 @@ class Budget:
 
     @property
     def cpu_rates(self) -> StepRates:
-        return StepRates(self.cpu_flops_per_second, self.cpu_elements_per_second)
+        return StepRates(self.cpu_flops_per_second, self.cpu_elements_per_second, self.cpu_mapped_bytes_per_second)
 
     @property
     def memory_bytes(self) -> int:

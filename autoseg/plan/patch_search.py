@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from autoseg.core.precision import element_bytes
 from autoseg.model.flops import forward_conv_flops
 from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology
-from autoseg.plan.throughput import StepRates, conv_flops, step_elements
+from autoseg.plan.throughput import StepRates, conv_flops, mapped_bytes, step_elements
 from autoseg.plan.topology_rules import pools_per_axis, topology_for
 
 COVERAGE_TOLERANCE = 0.10  # patches within 10% of the best coverage compete on shape (if they fill enough)
@@ -147,9 +147,10 @@ class StepCost:
 
     def seconds(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
         """Predicted seconds of one optimizer step (``StepRates.seconds``; recomputation re-runs the forward's
-        feature maps as it re-runs its FLOPs)."""
+        feature maps as it re-runs its FLOPs). Bytes mapped afresh are counted at fp32 (CPU steps run in fp32)."""
         return self.limits.rates.seconds(self.flops(topology, batch, patch),
-                                         step_elements(topology, patch, batch) * self._factor())
+                                         step_elements(topology, patch, batch) * self._factor(),
+                                         mapped_bytes(topology, patch, batch) * self._factor())
 
     def candidate(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...], coverage: float,
                   max_batch: int, accumulation_steps: int | None = None) -> Candidate:

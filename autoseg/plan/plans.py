@@ -153,6 +153,7 @@ class Plans(Artifact):
     regions_class_order: tuple[int, ...] = ()  # region-based labels: the value painted for each region
     cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput the patches were sized for
     cpu_elements_per_second: float | None = None  # ... and its feature-map element rate (None: FLOPs alone)
+    cpu_mapped_bytes_per_second: float | None = None  # ... and the rate it maps fresh pages at (None: not counted)
 
     @property
     def label_scheme(self) -> LabelScheme:

@@ -31,9 +31,10 @@ import numpy as np
 
 from autoseg.core.machine import MachineCache, Measurement, machine_key
 from autoseg.core.resources import cpu_count, cuda_available
-from autoseg.core.units import GiB
+from autoseg.core.units import GiB, MiB
 from autoseg.dataset.labels import LabelScheme
-from autoseg.model.flops import feature_map_elements
+from autoseg.memory.host import GLIBC_MMAP_THRESHOLD_MAX
+from autoseg.model.flops import feature_map_elements, stage_elements
 from autoseg.model.topology import NetworkTopology
 
 AMP_EFFICIENCY = 0.15
@@ -124,6 +125,53 @@ def step_elements(topology: NetworkTopology, patch_size: tuple[int, ...], batch_
     return feature_map_elements(topology, patch_size) * batch_size
 
 
+# bytes a training step allocates in tensors the size of a stage's feature map, per element of the outputs of the
+# stage's convolutions (``stage_elements``) and byte of element (conv, norm and activation outputs and their
+# gradients): 7.6-7.8 measured with StorageTracker on 3D and 2D steps of 64x96x96 to 512^2 x 8 (see ``mapped_bytes``)
+STAGE_TENSORS_PER_ELEMENT = 7.7
+
+
+def mapped_bytes(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int, itemsize: int = 4,
+                 threshold: int = GLIBC_MMAP_THRESHOLD_MAX) -> float:
+    """Bytes a CPU training step allocates in blocks that glibc maps afresh every step: a block of at least
+    ``threshold`` (``GLIBC_MMAP_THRESHOLD_MAX``) is mapped when allocated and unmapped when freed, so its pages are
+    faulted in and zeroed again on every step (the third term of ``StepRates.seconds``; smaller blocks are reused
+    from the heap).
+    A stage whose feature map reaches the threshold maps ``STAGE_TENSORS_PER_ELEMENT`` bytes per element of its
+    convolutions' outputs and byte of element; one whose feature map is under it but whose concatenation with the
+    skip (twice its size) reaches it maps that concatenation and its gradient."""
+    total = 0.0
+    for s, (one, outputs) in enumerate(stage_elements(topology, patch_size)):
+        feature_map = one * batch_size * itemsize
+        if feature_map >= threshold:
+            total += STAGE_TENSORS_PER_ELEMENT * outputs * batch_size * itemsize
+        elif 2 * feature_map >= threshold and s < topology.num_stages - 1:
+            total += 2 * 2 * feature_map
+    return total
+
+
+def mapping_rate(repeats: int = 5, nbytes: int = 64 * MiB) -> tuple[float, bool]:
+    """Bytes per second at which this machine maps fresh pages for a tensor: the CPU seconds of allocating and
+    filling a fresh ``nbytes`` block minus those of filling a kept one (best of ``repeats``; CPU seconds, so another
+    process on the cores does not lengthen them), and whether they were steady (the fresh fill took at least the
+    kept one's time, else the figure is noise)."""
+    import torch
+
+    kept = torch.empty(nbytes // 4)
+    kept.fill_(1.0)
+
+    def cpu_seconds(run: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            c0 = time.process_time()
+            run()
+            times.append(time.process_time() - c0)
+        return min(times)
+
+    fresh, reused = cpu_seconds(lambda: torch.empty(nbytes // 4).fill_(1.0)), cpu_seconds(lambda: kept.fill_(1.0))
+    return nbytes / max(fresh - reused, 1e-6), fresh > reused
+
+
 CALIBRATION_TOPOLOGY = NetworkTopology(
     dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
     kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
@@ -135,7 +183,7 @@ CALIBRATION_TOPOLOGY_2D = NetworkTopology(
 # (network, patch, batch) of the calibration steps: the 3D step runs ~2750 FLOPs per feature-map element, the 2D
 # one ~1470 (a 3x3 kernel), so their seconds separate the two rates of ``StepRates``
 CALIBRATION_STEPS = ((CALIBRATION_TOPOLOGY, (16, 48, 48), 2), (CALIBRATION_TOPOLOGY_2D, (96, 96), 8))
-CALIBRATION_VERSION = 3  # part of the cache key: a change to the calibration steps or rule measures again
+CALIBRATION_VERSION = 4  # part of the cache key: a change to the calibration steps or rule measures again
 
 
 def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
@@ -183,25 +231,32 @@ def time_step(run_once: Callable[[], object], threads: int, repeats: int) -> Ste
 @dataclass(frozen=True)
 class StepRates:
     """How fast the training device runs training steps: on CPU a step of ``flops`` convolution FLOPs
-    (``conv_flops``) over feature maps of ``elements`` elements (``step_elements``) takes ``flops /
-    flops_per_second + elements / elements_per_second`` seconds; ``elements_per_second`` None: the convolutions
-    alone (``--cpu-flops``, and CUDA's tabulated FLOP/s)."""
+    (``conv_flops``) over feature maps of ``elements`` elements (``step_elements``), which maps ``mapped`` bytes
+    afresh (``mapped_bytes``), takes ``flops / flops_per_second + elements / elements_per_second + mapped /
+    mapped_bytes_per_second`` seconds; a rate of None drops its term (``--cpu-flops``: the convolutions alone, as
+    CUDA's tabulated FLOP/s)."""
 
     flops_per_second: float
     elements_per_second: float | None = None
+    mapped_bytes_per_second: float | None = None
 
-    def seconds(self, flops: float, elements: float) -> float:
+    def seconds(self, flops: float, elements: float = 0.0, mapped: float = 0.0) -> float:
         element_seconds = elements / self.elements_per_second if self.elements_per_second else 0.0
-        return flops / self.flops_per_second + element_seconds
+        mapping_seconds = mapped / self.mapped_bytes_per_second if self.mapped_bytes_per_second else 0.0
+        return flops / self.flops_per_second + element_seconds + mapping_seconds
 
     def describe(self) -> str:
-        """E.g. "320.0 GFLOP/s, 220 M feature-map elements/s", or "40.0 GFLOP/s" for the convolutions alone."""
+        """E.g. "320.0 GFLOP/s, 220 M feature-map elements/s, 2.8 GiB/s of fresh pages", or "40.0 GFLOP/s" for the
+        convolutions alone."""
         elements = "" if self.elements_per_second is None else \
             f", {self.elements_per_second / 1e6:.0f} M feature-map elements/s"
-        return f"{self.flops_per_second / 1e9:.1f} GFLOP/s{elements}"
+        mapped = "" if self.mapped_bytes_per_second is None else \
+            f", {self.mapped_bytes_per_second / GiB:.1f} GiB/s of fresh pages"
+        return f"{self.flops_per_second / 1e9:.1f} GFLOP/s{elements}{mapped}"
 
     def as_dict(self) -> dict[str, float | None]:
-        return {"flops_per_second": self.flops_per_second, "elements_per_second": self.elements_per_second}
+        return {"flops_per_second": self.flops_per_second, "elements_per_second": self.elements_per_second,
+                "mapped_bytes_per_second": self.mapped_bytes_per_second}
 
 
 @dataclass(frozen=True)
@@ -233,19 +288,21 @@ class TimedStep:
         return ""
 
 
-def cpu_rates_from_times(steps: Sequence[TimedStep]) -> Measurement:
-    """``StepRates`` (as a dict) from timed calibration steps of different FLOPs per element (``CALIBRATION_STEPS``):
-    the two rates that give the first two steps' ``TimedStep.seconds`` exactly, each rounded to 2 significant
-    digits (+-5% noise rarely changes the plan). Where the timings leave no positive element rate (noise, or a
-    machine whose element work is free), the convolutions alone at the first step's rate. When the cores were
-    visibly busy (``TimedStep.busy``) the figures are too low and are not to be cached."""
+def cpu_rates_from_times(steps: Sequence[TimedStep], mapping: tuple[float, bool] | None = None) -> Measurement:
+    """``StepRates`` (as a dict) from timed calibration steps of different FLOPs per element (``CALIBRATION_STEPS``,
+    which map no fresh pages) and the ``mapping_rate``: the two rates that give the first two steps'
+    ``TimedStep.seconds`` exactly, each rounded to 2 significant digits (+-5% noise rarely changes the plan).
+    Where the timings leave no positive element rate (noise, or a machine whose element work is free), the
+    convolutions alone at the first step's rate; an unsteady mapping rate (or none) drops that term. When the
+    cores were visibly busy (``TimedStep.busy``) the figures are too low and are not to be cached."""
     first, second = steps[0], steps[1]
     per_flop, per_element = np.linalg.solve([[first.flops, first.elements], [second.flops, second.elements]],
                                             [first.seconds(), second.seconds()])
+    mapped = float(f"{mapping[0]:.2g}") if mapping is not None and mapping[1] else None
     if per_flop > 0 and per_element > 0:
-        rates = StepRates(float(f"{1 / per_flop:.2g}"), float(f"{1 / per_element:.2g}"))
+        rates = StepRates(float(f"{1 / per_flop:.2g}"), float(f"{1 / per_element:.2g}"), mapped)
     else:
-        rates = StepRates(float(f"{first.flops / first.seconds():.2g}"))
+        rates = StepRates(float(f"{first.flops / first.seconds():.2g}"), None, mapped)
     details = {}
     for name, step in zip(("3d", "2d"), steps):
         details.update({f"{name}_step_flops": step.flops, f"{name}_step_elements": step.elements,
@@ -253,6 +310,8 @@ def cpu_rates_from_times(steps: Sequence[TimedStep]) -> Measurement:
                         f"{name}_one_thread_cpu_seconds": step.one.cpu_seconds})
         if step.every is not None:
             details.update({"threads": step.every.threads, f"{name}_all_threads_wall_seconds": step.every.wall_seconds})
+    if mapping is not None:
+        details["mapping_bytes_per_cpu_second"] = mapping[0]
     busy = next((why for why in (step.busy() for step in steps) if why), "")
     return Measurement(rates.as_dict(), keep=not busy, details=details,
                        why_not_kept=f"the cores were busy ({busy}); measured again next time, --cpu-flops overrides")
@@ -260,8 +319,8 @@ def cpu_rates_from_times(steps: Sequence[TimedStep]) -> Measurement:
 
 def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> Measurement:
     """This machine's ``StepRates`` (``cpu_rates_from_times``) from the best of ``repeats`` runs of each calibration
-    step (``CALIBRATION_STEPS``) with 1 thread and with every CPU (``max_threads``; default all); about 3 s on 2
-    cores."""
+    step (``CALIBRATION_STEPS``) with 1 thread and with every CPU (``max_threads``; default all), and the
+    ``mapping_rate``; about 3 s on 2 cores."""
     threads = max_threads or cpu_count()
     timed = []
     for topology, patch, batch in CALIBRATION_STEPS:
@@ -269,7 +328,7 @@ def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -
         one = time_step(step, 1, repeats)
         every = time_step(step, threads, repeats) if threads > 1 else None
         timed.append(TimedStep(conv_flops(topology, patch, batch), step_elements(topology, patch, batch), one, every))
-    return cpu_rates_from_times(timed)
+    return cpu_rates_from_times(timed, mapping_rate())
 
 
 def cpu_throughput(cache: MachineCache) -> tuple[StepRates, str]:

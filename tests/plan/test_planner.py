@@ -17,7 +17,7 @@ from autoseg.plan.patch_search import rough_training_peak_bytes
 from autoseg.plan.planner import FILL_TARGET, MIN_PATCH_VOXELS, lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.plan.sizing import loader_workers
-from autoseg.plan.throughput import step_elements
+from autoseg.plan.throughput import mapped_bytes, step_elements
 from autoseg.plan.topology_rules import MAX_STAGES, topology_for
 from autoseg.plan.training_data import loader_config
 
@@ -335,6 +335,23 @@ def test_a_cpu_plan_counts_feature_map_elements_at_their_own_rate() -> None:
     full = flops_only.configuration("3d_fullres")
     assert full.flops_per_iteration / 10e9 + elements(full) / 40e6 > 1.0
     assert plans.configuration("3d_fullres").patch_size != full.patch_size
+
+
+def test_a_cpu_plan_counts_the_pages_its_large_feature_maps_map_afresh() -> None:
+    """On a fast CPU the patch grows until stage 0's feature maps reach glibc's mmap threshold: those blocks are
+    mapped and faulted in again every step, and the plan's seconds count them at the measured mapping rate."""
+    rates = {"cpu_flops_per_second": 1e12, "cpu_elements_per_second": 1e9, "cpu_mapped_bytes_per_second": 2e9}
+    plans = _rough_plan(8, device="cpu", cpu_seconds_per_iteration=2.0, **rates)
+    assert plans.cpu_mapped_bytes_per_second == 2e9
+    mapped_configs = 0
+    for cfg in plans.configurations.values():
+        shape = (cfg.network, tuple(cfg.patch_size), cfg.batch_size)
+        mapped = mapped_bytes(*shape) * cfg.accumulation_steps
+        mapped_configs += mapped > 0
+        assert cfg.predicted_seconds_per_iteration == pytest.approx(
+            cfg.flops_per_iteration / 1e12 + step_elements(*shape) * cfg.accumulation_steps / 1e9 + mapped / 2e9)
+        assert cfg.predicted_seconds_per_iteration <= 2.0
+    assert mapped_configs > 0
 
 
 def test_a_cuda_plan_records_no_cpu_throughput() -> None:

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from autoseg.plan.throughput import (
     cpu_rates_from_times,
     cuda_flops_per_second,
     gpu_spec,
+    mapped_bytes,
     step_elements,
 )
 
@@ -96,8 +98,9 @@ def test_two_calibration_steps_give_both_rates() -> None:
     machine = StepRates(300e9, 200e6)
     steps = [_timed(i, _times(1, 1.8 * _seconds(i, machine), 1.8 * _seconds(i, machine)),
                     _times(2, _seconds(i, machine), 1.9 * _seconds(i, machine))) for i in (0, 1)]
-    measured = cpu_rates_from_times(steps)
-    assert measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6} and measured.keep
+    measured = cpu_rates_from_times(steps, (2.8e9, True))
+    assert measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6,
+                              "mapped_bytes_per_second": 2.8e9} and measured.keep
     assert measured.details["2d_all_threads_wall_seconds"] == pytest.approx(_seconds(1, machine))
 
 
@@ -111,6 +114,13 @@ def test_a_2d_plan_is_not_predicted_at_the_3d_step_s_flop_rate() -> None:
     assert flops_only.seconds(conv_flops(topology, patch, batch), 0.0) < 0.8 * _seconds(1, machine)
 
 
+def test_an_unsteady_mapping_rate_drops_its_term() -> None:
+    """A fresh block filled no slower than a kept one (noise): no mapping rate, rather than an absurd one."""
+    steps = [_timed(i, _times(1, _seconds(i, StepRates(300e9, 200e6)), _seconds(i, StepRates(300e9, 200e6))), None)
+             for i in (0, 1)]
+    assert cpu_rates_from_times(steps, (6.7e13, False)).value["mapped_bytes_per_second"] is None
+
+
 def test_timings_that_leave_no_positive_element_rate_fall_back_to_the_flops_alone() -> None:
     """The 2D step as fast per FLOP as the 3D one, or faster (noise): no element rate; the 3D step's FLOP rate."""
     topology, patch, batch = CALIBRATION_STEPS[0]
@@ -119,7 +129,8 @@ def test_timings_that_leave_no_positive_element_rate_fall_back_to_the_flops_alon
     seconds_2d = 0.9 * conv_flops(topology, patch, batch) / 1e11
     measured = cpu_rates_from_times([_timed(0, _times(1, flops_3d / 1e11, flops_3d / 1e11), None),
                                      _timed(1, _times(1, seconds_2d, seconds_2d), None)])
-    assert measured.value == {"flops_per_second": 1e11, "elements_per_second": None} and measured.keep
+    assert measured.value == {"flops_per_second": 1e11, "elements_per_second": None,
+                              "mapped_bytes_per_second": None} and measured.keep  # no mapping rate given
 
 
 @pytest.mark.parametrize("one, every, why", [
@@ -154,12 +165,14 @@ def test_calibration_times_each_step_with_one_thread_and_every_cpu_best_of_repea
     machine = StepRates(300e9, 200e6)
     best = [_seconds(i, machine) for i in (0, 1)]
     fake = _FakeSteps(monkeypatch, [{4: [3 * b, b, 2 * b], 1: [9 * b, 5 * b, 4 * b]} for b in best])
+    monkeypatch.setattr(autoseg.plan.throughput, "mapping_rate", lambda: (2.83e9, True))
     before = torch.get_num_threads()
     measured = autoseg.plan.throughput.calibrate_cpu_throughput(repeats=3, max_threads=4)
     assert torch.get_num_threads() == before
     assert [args for args, _ in fake.closure_args] == [tuple(step) for step in CALIBRATION_STEPS]
     assert fake.step_calls == 16  # per step and thread count: one warm-up, then 3 timed
-    assert measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6} and measured.keep
+    assert measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6,
+                              "mapped_bytes_per_second": 2.8e9} and measured.keep
     assert measured.details["3d_one_thread_wall_seconds"] == pytest.approx(4 * best[0])
 
 
@@ -203,3 +216,28 @@ def test_feature_map_elements_are_the_outputs_of_the_convolutions_torch_runs(nam
             module.register_forward_hook(lambda _m, _i, out: outputs.append(out.numel()))
     network(torch.zeros(batch_size, topology.in_channels, *patch_size))
     assert step_elements(topology, patch_size, batch_size) == sum(outputs)
+
+
+@pytest.mark.parametrize("dim, threshold_of_stage_0", [(3, 0.75), (3, 1.5), (2, 0.75), (2, 1.5), (3, 2.5)],
+                         ids=["3d_stage_0_mapped", "3d_concat_only", "2d_stage_0_mapped", "2d_concat_only", "3d_none"])
+def test_mapped_bytes_are_the_step_s_blocks_over_the_mmap_threshold(dim: int, threshold_of_stage_0: float) -> None:
+    """The bytes a real training step allocates in blocks of at least the mmap threshold (counted by StorageTracker;
+    glibc maps those afresh on every step), within 5%: the threshold set relative to stage 0's feature map (here
+    tiny, so the step is small) to cover the three cases: stage 0's maps over it, only its concatenation with the
+    skip, nothing."""
+    from autoseg.memory.tracker import StorageTracker
+
+    kernel, stride = (3,) * dim, (2,) * dim
+    topology = NetworkTopology(dim=dim, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64),
+                               kernel_sizes=(kernel,) * 3, strides=((1,) * dim, stride, stride))
+    patch, batch = ((8, 32, 32) if dim == 3 else (64, 64)), 2
+    threshold = int(threshold_of_stage_0 * 16 * math.prod(patch) * batch * 4)
+    step = autoseg.plan.throughput.training_step_closure(topology, patch, batch)
+    step()  # the first step creates the optimizer state
+    tracker = StorageTracker()
+    with tracker:
+        step()
+    tracked = sum(d for d, kind in zip(tracker.event_delta, tracker.event_kind) if kind == 1 and d >= threshold)
+    predicted = mapped_bytes(topology, patch, batch, threshold=threshold)
+    assert predicted == pytest.approx(tracked, rel=0.05)
+    assert (predicted > 0) == (threshold_of_stage_0 < 2)
