@@ -317,10 +317,10 @@ def cpu_rates_from_times(steps: Sequence[TimedStep], mapping: tuple[float, bool]
                        why_not_kept=f"the cores were busy ({busy}); measured again next time, --cpu-flops overrides")
 
 
-def calibrate_cpu_throughput(repeats: int = 3, max_threads: int | None = None) -> Measurement:
+def calibrate_cpu_throughput(repeats: int = 5, max_threads: int | None = None) -> Measurement:
     """This machine's ``StepRates`` (``cpu_rates_from_times``) from the best of ``repeats`` runs of each calibration
     step (``CALIBRATION_STEPS``) with 1 thread and with every CPU (``max_threads``; default all), and the
-    ``mapping_rate``; about 3 s on 2 cores."""
+    ``mapping_rate``; about 4 s on 2 cores."""
     threads = max_threads or cpu_count()
     timed = []
     for topology, patch, batch in CALIBRATION_STEPS:
