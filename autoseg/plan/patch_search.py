@@ -2,7 +2,8 @@
 
 For fixed settings (base width, precision, activation checkpointing, micro-batch regime) the search picks
 the patch that covers the most of the median image, then the largest batch, whose training step fits:
-predicted device bytes <= ``Limits.memory_bytes`` and, on CPU, predicted seconds <= ``Limits.seconds``.
+predicted device bytes <= ``Limits.memory_bytes`` and, on CPU, predicted seconds (``StepCost.seconds``) <=
+``Limits.seconds``.
 
 The patch's network (pooling per axis, kernels) depends on the patch (``topology_for``), and a new
 network costs 2-3 simulations of the memory model (about 1 s each). So the search works per topology:
@@ -122,13 +123,12 @@ class Candidate:
 
 
 class StepCost:
-    """Predicted bytes and FLOPs of a training step under one setting; ``fits`` checks both limits.
-
-    ``use_memory=False`` checks only the time limit (CPU planning: the bytes are checked once at the end).
-    """
+    """Predicted bytes and seconds of a training step under one setting; ``fits`` checks both limits.
+    ``use_memory=False`` checks only the time limit (CPU planning: the bytes are checked once at the end)."""
 
     def __init__(self, peak_fn: PeakFn, setting: Setting, limits: Limits, use_memory: bool = True) -> None:
         self.peak_fn, self.setting, self.limits, self.use_memory = peak_fn, setting, limits, use_memory
+        self.factor = setting.accumulation_steps * (CHECKPOINT_FLOPS if setting.checkpointing else 1.0)
         self._peaks: dict[tuple[NetworkTopology, int, int], int] = {}
 
     def peak(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> int:
@@ -139,27 +139,21 @@ class StepCost:
                                                 s.accumulation_steps))
         return self._peaks[key]
 
-    def _factor(self) -> float:
-        return self.setting.accumulation_steps * (CHECKPOINT_FLOPS if self.setting.checkpointing else 1.0)
-
     def flops(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
-        return step_flops(topology, patch, batch) * self._factor()
+        return step_flops(topology, patch, batch) * self.factor
 
     def seconds(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
         """Predicted seconds of one optimizer step (``StepRates.seconds``; recomputation re-runs the forward's
         feature maps as it re-runs its FLOPs). Bytes mapped afresh are counted at fp32 (CPU steps run in fp32)."""
-        return self.limits.rates.seconds(self.flops(topology, batch, patch),
-                                         step_elements(topology, patch, batch) * self._factor(),
-                                         mapped_bytes(topology, patch, batch) * self._factor())
+        return self.limits.rates.seconds(self.flops(topology, batch, patch), step_elements(topology, patch, batch) *
+                                         self.factor, mapped_bytes(topology, patch, batch) * self.factor)
 
     def candidate(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...], coverage: float,
                   max_batch: int, accumulation_steps: int | None = None) -> Candidate:
         """THE ``Candidate`` of this topology, batch and patch, its bytes (when memory is checked) and time."""
-        return Candidate(topology=topology, patch=patch, batch=batch,
-                         accumulation_steps=accumulation_steps or self.setting.accumulation_steps,
-                         peak_bytes=self.peak(topology, batch, patch) if self.use_memory else 0,
-                         flops=self.flops(topology, batch, patch), seconds=self.seconds(topology, batch, patch),
-                         coverage=coverage, max_batch=max_batch)
+        peak = self.peak(topology, batch, patch) if self.use_memory else 0
+        return Candidate(topology, patch, batch, accumulation_steps or self.setting.accumulation_steps, peak,
+                         self.flops(topology, batch, patch), self.seconds(topology, batch, patch), coverage, max_batch)
 
     def fits(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> bool:
         """Within the time and memory limits; a topology of one stage (a patch too small to pool) never
@@ -175,9 +169,9 @@ class StepCost:
 def step_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int) -> float:
     """``autoseg.plan.throughput.conv_flops`` (one training step, forward + backward ~ 3x the forward's convolutions)
     for the topology's architecture: the plain U-Net's formula there, a residual encoder's from its own module."""
-    if topology.architecture == RESIDUAL_ENCODER_UNET:
-        return 3.0 * forward_conv_flops(topology, patch_size) * batch_size
-    return conv_flops(topology, patch_size, batch_size)
+    residual = topology.architecture == RESIDUAL_ENCODER_UNET
+    return 3.0 * forward_conv_flops(topology, patch_size) * batch_size if residual else \
+        conv_flops(topology, patch_size, batch_size)
 
 
 def rough_training_peak_bytes(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
