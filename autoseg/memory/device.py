@@ -11,8 +11,9 @@ model (see docs and shared/notes/memory-simulation.md), to be calibrated on a re
   its compute dtype (the algorithms torch picks rarely ask for more than that).
 - ``cuda_context``: the CUDA context, cuBLAS/cuDNN handles and kernels, about 0.5 GiB.
 
-On CPU: tensors + the process's runtime (interpreter, torch libraries, allocator slack), about 150 MiB
-above the tensor peak as measured by RSS.
+On CPU: tensors + ``fragmentation``, what glibc's heap keeps of freed tensors beyond the live ones at the peak
+(``autoseg.memory.glibc_heap``, replayed over the simulated step: 0.1-0.7x the tensors the step adds) + the
+process's runtime (interpreter, torch libraries), about 150 MiB above the tensor peak as measured by RSS.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class PeakMemory(Protocol):
     peak_bytes: int
     largest_conv_output_bytes: int
     live_allocations_at_peak: int
+    heap_retained_bytes: int  # CPU: what glibc's heap holds beyond the tensors at the peak (0: not modelled)
 
 
 # the terms predict_device_peak adds to the tensors, for a CUDA device or the CPU
@@ -45,13 +47,13 @@ def predict_device_peak(memory: PeakMemory, device: str = "cuda") -> dict[str, i
     """Device bytes at the peak, by term, with their ``total``.
 
     cuda: ``tensors``, ``allocator_rounding``, ``fragmentation``, ``conv_workspace``, ``cuda_context``.
-    cpu: ``tensors``, ``runtime``.
+    cpu: ``tensors``, ``fragmentation`` (glibc's, ``memory.heap_retained_bytes``), ``runtime``.
     """
     if device not in DEVICES:
         raise InputError(f"device {device!r} is not modelled; use one of {list(DEVICES)}")
     tensors = int(memory.peak_bytes)
     if device == "cpu":
-        terms = {"tensors": tensors, "runtime": CPU_RUNTIME_BYTES}
+        terms = {"tensors": tensors, "fragmentation": int(memory.heap_retained_bytes), "runtime": CPU_RUNTIME_BYTES}
     else:
         rounding = int(memory.live_allocations_at_peak) * CUDA_BLOCK_BYTES // 2
         terms = {

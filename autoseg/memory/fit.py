@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from autoseg.memory.device import predict_device_peak
+from autoseg.memory.glibc_heap import HeapFootprint, heap_footprint
 from autoseg.memory.step_record import CATEGORIES, StepConfig, StepRecord, TrainingMemory, check_step_arguments
 from autoseg.memory.training import record_training_step
 from autoseg.model.topology import NetworkTopology
@@ -35,6 +36,10 @@ class _Lines:
     record: StepRecord  # one of the fitting records (phases, live counts)
     stage_coef: dict[str, tuple[float, float, float]]
     conv_coef: tuple[float, float, float]
+    start_coef: tuple[float, float, float]  # the live bytes at the step's start
+    # CPU steps: every event's bytes (3, T), canonical order, and its storage (T,), to replay glibc's heap over
+    event_coef: np.ndarray | None = None
+    event_storage: np.ndarray | None = None
 
 
 def _solve(points: list[tuple[int, int]],
@@ -51,15 +56,20 @@ def _solve(points: list[tuple[int, int]],
     return values[0] - b1 * b - b1 * c * v1, b, c
 
 
-def _canonical(signature: np.ndarray) -> np.ndarray:
-    """The event signature with each run of consecutive frees sorted by storage number.
+def _canonical_order(signature: np.ndarray) -> np.ndarray:
+    """The order of the events with each run of consecutive frees sorted by storage number.
 
     Within such a run the order can differ from run to run (torch frees some groups, e.g. the autocast
-    weight cache, in hash-map order); live bytes only fall inside it, so its order cannot move a peak.
+    weight cache, in hash-map order); live bytes only fall inside it, so its order cannot move a peak (nor
+    glibc's: a run of frees leaves the same free chunks in any order).
     """
     is_free = signature[:, 1] < 0
     run = np.cumsum(~is_free)
-    return signature[np.lexsort((signature[:, 0], is_free, run))]
+    return np.lexsort((signature[:, 0], is_free, run))
+
+
+def _canonical(signature: np.ndarray) -> np.ndarray:
+    return signature[_canonical_order(signature)]
 
 
 def _aligned(records: list[StepRecord]) -> bool:
@@ -86,15 +96,25 @@ def _fit(records: list[StepRecord], points: list[tuple[int, int]]) -> _Lines:
         sa, sb, sc = _solve(points, [np.array(float(r.stage_bytes.get(name, 0))) for r in records])
         stage_coef[name] = (float(sa), float(sb), float(sc))
     ca, cb, cc = _solve(points, [np.array(float(r.largest_conv_output_bytes)) for r in records])
+    ta, tb, tc = _solve(points, [np.array(float(r.timeline[0].sum())) for r in records])
+    event_coef = event_storage = None
+    if ref.heap is not None:
+        orders = [_canonical_order(r.signature) for r in records]
+        event_coef = np.stack(_solve(points, [np.diff(r.timeline.sum(axis=1))[order].astype(np.float64)
+                                              for r, order in zip(records, orders)]))
+        event_storage = ref.signature[orders[0], 0]
     return _Lines(coef=coef, total=coef.sum(axis=2), rows=rows, record=ref, stage_coef=stage_coef,
-                  conv_coef=(float(ca), float(cb), float(cc)))
+                  conv_coef=(float(ca), float(cb), float(cc)), start_coef=(float(ta), float(tb), float(tc)),
+                  event_coef=event_coef, event_storage=event_storage)
 
 
 class TrainingMemoryModel:
     """Predicts ``simulate_training_step`` for one network, precision, optimizer and checkpointing setting
     at any batch size and patch, after 2 (batch 1) or 3 (batch >= 2) simulations made on first use.
 
-    ``predict`` returns the full ``TrainingMemory``; ``peak_bytes`` only the peak (a few microseconds).
+    ``predict`` returns the full ``TrainingMemory`` (for a CPU step with glibc's heap replayed over the step's
+    events at their sizes there: 10-60 ms, once per batch and patch); ``peak_bytes`` only the tensor peak (a few
+    microseconds).
     ``simulations`` counts the simulations run so far; ``fallback`` is True for a batch regime whose
     fitting timelines did not line up (then every query is simulated).
     """
@@ -114,6 +134,7 @@ class TrainingMemoryModel:
         self.fallback: dict[bool, bool] = {}
         self._lines: dict[bool, _Lines | None] = {}  # key: batch_size == 1
         self._simulated: dict[tuple[int, tuple[int, ...]], TrainingMemory] = {}  # predict_or_simulate's steps
+        self._heaps: dict[tuple[int, int], HeapFootprint] = {}  # CPU: predict's heap replays by (batch, voxels)
 
     def _config(self, batch_size: int, patch_size: tuple[int, ...]) -> StepConfig:
         return StepConfig(self.topology, batch_size, tuple(patch_size), self.precision, self.checkpointing,
@@ -179,13 +200,23 @@ class TrainingMemoryModel:
             return int(round(coef[0] + batch_size * coef[1] + batch_size * voxels * coef[2]))
 
         row = int(lines.rows[i])
-        return TrainingMemory(
+        memory = TrainingMemory(
             peak_bytes=sum(terms), parameter_bytes=named["parameters"], gradient_bytes=named["gradients"],
             optimizer_state_bytes=named["optimizer_state"], batch_bytes=named["batch"],
             activation_bytes=named["activations"],
             stage_activation_bytes={k: at(v) for k, v in lines.stage_coef.items()},
             largest_conv_output_bytes=at(lines.conv_coef),
             live_allocations_at_peak=int(lines.record.live_count[row]), peak_phase=lines.record.phase_at(row))
+        if lines.event_coef is None:
+            return memory
+        key = (batch_size, voxels)
+        if key not in self._heaps:  # glibc's heap over the step's events at their sizes here (10-60 ms)
+            a, b, c = lines.event_coef
+            sizes = np.rint(a + batch_size * b + batch_size * voxels * c).astype(np.int64)
+            self._heaps[key] = heap_footprint(lines.event_storage, sizes)
+        heap = self._heaps[key]
+        return replace(memory, heap_retained_bytes=heap.retained_bytes(memory.peak_bytes - at(lines.start_coef)),
+                       mapped_bytes_per_step=heap.mapped_bytes_per_step)
 
 
 @functools.lru_cache(maxsize=64)

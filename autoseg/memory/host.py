@@ -28,13 +28,13 @@ from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, KiB, MiB
 from autoseg.dataset.imageio import GZIP_READ_CHUNK_BYTES
 from autoseg.dataset.labels import LabelScheme
+from autoseg.memory.glibc_heap import GLIBC_MMAP_THRESHOLD_MAX
 
 WORKER_RUNTIME_BYTES = 150 * MiB
 # A loader worker is forked and shares the trainer's pages until it writes them. Measured (benchmarks/host_memory.py,
 # 2026-11-26, a stand-in trainer): 15 MiB of private pages after 30-200 batches; a forced full garbage collection
 # copied 60-91 MiB of inherited objects (rare in a worker). Twice the measured figure.
 LOADER_WORKER_RUNTIME_BYTES = 32 * MiB
-GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB  # glibc's largest dynamic mmap threshold on 64-bit Linux (heap_retention_bytes)
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 _F32, _F64, _I64 = 4, 8, 8
 # What an export holds beyond its arrays (Python objects, numpy's small arrays; tracemalloc measured up to 43 KB)

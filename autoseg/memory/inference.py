@@ -64,6 +64,7 @@ class InferenceMemory:
     tile_batch_size: int = 1  # (tile, mirror variant) pairs per forward pass
     accumulator_depth: int = 0  # z-slices the accumulator holds: the deepest slab it finishes at once
     host_accumulator_bytes: int = 0  # host bytes on CUDA: the output, and the accumulator etc. when they live there
+    heap_retained_bytes: int = 0  # glibc's heap beyond the tensors on CPU: not modelled for inference (docs/memory.md)
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameter_bytes, "tile": self.tile_bytes,

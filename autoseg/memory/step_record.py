@@ -8,13 +8,14 @@ runs the step and records it) and ``autoseg.memory.fit`` (which fits records); n
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import check_precision
 from autoseg.dataset.labels import LabelScheme
+from autoseg.memory.glibc_heap import HeapFootprint
 from autoseg.model.optimizer import OPTIMIZERS
 from autoseg.model.topology import NetworkTopology
 
@@ -34,6 +35,10 @@ class TrainingMemory:
     forward returns (what backward will need; ``network`` = created outside those modules).
     ``largest_conv_output_bytes``: the largest convolution output of the forward, in the compute dtype.
     ``peak_phase``: "forward", "loss", "backward" or "optimizer".
+    A CPU step's allocator (``autoseg.memory.glibc_heap``; 0 where not modelled, on CUDA):
+    ``heap_retained_bytes``, what glibc's heap and mapped blocks hold beyond the live tensors at the peak (freed
+    blocks it keeps), and ``mapped_bytes_per_step``, the bytes the step allocates in blocks glibc maps afresh (each
+    page faulted in again every step).
     """
 
     peak_bytes: int
@@ -46,6 +51,8 @@ class TrainingMemory:
     largest_conv_output_bytes: int = 0
     live_allocations_at_peak: int = 0
     peak_phase: str = ""
+    heap_retained_bytes: int = 0
+    mapped_bytes_per_step: int = 0
 
     def breakdown(self) -> dict[str, int]:
         """The terms of the peak and their ``total``."""
@@ -100,7 +107,8 @@ def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """The timeline of one recorded step (rows: the step's start, then after each of its events)."""
+    """The timeline of one recorded step (rows: the step's start, then after each of its events); ``heap``: glibc's
+    footprint over the step's events replayed (``heap_footprint``; recorded for CPU steps, else None)."""
 
     timeline: np.ndarray  # (T + 1, len(CATEGORIES)) int64 live bytes per category
     live_count: np.ndarray  # (T + 1,) int64 live storages
@@ -108,6 +116,7 @@ class StepRecord:
     signature: np.ndarray  # (T, 2) int64 (storage number relative to the step's first, kind) per event
     stage_bytes: dict[str, int]
     largest_conv_output_bytes: int
+    heap: HeapFootprint | None = None
 
     def phase_at(self, row: int) -> str:
         """Phase of the event that led to ``row`` (row 0: the step's start)."""
@@ -128,12 +137,20 @@ class StepRecord:
             live_allocations_at_peak=int(self.live_count[row]), peak_phase=self.phase_at(row))
 
     def peak(self) -> TrainingMemory:
-        return self.memory_at(int(np.argmax(self.timeline.sum(axis=1))))
+        """The memory at the tensor peak, with what glibc's heap holds beyond the tensors there (a ``heap``)."""
+        total = self.timeline.sum(axis=1)
+        row = int(np.argmax(total))
+        memory = self.memory_at(row)
+        if self.heap is None:
+            return memory
+        return replace(memory, heap_retained_bytes=self.heap.retained_bytes(int(total[row] - total[0])),
+                       mapped_bytes_per_step=self.heap.mapped_bytes_per_step)
 
     def to_json(self) -> dict:
         return {"timeline": self.timeline.tolist(), "live_count": self.live_count.tolist(),
                 "phases": [list(p) for p in self.phases], "signature": self.signature.tolist(),
-                "stage_bytes": self.stage_bytes, "largest_conv_output_bytes": self.largest_conv_output_bytes}
+                "stage_bytes": self.stage_bytes, "largest_conv_output_bytes": self.largest_conv_output_bytes,
+                "heap": None if self.heap is None else self.heap.to_json()}
 
     @classmethod
     def from_json(cls, value: dict) -> StepRecord:
@@ -142,4 +159,5 @@ class StepRecord:
                    phases=tuple((str(n), int(i)) for n, i in value["phases"]),
                    signature=np.asarray(value["signature"], dtype=np.int64).reshape(-1, 2),
                    stage_bytes={str(k): int(v) for k, v in value["stage_bytes"].items()},
-                   largest_conv_output_bytes=int(value["largest_conv_output_bytes"]))
+                   largest_conv_output_bytes=int(value["largest_conv_output_bytes"]),
+                   heap=None if value["heap"] is None else HeapFootprint.from_json(value["heap"]))

@@ -34,6 +34,7 @@ from autoseg.model.topology import NetworkTopology
 SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "loss", "network", "optimizer", "residual",
                                                          "step", "topology")) + (
     "autoseg.memory.tracker", "autoseg.memory.training_simulation", "autoseg.memory.step_record",
+    "autoseg.memory.glibc_heap",
     "autoseg.dataset.labels", "autoseg.core.precision", __name__)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.memory.glibc_heap import heap_footprint
 from autoseg.memory.step_record import CATEGORIES, StepConfig, StepRecord
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.optimizer import OPTIMIZERS
@@ -76,7 +77,8 @@ def _run_step(cfg: StepConfig, tracker: StorageTracker,
 
 def record_step(cfg: StepConfig, fake: bool) -> StepRecord:
     """Run the step once, under ``FakeTensorMode`` (``fake``: no memory is used) or on real CPU tensors (seeded),
-    inside a ``StorageTracker``; its timeline. Leaves the caller's RNG alone."""
+    inside a ``StorageTracker``; its timeline, and for a CPU step glibc's footprint over it. Leaves the caller's RNG
+    alone."""
     tracker = StorageTracker(cpu_conv_scratch=cfg.device == "cpu")
     gc_was_enabled = gc.isenabled()
     gc.disable()  # frees happen by reference counting only: the same order in every run
@@ -86,14 +88,14 @@ def record_step(cfg: StepConfig, fake: bool) -> StepRecord:
             generator = None if fake else torch.Generator().manual_seed(0)
             with mode, tracker:
                 numbers, stage_bytes = _run_step(cfg, tracker, generator)
-                return _to_record(tracker, numbers, stage_bytes)
+                return _to_record(tracker, numbers, stage_bytes, cpu_heap=cfg.device == "cpu")
     finally:
         if gc_was_enabled:
             gc.enable()
 
 
-def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]],
-               stage_bytes: dict[str, int]) -> StepRecord:
+def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]], stage_bytes: dict[str, int],
+               cpu_heap: bool) -> StepRecord:
     start, stop = tracker.index_of("step"), tracker.index_of("end")
     category_of = np.full(len(tracker.sizes), CATEGORIES.index("activations"), dtype=np.int64)
     for name, members in numbers.items():
@@ -105,8 +107,9 @@ def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]],
     signature = np.stack([storage - first_number, np.asarray(tracker.event_kind[start:stop])], axis=1)
     phases = tuple((name, index - start) for name, index in tracker.mark_list
                    if start <= index and name not in ("step", "end"))
+    heap = heap_footprint(storage, np.diff(timeline.sum(axis=1))) if cpu_heap else None
     return StepRecord(timeline=timeline, live_count=live_count, phases=phases, signature=signature,
-                      stage_bytes=stage_bytes, largest_conv_output_bytes=tracker.largest_conv_output_bytes)
+                      stage_bytes=stage_bytes, largest_conv_output_bytes=tracker.largest_conv_output_bytes, heap=heap)
 
 
 def training_step_flops(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...]) -> int:

@@ -13,9 +13,9 @@ measured with the memory model's prediction for the configuration that ran (``co
   batches it draws counted as they enter: its tracked tensor peak against the simulated one (a few bytes
   below it on the configurations measured so far: 4 B to 0.001%). The process's peak RSS over the steps (VmHWM after
   ``reset_peak_rss``) against the RSS measured before the first step (a measured baseline: interpreter,
-  libraries, data, the tensors already alive) plus what the simulated step adds to those tensors (predicted).
-  A third row, peak RSS against tensors + ``CPU_RUNTIME_BYTES`` (the model's whole-process figure), is shown
-  but not checked: a training process holds more than the step (its loader, the dataset's mapped pages).
+  libraries, data, the tensors already alive) + what the simulated step adds to those tensors + what glibc's heap
+  keeps beyond them (``fragmentation``). A third row, peak RSS against the whole-process model (+ ``CPU_RUNTIME_BYTES``)
+  is shown but not checked: a training process holds more than the step (its loader, the dataset's mapped pages).
 
 A row whose measurement differs from its prediction by more than ``TOLERANCE`` (of the prediction) makes the
 check fail: training logs a warning and goes on, ``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``.
@@ -39,7 +39,7 @@ from autoseg.core.precision import effective_precision
 from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from autoseg.core.units import format_bytes
 from autoseg.dataset.labels import LabelScheme
-from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
+from autoseg.memory.device import predict_device_peak
 from autoseg.memory.step_record import TrainingMemory
 from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import simulate_training_step
@@ -170,8 +170,7 @@ def predict_step(config: ConfigurationPlan, device_type: str, optimizer: Optimiz
 def compare(prediction: StepPrediction, measured: dict[str, int], device_type: str, configuration: dict[str, Any],
             steps: int, notes: tuple[str, ...] = ()) -> MemoryCheck:
     """THE comparison of a measurement (``CudaProbe.finish`` or ``CpuProbe.finish``) with a prediction."""
-    terms = prediction.device_terms
-    tensors = terms["tensors"]
+    terms, tensors = prediction.device_terms, prediction.device_terms["tensors"]
     if device_type == "cuda":
         cached = tensors + terms["allocator_rounding"] + terms["fragmentation"] + terms["conv_workspace"]
         rows = (MemoryRow("allocated", measured["max_memory_allocated"], tensors, "torch.cuda.max_memory_allocated",
@@ -181,14 +180,15 @@ def compare(prediction: StepPrediction, measured: dict[str, int], device_type: s
                 MemoryRow("device used", measured["device_used"], terms["total"], "mem_get_info: total - free",
                           "the above + CUDA context"))
     else:
-        added = tensors - measured["baseline_tensor_bytes"]
+        added, heap = tensors - measured["baseline_tensor_bytes"], terms["fragmentation"]
         rows = (MemoryRow("tensors", measured["tracked_peak"], tensors, f"StorageTracker, step {TRACKED_STEP}",
                           "simulated tensor peak"),
-                MemoryRow("peak RSS", measured["peak_rss"], measured["baseline_rss"] + added,
+                MemoryRow("peak RSS", measured["peak_rss"], measured["baseline_rss"] + added + heap,
                           "VmHWM over the steps", f"RSS before them ({format_bytes(measured['baseline_rss'])}, "
-                          f"measured) + what the step adds to its tensors ({format_bytes(added)}, simulated)"),
-                MemoryRow("peak RSS (model)", measured["peak_rss"], tensors + CPU_RUNTIME_BYTES, "VmHWM over the steps",
-                          "tensors + CPU_RUNTIME_BYTES", checked=False))
+                          f"measured) + what the step adds to its tensors ({format_bytes(added)}, simulated) + "
+                          f"what glibc's heap keeps beyond them ({format_bytes(heap)}, modelled)"),
+                MemoryRow("peak RSS (model)", measured["peak_rss"], terms["total"], "VmHWM over the steps",
+                          "tensors + fragmentation + CPU_RUNTIME_BYTES", checked=False))
     return MemoryCheck(device_type, configuration, steps, rows, TOLERANCE, notes)
 
 

@@ -181,8 +181,10 @@ def test_device_terms():
     assert cuda["conv_workspace"] == m.largest_conv_output_bytes == 2 * 4 * 16**3 * 4
     assert cuda["cuda_context"] == CUDA_CONTEXT_BYTES
     assert cuda["total"] == sum(v for k, v in cuda.items() if k != "total")
-    assert predict_device_peak(m, "cpu") == {"tensors": m.peak_bytes, "runtime": CPU_RUNTIME_BYTES,
-                                             "total": m.peak_bytes + CPU_RUNTIME_BYTES}
+    assert m.heap_retained_bytes > 0  # a CPU step: glibc's heap keeps some of its freed tensors
+    assert predict_device_peak(m, "cpu") == {"tensors": m.peak_bytes, "fragmentation": m.heap_retained_bytes,
+                                             "runtime": CPU_RUNTIME_BYTES,
+                                             "total": m.peak_bytes + m.heap_retained_bytes + CPU_RUNTIME_BYTES}
     with pytest.raises(ValueError, match="device 'tpu' is not modelled"):
         predict_device_peak(m, "tpu")
 
