@@ -2,10 +2,9 @@
 
 Each function returns its terms and their ``total``; a stage that runs in phases reports each phase and
 the ``total`` is the largest. They follow the code they model (``autoseg.preprocess.preprocessor``,
-``autoseg.predict.export``) and are meant to be
-held against measurements of those modules; where a quantity is not known (the crop, the exact path of
-a resampling) they take the larger case. The resampling terms (``resampling_peak_bytes``,
-``segmentation_resampling_peak_bytes``) follow ``autoseg.preprocess.resampling``.
+``autoseg.predict.export``) and are meant to be held against measurements of those modules; where a quantity is
+not known (the crop, the exact path of a resampling) they take the larger case. The resampling terms
+(``resampling_peak_bytes``, ``segmentation_resampling_peak_bytes``) follow ``autoseg.preprocess.resampling``.
 
 ``WORKER_RUNTIME_BYTES``: RSS of a fresh (spawned) Python process that imported autoseg.preprocess.preprocessor or
 autoseg.data.augment (numpy, scipy, SimpleITK, batchgenerators), measured at about 135-150 MiB. Part of it is
@@ -56,29 +55,30 @@ def _voxels(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Sequence[int],
-                            num_channels: int, runtime_bytes: int = WORKER_RUNTIME_BYTES) -> dict[str, int]:
+def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,
+                            runtime_bytes: int = WORKER_RUNTIME_BYTES,
+                            cropped_zyx: Sequence[int] | None = None) -> dict[str, int]:
     """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess.preprocessor.run_case``).
     ``runtime_bytes``: the process before the case (a spawned worker's ``WORKER_RUNTIME_BYTES``, or the RSS of the
     process that preprocesses in-process: with torch and the planner loaded, 300-500 MiB).
 
-    ``shape_zyx_before``: the image as read (the crop is taken as the whole image: an upper bound);
-    ``shape_zyx_after``: after resampling. Phases, each on top of ``runtime``:
-    ``load``: the channels as read plus their stacked copy (C x V x float32, twice) and one reader copy;
-    ``crop``: the image and int16 label as read (alive until the case is done) + their cropped copies
-    and two bool masks; ``resample_image``: + the float32 output and the spline temporaries
-    (``resampling_peak_bytes``); ``resample_seg``: + the resampled image, and the label's resampling
-    (int16 output, float32 best score and response, bool buffer, one float32 input-sized mask).
-    """
-    vb, va, c = _voxels(shape_zyx_before), _voxels(shape_zyx_after), int(num_channels)
+    ``shape_zyx_before``: the image as read; ``cropped_zyx``: its crop to the nonzero box (the fingerprint's
+    ``cropped_shape_zyx``; None: the whole image, an upper bound); ``shape_zyx_after``: the crop after resampling.
+    Phases, each on top of ``runtime``: ``load``: the channels as read plus their stacked copy (C x V x float32,
+    twice) and one reader copy; ``crop``: the image and int16 label as read (alive until the case is done) + their
+    cropped copies, the whole image's nonzero mask and the cropped one; ``resample_image``: + the float32 output and
+    the spline temporaries (``resampling_peak_bytes``); ``resample_seg``: + the resampled image, and the label's
+    resampling (int16 output, float32 best score and response, bool buffer, one float32 crop-sized mask)."""
+    cropped_zyx = shape_zyx_before if cropped_zyx is None else cropped_zyx
+    vb, vc, va, c = _voxels(shape_zyx_before), _voxels(cropped_zyx), _voxels(shape_zyx_after), int(num_channels)
     raw = c * vb * _F32 + vb * 2  # image float32 + label int16 as read
-    cropped = c * vb * _F32 + vb * 2 + 2 * vb  # copies + mask + "outside" buffer
-    seg_temps = resampling_peak_bytes(shape_zyx_before, shape_zyx_after, 1, order=1, order_z=0) - va * _F32
+    cropped = c * vc * _F32 + vc * 2 + vb + vc  # copies + the nonzero mask + its crop
+    seg_temps = resampling_peak_bytes(cropped_zyx, shape_zyx_after, 1, order=1, order_z=0) - va * _F32
     phases = {
         "load": 2 * c * vb * _F32 + vb * _F32,
         "crop": raw + cropped,
-        "resample_image": raw + cropped + resampling_peak_bytes(shape_zyx_before, shape_zyx_after, c),
-        "resample_seg": (raw + cropped + c * va * _F32 + va * (2 + _F32 + _F32 + 1) + vb * _F32
+        "resample_image": raw + cropped + resampling_peak_bytes(cropped_zyx, shape_zyx_after, c),
+        "resample_seg": (raw + cropped + c * va * _F32 + va * (2 + _F32 + _F32 + 1) + vc * _F32
                          + max(seg_temps, 0)),
     }
     return {"runtime": runtime_bytes, **phases, "total": runtime_bytes + max(phases.values())}

@@ -20,7 +20,7 @@ import logging
 import math
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -138,15 +138,16 @@ def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...
 
 def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, float],
                     config: ConfigurationPlan, num_channels: int, num_label_values: int,
-                    num_augmentations: int = 0, runtime_bytes: int = WORKER_RUNTIME_BYTES) -> int:
-    """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing.
+                    num_augmentations: int = 0, runtime_bytes: int = WORKER_RUNTIME_BYTES,
+                    cropped_zyx: tuple[int, ...] | None = None) -> int:
+    """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing and its crop
+    to the nonzero box (the fingerprint's ``cropped_shape_zyx``; None: the whole image, an upper bound).
 
-    The crop is taken as the whole image (an upper bound). With augmented copies the last phase holds the
-    resampled case (float32 data, labels) plus ``augment_case_bytes``. ``runtime_bytes``: the process before the
-    case (``preprocess_worker_bytes``).
+    With augmented copies the last phase holds the resampled case (float32 data, labels) plus
+    ``augment_case_bytes``. ``runtime_bytes``: the process before the case (``preprocess_worker_bytes``).
     """
-    after = config.resampled_shape(shape_zyx, spacing_mm)
-    peak = preprocess_worker_bytes(shape_zyx, after, num_channels, runtime_bytes)["total"]
+    after = config.resampled_shape(cropped_zyx or shape_zyx, spacing_mm)
+    peak = preprocess_worker_bytes(shape_zyx, after, num_channels, runtime_bytes, cropped_zyx)["total"]
     if num_augmentations > 0:
         va = math.prod(after)
         held = num_channels * va * 4 + va
@@ -212,29 +213,32 @@ CaseRunner = Callable[[CaseTask], CaseResult]
 PeaksOf = Callable[[set[str]], dict[str, int]]  # case ids -> predicted peak bytes
 
 
-def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationPlan,
-                         num_augmentations: int = 0, runtime_bytes: int = WORKER_RUNTIME_BYTES) -> dict[str, int]:
-    """``case_peak_bytes`` of each case, from the image headers (no voxel data read), in a process that holds
-    ``runtime_bytes`` before it."""
+def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationPlan, num_augmentations: int = 0,
+                         runtime_bytes: int = WORKER_RUNTIME_BYTES,
+                         cropped: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+    """``case_peak_bytes`` of each case, from the image headers (no voxel data read) and its crop in ``cropped``
+    (case id -> the fingerprint's ``cropped_shape_zyx``; a case not in it: the whole image), in a process that
+    holds ``runtime_bytes`` before it."""
     peaks = {}
     for case in cases:
         geometry = read_geometry(case.image_paths[0])
         peaks[case.case_id] = case_peak_bytes(geometry.shape_zyx, geometry.spacing_zyx, config,
                                               len(case.image_paths), plans.num_label_values, num_augmentations,
-                                              runtime_bytes)
+                                              runtime_bytes, (cropped or {}).get(case.case_id))
     return peaks
 
 
 def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str | Path, processes: int = 1,
                seed: int = 0, progress: bool = True, precompute: PrecomputeConfig | None = None,
-               case_runner: CaseRunner = run_case, report_path: str | Path | None = None) -> Path:
+               case_runner: CaseRunner = run_case, report_path: str | Path | None = None,
+               cropped: Mapping[str, tuple[int, ...]] | None = None) -> Path:
     """Preprocess every training case of ``dataset`` for one configuration into ``out_dir``.
 
     Complete cases are skipped, so a rerun after a crash finishes the job. ``processes`` > 1 runs cases
     in that many spawned worker processes (``autoseg.preprocess.run`` sizes them with
     ``autoseg.core.resources.processes_for``). ``precompute``: augmented copies per case. ``case_runner``
-    does one case (``run_case``; tests swap it). ``report_path``: a JSON of the
-    per-case predicted and measured peak memory, seconds and disk use.
+    does one case (``run_case``; tests swap it). ``report_path``: a JSON of the per-case predicted and measured
+    peak memory, seconds and disk use; ``cropped``: the cases' crops for the predictions (``predicted_case_peaks``).
     """
     config = plans.configuration(config_name)
     precompute = precompute or PrecomputeConfig()
@@ -251,7 +255,7 @@ def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str
 
     def peaks_of(case_ids: set[str]) -> dict[str, int]:  # only when reporting: case_peak_bytes imports torch
         return predicted_case_peaks([c for c in todo if c.case_id in case_ids], plans, config,
-                                    precompute.num_copies, runtime)
+                                    precompute.num_copies, runtime, cropped)
 
     bar = tqdm(total=len(dataset.cases), initial=len(dataset.cases) - len(todo),
                desc=f"preprocess {config_name}", unit="case", disable=not progress)

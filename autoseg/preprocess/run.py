@@ -77,13 +77,14 @@ def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None,
     _delete_stale(stale)
     digests = case_digests(dataset, source)
     precompute = PrecomputeConfig(num_copies=precompute_augmentations)
+    cropped = {c.case_id: c.cropped_shape_zyx for c in load_fingerprint(workspace).cases}
     for name in names:
         n = processes or preprocessing_processes_for(workspace, plans, name, precompute_augmentations)
         out_dir = workspace.preprocessed(name)
         # before the cases: every case in the folder is made from what it says (stale ones were deleted)
         PreprocessedSource(preprocessing_fields(plans, name), digests).to_json(source_path(out_dir))
         preprocess(dataset, plans, name, out_dir, processes=n, progress=progress, precompute=precompute,
-                   report_path=out_dir.with_name(f"{name}_report.json"))
+                   report_path=out_dir.with_name(f"{name}_report.json"), cropped=cropped)
         log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
 
 
@@ -245,12 +246,13 @@ def preprocessing_processes_for(workspace: Workspace, plans: Plans, config_name:
                                 num_augmentations: int = 0) -> int:
     """Processes for preprocessing ``config_name``: as many as fit the plan's RAM budget (less what this
     process holds) given the largest case's predicted peak (``case_peak_bytes`` over the fingerprint's
-    shapes, augmented copies included), at most the CPU count, and at most the plan's
+    shapes and crops, augmented copies included), at most the CPU count, and at most the plan's
     ``preprocessing_processes`` when that is above 1 (it may have been lowered by hand). Logs the numbers."""
     fp = load_fingerprint(workspace)
     config = plans.configuration(config_name)
     peaks = {c.case_id: case_peak_bytes(c.shape_zyx, c.spacing_mm, config, len(fp.channel_names),
-                                        plans.num_label_values, num_augmentations) for c in fp.cases}
+                                        plans.num_label_values, num_augmentations, cropped_zyx=c.cropped_shape_zyx)
+             for c in fp.cases}
     largest = max(peaks, key=lambda c: peaks[c])
     cpus = cpu_count()
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB  # this process's peak so far (ru_maxrss is in KiB)
