@@ -1,10 +1,11 @@
 """Compute beside memory: FLOPs of a training step, the effective throughput of a CUDA device from its tabulated
 peak FLOP/s, and this machine's measured CPU throughput (for the planner's seconds per iteration).
 
-CPU: a step's seconds are its convolutions' FLOPs (``conv_flops``) at one rate plus its feature maps' elements
-(``autoseg.model.flops.feature_map_elements``: norms, activations, element-wise work, fresh pages) at another
-(``StepRates``). ``calibrate_cpu_throughput`` times real training steps (THE step, ``autoseg.model.step``) of a
-small 3D and a small 2D U-Net on this machine and solves for both rates; ``cpu_throughput`` keeps them per machine
+CPU: a step's seconds are its convolutions' FLOPs (``conv_flops``) at one rate, its feature maps' elements
+(``step_elements``: norms, activations, element-wise work) at another, and the bytes glibc maps afresh every step
+(``mapped_bytes``) at a third (``StepRates``). ``calibrate_cpu_throughput`` times real training steps (THE step,
+``autoseg.model.step``) of a small 3D and a small 2D U-Net on this machine and solves for the first two rates, and
+times fresh pages (``mapping_rate``) for the third; ``cpu_throughput`` keeps them per machine
 (``autoseg.core.machine.MachineCache``), so that later plans do not depend on the load while planning.
 Convolution FLOPs alone at one measured rate were within 5% for 3D plans and 24-52% short for a 2D one (a 2D
 step does less arithmetic per element); the two rates are within 20% for both on the plans measured in
@@ -33,7 +34,7 @@ from autoseg.core.machine import MachineCache, Measurement, machine_key
 from autoseg.core.resources import cpu_count, cuda_available
 from autoseg.core.units import GiB, MiB
 from autoseg.dataset.labels import LabelScheme
-from autoseg.memory.host import GLIBC_MMAP_THRESHOLD_MAX
+from autoseg.memory.glibc_heap import GLIBC_MMAP_THRESHOLD_MAX
 from autoseg.model.flops import feature_map_elements, stage_elements
 from autoseg.model.topology import NetworkTopology
 
