@@ -232,7 +232,13 @@ def test_cli_gpus_2_on_cpu_trains_and_only_rank_0_writes(workspace: Workspace) -
                "--device", "cpu", "--epochs", "2", "--iterations-per-epoch", "2", "--val-iterations", "1",
                "--no-validation", "--loader-workers", "0"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    pristine = shutil.copytree(workspace.root, workspace.root.with_name("ws_before_training"))
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0 and "(SIGABRT)" in done.stderr:  # _run_ranks' policy: gloo's C++ abort, run again once
+        warnings.warn(f"a rank aborted (SIGABRT); running the 2 ranks again: {done.stderr[-500:]}", stacklevel=1)
+        shutil.rmtree(workspace.root)
+        shutil.copytree(pristine, workspace.root)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "launching 2 processes:" in done.stdout and "--nproc_per_node 2 -m autoseg -q train" in done.stdout
     assert "--gpus" not in done.stdout.split("launching 2 processes:")[1].splitlines()[0]
