@@ -302,8 +302,9 @@ def _add_check_memory_command(sub: argparse._SubParsersAction) -> None:
     _add_workspace(p)
     p.add_argument("-c", "--config", default=None,
                    help="configuration (default: 3d_fullres if planned, else the first)")
-    p.add_argument("--steps", type=int_at_least(2), default=3,
-                   help="real training steps on synthetic batches (default: 3; at least 2)")
+    p.add_argument("--steps", type=int_at_least(3), default=3,
+                   help="real training steps on synthetic batches (default and least: 3; the first creates the "
+                        "optimizer state, the second is tracked, the peak RSS is taken over the others)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="device to check on (default: cuda if available, else cpu)")
     p.add_argument("--json", action="store_true", help="print the check as JSON (bytes)")

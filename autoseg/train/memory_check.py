@@ -11,10 +11,12 @@ measured with the memory model's prediction for the configuration that ran (``co
 - CPU (``CpuProbe``): step ``TRACKED_STEP`` (the second: the first that starts with optimizer state, as the
   simulated step does) runs under ``StorageTracker``, with the parameters, gradients, optimizer state and the
   batches it draws counted as they enter: its tracked tensor peak against the simulated one (a few bytes
-  below it on the configurations measured so far: 4 B to 0.001%). The process's peak RSS over the steps (VmHWM after
-  ``reset_peak_rss``) against the RSS measured before the first step (a measured baseline: interpreter,
-  libraries, data, the tensors already alive) + what the simulated step adds to those tensors + what glibc's heap
-  keeps beyond them (``fragmentation``). A third row, peak RSS against the whole-process model (+ ``CPU_RUNTIME_BYTES``)
+  below it on the configurations measured so far: 4 B to 0.001%). The process's peak RSS over the other steps
+  (VmHWM after ``reset_peak_rss``, reset again after the tracked step: its own Python records are no training step's
+  memory; with them the RSS of fresh processes ranged -16..+10% of the prediction, without them -10..+3%) against
+  the RSS measured before the first step (a measured baseline: interpreter, libraries, data, the tensors already
+  alive) + what the simulated step adds to those tensors + what glibc's heap keeps beyond them (``fragmentation``).
+  A third row, peak RSS against the whole-process model (+ ``CPU_RUNTIME_BYTES``)
   is shown but not checked: a training process holds more than the step (its loader, the dataset's mapped pages).
 
 A row whose measurement differs from its prediction by more than ``TOLERANCE`` (of the prediction) makes the
@@ -52,7 +54,8 @@ __all__ = ["CHECK_STEPS", "EXIT_MEMORY_MISMATCH", "TOLERANCE", "CpuProbe", "Cuda
            "predict_step"]
 
 TOLERANCE = 0.10  # a row is off when |measured - predicted| > TOLERANCE x predicted
-CHECK_STEPS = 2  # optimizer steps watched: the first one creates the optimizer state, the second starts with it
+CHECK_STEPS = 3  # optimizer steps watched: the first creates the optimizer state, the second is tracked (TRACKED_STEP),
+# the third is the peak RSS's step that starts with optimizer state
 TRACKED_STEP = 1  # on CPU, this step (0-based) runs under StorageTracker
 EXIT_MEMORY_MISMATCH = 3  # autoseg check-memory: measured and predicted differ (1: failure, 2: bad input)
 
@@ -250,6 +253,7 @@ class CpuProbe:
     def __init__(self, peak_rss: Callable[[], int | None] | None = None) -> None:
         self.peak_rss = peak_rss
         self.measured: dict[str, int] = {}
+        self._untracked_peak = 0
 
     def start(self, step: TrainStep) -> None:
         self.measured["baseline_tensor_bytes"] = _storage_bytes(_state_tensors(step))
@@ -259,16 +263,22 @@ class CpuProbe:
     def run(self, step: TrainStep, batches: Iterator, index: int) -> Any:
         if index != TRACKED_STEP:
             return step(batches)
+        self._untracked_peak = self._read_peak()  # the tracked step's own Python records are no training's RSS
         tracker = StorageTracker(cpu_conv_scratch=True)  # as the CPU simulation; costs one step's Python dispatch
         tracker.count(_state_tensors(step))
         with tracker:
             out = step(_Counted(batches, tracker))
         self.measured["tracked_peak"] = tracker.peak_bytes
+        del tracker
+        reset_peak_rss()
         return out
 
     def finish(self) -> dict[str, int]:
-        self.measured["peak_rss"] = int((self.peak_rss or peak_rss_bytes)() or process_rss_bytes())
+        self.measured["peak_rss"] = max(self._untracked_peak, self._read_peak())
         return dict(self.measured)
+
+    def _read_peak(self) -> int:
+        return int((self.peak_rss or peak_rss_bytes)() or process_rss_bytes())
 
 
 def _state_tensors(step: TrainStep) -> list[torch.Tensor]:
@@ -355,9 +365,9 @@ def check_plan(plans: Plans, config_name: str, device: torch.device, steps: int 
     """``autoseg check-memory``: ``steps`` real steps of the planned configuration on synthetic batches (SGD, as
     planned), then the comparison. Refuses, before allocating anything, a configuration whose predicted peak
     exceeds what the machine has (``InputError``): on CPU it would swap instead of measuring."""
-    if steps <= TRACKED_STEP:
-        raise InputError(f"--steps {steps}: the check needs at least {TRACKED_STEP + 1} steps (the first creates the "
-                         "optimizer state)")
+    if steps < CHECK_STEPS:
+        raise InputError(f"--steps {steps}: the check needs at least {CHECK_STEPS} steps (the first creates the "
+                         "optimizer state, the second is tracked, the peak RSS is taken over the others)")
     config, scheme, optimizer = plans.configuration(config_name), plans.label_scheme, OPTIMIZERS["sgd"]
     prediction = predict_step(config, device.type, optimizer, scheme)
     if probe is None:

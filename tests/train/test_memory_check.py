@@ -24,6 +24,7 @@ from autoseg.plan.plans import Plans
 from autoseg.train import memory_check
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.memory_check import (
+    CHECK_STEPS,
     EXIT_MEMORY_MISMATCH,
     TOLERANCE,
     CudaProbe,
@@ -51,14 +52,14 @@ def _plans(**changes) -> Plans:
 @pytest.mark.parametrize("changes", [{}, {"checkpointing": True}, {"accumulation_steps": 2},
                                      {"batch_size": 1, "checkpointing": True, "accumulation_steps": 2}])
 def test_cpu_check_tracks_the_simulated_tensor_peak_of_a_real_step(changes: dict) -> None:
-    check = check_plan(_plans(**changes), CONFIG, torch.device("cpu"), steps=2)
+    check = check_plan(_plans(**changes), CONFIG, torch.device("cpu"), steps=CHECK_STEPS)
     tensors, rss, model = check.rows
     assert tensors.name == "tensors" and tensors.checked
     assert abs(tensors.measured_bytes - tensors.predicted_bytes) <= TENSOR_SLACK_BYTES, tensors
     assert rss.checked and not model.checked  # the whole-process model row is shown, not held to 10%
     assert rss.predicted_bytes > tensors.predicted_bytes  # a measured baseline plus the simulated increase
     assert check.configuration["accumulation_steps"] == changes.get("accumulation_steps", 1)
-    assert check.steps == 2 and "memory check on cpu (2 steps" in check.describe()
+    assert check.steps == 3 and "memory check on cpu (3 steps" in check.describe()
 
 
 _CHECK_IN_A_FRESH_PROCESS = r"""
@@ -75,19 +76,25 @@ print(json.dumps(check.to_dict()))
 def test_cpu_peak_rss_of_a_fresh_process_counts_what_glibcs_heap_keeps(tmp_path: Path) -> None:
     """The first-steps check of a fresh process (glibc's thresholds at their defaults, as in ``autoseg train`` and
     ``autoseg check-memory``) on a step whose 12 MiB feature maps glibc keeps in its heap when freed: the peak RSS
-    row holds within the tolerance only with the heap term (``fragmentation``, a fifth of the prediction here;
-    measured -3% with it, +24% without)."""
+    row holds within the tolerance only with the heap term (``fragmentation``, a fifth of the prediction here).
+    glibc's heap layout differs from one fresh process to the next (the same steps, seeds and thread count), so
+    the peak RSS does too: 10 runs measured -9.5%..+3.3% of the prediction (median -5.2%), +20..+38% without the
+    term; the median of three runs is held to the tolerance."""
     topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32),
                                kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2)))
     plans = _plans(network=topology, patch_size=(24, 64, 64), inference_patch_size=(24, 64, 64))
     plans.to_json(tmp_path / "plans.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _CHECK_IN_A_FRESH_PROCESS, str(tmp_path / "plans.json")],
-                          capture_output=True, text=True, env=env, timeout=300, check=True)
-    rss = next(row for row in json.loads(done.stdout.strip().splitlines()[-1])["rows"] if row["name"] == "peak RSS")
-    assert abs(rss["error"]) <= TOLERANCE, rss
+    rows = []
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", _CHECK_IN_A_FRESH_PROCESS, str(tmp_path / "plans.json")],
+                              capture_output=True, text=True, env=env, timeout=300, check=True)
+        check = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(next(row for row in check["rows"] if row["name"] == "peak RSS"))
+    median = sorted(rows, key=lambda row: row["error"])[1]
+    assert abs(median["error"]) <= TOLERANCE, rows
     heap = predict_step(plans.configuration(CONFIG), "cpu", OPTIMIZERS["sgd"], plans.label_scheme).device_terms
-    assert heap["fragmentation"] > 1.5 * TOLERANCE * rss["predicted_bytes"]  # without it the row would be off
+    assert heap["fragmentation"] > 1.5 * TOLERANCE * median["predicted_bytes"]  # without it the row would be off
 
 
 class FakeCuda:
@@ -162,7 +169,7 @@ def _workspace(tmp_path: Path) -> Path:
 
 
 def test_check_memory_prints_the_table_and_exits_zero_within_ten_percent(tmp_path: Path, capsys) -> None:
-    code = main(["-q", "check-memory", "-w", str(_workspace(tmp_path)), "--device", "cpu", "--steps", "2"])
+    code = main(["-q", "check-memory", "-w", str(_workspace(tmp_path)), "--device", "cpu", "--steps", "3"])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "tensors" in out and "peak RSS" in out and "within 10%" in out
@@ -196,13 +203,13 @@ def test_training_records_the_check_in_run_json_the_checkpoint_and_the_log(works
     caplog.set_level(logging.INFO, logger="autoseg.train.trainer")
     fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     (check,) = json.loads((fold / "run.json").read_text())["memory_checks"]  # once: the first steps
-    assert check["ok"] and check["device"] == "cpu" and check["steps"] == 2
+    assert check["ok"] and check["device"] == "cpu" and check["steps"] == CHECK_STEPS == 3
     assert check["configuration"] == {"batch_size": 2, "accumulation_steps": 1, "patch_size": [8, 16, 16],
                                       "checkpointing": True, "precision": "fp32", "optimizer": "sgd"}
     tensors = check["rows"][0]
     assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= TENSOR_SLACK_BYTES
     assert load_checkpoint(fold / "checkpoint_final.pt")["memory_checks"] == [check]
-    assert "memory check on cpu (2 steps, batch 2 x 1, patch 8x16x16, fp32, checkpointing)" in \
+    assert "memory check on cpu (3 steps, batch 2 x 1, patch 8x16x16, fp32, checkpointing)" in \
         (fold / "train.log").read_text()
 
 
@@ -225,7 +232,8 @@ def test_a_degradation_in_the_first_steps_checks_the_degraded_configuration(work
 
 
 def test_a_resumed_run_checks_again_and_keeps_the_earlier_check(workspace: Workspace) -> None:
-    train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 3}, stop_after_epochs=1), progress=False)
-    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 3}, resume=True), progress=False)
+    run = {**TINY, "epochs": 2, "iterations_per_epoch": CHECK_STEPS}  # each process runs its CHECK_STEPS
+    train(workspace, CONFIG, 0, RunConfig(**run, stop_after_epochs=1), progress=False)
+    fold = train(workspace, CONFIG, 0, RunConfig(**run, resume=True), progress=False)
     checks = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert len(checks) == 2 and all(c["ok"] for c in checks)
