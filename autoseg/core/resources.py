@@ -1,6 +1,6 @@
 """What the machine offers and how work is spread over it: available host RAM (cgroup limits included), CUDA
-memory, CPU count; ``processes_for`` (process and worker counts from a RAM budget). Torch's CPU threads:
-``autoseg.core.machine.use_cpu_threads``."""
+memory, CPU count; ``processes_for`` (process and worker counts from a RAM budget); glibc's arenas
+(``use_one_malloc_arena``). Torch's CPU threads: ``autoseg.core.machine.use_cpu_threads``."""
 
 from __future__ import annotations
 
@@ -71,6 +71,26 @@ def peak_rss_bytes() -> int | None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB
     except (ImportError, OSError):
         return None
+
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter: the most arenas malloc creates
+
+
+def use_one_malloc_arena() -> bool:
+    """From now on, threads allocate from glibc's main arena instead of an arena of their own; True where this is
+    glibc and it took the setting. Each arena keeps what its thread freed for that thread's reuse: prediction's
+    read-ahead and export threads (``autoseg.predict.pipeline``) held 180-270 MiB of the typical benchmark case's
+    1447-1535 MiB peak RSS that way (1261-1268 MiB with one arena or with no such threads, predicted 1239).
+    Threads that have allocated already keep their arena, so call it before starting them."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
 
 
 def meminfo_available_bytes() -> int | None:

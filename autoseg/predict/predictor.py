@@ -30,7 +30,7 @@ from autoseg.core.artifacts import check_writable_folder, remove_stale_temporari
 from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.precision import effective_precision
-from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, reset_peak_rss
+from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, reset_peak_rss, use_one_malloc_arena
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, supported_ending, write_image
@@ -229,6 +229,7 @@ def predict(workspace: Workspace, inputs: str | Path, output_dir: str | Path, *,
     ``options.fail_fast``. ``tile``: "planned" (the plan's inference tile) or "patch" (the training patch).
     ``postprocessing``: applied to each label map before it is written (not to ``--save-probabilities``' maps), as
     ``autoseg find-best`` chose it. ``accumulator``: the sliding window's dtype."""
+    use_one_malloc_arena()  # before any thread of the pipeline (or torch's) allocates: no arena per thread
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config_name = config_name or plans.default_configuration()
     config = plans.configuration(config_name)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import pytest
@@ -25,3 +26,32 @@ def test_cuda_is_not_available_without_a_gpu_drivers_device_file_else_torch_says
     assert cuda_available(device_files=(str(tmp_path / "nvidiactl"),)) is False
     (tmp_path / "nvidiactl").touch()
     assert cuda_available(device_files=(str(tmp_path / "nvidiactl"),)) == torch.cuda.is_available()
+
+
+_ARENAS_AFTER_A_THREAD = r"""
+import ctypes, sys, threading
+import numpy as np
+from autoseg.core.resources import use_one_malloc_arena
+if sys.argv[1] == "one":
+    assert use_one_malloc_arena()
+def work():
+    blocks = [np.ones(100_000 // 8) for _ in range(50)]  # 100 kB each: below glibc's mmap threshold, from an arena
+    del blocks
+thread = threading.Thread(target=work)
+thread.start()
+thread.join()
+ctypes.CDLL(None).malloc_stats()  # one "Arena N:" block per arena, on stderr
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_stats")
+def test_one_malloc_arena_keeps_a_threads_allocations_in_the_main_arena() -> None:
+    """A fresh process whose thread allocates: glibc gives the thread an arena of its own (2 arenas), unless
+    ``use_one_malloc_arena`` ran first (1): what that thread frees is then the main thread's to reuse."""
+    def arenas(mode: str) -> int:
+        done = subprocess.run([sys.executable, "-c", _ARENAS_AFTER_A_THREAD, mode], capture_output=True, text=True,
+                              timeout=120, check=True)
+        return sum(line.startswith("Arena ") for line in done.stderr.splitlines())
+
+    assert arenas("default") == 2
+    assert arenas("one") == 1

@@ -22,7 +22,7 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
-from autoseg.predict import networks, predictor
+from autoseg.predict import networks, pipeline, predictor
 from autoseg.predict.export import export_segmentation
 from autoseg.predict.predictor import predict
 from autoseg.predict.probabilities import ProbabilityFile
@@ -131,6 +131,26 @@ def test_objects_land_on_their_voxels_after_non_integer_resampling(
     np.testing.assert_array_equal(labels[~near_a_face], expected[~near_a_face])
     for value in (1, 2):  # most of each box, faces included, is found
         assert ((labels == value) & (expected == value)).sum() >= 0.85 * (expected == value).sum(), value
+
+
+def test_prediction_shares_one_malloc_arena_before_its_pipeline_starts(
+        trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The read-ahead and export threads allocate from glibc's main arena (``use_one_malloc_arena``, measured
+    180-270 MiB less peak RSS on the typical benchmark case): the setting comes before the pipeline's threads."""
+    workspace, plans, _ = trained_workspace
+    image, _ = box_case()
+    _use_box_network(monkeypatch, image)
+    spacing = tuple(2 * s for s in plans.configuration("3d_fullres").spacing_mm)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for name in ("a", "b", "c"):
+        _write_box(inputs / f"{name}_0000.nii.gz", image, spacing, (0.0, 0.0, 0.0), np.eye(3))
+    events: list[str] = []
+    monkeypatch.setattr(predictor, "use_one_malloc_arena", lambda: events.append("one arena") or True)
+    enter = pipeline.Pipeline.__enter__
+    monkeypatch.setattr(pipeline.Pipeline, "__enter__", lambda self: events.append("threads") or enter(self))
+    predict(workspace, inputs, tmp_path / "out", folds=(0,), mirror=False, progress=False)
+    assert events == ["one arena", "threads"]
 
 
 def test_rotated_input_keeps_its_non_identity_direction(trained_workspace, tmp_path: Path) -> None:
