@@ -1,29 +1,23 @@
 """Does the memory model hold on this machine? The first real training steps, measured against the prediction.
 
-Every training run (``trainer``) and ``autoseg check-memory`` (a plan's configuration on synthetic batches, no
-training) watch their first ``CHECK_STEPS`` optimizer steps with a ``MemoryObserver`` and compare what they
-measured with the memory model's prediction for the configuration that ran (``compare``, the one comparison):
+Every training run (``trainer``) and ``autoseg check-memory`` (a plan's configuration on synthetic batches) watch
+their first ``CHECK_STEPS`` optimizer steps with a ``MemoryObserver`` and compare them with the memory model's
+prediction for the configuration that ran (``compare``, the one comparison; docs/memory.md has the table):
 
-- CUDA (``CudaProbe``; peak statistics reset before the first step): ``torch.cuda.max_memory_allocated`` against
-  the simulated tensor peak; ``max_memory_reserved`` against tensors + the modelled allocator rounding,
-  fragmentation and convolution workspace; the device's used memory after the steps (``mem_get_info``: total -
-  free, so other processes on the GPU count too) against the whole prediction, the CUDA context included.
-- CPU (``CpuProbe``): step ``TRACKED_STEP`` (the second: the first that starts with optimizer state, as the
-  simulated step does) runs under ``StorageTracker``, with the parameters, gradients, optimizer state and the
-  batches it draws counted as they enter: its tracked tensor peak against the simulated one (a few bytes
-  below it on the configurations measured so far: 4 B to 0.001%). The process's peak RSS over the other steps
-  (VmHWM after ``reset_peak_rss``, reset again after the tracked step: its own Python records are no training step's
-  memory; with them the RSS of fresh processes ranged -16..+10% of the prediction, without them -10..+3%) against
-  the RSS measured before the first step (a measured baseline: interpreter, libraries, data, the tensors already
-  alive) + what the simulated step adds to those tensors + what glibc's heap keeps beyond them (``fragmentation``).
-  A third row, peak RSS against the whole-process model (+ ``CPU_RUNTIME_BYTES``)
-  is shown but not checked: a training process holds more than the step (its loader, the dataset's mapped pages).
+- CUDA (``CudaProbe``, peak statistics reset first): ``max_memory_allocated`` against the simulated tensor peak;
+  ``max_memory_reserved`` against tensors + the modelled allocator rounding, fragmentation and convolution
+  workspace; the device's used memory (``mem_get_info``) against the whole prediction, the CUDA context included.
+- CPU (``CpuProbe``): step ``TRACKED_STEP`` (the first that starts with optimizer state, as the simulated step)
+  runs under ``StorageTracker``, the state and its batches counted as they enter: its tensor peak against the
+  simulated one (4 B to 0.001% below it so far). The peak RSS over the other steps (VmHWM; the tracked step's
+  Python records are no training step's memory: with them fresh processes ranged -16..+10% of the prediction,
+  without -10..+3%) against the RSS before the first step (measured) + what the simulated step adds to its
+  tensors + what glibc's heap keeps beyond them (``fragmentation``). The whole-process model row (+
+  ``CPU_RUNTIME_BYTES``) is shown, not checked: a training process holds more than the step.
 
-A row whose measurement differs from its prediction by more than ``TOLERANCE`` (of the prediction) makes the
-check fail: training logs a warning and goes on, ``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``.
-The prediction is simulated before the measured steps (``predict_step``: one ``simulate_training_step`` for the
-configuration that runs), so the steps' timing (the time budget's first iterations) does not include it, and the
-RSS baseline, measured after it, holds whatever the simulation left behind.
+A row off by more than ``TOLERANCE`` of its prediction fails the check: training logs a warning and goes on,
+``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``. The prediction is simulated before the measured
+steps (``predict_step``), so neither their timing nor the RSS baseline includes the simulation's work.
 """
 
 from __future__ import annotations
@@ -153,19 +147,15 @@ class StepPrediction:
     device_terms: dict[str, int]  # predict_device_peak: tensors, the device's terms, total
 
 
-def optimizer_key(optimizer: OptimizerSettings) -> str:
-    """The ``OPTIMIZERS`` name of ``optimizer``'s kind (its state's memory depends on the kind only)."""
-    return next(key for key, settings in OPTIMIZERS.items() if settings.name == optimizer.name)
-
-
 def predict_step(config: ConfigurationPlan, device_type: str, optimizer: OptimizerSettings,
                  scheme: LabelScheme) -> StepPrediction:
     """One simulation of the step as it runs on ``device_type``: the configuration's batch, accumulation and
     checkpointing (after degradations, a rank's share), the precision it runs at there, the run's optimizer."""
     device = "cuda" if device_type == "cuda" else "cpu"
+    kind = next(key for key, settings in OPTIMIZERS.items() if settings.name == optimizer.name)  # state: by kind
     memory = simulate_training_step(config.network, config.batch_size, tuple(config.patch_size),
                                     precision=effective_precision(config.precision, device_type),
-                                    checkpointing=config.checkpointing, optimizer=optimizer_key(optimizer),
+                                    checkpointing=config.checkpointing, optimizer=kind,
                                     accumulation_steps=config.accumulation_steps, labels=scheme, device=device)
     return StepPrediction(memory, predict_device_peak(memory, device))
 
@@ -186,10 +176,10 @@ def compare(prediction: StepPrediction, measured: dict[str, int], device_type: s
         added, heap = tensors - measured["baseline_tensor_bytes"], terms["fragmentation"]
         rows = (MemoryRow("tensors", measured["tracked_peak"], tensors, f"StorageTracker, step {TRACKED_STEP}",
                           "simulated tensor peak"),
-                MemoryRow("peak RSS", measured["peak_rss"], measured["baseline_rss"] + added + heap,
-                          "VmHWM over the steps", f"RSS before them ({format_bytes(measured['baseline_rss'])}, "
-                          f"measured) + what the step adds to its tensors ({format_bytes(added)}, simulated) + "
-                          f"what glibc's heap keeps beyond them ({format_bytes(heap)}, modelled)"),
+                MemoryRow("peak RSS", measured["peak_rss"], measured["baseline_rss"] + added + heap, "VmHWM over the "
+                          "untracked steps", f"RSS before them ({format_bytes(measured['baseline_rss'])}, measured) + "
+                          f"what the step adds to its tensors ({format_bytes(added)}, simulated) + what glibc's heap "
+                          f"keeps beyond them ({format_bytes(heap)}, modelled)"),
                 MemoryRow("peak RSS (model)", measured["peak_rss"], terms["total"], "VmHWM over the steps",
                           "tensors + fragmentation + CPU_RUNTIME_BYTES", checked=False))
     return MemoryCheck(device_type, configuration, steps, rows, TOLERANCE, notes)
@@ -199,9 +189,7 @@ class Probe(Protocol):
     """What a ``MemoryObserver`` measures with: ``start`` before the first step, ``run`` each step, ``finish``."""
 
     def start(self, step: TrainStep) -> None: ...
-
     def run(self, step: TrainStep, batches: Iterator, index: int) -> Any: ...
-
     def finish(self) -> dict[str, int]: ...
 
 
@@ -253,7 +241,6 @@ class CpuProbe:
     def __init__(self, peak_rss: Callable[[], int | None] | None = None) -> None:
         self.peak_rss = peak_rss
         self.measured: dict[str, int] = {}
-        self._untracked_peak = 0
 
     def start(self, step: TrainStep) -> None:
         self.measured["baseline_tensor_bytes"] = _storage_bytes(_state_tensors(step))
@@ -263,7 +250,7 @@ class CpuProbe:
     def run(self, step: TrainStep, batches: Iterator, index: int) -> Any:
         if index != TRACKED_STEP:
             return step(batches)
-        self._untracked_peak = self._read_peak()  # the tracked step's own Python records are no training's RSS
+        self.measured["peak_rss"] = self._read_peak()  # so far: the tracked step's Python records are no training's
         tracker = StorageTracker(cpu_conv_scratch=True)  # as the CPU simulation; costs one step's Python dispatch
         tracker.count(_state_tensors(step))
         with tracker:
@@ -274,7 +261,7 @@ class CpuProbe:
         return out
 
     def finish(self) -> dict[str, int]:
-        self.measured["peak_rss"] = max(self._untracked_peak, self._read_peak())
+        self.measured["peak_rss"] = max(self.measured.get("peak_rss", 0), self._read_peak())
         return dict(self.measured)
 
     def _read_peak(self) -> int:

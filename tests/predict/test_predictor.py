@@ -90,17 +90,23 @@ def _write_box(path: Path, image: np.ndarray, spacing_zyx: tuple[float, ...], or
     write_image(path, image, geometry)
 
 
+def _box_inputs(trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """The box network in place, the box case and its labels, the plan's spacing made 2x coarser and an empty
+    input folder: (workspace, image, expected labels, spacing, folder)."""
+    workspace, plans, _ = trained_workspace
+    image, expected = box_case()
+    _use_box_network(monkeypatch, image)
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    return workspace, image, expected, tuple(2 * s for s in plans.configuration("3d_fullres").spacing_mm), inputs
+
+
 @pytest.mark.parametrize("config_name", ["3d_fullres", "2d"])
 def test_prediction_has_the_input_geometry_and_the_objects_at_their_voxels(
         trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_name: str) -> None:
     """Known objects, cropped, resampled 2x finer (the plan's spacing is half the input's), predicted and
     written back: every voxel has its label in the input's own grid, whatever the origin, direction and format."""
-    workspace, plans, _ = trained_workspace
-    image, expected = box_case()
-    _use_box_network(monkeypatch, image)
-    spacing = tuple(2 * s for s in plans.configuration("3d_fullres").spacing_mm)
-    inputs = tmp_path / "in"
-    inputs.mkdir()
+    workspace, image, expected, spacing, inputs = _box_inputs(trained_workspace, tmp_path, monkeypatch)
     _write_box(inputs / "plain_0000.nii.gz", image, spacing, (0.0, 0.0, 0.0), np.eye(3))
     _write_box(inputs / "rotated_0000.nii.gz", image, spacing, (12.5, -40.25, 310.0), _rotation_xyz((10, -20, 30)))
     _write_box(inputs / "nrrdcase_0000.nrrd", image, spacing, (-3.0, 7.5, -1.25), _rotation_xyz((0, 90, 45)))
@@ -137,12 +143,7 @@ def test_prediction_shares_one_malloc_arena_before_its_pipeline_starts(
         trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The read-ahead and export threads allocate from glibc's main arena (``use_one_malloc_arena``, measured
     180-270 MiB less peak RSS on the typical benchmark case): the setting comes before the pipeline's threads."""
-    workspace, plans, _ = trained_workspace
-    image, _ = box_case()
-    _use_box_network(monkeypatch, image)
-    spacing = tuple(2 * s for s in plans.configuration("3d_fullres").spacing_mm)
-    inputs = tmp_path / "in"
-    inputs.mkdir()
+    workspace, image, _, spacing, inputs = _box_inputs(trained_workspace, tmp_path, monkeypatch)
     for name in ("a", "b", "c"):
         _write_box(inputs / f"{name}_0000.nii.gz", image, spacing, (0.0, 0.0, 0.0), np.eye(3))
     events: list[str] = []
