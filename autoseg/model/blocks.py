@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from autoseg.model.slabs import run_module, transposed_into
+from autoseg.model.slabs import conv_of_upsampled_and_skip, run_module, transposed_into
 from autoseg.model.topology import NetworkTopology, validate_topology
 
 CONV = {2: nn.Conv2d, 3: nn.Conv3d}
@@ -75,13 +75,18 @@ class DecoderStage(nn.Module):
         1310 -> 651 MiB of tracked tensors (oneDNN's hidden convolution buffers come on top: docs/memory.md).
         ``slab_bytes``: convolutions larger than this run in slabs, the upsampling straight into the concatenation
         (``autoseg.model.slabs``)."""
-        skip = maps[-2]
-        dtype = torch.promote_types(skip.dtype, _upsampled_dtype(maps[-1]))  # torch.cat's
-        merged = skip.new_empty((skip.shape[0], 2 * skip.shape[1], *skip.shape[2:]), dtype=dtype)
-        del skip
-        merged[:, merged.shape[1] // 2:].copy_(maps.pop(-2))  # the skip, released after the copy
-        transposed_into(self.upsample, maps.pop(), merged[:, :merged.shape[1] // 2], slab_bytes)  # the coarse map
-        for module in _modules_in_order(self.convs):
+        modules = list(_modules_in_order(self.convs))
+        merged = conv_of_upsampled_and_skip(modules[0], self.upsample, maps[-1], maps[-2], slab_bytes)
+        if merged is not None:  # in slabs: the concatenation never exists whole
+            del maps[-2:], modules[0]
+        else:
+            skip = maps[-2]
+            dtype = torch.promote_types(skip.dtype, _upsampled_dtype(maps[-1]))  # torch.cat's
+            merged = skip.new_empty((skip.shape[0], 2 * skip.shape[1], *skip.shape[2:]), dtype=dtype)
+            del skip
+            merged[:, merged.shape[1] // 2:].copy_(maps.pop(-2))  # the skip, released after the copy
+            transposed_into(self.upsample, maps.pop(), merged[:, :merged.shape[1] // 2], slab_bytes)  # coarse map
+        for module in modules:
             merged = run_module(module, merged, slab_bytes)  # the input is released as soon as the output exists
         return merged
 

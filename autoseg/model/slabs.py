@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ SLAB_BYTES = 32 * MiB  # a slab's input or output at most; measured on a 64 -> 3
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_TRANSPOSED_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
 def slab_bytes_for(device: torch.device | str) -> int | None:
@@ -85,21 +86,28 @@ def _row_ranges(rows: int, slabs: int) -> Iterator[tuple[int, int]]:
 
 def conv_in_slabs(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor, slabs: int) -> torch.Tensor:
     """``conv(x)`` computed as ``slabs`` slabs of output rows along the largest spatial axis of the output."""
-    out_shape = _conv_output_shape(conv, x.shape)
+    return _conv_rows(conv, x.shape, lambda axis, lo, hi: x.narrow(axis, lo, hi - lo), slabs)
+
+
+def _conv_rows(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, in_shape: torch.Size,
+               rows_of: Callable[[int, int, int], torch.Tensor], slabs: int) -> torch.Tensor:
+    """``conv_in_slabs`` of an input of ``in_shape`` given by ``rows_of(axis, lo, hi)``, its rows [lo, hi) along
+    ``axis``: the input need never exist whole (``conv_of_upsampled_and_skip``)."""
+    out_shape = _conv_output_shape(conv, in_shape)
     axis = 2 + max(range(len(out_shape) - 2), key=lambda a: out_shape[2 + a])
-    a = axis - 2
+    a, ndim = axis - 2, len(in_shape)
     k, s, p, d = conv.kernel_size[a], conv.stride[a], conv.padding[a], conv.dilation[a]
-    rows, size = out_shape[axis], x.shape[axis]
+    rows, size = out_shape[axis], in_shape[axis]
     padding = list(conv.padding)
     padding[a] = 0
     out = None
     for o0, o1 in _row_ranges(rows, slabs):
         lo, hi = o0 * s - p, (o1 - 1) * s - p + d * (k - 1) + 1  # the input rows these outputs read
-        part = x.narrow(axis, max(lo, 0), min(hi, size) - max(lo, 0))
-        pads = [0] * (2 * (x.ndim - 2))  # F.pad: the last axis first
-        pads[2 * (x.ndim - 1 - axis)], pads[2 * (x.ndim - 1 - axis) + 1] = max(-lo, 0), max(hi - size, 0)
+        part = rows_of(axis, max(lo, 0), min(hi, size))
+        pads = [0] * (2 * (ndim - 2))  # F.pad: the last axis first
+        pads[2 * (ndim - 1 - axis)], pads[2 * (ndim - 1 - axis) + 1] = max(-lo, 0), max(hi - size, 0)
         part = F.pad(part, pads) if any(pads) else part.contiguous()
-        y = _CONV[x.ndim - 2](part, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
+        y = _CONV[ndim - 2](part, conv.weight, conv.bias, conv.stride, padding, conv.dilation, conv.groups)
         del part
         if out is None:
             out = y.new_empty(out_shape)
@@ -108,14 +116,46 @@ def conv_in_slabs(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor, slab
     return out
 
 
+def conv_of_upsampled_and_skip(conv: nn.Module, upsample: nn.Module, coarse: torch.Tensor, skip: torch.Tensor,
+                               slab_bytes: int | None) -> torch.Tensor | None:
+    """``conv(torch.cat((upsample(coarse), skip), 1))`` (a decoder stage's first convolution) in slabs, without
+    the concatenation ever existing whole: each slab's input rows are the upsampling of the coarse rows they come
+    from, beside the skip's rows, so the stage holds the skip, the coarse map and the output (on a 48x192x160 tile
+    of 32 features: 188 + 94 + 188 MiB instead of the concatenation's 376 + 188). The same values as
+    ``conv_in_slabs`` of the concatenation. None where the convolution would not run in slabs (``run_module``'s
+    rule), or the upsampling's kernel is not its stride: then the caller concatenates."""
+    if (slab_bytes is None or torch.is_grad_enabled() or type(conv) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+            or conv.padding_mode != "zeros" or isinstance(conv.padding, str) or not _plain_upsample(upsample)):
+        return None
+    in_shape = torch.Size((skip.shape[0], upsample.out_channels + skip.shape[1], *skip.shape[2:]))
+    largest = max(math.prod(in_shape), math.prod(_conv_output_shape(conv, in_shape))) * skip.element_size()
+    if largest <= slab_bytes:
+        return None
+
+    def rows_of(axis: int, lo: int, hi: int) -> torch.Tensor:
+        step = upsample.stride[axis - 2]
+        c0, c1 = lo // step, -(-hi // step)  # the coarse rows that make output rows [lo, hi)
+        up = _TRANSPOSED[coarse.ndim - 2](coarse.narrow(axis, c0, c1 - c0).contiguous(), upsample.weight,
+                                          upsample.bias, upsample.stride)
+        return torch.cat((up.narrow(axis, lo - c0 * step, hi - lo), skip.narrow(axis, lo, hi - lo)), dim=1)
+
+    return _conv_rows(conv, in_shape, rows_of, math.ceil(largest / slab_bytes))
+
+
+def _plain_upsample(upsample: nn.Module) -> bool:
+    """A transposed convolution whose kernel equals its stride: each input row makes ``stride`` rows of its own."""
+    return (type(upsample) in _TRANSPOSED_TYPES and upsample.kernel_size == upsample.stride
+            and not any(upsample.padding) and not any(upsample.output_padding)
+            and all(dd == 1 for dd in upsample.dilation))
+
+
 def transposed_into(upsample: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, x: torch.Tensor,
                     out: torch.Tensor, slab_bytes: int | None) -> None:
     """``out.copy_(upsample(x))`` for a transposed convolution whose kernel equals its stride (each input row makes
     ``stride`` output rows of its own), in slabs of input rows along the largest spatial axis when the output is
     larger than ``slab_bytes`` and autograd is off."""
-    plain = (upsample.kernel_size == upsample.stride and not any(upsample.padding)
-             and not any(upsample.output_padding) and all(dd == 1 for dd in upsample.dilation))
-    if slab_bytes is None or torch.is_grad_enabled() or not plain or out.numel() * x.element_size() <= slab_bytes:
+    if (slab_bytes is None or torch.is_grad_enabled() or not _plain_upsample(upsample)
+            or out.numel() * x.element_size() <= slab_bytes):
         out.copy_(upsample(x))
         return
     slabs = math.ceil(out.numel() * x.element_size() / slab_bytes)

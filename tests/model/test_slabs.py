@@ -10,7 +10,13 @@ from torch import nn
 
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
-from autoseg.model.slabs import conv_in_slabs, run_module, slabs_on, transposed_into
+from autoseg.model.slabs import (
+    conv_in_slabs,
+    conv_of_upsampled_and_skip,
+    run_module,
+    slabs_on,
+    transposed_into,
+)
 from autoseg.model.topology import NetworkTopology
 
 
@@ -40,6 +46,30 @@ def test_transposed_into_writes_the_upsampling_in_slabs(stride: tuple[int, ...])
         transposed_into(up, x, merged[:, :4], slab_bytes=64)
         torch.testing.assert_close(merged[:, :4], up(x), rtol=0, atol=0)
     assert not merged[:, 4:].any()  # nothing written beside the view
+
+
+@pytest.mark.parametrize(("stride", "coarse_shape", "slab_bytes"), [
+    ((1, 2, 2), (1, 8, 3, 10, 6), 2000),  # slabs along y, a coarse row split between slabs
+    ((2, 2, 2), (2, 8, 4, 5, 9), 3000),  # two samples, slabs along x
+    ((1, 2, 2), (1, 8, 3, 10, 6), 10),  # a slab per output row
+])
+def test_a_decoder_stages_first_convolution_in_slabs_never_builds_the_concatenation(
+        stride: tuple[int, ...], coarse_shape: tuple[int, ...], slab_bytes: int) -> None:
+    """``conv_of_upsampled_and_skip`` gives ``conv(cat(upsample(coarse), skip))`` while no tensor of the
+    concatenation's size is ever allocated (StorageTracker sees every allocation)."""
+    torch.manual_seed(0)
+    up, conv = nn.ConvTranspose3d(8, 4, stride, stride=stride), nn.Conv3d(8, 4, 3, padding=1)
+    coarse = torch.randn(coarse_shape)
+    skip = torch.randn(coarse_shape[0], 4, *(s * k for s, k in zip(coarse_shape[2:], stride, strict=True)))
+    whole_bytes = 2 * skip.numel() * 4
+    with torch.no_grad():
+        expected = conv(torch.cat((up(coarse), skip), dim=1))
+        with StorageTracker() as tracker:
+            out = conv_of_upsampled_and_skip(conv, up, coarse, skip, slab_bytes)
+        torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+        assert 0 < max(tracker.sizes) < whole_bytes
+        assert conv_of_upsampled_and_skip(conv, up, coarse, skip, slab_bytes=whole_bytes) is None  # small: whole
+    assert conv_of_upsampled_and_skip(conv, up, coarse, skip, slab_bytes) is None  # autograd on: whole
 
 
 def test_run_module_slabs_only_large_convolutions_without_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
