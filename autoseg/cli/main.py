@@ -150,7 +150,7 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
 
 def _train(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
-    from autoseg.model.distributed import context_from_environment, process_group
+    from autoseg.model.distributed import context_from_environment, end_rank_process, process_group
     from autoseg.train.folds import train_folds
     from autoseg.train.run_config import RunConfig
 
@@ -173,6 +173,8 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         progress = False
     with process_group(distributed):
         train_folds(ws, config, args.folds, run, progress=progress, distributed=distributed)
+    if distributed.is_distributed:
+        end_rank_process(0)  # not through the interpreter's teardown, where gloo aborts now and then
     return 0
 
 
