@@ -58,15 +58,19 @@ def slabs_on(networks: Sequence[nn.Module], device: torch.device | str) -> Itera
 def run_module(module: nn.Module, x: torch.Tensor, slab_bytes: int | None) -> torch.Tensor:
     """``module(x)``; a plain convolution (zeros padding) whose input or output is larger than ``slab_bytes`` runs
     in slabs (``conv_in_slabs``) when autograd is off."""
-    if slab_bytes is None or torch.is_grad_enabled() or type(module) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-        return module(x)
-    if module.padding_mode != "zeros" or isinstance(module.padding, str):
-        return module(x)
-    out_shape = _conv_output_shape(module, x.shape)
-    largest = max(x.numel(), math.prod(out_shape)) * x.element_size()
-    if largest <= slab_bytes:
-        return module(x)
-    return conv_in_slabs(module, x, math.ceil(largest / slab_bytes))
+    slabs = _slab_count(module, x.shape, x.element_size(), slab_bytes)
+    return module(x) if slabs is None else conv_in_slabs(module, x, slabs)
+
+
+def _slab_count(conv: nn.Module, in_shape: torch.Size, element_size: int, slab_bytes: int | None) -> int | None:
+    """How many slabs ``conv`` on an input of ``in_shape`` runs in: None (whole) unless it is a plain convolution
+    (zeros padding), autograd is off and its input or output exceeds ``slab_bytes``."""
+    if slab_bytes is None or torch.is_grad_enabled() or type(conv) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+        return None
+    if conv.padding_mode != "zeros" or isinstance(conv.padding, str):
+        return None
+    largest = max(math.prod(in_shape), math.prod(_conv_output_shape(conv, in_shape))) * element_size
+    return None if largest <= slab_bytes else math.ceil(largest / slab_bytes)
 
 
 def _conv_output_shape(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, shape: torch.Size) -> tuple[int, ...]:
@@ -124,12 +128,9 @@ def conv_of_upsampled_and_skip(conv: nn.Module, upsample: nn.Module, coarse: tor
     of 32 features: 188 + 94 + 188 MiB instead of the concatenation's 376 + 188). The same values as
     ``conv_in_slabs`` of the concatenation. None where the convolution would not run in slabs (``run_module``'s
     rule), or the upsampling's kernel is not its stride: then the caller concatenates."""
-    if (slab_bytes is None or torch.is_grad_enabled() or type(conv) not in (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-            or conv.padding_mode != "zeros" or isinstance(conv.padding, str) or not _plain_upsample(upsample)):
-        return None
     in_shape = torch.Size((skip.shape[0], upsample.out_channels + skip.shape[1], *skip.shape[2:]))
-    largest = max(math.prod(in_shape), math.prod(_conv_output_shape(conv, in_shape))) * skip.element_size()
-    if largest <= slab_bytes:
+    slabs = _slab_count(conv, in_shape, skip.element_size(), slab_bytes)
+    if slabs is None or not _plain_upsample(upsample):
         return None
 
     def rows_of(axis: int, lo: int, hi: int) -> torch.Tensor:
@@ -139,7 +140,7 @@ def conv_of_upsampled_and_skip(conv: nn.Module, upsample: nn.Module, coarse: tor
                                           upsample.bias, upsample.stride)
         return torch.cat((up.narrow(axis, lo - c0 * step, hi - lo), skip.narrow(axis, lo, hi - lo)), dim=1)
 
-    return _conv_rows(conv, in_shape, rows_of, math.ceil(largest / slab_bytes))
+    return _conv_rows(conv, in_shape, rows_of, slabs)
 
 
 def _plain_upsample(upsample: nn.Module) -> bool:

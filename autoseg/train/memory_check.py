@@ -180,7 +180,7 @@ def compare(prediction: StepPrediction, measured: dict[str, int], device_type: s
                           "untracked steps", f"RSS before them ({format_bytes(measured['baseline_rss'])}, measured) + "
                           f"what the step adds to its tensors ({format_bytes(added)}, simulated) + what glibc's heap "
                           f"keeps beyond them ({format_bytes(heap)}, modelled)"),
-                MemoryRow("peak RSS (model)", measured["peak_rss"], terms["total"], "VmHWM over the steps",
+                MemoryRow("peak RSS (model)", measured["peak_rss"], terms["total"], "VmHWM over the untracked steps",
                           "tensors + fragmentation + CPU_RUNTIME_BYTES", checked=False))
     return MemoryCheck(device_type, configuration, steps, rows, TOLERANCE, notes)
 
