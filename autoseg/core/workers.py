@@ -107,9 +107,15 @@ def _exit_codes(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> dict[int, 
     """pid -> exit code of the pool's workers, once they have exited (the pool is stopping them all)."""
     processes = dict(getattr(pool, "_processes", None) or {})  # the executor's own Process objects
     deadline = time.monotonic() + timeout_s
-    for p in processes.values():  # the dead one may not be reaped yet when the futures fail
-        p.join(max(0.0, deadline - time.monotonic()))
-    return {pid: p.exitcode for pid, p in processes.items()}
+    while True:
+        # the dead one may not be reaped yet when the futures fail, and the pool's own thread joins the same
+        # processes: when it reaps one first, our join sees no child and its exit code is None until that
+        # thread has stored it (1 run in 50 without this loop)
+        for p in processes.values():
+            p.join(max(0.0, min(0.05, deadline - time.monotonic())))
+        codes = {pid: p.exitcode for pid, p in processes.items()}
+        if all(c is not None for c in codes.values()) or time.monotonic() >= deadline:
+            return codes
 
 
 def _in_flight(started: Any, done: set[str], exit_codes: dict[int, int | None]) -> dict[str, int | None]:

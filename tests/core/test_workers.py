@@ -52,3 +52,29 @@ def test_a_worker_dies_within_a_second_of_its_parent_only_when_armed(tmp_path: P
     if survived:
         os.kill(child, signal.SIGKILL)
     assert survived is not arm  # the unarmed control shows the check can fail
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_dead_worker_s_exit_code_is_read_even_when_another_thread_reaps_it_first() -> None:
+    """The pool's own thread joins its workers too: when it reaps the dead one first, our join finds no child
+    and the exit code stays None until that thread stores it (CI once reported a killed worker without its
+    signal this way). ``_exit_codes`` waits for the code instead of returning None."""
+    import multiprocessing
+    import threading
+    from types import SimpleNamespace
+
+    from autoseg.core.workers import _exit_codes
+
+    process = multiprocessing.get_context("spawn").Process(target=_kill_self)
+    process.start()
+    _, status = os.waitpid(process.pid, 0)  # reaped here, as the pool's thread would
+
+    def store_later() -> None:
+        time.sleep(0.3)
+        process._popen.returncode = os.waitstatus_to_exitcode(status)
+
+    threading.Thread(target=store_later).start()
+    assert _exit_codes(SimpleNamespace(_processes={process.pid: process})) == {process.pid: -signal.SIGKILL}
