@@ -21,6 +21,11 @@ block goes elsewhere and the heap grows to 1.1-1.7x what the step's tensors add.
 without held fragments, reuses nearly every hole: 1.04x, where the demo's step measured 1.6x.) The model holds
 every ``HELD_FRAGMENT_EVERY``-th fragment for one step's events and gives the others back at once.
 
+At inference (``inference_mode``: no autograd nodes, the long-lived small objects of a training step) fewer
+fragments are held: one in ``INFERENCE_HELD_FRAGMENT_EVERY``, fitted to the peak RSS of real CPU tiles (8 tiles of 3
+networks: -8..+7% for tiles whose tensors exceed 250 MiB; one in 5 predicted -14..+58%, none held -6..-42%;
+docs/memory.md section 4).
+
 ``heap_footprint`` replays a step's allocation trace ``HEAP_STEPS`` times (the thresholds and the held fragments
 carry over, as in training) and returns the peak of heap extent + mapped bytes above the step's start. It does not
 see the interpreter's and the C++ runtime's own allocations (in the measured RSS before the step) nor kernels'
@@ -43,6 +48,7 @@ GLIBC_MMAP_THRESHOLD_START = 128 * KiB  # M_MMAP_THRESHOLD and M_TRIM_THRESHOLD 
 TOP_PAD_BYTES = 128 * KiB  # M_TOP_PAD: what the heap grows by beyond a request
 TORCH_CPU_ALIGNMENT = 64  # c10's posix_memalign alignment for CPU tensors
 HELD_FRAGMENT_EVERY = 5  # one fragment in 5 is held by a small object for a step (20% measured, above)
+INFERENCE_HELD_FRAGMENT_EVERY = 20  # under inference_mode (no autograd nodes): fitted to measured tiles, above
 HEAP_STEPS = 3  # steps replayed: the first raises the threshold, the next ones reach the steady state
 _MIN_CHUNK, _HEADER, _PAGE = 32, 8, 4096
 _CONSOLIDATION_BYTES = 64 * KiB  # a free of at least this (coalesced) size may trim the top
@@ -82,10 +88,12 @@ class HeapFootprint:
 class GlibcHeap:
     """glibc's main arena as seen through tensor allocations (see the module docstring). Blocks are named by ``key``;
     ``footprint_bytes`` is the heap extent + mapped bytes now, ``peak_bytes`` its largest value so far.
-    ``hold_events``: how many ``tick``s a held fragment stays held (0: none is held)."""
+    ``hold_events``: how many ``tick``s a held fragment stays held (0: none is held); ``held_every``: every how
+    many-th fragment is held."""
 
-    def __init__(self, hold_events: int) -> None:
+    def __init__(self, hold_events: int, held_every: int = HELD_FRAGMENT_EVERY) -> None:
         self.hold_events = hold_events
+        self.held_every = held_every
         self.mmap_threshold = self.trim_threshold = GLIBC_MMAP_THRESHOLD_START
         self.top = self.end = 16  # the heap's first chunk (the extent is counted from 0)
         self.free_at: dict[int, int] = {}  # free chunks: address -> size, and by end address, and (size, address)
@@ -143,7 +151,7 @@ class GlibcHeap:
 
     def _fragment(self, address: int, size: int) -> None:
         self.fragments += 1
-        if self.hold_events and self.fragments % HELD_FRAGMENT_EVERY == 0:
+        if self.hold_events and self.fragments % self.held_every == 0:
             self.held.append((self.clock + self.hold_events, address, size))
         else:
             self._give_back(address, size)
@@ -193,7 +201,8 @@ class GlibcHeap:
         return size
 
 
-def heap_footprint(storage: np.ndarray, delta: np.ndarray, steps: int = HEAP_STEPS) -> HeapFootprint:
+def heap_footprint(storage: np.ndarray, delta: np.ndarray, steps: int = HEAP_STEPS,
+                   held_every: int = HELD_FRAGMENT_EVERY) -> HeapFootprint:
     """Replay one step's allocation trace ``steps`` times in a ``GlibcHeap``.
 
     ``storage[i]``, ``delta[i]``: event ``i`` changes storage ``storage[i]`` by ``delta[i]`` bytes (> 0: allocated or
@@ -207,7 +216,7 @@ def heap_footprint(storage: np.ndarray, delta: np.ndarray, steps: int = HEAP_STE
     for number, change in events:
         first.setdefault(number, change)
     carried = [(number, -change) for number, change in first.items() if change < 0]
-    heap = GlibcHeap(hold_events=len(events))
+    heap = GlibcHeap(hold_events=len(events), held_every=held_every)
     sizes: dict[object, int] = {(-1, number): nbytes for number, nbytes in carried}  # block (step, storage): bytes
     for key, nbytes in sizes.items():
         heap.malloc(key, nbytes)

@@ -64,7 +64,7 @@ class InferenceMemory:
     tile_batch_size: int = 1  # (tile, mirror variant) pairs per forward pass
     accumulator_depth: int = 0  # z-slices the accumulator holds: the deepest slab it finishes at once
     host_accumulator_bytes: int = 0  # host bytes on CUDA: the output, and the accumulator etc. when they live there
-    heap_retained_bytes: int = 0  # glibc's heap beyond the tensors on CPU: not modelled for inference (docs/memory.md)
+    heap_retained_bytes: int = 0  # CPU: glibc's heap beyond the tensors at a tile's peak (``heap_footprint``)
 
     def breakdown(self) -> dict[str, int]:
         return {"parameters": self.parameter_bytes, "tile": self.tile_bytes,
@@ -76,11 +76,12 @@ class InferenceMemory:
 def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                              precision: str = "fp32", mirror_axes: Sequence[int] = (),
                              tta: int | None = None, cache: MachineCache | None = None,
-                             accumulator_dtype: str = "float32", device: str = "cpu") -> tuple[int, int, int, int]:
+                             accumulator_dtype: str = "float32", device: str = "cpu") -> tuple[int, int, int, int, int]:
     """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
     ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
     (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
-    bytes, live allocations at the peak, buffers included). Cached: the answer does not depend on the image;
+    bytes, live allocations at the peak, buffers included, and on CPU what glibc's heap holds beyond the
+    tensors at that peak). Cached: the answer does not depend on the image;
     with ``cache`` also between runs (keyed by the simulated code and torch's version): the simulation, and
     importing the fake-tensor machinery for it, cost a prediction 1-4 s of its start.
 
@@ -115,7 +116,7 @@ _SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "
 @functools.lru_cache(maxsize=64)
 def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                      precision: str, mirror_axes: tuple[int, ...], tta: int | None,
-                     accumulator_dtype: str, device: str) -> tuple[int, int, int, int]:
+                     accumulator_dtype: str, device: str) -> tuple[int, int, int, int, int]:
     from autoseg.memory.inference_simulation import simulate_tile_batch  # torch: imported once a tile must run
 
     return simulate_tile_batch(topology, patch_size, tile_batch_size, precision, mirror_axes, tta, accumulator_dtype,
@@ -148,7 +149,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     variants = len(mirror_variants(mirror_axes, tta))
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
-    params, tile, conv, count = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
+    params, tile, conv, count, retained = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
                                                          mirror_axes, tta, cache, accumulator_dtype, device)
     params *= num_networks
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
@@ -175,7 +176,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
         softmax_temp_bytes=temp if accumulator_on_device else 0, output_bytes=output_here,
         peak_bytes=max(tiles, finishing), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
         tile_batch_size=batch, accumulator_depth=depth,
-        host_accumulator_bytes=host)
+        host_accumulator_bytes=host, heap_retained_bytes=retained)
 
 
 CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)
@@ -196,9 +197,10 @@ class InferencePlan:
     """How ``sliding_window_predict`` runs on one image, chosen before it starts (``plan_inference``).
 
     ``choices``: every (tile batch, accumulator device, predicted peak bytes) considered, the chosen first.
-    ``peak_bytes``: the compute device's predicted peak (``predict_device_peak`` total: on CPU the tensors
-    plus the runtime), of which ``parameter_bytes`` are the networks' parameters. ``fits``: False when even one
-    tile with the accumulator on the host exceeds the budget.
+    ``peak_bytes``: the compute device's predicted peak (``predict_device_peak`` total: on CPU the tensors, what
+    glibc's heap holds beyond them, ``heap_retained_bytes``, and the runtime), of which ``parameter_bytes`` are
+    the networks' parameters. ``fits``: False when even one tile with the accumulator on the host exceeds the
+    budget.
     """
 
     tile_batch_size: int
@@ -211,6 +213,7 @@ class InferencePlan:
     host_accumulator_bytes: int
     budget_bytes: int
     fits: bool
+    heap_retained_bytes: int
     choices: tuple[tuple[int, str, int], ...]
 
     def describe(self) -> str:
@@ -218,6 +221,7 @@ class InferencePlan:
         return (f"tile batch {self.tile_batch_size} ({self.num_variants} mirror variant(s) per tile), "
                 f"accumulator {self.accumulator_dtype} on {self.accumulator_device}; predicted peak "
                 f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB"
+                + (f" (glibc's heap {self.heap_retained_bytes / MiB:.0f} MiB)" if self.heap_retained_bytes else "")
                 + ("" if self.fits else " (does not fit: expect out-of-memory)"))
 
 
@@ -279,4 +283,5 @@ def _inference_plan(best: tuple[int, str, int, InferenceMemory], choices: list, 
                          num_variants=num_variants, peak_bytes=total, parameter_bytes=mem.parameter_bytes,
                          slab_depth=finish_chunk_slices(mem.accumulator_depth, num_outputs, accumulator_dtype),
                          host_accumulator_bytes=mem.host_accumulator_bytes, budget_bytes=budget_bytes, fits=fits,
+                         heap_retained_bytes=mem.heap_retained_bytes,
                          choices=((batch, acc_device, total), *others))

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.memory.glibc_heap import INFERENCE_HELD_FRAGMENT_EVERY, heap_footprint
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
 from autoseg.model.slabs import slabs_on
@@ -26,11 +27,14 @@ from autoseg.model.tta import mirror_variants
 
 def simulate_tile_batch(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
                         precision: str, mirror_axes: tuple[int, ...], tta: int | None,
-                        accumulator_dtype: str, device: str) -> tuple[int, int, int, int]:
+                        accumulator_dtype: str, device: str) -> tuple[int, int, int, int, int]:
     """``autoseg.memory.inference.simulate_tile_prediction``'s figures, simulated now (no cache): one forward pass
     of ``run_tile_batch`` on ``tile_batch_size`` (tile, mirror variant) pairs under ``FakeTensorMode``. ``device``
     "cpu": the network runs its large convolutions in slabs as ``sliding_window_predict`` does there
-    (``autoseg.model.slabs``), and each convolution's hidden buffers count (``cpu_conv_scratch_bytes``)."""
+    (``autoseg.model.slabs``), each convolution's hidden buffers count (``cpu_conv_scratch_bytes``), and glibc's
+    heap is replayed over the pass's allocations as over a training step's (``heap_footprint``: a prediction runs
+    the same pass tile after tile): what it holds beyond the tensors at their peak is the fifth figure (0 on
+    CUDA)."""
     variants = mirror_variants(mirror_axes, tta)
     one_tile = tile_layout(patch_as_zyx(patch_size), patch_size)  # patch-sized stand-ins for the buffers
     cpu = torch.device("cpu")
@@ -54,7 +58,14 @@ def simulate_tile_batch(topology: NetworkTopology, patch_size: tuple[int, ...], 
     base = int(live[start - 1]) if start > 0 else 0  # parameters and buffers, before the pass
     peak_row = int(np.argmax(live[start:])) + start
     count = int(tracker.live_count(stop)[peak_row + 1])
-    return params, int(live[start:].max()) - base, tracker.largest_conv_output_bytes, count
+    tile = int(live[start:].max()) - base
+    retained = 0
+    if device == "cpu":
+        heap = heap_footprint(np.asarray(tracker.event_storage[start:stop], dtype=np.int64),
+                              np.asarray(tracker.event_delta[start:stop], dtype=np.int64),
+                              held_every=INFERENCE_HELD_FRAGMENT_EVERY)
+        retained = heap.retained_bytes(tile)
+    return params, tile, tracker.largest_conv_output_bytes, count, retained
 
 
 def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
