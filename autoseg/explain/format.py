@@ -23,6 +23,7 @@ TERM_NAMES = {
     "gaussian": "Gaussian (patch)", "softmax_temp": "softmax of finished slices (z-window)",
     "output": "probabilities (K x volume, fp16)",
 }
+CPU_TERM_NAMES = {**TERM_NAMES, "fragmentation": "glibc's heap (freed blocks it keeps)"}
 FIXED_TERMS = ("parameters", "gradients", "optimizer_state")
 
 
@@ -58,8 +59,9 @@ def _network_line(e: Explanation) -> list[str]:
             f"{n.decoder_convs_per_stage} conv block(s) per stage; {n.parameters / 1e6:.2f} M parameters"]
 
 
-def _terms_table(terms: dict[str, int], total: int) -> list[str]:
-    rows = [[TERM_NAMES.get(k, k), format_bytes(v), _pct(v, total)] for k, v in terms.items()]
+def _terms_table(terms: dict[str, int], total: int, device: str) -> list[str]:
+    names = CPU_TERM_NAMES if device == "cpu" else TERM_NAMES
+    rows = [[names.get(k, k), format_bytes(v), _pct(v, total)] for k, v in terms.items()]
     return _table(["term", "size", "share"], [*rows, ["total", format_bytes(total), "100.0%"]])
 
 
@@ -153,7 +155,7 @@ def _inference_section(e: Explanation) -> list[str]:
     out = ["", f"INFERENCE on the median image {_shape(e.inference_image_shape_zyx)} (tile batch 1, "
            f"mirroring on every axis, {e.inference_precision}): predicted peak "
            f"{format_bytes(e.inference_total_bytes)}, in the {e.inference_phase} phase.",
-           *_terms_table(t, e.inference_total_bytes)]
+           *_terms_table(t, e.inference_total_bytes, e.device)]
     volume = t.get("output", 0)
     out.append(f"  the probabilities (one fp16 volume per class) are {_pct(volume, e.inference_total_bytes)} of "
                "it: they grow with the image, the tile term with the patch (the accumulator holds a z-window of "
@@ -182,6 +184,6 @@ def _host_section(e: Explanation) -> list[str]:
 
 def format_explanation(e: Explanation) -> str:
     """The explanation as text: headline, training terms, stages, why, what-ifs, inference, host."""
-    lines = [*_headline(e), *_terms_table(e.training_terms, e.training_total_bytes), *_stage_table(e),
+    lines = [*_headline(e), *_terms_table(e.training_terms, e.training_total_bytes, e.device), *_stage_table(e),
              *_training_findings(e), *_what_if_table(e), *_inference_section(e), *_host_section(e)]
     return "\n".join(lines) + "\n"

@@ -178,6 +178,8 @@ def test_cpu_device_uses_host_ram_and_fp32(explanation: Explanation) -> None:
     assert (e.precision, e.planned_precision) == ("fp32", "bf16")  # AMP runs on CUDA only
     assert set(e.training_terms) >= {"runtime"} and "cuda_context" not in e.training_terms
     assert not any(w.precision != "fp32" for w in e.what_ifs)
+    text = format_explanation(e)  # the fragmentation term on CPU is glibc's heap, in training and inference alike
+    assert text.count("glibc's heap (freed blocks it keeps)") == 2 and "allocator fragmentation" not in text
 
 
 def test_unknown_configuration_and_device_say_what_exists() -> None:
