@@ -16,9 +16,8 @@ prediction for the configuration that ran (``compare``, the one comparison; docs
   ``CPU_RUNTIME_BYTES``) is shown, not checked: a training process holds more than the step.
 
 A row off by more than ``TOLERANCE`` of its prediction (the CPU peak RSS row: and by more than ``RSS_SLACK_BYTES``)
-fails the check: training logs a warning and goes on,
-``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``. The prediction is simulated before the measured
-steps (``predict_step``), so neither their timing nor the RSS baseline includes the simulation's work.
+fails the check: training logs a warning and goes on, ``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``.
+The prediction is simulated before the measured steps (``predict_step``): their timing and RSS baseline exclude it.
 """
 
 from __future__ import annotations
@@ -49,10 +48,7 @@ __all__ = ["CHECK_STEPS", "EXIT_MEMORY_MISMATCH", "TOLERANCE", "CpuProbe", "Cuda
            "predict_step"]
 
 TOLERANCE = 0.10  # a row is off when |measured - predicted| > TOLERANCE x predicted
-# ... and, for the CPU peak RSS row, by more than this: the same steps' peak RSS spreads by about this much from one
-# fresh process to the next (glibc's heap layout: 605-683 MiB over 10 runs), so on a small step (2 MiB of tensors
-# on a 455 MiB process, +13%) a gap under it is the heap's layout, not the model's error
-RSS_SLACK_BYTES = 64 * MiB
+RSS_SLACK_BYTES = 64 * MiB  # the CPU peak RSS row also by more than this: its spread between fresh processes
 CHECK_STEPS = 3  # optimizer steps watched: the first creates the optimizer state, the second is tracked (TRACKED_STEP),
 # the third is the peak RSS's step that starts with optimizer state
 TRACKED_STEP = 1  # on CPU, this step (0-based) runs under StorageTracker
