@@ -38,7 +38,7 @@ import torch
 
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import write_image
-from autoseg.dataset.raw import list_prediction_inputs
+from autoseg.dataset.inputs import list_prediction_inputs
 from autoseg.evaluate.metrics import evaluate_folder
 from autoseg.memory.inference import plan_inference
 from autoseg.model.sliding_window import sliding_window_predict

@@ -34,8 +34,9 @@ from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, reset_pe
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry, supported_ending, write_image
+from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
 from autoseg.dataset.labels import LabelScheme
-from autoseg.dataset.raw import Case, PredictionInputs, list_prediction_inputs, load_case
+from autoseg.dataset.raw import Case, load_case
 from autoseg.memory.inference import InferencePlan, plan_inference
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.tile_buffers import ACCUMULATOR_DTYPES, OUTPUT_DTYPES, PREDICTION_ACCUMULATOR

@@ -9,7 +9,8 @@ import SimpleITK as sitk
 from dicom_series import write_dicom_series
 
 from autoseg.dataset.imageio import read_image, write_image
-from autoseg.dataset.raw import DatasetError, check_integrity, list_prediction_inputs, load_case, load_dataset
+from autoseg.dataset.inputs import list_prediction_inputs
+from autoseg.dataset.raw import DatasetError, check_integrity, load_case, load_dataset
 
 
 def test_load_dataset_reads_nnunet_layout(tiny_dataset):
