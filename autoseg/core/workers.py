@@ -116,6 +116,7 @@ def _exit_codes(pool: ProcessPoolExecutor, timeout_s: float = 5.0) -> dict[int, 
         codes = {pid: p.exitcode for pid, p in processes.items()}
         if all(c is not None for c in codes.values()) or time.monotonic() >= deadline:
             return codes
+        time.sleep(0.01)  # a reaped child's join returns at once: do not spin while the other thread stores its code
 
 
 def _in_flight(started: Any, done: set[str], exit_codes: dict[int, int | None]) -> dict[str, int | None]:

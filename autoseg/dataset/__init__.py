@@ -2,7 +2,7 @@
 regions), image reading and writing with their geometry, the integrity checks, and the nonzero region a case
 is cropped to.
 
-Owns: ``raw`` (``load_dataset``, ``check_integrity``), ``inputs`` (what ``predict -i`` names), ``labels``, ``imageio``, ``dicom_file`` (a truncated
-DICOM slice found before the series is read), ``cropping``.
+Owns: ``raw`` (``load_dataset``, ``check_integrity``), ``inputs`` (what ``predict -i`` names), ``labels``,
+``imageio``, ``dicom_file`` (a truncated DICOM slice found before the series is read), ``cropping``.
 Imports: ``autoseg.core``.
 """

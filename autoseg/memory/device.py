@@ -12,7 +12,7 @@ model (see docs and shared/notes/memory-simulation.md), to be calibrated on a re
 - ``cuda_context``: the CUDA context, cuBLAS/cuDNN handles and kernels, about 0.5 GiB.
 
 On CPU: tensors + ``fragmentation``, what glibc's heap keeps of freed tensors beyond the live ones at the peak
-(``autoseg.memory.glibc_heap``, replayed over the simulated step: 0.1-0.7x the tensors the step adds) + the
+(``autoseg.memory.glibc_heap``, replayed over the simulated step or tile: 0.1-0.7x the tensors a step adds) + the
 process's runtime (interpreter, torch libraries), about 150 MiB above the tensor peak as measured by RSS.
 """
 

@@ -1,4 +1,5 @@
-"""What glibc's malloc holds while a CPU training step runs: its heap and mapped blocks, replayed over the step's trace.
+"""What glibc's malloc holds while a CPU training step (or a tile's prediction) runs: its heap and mapped blocks,
+replayed over the step's trace.
 
 torch allocates a CPU tensor with ``posix_memalign(64, n)``. glibc (2.36, 64-bit, the main arena) serves it
 

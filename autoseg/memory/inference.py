@@ -106,11 +106,12 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
 SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between runs
 
 
-# the code a tile simulation runs (the networks, the sliding window's step and buffers, the tracker, the simulation
-# and this module): a kept simulation is reused only while these files are unchanged
+# the code a tile simulation runs (the networks, the sliding window's step and buffers, the tracker, the heap model,
+# the simulation and this module): a kept simulation is reused only while these files are unchanged
 _SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window", "slabs",
                                                           "tile_buffers", "tiles", "tta", "topology")) + (
-    "autoseg.core.precision", "autoseg.memory.tracker", "autoseg.memory.inference_simulation", __name__)
+    "autoseg.core.precision", "autoseg.memory.tracker", "autoseg.memory.glibc_heap",
+    "autoseg.memory.inference_simulation", __name__)
 
 
 @functools.lru_cache(maxsize=64)

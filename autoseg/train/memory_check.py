@@ -9,11 +9,10 @@ prediction for the configuration that ran (``compare``, the one comparison; docs
   workspace; the device's used memory (``mem_get_info``) against the whole prediction, the CUDA context included.
 - CPU (``CpuProbe``): step ``TRACKED_STEP`` (the first that starts with optimizer state, as the simulated step)
   runs under ``StorageTracker``, the state and its batches counted as they enter: its tensor peak against the
-  simulated one (4 B to 0.001% below it so far). The peak RSS over the other steps (VmHWM; the tracked step's
-  Python records are no training step's memory: with them fresh processes ranged -16..+10% of the prediction,
-  without -10..+3%) against the RSS before the first step (measured) + what the simulated step adds to its
-  tensors + what glibc's heap keeps beyond them (``fragmentation``). The whole-process model row (+
-  ``CPU_RUNTIME_BYTES``) is shown, not checked: a training process holds more than the step.
+  simulated one (4 B to 0.001% below it so far). The peak RSS over the other steps (VmHWM; not the tracked step's
+  Python records) against the RSS before the first step (measured) + what the simulated step adds to its tensors +
+  what glibc's heap keeps beyond them (``fragmentation``). The whole-process model row (+ ``CPU_RUNTIME_BYTES``)
+  is shown, not checked: a training process holds more than the step.
 
 A row off by more than ``TOLERANCE`` of its prediction (the CPU peak RSS row: and by more than ``RSS_SLACK_BYTES``)
 fails the check: training logs a warning and goes on, ``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``.
@@ -49,8 +48,7 @@ __all__ = ["CHECK_STEPS", "EXIT_MEMORY_MISMATCH", "TOLERANCE", "CpuProbe", "Cuda
 
 TOLERANCE = 0.10  # a row is off when |measured - predicted| > TOLERANCE x predicted
 RSS_SLACK_BYTES = 64 * MiB  # the CPU peak RSS row also by more than this: its spread between fresh processes
-CHECK_STEPS = 3  # optimizer steps watched: the first creates the optimizer state, the second is tracked (TRACKED_STEP),
-# the third is the peak RSS's step that starts with optimizer state
+CHECK_STEPS = 3  # steps watched: the 1st makes the optimizer state, the 2nd is tracked, the 3rd's peak RSS is checked
 TRACKED_STEP = 1  # on CPU, this step (0-based) runs under StorageTracker
 EXIT_MEMORY_MISMATCH = 3  # autoseg check-memory: measured and predicted differ (1: failure, 2: bad input)
 
@@ -80,7 +78,8 @@ class MemoryRow:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "measured_bytes": self.measured_bytes, "predicted_bytes": self.predicted_bytes,
-                "error": self.error, "checked": self.checked, "source": self.source, "model": self.model}
+                "error": self.error, "checked": self.checked, "slack_bytes": self.slack_bytes, "source": self.source,
+                "model": self.model}
 
 
 @dataclass(frozen=True)
@@ -133,7 +132,8 @@ class MemoryCheck:
         header = ["term", "measured", "predicted", "error", f"within {self.tolerance:.0%}",
                   "measured by / predicted as"]
         body = [[r.name, format_bytes(r.measured_bytes), format_bytes(r.predicted_bytes), f"{r.error:+.2%}",
-                 ("yes" if not r.off(self.tolerance) else "NO") if r.checked else "(not checked)",
+                 ("NO" if r.off(self.tolerance) else "yes" if abs(r.error) <= self.tolerance else
+                  f"yes (by < {format_bytes(r.slack_bytes)})") if r.checked else "(not checked)",
                  f"{r.source} / {r.model}"] for r in self.rows]
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
         lines = ["  ".join(cell.rjust(w) if 0 < i < 5 else cell.ljust(w) for i, (cell, w) in

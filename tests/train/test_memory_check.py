@@ -154,7 +154,7 @@ def test_cuda_check_compares_allocator_statistics_with_the_predicted_terms() -> 
 def test_a_cpu_peak_rss_gap_within_the_heap_s_spread_between_processes_is_not_off() -> None:
     """A tiny step on a large process: 13% over the prediction but 59 MiB, under the 64 MiB the same steps' peak RSS
     spreads between fresh processes, is no mismatch; 100 MiB over is, as is any row without the slack."""
-    from autoseg.train.memory_check import RSS_SLACK_BYTES, MemoryRow
+    from autoseg.train.memory_check import RSS_SLACK_BYTES, MemoryCheck, MemoryRow
 
     def row(measured_mib: int, slack: int) -> MemoryRow:
         return MemoryRow("peak RSS", measured_mib * MiB, 460 * MiB, "VmHWM", "model", slack_bytes=slack)
@@ -163,6 +163,12 @@ def test_a_cpu_peak_rss_gap_within_the_heap_s_spread_between_processes_is_not_of
     assert not row(519, RSS_SLACK_BYTES).off() and row(519, 0).off()
     assert row(560, RSS_SLACK_BYTES).off() and row(360, RSS_SLACK_BYTES).off()
     assert not row(500, 0).off()  # 8.7%: within the tolerance either way
+    configuration = {"batch_size": 1, "accumulation_steps": 1, "patch_size": (8, 8, 8), "precision": "fp32",
+                     "checkpointing": False}
+    rows = (row(519, RSS_SLACK_BYTES), row(500, RSS_SLACK_BYTES), row(560, RSS_SLACK_BYTES))
+    table = MemoryCheck("cpu", configuration, 3, rows).table()
+    assert [line.split()[7] for line in table.splitlines()[3:6]] == ["yes", "yes", "NO"]
+    assert table.count("yes (by < 64.0 MiB)") == 1 and rows[0].to_dict()["slack_bytes"] == RSS_SLACK_BYTES
 
 
 def test_a_cuda_mismatch_names_the_terms_off_by_more_than_ten_percent() -> None:
