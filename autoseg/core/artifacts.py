@@ -181,32 +181,9 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         raise TypeError(f"unresolved annotation {tp!r}")
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ArtifactError(f"{where}: expected an object for {tp.__name__}, found {type(value).__name__}")
-        hints = typing.get_type_hints(tp)
-        fields = {f.name: f for f in dataclasses.fields(tp)}
-        unknown = set(value) - set(fields)
-        if unknown:
-            raise ArtifactError(f"{where}: unknown key(s) {sorted(unknown)} for {tp.__name__}")
-        kwargs = {}
-        for name, f in fields.items():
-            if name in value:
-                kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}")
-            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise ArtifactError(f"{where}: missing key {name!r} for {tp.__name__}")
-        return tp(**kwargs)
+        return _convert_dataclass(tp, value, where)
     if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, where)
-            except (ArtifactError, TypeError, ValueError):
-                continue
-        raise ArtifactError(f"{where}: value {value!r} does not match {tp}")
+        return _convert_union(tp, value, where)
     if origin is tuple:
         args = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
@@ -239,6 +216,38 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             raise ArtifactError(f"{where}: expected {tp.__name__}, found {value!r}")
         return value
     return value
+
+
+def _convert_dataclass(tp: Any, value: Any, where: str) -> Any:
+    if not isinstance(value, dict):
+        raise ArtifactError(f"{where}: expected an object for {tp.__name__}, found {type(value).__name__}")
+    hints = typing.get_type_hints(tp)
+    fields = {f.name: f for f in dataclasses.fields(tp)}
+    unknown = set(value) - set(fields)
+    if unknown:
+        raise ArtifactError(f"{where}: unknown key(s) {sorted(unknown)} for {tp.__name__}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name in value:
+            kwargs[name] = _convert(hints[name], value[name], f"{where}.{name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ArtifactError(f"{where}: missing key {name!r} for {tp.__name__}")
+    return tp(**kwargs)
+
+
+def _convert_union(tp: Any, value: Any, where: str) -> Any:
+    """The first of the union's types that ``value`` converts to (None where the union allows it)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(arg, value, where)
+        except (ArtifactError, TypeError, ValueError):
+            continue
+    raise ArtifactError(f"{where}: value {value!r} does not match {tp}")
 
 
 class Artifact:
