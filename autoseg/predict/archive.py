@@ -368,7 +368,7 @@ def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:
                     raise InputError(f"is missing, though the manifest lists fold {fold}")
                 if not load_checkpoints:
                     continue
-                state = read_checkpoint_file(path, "export the model again")
+                state = read_checkpoint_file(path, "export the model again", mmap=True)
                 if not isinstance(state.get("network"), dict):
                     raise InputError("holds no network weights")
                 try:

@@ -17,7 +17,7 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
     if not checkpoint_path.is_file():
         raise InputError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
     state = read_checkpoint_file(checkpoint_path, "predict with --checkpoint naming another one (best, final, "
-                                 "latest), or train this fold again")
+                                 "latest), or train this fold again", mmap=True)  # reads the weights only
     if not isinstance(state, dict) or not isinstance(state.get("network"), dict):
         raise InputError(f"{checkpoint_path}: holds no network weights; train this fold again or predict with "
                          "another --checkpoint")
