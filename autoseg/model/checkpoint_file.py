@@ -37,7 +37,12 @@ def read_checkpoint_file(path: Path, fix: str, mmap: bool = False) -> dict[str, 
     if path.is_file() and path.stat().st_size == 0:
         raise InputError(f"{path} is empty (0 bytes: a copy or a disk that ran out?); {_others(path)}{fix}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        except (RuntimeError, OSError):
+            if not mmap:
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # e.g. a file system without mmap
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
         reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise InputError(f"{path} is not a readable checkpoint, probably truncated or corrupt ({reason}); "

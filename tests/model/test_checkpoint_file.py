@@ -42,6 +42,18 @@ def test_a_damaged_checkpoint_is_refused_naming_it_and_the_others(tmp_path: Path
     assert str(path) in message and "also has checkpoint_best.pt" in message and message.endswith("DO THIS")
 
 
+def test_a_file_that_cannot_be_mapped_is_read_instead(tmp_path: Path, monkeypatch) -> None:
+    read = torch.load
+
+    def load(*args, **kwargs):
+        if kwargs.get("mmap"):
+            raise RuntimeError("mmap: operation not supported")  # e.g. a network file system
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", load)
+    assert read_checkpoint_file(_fold(tmp_path), "fix", mmap=True)["epoch"] == 4
+
+
 def test_a_checkpoint_of_another_version_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint_final.pt"
     torch.save({"version": 1, "network": {}}, path)
