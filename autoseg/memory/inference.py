@@ -151,7 +151,7 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
     params, tile, conv, count, retained = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
-                                                         mirror_axes, tta, cache, accumulator_dtype, device)
+                                                                   mirror_axes, tta, cache, accumulator_dtype, device)
     params *= num_networks
     buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
                                      num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction,
