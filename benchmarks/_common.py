@@ -127,8 +127,11 @@ class TreeMemoryPeak:
         self.poll()
 
     def as_dict(self) -> dict:
-        return {"peak_rss_bytes": self.peak_rss_bytes, "peak_pss_bytes": self.peak_pss_bytes,
-                "processes": self.processes}
+        return {
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "peak_pss_bytes": self.peak_pss_bytes,
+            "processes": self.processes,
+        }
 
 
 def run_measured(cmd: list[str], env: dict[str, str] | None = None, log_path: Path | None = None) -> dict:
@@ -162,8 +165,11 @@ def nnunet_python(requested: str | None) -> str | None:
 
 def nnunet_env(work: Path) -> dict[str, str]:
     """nnU-Net's folder variables under ``work`` (nnUNet_raw, nnUNet_preprocessed, nnUNet_results)."""
-    return {"nnUNet_raw": str(work / "nnUNet_raw"), "nnUNet_preprocessed": str(work / "nnUNet_preprocessed"),
-            "nnUNet_results": str(work / "nnUNet_results")}
+    return {
+        "nnUNet_raw": str(work / "nnUNet_raw"),
+        "nnUNet_preprocessed": str(work / "nnUNet_preprocessed"),
+        "nnUNet_results": str(work / "nnUNet_results"),
+    }
 
 
 def run_nnunet(python: str, dataset: Path, work: Path, processes: int, configs: list[str]) -> dict:
@@ -173,15 +179,30 @@ def run_nnunet(python: str, dataset: Path, work: Path, processes: int, configs: 
         shutil.rmtree(d, ignore_errors=True)
         Path(d).mkdir(parents=True)
     (Path(folders["nnUNet_raw"]) / dataset.name).symlink_to(dataset)
-    entry = ("from nnunetv2.experiment_planning.plan_and_preprocess_entrypoints import "
-             "plan_and_preprocess_entry; plan_and_preprocess_entry()")
-    cmd = [python, "-c", entry, "-d", str(NNUNET_DATASET_ID), "-c", *configs,
-           "-np", *[str(processes)] * len(configs), "-npfp", str(processes), "--verify_dataset_integrity"]
+    entry = (
+        "from nnunetv2.experiment_planning.plan_and_preprocess_entrypoints import "
+        "plan_and_preprocess_entry; plan_and_preprocess_entry()"
+    )
+    cmd = [
+        python,
+        "-c",
+        entry,
+        "-d",
+        str(NNUNET_DATASET_ID),
+        "-c",
+        *configs,
+        "-np",
+        *[str(processes)] * len(configs),
+        "-npfp",
+        str(processes),
+        "--verify_dataset_integrity",
+    ]
     return run_measured(cmd, env={**os.environ, **folders}, log_path=work / "nnunet.log")
 
 
-def parse_or_serve_child(parser: argparse.ArgumentParser, key: str,
-                         handlers: dict[str, Callable[[dict], dict]]) -> argparse.Namespace | None:
+def parse_or_serve_child(
+    parser: argparse.ArgumentParser, key: str, handlers: dict[str, Callable[[dict], dict]]
+) -> argparse.Namespace | None:
     """The benchmark's arguments; None when this process is one of its own children (``--child SPEC``, see
     ``add_child_arguments``), after running the handler that ``SPEC[key]`` names on the spec and writing its result
     as JSON to ``SPEC["out"]``."""

@@ -74,8 +74,7 @@ def _on_meta(args: tuple) -> bool:
     """A call on ``meta`` tensors or torch's fake tensors (``FakeTensorMode``): a memory model tracing the
     network (autoseg's inference plan), no computation."""
     first = args[0] if args else None
-    return (type(first).__name__ == "FakeTensor"
-            or getattr(getattr(first, "device", None), "type", None) == "meta")
+    return type(first).__name__ == "FakeTensor" or getattr(getattr(first, "device", None), "type", None) == "meta"
 
 
 def _called_from(names: frozenset[str], depth: int = 30) -> bool:
@@ -138,10 +137,19 @@ def main() -> None:
         end = time.perf_counter()
         first = None if timer.first_start is None else timer.first_start - START
         with open(out, "w") as f:
-            json.dump({"forward_s": timer.seconds, "forward_calls": timer.calls,
-                       "probe_s": timer.probe_seconds, "probe_calls": timer.probe_calls,
-                       "first_calls": timer.first_calls, "first_forward_s": first,
-                       "in_process_s": end - START, "exit_code": code}, f)
+            json.dump(
+                {
+                    "forward_s": timer.seconds,
+                    "forward_calls": timer.calls,
+                    "probe_s": timer.probe_seconds,
+                    "probe_calls": timer.probe_calls,
+                    "first_calls": timer.first_calls,
+                    "first_forward_s": first,
+                    "in_process_s": end - START,
+                    "exit_code": code,
+                },
+                f,
+            )
     sys.exit(code)
 
 

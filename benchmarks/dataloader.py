@@ -56,9 +56,26 @@ def prepare_autoseg(dataset: Path, root: Path, copies: int, processes: int, gpu_
     workspace = root / "autoseg_loader_workspace"
     marker = workspace / f".prepared_{copies}_copies"
     if not marker.is_file():
-        cmd = [sys.executable, "-m", "autoseg", "-q", "plan_and_preprocess", str(dataset), "-w", str(workspace),
-               "--gpu-memory", gpu_memory, "--device", "cuda", "--processes", str(processes), "-c", CONFIG,
-               "--precompute-augmentations", str(copies)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "autoseg",
+            "-q",
+            "plan_and_preprocess",
+            str(dataset),
+            "-w",
+            str(workspace),
+            "--gpu-memory",
+            gpu_memory,
+            "--device",
+            "cuda",
+            "--processes",
+            str(processes),
+            "-c",
+            CONFIG,
+            "--precompute-augmentations",
+            str(copies),
+        ]
         workspace.mkdir(parents=True, exist_ok=True)
         r = run_measured(cmd, log_path=root / "autoseg_loader_preprocess.log")
         print(f"autoseg plan_and_preprocess ({copies} copies per case): {r['seconds']:.0f} s")
@@ -92,8 +109,12 @@ def time_batches(next_batch: Callable[[], object], warmup: int, batches: int) ->
     for _ in range(batches):
         next_batch()
     seconds, cpu = time.perf_counter() - t0, tree_cpu_seconds(os.getpid()) - cpu0
-    return {"batches": batches, "seconds": seconds, "batches_per_s": batches / seconds,
-            "cpu_s_per_batch": cpu / batches}
+    return {
+        "batches": batches,
+        "seconds": seconds,
+        "batches_per_s": batches / seconds,
+        "cpu_s_per_batch": cpu / batches,
+    }
 
 
 def child_autoseg(spec: dict) -> dict:
@@ -116,17 +137,31 @@ def child_autoseg(spec: dict) -> dict:
     train_ids, _ = fold_cases(workspace, CONFIG, 0)
     with TreeMemoryPeak(os.getpid(), interval_s=0.5) as memory:
         t0 = time.perf_counter()
-        loader = BatchLoader(workspace.preprocessed(CONFIG), train_ids, config, seed=0,
-                             num_workers=spec["workers"], queue_depth=planned.loader_queue_depth)
+        loader = BatchLoader(
+            workspace.preprocessed(CONFIG),
+            train_ids,
+            config,
+            seed=0,
+            num_workers=spec["workers"],
+            queue_depth=planned.loader_queue_depth,
+        )
         first = next(loader)
         startup_s = time.perf_counter() - t0
         timing = time_batches(lambda: next(loader), spec["warmup"], spec["batches"])
         estimate = loader.host_bytes()
         loader.close()
     shapes = {k: list(v.shape) for k, v in first.items()}
-    return {**timing, **memory.as_dict(), "startup_s": startup_s, "shapes": shapes, "cases": len(train_ids),
-            "dummy_2d": config.dummy_2d, "read_box_max": list(config.enlarged_patch_size),
-            "queue_depth": planned.loader_queue_depth, "estimated_bytes": estimate}
+    return {
+        **timing,
+        **memory.as_dict(),
+        "startup_s": startup_s,
+        "shapes": shapes,
+        "cases": len(train_ids),
+        "dummy_2d": config.dummy_2d,
+        "read_box_max": list(config.enlarged_patch_size),
+        "queue_depth": planned.loader_queue_depth,
+        "estimated_bytes": estimate,
+    }
 
 
 def child_nnunet(spec: dict) -> dict:
@@ -153,8 +188,14 @@ def child_nnunet(spec: dict) -> dict:
     getattr(train, "_finish", lambda: None)()
     shapes = {"data": list(batch["data"].shape), "target": [list(t.shape) for t in batch["target"]]}
     _, _, initial_patch, _ = trainer.configure_rotation_dummyDA_mirroring_and_inital_patch_size()
-    return {**timing, **memory.as_dict(), "startup_s": startup_s, "shapes": shapes,
-            "cases": len(trainer.do_split()[0]), "read_box_max": [int(v) for v in initial_patch]}
+    return {
+        **timing,
+        **memory.as_dict(),
+        "startup_s": startup_s,
+        "shapes": shapes,
+        "cases": len(trainer.do_split()[0]),
+        "read_box_max": [int(v) for v in initial_patch],
+    }
 
 
 def run_child(python: str, spec: dict, log: Path) -> dict:
@@ -173,9 +214,18 @@ def summarize(results: list[dict]) -> list[dict]:
     without an nnU-Net run): how many times its batches/s, and its CPU seconds per batch over this row's."""
     rows: dict[tuple[str, str], dict] = {}
     for r in results:
-        row = rows.setdefault((r["pipeline"], r["mode"]), {"pipeline": r["pipeline"], "mode": r["mode"],
-                                                          "workers": r["workers"], "rates": [], "cpu": [],
-                                                          "pss": 0, "rss": 0})
+        row = rows.setdefault(
+            (r["pipeline"], r["mode"]),
+            {
+                "pipeline": r["pipeline"],
+                "mode": r["mode"],
+                "workers": r["workers"],
+                "rates": [],
+                "cpu": [],
+                "pss": 0,
+                "rss": 0,
+            },
+        )
         row["rates"].append(r["batches_per_s"])
         row["cpu"].append(r["cpu_s_per_batch"])
         row["pss"], row["rss"] = max(row["pss"], r["peak_pss_bytes"]), max(row["rss"], r["peak_rss_bytes"])
@@ -189,13 +239,18 @@ def summarize(results: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| pipeline | mode | workers | batches/s: median (each round) | CPU s per batch | peak PSS | peak RSS "
-             "| vs nnU-Net: batches/s, CPU |", "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| pipeline | mode | workers | batches/s: median (each round) | CPU s per batch | peak PSS | peak RSS "
+        "| vs nnU-Net: batches/s, CPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         rates = ", ".join(f"{v:.2f}" for v in r["rates"])
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}x, {r['cpu_ratio']:.2f}x"
-        lines.append(f"| {r['pipeline']} | {r['mode']} | {r['workers']} | {r['median']:.2f} ({rates}) | "
-                     f"{r['median_cpu']:.3f} | {r['pss'] / MiB:.0f} MiB | {r['rss'] / MiB:.0f} MiB | {ratio} |")
+        lines.append(
+            f"| {r['pipeline']} | {r['mode']} | {r['workers']} | {r['median']:.2f} ({rates}) | "
+            f"{r['median_cpu']:.3f} | {r['pss'] / MiB:.0f} MiB | {r['rss'] / MiB:.0f} MiB | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -225,33 +280,50 @@ def main() -> None:
     patch, batch = plan_patch_and_batch(workspace)
     patch, batch = tuple(args.patch or patch), args.batch or batch
     python = nnunet_python(args.nnunet_python)
-    common = {"patch": patch, "batch": batch, "workers": args.workers, "warmup": args.warmup,
-              "batches": args.batches}
-    runs = [("autoseg", "on-the-fly", sys.executable, {"workspace": str(workspace), "precomputed": False}),
-            ("autoseg", f"precomputed ({args.copies} copies)", sys.executable,
-             {"workspace": str(workspace), "precomputed": True})]
+    common = {"patch": patch, "batch": batch, "workers": args.workers, "warmup": args.warmup, "batches": args.batches}
+    runs = [
+        ("autoseg", "on-the-fly", sys.executable, {"workspace": str(workspace), "precomputed": False}),
+        (
+            "autoseg",
+            f"precomputed ({args.copies} copies)",
+            sys.executable,
+            {"workspace": str(workspace), "precomputed": True},
+        ),
+    ]
     if python is None:
         print("nnU-Net v2: not importable here; pass --nnunet-python PATH to compare")
     else:
-        runs.insert(1, ("nnU-Net v2", "on-the-fly", python,
-                        {"work": str(prepare_nnunet(python, dataset, root, args.processes))}))
-    print(f"patch {patch}, batch {batch}, {args.workers} workers, {args.warmup} + {args.batches} batches per run, "
-          f"{os.cpu_count()} CPUs")
+        runs.insert(
+            1,
+            ("nnU-Net v2", "on-the-fly", python, {"work": str(prepare_nnunet(python, dataset, root, args.processes))}),
+        )
+    print(
+        f"patch {patch}, batch {batch}, {args.workers} workers, {args.warmup} + {args.batches} batches per run, "
+        f"{os.cpu_count()} CPUs"
+    )
     results = []
     for round_ in range(args.rounds):
         for pipeline, mode, interpreter, extra in runs if round_ % 2 == 0 else runs[::-1]:
             spec = {**common, **extra, "pipeline": pipeline}
-            r = {**run_child(interpreter, spec, root / f"{pipeline.split()[0]}_loader.log"),
-                 "pipeline": pipeline, "mode": mode, "workers": args.workers}
+            r = {
+                **run_child(interpreter, spec, root / f"{pipeline.split()[0]}_loader.log"),
+                "pipeline": pipeline,
+                "mode": mode,
+                "workers": args.workers,
+            }
             results.append(r)
-            print(f"round {round_}: {pipeline} {mode}: {r['batches_per_s']:.2f} batches/s, "
-                  f"{r['cpu_s_per_batch']:.3f} CPU s per batch, peak PSS "
-                  f"{r['peak_pss_bytes'] / MiB:.0f} MiB, RSS {r['peak_rss_bytes'] / MiB:.0f} MiB "
-                  f"({r['processes']} processes), startup {r['startup_s']:.1f} s, load before "
-                  f"{r['load_before']:.1f}; batch {r['shapes']}, largest read box {r['read_box_max']}")
+            print(
+                f"round {round_}: {pipeline} {mode}: {r['batches_per_s']:.2f} batches/s, "
+                f"{r['cpu_s_per_batch']:.3f} CPU s per batch, peak PSS "
+                f"{r['peak_pss_bytes'] / MiB:.0f} MiB, RSS {r['peak_rss_bytes'] / MiB:.0f} MiB "
+                f"({r['processes']} processes), startup {r['startup_s']:.1f} s, load before "
+                f"{r['load_before']:.1f}; batch {r['shapes']}, largest read box {r['read_box_max']}"
+            )
             if "estimated_bytes" in r:  # BatchLoader.host_bytes(): workers + the trainer's copy, not the trainer
-                print(f"  estimated loader bytes {r['estimated_bytes'] / MiB:.0f} MiB (upper bound, without the "
-                      "process that consumes the batches)")
+                print(
+                    f"  estimated loader bytes {r['estimated_bytes'] / MiB:.0f} MiB (upper bound, without the "
+                    "process that consumes the batches)"
+                )
     print(format_table(summarize(results)))
     print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine slow everything)")
 

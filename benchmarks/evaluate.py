@@ -41,7 +41,7 @@ SHIFT_X = 2
 
 def _ellipsoid_into(label: np.ndarray, value: int, centre: tuple[float, ...], semi_axes: tuple[float, ...]) -> None:
     """Paint ``value`` where the ellipsoid is, slice by slice (no volume-sized float temporary)."""
-    y, x = np.ogrid[:label.shape[1], :label.shape[2]]
+    y, x = np.ogrid[: label.shape[1], : label.shape[2]]
     for z in range(label.shape[0]):
         dz = ((z - centre[0]) / semi_axes[0]) ** 2
         if dz < 1:
@@ -79,8 +79,18 @@ def make_demo(root: Path, cases: int) -> Path:
 
 def run_evaluate(folder: Path, surface: bool) -> dict[str, float]:
     """One `autoseg evaluate` in a fresh process: wall s, CPU s (user + system), peak RSS bytes."""
-    cmd = [sys.executable, "-m", "autoseg", "-q", "evaluate", str(folder / "pred"), str(folder / "gt"),
-           "-o", str(folder / "summary.json"), *([] if surface else ["--no-surface"])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "autoseg",
+        "-q",
+        "evaluate",
+        str(folder / "pred"),
+        str(folder / "gt"),
+        "-o",
+        str(folder / "summary.json"),
+        *([] if surface else ["--no-surface"]),
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -90,8 +100,12 @@ def run_evaluate(folder: Path, surface: bool) -> dict[str, float]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{output[-3000:]}")
-    return {"seconds": seconds, "cpu_seconds": usage.ru_utime + usage.ru_stime,
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "table": output}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "peak_rss_bytes": usage.ru_maxrss * 1024,
+        "table": output,
+    }
 
 
 def surface_alone(folder: Path, repeats: int) -> None:
@@ -114,9 +128,11 @@ def surface_alone(folder: Path, repeats: int) -> None:
         box_slices = tuple(slice(a.min(), a.max() + 1) for a in (z, y, x))
         to_ref, to_pred = surface_distances(pred[box_slices] == value, ref[box_slices] == value, spacing_mm)
         estimate = surface_metrics_bytes(int(box), len(to_ref) + len(to_pred))
-        print(f"class {value}: box {box / 1e6:.2f} M voxels, {len(to_ref) + len(to_pred)} surface voxels; "
-              f"{np.median(seconds):.2f} CPU s, traced peak {peak / MiB:.0f} MiB (estimate {estimate / MiB:.0f}); "
-              f"HD95 {metrics.hd95_mm:.2f} mm, NSD {metrics.nsd:.4f}")
+        print(
+            f"class {value}: box {box / 1e6:.2f} M voxels, {len(to_ref) + len(to_pred)} surface voxels; "
+            f"{np.median(seconds):.2f} CPU s, traced peak {peak / MiB:.0f} MiB (estimate {estimate / MiB:.0f}); "
+            f"HD95 {metrics.hd95_mm:.2f} mm, NSD {metrics.nsd:.4f}"
+        )
 
 
 def compare_edt(folder: Path, value: int) -> None:
@@ -165,8 +181,9 @@ def main() -> None:
         for name, folder in folders.items():
             for surface in (False, True):
                 runs = [run_evaluate(folder, surface) for _ in range(args.repeats)]
-                wall, cpu, rss = (float(np.median([r[k] for r in runs]))
-                                  for k in ("seconds", "cpu_seconds", "peak_rss_bytes"))
+                wall, cpu, rss = (
+                    float(np.median([r[k] for r in runs])) for k in ("seconds", "cpu_seconds", "peak_rss_bytes")
+                )
                 print(f"{name:<22} {'yes' if surface else 'no':>7} {wall:7.2f} {cpu:7.2f} {rss / MiB:12.0f}")
             print(runs[-1]["table"].rstrip())
         print("surface metrics alone, in this process:")

@@ -86,12 +86,23 @@ def write_cases(folder: Path, shape_zyx: tuple[int, ...], channels: int, count: 
         seg[0][r2 < 0.3] = 2
         seg[0, :, 0, :] = -1
         locations = {str(k): np.argwhere(seg[0] == k)[::97] for k in (1, 2)}
-        geometry = Geometry(ndim=3, size_xyz=(x, y, z), spacing_xyz=(1.0, 1.0, 1.0), origin_xyz=(0.0, 0.0, 0.0),
-                            direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
-        props = CaseProperties(case_id=case_id, geometry=geometry, spacing_mm=(1.0, 1.0, 1.0),
-                               target_spacing_mm=(1.0, 1.0, 1.0), shape_before_crop=shape_zyx,
-                               crop_bbox=tuple((0, s) for s in shape_zyx), shape_after_crop=shape_zyx,
-                               shape_after_resample=shape_zyx)
+        geometry = Geometry(
+            ndim=3,
+            size_xyz=(x, y, z),
+            spacing_xyz=(1.0, 1.0, 1.0),
+            origin_xyz=(0.0, 0.0, 0.0),
+            direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+        )
+        props = CaseProperties(
+            case_id=case_id,
+            geometry=geometry,
+            spacing_mm=(1.0, 1.0, 1.0),
+            target_spacing_mm=(1.0, 1.0, 1.0),
+            shape_before_crop=shape_zyx,
+            crop_bbox=tuple((0, s) for s in shape_zyx),
+            shape_after_crop=shape_zyx,
+            shape_after_resample=shape_zyx,
+        )
         write_case(folder, props, data, seg, locations)
     marker.write_text("")
     return ids
@@ -103,11 +114,24 @@ def configuration(patch: tuple[int, ...], batch: int):
     from autoseg.plan.plans import ConfigurationPlan
 
     dim = len(patch)
-    network = NetworkTopology(dim=dim, in_channels=1, num_outputs=3, features_per_stage=(8, 16),
-                              kernel_sizes=((3,) * dim,) * 2, strides=((1,) * dim, (2,) * dim))
-    return ConfigurationPlan(name="3d_fullres" if dim == 3 else "2d", spacing_mm=(1.0, 1.0, 1.0),
-                             median_shape_zyx=(100, 200, 200), patch_size=patch, batch_size=batch,
-                             accumulation_steps=1, network=network, device="cuda")
+    network = NetworkTopology(
+        dim=dim,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(8, 16),
+        kernel_sizes=((3,) * dim,) * 2,
+        strides=((1,) * dim, (2,) * dim),
+    )
+    return ConfigurationPlan(
+        name="3d_fullres" if dim == 3 else "2d",
+        spacing_mm=(1.0, 1.0, 1.0),
+        median_shape_zyx=(100, 200, 200),
+        patch_size=patch,
+        batch_size=batch,
+        accumulation_steps=1,
+        network=network,
+        device="cuda",
+    )
 
 
 def stand_in_trainer():
@@ -120,8 +144,14 @@ def stand_in_trainer():
     from autoseg.model.network import build_network
     from autoseg.model.topology import NetworkTopology
 
-    topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(32, 64, 128, 256, 320, 320),
-                               kernel_sizes=((3, 3, 3),) * 6, strides=((1, 1, 1),) + ((2, 2, 2),) * 5)
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(32, 64, 128, 256, 320, 320),
+        kernel_sizes=((3, 3, 3),) * 6,
+        strides=((1, 1, 1),) + ((2, 2, 2),) * 5,
+    )
     with torch.device("meta"):
         network = build_network(topology)
     return network, torch.optim.SGD(network.parameters(), lr=0.01, momentum=0.99, nesterov=True)
@@ -135,11 +165,16 @@ def worst_transform(config):
     a = math.radians(config.rotation_deg_effective)
     steps = np.linspace(-a, a, 31)
     in_plane = config.dim == 2 or config.dummy_2d
-    grid = [(t,) for t in np.linspace(-a, a, 721)] if in_plane else \
-        [(u, v, w) for u in steps for v in steps for w in steps]
+    grid = (
+        [(t,) for t in np.linspace(-a, a, 721)]
+        if in_plane
+        else [(u, v, w) for u in steps for v in steps for w in steps]
+    )
     scale = max(config.scale_range)
-    return max((PatchTransform(tuple(float(t) for t in angles), scale) for angles in grid),
-               key=lambda t: math.prod(read_size(config.patch_size, t, config.dummy_2d)))
+    return max(
+        (PatchTransform(tuple(float(t) for t in angles), scale) for angles in grid),
+        key=lambda t: math.prod(read_size(config.patch_size, t, config.dummy_2d)),
+    )
 
 
 class WorkerMemory:
@@ -198,13 +233,22 @@ def child_loader(spec: dict) -> dict:
     sizing = loader_workers(planned, spec["channels"], Budget(host_ram_bytes=64 * 1024 * MiB, cpu_count=8))
     config = loader_config(planned, augment=True)
     if spec["worst"]:
-        config = dataclasses.replace(config, p_noise=1.0, p_blur=1.0, p_brightness=1.0, p_contrast=1.0,
-                                     p_low_res=1.0, p_gamma=1.0, p_gamma_inverted=1.0)
+        config = dataclasses.replace(
+            config,
+            p_noise=1.0,
+            p_blur=1.0,
+            p_brightness=1.0,
+            p_contrast=1.0,
+            p_low_res=1.0,
+            p_gamma=1.0,
+            p_gamma_inverted=1.0,
+        )
         worst = worst_transform(config)
         sampler_module.draw_patch_transform = lambda rng, cfg: worst  # the worker forks with it
     parent = status(os.getpid())
-    loader = BatchLoader(spec["folder"], spec["case_ids"], config, seed=0, num_workers=1,
-                         queue_depth=int(sizing["loader_queue_depth"]))
+    loader = BatchLoader(
+        spec["folder"], spec["case_ids"], config, seed=0, num_workers=1, queue_depth=int(sizing["loader_queue_depth"])
+    )
     next(loader)
     worker = loader._iterator._workers[0].pid  # torch's worker process
     t0 = time.perf_counter()
@@ -212,13 +256,23 @@ def child_loader(spec: dict) -> dict:
         for _ in range(spec["batches"]):
             next(loader)
         end = status(worker)
-        rollup = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in
-                  Path(f"/proc/{worker}/smaps_rollup").read_text().splitlines()[1:]}
+        rollup = {
+            line.split(":")[0]: int(line.split()[1]) * 1024
+            for line in Path(f"/proc/{worker}/smaps_rollup").read_text().splitlines()[1:]
+        }
     seconds = time.perf_counter() - t0
     loader.close()
-    return {"predicted": sizing["loader_worker_bytes"], "depth": sizing["loader_queue_depth"],
-            "box": list(config.enlarged_patch_size), "parent": parent, "worker": end,
-            "peak_rss": memory.peak_rss, "rollup": rollup, "peak_anon": memory.peak_anon, "seconds": seconds}
+    return {
+        "predicted": sizing["loader_worker_bytes"],
+        "depth": sizing["loader_queue_depth"],
+        "box": list(config.enlarged_patch_size),
+        "parent": parent,
+        "worker": end,
+        "peak_rss": memory.peak_rss,
+        "rollup": rollup,
+        "peak_anon": memory.peak_anon,
+        "seconds": seconds,
+    }
 
 
 def child_export(spec: dict) -> dict:
@@ -236,11 +290,23 @@ def child_export(spec: dict) -> dict:
     original, resampled, outputs = tuple(spec["original"]), tuple(spec["resampled"]), spec["outputs"]
     spacing = (1.0, 0.8, 0.8)
     target = tuple(s * o / r for s, o, r in zip(spacing, original, resampled, strict=True))
-    geometry = Geometry(ndim=3, size_xyz=tuple(reversed(original)), spacing_xyz=tuple(reversed(spacing)),
-                        origin_xyz=(0.0, 0.0, 0.0), direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
-    props = CaseProperties(case_id="x", geometry=geometry, spacing_mm=spacing, target_spacing_mm=target,
-                           shape_before_crop=original, crop_bbox=tuple((0, s) for s in original),
-                           shape_after_crop=original, shape_after_resample=resampled)
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=tuple(reversed(original)),
+        spacing_xyz=tuple(reversed(spacing)),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+    )
+    props = CaseProperties(
+        case_id="x",
+        geometry=geometry,
+        spacing_mm=spacing,
+        target_spacing_mm=target,
+        shape_before_crop=original,
+        crop_bbox=tuple((0, s) for s in original),
+        shape_after_crop=original,
+        shape_after_resample=resampled,
+    )
     scheme = LabelScheme.plain(outputs)
     runtime = process_rss_bytes()
     probabilities = torch.empty((outputs, *resampled), dtype=torch.float16)
@@ -252,7 +318,7 @@ def child_export(spec: dict) -> dict:
         export = SlabExport(props, scheme, resampled)
         depth = spec["slab_depth"]
         for z in range(0, resampled[0], depth):
-            export.add(z, min(z + depth, resampled[0]), probabilities[:, z:z + depth])
+            export.add(z, min(z + depth, resampled[0]), probabilities[:, z : z + depth])
         labels = export.labels()
     else:
         predicted = export_bytes(original, resampled, scheme, probabilities.element_size())
@@ -273,39 +339,70 @@ def run_child(spec: dict) -> dict:
 
 def loader_table(root: Path, batches: int) -> list[str]:
     """One row per plan and run: the worker's peak RSS and what it is made of; the model against its own part."""
-    lines = ["| plan | run | batches | read box | predicted | worker peak RSS (VmHWM) | shared with the trainer | "
-             "case files mapped | own peak (private + slots) | predicted / own |", "|---" * 10 + "|"]
+    lines = [
+        "| plan | run | batches | read box | predicted | worker peak RSS (VmHWM) | shared with the trainer | "
+        "case files mapped | own peak (private + slots) | predicted / own |",
+        "|---" * 10 + "|",
+    ]
     for name, patch, batch, channels, case_shape, worst_batches in LOADER_PLANS:
         folder = root / f"cases_{'x'.join(map(str, case_shape))}_{channels}ch"
         ids = write_cases(folder, case_shape, channels)
         for worst in (False, True):
             n = worst_batches if worst else batches
-            r = run_child({"kind": "loader", "folder": str(folder), "case_ids": ids, "patch": patch, "batch": batch,
-                           "channels": channels, "worst": worst, "batches": n})
+            r = run_child(
+                {
+                    "kind": "loader",
+                    "folder": str(folder),
+                    "case_ids": ids,
+                    "patch": patch,
+                    "batch": batch,
+                    "channels": channels,
+                    "worst": worst,
+                    "batches": n,
+                }
+            )
             w, rollup = r["worker"], r["rollup"]
             shared = rollup["Anonymous"] - rollup["Private_Dirty"]  # the trainer's pages not written since the fork
             own = r["peak_anon"] - shared + w["RssShmem"]  # the slots stay mapped once written
-            lines.append(f"| {name} | {'worst' if worst else 'as planned'} | {n} | {tuple(r['box'])} | "
-                         f"{r['predicted'] / MiB:.0f} MiB | {w['VmHWM'] / MiB:.0f} MiB | {shared / MiB:.0f} MiB | "
-                         f"{w['RssFile'] / MiB:.0f} MiB | {own / MiB:.0f} MiB | {r['predicted'] / own:.2f} |")
-            print(lines[-1], f"(trainer at fork: RSS {r['parent']['VmRSS'] / MiB:.0f} MiB, anon "
-                  f"{r['parent']['RssAnon'] / MiB:.0f} MiB; queue depth {r['depth']}; {n} batches in "
-                  f"{r['seconds']:.1f} s)", flush=True)
+            lines.append(
+                f"| {name} | {'worst' if worst else 'as planned'} | {n} | {tuple(r['box'])} | "
+                f"{r['predicted'] / MiB:.0f} MiB | {w['VmHWM'] / MiB:.0f} MiB | {shared / MiB:.0f} MiB | "
+                f"{w['RssFile'] / MiB:.0f} MiB | {own / MiB:.0f} MiB | {r['predicted'] / own:.2f} |"
+            )
+            print(
+                lines[-1],
+                f"(trainer at fork: RSS {r['parent']['VmRSS'] / MiB:.0f} MiB, anon "
+                f"{r['parent']['RssAnon'] / MiB:.0f} MiB; queue depth {r['depth']}; {n} batches in "
+                f"{r['seconds']:.1f} s)",
+                flush=True,
+            )
     return lines
 
 
 def export_table() -> list[str]:
-    lines = ["| prediction | path | predicted | measured (peak - RSS before) | predicted / measured | "
-             "process peak RSS: predicted, measured |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| prediction | path | predicted | measured (peak - RSS before) | predicted / measured | "
+        "process peak RSS: predicted, measured |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, original, resampled, outputs, depth in EXPORTS:
         for slab_depth in (0, depth):
-            r = run_child({"kind": "export", "original": original, "resampled": resampled, "outputs": outputs,
-                           "slab_depth": slab_depth})
+            r = run_child(
+                {
+                    "kind": "export",
+                    "original": original,
+                    "resampled": resampled,
+                    "outputs": outputs,
+                    "slab_depth": slab_depth,
+                }
+            )
             predicted, measured = r["predicted"]["total"], r["peak"] - r["runtime"]
             path = f"slabs of {slab_depth}" if slab_depth else "whole (float16)"
-            lines.append(f"| {name} -> {'x'.join(map(str, resampled))} | {path} | {predicted / MiB:.0f} MiB | "
-                         f"{measured / MiB:.0f} MiB | {predicted / measured:.2f} | "
-                         f"{(r['runtime'] + predicted) / MiB:.0f}, {r['peak'] / MiB:.0f} MiB |")
+            lines.append(
+                f"| {name} -> {'x'.join(map(str, resampled))} | {path} | {predicted / MiB:.0f} MiB | "
+                f"{measured / MiB:.0f} MiB | {predicted / measured:.2f} | "
+                f"{(r['runtime'] + predicted) / MiB:.0f}, {r['peak'] / MiB:.0f} MiB |"
+            )
             print(lines[-1], flush=True)
     return lines
 

@@ -76,11 +76,29 @@ def _other_window(data, network, plans, config, tta: str, variant: str) -> torch
     axes = tuple(range(config.dim))
     variants = parse_tta(tta, config.dim)
     scheme = plans.label_scheme
-    window = plan_inference(config.network, tile, data.shape[1:], scheme.num_outputs, inference_budget_bytes("cpu"),
-                            "cpu", "fp32", axes, variants, steps)
-    return sliding_window_predict(network, data, tile, scheme.num_outputs, step_fraction=steps, mirror_axes=axes,
-                                  tta=variants, tile_batch_size=window.tile_batch_size,
-                                  activation="sigmoid" if scheme.has_regions else "softmax")
+    window = plan_inference(
+        config.network,
+        tile,
+        data.shape[1:],
+        scheme.num_outputs,
+        inference_budget_bytes("cpu"),
+        "cpu",
+        "fp32",
+        axes,
+        variants,
+        steps,
+    )
+    return sliding_window_predict(
+        network,
+        data,
+        tile,
+        scheme.num_outputs,
+        step_fraction=steps,
+        mirror_axes=axes,
+        tta=variants,
+        tile_batch_size=window.tile_batch_size,
+        activation="sigmoid" if scheme.has_regions else "softmax",
+    )
 
 
 def make_workspace(root: Path, shape_zyx: tuple[int, int, int], epochs: int, iterations: int) -> None:
@@ -96,22 +114,35 @@ def make_workspace(root: Path, shape_zyx: tuple[int, int, int], epochs: int, ite
 
     ws = Workspace.at(root)
     raw = make_demo_dataset(ws.root / "raw" / RAW_NAME, num_train=24, num_test=6, shape_zyx=shape_zyx)
-    plan_dataset(raw, ws, Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=available_ram_bytes(), device="cpu"),
-                 progress=False)
+    plan_dataset(
+        raw, ws, Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=available_ram_bytes(), device="cpu"), progress=False
+    )
     preprocess_workspace(ws, ["3d_fullres"], processes=1, progress=False)
-    train(ws, "3d_fullres", 0, RunConfig(epochs=epochs, iterations_per_epoch=iterations, val_iterations=5,
-                                         device="cpu", validate=False), progress=False)
+    train(
+        ws,
+        "3d_fullres",
+        0,
+        RunConfig(epochs=epochs, iterations_per_epoch=iterations, val_iterations=5, device="cpu", validate=False),
+        progress=False,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-w", "--workspace", required=True, help="a workspace with fold 0 trained")
-    parser.add_argument("--make", type=int, nargs=3, default=None, metavar=("Z", "Y", "X"),
-                        help="make the workspace first (demo data of this nominal shape) if fold 0 is not trained")
+    parser.add_argument(
+        "--make",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("Z", "Y", "X"),
+        help="make the workspace first (demo data of this nominal shape) if fold 0 is not trained",
+    )
     parser.add_argument("--epochs", type=int, default=30, help="with --make")
     parser.add_argument("--iterations", type=int, default=20, help="with --make: iterations per epoch")
-    parser.add_argument("-i", "--images", default=None,
-                        help="held-out images ({case}_0000.nii.gz); default: the --make workspace's")
+    parser.add_argument(
+        "-i", "--images", default=None, help="held-out images ({case}_0000.nii.gz); default: the --make workspace's"
+    )
     parser.add_argument("-l", "--labels", default=None, help="their reference label maps")
     parser.add_argument("-o", "--output", required=True, help="folder for the predictions and results.json")
     parser.add_argument("-c", "--config", default="3d_fullres")
@@ -135,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     seconds: dict[str, list[float]] = {v: [] for v in args.variants}
     first_id, (first, _) = next(iter(prepared.items()))  # warm up (threads, allocator), untimed
-    predict_probabilities(first, first_id, [network], plans, config, mirror=False, tile_batch_size=None, device="cpu",
-                          tile="patch")
+    predict_probabilities(
+        first, first_id, [network], plans, config, mirror=False, tile_batch_size=None, device="cpu", tile="patch"
+    )
     for repeat in range(args.repeats):
         for variant in args.variants:
             folder = out / variant
@@ -147,9 +179,18 @@ def main(argv: list[str] | None = None) -> int:
                 if variant in ("planned-half-tile", "planned-padded"):
                     probabilities = _other_window(data, network, plans, config, args.tta, variant)
                 else:
-                    probabilities = predict_probabilities(data, case_id, [network], plans, config, mirror=True,
-                                                          tile_batch_size=None, device="cpu", tta=args.tta,
-                                                          tile=variant)
+                    probabilities = predict_probabilities(
+                        data,
+                        case_id,
+                        [network],
+                        plans,
+                        config,
+                        mirror=True,
+                        tile_batch_size=None,
+                        device="cpu",
+                        tta=args.tta,
+                        tile=variant,
+                    )
                 t_variant += time.perf_counter() - t0
                 if repeat == 0:
                     labels = export_prediction(probabilities, props, plans.label_scheme)
@@ -161,22 +202,34 @@ def main(argv: list[str] | None = None) -> int:
         layouts = [tile_layout(d.shape[1:], *_tile(config, variant, d.shape[1:])) for d, _ in prepared.values()]
         tiles = sorted({"x".join(map(str, layout.patch_size)) for layout in layouts})
         summary = evaluate_folder(out / variant, labels_dir)
-        rows.append({"variant": variant, "tiles": tiles,
-                     "tiles_per_case": statistics.mean(layout.num_tiles for layout in layouts),
-                     "voxels_per_case": statistics.mean(layout.num_tiles * math.prod(layout.patch_size)
-                                                        for layout in layouts),
-                     "seconds_per_case": seconds[variant], "dice": {k: m.dice for k, m in summary.mean.items()},
-                     "mean_foreground_dice": summary.mean_foreground_dice})
+        rows.append(
+            {
+                "variant": variant,
+                "tiles": tiles,
+                "tiles_per_case": statistics.mean(layout.num_tiles for layout in layouts),
+                "voxels_per_case": statistics.mean(
+                    layout.num_tiles * math.prod(layout.patch_size) for layout in layouts
+                ),
+                "seconds_per_case": seconds[variant],
+                "dice": {k: m.dice for k, m in summary.mean.items()},
+                "mean_foreground_dice": summary.mean_foreground_dice,
+            }
+        )
     shapes = sorted({"x".join(map(str, d.shape[1:])) for d, _ in prepared.values()})
-    print(f"\n{len(prepared)} cases ({', '.join(shapes)}), patch {config.patch_size}, tta {args.tta}, "
-          f"{args.threads} thread(s)")
-    print("| variant | tiles | tiles/case | voxels/case | s/case (repeats) | " + " | ".join(rows[0]["dice"])
-          + " | mean |")
+    print(
+        f"\n{len(prepared)} cases ({', '.join(shapes)}), patch {config.patch_size}, tta {args.tta}, "
+        f"{args.threads} thread(s)"
+    )
+    print(
+        "| variant | tiles | tiles/case | voxels/case | s/case (repeats) | " + " | ".join(rows[0]["dice"]) + " | mean |"
+    )
     for r in rows:
         secs = ", ".join(f"{s:.2f}" for s in r["seconds_per_case"])
         dice = " | ".join(f"{d:.4f}" for d in r["dice"].values())
-        print(f"| {r['variant']} | {', '.join(r['tiles'])} | {r['tiles_per_case']:.1f} | "
-              f"{r['voxels_per_case'] / 1e6:.2f} M | {secs} | {dice} | {r['mean_foreground_dice']:.4f} |")
+        print(
+            f"| {r['variant']} | {', '.join(r['tiles'])} | {r['tiles_per_case']:.1f} | "
+            f"{r['voxels_per_case'] / 1e6:.2f} M | {secs} | {dice} | {r['mean_foreground_dice']:.4f} |"
+        )
     (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

@@ -41,13 +41,28 @@ def measure(config, repeats: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--targets", type=float, nargs="+", default=[0.25, 0.5, 1.0, 2.0],
-                        help="the planner's seconds per iteration on CPU (Budget.cpu_seconds_per_iteration)")
+    parser.add_argument(
+        "--targets",
+        type=float,
+        nargs="+",
+        default=[0.25, 0.5, 1.0, 2.0],
+        help="the planner's seconds per iteration on CPU (Budget.cpu_seconds_per_iteration)",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="timed iterations per configuration")
-    parser.add_argument("--cpu-flops", type=float, default=None,
-                        help="plan with this FLOP rate alone (default: both rates measured now, best of 3)")
-    parser.add_argument("--large", type=int, nargs=3, default=[48, 160, 160], metavar=("Z", "Y", "X"),
-                        help="image size of the second demo dataset (larger patches; 0 0 0: none)")
+    parser.add_argument(
+        "--cpu-flops",
+        type=float,
+        default=None,
+        help="plan with this FLOP rate alone (default: both rates measured now, best of 3)",
+    )
+    parser.add_argument(
+        "--large",
+        type=int,
+        nargs=3,
+        default=[48, 160, 160],
+        metavar=("Z", "Y", "X"),
+        help="image size of the second demo dataset (larger patches; 0 0 0: none)",
+    )
     parser.add_argument("--quick", action="store_true", help="one target, 2 repeats: a check of the script")
     args = parser.parse_args()
     if args.quick:
@@ -66,8 +81,10 @@ def main() -> None:
 
     use_cpu_threads(None, "the timed steps")
     rates = StepRates(args.cpu_flops) if args.cpu_flops else StepRates(**calibrate_cpu_throughput().value)
-    print(f"CPU throughput {rates.describe()} ({'--cpu-flops' if args.cpu_flops else 'measured now'}); "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"CPU throughput {rates.describe()} ({'--cpu-flops' if args.cpu_flops else 'measured now'}); "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     shapes = [None] + ([tuple(args.large)] if all(args.large) else [])
     with tempfile.TemporaryDirectory() as tmp:
         fingerprints = []
@@ -78,10 +95,15 @@ def main() -> None:
     rows, seen = [], set()
     for shape, fp in fingerprints:
         for target in args.targets:
-            budget = Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB, device="cpu",
-                            cpu_flops_per_second=rates.flops_per_second,
-                            cpu_elements_per_second=rates.elements_per_second,
-                            cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second, cpu_seconds_per_iteration=target)
+            budget = Budget(
+                gpu_memory_bytes=8 * GiB,
+                host_ram_bytes=8 * GiB,
+                device="cpu",
+                cpu_flops_per_second=rates.flops_per_second,
+                cpu_elements_per_second=rates.elements_per_second,
+                cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
+                cpu_seconds_per_iteration=target,
+            )
             for name, config in plan(fp, budget).configurations.items():
                 key = (config.network, tuple(config.patch_size), config.batch_size, config.accumulation_steps)
                 if name == "3d_lowres" or key in seen:
@@ -91,18 +113,25 @@ def main() -> None:
                 predicted = config.predicted_seconds_per_iteration
                 dataset = "demo" if shape is None else "x".join(map(str, shape))
                 rows.append((dataset, target, name, config, predicted, best, median))
-                print(f"{dataset} target {target:g} s  {name:10s} patch {'x'.join(map(str, config.patch_size)):>10s} "
-                      f"batch {config.batch_size} x {config.accumulation_steps}  width "
-                      f"{config.network.features_per_stage[0]}  predicted {predicted:.3f} s  measured best "
-                      f"{best:.3f} / median {median:.3f} s  ({100 * (median / predicted - 1):+.0f}%)", flush=True)
+                print(
+                    f"{dataset} target {target:g} s  {name:10s} patch {'x'.join(map(str, config.patch_size)):>10s} "
+                    f"batch {config.batch_size} x {config.accumulation_steps}  width "
+                    f"{config.network.features_per_stage[0]}  predicted {predicted:.3f} s  measured best "
+                    f"{best:.3f} / median {median:.3f} s  ({100 * (median / predicted - 1):+.0f}%)",
+                    flush=True,
+                )
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print("\n| dataset | target s | configuration | patch | batch x accumulation | width | predicted s "
-          "| measured best / median s | median vs predicted |\n|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| dataset | target s | configuration | patch | batch x accumulation | width | predicted s "
+        "| measured best / median s | median vs predicted |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for dataset, target, name, c, predicted, best, median in rows:
-        print(f"| {dataset} | {target:g} | {name} | {'x'.join(map(str, c.patch_size))} | "
-              f"{c.batch_size} x {c.accumulation_steps} "
-              f"| {c.network.features_per_stage[0]} | {predicted:.3f} | {best:.3f} / {median:.3f} | "
-              f"{100 * (median / predicted - 1):+.0f}% |")
+        print(
+            f"| {dataset} | {target:g} | {name} | {'x'.join(map(str, c.patch_size))} | "
+            f"{c.batch_size} x {c.accumulation_steps} "
+            f"| {c.network.features_per_stage[0]} | {predicted:.3f} | {best:.3f} / {median:.3f} | "
+            f"{100 * (median / predicted - 1):+.0f}% |"
+        )
 
 
 if __name__ == "__main__":

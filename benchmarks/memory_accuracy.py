@@ -23,18 +23,36 @@ from autoseg.memory.training import measure_training_step, simulate_training_ste
 from autoseg.model.topology import ARCHITECTURES, NetworkTopology, preset_fields
 
 
-def unet(dim: int, stages: int, strides: list[tuple[int, ...]] | None = None,
-         kernels: list[tuple[int, ...]] | None = None, base: int = 32, cap: int = 320, in_channels: int = 1,
-         num_outputs: int = 3) -> NetworkTopology:
+def unet(
+    dim: int,
+    stages: int,
+    strides: list[tuple[int, ...]] | None = None,
+    kernels: list[tuple[int, ...]] | None = None,
+    base: int = 32,
+    cap: int = 320,
+    in_channels: int = 1,
+    num_outputs: int = 3,
+) -> NetworkTopology:
     strides = strides or [(1,) * dim] + [(2,) * dim] * (stages - 1)
     kernels = kernels or [(3,) * dim] * stages
-    return NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
-                           features_per_stage=tuple(min(base * 2**s, cap) for s in range(stages)),
-                           kernel_sizes=tuple(kernels), strides=tuple(strides))
+    return NetworkTopology(
+        dim=dim,
+        in_channels=in_channels,
+        num_outputs=num_outputs,
+        features_per_stage=tuple(min(base * 2**s, cap) for s in range(stages)),
+        kernel_sizes=tuple(kernels),
+        strides=tuple(strides),
+    )
 
 
-ANISO = unet(3, 6, strides=[(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2)],
-             kernels=[(1, 3, 3)] + [(3, 3, 3)] * 5, in_channels=2, num_outputs=4)
+ANISO = unet(
+    3,
+    6,
+    strides=[(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2)],
+    kernels=[(1, 3, 3)] + [(3, 3, 3)] * 5,
+    in_channels=2,
+    num_outputs=4,
+)
 CONFIGS = [  # name, topology, batch, patch, keyword arguments
     ("3d 5 stages 64^3 b2 fp32", unet(3, 5), 2, (64, 64, 64), {}),
     ("3d 5 stages 64^3 b2 checkpointing", unet(3, 5), 2, (64, 64, 64), {"checkpointing": True}),
@@ -50,12 +68,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--quick", action="store_true", help="only the first two configurations")
-    parser.add_argument("--architecture", choices=sorted(ARCHITECTURES), default="unet",
-                        help="the same shapes as a residual encoder U-Net (resenc) instead of a plain one")
+    parser.add_argument(
+        "--architecture",
+        choices=sorted(ARCHITECTURES),
+        default="unet",
+        help="the same shapes as a residual encoder U-Net (resenc) instead of a plain one",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{'configuration':40s} {'predicted':>10s} {'measured':>10s} {'error':>9s} {'diff B':>7s} {'fitted':>10s} "
-          f"{'fit err':>8s} {'CUDA':>9s}  {'sim s':>5s} {'fit s':>5s} {'query':>7s} {'real s':>6s}  peak in")
+    print(
+        f"{'configuration':40s} {'predicted':>10s} {'measured':>10s} {'error':>9s} {'diff B':>7s} {'fitted':>10s} "
+        f"{'fit err':>8s} {'CUDA':>9s}  {'sim s':>5s} {'fit s':>5s} {'query':>7s} {'real s':>6s}  peak in"
+    )
     for name, topology, batch, patch, kwargs in CONFIGS[:2] if args.quick else CONFIGS:
         architecture = ARCHITECTURES[args.architecture]
         topology = replace(topology, **preset_fields(architecture, topology.num_stages))
@@ -73,12 +97,17 @@ def main() -> None:
         cuda = predict_device_peak(predicted, "cuda")["total"]
         error = 100 * (predicted.peak_bytes - measured) / measured
         fit_error = 100 * (fitted - predicted.peak_bytes) / predicted.peak_bytes
-        print(f"{name:40s} {predicted.peak_bytes / MiB:10.1f} {measured / MiB:10.1f} {error:+8.4f}% "
-              f"{predicted.peak_bytes - measured:+7d} "
-              f"{fitted / MiB:10.1f} {fit_error:+7.4f}% {cuda / MiB:9.0f}  {t1 - t0:5.2f} {t2 - t1:5.2f} "
-              f"{(t3 - t2) * 1e6:5.0f}us {t4 - t3:6.1f}  {predicted.peak_phase}", flush=True)
-    print("sizes in MiB; error = (predicted - measured) / measured; fit err = fitted vs direct simulation;"
-          " CUDA = predicted device total (tensors + allocator + workspace + context)")
+        print(
+            f"{name:40s} {predicted.peak_bytes / MiB:10.1f} {measured / MiB:10.1f} {error:+8.4f}% "
+            f"{predicted.peak_bytes - measured:+7d} "
+            f"{fitted / MiB:10.1f} {fit_error:+7.4f}% {cuda / MiB:9.0f}  {t1 - t0:5.2f} {t2 - t1:5.2f} "
+            f"{(t3 - t2) * 1e6:5.0f}us {t4 - t3:6.1f}  {predicted.peak_phase}",
+            flush=True,
+        )
+    print(
+        "sizes in MiB; error = (predicted - measured) / measured; fit err = fitted vs direct simulation;"
+        " CUDA = predicted device total (tensors + allocator + workspace + context)"
+    )
 
 
 if __name__ == "__main__":

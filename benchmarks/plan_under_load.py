@@ -31,8 +31,26 @@ def plan(dataset: Path, workspace: Path, cache: Path) -> tuple[dict, str, float]
     """``autoseg plan`` on CPU with a fixed memory budget; (plans.json as a dict, its throughput line, seconds)."""
     env = {**os.environ, "AUTOSEG_CACHE_DIR": str(cache)}
     t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "autoseg", "plan", str(dataset), "-w", str(workspace), "--device",
-                             "cpu", "--gpu-memory", "8GiB", "--ram", "8GiB"], env=env, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "autoseg",
+            "plan",
+            str(dataset),
+            "-w",
+            str(workspace),
+            "--device",
+            "cpu",
+            "--gpu-memory",
+            "8GiB",
+            "--ram",
+            "8GiB",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     seconds = time.perf_counter() - t0
     if result.returncode != 0:
         sys.exit(f"autoseg plan failed ({result.returncode}):\n{result.stderr[-3000:]}")
@@ -41,9 +59,11 @@ def plan(dataset: Path, workspace: Path, cache: Path) -> tuple[dict, str, float]
 
 
 def summary(plans: dict) -> str:
-    return "; ".join(f"{name}: patch {'x'.join(map(str, c['patch_size']))} batch {c['batch_size']} width "
-                     f"{c['network']['features_per_stage'][0]} {c['predicted_seconds_per_iteration']:.2f} s/it"
-                     for name, c in plans["configurations"].items())
+    return "; ".join(
+        f"{name}: patch {'x'.join(map(str, c['patch_size']))} batch {c['batch_size']} width "
+        f"{c['network']['features_per_stage'][0]} {c['predicted_seconds_per_iteration']:.2f} s/it"
+        for name, c in plans["configurations"].items()
+    )
 
 
 def busy_processes(n: int) -> list[subprocess.Popen]:
@@ -79,8 +99,10 @@ def main() -> None:
             hog.kill()
             hog.wait()
     print(f"plans 1 and 2 identical: {idle == cached}")
-    print(f"plans 1 and 3 identical: {idle == fresh}; throughput 3/1: "
-          f"{fresh['cpu_flops_per_second'] / idle['cpu_flops_per_second']:.2f}")
+    print(
+        f"plans 1 and 3 identical: {idle == fresh}; throughput 3/1: "
+        f"{fresh['cpu_flops_per_second'] / idle['cpu_flops_per_second']:.2f}"
+    )
     cached_file = root / "cache_idle" / "cpu_throughput.json"
     if cached_file.is_file():
         details = json.loads(cached_file.read_text())["entries"][0]["details"]

@@ -64,8 +64,24 @@ def prepare_autoseg(dataset: Path, work: Path, plan_device: str, epochs: int, it
     ws = work / f"autoseg_{plan_device}"
     if not (ws / ".preprocessed").is_file():
         target = ["--device", "cuda", "--gpu-memory", "8GiB"] if plan_device == "gpu8" else ["--device", "cpu"]
-        r = run_measured([sys.executable, "-m", "autoseg", "plan_and_preprocess", str(dataset), "-w", str(ws),
-                          "-c", CONFIG, "--processes", "2", "--overwrite", *target], log_path=work / "autoseg_plan.log")
+        r = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "autoseg",
+                "plan_and_preprocess",
+                str(dataset),
+                "-w",
+                str(ws),
+                "-c",
+                CONFIG,
+                "--processes",
+                "2",
+                "--overwrite",
+                *target,
+            ],
+            log_path=work / "autoseg_plan.log",
+        )
         print(f"autoseg plan_and_preprocess ({plan_device}): {r['seconds']:.0f} s")
         (ws / ".preprocessed").write_text("")
     marker = ws / f".trained_{epochs}x{iterations}"
@@ -73,9 +89,29 @@ def prepare_autoseg(dataset: Path, work: Path, plan_device: str, epochs: int, it
         for old in ws.glob(".trained_*"):
             old.unlink()
         shutil.rmtree(ws / "results", ignore_errors=True)
-        r = run_measured([sys.executable, "-m", "autoseg", "train", "0", "-w", str(ws), "-c", CONFIG, "--device", "cpu",
-                          "--epochs", str(epochs), "--iterations-per-epoch", str(iterations), "--val-iterations", "1",
-                          "--no-validation"], log_path=work / "autoseg_train.log")
+        r = run_measured(
+            [
+                sys.executable,
+                "-m",
+                "autoseg",
+                "train",
+                "0",
+                "-w",
+                str(ws),
+                "-c",
+                CONFIG,
+                "--device",
+                "cpu",
+                "--epochs",
+                str(epochs),
+                "--iterations-per-epoch",
+                str(iterations),
+                "--val-iterations",
+                "1",
+                "--no-validation",
+            ],
+            log_path=work / "autoseg_train.log",
+        )
         print(f"autoseg train fold 0, {epochs} x {iterations} iterations on the CPU: {r['seconds']:.0f} s")
         marker.write_text("")
     return ws
@@ -98,8 +134,11 @@ def prepare_nnunet(python: str, dataset: Path, work: Path, epochs: int, iteratio
             old.unlink()
         shutil.rmtree(results, ignore_errors=True)
         results.mkdir(parents=True)
-        r = run_measured([python, str(HERE / "_nnunet_train.py"), str(epochs), str(iterations)], env=env,
-                         log_path=work / "nnunet_train.log")
+        r = run_measured(
+            [python, str(HERE / "_nnunet_train.py"), str(epochs), str(iterations)],
+            env=env,
+            log_path=work / "nnunet_train.log",
+        )
         print(f"nnU-Net train fold 0, {epochs} x {iterations} iterations on the CPU: {r['seconds']:.0f} s")
         marker.write_text("")
     return next(results.glob(f"Dataset*/nnUNetTrainer__nnUNetPlans__{CONFIG}")), env
@@ -131,17 +170,51 @@ def run_predictor(tool: str, cmd_args: list[str], python: str, env: dict | None,
 
 def predict_autoseg(ws: Path, inputs: Path, out: Path, tta: bool, extra: list[str], work: Path, name: str) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    args = ["predict", "-i", str(inputs), "-o", str(out), "-w", str(ws), "-c", CONFIG, "-f", "0", "--device", "cpu",
-            "--tta", "all" if tta else "none", "--verbose", *extra]
+    args = [
+        "predict",
+        "-i",
+        str(inputs),
+        "-o",
+        str(out),
+        "-w",
+        str(ws),
+        "-c",
+        CONFIG,
+        "-f",
+        "0",
+        "--device",
+        "cpu",
+        "--tta",
+        "all" if tta else "none",
+        "--verbose",
+        *extra,
+    ]
     r = run_predictor("autoseg", args, sys.executable, None, work, name)
     return {**r, **parse_autoseg_log(r["log"].read_text())}
 
 
-def predict_nnunet(python: str, env: dict, model: Path, inputs: Path, out: Path, tta: bool, npp: int, nps: int,
-                   work: Path, name: str) -> dict:
+def predict_nnunet(
+    python: str, env: dict, model: Path, inputs: Path, out: Path, tta: bool, npp: int, nps: int, work: Path, name: str
+) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    args = ["-i", str(inputs), "-o", str(out), "-m", str(model), "-f", "0", "-device", "cpu", "-npp", str(npp),
-            "-nps", str(nps), "--disable_progress_bar", *([] if tta else ["--disable_tta"])]
+    args = [
+        "-i",
+        str(inputs),
+        "-o",
+        str(out),
+        "-m",
+        str(model),
+        "-f",
+        "0",
+        "-device",
+        "cpu",
+        "-npp",
+        str(npp),
+        "-nps",
+        str(nps),
+        "--disable_progress_bar",
+        *([] if tta else ["--disable_tta"]),
+    ]
     return run_predictor("nnunet", args, python, env, work, name)
 
 
@@ -182,9 +255,12 @@ def summarize(runs: list[dict]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| case | tool | cases x voxels | s per case | first forward at | probe forwards | forward share "
-             "| overhead (target) | peak RSS | peak PSS | processes | predicted peak | predicted / RSS (target "
-             "0.85-1.15) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| case | tool | cases x voxels | s per case | first forward at | probe forwards | forward share "
+        "| overhead (target) | peak RSS | peak PSS | processes | predicted peak | predicted / RSS (target "
+        "0.85-1.15) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         overhead, target = 1 - r["forward_share"], OVERHEAD_TARGET[r["case"]]
         verdict = "" if r["tool"] != "autoseg" else (" pass" if overhead <= target else " FAIL")
@@ -196,11 +272,13 @@ def format_table(rows: list[dict]) -> str:
         first = "-" if r["first_forward_s"] is None else f"{r['first_forward_s']:.1f} s"
         each = ", ".join(f"{w / r['cases']:.1f}" for w in r["walls"])
         walls = "" if len(r["walls"]) == 1 else f" ({each})"
-        lines.append(f"| {r['case']} | {r['tool']} | {r['cases']} x {r['voxels'] / 1e6:.1f} M | "
-                     f"{r['seconds'] / r['cases']:.1f}{walls} | {first} | {r['probe_s']:.1f} s | "
-                     f"{r['forward_share']:.0%} | "
-                     f"{overhead:.0%} (<= {target:.0%}){verdict} | {r['peak_rss_bytes'] / MiB:.0f} MiB | "
-                     f"{r['peak_pss_bytes'] / MiB:.0f} MiB | {r['processes']} | {predicted} | {ratio} |")
+        lines.append(
+            f"| {r['case']} | {r['tool']} | {r['cases']} x {r['voxels'] / 1e6:.1f} M | "
+            f"{r['seconds'] / r['cases']:.1f}{walls} | {first} | {r['probe_s']:.1f} s | "
+            f"{r['forward_share']:.0%} | "
+            f"{overhead:.0%} (<= {target:.0%}){verdict} | {r['peak_rss_bytes'] / MiB:.0f} MiB | "
+            f"{r['peak_pss_bytes'] / MiB:.0f} MiB | {r['processes']} | {predicted} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -209,44 +287,76 @@ def print_checks(rows: list[dict], large_voxels: int, full_voxels: int) -> None:
     ours, theirs = by.get(("large", "autoseg")), by.get(("large", "nnU-Net v2"))
     if ours and theirs:
         q = ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
-        print(f"large case, autoseg / nnU-Net peak RSS {q:.2f} (target <= {RSS_RATIO_TARGET}: "
-              f"{'pass' if q <= RSS_RATIO_TARGET else 'FAIL'}); PSS "
-              f"{ours['peak_pss_bytes'] / theirs['peak_pss_bytes']:.2f}; wall time "
-              f"{ours['seconds'] / theirs['seconds']:.2f}")
+        print(
+            f"large case, autoseg / nnU-Net peak RSS {q:.2f} (target <= {RSS_RATIO_TARGET}: "
+            f"{'pass' if q <= RSS_RATIO_TARGET else 'FAIL'}); PSS "
+            f"{ours['peak_pss_bytes'] / theirs['peak_pss_bytes']:.2f}; wall time "
+            f"{ours['seconds'] / theirs['seconds']:.2f}"
+        )
     for r in rows:
         if r.get("self_measured_bytes"):
-            print(f"{r['case']}: autoseg's own log: predicted host peak {r['predicted_bytes'] / MiB:.0f} MiB, "
-                  f"measured {r['self_measured_bytes'] / MiB:.0f} MiB (its peak RSS since the first case)")
+            print(
+                f"{r['case']}: autoseg's own log: predicted host peak {r['predicted_bytes'] / MiB:.0f} MiB, "
+                f"measured {r['self_measured_bytes'] / MiB:.0f} MiB (its peak RSS since the first case)"
+            )
     if large_voxels < full_voxels:
         for tool in ("autoseg", "nnU-Net v2"):
             r = by.get(("large", tool))
             if r:
                 per_voxel = (r["seconds"] - (r["first_forward_s"] or 0)) / large_voxels
-                print(f"{tool}: {per_voxel * 1e6:.1f} s per million voxels after the first forward pass on the large "
-                      f"case; a {full_voxels / 1e6:.0f} M-voxel case would take about "
-                      f"{(r['first_forward_s'] or 0) + per_voxel * full_voxels:.0f} s at that rate")
+                print(
+                    f"{tool}: {per_voxel * 1e6:.1f} s per million voxels after the first forward pass on the large "
+                    f"case; a {full_voxels / 1e6:.0f} M-voxel case would take about "
+                    f"{(r['first_forward_s'] or 0) + per_voxel * full_voxels:.0f} s at that rate"
+                )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help=f"large case {'x'.join(map(str, QUICK_LARGE))}, 1 typical case (a check of the whole "
-                             "script, not the issue's figures)")
-    parser.add_argument("--work", default=str(Path(tempfile.gettempdir()) / "autoseg_predict_bench"),
-                        help="datasets, workspaces, trained models and outputs (kept: reruns skip what is there)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"large case {'x'.join(map(str, QUICK_LARGE))}, 1 typical case (a check of the whole "
+        "script, not the issue's figures)",
+    )
+    parser.add_argument(
+        "--work",
+        default=str(Path(tempfile.gettempdir()) / "autoseg_predict_bench"),
+        help="datasets, workspaces, trained models and outputs (kept: reruns skip what is there)",
+    )
     parser.add_argument("--cases", type=int, default=16, help="training cases")
-    parser.add_argument("--shape", type=int, nargs=3, default=(48, 160, 160), metavar=("Z", "Y", "X"),
-                        help="size of the training and typical cases (each varies by up to 8%% per axis)")
-    parser.add_argument("--large", type=int, nargs=3, default=None, metavar=("Z", "Y", "X"),
-                        help=f"the large case (default {'x'.join(map(str, FULL_LARGE))})")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=3,
+        default=(48, 160, 160),
+        metavar=("Z", "Y", "X"),
+        help="size of the training and typical cases (each varies by up to 8%% per axis)",
+    )
+    parser.add_argument(
+        "--large",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("Z", "Y", "X"),
+        help=f"the large case (default {'x'.join(map(str, FULL_LARGE))})",
+    )
     parser.add_argument("--typical", type=int, default=None, help="held-out cases predicted in one run (default 3)")
     parser.add_argument("--epochs", type=int, default=1, help="training epochs of both tools")
-    parser.add_argument("--iterations", type=int, default=2,
-                        help="training iterations per epoch (default 2: the timings need the planned network, not a "
-                             "good one; the quick run's models are then reused by the full run)")
-    parser.add_argument("--autoseg-plan", choices=("gpu8", "cpu"), default="gpu8",
-                        help="plan autoseg for an 8 GiB GPU (the network nnU-Net plans; default) or for the CPU "
-                             "(a far smaller network and patch)")
+    parser.add_argument(
+        "--iterations",
+        type=int,
+        default=2,
+        help="training iterations per epoch (default 2: the timings need the planned network, not a "
+        "good one; the quick run's models are then reused by the full run)",
+    )
+    parser.add_argument(
+        "--autoseg-plan",
+        choices=("gpu8", "cpu"),
+        default="gpu8",
+        help="plan autoseg for an 8 GiB GPU (the network nnU-Net plans; default) or for the CPU "
+        "(a far smaller network and patch)",
+    )
     parser.add_argument("--tta", action="store_true", help="mirror test-time augmentation on for both (all variants)")
     parser.add_argument("--npp", type=int, default=3, help="nnU-Net's preprocessing processes (-npp)")
     parser.add_argument("--nps", type=int, default=3, help="nnU-Net's export processes (-nps)")
@@ -268,13 +378,16 @@ def main() -> None:
     nnunet = None if python is None else prepare_nnunet(python, dataset, work, args.epochs, iterations)
     typical_folder = typical_inputs(dataset, work, typical)
     voxels = {"typical": _voxels(typical_folder), "large": _voxels(large)}
-    cases = {k: v for k, v in {"typical": (typical_folder, typical), "large": (large, 1)}.items()
-             if args.only in (None, k)}
-    print(f"{len(ORGANS)} foreground classes; typical: {typical} held-out case(s), "
-          f"{voxels['typical'] / 1e6:.1f} M voxels in all; large: {'x'.join(map(str, large_shape))}; "
-          f"TTA {'all' if args.tta else 'none'}; nnU-Net -npp {args.npp} -nps {args.nps}; autoseg planned for "
-          f"{args.autoseg_plan}, both trained {args.epochs} x {iterations} iterations; {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    cases = {
+        k: v for k, v in {"typical": (typical_folder, typical), "large": (large, 1)}.items() if args.only in (None, k)
+    }
+    print(
+        f"{len(ORGANS)} foreground classes; typical: {typical} held-out case(s), "
+        f"{voxels['typical'] / 1e6:.1f} M voxels in all; large: {'x'.join(map(str, large_shape))}; "
+        f"TTA {'all' if args.tta else 'none'}; nnU-Net -npp {args.npp} -nps {args.nps}; autoseg planned for "
+        f"{args.autoseg_plan}, both trained {args.epochs} x {iterations} iterations; {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     if python is None:
         print("nnU-Net v2: not importable here; pass --nnunet-python PATH to compare")
     runs = []
@@ -287,8 +400,9 @@ def main() -> None:
                 if tool == "autoseg":
                     r = predict_autoseg(ws, inputs, out, args.tta, shlex.split(args.autoseg_args), work, name)
                 else:
-                    r = predict_nnunet(python, nnunet[1], nnunet[0], inputs, out, args.tta, args.npp, args.nps,
-                                       work, name)
+                    r = predict_nnunet(
+                        python, nnunet[1], nnunet[0], inputs, out, args.tta, args.npp, args.nps, work, name
+                    )
                 r.update(case=case, tool=tool, cases=count, voxels=voxels[case])
                 runs.append(r)
                 _print_run(round_, r)
@@ -299,10 +413,12 @@ def main() -> None:
 
 
 def _print_run(round_: int, r: dict) -> None:
-    print(f"round {round_}, {r['case']}, {r['tool']}: {r['seconds']:.1f} s wall, forward {r['forward_s']:.1f} s in "
-          f"{r['forward_calls']} calls (probes {r['probe_s']:.1f} s), peak RSS "
-          f"{r['peak_rss_bytes'] / MiB:.0f} MiB, PSS {r['peak_pss_bytes'] / MiB:.0f} MiB, load before "
-          f"{r['load_before']:.1f}; log {r['log']}")
+    print(
+        f"round {round_}, {r['case']}, {r['tool']}: {r['seconds']:.1f} s wall, forward {r['forward_s']:.1f} s in "
+        f"{r['forward_calls']} calls (probes {r['probe_s']:.1f} s), peak RSS "
+        f"{r['peak_rss_bytes'] / MiB:.0f} MiB, PSS {r['peak_pss_bytes'] / MiB:.0f} MiB, load before "
+        f"{r['load_before']:.1f}; log {r['log']}"
+    )
     if r["tool"] == "autoseg":
         print(f"  pipeline: {r['pipeline']}\n  plan: " + "\n  plan: ".join(r["plans"][:2]))
 

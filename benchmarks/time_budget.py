@@ -49,6 +49,7 @@ def prepare(data_dir: Path, cases: int) -> Path:
 
 def busy_later(n: int, after_s: float, started: list[subprocess.Popen]) -> threading.Timer:
     """Start ``n`` busy-looping processes after ``after_s`` seconds (appended to ``started``)."""
+
     def start() -> None:
         started.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n))
 
@@ -81,10 +82,12 @@ def report(workspace: Path, budget_s: float, wall_s: float) -> None:
     final = run.get("final_validation", {})
     log = (fold / "train.log").read_text()
     measured = re.search(r"final validation took ([0-9.]+) s", log)
-    print(f"budget {budget_s:.0f} s | wall {wall_s:.1f} s | ratio {wall_s / budget_s:.3f} | "
-          f"{run['schedule']['epochs']} epochs x {run['schedule']['iterations_per_epoch']} iterations | final "
-          f"validation: {len(final.get('cases', []))} case(s), tta {final.get('tta')}, estimated "
-          f"{final.get('estimated_seconds', float('nan')):.1f} s, took {measured.group(1) if measured else '?'} s")
+    print(
+        f"budget {budget_s:.0f} s | wall {wall_s:.1f} s | ratio {wall_s / budget_s:.3f} | "
+        f"{run['schedule']['epochs']} epochs x {run['schedule']['iterations_per_epoch']} iterations | final "
+        f"validation: {len(final.get('cases', []))} case(s), tta {final.get('tta')}, estimated "
+        f"{final.get('estimated_seconds', float('nan')):.1f} s, took {measured.group(1) if measured else '?'} s"
+    )
     for line in log.splitlines():
         if "time budget" in line:
             print("   ", line)
@@ -94,8 +97,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", nargs="+", default=["12m"], help="--time-budget values to run (default: 12m)")
     parser.add_argument("--busy", type=int, default=0, help="busy-looping processes sharing the CPU (default: 0)")
-    parser.add_argument("--busy-after", type=float, default=0.0, metavar="S",
-                        help="start them this many seconds into each run (default: 0, from the start)")
+    parser.add_argument(
+        "--busy-after",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="start them this many seconds into each run (default: 0, from the start)",
+    )
     parser.add_argument("--cases", type=int, default=24, help="demo training cases (default: 24, the demo's)")
     parser.add_argument("--data-dir", type=Path, default=None, help="dataset + workspace (default: a temp dir)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir")

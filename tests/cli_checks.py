@@ -40,5 +40,8 @@ def snapshot(root: Path) -> dict[str, str]:
     """Relative path -> content hash of every file under ``root`` (empty when it does not exist)."""
     if not root.exists():
         return {}
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

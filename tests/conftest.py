@@ -17,8 +17,9 @@ from autoseg.preprocess.run import preprocess_workspace
 @pytest.fixture(scope="session")
 def tiny_dataset(tmp_path_factory) -> Path:
     """A 5 + 1 case synthetic 3D dataset in the nnU-Net layout, small enough for unit tests. Read-only."""
-    return make_demo_dataset(tmp_path_factory.mktemp("raw") / "Dataset001_Tiny", num_train=5, num_test=2,
-                             shape_zyx=(12, 28, 28), seed=3)
+    return make_demo_dataset(
+        tmp_path_factory.mktemp("raw") / "Dataset001_Tiny", num_train=5, num_test=2, shape_zyx=(12, 28, 28), seed=3
+    )
 
 
 @pytest.fixture()
@@ -66,8 +67,15 @@ def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
     workspace = Workspace.at(root / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, ["3d_fullres"], processes=1, progress=False)
-    set_configuration(workspace, "3d_fullres", network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
-                      batch_size=2, accumulation_steps=1, checkpointing=True)
+    set_configuration(
+        workspace,
+        "3d_fullres",
+        network=tiny_topology(plans.num_label_values),
+        patch_size=(8, 16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+        checkpointing=True,
+    )
     return workspace.root
 
 
@@ -79,8 +87,13 @@ def trained(prepared: Path, tmp_path_factory) -> Path:
     from autoseg.train.trainer import train
 
     root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("trained") / "ws"))
-    train(Workspace.at(root), "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1,
-                                                         validate=False, cpu_threads=1), progress=False)
+    train(
+        Workspace.at(root),
+        "3d_fullres",
+        0,
+        RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1),
+        progress=False,
+    )
     return root
 
 

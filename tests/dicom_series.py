@@ -10,10 +10,14 @@ import numpy as np
 import SimpleITK as sitk
 
 
-def write_dicom_series(folder: Path, voxels_zyx: np.ndarray, series_uid: str,
-                       spacing_xyz: tuple[float, float, float] = (0.8, 0.9, 2.5),
-                       origin_xyz: tuple[float, float, float] = (-10.0, 20.0, 30.0),
-                       direction: tuple[float, ...] = (1, 0, 0, 0, 1, 0, 0, 0, 1)) -> sitk.Image:
+def write_dicom_series(
+    folder: Path,
+    voxels_zyx: np.ndarray,
+    series_uid: str,
+    spacing_xyz: tuple[float, float, float] = (0.8, 0.9, 2.5),
+    origin_xyz: tuple[float, float, float] = (-10.0, 20.0, 30.0),
+    direction: tuple[float, ...] = (1, 0, 0, 0, 1, 0, 0, 0, 1),
+) -> sitk.Image:
     """Write ``voxels_zyx`` (int16) into ``folder`` as the series ``series_uid`` (files ``{uid}-{i}.dcm``);
     returns the 3D image written."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -27,10 +31,16 @@ def write_dicom_series(folder: Path, voxels_zyx: np.ndarray, series_uid: str,
     orientation = "\\".join(str(v) for v in (d[0], d[3], d[6], d[1], d[4], d[7]))  # row and column cosines
     for i in range(image.GetDepth()):
         slice_ = image[:, :, i]
-        for tag, value in (("0008|0060", "CT"), ("0020|000e", series_uid), ("0020|000d", "1.2.826.0.1.3680043.2.9"),
-                           ("0020|0037", orientation), ("0020|0013", str(i)), ("0008|0008", "DERIVED\\SECONDARY"),
-                           ("0020|0032", "\\".join(str(v) for v in image.TransformIndexToPhysicalPoint((0, 0, i)))),
-                           ("0018|0050", str(spacing_xyz[2]))):
+        for tag, value in (
+            ("0008|0060", "CT"),
+            ("0020|000e", series_uid),
+            ("0020|000d", "1.2.826.0.1.3680043.2.9"),
+            ("0020|0037", orientation),
+            ("0020|0013", str(i)),
+            ("0008|0008", "DERIVED\\SECONDARY"),
+            ("0020|0032", "\\".join(str(v) for v in image.TransformIndexToPhysicalPoint((0, 0, i)))),
+            ("0018|0050", str(spacing_xyz[2])),
+        ):
             slice_.SetMetaData(tag, value)
         writer.SetFileName(str(folder / f"{series_uid}-{i:03d}.dcm"))
         writer.Execute(slice_)

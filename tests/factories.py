@@ -18,23 +18,49 @@ from autoseg.preprocess import store
 
 def tiny_plans(host_ram_bytes: int = 8 * GiB, spacing_mm: tuple[float, ...] = (2.75, 0.9, 0.9)) -> Plans:
     """A hand-written plan: one 3D configuration (2 stages, 8-16 features, patch 8x16x16), z-score in the body."""
-    topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(8, 16),
-                               kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
-    config = ConfigurationPlan(name="3d_fullres", spacing_mm=spacing_mm, median_shape_zyx=(12, 28, 28),
-                               patch_size=(8, 16, 16), batch_size=2, accumulation_steps=1, network=topology,
-                               inference_patch_size=(8, 16, 16))
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(8, 16),
+        kernel_sizes=((3, 3, 3), (3, 3, 3)),
+        strides=((1, 1, 1), (2, 2, 2)),
+    )
+    config = ConfigurationPlan(
+        name="3d_fullres",
+        spacing_mm=spacing_mm,
+        median_shape_zyx=(12, 28, 28),
+        patch_size=(8, 16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+        network=topology,
+        inference_patch_size=(8, 16, 16),
+    )
     labels = {"background": 0, "organ": 1, "lesion": 2}
-    return Plans(dataset_name="Tiny", channel_names=("MRI",), labels=labels, file_ending=".nii.gz",
-                 normalization=("zscore",), use_nonzero_mask=(True,),
-                 intensity_properties=(IntensityProperties(100.0, 20.0, 50.0, 200.0),),
-                 configurations={"3d_fullres": config}, gpu_memory_bytes=8 * GiB,
-                 host_ram_bytes=host_ram_bytes)
+    return Plans(
+        dataset_name="Tiny",
+        channel_names=("MRI",),
+        labels=labels,
+        file_ending=".nii.gz",
+        normalization=("zscore",),
+        use_nonzero_mask=(True,),
+        intensity_properties=(IntensityProperties(100.0, 20.0, 50.0, 200.0),),
+        configurations={"3d_fullres": config},
+        gpu_memory_bytes=8 * GiB,
+        host_ram_bytes=host_ram_bytes,
+    )
 
 
 def tiny_topology(num_outputs: int) -> NetworkTopology:
     """A 2-stage 3D U-Net with 4 and 8 features: a training step takes milliseconds."""
-    return NetworkTopology(dim=3, in_channels=1, num_outputs=num_outputs, features_per_stage=(4, 8),
-                           kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2)))
+    return NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=num_outputs,
+        features_per_stage=(4, 8),
+        kernel_sizes=((3, 3, 3), (3, 3, 3)),
+        strides=((1, 1, 1), (2, 2, 2)),
+    )
 
 
 def set_configuration(workspace: Workspace, name: str, **changes) -> None:
@@ -53,20 +79,32 @@ SHAPE_ZYX = (12, 20, 20)
 def case_properties(case_id: str, shape_zyx: tuple[int, ...]) -> store.CaseProperties:
     """Properties of a case stored as it was read: 1 mm voxels, nothing cropped or resampled, no copies."""
     z, y, x = (int(s) for s in shape_zyx)
-    geometry = Geometry(ndim=3, size_xyz=(x, y, z), spacing_xyz=(1.0, 1.0, 1.0), origin_xyz=(0.0, 0.0, 0.0),
-                        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
-    return store.CaseProperties(case_id=case_id, geometry=geometry, spacing_mm=(1.0, 1.0, 1.0),
-                                target_spacing_mm=(1.0, 1.0, 1.0), shape_before_crop=(z, y, x),
-                                crop_bbox=((0, z), (0, y), (0, x)), shape_after_crop=(z, y, x),
-                                shape_after_resample=(z, y, x))
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=(x, y, z),
+        spacing_xyz=(1.0, 1.0, 1.0),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+    )
+    return store.CaseProperties(
+        case_id=case_id,
+        geometry=geometry,
+        spacing_mm=(1.0, 1.0, 1.0),
+        target_spacing_mm=(1.0, 1.0, 1.0),
+        shape_before_crop=(z, y, x),
+        crop_bbox=((0, z), (0, y), (0, x)),
+        shape_after_crop=(z, y, x),
+        shape_after_resample=(z, y, x),
+    )
 
 
 def write_case(folder: Path, case_id: str, data: np.ndarray, seg: np.ndarray) -> None:
     """A preprocessed case (``store.write_case``): data float32 (C, Z, Y, X), seg int8 (1, Z, Y, X), every
     voxel of classes 1 and 2 as its foreground locations, properties without copies."""
     locations = {str(c): np.argwhere(seg[0] == c).tolist() for c in (1, 2)}
-    store.write_case(folder, case_properties(case_id, data.shape[1:]), data.astype(np.float32),
-                     seg.astype(np.int8), locations)
+    store.write_case(
+        folder, case_properties(case_id, data.shape[1:]), data.astype(np.float32), seg.astype(np.int8), locations
+    )
 
 
 def make_cases(

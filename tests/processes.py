@@ -27,9 +27,12 @@ def one_cpu() -> Iterator[None]:
 
 
 def start(*argv: str | Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "autoseg.cli", "-q", *map(str, argv)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=lambda: os.sched_setaffinity(0, {ONE_CPU}))
+    return subprocess.Popen(
+        [sys.executable, "-m", "autoseg.cli", "-q", *map(str, argv)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: os.sched_setaffinity(0, {ONE_CPU}),
+    )
 
 
 def descendants(root: int) -> list[int]:
@@ -58,8 +61,8 @@ def alive(pid: int) -> bool:
 
 def kill_when(process: subprocess.Popen, ready: Callable[[list[int]], bool], timeout_s: float = 60) -> list[int]:
     """SIGKILL ``process`` once ``ready(its descendants)``; assert it was still running then, and that none of
-    its descendants is alive 2 s later (without a death signal torch's loader workers lived 5 s, the
-preprocessing workers until done). Returns the descendants it had."""
+        its descendants is alive 2 s later (without a death signal torch's loader workers lived 5 s, the
+    preprocessing workers until done). Returns the descendants it had."""
     deadline = time.monotonic() + timeout_s
     while True:
         assert process.poll() is None, f"finished before the kill:\n{process.stderr.read().decode()}"

@@ -21,15 +21,18 @@ def test_packages_import_only_the_layers_below_them() -> None:
     config = str(ROOT / "pyproject.toml")
     code = f"import sys; from importlinter.cli import lint_imports; sys.exit(lint_imports({config!r}, no_cache=True))"
     env = {**os.environ, "PYTHONIOENCODING": "utf-8"}  # its report draws boxes; the locale may be plain C
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, encoding="utf-8", errors="replace",
-                            cwd=ROOT, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, encoding="utf-8", errors="replace", cwd=ROOT, env=env
+    )
     assert result.returncode == 0, f"an import breaks the layers:\n{result.stdout[-3000:]}"
 
 
 def _calls_backward(path: Path) -> bool:
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
-               for n in ast.walk(tree))
+    return any(
+        isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "backward"
+        for n in ast.walk(tree)
+    )
 
 
 def test_only_the_training_step_runs_a_backward_pass() -> None:
@@ -50,3 +53,11 @@ def test_every_package_says_what_it_owns_and_may_import(package: str) -> None:
     assert imports.strip(), f"autoseg/{package}/__init__.py: say what the package may import"
     assert [m for m in modules if f"``{m}``" not in owns] == [], f"autoseg/{package}/__init__.py: name its modules"
     assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.parse(source).body)
+
+
+@pytest.mark.parametrize("check", [["check"], ["format", "--check"]], ids=["lint", "format"])
+def test_the_tree_is_lint_clean_and_formatted(check: list[str]) -> None:
+    """``ruff check`` and ``ruff format --check`` over the whole tree (pyproject.toml's [tool.ruff]), so a
+    hand-wrapped signature or an unused import fails the suite instead of a review."""
+    result = subprocess.run([sys.executable, "-m", "ruff", *check, "."], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, f"ruff {' '.join(check)} .:\n{result.stdout[-3000:]}{result.stderr[-1000:]}"

@@ -63,26 +63,76 @@ def test_resenc_plan_trains_and_predicts_unchanged(tiny_dataset: Path, tmp_path:
     """`--architecture resenc`: plans.json names the residual encoder U-Net and its blocks; the same train and
     predict commands run it (1 epoch x 2 iterations on CPU, one case predicted; about 20 s on 2 busy cores)."""
     ws, out = tmp_path / "ws", tmp_path / "pred"
-    assert main(["-q", "plan_and_preprocess", str(tiny_dataset), "-w", str(ws), "--device", "cpu", "-c", "3d_fullres",
-                 "--ram", "4GiB", "--cpu-flops", "2e10", "--architecture", "resenc", "--processes", "1"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "plan_and_preprocess",
+                str(tiny_dataset),
+                "-w",
+                str(ws),
+                "--device",
+                "cpu",
+                "-c",
+                "3d_fullres",
+                "--ram",
+                "4GiB",
+                "--cpu-flops",
+                "2e10",
+                "--architecture",
+                "resenc",
+                "--processes",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "network residual_encoder_unet" in capsys.readouterr().out
     network = json.loads((ws / "plans.json").read_text())["configurations"]["3d_fullres"]["network"]
     assert network["architecture"] == "residual_encoder_unet" and network["conv_per_stage"] == 1
-    assert network["blocks_per_stage"] == [1, 3, 4, 6, 6, 6][:len(network["features_per_stage"])]
-    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--device", "cpu", "--epochs", "1",
-                 "--iterations-per-epoch", "2", "--val-iterations", "1", "--no-validation"]) == 0
+    assert network["blocks_per_stage"] == [1, 3, 4, 6, 6, 6][: len(network["features_per_stage"])]
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                "fold",
+                "0",
+                "-w",
+                str(ws),
+                "--device",
+                "cpu",
+                "--epochs",
+                "1",
+                "--iterations-per-epoch",
+                "2",
+                "--val-iterations",
+                "1",
+                "--no-validation",
+            ]
+        )
+        == 0
+    )
     assert (ws / "results" / "3d_fullres" / "fold_0" / "checkpoint_final.pt").is_file()
     image = sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz"))[0]
-    assert main(["-q", "predict", "-i", str(image), "-o", str(out), "-w", str(ws), "--no-mirror",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(["-q", "predict", "-i", str(image), "-o", str(out), "-w", str(ws), "--no-mirror", "--device", "cpu"]) == 0
+    )
     assert "wrote 1 segmentation(s)" in capsys.readouterr().out
     assert [p.name for p in out.iterdir()] == [image.name.replace("_0000", "")]
 
 
 @pytest.mark.parametrize(
     ("values", "expected"),
-    [(["fold", "0"], [0]), (["3"], [3]), (["fold", "all"], ["all"]), (["all"], ["all"]), (["fold", "12"], [12]),
-     (["fold", "0", "1", "2", "3", "4"], [0, 1, 2, 3, 4]), (["2", "0"], [2, 0])],
+    [
+        (["fold", "0"], [0]),
+        (["3"], [3]),
+        (["fold", "all"], ["all"]),
+        (["all"], ["all"]),
+        (["fold", "12"], [12]),
+        (["fold", "0", "1", "2", "3", "4"], [0, 1, 2, 3, 4]),
+        (["2", "0"], [2, 0]),
+    ],
 )
 def test_fold_parsing(values: list[str], expected: list[int | str]) -> None:
     assert parse_fold(values) == expected
@@ -111,8 +161,22 @@ def test_missing_dataset_returns_nonzero_naming_the_path(tmp_path: Path, capsys)
 
 
 def test_predict_without_workspace_returns_nonzero(tmp_path: Path, capsys) -> None:
-    code = main(["-q", "predict", "-i", str(tmp_path), "-o", str(tmp_path / "out"), "-w", str(tmp_path / "ws"),
-                 "-c", "3d_fullres", "--device", "cpu"])
+    code = main(
+        [
+            "-q",
+            "predict",
+            "-i",
+            str(tmp_path),
+            "-o",
+            str(tmp_path / "out"),
+            "-w",
+            str(tmp_path / "ws"),
+            "-c",
+            "3d_fullres",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code != 0
     assert "plans.json not found" in capsys.readouterr().err
 
@@ -124,16 +188,54 @@ def test_end_to_end_plan_train_predict_evaluate(tiny_dataset: Path, tmp_path: Pa
     ws = tmp_path / "ws"
     out = tmp_path / "pred"
 
-    assert main(["-q", "plan_and_preprocess", str(raw), "-w", str(ws), "--device", "cpu", "-c", "3d_fullres",
-                 "--gpu-memory", "8GiB", "--ram", "4GiB"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "plan_and_preprocess",
+                str(raw),
+                "-w",
+                str(ws),
+                "--device",
+                "cpu",
+                "-c",
+                "3d_fullres",
+                "--gpu-memory",
+                "8GiB",
+                "--ram",
+                "4GiB",
+            ]
+        )
+        == 0
+    )
     assert "GPU memory 8.0 GiB, host RAM 4.0 GiB, training device cpu" in capsys.readouterr().out
     for name in ("workspace.json", "fingerprint.json", "plans.json"):
         assert (ws / name).is_file()
     assert len(list_complete_cases(ws / "preprocessed" / "3d_fullres")) == 5
     assert not (ws / "preprocessed" / "2d").exists()  # -c 3d_fullres only
 
-    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--device", "cpu", "--epochs", "1",
-                 "--iterations-per-epoch", "2", "--val-iterations", "1", "--no-validation"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                "fold",
+                "0",
+                "-w",
+                str(ws),
+                "--device",
+                "cpu",
+                "--epochs",
+                "1",
+                "--iterations-per-epoch",
+                "2",
+                "--val-iterations",
+                "1",
+                "--no-validation",
+            ]
+        )
+        == 0
+    )
     fold = ws / "results" / "3d_fullres" / "fold_0"
     assert (ws / "splits.json").is_file()
     for name in ("checkpoint_final.pt", "metrics.jsonl", "progress.png"):
@@ -142,8 +244,24 @@ def test_end_to_end_plan_train_predict_evaluate(tiny_dataset: Path, tmp_path: Pa
     assert [r["epoch"] for r in rows] == [0]
     assert not (fold / "validation").exists()
 
-    assert main(["-q", "predict", "-i", str(raw / "imagesTs"), "-o", str(out), "-w", str(ws), "--no-mirror",
-                 "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "predict",
+                "-i",
+                str(raw / "imagesTs"),
+                "-o",
+                str(out),
+                "-w",
+                str(ws),
+                "--no-mirror",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     assert "wrote 2 segmentation(s)" in capsys.readouterr().out
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in (raw / "labelsTs").iterdir())
 
@@ -192,17 +310,22 @@ def test_distributed_context_from_the_torchrun_environment() -> None:
 
 
 @pytest.mark.slow
-def test_cpu_plans_do_not_depend_on_the_load_while_planning(tiny_dataset: Path, tmp_path: Path, capsys,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_plans_do_not_depend_on_the_load_while_planning(
+    tiny_dataset: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The throughput measured on idle cores is cached per machine: a later plan made while the cores are busy (its
     measurement would be 4x lower) reads it and is the same plan, which records the figure."""
     import autoseg.plan.throughput
     from autoseg.core.machine import Measurement
 
-    measurements = [Measurement({"flops_per_second": 40e9, "elements_per_second": 300e6,
-                                 "mapped_bytes_per_second": 3e9}),
-                    Measurement({"flops_per_second": 10e9, "elements_per_second": 75e6,
-                                 "mapped_bytes_per_second": 1e9}, keep=False, why_not_kept="the cores were busy")]
+    measurements = [
+        Measurement({"flops_per_second": 40e9, "elements_per_second": 300e6, "mapped_bytes_per_second": 3e9}),
+        Measurement(
+            {"flops_per_second": 10e9, "elements_per_second": 75e6, "mapped_bytes_per_second": 1e9},
+            keep=False,
+            why_not_kept="the cores were busy",
+        ),
+    ]
     monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda: measurements.pop(0))
     monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
     budget = ("--device", "cpu", "--gpu-memory", "8GiB", "--ram", "4GiB")

@@ -14,16 +14,43 @@ import autoseg.cli.main as cli
 from autoseg.core.errors import InputError, RunError
 
 BAD_FLAGS = {
-    "plan_and_preprocess": [("--gpu-memory", "0"), ("--gpu-memory", "nan"), ("--gpu-memory", "-8GiB"),
-                            ("--gpu-memory", "inf"), ("--ram", "0"), ("--cpu-flops", "nan"), ("--cpu-flops", "0"),
-                            ("--cpu-flops", "-5e9"), ("--processes", "0"), ("--processes", "two"),
-                            ("--precompute-augmentations", "-1")],
-    "train": [("--epochs", "0"), ("--epochs", "-1"), ("--epochs", "1.5"), ("--iterations-per-epoch", "0"),
-              ("--val-iterations", "0"), ("--seed", "-1"), ("--seed", str(2**32)), ("--loader-workers", "-1"),
-              ("--gpus", "0"), ("--time-budget", "0s"), ("--time-budget", "-1h"), ("--time-budget", "soon")],
-    "predict": [("--tile-batch-size", "0"), ("--tile-batch-size", "-2"), ("--tile-batch-size", "many"),
-                ("--tta", "x"), ("--tta", "-1"), ("--preprocess-workers", "-1"), ("--export-workers", "two"),
-                ("--tile", "huge")],
+    "plan_and_preprocess": [
+        ("--gpu-memory", "0"),
+        ("--gpu-memory", "nan"),
+        ("--gpu-memory", "-8GiB"),
+        ("--gpu-memory", "inf"),
+        ("--ram", "0"),
+        ("--cpu-flops", "nan"),
+        ("--cpu-flops", "0"),
+        ("--cpu-flops", "-5e9"),
+        ("--processes", "0"),
+        ("--processes", "two"),
+        ("--precompute-augmentations", "-1"),
+    ],
+    "train": [
+        ("--epochs", "0"),
+        ("--epochs", "-1"),
+        ("--epochs", "1.5"),
+        ("--iterations-per-epoch", "0"),
+        ("--val-iterations", "0"),
+        ("--seed", "-1"),
+        ("--seed", str(2**32)),
+        ("--loader-workers", "-1"),
+        ("--gpus", "0"),
+        ("--time-budget", "0s"),
+        ("--time-budget", "-1h"),
+        ("--time-budget", "soon"),
+    ],
+    "predict": [
+        ("--tile-batch-size", "0"),
+        ("--tile-batch-size", "-2"),
+        ("--tile-batch-size", "many"),
+        ("--tta", "x"),
+        ("--tta", "-1"),
+        ("--preprocess-workers", "-1"),
+        ("--export-workers", "two"),
+        ("--tile", "huge"),
+    ],
     "demo": [("--num-train", "1"), ("--epochs", "0"), ("--iterations-per-epoch", "-3")],
     "make-demo-dataset": [("--num-train", "0"), ("--num-test", "-1"), ("--seed", "-1")],
 }
@@ -31,17 +58,19 @@ BAD_FLAGS = {
 
 def _command_line(command: str, tmp_path: Path) -> list[str]:
     ws = str(tmp_path / "ws")
-    return {"plan_and_preprocess": [command, str(tmp_path / "Dataset001_X"), "-w", ws],
-            "train": [command, "fold", "0", "-w", ws],
-            "predict": [command, "-i", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "-w", ws],
-            "demo": [command, "-w", ws],
-            "make-demo-dataset": [command, ws]}[command]
+    return {
+        "plan_and_preprocess": [command, str(tmp_path / "Dataset001_X"), "-w", ws],
+        "train": [command, "fold", "0", "-w", ws],
+        "predict": [command, "-i", str(tmp_path / "in"), "-o", str(tmp_path / "out"), "-w", ws],
+        "demo": [command, "-w", ws],
+        "make-demo-dataset": [command, ws],
+    }[command]
 
 
-@pytest.mark.parametrize(("command", "flag", "value"),
-                         [(c, f, v) for c, flags in BAD_FLAGS.items() for f, v in flags])
+@pytest.mark.parametrize(("command", "flag", "value"), [(c, f, v) for c, flags in BAD_FLAGS.items() for f, v in flags])
 def test_a_bad_flag_is_refused_at_parse_time_naming_it_before_anything_is_written(
-        command: str, flag: str, value: str, tmp_path: Path, capsys) -> None:
+    command: str, flag: str, value: str, tmp_path: Path, capsys
+) -> None:
     result = run_cli(capsys, *_command_line(command, tmp_path), flag, value)
     assert_refused(result, 2, f"argument {flag}")
     assert list(tmp_path.iterdir()) == []  # no workspace, no output folder, no dataset
@@ -60,8 +89,13 @@ def _failing_command(monkeypatch, error: BaseException) -> None:
     monkeypatch.setitem(cli.COMMANDS, "explain", explode)
 
 
-@pytest.mark.parametrize(("error", "status"), [(InputError("plans.json: bad key 'x'; remove it"), 2),
-                                               (RunError("a worker died; rerun with fewer --processes"), 1)])
+@pytest.mark.parametrize(
+    ("error", "status"),
+    [
+        (InputError("plans.json: bad key 'x'; remove it"), 2),
+        (RunError("a worker died; rerun with fewer --processes"), 1),
+    ],
+)
 def test_autoseg_errors_become_one_line_and_their_exit_status(error, status, monkeypatch, capsys) -> None:
     _failing_command(monkeypatch, error)
     result = run_cli(capsys, "explain")
@@ -100,8 +134,9 @@ def test_interrupt_exits_130_without_a_traceback(monkeypatch, capsys) -> None:
 
 
 @pytest.mark.parametrize("command", ["train", "explain"])
-def test_a_hand_edited_plan_no_stage_can_run_is_refused_before_training(command: str, prepared: Path, tmp_path: Path,
-                                                                        capsys) -> None:
+def test_a_hand_edited_plan_no_stage_can_run_is_refused_before_training(
+    command: str, prepared: Path, tmp_path: Path, capsys
+) -> None:
     import json
     import shutil
 

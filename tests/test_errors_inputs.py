@@ -90,16 +90,29 @@ DATASET_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "2d-case-in-3d": ("dimension", _case_2d),
     "extra-channel-in-imagesTr": ("channels", _extra_training_channel),
     "json-null": ("dataset.json", lambda d: (_edit_meta(d, lambda m: None), "dataset.json")[1]),
-    "json-not-utf8": ("dataset.json",
-                      lambda d: ((d / "dataset.json").write_bytes(b"\xff\xfe{\x00"), "dataset.json")[1]),
-    "numTraining-str": ("dataset.json",
-                        lambda d: (_edit_meta(d, lambda m: {**m, "numTraining": "5"}), "numTraining")[1]),
-    "channel_names-empty": ("dataset.json",
-                            lambda d: (_edit_meta(d, lambda m: {**m, "channel_names": {}}), "channel_names")[1]),
-    "label-value-str": ("dataset.json", lambda d: (_edit_meta(
-        d, lambda m: {**m, "labels": {"background": 0, "organ": "1", "lesion": 2}}), "label 'organ'")[1]),
-    "file_ending-no-dot": ("dataset.json",
-                           lambda d: (_edit_meta(d, lambda m: {**m, "file_ending": "nii.gz"}), "file_ending")[1]),
+    "json-not-utf8": (
+        "dataset.json",
+        lambda d: ((d / "dataset.json").write_bytes(b"\xff\xfe{\x00"), "dataset.json")[1],
+    ),
+    "numTraining-str": (
+        "dataset.json",
+        lambda d: (_edit_meta(d, lambda m: {**m, "numTraining": "5"}), "numTraining")[1],
+    ),
+    "channel_names-empty": (
+        "dataset.json",
+        lambda d: (_edit_meta(d, lambda m: {**m, "channel_names": {}}), "channel_names")[1],
+    ),
+    "label-value-str": (
+        "dataset.json",
+        lambda d: (
+            _edit_meta(d, lambda m: {**m, "labels": {"background": 0, "organ": "1", "lesion": 2}}),
+            "label 'organ'",
+        )[1],
+    ),
+    "file_ending-no-dot": (
+        "dataset.json",
+        lambda d: (_edit_meta(d, lambda m: {**m, "file_ending": "nii.gz"}), "file_ending")[1],
+    ),
     "image-without-label": ("dataset.json", _no_label),
     "all-background": ("labels", _all_background),
 }
@@ -107,7 +120,8 @@ DATASET_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
 
 @pytest.mark.parametrize("name", list(DATASET_CASES))
 def test_a_bad_dataset_is_refused_by_plan_and_preprocess_before_anything_is_written(
-        name: str, dataset_copy: Path, tmp_path: Path, capsys) -> None:
+    name: str, dataset_copy: Path, tmp_path: Path, capsys
+) -> None:
     named = DATASET_CASES[name][1](dataset_copy)
     workspace = tmp_path / "ws"
     dataset_before = snapshot(dataset_copy)
@@ -163,7 +177,8 @@ PREDICT_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
 @pytest.mark.slow  # the trained fixture: ~5 s of training, once per session
 @pytest.mark.parametrize("name", list(PREDICT_CASES))
 def test_a_bad_input_is_refused_by_predict_before_anything_is_written(
-        name: str, trained: Path, tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    name: str, trained: Path, tiny_dataset: Path, tmp_path: Path, capsys
+) -> None:
     inputs = tmp_path / "in"
     inputs.mkdir()
     shutil.copy(tiny_dataset / "imagesTs/demo_005_0000.nii.gz", inputs / "demo_900_0000.nii.gz")
@@ -215,7 +230,8 @@ EVALUATE_CASES: dict[str, Callable[[Path, Path], str]] = {
 
 @pytest.mark.parametrize("name", list(EVALUATE_CASES))
 def test_bad_segmentations_are_refused_by_evaluate_without_a_summary(
-        name: str, tiny_dataset: Path, tmp_path: Path, capsys) -> None:
+    name: str, tiny_dataset: Path, tmp_path: Path, capsys
+) -> None:
     pred, gt = tmp_path / "pred", tmp_path / "gt"
     pred.mkdir()
     gt.mkdir()

@@ -28,8 +28,17 @@ from autoseg.train.trainer import train
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
 PLAN = ["--gpu-memory", "8GiB", "--ram", "8GiB", "--device", "cpu", "--cpu-flops", "1e11", "-c", "3d_fullres"]
-TRAIN = ["--iterations-per-epoch", "4", "--val-iterations", "1", "--no-validation", "--loader-workers", "1",
-         "--device", "cpu"]
+TRAIN = [
+    "--iterations-per-epoch",
+    "4",
+    "--val-iterations",
+    "1",
+    "--no-validation",
+    "--loader-workers",
+    "1",
+    "--device",
+    "cpu",
+]
 
 
 def _spawned_workers(pids: list[int]) -> list[int]:
@@ -64,8 +73,13 @@ def workspace(prepared: Path, tmp_path: Path) -> Path:
 def test_train_killed_mid_epoch_resumes_to_identical_weights(workspace: Path, tmp_path: Path) -> None:
     reference = Path(shutil.copytree(workspace, tmp_path / "reference"))
     with one_cpu():
-        train(Workspace.at(reference), "3d_fullres", 0, RunConfig(epochs=3, iterations_per_epoch=4, val_iterations=1,
-                                                                  validate=False, loader_workers=1), progress=False)
+        train(
+            Workspace.at(reference),
+            "3d_fullres",
+            0,
+            RunConfig(epochs=3, iterations_per_epoch=4, val_iterations=1, validate=False, loader_workers=1),
+            progress=False,
+        )
     fold = workspace / "results" / "3d_fullres" / "fold_0"
     process = start("train", "fold", "0", "-w", workspace, "--epochs", "3", *TRAIN)
     started: list[float] = []
@@ -83,19 +97,27 @@ def test_train_killed_mid_epoch_resumes_to_identical_weights(workspace: Path, tm
     resumed = start("train", "fold", "0", "-w", workspace, "--epochs", "3", "--resume", *TRAIN)
     _, err = resumed.communicate(timeout=120)
     assert resumed.returncode == 0, err.decode()
-    expected, got = (read_checkpoint_file(f / "results" / "3d_fullres" / "fold_0" / "checkpoint_final.pt", "")
-                     for f in (reference, workspace))
+    expected, got = (
+        read_checkpoint_file(f / "results" / "3d_fullres" / "fold_0" / "checkpoint_final.pt", "")
+        for f in (reference, workspace)
+    )
     assert expected["network"].keys() == got["network"].keys()
     for name, tensor in expected["network"].items():
         assert torch.equal(tensor, got["network"][name]), name
     assert temporaries(workspace) == []
 
 
-def test_predict_killed_reruns_to_identical_outputs(workspace: Path, tiny_dataset: Path, tmp_path: Path,
-                                                     capsys) -> None:
+def test_predict_killed_reruns_to_identical_outputs(
+    workspace: Path, tiny_dataset: Path, tmp_path: Path, capsys
+) -> None:
     with one_cpu():
-        train(Workspace.at(workspace), "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1,
-                                                                  validate=False, cpu_threads=1), progress=False)
+        train(
+            Workspace.at(workspace),
+            "3d_fullres",
+            0,
+            RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1),
+            progress=False,
+        )
     inputs = tmp_path / "in"
     inputs.mkdir()
     image = next((tiny_dataset / "imagesTs").glob("*_0000.nii.gz"))
@@ -118,9 +140,26 @@ def test_predict_killed_reruns_to_identical_outputs(workspace: Path, tiny_datase
 def test_train_gpus_killed_stops_torchrun_and_its_ranks(workspace: Path) -> None:
     """`train --gpus 2 --device cpu` runs torchrun as a child: SIGKILL of autoseg sends torchrun SIGTERM
     (a death signal), and torchrun stops its two ranks."""
-    process = subprocess.Popen([sys.executable, "-m", "autoseg.cli", "-q", "train", "fold", "0", "-w", workspace,
-                                "--gpus", "2", "--epochs", "50", *TRAIN], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "autoseg.cli",
+            "-q",
+            "train",
+            "fold",
+            "0",
+            "-w",
+            workspace,
+            "--gpus",
+            "2",
+            "--epochs",
+            "50",
+            *TRAIN,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
 
     def ranks_started(pids: list[int]) -> bool:
         return sum("autoseg" in _cmdline(pid) and "train" in _cmdline(pid) for pid in pids) >= 2

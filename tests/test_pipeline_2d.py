@@ -38,8 +38,9 @@ def _to_2d(src: Path, dst: Path, channels: int = 1) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("channels", [1, 2])
-def test_2d_dataset_end_to_end(tiny_dataset: Path, tmp_path: Path, channels: int,
-                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_2d_dataset_end_to_end(
+    tiny_dataset: Path, tmp_path: Path, channels: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     raw = _to_2d(tiny_dataset, tmp_path / "Dataset002_Flat", channels)
     ws = tmp_path / "ws"
     assert main(["-q", "plan_and_preprocess", str(raw), "-w", str(ws), "--device", "cpu"]) == 0
@@ -48,8 +49,26 @@ def test_2d_dataset_end_to_end(tiny_dataset: Path, tmp_path: Path, channels: int
     folder = ws / "preprocessed" / "2d"
     data, _ = open_case(folder, list_complete_cases(folder)[0]).arrays()
     assert data.shape[0] == channels and data.shape[1] == 1  # (C, Z=1, Y, X)
-    assert main(["-q", "train", "fold", "0", "-w", str(ws), "--epochs", "1", "--iterations-per-epoch", "2",
-                 "--val-iterations", "1", "--no-validation"]) == 0
+    assert (
+        main(
+            [
+                "-q",
+                "train",
+                "fold",
+                "0",
+                "-w",
+                str(ws),
+                "--epochs",
+                "1",
+                "--iterations-per-epoch",
+                "2",
+                "--val-iterations",
+                "1",
+                "--no-validation",
+            ]
+        )
+        == 0
+    )
     out = tmp_path / "pred"
     assert main(["-q", "predict", "-w", str(ws), "-i", str(raw / "imagesTs"), "-o", str(out)]) == 0
     for f in sorted((raw / "imagesTs").glob("*_0000.nii.gz")):
@@ -77,8 +96,13 @@ def _predict_known_boxes(ws: Path, tmp_path: Path, channels: int, monkeypatch: p
 
     monkeypatch.setattr(networks, "load_trained_network", load_then_replace)
     spacing_yx = [2 * s for s in json.loads((ws / "plans.json").read_text())["configurations"]["2d"]["spacing_mm"][1:]]
-    geometry = Geometry(ndim=2, size_xyz=(16, 14), spacing_xyz=tuple(spacing_yx[::-1]), origin_xyz=(-7.5, 30.25),
-                        direction=(0.6, -0.8, 0.8, 0.6))
+    geometry = Geometry(
+        ndim=2,
+        size_xyz=(16, 14),
+        spacing_xyz=tuple(spacing_yx[::-1]),
+        origin_xyz=(-7.5, 30.25),
+        direction=(0.6, -0.8, 0.8, 0.6),
+    )
     inputs = tmp_path / "boxes"
     inputs.mkdir()
     for c in range(channels):

@@ -61,10 +61,16 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
             found = seg[0][tuple(rows[rows[:, 0] == key, 1:].T)]
             assert np.isin(found, values).all()  # a region's voxels, never an ignored one
 
-    set_configuration(ws, "3d_fullres", network=tiny_topology(2), patch_size=(8, 16, 16), batch_size=2,
-                      accumulation_steps=1, checkpointing=False)
-    run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, device="cpu", cpu_threads=1,
-                    loader_workers=0)
+    set_configuration(
+        ws,
+        "3d_fullres",
+        network=tiny_topology(2),
+        patch_size=(8, 16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+        checkpointing=False,
+    )
+    run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, device="cpu", cpu_threads=1, loader_workers=0)
     fold = train(ws, "3d_fullres", 0, run, progress=False)
     row = json.loads((fold / "metrics.jsonl").read_text().splitlines()[0])
     assert len(row["pseudo_dice"]) == 2 and np.isfinite(row["train_loss"])

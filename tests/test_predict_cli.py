@@ -35,17 +35,22 @@ def _nan(path: Path) -> None:  # NRRD keeps NaN (a float NIfTI too; read in one 
 BAD_CASES = {  # what is done to demo_900's input -> the file the message must name
     "truncated": lambda f: (_truncate(f / "demo_900_0000.nii.gz"), f / "demo_900_0000.nii.gz")[1],
     "nan": lambda f: (_nan(f / "demo_900_0000.nii.gz"), f / "demo_900_0000.nii.gz")[1],
-    "extra-channel": lambda f: (shutil.copy(f / "demo_900_0000.nii.gz", f / "demo_900_0001.nii.gz"),
-                                f / "demo_900_0001.nii.gz")[1],
-    "2d": lambda f: (sitk.WriteImage(sitk.ReadImage(str(f / "demo_900_0000.nii.gz"))[:, :, 3],
-                                     str(f / "demo_900_0000.nii.gz")), f / "demo_900_0000.nii.gz")[1],
+    "extra-channel": lambda f: (
+        shutil.copy(f / "demo_900_0000.nii.gz", f / "demo_900_0001.nii.gz"),
+        f / "demo_900_0001.nii.gz",
+    )[1],
+    "2d": lambda f: (
+        sitk.WriteImage(sitk.ReadImage(str(f / "demo_900_0000.nii.gz"))[:, :, 3], str(f / "demo_900_0000.nii.gz")),
+        f / "demo_900_0000.nii.gz",
+    )[1],
 }
 
 
 @pytest.mark.slow  # the trained fixture: ~5 s once per session, then ~1 s a case
 @pytest.mark.parametrize("name", list(BAD_CASES))
 def test_a_bad_case_is_listed_at_the_end_and_the_others_are_written(
-        name: str, capsys, trained: Path, inputs: Path, tmp_path: Path) -> None:
+    name: str, capsys, trained: Path, inputs: Path, tmp_path: Path
+) -> None:
     shutil.copy(inputs / "demo_005_0000.nii.gz", inputs / "demo_900_0000.nii.gz")
     named = BAD_CASES[name](inputs)
     out = tmp_path / "out"
@@ -65,8 +70,9 @@ def test_a_missing_input_is_refused_at_once(capsys, trained: Path, tmp_path: Pat
 
 
 @pytest.mark.slow
-def test_save_probabilities_matches_the_labels_in_the_input_geometry(capsys, trained: Path, inputs: Path,
-                                                                     tmp_path: Path) -> None:
+def test_save_probabilities_matches_the_labels_in_the_input_geometry(
+    capsys, trained: Path, inputs: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     assert _predict(capsys, trained, inputs, out, "--save-probabilities").status == 0
     assert sorted(snapshot(out)) == ["demo_005.nii.gz", "demo_005.npz", "demo_006.nii.gz", "demo_006.npz"]
@@ -85,8 +91,9 @@ def test_save_probabilities_matches_the_labels_in_the_input_geometry(capsys, tra
 
 
 @pytest.mark.slow
-def test_dicom_series_folder_is_predicted_in_its_geometry(capsys, trained: Path, tiny_dataset: Path,
-                                                          tmp_path: Path) -> None:
+def test_dicom_series_folder_is_predicted_in_its_geometry(
+    capsys, trained: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
     voxels = sitk.GetArrayFromImage(sitk.ReadImage(str(tiny_dataset / "imagesTs" / "demo_005_0000.nii.gz")))
     series = tmp_path / "patient_7"
     written = write_dicom_series(series, np.round(voxels * 100), "1.2.826.0.1.7.1", origin_xyz=(5.0, -3.0, 40.0))
@@ -98,16 +105,18 @@ def test_dicom_series_folder_is_predicted_in_its_geometry(capsys, trained: Path,
     np.testing.assert_allclose(labels.GetOrigin(), written.GetOrigin(), atol=1e-4)
 
     write_dicom_series(series, np.round(voxels * 50), "1.2.826.0.1.7.2")
-    assert_refused(_predict(capsys, trained, series, tmp_path / "o2"), 2, "1.2.826.0.1.7.1", "1.2.826.0.1.7.2",
-                   "--series")
+    assert_refused(
+        _predict(capsys, trained, series, tmp_path / "o2"), 2, "1.2.826.0.1.7.1", "1.2.826.0.1.7.2", "--series"
+    )
     assert _predict(capsys, trained, series, out, "--series", "1.2.826.0.1.7.2").status == 0
     assert (out / "1.2.826.0.1.7.2.nii.gz").is_file()
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_continue_after_a_kill_finishes_without_redoing_finished_cases(capsys, trained: Path, tiny_dataset: Path,
-                                                                       tmp_path: Path) -> None:
+def test_continue_after_a_kill_finishes_without_redoing_finished_cases(
+    capsys, trained: Path, tiny_dataset: Path, tmp_path: Path
+) -> None:
     from processes import kill_when, one_cpu, start
 
     inputs = tmp_path / "in"
@@ -123,8 +132,9 @@ def test_continue_after_a_kill_finishes_without_redoing_finished_cases(capsys, t
     process = start("predict", "-i", inputs, "-o", out, "-w", trained, "--no-mirror", *flags)
     kill_when(process, lambda pids: len(list(out.glob("scan_*.nii.gz"))) >= 2)
     labelled = {p.name[: -len(".nii.gz")] for p in out.glob("scan_*.nii.gz")}  # done: its label map is written
-    finished = {p.name: p.stat().st_mtime_ns for case in labelled
-                for p in (out / f"{case}.nii.gz", out / f"{case}.npz")}
+    finished = {
+        p.name: p.stat().st_mtime_ns for case in labelled for p in (out / f"{case}.nii.gz", out / f"{case}.npz")
+    }
     assert 2 <= len(labelled) < 8
     with one_cpu():
         result = _predict(capsys, trained, inputs, out, "--continue", *flags)
@@ -139,10 +149,12 @@ def _labels(folder: Path) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.slow
-def test_tta_and_tile_batch_choices_change_speed_not_labels(capsys, caplog, trained: Path, inputs: Path,
-                                                            tmp_path: Path) -> None:
+def test_tta_and_tile_batch_choices_change_speed_not_labels(
+    capsys, caplog, trained: Path, inputs: Path, tmp_path: Path
+) -> None:
     """--tta none equals --no-mirror byte for byte; the automatic tile batch (printed with --verbose) gives the
     labels of one tile at a time except at most 0.1% of voxels; --tta 2 uses 2 variants."""
+
     def run(name: str, *flags: str):
         result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / name, "-w", trained, *flags)
         assert result.status == 0, result.err
@@ -162,39 +174,74 @@ def test_tta_and_tile_batch_choices_change_speed_not_labels(capsys, caplog, trai
 
 
 def test_the_accumulator_dtype_is_a_choice_and_predict_keeps_its_tile_simulations(
-        capsys, caplog, monkeypatch: pytest.MonkeyPatch, trained: Path, inputs: Path, tmp_path: Path) -> None:
+    capsys, caplog, monkeypatch: pytest.MonkeyPatch, trained: Path, inputs: Path, tmp_path: Path
+) -> None:
     """--accumulator float32 gives the default float16's labels except at most 0.1% of voxels; an unknown dtype is
     refused before any work; the tile simulations go to the cache folder (AUTOSEG_CACHE_DIR), as the planning
     commands' do."""
     monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
     caplog.set_level("INFO", logger="autoseg")
     for dtype in ("float16", "float32"):
-        result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / dtype, "-w", trained, "--tta", "2",
-                         "--accumulator", dtype, "--verbose")
+        result = run_cli(
+            capsys,
+            "predict",
+            "-i",
+            inputs,
+            "-o",
+            tmp_path / dtype,
+            "-w",
+            trained,
+            "--tta",
+            "2",
+            "--accumulator",
+            dtype,
+            "--verbose",
+        )
         assert result.status == 0, result.err
         assert f"accumulator {dtype} on cpu" in caplog.text
     for name, labels in _labels(tmp_path / "float32").items():
         assert np.count_nonzero(labels != _labels(tmp_path / "float16")[name]) <= 0.001 * labels.size
     assert list((tmp_path / "cache").rglob("inference_simulation*"))
-    refused = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / "bad", "-w", trained, "--accumulator",
-                      "float64")
+    refused = run_cli(
+        capsys, "predict", "-i", inputs, "-o", tmp_path / "bad", "-w", trained, "--accumulator", "float64"
+    )
     assert refused.status != 0 and "--accumulator 'float64'" in refused.err and "float16, float32" in refused.err
     assert not (tmp_path / "bad").exists() or not any((tmp_path / "bad").iterdir())
 
 
 @pytest.mark.slow
-def test_background_workers_change_nothing_in_the_outputs(capsys, caplog, trained: Path, inputs: Path,
-                                                          tmp_path: Path) -> None:
+def test_background_workers_change_nothing_in_the_outputs(
+    capsys, caplog, trained: Path, inputs: Path, tmp_path: Path
+) -> None:
     """Cases read ahead and exported behind on threads give the serial run's files byte for byte; --verbose prints
     the pipeline's plan and the predicted against the measured host peak."""
     for i in range(3):  # 5 cases: the pipeline fills and drains
         shutil.copy(inputs / "demo_005_0000.nii.gz", inputs / f"demo_90{i}_0000.nii.gz")
     caplog.set_level("INFO", logger="autoseg")
-    serial = _predict(capsys, trained, inputs, tmp_path / "serial", "--preprocess-workers", "0",
-                      "--export-workers", "0", "--save-probabilities")
+    serial = _predict(
+        capsys,
+        trained,
+        inputs,
+        tmp_path / "serial",
+        "--preprocess-workers",
+        "0",
+        "--export-workers",
+        "0",
+        "--save-probabilities",
+    )
     assert serial.status == 0, serial.err
-    piped = _predict(capsys, trained, inputs, tmp_path / "piped", "--preprocess-workers", "2", "--export-workers",
-                     "2", "--save-probabilities", "--verbose")
+    piped = _predict(
+        capsys,
+        trained,
+        inputs,
+        tmp_path / "piped",
+        "--preprocess-workers",
+        "2",
+        "--export-workers",
+        "2",
+        "--save-probabilities",
+        "--verbose",
+    )
     assert piped.status == 0, piped.err
     assert "pipeline: 2 case(s) read ahead, 2 exported behind (threads)" in caplog.text
     assert "host peak: predicted" in caplog.text
@@ -202,16 +249,18 @@ def test_background_workers_change_nothing_in_the_outputs(capsys, caplog, traine
     assert snapshot(tmp_path / "piped") == snapshot(tmp_path / "serial")
 
 
-def test_a_tta_count_beyond_the_networks_variants_is_refused_before_any_work(capsys, trained: Path, inputs: Path,
-                                                                             tmp_path: Path) -> None:
+def test_a_tta_count_beyond_the_networks_variants_is_refused_before_any_work(
+    capsys, trained: Path, inputs: Path, tmp_path: Path
+) -> None:
     result = run_cli(capsys, "predict", "-i", inputs, "-o", tmp_path / "out", "-w", trained, "--tta", "9")
     assert_refused(result, 2, "--tta '9'", "8 variants")
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.slow
-def test_tile_patch_predicts_with_the_training_patch_and_planned_with_the_plans_tile(capsys, caplog, trained: Path,
-                                                                                    inputs: Path, tmp_path: Path):
+def test_tile_patch_predicts_with_the_training_patch_and_planned_with_the_plans_tile(
+    capsys, caplog, trained: Path, inputs: Path, tmp_path: Path
+):
     """--tile planned (the default) uses plans.json's inference_patch_size, fitted to each image; --tile patch the
     training patch, byte for byte what a plan whose tile is the patch predicts. --verbose names each case's tile."""
     from factories import set_configuration

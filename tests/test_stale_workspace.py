@@ -47,8 +47,7 @@ def made(tiny_dataset, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("stale")
     dataset = _copy(tiny_dataset, root / "Dataset001_Tiny")
     budget = Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB, device="cpu", cpu_flops_per_second=1e10)
-    plan_and_preprocess(dataset, Workspace.at(root / "ws"), budget, configs=["3d_fullres"], processes=1,
-                        progress=False)
+    plan_and_preprocess(dataset, Workspace.at(root / "ws"), budget, configs=["3d_fullres"], processes=1, progress=False)
     return dataset, root / "ws"
 
 
@@ -193,8 +192,20 @@ def test_a_budget_too_small_for_any_network_writes_nothing(copies, tmp_path, cap
     new = tmp_path / "new_ws"
     for target in (new, ws):
         before = snapshot(target)
-        result = run_cli(capsys, "plan_and_preprocess", dataset, "-w", target, "--device", "cpu", "--cpu-flops",
-                         "1e10", "--ram", "1MiB", "--overwrite")
+        result = run_cli(
+            capsys,
+            "plan_and_preprocess",
+            dataset,
+            "-w",
+            target,
+            "--device",
+            "cpu",
+            "--cpu-flops",
+            "1e10",
+            "--ram",
+            "1MiB",
+            "--overwrite",
+        )
         assert_refused(result, 2, "--ram", "MiB")
         assert snapshot(target) == before
     assert not new.exists() or not any(new.iterdir())
@@ -222,8 +233,19 @@ def test_overwrite_with_another_ram_budget_replans_but_keeps_trained_folds(copie
     fold.mkdir(parents=True)
     (fold / "checkpoint_final.pt").write_bytes(b"trained")
     cases = _preprocessed(ws)
-    argv = ("plan_and_preprocess", dataset, "-w", ws, "--device", "cpu", "--cpu-flops", "1e10", "--ram", "4GiB",
-            *CONFIG)
+    argv = (
+        "plan_and_preprocess",
+        dataset,
+        "-w",
+        ws,
+        "--device",
+        "cpu",
+        "--cpu-flops",
+        "1e10",
+        "--ram",
+        "4GiB",
+        *CONFIG,
+    )
     assert run_cli(capsys, *argv).status == 0  # without --overwrite the workspace's plan is kept
     assert json.loads((ws / "plans.json").read_text())["host_ram_bytes"] == 8 * GiB
     assert run_cli(capsys, *argv, "--overwrite").status == 0
@@ -233,8 +255,9 @@ def test_overwrite_with_another_ram_budget_replans_but_keeps_trained_folds(copie
 
 
 @pytest.mark.parametrize(("field", "value", "kept"), [("loader_workers", 3, True), ("batch_size", 1, False)])
-def test_overwrite_sets_trained_folds_aside_only_when_the_network_or_its_data_change(copies, capsys, field, value,
-                                                                                    kept) -> None:
+def test_overwrite_sets_trained_folds_aside_only_when_the_network_or_its_data_change(
+    copies, capsys, field, value, kept
+) -> None:
     """plans.json as an earlier planner run wrote it (its hash recorded), differing from this run's plan in one
     field: a machine figure keeps the trained folds, a training figure moves them aside."""
     dataset, ws = copies

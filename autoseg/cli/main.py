@@ -32,18 +32,28 @@ def _budget(args: argparse.Namespace):
     ram = args.ram or available_ram_bytes()
     architecture = ARCHITECTURES[args.architecture]
     budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device, architecture=architecture)
-    print(f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
-          f"network {architecture}")
+    print(
+        f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
+        f"network {architecture}"
+    )
     if device == "cpu":
         from autoseg.plan.throughput import StepRates, cpu_throughput
 
-        rates, source = (StepRates(args.cpu_flops), "--cpu-flops") if args.cpu_flops else \
-            cpu_throughput(MachineCache(cache_dir(os.environ)))
-        budget = replace(budget, cpu_flops_per_second=rates.flops_per_second,
-                         cpu_elements_per_second=rates.elements_per_second,
-                         cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second)
-        print(f"CPU throughput {rates.describe()} ({source}); planning for "
-              f"{budget.cpu_seconds_per_iteration:g} s per iteration")
+        rates, source = (
+            (StepRates(args.cpu_flops), "--cpu-flops")
+            if args.cpu_flops
+            else cpu_throughput(MachineCache(cache_dir(os.environ)))
+        )
+        budget = replace(
+            budget,
+            cpu_flops_per_second=rates.flops_per_second,
+            cpu_elements_per_second=rates.elements_per_second,
+            cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
+        )
+        print(
+            f"CPU throughput {rates.describe()} ({source}); planning for "
+            f"{budget.cpu_seconds_per_iteration:g} s per iteration"
+        )
     else:
         from autoseg.plan.throughput import cuda_device_name
 
@@ -80,8 +90,10 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
         if visible == 0:
             raise InputError(f"--gpus {n}: no CUDA device is visible; add --device cpu to train in {n} CPU processes")
         if n > visible:
-            raise InputError(f"--gpus {n} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES, "
-                             f"nvidia-smi); use --gpus {visible} or fewer")
+            raise InputError(
+                f"--gpus {n} but only {visible} CUDA device(s) are visible (CUDA_VISIBLE_DEVICES, "
+                f"nvidia-smi); use --gpus {visible} or fewer"
+            )
     if n == 1:
         return None
     return run_torchrun(n, without_gpus(argv))
@@ -106,8 +118,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return report_error(f"autoseg {args.command}", e)
     except KeyboardInterrupt:
-        print(f"autoseg {args.command}: interrupted; finished artifacts are kept, unfinished ones are not "
-              "(rerun the command to go on)", file=sys.stderr)
+        print(
+            f"autoseg {args.command}: interrupted; finished artifacts are kept, unfinished ones are not "
+            "(rerun the command to go on)",
+            file=sys.stderr,
+        )
         return 130
     finally:
         keep_simulations_in(None)
@@ -116,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 # commands that simulate training steps or sliding windows: their simulations are kept between runs
 # (keep_simulations_in)
 SIMULATING = frozenset({"plan", "plan_and_preprocess", "train", "explain", "check-memory", "demo", "predict"})
+
 
 def report_error(prefix: str, error: Exception) -> int:
     """Print ``error`` as one message on stderr; return the exit status (2: bad input, 1: failure or bug)."""
@@ -126,8 +142,11 @@ def report_error(prefix: str, error: Exception) -> int:
         print(f"{prefix}: error: {described[0]}", file=sys.stderr)
         return described[1]
     path = write_traceback(prefix, error)
-    print(f"{prefix}: internal error: {type(error).__name__}: {error}\nThis is a bug in autoseg, not in your input. "
-          f"The traceback is in {path}; please report it with that file (--debug prints it here).", file=sys.stderr)
+    print(
+        f"{prefix}: internal error: {type(error).__name__}: {error}\nThis is a bug in autoseg, not in your input. "
+        f"The traceback is in {path}; please report it with that file (--debug prints it here).",
+        file=sys.stderr,
+    )
     return EXIT_FAILURE
 
 
@@ -140,11 +159,17 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     print(f"workspace: {ws.root}")
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
     preprocess = args.command == "plan_and_preprocess"
-    plan_and_preprocess(dataset, ws, _budget(args), preprocess_configs=preprocess, progress=progress,
-                        configs=args.configs if preprocess else None,
-                        processes=args.processes if preprocess else None,
-                        precompute_augmentations=args.precompute_augmentations if preprocess else 0,
-                        overwrite=args.overwrite)
+    plan_and_preprocess(
+        dataset,
+        ws,
+        _budget(args),
+        preprocess_configs=preprocess,
+        progress=progress,
+        configs=args.configs if preprocess else None,
+        processes=args.processes if preprocess else None,
+        precompute_augmentations=args.precompute_augmentations if preprocess else 0,
+        overwrite=args.overwrite,
+    )
     return 0
 
 
@@ -160,14 +185,21 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
     distributed = context_from_environment(os.environ, device)
     given = {k: v for k in ("epochs", "iterations_per_epoch", "val_iterations") if (v := getattr(args, k)) is not None}
     run = RunConfig(
-        **given, seed=args.seed, device=distributed.device(device), validate=not args.no_validation,
-        loader_workers=args.loader_workers, use_precomputed=args.use_precomputed, resume=args.resume,
+        **given,
+        seed=args.seed,
+        device=distributed.device(device),
+        validate=not args.no_validation,
+        loader_workers=args.loader_workers,
+        use_precomputed=args.use_precomputed,
+        resume=args.resume,
         time_budget_s=args.time_budget,
     )
     if distributed.is_main:
-        print(f"workspace: {ws.root}\nconfiguration: {config}\nfold(s): {' '.join(map(str, args.folds))}\nrun: {run}\n"
-              f"processes: {distributed.world_size}"
-              f" ({distributed.backend if distributed.is_distributed else 'single process'})")
+        print(
+            f"workspace: {ws.root}\nconfiguration: {config}\nfold(s): {' '.join(map(str, args.folds))}\nrun: {run}\n"
+            f"processes: {distributed.world_size}"
+            f" ({distributed.backend if distributed.is_distributed else 'single process'})"
+        )
     else:  # rank 0 reports
         logging.getLogger().setLevel(logging.WARNING)
         progress = False
@@ -184,9 +216,19 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
 
         with open_model_archive(args.model, load_checkpoints=False) as model:  # predict loads them: read once
             config, folds = model.select(args.config, args.folds)
-            return _predict(argparse.Namespace(**{**vars(args), "model": None, "workspace": str(model.workspace.root),
-                                                  "config": config, "folds": folds,
-                                                  "checkpoint": model.manifest.checkpoint}), progress)
+            return _predict(
+                argparse.Namespace(
+                    **{
+                        **vars(args),
+                        "model": None,
+                        "workspace": str(model.workspace.root),
+                        "config": config,
+                        "folds": folds,
+                        "checkpoint": model.manifest.checkpoint,
+                    }
+                ),
+                progress,
+            )
     from autoseg.core.workspace import Workspace
     from autoseg.predict.choice import InferenceChoice
     from autoseg.predict.chosen import predict_chosen
@@ -194,23 +236,54 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
 
     ws = Workspace.at(args.workspace or ".")
     folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
-    options = PredictOptions(save_probabilities=args.save_probabilities, skip_existing=args.skip_existing,
-                             fail_fast=args.fail_fast, series=args.series, verbose=args.verbose,
-                             preprocess_workers=args.preprocess_workers, export_workers=args.export_workers)
-    window = {"mirror": not args.no_mirror, "tile_batch_size": args.tile_batch_size, "tta": args.tta,
-              "tile": args.tile, "device": resolve_device(args.device)}
+    options = PredictOptions(
+        save_probabilities=args.save_probabilities,
+        skip_existing=args.skip_existing,
+        fail_fast=args.fail_fast,
+        series=args.series,
+        verbose=args.verbose,
+        preprocess_workers=args.preprocess_workers,
+        export_workers=args.export_workers,
+    )
+    window = {
+        "mirror": not args.no_mirror,
+        "tile_batch_size": args.tile_batch_size,
+        "tta": args.tta,
+        "tile": args.tile,
+        "device": resolve_device(args.device),
+    }
     if args.accumulator is not None:  # else predict's default (PREDICTION_ACCUMULATOR)
         window["accumulator"] = args.accumulator
     if args.config is None and ws.inference_path.is_file():  # autoseg find-best's choice
         choice = InferenceChoice.from_json(ws.inference_path)
-        print(f"following {ws.inference_path}: {' + '.join(choice.configurations)}, fold(s) "
-              f"{' '.join(map(str, folds or choice.folds))}, postprocessing: {choice.postprocessing.describe()} "
-              "(-c CONFIG predicts one configuration without it)")
-        written = predict_chosen(ws, choice, args.input, args.output, folds=folds, checkpoint=args.checkpoint,
-                                 options=options, progress=progress, **window)
+        print(
+            f"following {ws.inference_path}: {' + '.join(choice.configurations)}, fold(s) "
+            f"{' '.join(map(str, folds or choice.folds))}, postprocessing: {choice.postprocessing.describe()} "
+            "(-c CONFIG predicts one configuration without it)"
+        )
+        written = predict_chosen(
+            ws,
+            choice,
+            args.input,
+            args.output,
+            folds=folds,
+            checkpoint=args.checkpoint,
+            options=options,
+            progress=progress,
+            **window,
+        )
     else:
-        written = predict(ws, args.input, args.output, config_name=args.config or _default_config(ws), folds=folds,
-                          checkpoint=args.checkpoint or "final", progress=progress, options=options, **window)
+        written = predict(
+            ws,
+            args.input,
+            args.output,
+            config_name=args.config or _default_config(ws),
+            folds=folds,
+            checkpoint=args.checkpoint or "final",
+            progress=progress,
+            options=options,
+            **window,
+        )
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0
 
@@ -222,10 +295,12 @@ def _export_model(args: argparse.Namespace, progress: bool) -> int:
     ws = Workspace.at(args.workspace)
     manifest = export_model(ws, args.output, config_name=args.config, folds=args.folds, checkpoint=args.checkpoint)
     out = Path(args.output).resolve()
-    print(f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): configuration {' + '.join(manifest.configurations)}, "
-          f"fold(s) {' '.join(map(str, manifest.folds))}, checkpoint_{manifest.checkpoint}.pt, postprocessing: "
-          f"{manifest.postprocessing}{' (inference.json)' if manifest.follows_choice else ''}; predict with "
-          f"`autoseg predict -m {out} -i INPUT -o OUTPUT`")
+    print(
+        f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): configuration {' + '.join(manifest.configurations)}, "
+        f"fold(s) {' '.join(map(str, manifest.folds))}, checkpoint_{manifest.checkpoint}.pt, postprocessing: "
+        f"{manifest.postprocessing}{' (inference.json)' if manifest.follows_choice else ''}; predict with "
+        f"`autoseg predict -m {out} -i INPUT -o OUTPUT`"
+    )
     return 0
 
 
@@ -249,11 +324,14 @@ def _find_best(args: argparse.Namespace, progress: bool) -> int:
 
     ws = Workspace.at(args.workspace)
     print(f"workspace: {ws.root}")
-    result = find_best(ws, configs=args.configs, folds=None if args.folds is None else tuple(args.folds),
-                       progress=progress)
+    result = find_best(
+        ws, configs=args.configs, folds=None if args.folds is None else tuple(args.folds), progress=progress
+    )
     print(result.markdown.split("\nPredict with it:")[0].rstrip())
-    print(f"wrote {ws.inference_path}, {ws.find_best_path} and {ws.find_best_path.with_suffix('.md')}\n"
-          f"predict with: {predict_command(str(ws.root))}")
+    print(
+        f"wrote {ws.inference_path}, {ws.find_best_path} and {ws.find_best_path.with_suffix('.md')}\n"
+        f"predict with: {predict_command(str(ws.root))}"
+    )
     return 0
 
 
@@ -314,14 +392,29 @@ def _make_demo_dataset(args: argparse.Namespace, progress: bool) -> int:
 def _demo(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.demo.run import run_demo
 
-    result = run_demo(args.workspace, epochs=args.epochs, iterations_per_epoch=args.iterations_per_epoch,
-                      num_train=args.num_train, progress=progress)
+    result = run_demo(
+        args.workspace,
+        epochs=args.epochs,
+        iterations_per_epoch=args.iterations_per_epoch,
+        num_train=args.num_train,
+        progress=progress,
+    )
     return 0 if result.passed else 1
 
 
-COMMANDS = {"plan": _plan, "plan_and_preprocess": _plan, "train": _train, "predict": _predict,
-            "export-model": _export_model, "evaluate": _evaluate, "find-best": _find_best, "explain": _explain,
-            "check-memory": _check_memory, "make-demo-dataset": _make_demo_dataset, "demo": _demo}
+COMMANDS = {
+    "plan": _plan,
+    "plan_and_preprocess": _plan,
+    "train": _train,
+    "predict": _predict,
+    "export-model": _export_model,
+    "evaluate": _evaluate,
+    "find-best": _find_best,
+    "explain": _explain,
+    "check-memory": _check_memory,
+    "make-demo-dataset": _make_demo_dataset,
+    "demo": _demo,
+}
 
 
 if __name__ == "__main__":

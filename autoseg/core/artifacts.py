@@ -44,9 +44,11 @@ class WriteError(RunError):
     version, if any, is unchanged. ``path``: the file autoseg meant to write."""
 
     def __init__(self, path: str | os.PathLike, reason: str) -> None:
-        super().__init__(f"{path}: could not write it ({reason}); its previous version, if any, is kept and nothing "
-                         "half-written is left. Free disk space, fix the folder's permissions or choose another "
-                         "folder, then rerun")
+        super().__init__(
+            f"{path}: could not write it ({reason}); its previous version, if any, is kept and nothing "
+            "half-written is left. Free disk space, fix the folder's permissions or choose another "
+            "folder, then rerun"
+        )
         self.path, self.reason = Path(path), reason
 
     def __reduce__(self) -> tuple:  # raised in a worker process, re-raised in the parent

@@ -46,11 +46,14 @@ def describe(error: BaseException) -> tuple[str, int] | None:
         return str(error), error.exit_status
     if isinstance(error, OSError) and error.errno is not None:
         where = f"{error.filename}: " if error.filename else ""
-        return (f"{where}{error.strerror} (errno {error.errno}); nothing unfinished was kept. Free space, fix the "
-                "permissions or choose another folder, then rerun"), EXIT_FAILURE
+        return (
+            f"{where}{error.strerror} (errno {error.errno}); nothing unfinished was kept. Free space, fix the "
+            "permissions or choose another folder, then rerun"
+        ), EXIT_FAILURE
     if isinstance(error, MemoryError):
-        return ("out of host memory; give a smaller --ram budget to plan_and_preprocess or close other programs, "
-                "then rerun"), EXIT_FAILURE
+        return (
+            "out of host memory; give a smaller --ram budget to plan_and_preprocess or close other programs, then rerun"
+        ), EXIT_FAILURE
     return None
 
 

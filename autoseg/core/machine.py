@@ -68,8 +68,14 @@ def machine_key(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
         affinity = sorted(os.sched_getaffinity(0))
     except AttributeError:
         affinity = []
-    return {"arch": platform.machine(), "cpu_model": cpu_model(), "cpus": cpu_count(), "affinity": affinity,
-            "torch": torch_version(), "omp_wait_policy": environ.get("OMP_WAIT_POLICY", "").upper()}
+    return {
+        "arch": platform.machine(),
+        "cpu_model": cpu_model(),
+        "cpus": cpu_count(),
+        "affinity": affinity,
+        "torch": torch_version(),
+        "omp_wait_policy": environ.get("OMP_WAIT_POLICY", "").upper(),
+    }
 
 
 @dataclass(frozen=True)
@@ -108,8 +114,9 @@ class MachineCache:
             return found.value, f"measured now, not cached: {found.why_not_kept}"
         return found.value, self._write(path, name, entries, key_text, found.value, found.details, MAX_ENTRIES)
 
-    def kept(self, name: str, key: Mapping[str, Any], compute: Callable[[], Any],
-             max_entries: int = MAX_ENTRIES) -> tuple[Any, str]:
+    def kept(
+        self, name: str, key: Mapping[str, Any], compute: Callable[[], Any], max_entries: int = MAX_ENTRIES
+    ) -> tuple[Any, str]:
         """A JSON value worth keeping between runs (e.g. a simulation's result, seconds to compute) cached under
         ``key``, else ``compute()``'s, cached; returns (value, where it came from). The newest ``max_entries``
         keys are kept."""
@@ -124,13 +131,25 @@ class MachineCache:
         return value, self._write(path, name, entries, key_text, value, {}, max_entries)
 
     @staticmethod
-    def _write(path: Path, name: str, entries: dict[str, dict[str, Any]], key_text: str, value: Any,
-               details: dict[str, float], max_entries: int) -> str:
+    def _write(
+        path: Path,
+        name: str,
+        entries: dict[str, dict[str, Any]],
+        key_text: str,
+        value: Any,
+        details: dict[str, float],
+        max_entries: int,
+    ) -> str:
         """Put ``value`` first among ``entries`` and write the file (atomically); says where the value came from."""
-        entries = {key_text: {"value": value, "details": details},
-                   **{k: v for k, v in entries.items() if k != key_text}}
-        payload = {"schema_version": CACHE_VERSION, "kind": name,
-                   "entries": [{"key": json.loads(k), **v} for k, v in list(entries.items())[:max_entries]]}
+        entries = {
+            key_text: {"value": value, "details": details},
+            **{k: v for k, v in entries.items() if k != key_text},
+        }
+        payload = {
+            "schema_version": CACHE_VERSION,
+            "kind": name,
+            "entries": [{"key": json.loads(k), **v} for k, v in list(entries.items())[:max_entries]],
+        }
         try:
             atomic_write_text(path, json.dumps(payload, indent=1) + "\n")
         except (OSError, WriteError) as e:
@@ -146,11 +165,16 @@ class MachineCache:
             payload = json.loads(path.read_text())
             if payload.get("schema_version") != CACHE_VERSION:
                 raise ValueError(f"schema_version {payload.get('schema_version')!r}, expected {CACHE_VERSION}")
-            entries = {json.dumps(e["key"], sort_keys=True): {"value": e["value"], "details": e["details"]}
-                       for e in payload["entries"]}
+            entries = {
+                json.dumps(e["key"], sort_keys=True): {"value": e["value"], "details": e["details"]}
+                for e in payload["entries"]
+            }
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            log.warning("%s: not a readable autoseg measurement cache (%s); measuring again and rewriting it", path,
-                        f"{type(e).__name__}: {e}")
+            log.warning(
+                "%s: not a readable autoseg measurement cache (%s); measuring again and rewriting it",
+                path,
+                f"{type(e).__name__}: {e}",
+            )
             return {}
         return entries
 
@@ -219,11 +243,21 @@ def use_cpu_threads(requested: int | None, what: str, environ: Mapping[str, str]
     torch.set_num_threads(threads)
     policy = (os.environ if environ is None else environ).get("OMP_WAIT_POLICY", "")  # as libgomp read it
     if threads > 1 and policy.upper() != WAIT_POLICY:
-        log.warning("CPU threads for %s: %d (%s); OMP_WAIT_POLICY is %r, not PASSIVE: spinning OpenMP threads ran "
-                    "3-13x slower than one thread when another process kept a core busy. The autoseg command sets "
-                    "it; from Python, set OMP_WAIT_POLICY=PASSIVE before importing torch", what, threads, source,
-                    policy or "unset")
+        log.warning(
+            "CPU threads for %s: %d (%s); OMP_WAIT_POLICY is %r, not PASSIVE: spinning OpenMP threads ran "
+            "3-13x slower than one thread when another process kept a core busy. The autoseg command sets "
+            "it; from Python, set OMP_WAIT_POLICY=PASSIVE before importing torch",
+            what,
+            threads,
+            source,
+            policy or "unset",
+        )
     else:
-        log.info("CPU threads for %s: %d (%s; OpenMP waits %s)", what, threads, source,
-                 "passively" if policy.upper() == WAIT_POLICY else "as set")
+        log.info(
+            "CPU threads for %s: %d (%s; OpenMP waits %s)",
+            what,
+            threads,
+            source,
+            "passively" if policy.upper() == WAIT_POLICY else "as set",
+        )
     return threads

@@ -24,9 +24,10 @@ def _read_int(path: str) -> int | None:
 
 def cgroup_memory_limit_bytes() -> int | None:
     """The cgroup (v2 or v1) memory limit minus current usage, or None when unlimited/unknown."""
-    for limit_path, usage_path in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+    for limit_path, usage_path in (
+        ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+        ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+    ):
         limit = _read_int(limit_path)
         if limit is not None and limit < 1 << 60:
             usage = _read_int(usage_path) or 0
@@ -140,6 +141,8 @@ def processes_for(budget_bytes: float, per_process_bytes: float, max_processes: 
     """The one sizing rule for parallel processes and workers: as many processes of ``per_process_bytes`` each
     as ``budget_bytes`` holds at once, between ``minimum`` and ``max_processes`` (e.g. the CPU count)."""
     if per_process_bytes <= 0 or max_processes < minimum:
-        raise ValueError(f"need positive bytes per process and max_processes >= {minimum}; got "
-                         f"{per_process_bytes} and {max_processes}")
+        raise ValueError(
+            f"need positive bytes per process and max_processes >= {minimum}; got "
+            f"{per_process_bytes} and {max_processes}"
+        )
     return max(minimum, min(int(max_processes), int(budget_bytes // per_process_bytes)))

@@ -72,9 +72,14 @@ def _announce_and_run(fn: Callable[[Any], Any], key: str, task: Any) -> Any:
     return fn(task)
 
 
-def run_in_processes(fn: Callable[[Any], Any], tasks: Sequence[Any], keys: Sequence[str], processes: int,
-                     on_result: Callable[[Any], None],
-                     describe_death: Callable[[dict[str, int | None]], str]) -> list[Any]:
+def run_in_processes(
+    fn: Callable[[Any], Any],
+    tasks: Sequence[Any],
+    keys: Sequence[str],
+    processes: int,
+    on_result: Callable[[Any], None],
+    describe_death: Callable[[dict[str, int | None]], str],
+) -> list[Any]:
     """``[fn(task) for task in tasks]`` (in completion order) in ``processes`` spawned workers.
 
     ``fn`` and the tasks must be picklable (``fn`` a module-level function). ``on_result`` is called in
@@ -85,8 +90,7 @@ def run_in_processes(fn: Callable[[Any], Any], tasks: Sequence[Any], keys: Seque
     ctx = multiprocessing.get_context("spawn")
     started = ctx.SimpleQueue()
     results: list[Any] = []
-    pool = ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init_worker,
-                               initargs=(started, os.getpid()))
+    pool = ProcessPoolExecutor(processes, mp_context=ctx, initializer=_init_worker, initargs=(started, os.getpid()))
     try:
         futures = {pool.submit(_announce_and_run, fn, k, t): k for k, t in zip(keys, tasks, strict=True)}
         for fut in as_completed(futures):

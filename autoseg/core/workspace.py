@@ -182,8 +182,10 @@ class Workspace:
 
     def info(self) -> WorkspaceInfo:
         if not self.info_path.is_file():
-            raise ArtifactError(f"{self.root}: not an autoseg workspace (no workspace.json); run "
-                                f"`autoseg plan_and_preprocess DATASET -w {self.root}` first")
+            raise ArtifactError(
+                f"{self.root}: not an autoseg workspace (no workspace.json); run "
+                f"`autoseg plan_and_preprocess DATASET -w {self.root}` first"
+            )
         return WorkspaceInfo.from_json(self.info_path)
 
     def dataset_root(self) -> Path:
@@ -231,8 +233,10 @@ def load_or_create_splits(workspace: Workspace, case_ids: list[str], seed: int =
         known = {c for f in splits.folds for c in f.val}
         if known == set(case_ids):
             return splits
-        raise ArtifactError(f"{workspace.splits_path}: its cases differ from the preprocessed ones "
-                            f"({len(known)} vs {len(case_ids)}); delete it to make new splits")
+        raise ArtifactError(
+            f"{workspace.splits_path}: its cases differ from the preprocessed ones "
+            f"({len(known)} vs {len(case_ids)}); delete it to make new splits"
+        )
     splits = make_splits(case_ids, seed=seed)
     splits.to_json(workspace.splits_path)
     return splits

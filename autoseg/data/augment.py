@@ -50,8 +50,14 @@ class SimulateLowResolution(AbstractTransform):
     upsampling with mode 'edge', clipped to the downsampled range), with the same random draws, computed axis
     by axis (``low_resolution``): 0.01-0.03 s instead of 0.5-0.9 s for a (56, 192, 192) channel."""
 
-    def __init__(self, zoom_range: tuple[float, float], p_per_sample: float, p_per_channel: float,
-                 order_upsample: int = 3, ignore_axes: tuple[int, ...] | None = None) -> None:
+    def __init__(
+        self,
+        zoom_range: tuple[float, float],
+        p_per_sample: float,
+        p_per_channel: float,
+        order_upsample: int = 3,
+        ignore_axes: tuple[int, ...] | None = None,
+    ) -> None:
         self.zoom_range, self.p_per_sample, self.p_per_channel = zoom_range, p_per_sample, p_per_channel
         self.order_upsample, self.ignore_axes = order_upsample, ignore_axes or ()
 
@@ -146,11 +152,13 @@ def gaussian_blur(channel: np.ndarray, sigma: float) -> np.ndarray:
     kernel /= kernel.sum()
     n = channel.shape[0]
     if n > radius:  # 'reflect' pads (d c b a | a b c d | d c b a) along the first axis
-        padded = np.concatenate([channel[radius - 1::-1], channel, channel[:n - radius - 1:-1]]) if radius else channel
-        out = padded[radius:radius + n] * np.float32(kernel[radius])
+        padded = (
+            np.concatenate([channel[radius - 1 :: -1], channel, channel[: n - radius - 1 : -1]]) if radius else channel
+        )
+        out = padded[radius : radius + n] * np.float32(kernel[radius])
         pair = np.empty_like(out)
         for j in range(1, radius + 1):
-            np.add(padded[radius - j:radius - j + n], padded[radius + j:radius + j + n], out=pair)
+            np.add(padded[radius - j : radius - j + n], padded[radius + j : radius + j + n], out=pair)
             pair *= np.float32(kernel[radius + j])
             out += pair
     else:
@@ -239,8 +247,13 @@ def build_train_transforms(config: LoaderConfig) -> tuple[Compose, Compose]:
         GaussianBlur((0.5, 1.0), p_per_sample=config.p_blur, p_per_channel=0.5),
         BrightnessMultiplicativeTransform(multiplier_range=(0.75, 1.25), p_per_sample=config.p_brightness),
         ContrastAugmentationTransform(p_per_sample=config.p_contrast),
-        SimulateLowResolution(LOW_RESOLUTION_ZOOM, p_per_sample=config.p_low_res, p_per_channel=0.5,
-                              order_upsample=3, ignore_axes=ignore_axes),
+        SimulateLowResolution(
+            LOW_RESOLUTION_ZOOM,
+            p_per_sample=config.p_low_res,
+            p_per_channel=0.5,
+            order_upsample=3,
+            ignore_axes=ignore_axes,
+        ),
         Gamma((0.7, 1.5), invert_image=True, p_per_sample=config.p_gamma_inverted),
         Gamma((0.7, 1.5), invert_image=False, p_per_sample=config.p_gamma),
     ]
@@ -265,8 +278,9 @@ class Augmenter:
         axes = config.mirror_axes_effective if config.augment else ()
         self.mirror = Mirror(axes) if axes else None
 
-    def __call__(self, batch: dict[str, Any], seed: int,
-                 out: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+    def __call__(
+        self, batch: dict[str, Any], seed: int, out: dict[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """Augment ``batch``; the result depends only on (batch, seed), so a batch replays from its seed."""
         if self.transforms is None:
             data, seg = center_crop(batch["data"], batch["seg"], self.config.patch_size)
@@ -278,7 +292,7 @@ class Augmenter:
             spatial, intensity = self.transforms
             done = spatial(data=batch.pop("data"), seg=batch.pop("seg"), transforms=batch.get("transforms"))
             data, seg = done["data"], done["seg"]
-            image = data[:, :data.shape[1] - self.previous_channels]  # a view: the image channels only
+            image = data[:, : data.shape[1] - self.previous_channels]  # a view: the image channels only
             changed = intensity(data=image, seg=seg)["data"]
             if changed is not image:
                 image[...] = changed
@@ -289,15 +303,18 @@ class Augmenter:
         return _write_output(data, seg, flips, out)
 
 
-def _write_output(data: np.ndarray, seg: np.ndarray, flips: list[tuple[slice, ...]],
-                  out: dict[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+def _write_output(
+    data: np.ndarray, seg: np.ndarray, flips: list[tuple[slice, ...]], out: dict[str, np.ndarray] | None
+) -> dict[str, np.ndarray]:
     """``data`` as float32 and ``seg`` with -1 -> 0, each sample flipped by its index, into ``out`` (new
     arrays if None): one pass over each."""
     if out is None:
         out = {"data": np.empty(data.shape, np.float32), "target": np.empty(seg.shape, seg.dtype)}
     if out["data"].shape != data.shape or out["target"].shape != seg.shape:
-        raise ValueError(f"output buffers {out['data'].shape} / {out['target'].shape} do not fit the batch "
-                         f"{data.shape} / {seg.shape}")
+        raise ValueError(
+            f"output buffers {out['data'].shape} / {out['target'].shape} do not fit the batch "
+            f"{data.shape} / {seg.shape}"
+        )
     for b, index in enumerate(flips):
         np.copyto(out["data"][b], data[b][(slice(None), *index)], casting="same_kind")
         np.maximum(seg[b][(slice(None), *index)], 0, out=out["target"][b])

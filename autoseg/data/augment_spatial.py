@@ -61,8 +61,9 @@ def draw_patch_transform(rng: np.random.Generator, config: LoaderConfig) -> Patc
     if not (rotate or scale):
         return None
     a = math.radians(config.rotation_deg_effective)
-    angles = tuple(float(v) for v in rng.uniform(-a, a, 1 if in_plane else 3)) if rotate else \
-        (0.0,) * (1 if in_plane else 3)
+    angles = (
+        tuple(float(v) for v in rng.uniform(-a, a, 1 if in_plane else 3)) if rotate else (0.0,) * (1 if in_plane else 3)
+    )
     low, high = config.scale_range
     factor = 1.0
     if scale:
@@ -71,8 +72,7 @@ def draw_patch_transform(rng: np.random.Generator, config: LoaderConfig) -> Patc
     return PatchTransform(angles, factor)
 
 
-def read_size(patch_size: tuple[int, ...], transform: PatchTransform | None,
-              dummy_2d: bool = False) -> tuple[int, ...]:
+def read_size(patch_size: tuple[int, ...], transform: PatchTransform | None, dummy_2d: bool = False) -> tuple[int, ...]:
     """The box to read around the patch so that ``transform`` never samples outside it (the patch if None).
 
     Each axis is at least the patch and exceeds it by an even number of voxels (the centres coincide)."""
@@ -84,8 +84,14 @@ def read_size(patch_size: tuple[int, ...], transform: PatchTransform | None,
     return box_size(patch, transform.matrix()[None])
 
 
-def spatial_transform(data: np.ndarray, seg: np.ndarray, transform: PatchTransform | None,
-                      config: LoaderConfig, out_data: np.ndarray, out_seg: np.ndarray) -> None:
+def spatial_transform(
+    data: np.ndarray,
+    seg: np.ndarray,
+    transform: PatchTransform | None,
+    config: LoaderConfig,
+    out_data: np.ndarray,
+    out_seg: np.ndarray,
+) -> None:
     """One sample, its patch centred in ``data`` float32 (C, *E) / ``seg`` (1, *E): writes the transformed
     patch into ``out_data`` float32 (C, *P) and ``out_seg`` (1, *P, seg dtype). E >= ``read_size``.
 
@@ -114,11 +120,11 @@ def spatial_transform(data: np.ndarray, seg: np.ndarray, transform: PatchTransfo
     base, others = _label_counts(seg_box) if config.order_seg == 1 else (0, [])
     vote = _LabelVote(base, out_labels) if config.order_seg == 1 else None
     for first in range(0, max(len(others), 1), LABELS_PER_CALL):
-        labels, n_image, n_seg = others[first:first + LABELS_PER_CALL], linear if first == 0 else 0, len(seg_box)
+        labels, n_image, n_seg = others[first : first + LABELS_PER_CALL], linear if first == 0 else 0, len(seg_box)
         planes = np.empty((n_image + len(labels) * n_seg, *box_sp), dtype=np.float32)
         planes[:n_image] = data_box[:n_image]
         for i, label in enumerate(labels):  # indicator planes; 0 stands for -1 too
-            indicator = torch.from_numpy(planes[n_image + i * n_seg:n_image + (i + 1) * n_seg])
+            indicator = torch.from_numpy(planes[n_image + i * n_seg : n_image + (i + 1) * n_seg])
             torch.le(source, 0, out=indicator) if label == 0 else torch.eq(source, label, out=indicator)
         if len(planes):
             sampled = _grid_sample(torch.from_numpy(planes), grid, "bilinear").numpy()
@@ -146,20 +152,20 @@ def _positions(matrix: np.ndarray, patch: tuple[int, ...], box: tuple[int, ...])
 def _torch_grid(positions: np.ndarray, box: tuple[int, ...]) -> torch.Tensor:
     """grid_sample's (1, *P, d) grid (x first, align_corners=True: -1 and 1 are the edge voxels' centres),
     clipped to the box: the positions lie inside it but for rounding."""
-    axes = [np.clip(2 * positions[i] / (box[i] - 1) - 1, -1, 1) if box[i] > 1 else np.zeros_like(positions[i])
-            for i in reversed(range(len(box)))]
+    axes = [
+        np.clip(2 * positions[i] / (box[i] - 1) - 1, -1, 1) if box[i] > 1 else np.zeros_like(positions[i])
+        for i in reversed(range(len(box)))
+    ]
     return torch.from_numpy(np.stack(axes, axis=-1))[None]
 
 
 def _grid_sample(planes: torch.Tensor, grid: torch.Tensor, mode: str) -> torch.Tensor:
     """(N, *E) float32 -> (N, *P). The grid stays inside E, so the padding is never read ('zeros' runs
     twice as fast as 'border')."""
-    return torch.nn.functional.grid_sample(planes[None], grid, mode=mode, padding_mode="zeros",
-                                           align_corners=True)[0]
+    return torch.nn.functional.grid_sample(planes[None], grid, mode=mode, padding_mode="zeros", align_corners=True)[0]
 
 
-def _sample_image(planes: np.ndarray, positions: np.ndarray, grid: torch.Tensor, order: int,
-                  out: np.ndarray) -> None:
+def _sample_image(planes: np.ndarray, positions: np.ndarray, grid: torch.Tensor, order: int, out: np.ndarray) -> None:
     """Planes (N, *E) float32 at the positions into ``out`` (N, *P): nearest, or cubic B-spline (scipy)."""
     if order == 0:
         out[...] = _grid_sample(torch.from_numpy(planes), grid, "nearest").numpy()

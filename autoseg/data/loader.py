@@ -67,11 +67,13 @@ def _check_shared_memory(nbytes: int, workers: int, folder: str = SHM_FOLDER) ->
             f"the training loader's {workers} worker(s) need {nbytes / MiB:.0f} MiB of shared memory for their "
             f"batch slots, but {folder} has {free / MiB:.0f} MiB free; enlarge it (Docker: --shm-size="
             f"{math.ceil(2 * nbytes / GiB)}g) or train with fewer --loader-workers (0 builds the batches in "
-            "the training process)")
+            "the training process)"
+        )
 
 
-def workers_for_shared_memory(workers: int, queue_depth: int, batch_bytes: int, share: int = 1,
-                              folder: str = SHM_FOLDER) -> int:
+def workers_for_shared_memory(
+    workers: int, queue_depth: int, batch_bytes: int, share: int = 1, folder: str = SHM_FOLDER
+) -> int:
     """How many of ``workers`` have room for their ``queue_depth + 1`` slots of ``batch_bytes``
     (``output_batch_bytes``) in ``1 / share`` of ``folder``'s free space (``share``: processes on the node
     that start loaders); all of them where there is no such file system."""
@@ -85,8 +87,14 @@ class _Slots:
     """``count`` reusable shared-memory batches per worker: ``data`` float32 (W, K, B, C, *P), ``target``
     (W, K, B, 1, *P) in the seg dtype, and per slot a semaphore that is 1 while the slot may be written."""
 
-    def __init__(self, workers: int, count: int, data_shape: tuple[int, ...], target_shape: tuple[int, ...],
-                 target_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        workers: int,
+        count: int,
+        data_shape: tuple[int, ...],
+        target_shape: tuple[int, ...],
+        target_dtype: torch.dtype,
+    ) -> None:
         self.count = count
         itemsize = torch.empty(0, dtype=target_dtype).element_size()
         batch, channels, *patch = data_shape  # (B, C, *P); the target is (B, 1, *P)
@@ -121,8 +129,15 @@ class _BatchStream(IterableDataset):
     BLAS runs one thread while a batch is built (OpenBLAS threads spinning against another busy process
     made a (56, 192, 192) float32 matrix product take 0.9 s instead of 0.01 s on the 2-core machine)."""
 
-    def __init__(self, folder: Path, case_ids: tuple[str, ...], config: LoaderConfig, seed: int,
-                 slots: _Slots | None, previous_folder: Path | None = None) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        case_ids: tuple[str, ...],
+        config: LoaderConfig,
+        seed: int,
+        slots: _Slots | None,
+        previous_folder: Path | None = None,
+    ) -> None:
         self.folder, self.case_ids, self.config, self.seed, self.slots = folder, case_ids, config, seed, slots
         self.previous_folder = previous_folder
         self.parent_pid = os.getpid()
@@ -136,15 +151,19 @@ class _BatchStream(IterableDataset):
         augmenter = Augmenter(self.config)
         threads = ThreadpoolController()
         b, patch = self.config.batch_size, self.config.patch_size
-        patches = {"data": np.empty((b, sampler.num_channels, *patch), np.float32),  # reused for every batch
-                   "seg": np.empty((b, 1, *patch), sampler.seg_dtype)}
+        patches = {
+            "data": np.empty((b, sampler.num_channels, *patch), np.float32),  # reused for every batch
+            "seg": np.empty((b, 1, *patch), sampler.seg_dtype),
+        }
         for index in range(2**62):
             with threads.limit(limits=1):
                 batch, seed = sampler.sample_patches(patches), int(rng.integers(2**31))
                 if self.slots is None:  # torch-allocated (64-byte aligned): a batch wrapping numpy's buffers
                     # (torch.from_numpy) made a CPU training step 2.5x slower (0.73 s vs 0.29 s, 2 x 16x40x40)
-                    out: Any = {"data": torch.empty(patches["data"].shape),
-                                "target": torch.from_numpy(patches["seg"]).new_empty(patches["seg"].shape)}
+                    out: Any = {
+                        "data": torch.empty(patches["data"].shape),
+                        "target": torch.from_numpy(patches["seg"]).new_empty(patches["seg"].shape),
+                    }
                     augmenter(batch, seed, out={k: v.numpy() for k, v in out.items()})
                 else:
                     slot = index % self.slots.count
@@ -178,9 +197,17 @@ class BatchLoader:
     (``PatchSampler``), one-hot as the last data channels.
     """
 
-    def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig, seed: int,
-                 num_workers: int = 0, queue_depth: int = 2, pin_memory: bool = False,
-                 previous_folder: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        case_ids: Sequence[str],
+        config: LoaderConfig,
+        seed: int,
+        num_workers: int = 0,
+        queue_depth: int = 2,
+        pin_memory: bool = False,
+        previous_folder: str | Path | None = None,
+    ) -> None:
         if num_workers < 0 or queue_depth < 1:
             raise InputError(f"need num_workers >= 0 and queue_depth >= 1; got {num_workers}, {queue_depth}")
         folder = Path(folder)
@@ -194,8 +221,7 @@ class BatchLoader:
         if num_workers > 0:
             b, p = config.batch_size, config.patch_size
             target_dtype = torch.from_numpy(np.zeros(0, probe.seg_dtype)).dtype
-            self._slots = _Slots(num_workers, queue_depth + 1, (b, self.num_channels, *p), (b, 1, *p),
-                                 target_dtype)
+            self._slots = _Slots(num_workers, queue_depth + 1, (b, self.num_channels, *p), (b, 1, *p), target_dtype)
         self._loader = DataLoader(
             _BatchStream(folder, tuple(case_ids), config, int(seed), self._slots, previous_folder),
             batch_size=None,  # the stream yields whole batches
@@ -210,8 +236,15 @@ class BatchLoader:
         """Upper bound of the loader's host bytes: ``worker_bytes`` per worker (none without workers: the
         batch is built in this process) + this process's copy of the batch."""
         p, b, c = self.config.patch_size, self.config.batch_size, self.num_channels
-        terms = worker_bytes(p, self.enlarged_patch_size, b, c, self.queue_depth, seg_itemsize=self.seg_itemsize,
-                             dummy_2d=self.config.dummy_2d)
+        terms = worker_bytes(
+            p,
+            self.enlarged_patch_size,
+            b,
+            c,
+            self.queue_depth,
+            seg_itemsize=self.seg_itemsize,
+            dummy_2d=self.config.dummy_2d,
+        )
         workers = terms["total"] * self.num_workers if self.num_workers else terms["in_flight"]
         return workers + output_batch_bytes(p, b, c, self.seg_itemsize)
 
@@ -226,9 +259,11 @@ class BatchLoader:
         except RuntimeError as e:
             if "exited unexpectedly" not in str(e):  # torch's words for a worker that died
                 raise
-            raise RunError(f"a training loader worker died ({e}); the usual cause is the out-of-memory killer: "
-                           f"train with fewer --loader-workers (now {self.num_workers}; 0 builds batches in the "
-                           "training process)") from e
+            raise RunError(
+                f"a training loader worker died ({e}); the usual cause is the out-of-memory killer: "
+                f"train with fewer --loader-workers (now {self.num_workers}; 0 builds batches in the "
+                "training process)"
+            ) from e
         if self._slots is None:
             return {k: v.pin_memory() for k, v in item.items()} if self.pin_memory else item
         return self._slots.take(*item, pin_memory=self.pin_memory)

@@ -74,8 +74,14 @@ class PatchSampler:
 
     LOCATIONS_CACHE = 64
 
-    def __init__(self, folder: str | Path, case_ids: Sequence[str], config: LoaderConfig,
-                 rng: np.random.Generator, previous_folder: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        folder: str | Path,
+        case_ids: Sequence[str],
+        config: LoaderConfig,
+        rng: np.random.Generator,
+        previous_folder: str | Path | None = None,
+    ) -> None:
         if config.previous_labels and previous_folder is None:
             raise ValueError("a loader of previous-stage labels (a cascade stage) needs their folder")
         self.previous_folder = Path(previous_folder) if config.previous_labels else None
@@ -117,9 +123,14 @@ class PatchSampler:
         data = np.zeros((b, self.num_channels, *box), dtype=np.float32)  # pages untouched outside the reads
         seg = np.full((b, 1, *box), -1, dtype=self.seg_dtype)
         origins = [self._read_box(d, box, need, data[i], seg[i]) for i, (d, need) in enumerate(zip(draws, needs))]
-        return {"data": data, "seg": seg, "case_ids": [d.case_id for d in draws],
-                "origins": np.array(origins, dtype=np.int64).reshape(b, 3), "copies": [d.copy for d in draws],
-                "transforms": [d.transform for d in draws]}
+        return {
+            "data": data,
+            "seg": seg,
+            "case_ids": [d.case_id for d in draws],
+            "origins": np.array(origins, dtype=np.int64).reshape(b, 3),
+            "copies": [d.copy for d in draws],
+            "transforms": [d.transform for d in draws],
+        }
 
     def sample_patches(self, out: dict[str, np.ndarray] | None = None) -> dict[str, Any]:
         """``sample_batch`` with each sample's spatial transform applied as soon as it is read: its box is
@@ -133,8 +144,10 @@ class PatchSampler:
         config, b = self.config, self.config.batch_size
         draws = [self._draw() for _ in range(b)]
         if out is None:
-            out = {"data": np.empty((b, self.num_channels, *config.patch_size), np.float32),
-                   "seg": np.empty((b, 1, *config.patch_size), self.seg_dtype)}
+            out = {
+                "data": np.empty((b, self.num_channels, *config.patch_size), np.float32),
+                "seg": np.empty((b, 1, *config.patch_size), self.seg_dtype),
+            }
         origins = []
         for i, draw in enumerate(draws):
             need = read_size(config.patch_size, draw.transform, config.dummy_2d)
@@ -142,9 +155,14 @@ class PatchSampler:
             seg = np.full((1, *need), -1, dtype=self.seg_dtype)
             origins.append(self._read_box(draw, need, need, data, seg))
             spatial_transform(data, seg, draw.transform, config, out["data"][i], out["seg"][i])
-        return {"data": out["data"], "seg": out["seg"], "case_ids": [d.case_id for d in draws],
-                "origins": np.array(origins, dtype=np.int64).reshape(b, 3), "copies": [d.copy for d in draws],
-                "transforms": [None] * b}
+        return {
+            "data": out["data"],
+            "seg": out["seg"],
+            "case_ids": [d.case_id for d in draws],
+            "origins": np.array(origins, dtype=np.int64).reshape(b, 3),
+            "copies": [d.copy for d in draws],
+            "transforms": [None] * b,
+        }
 
     def _draw(self) -> _Draw:
         """Case, copy (``use_precomputed``), patch window and spatial transform of one sample."""
@@ -157,21 +175,28 @@ class PatchSampler:
             copy = copies[pick] if pick >= 0 else -1
         data, seg = self._cases[case_id].arrays(copy)
         if data.shape[0] != self.image_channels or seg.dtype != self.seg_dtype:
-            raise ValueError(f"case {case_id!r} has {data.shape[0]} channels / seg {seg.dtype}, but "
-                             f"{self.case_ids[0]!r} has {self.image_channels} / {self.seg_dtype}; "
-                             "re-run preprocessing")
+            raise ValueError(
+                f"case {case_id!r} has {data.shape[0]} channels / seg {seg.dtype}, but "
+                f"{self.case_ids[0]!r} has {self.image_channels} / {self.seg_dtype}; "
+                "re-run preprocessing"
+            )
         previous = None if self.previous_folder is None else open_previous_stage(self.previous_folder, case_id)
         if previous is not None and previous.shape[1:] != data.shape[1:]:
-            raise ValueError(f"{self.previous_folder}: case {case_id!r}'s previous-stage labels are "
-                             f"{previous.shape[1:]}, its image {data.shape[1:]}; train the cascade stage again")
+            raise ValueError(
+                f"{self.previous_folder}: case {case_id!r}'s previous-stage labels are "
+                f"{previous.shape[1:]}, its image {data.shape[1:]}; train the cascade stage again"
+            )
         shape_zyx = data.shape[1:]
         voxel = None
         if rng.random() < config.oversample_foreground:
-            voxel = self._foreground_voxel(self._class_locations(case_id, copy),
-                                           self._cases[case_id].files(copy).locations, shape_zyx)
+            voxel = self._foreground_voxel(
+                self._class_locations(case_id, copy), self._cases[case_id].files(copy).locations, shape_zyx
+            )
         dim = config.dim
-        lower = tuple(self._window_start(s, p, None if voxel is None else voxel[-dim + a])
-                      for a, (s, p) in enumerate(zip(shape_zyx[-dim:], config.patch_size, strict=True)))
+        lower = tuple(
+            self._window_start(s, p, None if voxel is None else voxel[-dim + a])
+            for a, (s, p) in enumerate(zip(shape_zyx[-dim:], config.patch_size, strict=True))
+        )
         lead: tuple[int, ...] = ()
         if dim == 2:  # one z-slice
             lead = (int(voxel[0]) if voxel is not None else int(rng.integers(shape_zyx[0])),)
@@ -179,8 +204,9 @@ class PatchSampler:
         transform = draw_patch_transform(rng, config) if spatial else None
         return _Draw(case_id, copy, data, seg, lead, lower, transform, previous)
 
-    def _read_box(self, draw: _Draw, box: tuple[int, ...], need: tuple[int, ...], out_data: np.ndarray,
-                  out_seg: np.ndarray) -> tuple[int, ...]:
+    def _read_box(
+        self, draw: _Draw, box: tuple[int, ...], need: tuple[int, ...], out_data: np.ndarray, out_seg: np.ndarray
+    ) -> tuple[int, ...]:
         """Fill the centred ``need`` part of out_data (C, *box) / out_seg (1, *box) with the case around the
         draw's patch (the rest stays 0 / -1: the sample's transform never reaches it); returns the origin
         (z, y, x) of ``box`` in the case."""
@@ -188,7 +214,7 @@ class PatchSampler:
         lower = [lo - (n - p) // 2 for lo, n, p in zip(draw.lower, need, patch, strict=True)]
         offset = [(e - n) // 2 for e, n in zip(box, need, strict=True)]
         src, dst = [], []
-        for lo, n, s, o in zip(lower, need, draw.data.shape[-len(box):], offset, strict=True):
+        for lo, n, s, o in zip(lower, need, draw.data.shape[-len(box) :], offset, strict=True):
             a, b = max(lo, 0), min(lo + n, s)
             src.append(slice(a, b))
             dst.append(slice(o + a - lo, o + b - lo))
@@ -211,8 +237,9 @@ class PatchSampler:
             lo, hi = max(lo, voxel - patch + 1), min(hi, voxel)
         return int(self.rng.integers(lo, hi + 1))
 
-    def _foreground_voxel(self, locations: dict[str, np.ndarray], path: Path,
-                          shape_zyx: tuple[int, ...]) -> tuple[int, int, int] | None:
+    def _foreground_voxel(
+        self, locations: dict[str, np.ndarray], path: Path, shape_zyx: tuple[int, ...]
+    ) -> tuple[int, int, int] | None:
         """A random voxel of a random class in ``locations`` (class -> voxels, read from ``path``), or None if
         it has none."""
         present = sorted((k for k, v in locations.items() if len(v) > 0), key=int)
@@ -221,6 +248,7 @@ class PatchSampler:
         voxels = locations[present[int(self.rng.integers(len(present)))]]
         voxel = tuple(int(v) for v in voxels[int(self.rng.integers(len(voxels)))])
         if len(voxel) != 3 or any(not 0 <= v < s for v, s in zip(voxel, shape_zyx, strict=True)):
-            raise ValueError(f"{path}: class location {voxel} is not a (z, y, x) inside {shape_zyx}; "
-                             "re-run preprocessing")
+            raise ValueError(
+                f"{path}: class location {voxel} is not a (z, y, x) inside {shape_zyx}; re-run preprocessing"
+            )
         return voxel  # type: ignore[return-value]

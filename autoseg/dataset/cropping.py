@@ -79,8 +79,7 @@ def signed_label_dtype(seg: np.ndarray) -> np.dtype:
         return np.dtype(np.int8)
     if not np.issubdtype(seg.dtype, np.integer):
         raise ValueError(
-            f"label map dtype is {seg.dtype}; expected integer labels "
-            "(convert with np.rint(seg).astype(np.int16))"
+            f"label map dtype is {seg.dtype}; expected integer labels (convert with np.rint(seg).astype(np.int16))"
         )
     if np.issubdtype(seg.dtype, np.signedinteger):
         return seg.dtype
@@ -123,9 +122,7 @@ def uncrop(array: np.ndarray, bbox: BBox, full_shape_zyx: Sequence[int], fill: f
     full_shape = tuple(int(n) for n in full_shape_zyx)
     expected = tuple(stop - start for start, stop in bbox)
     if len(bbox) != 3 or array.shape[-3:] != expected:
-        raise ValueError(
-            f"cropped array shape {array.shape} does not match the bounding box {bbox} (size {expected})"
-        )
+        raise ValueError(f"cropped array shape {array.shape} does not match the bounding box {bbox} (size {expected})")
     if len(full_shape) != 3 or any(lo < 0 or hi > n for (lo, hi), n in zip(bbox, full_shape, strict=True)):
         raise ValueError(f"bounding box {bbox} does not fit in the full shape {full_shape}")
     out = np.full((*array.shape[:-3], *full_shape), fill, dtype=array.dtype)

@@ -66,8 +66,11 @@ def check_dicom_file(path: str | Path) -> DicomCheck | None:
         except (_Unknown, struct.error, UnicodeDecodeError):
             return DicomCheck(walk.series_uid, None)
     if walk.rows_seen and not walk.pixels_seen:
-        return DicomCheck(walk.series_uid, f"{path}: truncated: it ends after its image header, before the pixel "
-                                           f"data (7FE0,0010), at byte {walk.size}")
+        return DicomCheck(
+            walk.series_uid,
+            f"{path}: truncated: it ends after its image header, before the pixel "
+            f"data (7FE0,0010), at byte {walk.size}",
+        )
     return DicomCheck(walk.series_uid, None)
 
 
@@ -77,8 +80,11 @@ def incomplete_dicom_files(folder: str | Path, series_uid: str | None = None) ->
     problems = []
     for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
         found = check_dicom_file(path)
-        if found is not None and found.problem is not None and \
-                (series_uid is None or found.series_uid in (None, series_uid)):
+        if (
+            found is not None
+            and found.problem is not None
+            and (series_uid is None or found.series_uid in (None, series_uid))
+        ):
             problems.append(found.problem)
     return problems
 
@@ -88,8 +94,10 @@ def check_dicom_series(folder: str | Path, series_uid: str) -> None:
     or one that ends before saying its series, is truncated."""
     problems = incomplete_dicom_files(folder, series_uid)
     if problems:
-        raise InputError(f"{folder}: DICOM series {series_uid}: {'; '.join(problems)}; SimpleITK would leave "
-                         f"{'these files' if len(problems) > 1 else 'it'} out of the volume: copy the series again")
+        raise InputError(
+            f"{folder}: DICOM series {series_uid}: {'; '.join(problems)}; SimpleITK would leave "
+            f"{'these files' if len(problems) > 1 else 'it'} out of the volume: copy the series again"
+        )
 
 
 class _Walk:

@@ -97,8 +97,10 @@ def _header(path: str | Path) -> tuple[Geometry, int]:
     try:
         reader.ReadImageInformation()
     except RuntimeError as e:
-        raise InputError(f"{path}: SimpleITK cannot read this image header ({_first_line(e)}); "
-                         "the file is damaged, truncated or not an image") from e
+        raise InputError(
+            f"{path}: SimpleITK cannot read this image header ({_first_line(e)}); "
+            "the file is damaged, truncated or not an image"
+        ) from e
     return Geometry(
         ndim=reader.GetDimension(),
         size_xyz=tuple(int(v) for v in reader.GetSize()),
@@ -128,8 +130,10 @@ def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.nd
     try:
         image = sitk.ReadImage(str(path))
     except RuntimeError as e:
-        raise InputError(f"{path}: SimpleITK cannot read this image ({_first_line(e)}); the file is damaged, "
-                         "truncated or not an image") from e
+        raise InputError(
+            f"{path}: SimpleITK cannot read this image ({_first_line(e)}); the file is damaged, "
+            "truncated or not an image"
+        ) from e
     return _array_and_geometry(image, path, dtype)
 
 
@@ -162,8 +166,9 @@ def dicom_series(folder: str | Path) -> dict[str, tuple[str, ...]]:
     return {uid: tuple(sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), uid)) for uid in uids}
 
 
-def read_dicom_series(folder: str | Path, series_uid: str, dtype: type | None = np.float32
-                      ) -> tuple[np.ndarray, Geometry]:
+def read_dicom_series(
+    folder: str | Path, series_uid: str, dtype: type | None = np.float32
+) -> tuple[np.ndarray, Geometry]:
     """Read one DICOM series of ``folder`` as ``read_image`` reads a file: (Z, Y, X) in ``dtype`` (the
     rescale slope and intercept applied: CT in HU) and its geometry (spacing from the slice positions,
     origin of the first slice, direction from the image orientation). A truncated slice file is refused
@@ -177,8 +182,10 @@ def read_dicom_series(folder: str | Path, series_uid: str, dtype: type | None = 
     try:
         image = reader.Execute()
     except RuntimeError as e:
-        raise InputError(f"{folder}: SimpleITK cannot read DICOM series {series_uid} ({_first_line(e)}); a file "
-                         "of it is damaged or truncated") from e
+        raise InputError(
+            f"{folder}: SimpleITK cannot read DICOM series {series_uid} ({_first_line(e)}); a file "
+            "of it is damaged or truncated"
+        ) from e
     return _array_and_geometry(image, f"{folder} (DICOM series {series_uid})", dtype)
 
 
@@ -258,7 +265,7 @@ def _checked_nifti_layout(path: Path) -> _NiftiLayout | None:
     with open(path, "rb") as f:
         compressed = f.read(2) == b"\x1f\x8b"  # gzip's magic; SimpleITK also reads a plain file named .nii.gz
     try:
-        with (gzip.open(path, "rb") if compressed else open(path, "rb")) as f:
+        with gzip.open(path, "rb") if compressed else open(path, "rb") as f:
             layout = _nifti_layout(f.read(_NIFTI2_HEADER_BYTES), compressed)
         if layout is None:
             return None  # not a NIfTI header we know: SimpleITK's own reader decides
@@ -267,9 +274,11 @@ def _checked_nifti_layout(path: Path) -> _NiftiLayout | None:
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
         raise InputError(f"{path}: damaged or truncated gzip stream ({e}); copy or export the file again") from e
     if actual < expected:
-        raise InputError(f"{path}: truncated: the NIfTI header announces {expected} bytes (header and voxels) but "
-                         f"the file holds {actual}{' uncompressed' if compressed else ''}; "
-                         "copy or export the file again")
+        raise InputError(
+            f"{path}: truncated: the NIfTI header announces {expected} bytes (header and voxels) but "
+            f"the file holds {actual}{' uncompressed' if compressed else ''}; "
+            "copy or export the file again"
+        )
     return layout
 
 
@@ -292,17 +301,24 @@ def _nifti_layout(header: bytes, compressed: bool) -> _NiftiLayout | None:
         return None
     if not 1 <= dims[0] <= 7 or bitpix <= 0 or bitpix % 8:
         return None
-    voxels = int(np.prod([max(int(d), 1) for d in dims[1:dims[0] + 1]], dtype=np.int64))
+    voxels = int(np.prod([max(int(d), 1) for d in dims[1 : dims[0] + 1]], dtype=np.int64))
     vox_offset = max(vox_offset, _NIFTI1_HEADER_BYTES)
     float_type = _NIFTI_FLOAT_TYPES.get(datatype)
     scaled = not (slope in (0.0, 1.0) and inter == 0.0) and math.isfinite(slope)  # NIfTI: slope 0 means none
-    return _NiftiLayout(compressed, vox_offset, vox_offset + voxels * bitpix // 8,
-                        np.dtype(order + float_type) if float_type else None, scaled)
+    return _NiftiLayout(
+        compressed,
+        vox_offset,
+        vox_offset + voxels * bitpix // 8,
+        np.dtype(order + float_type) if float_type else None,
+        scaled,
+    )
 
 
 def _nonfinite_message(path: str | Path, count: int) -> str:
-    return (f"{path}: holds {count} NaN or Inf voxel(s) (SimpleITK would read them as 0); replace them "
-            "(e.g. with the image's minimum) and run again")
+    return (
+        f"{path}: holds {count} NaN or Inf voxel(s) (SimpleITK would read them as 0); replace them "
+        "(e.g. with the image's minimum) and run again"
+    )
 
 
 def _read_float_nifti(path: Path, layout: _NiftiLayout) -> tuple[np.ndarray, Geometry] | None:
@@ -313,8 +329,12 @@ def _read_float_nifti(path: Path, layout: _NiftiLayout) -> tuple[np.ndarray, Geo
     several components, more than 3 dimensions): the caller reads it through SimpleITK."""
     geometry, components = _header(path)
     voxels = int(np.prod(geometry.size_xyz))
-    if layout.scaled or components != 1 or geometry.ndim not in (2, 3) or \
-            voxels * layout.float_dtype.itemsize != layout.expected_bytes - layout.vox_offset:
+    if (
+        layout.scaled
+        or components != 1
+        or geometry.ndim not in (2, 3)
+        or voxels * layout.float_dtype.itemsize != layout.expected_bytes - layout.vox_offset
+    ):
         return None
     array = np.empty(geometry.shape_zyx, dtype=layout.float_dtype)
     view = memoryview(array.reshape(-1)).cast("B")
@@ -348,7 +368,7 @@ def _read_voxel_bytes(path: Path, layout: _NiftiLayout, view: memoryview) -> int
                 cut = min(skip, len(out))
                 skip, out = skip - cut, out[cut:]
                 n = min(len(out), len(view) - filled)
-                view[filled:filled + n] = out[:n]
+                view[filled : filled + n] = out[:n]
                 filled += n
         return filled
 
@@ -361,7 +381,7 @@ def _nifti_nonfinite_voxels(path: Path, layout: _NiftiLayout) -> int:
     dtype = layout.float_dtype
     assert dtype is not None
     count, step = 0, (1 << 20) // dtype.itemsize * dtype.itemsize
-    with (gzip.open(path, "rb") if layout.compressed else open(path, "rb")) as f:
+    with gzip.open(path, "rb") if layout.compressed else open(path, "rb") as f:
         f.seek(layout.vox_offset)
         remaining = layout.expected_bytes - layout.vox_offset
         while remaining > 0 and (chunk := f.read(min(step, remaining))):

@@ -25,12 +25,19 @@ class PredictionInputs:
     def raise_problems(self) -> None:
         """One DatasetError listing every problem (nothing if there is none)."""
         if self.problems:
-            raise DatasetError(f"{len(self.problems)} problem(s) with the input images; nothing was predicted:\n  "
-                               + "\n  ".join(self.problems.values()))
+            raise DatasetError(
+                f"{len(self.problems)} problem(s) with the input images; nothing was predicted:\n  "
+                + "\n  ".join(self.problems.values())
+            )
 
 
-def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str | None = None,
-                           image_dim: int | None = None, series: str | None = None) -> PredictionInputs:
+def list_prediction_inputs(
+    path: str | Path,
+    num_channels: int,
+    file_ending: str | None = None,
+    image_dim: int | None = None,
+    series: str | None = None,
+) -> PredictionInputs:
     """Cases to predict from a folder ({case}_{0000..}.ext), a single image file (one channel) or a folder
     holding DICOM series (one channel; ``series``: the SeriesInstanceUID to take when it holds several).
 
@@ -43,8 +50,10 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         raise DatasetError(f"--series {series}: {path} is not a folder of DICOM series; leave --series out")
     if path.is_file():
         if num_channels != 1:
-            raise DatasetError(f"{path}: the model expects {num_channels} channels; pass the folder holding "
-                               f"{{case}}_0000 ... {{case}}_{num_channels - 1:04d} instead of one file")
+            raise DatasetError(
+                f"{path}: the model expects {num_channels} channels; pass the folder holding "
+                f"{{case}}_0000 ... {{case}}_{num_channels - 1:04d} instead of one file"
+            )
         ending = supported_ending(path.name)
         if ending is None:
             raise DatasetError(f"{path}: not a supported image ({', '.join(SUPPORTED_ENDINGS)})")
@@ -65,9 +74,11 @@ def list_prediction_inputs(path: str | Path, num_channels: int, file_ending: str
         extra = [str(image_files_for(path, case_id, n + 1, ending)[n]) for n in numbers if n >= num_channels]
         missing = [f.name for f in files if not f.is_file()]
         if extra:
-            problems[case_id] = (f"{', '.join(extra)}: the model takes {num_channels} channel(s) ({{case}}_0000 .. "
-                                 f"{{case}}_{num_channels - 1:04d}); remove the extra channel file(s) or use a "
-                                 "model trained with them")
+            problems[case_id] = (
+                f"{', '.join(extra)}: the model takes {num_channels} channel(s) ({{case}}_0000 .. "
+                f"{{case}}_{num_channels - 1:04d}); remove the extra channel file(s) or use a "
+                "model trained with them"
+            )
         elif missing:
             problems[case_id] = f"{path}: case {case_id!r} lacks channel file(s) {missing}"
     checked = [c for c in cases if c.case_id not in problems]
@@ -88,19 +99,23 @@ def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, tuple[str
     return found
 
 
-def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_ending: str | None,
-                  image_dim: int | None) -> PredictionInputs:
+def _dicom_inputs(
+    folder: Path, num_channels: int, series: str | None, file_ending: str | None, image_dim: int | None
+) -> PredictionInputs:
     """The one case of a folder holding DICOM series: named after the folder, or after ``series`` (its
     SeriesInstanceUID) when that is given."""
     uids = dicom_series(folder)
     if not uids:  # GDCM lists no file it cannot read: a truncated one-slice series is not listed
         truncated = "; truncated: " + "; ".join(cut) if (cut := incomplete_dicom_files(folder)) else ""
-        raise DatasetError(f"{folder}: no images named {{case}}_0000{file_ending or '.nii.gz'} and no DICOM series "
-                           f"found{truncated}")
+        raise DatasetError(
+            f"{folder}: no images named {{case}}_0000{file_ending or '.nii.gz'} and no DICOM series found{truncated}"
+        )
     if num_channels != 1:
-        raise DatasetError(f"{folder}: a DICOM series is one channel but the model takes {num_channels}; convert "
-                           f"each channel's series to {{case}}_0000.nii.gz .. {{case}}_{num_channels - 1:04d}.nii.gz "
-                           "in one folder and pass that folder")
+        raise DatasetError(
+            f"{folder}: a DICOM series is one channel but the model takes {num_channels}; convert "
+            f"each channel's series to {{case}}_0000.nii.gz .. {{case}}_{num_channels - 1:04d}.nii.gz "
+            "in one folder and pass that folder"
+        )
     listed = "\n  ".join(f"{uid} ({len(files)} files)" for uid, files in uids.items())
     if series is None and len(uids) > 1:
         raise DatasetError(f"{folder}: holds {len(uids)} DICOM series; choose one with --series UID:\n  {listed}")
@@ -108,8 +123,14 @@ def _dicom_inputs(folder: Path, num_channels: int, series: str | None, file_endi
         raise DatasetError(f"--series {series}: no such series in {folder}; it holds:\n  {listed}")
     uid = series or next(iter(uids))
     case = Case(series or folder.name, (folder,), None, series_uid=uid)
-    problems = {case.case_id: f"{folder}: DICOM series {uid} is a 3D image ({len(uids[uid])} slices) but the model "
-                              "was trained on 2D images"} if image_dim == 2 and len(uids[uid]) > 1 else {}
+    problems = (
+        {
+            case.case_id: f"{folder}: DICOM series {uid} is a 3D image ({len(uids[uid])} slices) but the model "
+            "was trained on 2D images"
+        }
+        if image_dim == 2 and len(uids[uid]) > 1
+        else {}
+    )
     try:
         check_dicom_series(folder, uid)  # a truncated slice, left out of the listed series by GDCM
     except InputError as e:
@@ -127,12 +148,16 @@ def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[st
         except ValueError as e:
             problems[case.case_id] = str(e)
             continue
-        found = [f"{p} and {case.image_paths[0].name} differ in {diff}"
-                 for p, geo in zip(case.image_paths[1:], geometries[1:], strict=True)
-                 if (diff := geo.matches(geometries[0]))]
+        found = [
+            f"{p} and {case.image_paths[0].name} differ in {diff}"
+            for p, geo in zip(case.image_paths[1:], geometries[1:], strict=True)
+            if (diff := geo.matches(geometries[0]))
+        ]
         if image_dim is not None and geometries[0].ndim != image_dim:
-            found.append(f"{case.image_paths[0]} is a {geometries[0].ndim}D image but the model was trained on "
-                         f"{image_dim}D images")
+            found.append(
+                f"{case.image_paths[0]} is a {geometries[0].ndim}D image but the model was trained on "
+                f"{image_dim}D images"
+            )
         if found:
             problems[case.case_id] = "; ".join(found)
     return problems

@@ -71,8 +71,9 @@ class LabelScheme:
     label_values: tuple[int, ...]  # every value a label file may hold: 0, the classes, ignore; sorted
 
     @classmethod
-    def from_labels(cls, labels: Mapping[str, Any], regions_class_order: Sequence[int] | None = None,
-                    where: str = "dataset.json") -> LabelScheme:
+    def from_labels(
+        cls, labels: Mapping[str, Any], regions_class_order: Sequence[int] | None = None, where: str = "dataset.json"
+    ) -> LabelScheme:
         """Validate ``labels`` (name -> value or list of values) and ``regions_class_order``; raise
         ``LabelError`` naming ``where`` and what to change."""
         values = _parse_values(labels, where)
@@ -82,14 +83,18 @@ class LabelScheme:
         has_regions = any(isinstance(v, (list, tuple)) for v in labels.values())
         declared = sorted({v for name, vs in values.items() if name != IGNORE for v in vs})
         if 0 not in declared:
-            raise LabelError(f"{where}: no label has value 0; add \"background\": 0 to labels")
+            raise LabelError(f'{where}: no label has value 0; add "background": 0 to labels')
         if ignore is not None and ignore <= declared[-1]:
-            raise LabelError(f"{where}: 'ignore' is {ignore} but must be the highest label value (nnU-Net's rule); "
-                             f"give it {declared[-1] + 1} and relabel the ignored voxels in labelsTr")
+            raise LabelError(
+                f"{where}: 'ignore' is {ignore} but must be the highest label value (nnU-Net's rule); "
+                f"give it {declared[-1] + 1} and relabel the ignored voxels in labelsTr"
+            )
         every = declared + ([ignore] if ignore is not None else [])
         if every != list(range(len(every))) or (not has_regions and len(every) != len(values)):
-            raise LabelError(f"{where}: label values must be consecutive integers from 0, each used once (ignore "
-                             f"last); found {_describe(values)}")
+            raise LabelError(
+                f"{where}: label values must be consecutive integers from 0, each used once (ignore "
+                f"last); found {_describe(values)}"
+            )
         entries = foreground_entries(labels)
         names = tuple(entries)
         fg_values = tuple(v if isinstance(v, tuple) else (v,) for v in entries.values())
@@ -97,12 +102,20 @@ class LabelScheme:
             order = _check_regions(names, fg_values, regions_class_order, where)
         else:
             if regions_class_order:
-                raise LabelError(f"{where}: regions_class_order is only for region-based labels (label values "
-                                 "given as lists); remove it, or give the regions as lists of values")
+                raise LabelError(
+                    f"{where}: regions_class_order is only for region-based labels (label values "
+                    "given as lists); remove it, or give the regions as lists of values"
+                )
             by_value = sorted(zip(fg_values, names))
             names, fg_values, order = tuple(n for _, n in by_value), tuple(v for v, _ in by_value), ()
-        return cls(names=names, foreground_values=fg_values, has_regions=has_regions, regions_class_order=order,
-                   ignore_value=ignore, label_values=tuple(every))
+        return cls(
+            names=names,
+            foreground_values=fg_values,
+            has_regions=has_regions,
+            regions_class_order=order,
+            ignore_value=ignore,
+            label_values=tuple(every),
+        )
 
     @classmethod
     def plain(cls, num_label_values: int) -> LabelScheme:
@@ -161,8 +174,9 @@ class LabelScheme:
 
         if seg.ndim < 3 or seg.shape[1] != 1:
             raise ValueError(f"seg has shape {tuple(seg.shape)}; expected (B, 1, *spatial)")
-        out = torch.empty((seg.shape[0], len(self.foreground_values), *seg.shape[2:]), dtype=torch.bool,
-                          device=seg.device)  # B x F x spatial bytes
+        out = torch.empty(
+            (seg.shape[0], len(self.foreground_values), *seg.shape[2:]), dtype=torch.bool, device=seg.device
+        )  # B x F x spatial bytes
         for i, values in enumerate(self.foreground_values):
             member = seg[:, 0] == values[0]
             for v in values[1:]:
@@ -185,7 +199,6 @@ class LabelScheme:
         labels[probability > 0.5] = self.regions_class_order[region]
 
 
-
 def one_hot(labels: np.ndarray, values: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
     """float32 ``(F, *S)``: channel ``i`` is 1 where the label map ``labels`` ``(*S)`` holds ``values[i]``, else 0
     (so background, -1 and ignore are 0 in every channel); written into ``out`` (a view may do) when given.
@@ -201,14 +214,18 @@ def one_hot(labels: np.ndarray, values: Sequence[int], out: np.ndarray | None = 
 
 def _parse_values(labels: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
     if not isinstance(labels, Mapping) or not labels:
-        raise LabelError(f"{where}: 'labels' must be an object mapping names to values, e.g. "
-                         "{\"background\": 0, \"organ\": 1}; found " + repr(labels))
+        raise LabelError(
+            f"{where}: 'labels' must be an object mapping names to values, e.g. "
+            '{"background": 0, "organ": 1}; found ' + repr(labels)
+        )
     out = {}
     for name, value in labels.items():
         items = value if isinstance(value, (list, tuple)) else [value]
         if not items or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in items):
-            raise LabelError(f"{where}: label {name!r} has value {value!r}; expected a non-negative integer, or "
-                             "for a region a non-empty list of them")
+            raise LabelError(
+                f"{where}: label {name!r} has value {value!r}; expected a non-negative integer, or "
+                "for a region a non-empty list of them"
+            )
         out[name] = tuple(items)
     return out
 
@@ -221,26 +238,33 @@ def _ignore_value(labels: Mapping[str, Any], where: str) -> int | None:
     return int(labels[IGNORE])
 
 
-def _check_regions(names: tuple[str, ...], values: tuple[tuple[int, ...], ...],
-                   regions_class_order: Sequence[int] | None, where: str) -> tuple[int, ...]:
+def _check_regions(
+    names: tuple[str, ...], values: tuple[tuple[int, ...], ...], regions_class_order: Sequence[int] | None, where: str
+) -> tuple[int, ...]:
     """Validate the regions and their ``regions_class_order``; return the order as a tuple."""
     for name, vs in zip(names, values, strict=True):
         if 0 in vs:
             raise LabelError(f"{where}: region {name!r} holds 0 (background); regions hold foreground values only")
     described = ", ".join(f"{n} {list(v)}" for n, v in zip(names, values, strict=True))
     if not regions_class_order:
-        raise LabelError(f"{where}: region-based labels (values given as lists) need a top-level "
-                         f"\"regions_class_order\": the label value written for each region ({described}) when "
-                         f"predictions become a label map, later regions over earlier ones; e.g. "
-                         f"\"regions_class_order\": {_suggested_order(values)}")
+        raise LabelError(
+            f"{where}: region-based labels (values given as lists) need a top-level "
+            f'"regions_class_order": the label value written for each region ({described}) when '
+            f"predictions become a label map, later regions over earlier ones; e.g. "
+            f'"regions_class_order": {_suggested_order(values)}'
+        )
     order = list(regions_class_order)
     if len(order) != len(values) or any(isinstance(v, bool) or not isinstance(v, int) for v in order):
-        raise LabelError(f"{where}: regions_class_order {order} must hold one integer per region; there are "
-                         f"{len(values)} regions ({described})")
+        raise LabelError(
+            f"{where}: regions_class_order {order} must hold one integer per region; there are "
+            f"{len(values)} regions ({described})"
+        )
     for r, (name, vs, v) in enumerate(zip(names, values, order, strict=True)):
         if v not in vs:
-            raise LabelError(f"{where}: regions_class_order[{r}] is {v}, which is not a value of region {name!r} "
-                             f"{list(vs)}; use one of its values, e.g. {_suggested_order(values)}")
+            raise LabelError(
+                f"{where}: regions_class_order[{r}] is {v}, which is not a value of region {name!r} "
+                f"{list(vs)}; use one of its values, e.g. {_suggested_order(values)}"
+            )
     return tuple(order)
 
 
@@ -248,7 +272,7 @@ def _suggested_order(values: tuple[tuple[int, ...], ...]) -> list[int]:
     """Per region, its smallest value that no later region holds (else its smallest value)."""
     out = []
     for r, vs in enumerate(values):
-        later = {v for other in values[r + 1:] for v in other}
+        later = {v for other in values[r + 1 :] for v in other}
         own = sorted(set(vs) - later)
         out.append(own[0] if own else min(vs))
     return out

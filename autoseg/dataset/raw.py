@@ -80,8 +80,10 @@ def load_dataset(root: str | Path) -> RawDataset:
     root = Path(root).expanduser().resolve()
     meta_path = root / "dataset.json"
     if not meta_path.is_file():
-        raise DatasetError(f"{root}: no dataset.json found; expected the nnU-Net raw dataset layout "
-                           "(dataset.json, imagesTr/, labelsTr/)")
+        raise DatasetError(
+            f"{root}: no dataset.json found; expected the nnU-Net raw dataset layout "
+            "(dataset.json, imagesTr/, labelsTr/)"
+        )
     meta = _read_meta(meta_path)
     channel_names = _channel_names(meta["channel_names"], meta_path)
     try:
@@ -98,13 +100,24 @@ def load_dataset(root: str | Path) -> RawDataset:
         raise DatasetError(f"{root / 'labelsTr'}: no label files ending in {ending}")
     num_training = meta.get("numTraining")
     if num_training is not None and (not isinstance(num_training, int) or isinstance(num_training, bool)):
-        raise DatasetError(f"{meta_path}: numTraining must be an integer (the number of training cases); found "
-                           f"{num_training!r}; write {len(cases)} or remove the key")
+        raise DatasetError(
+            f"{meta_path}: numTraining must be an integer (the number of training cases); found "
+            f"{num_training!r}; write {len(cases)} or remove the key"
+        )
     if num_training is not None and num_training != len(cases):
-        raise DatasetError(f"{meta_path}: numTraining is {num_training} but labelsTr holds {len(cases)} cases; "
-                           "fix numTraining or add the missing cases")
-    return RawDataset(root=root, name=root.name, channel_names=channel_names, labels=labels,
-                      file_ending=ending, cases=tuple(cases), regions_class_order=scheme.regions_class_order)
+        raise DatasetError(
+            f"{meta_path}: numTraining is {num_training} but labelsTr holds {len(cases)} cases; "
+            "fix numTraining or add the missing cases"
+        )
+    return RawDataset(
+        root=root,
+        name=root.name,
+        channel_names=channel_names,
+        labels=labels,
+        file_ending=ending,
+        cases=tuple(cases),
+        regions_class_order=scheme.regions_class_order,
+    )
 
 
 def _read_meta(meta_path: Path) -> dict:
@@ -116,8 +129,10 @@ def _read_meta(meta_path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise DatasetError(f"{meta_path}: not valid JSON ({e})") from e
     if not isinstance(meta, dict):
-        raise DatasetError(f"{meta_path}: must hold a JSON object with channel_names, labels and file_ending; "
-                           f"found {type(meta).__name__} {str(meta)[:40]}")
+        raise DatasetError(
+            f"{meta_path}: must hold a JSON object with channel_names, labels and file_ending; "
+            f"found {type(meta).__name__} {str(meta)[:40]}"
+        )
     for key in ("channel_names", "labels", "file_ending"):
         if key not in meta:
             raise DatasetError(f"{meta_path}: missing key {key!r} (see the nnU-Net dataset format)")
@@ -128,8 +143,10 @@ def _channel_names(channels: object, meta_path: Path) -> tuple[str, ...]:
     """The channel names in channel order from dataset.json's ``{"0": "CT", "1": ...}``."""
     example = 'e.g. {"0": "CT"} or {"0": "T2", "1": "ADC"}'
     if not isinstance(channels, dict) or not channels:
-        raise DatasetError(f"{meta_path}: channel_names must be a non-empty object mapping '0', '1', ... to channel "
-                           f"names, {example}; found {channels!r}")
+        raise DatasetError(
+            f"{meta_path}: channel_names must be a non-empty object mapping '0', '1', ... to channel "
+            f"names, {example}; found {channels!r}"
+        )
     try:
         order = sorted(channels, key=lambda k: int(k))
     except ValueError as e:
@@ -138,8 +155,10 @@ def _channel_names(channels: object, meta_path: Path) -> tuple[str, ...]:
         raise DatasetError(f"{meta_path}: channel_names keys must be consecutive from '0'; found {list(channels)}")
     bad = {k: v for k, v in channels.items() if not isinstance(v, str) or not v.strip()}
     if bad:
-        raise DatasetError(f"{meta_path}: channel_names values must be non-empty names (the normalization is chosen "
-                           f"by name: 'CT' or anything else); found {bad}")
+        raise DatasetError(
+            f"{meta_path}: channel_names values must be non-empty names (the normalization is chosen "
+            f"by name: 'CT' or anything else); found {bad}"
+        )
     return tuple(channels[k] for k in order)
 
 
@@ -156,16 +175,26 @@ def _list_cases(root: Path, num_channels: int, ending: str) -> list[Case]:
         case_id = label.name[: -len(ending)]
         cases.append(Case(case_id, image_files_for(images_dir, case_id, num_channels, ending), label))
     expected = {p.name for c in cases for p in c.image_paths}
-    unexpected = [f for f in sorted(images_dir.iterdir())
-                  if f.name.endswith(ending) and not f.name.startswith(".") and f.name not in expected]
+    unexpected = [
+        f
+        for f in sorted(images_dir.iterdir())
+        if f.name.endswith(ending) and not f.name.startswith(".") and f.name not in expected
+    ]
     if unexpected:
         labelled = {c.case_id for c in cases}
-        why = [f"{f.name} (channel {stem[-4:]}, but dataset.json declares {num_channels} channel(s))"
-               if stem[:-5] in labelled else f"{f.name} (no label {stem[:-5] or stem}{ending} in labelsTr)"
-               for f in unexpected for stem in [f.name[: -len(ending)]]]
-        raise DatasetError(f"{images_dir}: {len(unexpected)} image(s) belong to no training case; add their labels "
-                           "(or channel_names in dataset.json) or move them out:\n  " + "\n  ".join(why[:20])
-                           + (f"\n  and {len(why) - 20} more" if len(why) > 20 else ""))
+        why = [
+            f"{f.name} (channel {stem[-4:]}, but dataset.json declares {num_channels} channel(s))"
+            if stem[:-5] in labelled
+            else f"{f.name} (no label {stem[:-5] or stem}{ending} in labelsTr)"
+            for f in unexpected
+            for stem in [f.name[: -len(ending)]]
+        ]
+        raise DatasetError(
+            f"{images_dir}: {len(unexpected)} image(s) belong to no training case; add their labels "
+            "(or channel_names in dataset.json) or move them out:\n  "
+            + "\n  ".join(why[:20])
+            + (f"\n  and {len(why) - 20} more" if len(why) > 20 else "")
+        )
     return cases
 
 
@@ -206,9 +235,12 @@ def _dimension_problems(dataset: RawDataset, ndim: dict[str, int]) -> list[str]:
         return []
     common = max(counts, key=lambda d: (counts[d], d))
     by_id = {c.case_id: c for c in dataset.cases}
-    return [f"case {case_id}: {by_id[case_id].label_path.name} and its images are {d}D but {counts[common]} other "
-            f"case(s) are {common}D; a dataset holds one dimension (put 2D slices in a 2D dataset)"
-            for case_id, d in ndim.items() if d != common]
+    return [
+        f"case {case_id}: {by_id[case_id].label_path.name} and its images are {d}D but {counts[common]} other "
+        f"case(s) are {common}D; a dataset holds one dimension (put 2D slices in a 2D dataset)"
+        for case_id, d in ndim.items()
+        if d != common
+    ]
 
 
 def raise_problems(dataset: RawDataset, problems: list[str]) -> None:
@@ -229,16 +261,19 @@ def voxel_problems(case: Case, label_values: Sequence[int], label: np.ndarray, i
         present = np.flatnonzero(np.bincount((label.ravel() - lowest).astype(np.intp))) + lowest
         unexpected = set(present.tolist()) - set(label_values)
         if unexpected:
-            problems.append(f"case {case.case_id}: {case.label_path} holds label value(s) {sorted(unexpected)} "
-                            f"not declared in dataset.json labels (declared: {sorted(label_values)})")
+            problems.append(
+                f"case {case.case_id}: {case.label_path} holds label value(s) {sorted(unexpected)} "
+                f"not declared in dataset.json labels (declared: {sorted(label_values)})"
+            )
     for path, image in zip(case.image_paths, images, strict=True):
         if not np.all(np.isfinite(image)):
             problems.append(f"case {case.case_id}: {path} holds NaN or Inf values")
     return problems
 
 
-def load_training_case(case: Case, label_values: Sequence[int]
-                       ) -> tuple[np.ndarray, np.ndarray | None, Geometry, list[str]]:
+def load_training_case(
+    case: Case, label_values: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray | None, Geometry, list[str]]:
     """``load_case`` of a training case, checked: also the ``voxel_problems`` found, or why a file cannot be
     read (then the label map is returned as None; the images too, and the geometry, if unreadable)."""
     try:
@@ -256,11 +291,15 @@ def load_case(case: Case) -> tuple[np.ndarray, np.ndarray | None, Geometry]:
     Raises DatasetError naming the file when a channel holds NaN or Inf (a network would turn it into an
     all-background segmentation)."""
     data, geometry = _read_channels(case)
-    bad = [f"{p} holds NaN or Inf values" for p, image in zip(case.image_paths, data, strict=True)
-           if not np.isfinite(image).all()]  # one bool per voxel, a channel at a time
+    bad = [
+        f"{p} holds NaN or Inf values"
+        for p, image in zip(case.image_paths, data, strict=True)
+        if not np.isfinite(image).all()
+    ]  # one bool per voxel, a channel at a time
     if bad:
-        raise DatasetError(f"case {case.case_id}: " + "; ".join(bad) + "; replace them (e.g. with the image's "
-                           "minimum) and run again")
+        raise DatasetError(
+            f"case {case.case_id}: " + "; ".join(bad) + "; replace them (e.g. with the image's minimum) and run again"
+        )
     seg = None
     if case.label_path is not None:
         seg = read_image(case.label_path, dtype=np.int16)[0][None]

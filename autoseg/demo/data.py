@@ -158,8 +158,7 @@ def _ellipsoid(coords_mm: list[np.ndarray], centre_mm: np.ndarray, semi_axes_mm:
     return (z[:, None, None] ** 2 + y[None, :, None] ** 2 + x[None, None, :] ** 2) <= 1.0
 
 
-def _lesion_mask(coords_mm: list[np.ndarray], centre_mm: np.ndarray, radius_mm: float,
-                 organ: np.ndarray) -> np.ndarray:
+def _lesion_mask(coords_mm: list[np.ndarray], centre_mm: np.ndarray, radius_mm: float, organ: np.ndarray) -> np.ndarray:
     """Sphere inside the organ; never empty (falls back to the organ voxel nearest the centre)."""
     lesion = _ellipsoid(coords_mm, centre_mm, np.full(3, radius_mm)) & organ
     if not lesion.any():
@@ -169,8 +168,9 @@ def _lesion_mask(coords_mm: list[np.ndarray], centre_mm: np.ndarray, radius_mm: 
     return lesion
 
 
-def _bias_field(rng: np.random.Generator, coords_mm: list[np.ndarray], half_extent_mm: np.ndarray,
-                body: np.ndarray) -> np.ndarray:
+def _bias_field(
+    rng: np.random.Generator, coords_mm: list[np.ndarray], half_extent_mm: np.ndarray, body: np.ndarray
+) -> np.ndarray:
     """Smooth multiplicative field (Z, Y, X): a random quadratic polynomial, 1 +- at most 15% in the body."""
     z, y, x = (c / h for c, h in zip(coords_mm, half_extent_mm, strict=True))  # in [-1, 1]
     z, y, x = z[:, None, None], y[None, :, None], x[None, None, :]
@@ -184,8 +184,7 @@ def _bias_field(rng: np.random.Generator, coords_mm: list[np.ndarray], half_exte
 
 def _check_args(num_train: int, num_test: int, shape_zyx: tuple[int, ...], num_label_values: int) -> None:
     if num_train < 1 or num_test < 0:
-        raise InputError(f"need num_train >= 1 and num_test >= 0; got num_train={num_train}, "
-                         f"num_test={num_test}")
+        raise InputError(f"need num_train >= 1 and num_test >= 0; got num_train={num_train}, num_test={num_test}")
     if len(shape_zyx) != 3 or min(shape_zyx) < 8:
         raise InputError(f"shape_zyx must be 3 sizes of at least 8 voxels (z, y, x); got {tuple(shape_zyx)}")
     if num_label_values not in (2, 3):
@@ -202,8 +201,10 @@ def _prepare_folder(out: Path) -> None:
     except (OSError, json.JSONDecodeError, AttributeError):
         is_demo = False
     if not is_demo:
-        raise InputError(f"{out}: folder is not empty and is not an autoseg demo dataset; "
-                         "pass a new or empty folder for the demo data")
+        raise InputError(
+            f"{out}: folder is not empty and is not an autoseg demo dataset; "
+            "pass a new or empty folder for the demo data"
+        )
     meta_path.unlink()  # written again last, so an interrupted run leaves no dataset.json behind
     for sub in ("imagesTr", "labelsTr", "imagesTs", "labelsTs"):
         if (out / sub).is_dir():

@@ -42,19 +42,30 @@ class DemoResult:
         return self.mean_foreground_dice >= DEMO_TARGET_DICE
 
 
-def run_demo(workspace: str | Path | None = None, epochs: int | None = None, iterations_per_epoch: int | None = None,
-             num_train: int | None = None, progress: bool = True) -> DemoResult:
+def run_demo(
+    workspace: str | Path | None = None,
+    epochs: int | None = None,
+    iterations_per_epoch: int | None = None,
+    num_train: int | None = None,
+    progress: bool = True,
+) -> DemoResult:
     t0 = time.perf_counter()
     root = Path(workspace) if workspace else Path(tempfile.mkdtemp(prefix="autoseg_demo_"))
     ws = Workspace.at(root)
     print(f"autoseg demo in {ws.root}")
-    raw = make_demo_dataset(ws.root / "raw" / "Dataset900_Demo", num_train=num_train or 24, num_test=6,
-                            shape_zyx=DEMO_SHAPE_ZYX)
+    raw = make_demo_dataset(
+        ws.root / "raw" / "Dataset900_Demo", num_train=num_train or 24, num_test=6, shape_zyx=DEMO_SHAPE_ZYX
+    )
     budget = Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=available_ram_bytes(), device="cpu")
     plan_dataset(raw, ws, budget, progress=progress)
     preprocess_workspace(ws, ["3d_fullres"], processes=1, progress=progress)
-    run = RunConfig(epochs=epochs or DEMO_EPOCHS, iterations_per_epoch=iterations_per_epoch or DEMO_ITERATIONS,
-                    val_iterations=5, device="cpu", validate=False)
+    run = RunConfig(
+        epochs=epochs or DEMO_EPOCHS,
+        iterations_per_epoch=iterations_per_epoch or DEMO_ITERATIONS,
+        val_iterations=5,
+        device="cpu",
+        validate=False,
+    )
     train(ws, "3d_fullres", 0, run, progress=progress)
     pred_dir = ws.root / "predictions"
     predict(ws, raw / "imagesTs", pred_dir, config_name="3d_fullres", folds=(0,), device="cpu", progress=progress)
@@ -63,6 +74,8 @@ def run_demo(workspace: str | Path | None = None, epochs: int | None = None, ite
     print(format_table(summary))
     result = DemoResult(ws.root, summary.mean_foreground_dice, seconds)
     verdict = "PASS" if result.passed else "FAIL"
-    print(f"demo: mean foreground Dice {result.mean_foreground_dice:.4f} on {len(summary.cases)} held-out cases "
-          f"(target >= {DEMO_TARGET_DICE}) {verdict}; {seconds / 60:.1f} min; workspace {ws.root}")
+    print(
+        f"demo: mean foreground Dice {result.mean_foreground_dice:.4f} on {len(summary.cases)} held-out cases "
+        f"(target >= {DEMO_TARGET_DICE}) {verdict}; {seconds / 60:.1f} min; workspace {ws.root}"
+    )
     return result

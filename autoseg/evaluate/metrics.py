@@ -119,8 +119,15 @@ def evaluate_folder(
     pairs = _match_files(pred_dir, gt_dir, file_ending)
     if labels is None:
         labels = _labels_from_dataset_json(gt_dir)
-    return evaluate_pairs(pairs, labels, file_ending, output_json, pred_dir=str(pred_dir), gt_dir=str(gt_dir),
-                          nsd_tolerance_mm=nsd_tolerance_mm)
+    return evaluate_pairs(
+        pairs,
+        labels,
+        file_ending,
+        output_json,
+        pred_dir=str(pred_dir),
+        gt_dir=str(gt_dir),
+        nsd_tolerance_mm=nsd_tolerance_mm,
+    )
 
 
 def evaluate_pairs(
@@ -146,8 +153,10 @@ def evaluate_pairs(
         foreground = dict(sorted(foreground.items(), key=lambda kv: kv[1]))
     cases = []
     for (pred_path, ref_path), (confusion, voxel_mm3, surface) in zip(pairs, scored, strict=True):
-        classes = {name: _metrics(*_counts(confusion, v), voxel_mm3, surface.get(name, NOT_COMPUTED))
-                   for name, v in foreground.items()}
+        classes = {
+            name: _metrics(*_counts(confusion, v), voxel_mm3, surface.get(name, NOT_COMPUTED))
+            for name, v in foreground.items()
+        }
         cases.append(CaseMetrics(ref_path.name[: -len(file_ending)], str(pred_path), str(ref_path), classes))
     mean = {name: _mean_over_cases([c.classes[name] for c in cases]) for name in foreground}
     summary = EvaluationSummary(
@@ -180,16 +189,22 @@ def format_table(summary: EvaluationSummary) -> str:
     for name in summary.labels:
         m = summary.mean[name]
         surface = "" if tolerance is None else f"  {_fmt(m.hd95_mm, 2):>12}  {_fmt(m.nsd):>{len(nsd_head)}}"
-        lines.append(f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}"
-                     f"{surface}  {m.num_cases:>5}")
+        lines.append(
+            f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}"
+            f"{surface}  {m.num_cases:>5}"
+        )
     ignored = "" if summary.ignore_value is None else f"; ignore label {summary.ignore_value} not counted"
-    lines.append(f"mean foreground Dice: {_fmt(summary.mean_foreground_dice)} "
-                 f"({len(summary.labels)} {'regions' if regions else 'classes'}, {len(summary.cases)} cases"
-                 f"{ignored})")
+    lines.append(
+        f"mean foreground Dice: {_fmt(summary.mean_foreground_dice)} "
+        f"({len(summary.labels)} {'regions' if regions else 'classes'}, {len(summary.cases)} cases"
+        f"{ignored})"
+    )
     one_sided = sum((c.tp + c.fp == 0) != (c.tp + c.fn == 0) for case in summary.cases for c in case.classes.values())
     if tolerance is not None and one_sided:
-        lines.append(f"HD95: {one_sided} (case, {kind}) pair(s) with the {kind} in only one of prediction and "
-                     "reference count as the image diagonal")
+        lines.append(
+            f"HD95: {one_sided} (case, {kind}) pair(s) with the {kind} in only one of prediction and "
+            "reference count as the image diagonal"
+        )
     return "\n".join(lines)
 
 
@@ -204,22 +219,31 @@ def _match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[P
             raise EvaluationError(f"{folder}: {what} folder not found")
     refs = sorted(p for p in gt_dir.iterdir() if p.name.endswith(file_ending) and not p.name.startswith("."))
     if not refs:
-        raise EvaluationError(f"{gt_dir}: no reference segmentations ending in {file_ending!r}; "
-                              "pass file_ending to match the dataset's files")
+        raise EvaluationError(
+            f"{gt_dir}: no reference segmentations ending in {file_ending!r}; "
+            "pass file_ending to match the dataset's files"
+        )
     missing = [r.name for r in refs if not (pred_dir / r.name).is_file()]
     if missing:
-        raise EvaluationError(f"{pred_dir}: no prediction for {len(missing)} of {len(refs)} reference "
-                              f"file(s) in {gt_dir}: {_first_names(missing)}; predict these cases (same file "
-                              "names) or remove their references")
+        raise EvaluationError(
+            f"{pred_dir}: no prediction for {len(missing)} of {len(refs)} reference "
+            f"file(s) in {gt_dir}: {_first_names(missing)}; predict these cases (same file "
+            "names) or remove their references"
+        )
     # As nnU-Net (whose evaluation fails on a prediction without its reference): a mean over a subset of the
     # predictions would be reported as the folder's score, so an unmatched prediction is an error too.
     names = {r.name for r in refs}
-    unmatched = sorted(p.name for p in pred_dir.iterdir()
-                       if p.name.endswith(file_ending) and not p.name.startswith(".") and p.name not in names)
+    unmatched = sorted(
+        p.name
+        for p in pred_dir.iterdir()
+        if p.name.endswith(file_ending) and not p.name.startswith(".") and p.name not in names
+    )
     if unmatched:
-        raise EvaluationError(f"{gt_dir}: no reference for {len(unmatched)} prediction(s) in {pred_dir}: "
-                              f"{_first_names(unmatched)}; add their references (same file names) or move "
-                              "these predictions out of the folder")
+        raise EvaluationError(
+            f"{gt_dir}: no reference for {len(unmatched)} prediction(s) in {pred_dir}: "
+            f"{_first_names(unmatched)}; add their references (same file names) or move "
+            "these predictions out of the folder"
+        )
     return [(pred_dir / r.name, r) for r in refs]
 
 
@@ -235,8 +259,10 @@ def _check_geometries(pairs: list[tuple[Path, Path]]) -> None:
         if diff:
             problems.append(f"prediction {pred_path} and reference {ref_path} differ in {diff}")
     if problems:
-        raise EvaluationError(f"{len(problems)} prediction(s) do not have their reference's geometry (write "
-                              "predictions on the reference image grid):\n  " + "\n  ".join(problems))
+        raise EvaluationError(
+            f"{len(problems)} prediction(s) do not have their reference's geometry (write "
+            "predictions on the reference image grid):\n  " + "\n  ".join(problems)
+        )
 
 
 def read_label_map(path: Path, what: str) -> tuple[np.ndarray, Geometry]:
@@ -248,19 +274,23 @@ def read_label_map(path: Path, what: str) -> tuple[np.ndarray, Geometry]:
         fractional = ~np.isfinite(array) | (array != np.round(array))  # one bool per voxel
         if fractional.any():
             example = array[fractional].flat[0]
-            raise EvaluationError(f"{path}: {what} holds {int(fractional.sum())} non-integer voxel(s) (e.g. "
-                                  f"{example:g}); a segmentation holds label values 0, 1, 2, ... (a probability "
-                                  "map or an image?)")
+            raise EvaluationError(
+                f"{path}: {what} holds {int(fractional.sum())} non-integer voxel(s) (e.g. "
+                f"{example:g}); a segmentation holds label values 0, 1, 2, ... (a probability "
+                "map or an image?)"
+            )
     elif array.dtype.kind not in "iub":
         raise EvaluationError(f"{path}: {what} has voxel type {array.dtype}; expected integer label values")
     if array.size and (array.max() > np.iinfo(np.int16).max or array.min() < np.iinfo(np.int16).min):
-        raise EvaluationError(f"{path}: {what} holds label value {array.max()}; label values up to "
-                              f"{np.iinfo(np.int16).max} are supported")
+        raise EvaluationError(
+            f"{path}: {what} holds label value {array.max()}; label values up to {np.iinfo(np.int16).max} are supported"
+        )
     return array.astype(np.int16, copy=False), geometry
 
 
-def case_dice(pred: np.ndarray, ref: np.ndarray, foreground: dict[str, LabelValue], ignore: int | None,
-              where: str = "") -> dict[str, float]:
+def case_dice(
+    pred: np.ndarray, ref: np.ndarray, foreground: dict[str, LabelValue], ignore: int | None, where: str = ""
+) -> dict[str, float]:
     """Dice per foreground class or region (``foreground_entries``) of one case held in memory, by the definition of
     ``evaluate_pairs``: reference voxels holding ``ignore`` are not counted, NaN when the class is absent from both.
     ``where`` names the case in errors. Temporary: 8 bytes a voxel (``_confusion``)."""
@@ -291,22 +321,23 @@ def _labels_from_dataset_json(gt_dir: Path) -> dict[str, Any] | None:
             labels = meta.get("labels") if isinstance(meta, dict) else None
             ok = isinstance(labels, dict) and all(
                 isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(x, int) for x in v))
-                for v in labels.values())
+                for v in labels.values()
+            )
             if not ok:
-                raise EvaluationError(f"{path}: 'labels' must map class names to integer values (or lists of "
-                                      f"them for regions); found {labels!r}; pass labels explicitly")
+                raise EvaluationError(
+                    f"{path}: 'labels' must map class names to integer values (or lists of "
+                    f"them for regions); found {labels!r}; pass labels explicitly"
+                )
             return labels
     return None
 
 
-def _confusion(pred: np.ndarray, ref: np.ndarray, pred_path: Path, ref_path: Path,
-               ignore: int | None) -> np.ndarray:
+def _confusion(pred: np.ndarray, ref: np.ndarray, pred_path: Path, ref_path: Path, ignore: int | None) -> np.ndarray:
     """int64 (V, V) voxel counts: row = reference value, column = predicted value; the row of the ignore
     value is zeroed (those reference voxels are not counted). Temporary: 8 bytes per voxel."""
     for array, path in ((pred, pred_path), (ref, ref_path)):
         if array.size and array.min() < 0:
-            raise EvaluationError(f"{path}: holds negative label value {int(array.min())}; "
-                                  "labels must be 0, 1, 2, ...")
+            raise EvaluationError(f"{path}: holds negative label value {int(array.min())}; labels must be 0, 1, 2, ...")
     size = int(max(pred.max(initial=0), ref.max(initial=0))) + 1
     pair = ref.astype(np.int64).ravel()  # V int64: the only voxel-sized temporary
     pair *= size
@@ -322,12 +353,16 @@ def _counts(confusion: np.ndarray, value: LabelValue) -> tuple[int, int, int]:
     values = [v for v in ((value,) if isinstance(value, int) else value) if v < len(confusion)]
     if not values:
         return 0, 0, 0
-    return (int(confusion[np.ix_(values, values)].sum()), int(confusion[:, values].sum()),
-            int(confusion[values, :].sum()))
+    return (
+        int(confusion[np.ix_(values, values)].sum()),
+        int(confusion[:, values].sum()),
+        int(confusion[values, :].sum()),
+    )
 
 
-def _score_case(pred_path: Path, ref_path: Path, labels: dict[str, Any] | None, ignore: int | None,
-                nsd_tolerance_mm: float | None) -> tuple[np.ndarray, float, dict[str, SurfaceMetrics]]:
+def _score_case(
+    pred_path: Path, ref_path: Path, labels: dict[str, Any] | None, ignore: int | None, nsd_tolerance_mm: float | None
+) -> tuple[np.ndarray, float, dict[str, SurfaceMetrics]]:
     """One case read once: its confusion matrix, voxel volume (mm^3) and surface metrics per class name (the
     classes of ``labels``, or when None each value found, named by its value; none if the tolerance is None)."""
     pred, _ = read_label_map(pred_path, "prediction")
@@ -356,8 +391,13 @@ def _metrics(tp: int, n_pred: int, n_ref: int, voxel_mm3: float, surface: Surfac
 
 def _mean_over_cases(metrics: list[ClassMetrics]) -> MeanMetrics:
     defined = [m for m in metrics if not math.isnan(m.dice)]
-    return MeanMetrics(_nanmean([m.dice for m in defined]), _nanmean([m.iou for m in defined]), len(defined),
-                       _nanmean([m.hd95_mm for m in defined]), _nanmean([m.nsd for m in defined]))
+    return MeanMetrics(
+        _nanmean([m.dice for m in defined]),
+        _nanmean([m.iou for m in defined]),
+        len(defined),
+        _nanmean([m.hd95_mm for m in defined]),
+        _nanmean([m.nsd for m in defined]),
+    )
 
 
 def _nanmean(values: list[float]) -> float:

@@ -101,8 +101,9 @@ def case_surface_metrics(
     return result
 
 
-def surface_metrics(pred_mask: np.ndarray, ref_mask: np.ndarray, spacing_mm: tuple[float, ...],
-                    tolerance_mm: float) -> SurfaceMetrics:
+def surface_metrics(
+    pred_mask: np.ndarray, ref_mask: np.ndarray, spacing_mm: tuple[float, ...], tolerance_mm: float
+) -> SurfaceMetrics:
     """HD95 and NSD of two boolean masks of one shape, (Z, Y, X) or (Y, X), ``spacing_mm`` in that order."""
     if pred_mask.shape != ref_mask.shape or len(spacing_mm) != pred_mask.ndim:
         raise ValueError(f"masks {pred_mask.shape} and {ref_mask.shape} and spacing {spacing_mm} disagree")
@@ -114,8 +115,9 @@ def surface_metrics(pred_mask: np.ndarray, ref_mask: np.ndarray, spacing_mm: tup
     return _metrics(pred_mask[box], ref_mask[box], spacing_mm, tolerance_mm, diagonal_mm)
 
 
-def surface_distances(pred_mask: np.ndarray, ref_mask: np.ndarray,
-                      spacing_mm: tuple[float, ...]) -> tuple[np.ndarray, np.ndarray]:
+def surface_distances(
+    pred_mask: np.ndarray, ref_mask: np.ndarray, spacing_mm: tuple[float, ...]
+) -> tuple[np.ndarray, np.ndarray]:
     """float64 distances in mm: (from each pred surface voxel to the ref surface, from each ref surface voxel
     to the pred surface). Both boolean masks must hold a voxel. The arrays' faces count as the image's outside:
     pass whole-image masks, or a box that holds both masks (as ``case_surface_metrics`` does)."""
@@ -137,8 +139,9 @@ def surface_metrics_bytes(box_voxels: int, surface_voxels: int, ndim: int = 3) -
     return _BOX_BYTES_PER_VOXEL * box_voxels + per_surface * surface_voxels
 
 
-def _metrics(pred_mask: np.ndarray, ref_mask: np.ndarray, spacing_mm: tuple[float, ...], tolerance_mm: float,
-             diagonal_mm: float) -> SurfaceMetrics:
+def _metrics(
+    pred_mask: np.ndarray, ref_mask: np.ndarray, spacing_mm: tuple[float, ...], tolerance_mm: float, diagonal_mm: float
+) -> SurfaceMetrics:
     has_pred, has_ref = bool(pred_mask.any()), bool(ref_mask.any())
     if not (has_pred or has_ref):
         return NOT_COMPUTED
@@ -179,8 +182,9 @@ def _union_box(boxes: list[tuple[slice, ...] | None]) -> tuple[slice, ...] | Non
     boxes = [b for b in boxes if b is not None]
     if not boxes:
         return None
-    return tuple(slice(min(b[axis].start for b in boxes), max(b[axis].stop for b in boxes))
-                 for axis in range(len(boxes[0])))
+    return tuple(
+        slice(min(b[axis].start for b in boxes), max(b[axis].stop for b in boxes)) for axis in range(len(boxes[0]))
+    )
 
 
 def _diagonal_mm(shape: tuple[int, ...], spacing_mm: tuple[float, ...]) -> float:

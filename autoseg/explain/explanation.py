@@ -36,8 +36,16 @@ from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 
-__all__ = ["Explanation", "HostCase", "NetworkSummary", "StageMemory", "WhatIf", "explain", "network_summary",
-           "next_patch_up"]
+__all__ = [
+    "Explanation",
+    "HostCase",
+    "NetworkSummary",
+    "StageMemory",
+    "WhatIf",
+    "explain",
+    "network_summary",
+    "next_patch_up",
+]
 
 
 @dataclass(frozen=True)
@@ -99,11 +107,15 @@ def network_summary(topology: NetworkTopology, parameter_bytes: int) -> NetworkS
     """``NetworkSummary`` of ``topology``; ``parameter_bytes``: its fp32 parameters as the memory model counts them."""
     residual = bool(topology.blocks_per_stage)
     return NetworkSummary(
-        architecture=topology.architecture, features_per_stage=tuple(topology.features_per_stage),
+        architecture=topology.architecture,
+        features_per_stage=tuple(topology.features_per_stage),
         encoder_block="residual" if residual else "conv",
-        encoder_blocks_per_stage=tuple(topology.blocks_per_stage) if residual else
-        (topology.conv_per_stage,) * topology.num_stages,
-        decoder_convs_per_stage=topology.conv_per_stage, parameters=parameter_bytes // 4)
+        encoder_blocks_per_stage=tuple(topology.blocks_per_stage)
+        if residual
+        else (topology.conv_per_stage,) * topology.num_stages,
+        decoder_convs_per_stage=topology.conv_per_stage,
+        parameters=parameter_bytes // 4,
+    )
 
 
 @dataclass(frozen=True)
@@ -156,12 +168,17 @@ class Explanation:
 
     def to_dict(self) -> dict:
         """JSON-ready copy of every figure (tuples become lists in ``json.dumps``)."""
-        return {"units": "bytes", **asdict(self), "headroom_bytes": self.headroom_bytes,
-                "fits": self.headroom_bytes >= 0}
+        return {
+            "units": "bytes",
+            **asdict(self),
+            "headroom_bytes": self.headroom_bytes,
+            "fits": self.headroom_bytes >= 0,
+        }
 
 
-def explain(plans: Plans, config_name: str, device: str | None = None,
-            fingerprint: Fingerprint | None = None) -> Explanation:
+def explain(
+    plans: Plans, config_name: str, device: str | None = None, fingerprint: Fingerprint | None = None
+) -> Explanation:
     """Explain the memory of configuration ``config_name`` on ``device`` (default: the one it was planned
     for). ``fingerprint``: the dataset's, for the host rows of the median and the largest case at their
     original shapes; without it the host rows use the plan's median shape (no resampling)."""
@@ -170,46 +187,88 @@ def explain(plans: Plans, config_name: str, device: str | None = None,
     if device not in DEVICES:
         raise InputError(f"device {device!r} is not modelled; use one of {list(DEVICES)} (--device)")
     precision = effective_precision(config.precision, device)
-    budget_name, budget = ("GPU memory", plans.gpu_memory_bytes) if device == "cuda" else \
-        ("host RAM", plans.host_ram_bytes)
+    budget_name, budget = (
+        ("GPU memory", plans.gpu_memory_bytes) if device == "cuda" else ("host RAM", plans.host_ram_bytes)
+    )
     step = _simulate(config, config.batch_size, tuple(config.patch_size), precision, config.checkpointing, device)
     terms = _training_terms(step, device)
     inference_phase, inference_terms = _inference_terms(plans, config, device, precision)
     loader = loader_config(config, augment=True)  # the trainer's, on the fly
     return Explanation(
-        config_name=config_name, device=device, patch_size=tuple(config.patch_size),
-        batch_size=config.batch_size, accumulation_steps=config.accumulation_steps, precision=precision,
-        planned_precision=config.precision, checkpointing=config.checkpointing, budget_name=budget_name,
-        budget_bytes=int(budget), peak_phase=step.peak_phase, training_terms=terms,
-        training_total_bytes=sum(terms.values()), stages=_stages(config, step),
-        inference_image_shape_zyx=tuple(config.median_shape_zyx), inference_precision=precision,
-        inference_phase=inference_phase, inference_terms=inference_terms,
-        inference_total_bytes=sum(inference_terms.values()), host_ram_bytes=int(plans.host_ram_bytes),
-        preprocessing_processes=plans.preprocessing_processes, loader_workers=config.loader_workers,
+        config_name=config_name,
+        device=device,
+        patch_size=tuple(config.patch_size),
+        batch_size=config.batch_size,
+        accumulation_steps=config.accumulation_steps,
+        precision=precision,
+        planned_precision=config.precision,
+        checkpointing=config.checkpointing,
+        budget_name=budget_name,
+        budget_bytes=int(budget),
+        peak_phase=step.peak_phase,
+        training_terms=terms,
+        training_total_bytes=sum(terms.values()),
+        stages=_stages(config, step),
+        inference_image_shape_zyx=tuple(config.median_shape_zyx),
+        inference_precision=precision,
+        inference_phase=inference_phase,
+        inference_terms=inference_terms,
+        inference_total_bytes=sum(inference_terms.values()),
+        host_ram_bytes=int(plans.host_ram_bytes),
+        preprocessing_processes=plans.preprocessing_processes,
+        loader_workers=config.loader_workers,
         loader_queue_depth=config.loader_queue_depth,
-        loader_worker=worker_bytes(config.patch_size, loader.enlarged_patch_size, config.batch_size,
-                                   plans.input_channels(config), config.loader_queue_depth, dummy_2d=loader.dummy_2d),
+        loader_worker=worker_bytes(
+            config.patch_size,
+            loader.enlarged_patch_size,
+            config.batch_size,
+            plans.input_channels(config),
+            config.loader_queue_depth,
+            dummy_2d=loader.dummy_2d,
+        ),
         host_cases=_host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
         predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
-        cpu_flops_per_second=plans.cpu_flops_per_second, cpu_elements_per_second=plans.cpu_elements_per_second,
+        cpu_flops_per_second=plans.cpu_flops_per_second,
+        cpu_elements_per_second=plans.cpu_elements_per_second,
         cpu_mapped_bytes_per_second=plans.cpu_mapped_bytes_per_second,
         network=network_summary(config.network, step.parameter_bytes),
     )
 
 
-def _simulate(config: ConfigurationPlan, batch_size: int, patch_size: tuple[int, ...], precision: str,
-              checkpointing: bool, device: str) -> TrainingMemory:
-    return _simulate_cached(config.network, batch_size, patch_size, precision, checkpointing,
-                            config.accumulation_steps, device)
+def _simulate(
+    config: ConfigurationPlan,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    precision: str,
+    checkpointing: bool,
+    device: str,
+) -> TrainingMemory:
+    return _simulate_cached(
+        config.network, batch_size, patch_size, precision, checkpointing, config.accumulation_steps, device
+    )
 
 
 @functools.lru_cache(maxsize=64)
-def _simulate_cached(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], precision: str,
-                     checkpointing: bool, accumulation_steps: int, device: str) -> TrainingMemory:
+def _simulate_cached(
+    topology: NetworkTopology,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    precision: str,
+    checkpointing: bool,
+    accumulation_steps: int,
+    device: str,
+) -> TrainingMemory:
     """The simulation is deterministic: explaining again (another budget) reuses it."""
-    return simulate_training_step(topology, batch_size, patch_size, precision=precision,
-                                  checkpointing=checkpointing, accumulation_steps=accumulation_steps, device=device)
+    return simulate_training_step(
+        topology,
+        batch_size,
+        patch_size,
+        precision=precision,
+        checkpointing=checkpointing,
+        accumulation_steps=accumulation_steps,
+        device=device,
+    )
 
 
 def _training_terms(step: TrainingMemory, device: str) -> dict[str, int]:
@@ -218,10 +277,15 @@ def _training_terms(step: TrainingMemory, device: str) -> dict[str, int]:
     then the device's terms."""
     saved = min(sum(step.stage_activation_bytes.values()), step.activation_bytes)
     device_terms = predict_device_peak(step, device)
-    return {"parameters": step.parameter_bytes, "gradients": step.gradient_bytes,
-            "optimizer_state": step.optimizer_state_bytes, "batch": step.batch_bytes,
-            "saved_activations": saved, "transient_activations": step.activation_bytes - saved,
-            **{k: v for k, v in device_terms.items() if k in DEVICE_TERMS}}
+    return {
+        "parameters": step.parameter_bytes,
+        "gradients": step.gradient_bytes,
+        "optimizer_state": step.optimizer_state_bytes,
+        "batch": step.batch_bytes,
+        "saved_activations": saved,
+        "transient_activations": step.activation_bytes - saved,
+        **{k: v for k, v in device_terms.items() if k in DEVICE_TERMS},
+    }
 
 
 def _stage_key(name: str) -> tuple[int, int]:
@@ -254,18 +318,31 @@ def _stages(config: ConfigurationPlan, step: TrainingMemory) -> tuple[StageMemor
     return tuple(rows)
 
 
-def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
-                     precision: str) -> tuple[str, dict[str, int]]:
+def _inference_terms(
+    plans: Plans, config: ConfigurationPlan, device: str, precision: str
+) -> tuple[str, dict[str, int]]:
     """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (its planned tile,
     ``tile_for_image``, overlapping by half a patch; tile batch 1, mirroring on every axis): the terms of the
     phase holding the peak, then the device's terms."""
     median = tuple(config.median_shape_zyx)
     tile = tile_for_image(config, median)
-    mem = _inference_cached(config.network, tile, overlap_step_fractions(tile, config.patch_size), median,
-                            plans.label_scheme.num_outputs, precision, device)
-    held = {"parameters": mem.parameter_bytes, "padded_input": mem.padded_input_bytes,
-            "accumulator": mem.accumulator_bytes, "weight_map": mem.weight_map_bytes, "gaussian": mem.gaussian_bytes,
-            "output": mem.output_bytes}
+    mem = _inference_cached(
+        config.network,
+        tile,
+        overlap_step_fractions(tile, config.patch_size),
+        median,
+        plans.label_scheme.num_outputs,
+        precision,
+        device,
+    )
+    held = {
+        "parameters": mem.parameter_bytes,
+        "padded_input": mem.padded_input_bytes,
+        "accumulator": mem.accumulator_bytes,
+        "weight_map": mem.weight_map_bytes,
+        "gaussian": mem.gaussian_bytes,
+        "output": mem.output_bytes,
+    }
     tiles = {**held, "tile_prediction": mem.tile_bytes}
     finishing = {**held, "softmax_temp": mem.softmax_temp_bytes}
     phase, terms = ("tiles", tiles) if sum(tiles.values()) >= sum(finishing.values()) else ("finishing", finishing)
@@ -274,13 +351,28 @@ def _inference_terms(plans: Plans, config: ConfigurationPlan, device: str,
 
 
 @functools.lru_cache(maxsize=16)
-def _inference_cached(topology: NetworkTopology, tile_size: tuple[int, ...], step_fraction: tuple[float, ...],
-                      image_shape_zyx: tuple[int, ...], num_outputs: int, precision: str,
-                      device: str) -> InferenceMemory:
-    return inference_memory(topology, tile_size, 1, image_shape_zyx, num_outputs, precision,
-                            mirror_axes=tuple(range(topology.dim)), step_fraction=step_fraction, device=device,
-                            output_dtype=None,  # predict exports each slab as it is finished (SlabExport)
-                            accumulator_dtype=PREDICTION_ACCUMULATOR)
+def _inference_cached(
+    topology: NetworkTopology,
+    tile_size: tuple[int, ...],
+    step_fraction: tuple[float, ...],
+    image_shape_zyx: tuple[int, ...],
+    num_outputs: int,
+    precision: str,
+    device: str,
+) -> InferenceMemory:
+    return inference_memory(
+        topology,
+        tile_size,
+        1,
+        image_shape_zyx,
+        num_outputs,
+        precision,
+        mirror_axes=tuple(range(topology.dim)),
+        step_fraction=step_fraction,
+        device=device,
+        output_dtype=None,  # predict exports each slab as it is finished (SlabExport)
+        accumulator_dtype=PREDICTION_ACCUMULATOR,
+    )
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
@@ -289,16 +381,24 @@ def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None)
         shape = tuple(config.median_shape_zyx)
         picks = [("median shape (plan; no fingerprint)", shape, shape)]
     else:
-        shapes = [(c.case_id, tuple(c.shape_zyx), config.resampled_shape(c.cropped_shape_zyx, c.spacing_mm))
-                  for c in fp.cases]
+        shapes = [
+            (c.case_id, tuple(c.shape_zyx), config.resampled_shape(c.cropped_shape_zyx, c.spacing_mm)) for c in fp.cases
+        ]
         by_size = sorted(shapes, key=lambda s: math.prod(s[2]))
         median, largest = by_size[(len(by_size) - 1) // 2], by_size[-1]
         picks = [(f"median case ({median[0]})", median[1], median[2])]
         if largest is not median:
             picks.append((f"largest case ({largest[0]})", largest[1], largest[2]))
-    return tuple(HostCase(label, before, after, preprocess_worker_bytes(before, after, channels),
-                          slab_export_bytes(before, after, plans.label_scheme, _slab_depth(config, after)))
-                 for label, before, after in picks)
+    return tuple(
+        HostCase(
+            label,
+            before,
+            after,
+            preprocess_worker_bytes(before, after, channels),
+            slab_export_bytes(before, after, plans.label_scheme, _slab_depth(config, after)),
+        )
+        for label, before, after in picks
+    )
 
 
 def _slab_depth(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...]) -> int:
@@ -306,23 +406,25 @@ def _slab_depth(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...]) -> 
     tile batch 1, the prediction's accumulator dtype, as ``_inference_terms``)."""
     tile = tile_for_image(config, image_shape_zyx)
     layout = tile_layout(image_shape_zyx, tile, overlap_step_fractions(tile, config.patch_size))
-    return finish_chunk_slices(accumulator_depth(layout, 2 ** config.dim, 1), config.network.num_outputs,
-                               PREDICTION_ACCUMULATOR)
+    return finish_chunk_slices(
+        accumulator_depth(layout, 2**config.dim, 1), config.network.num_outputs, PREDICTION_ACCUMULATOR
+    )
 
 
 def next_patch_up(config: ConfigurationPlan) -> tuple[tuple[int, ...], int]:
     """The patch grown by one stride multiple on the axis with the most room (largest median / patch
     ratio), and that axis's index into the patch."""
     divisor = config.network.patch_divisor()
-    median = tuple(config.median_shape_zyx)[-config.dim:]
+    median = tuple(config.median_shape_zyx)[-config.dim :]
     axis = max(range(config.dim), key=lambda a: median[a] / config.patch_size[a])
     patch = list(config.patch_size)
     patch[axis] += divisor[axis]
     return tuple(patch), axis
 
 
-def _what_if_settings(config: ConfigurationPlan, device: str,
-                      precision: str) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
+def _what_if_settings(
+    config: ConfigurationPlan, device: str, precision: str
+) -> list[tuple[str, int, tuple[int, ...], str, bool]]:
     b, patch, ckpt = config.batch_size, tuple(config.patch_size), config.checkpointing
     rows = [("as planned", b, patch, precision, ckpt), (f"batch {b + 1} (+1)", b + 1, patch, precision, ckpt)]
     if b > 1:
@@ -332,7 +434,7 @@ def _what_if_settings(config: ConfigurationPlan, device: str,
         rows.append((f"{other} ({'no AMP' if other == 'fp32' else 'AMP'})", b, patch, other, ckpt))
     rows.append((f"checkpointing {'off' if ckpt else 'on'}", b, patch, precision, not ckpt))
     bigger, axis = next_patch_up(config)
-    axis_name = "zyx"[-config.dim:][axis]
+    axis_name = "zyx"[-config.dim :][axis]
     rows.append((f"patch {'x'.join(map(str, bigger))} (next up in {axis_name})", b, bigger, precision, ckpt))
     least_precision = AMP_PRECISION if device == "cuda" and precision == "fp32" else precision
     if (b, least_precision, ckpt) != (1, precision, True):
@@ -341,8 +443,9 @@ def _what_if_settings(config: ConfigurationPlan, device: str,
     return rows
 
 
-def _what_ifs(config: ConfigurationPlan, device: str, precision: str, budget: int,
-              planned: TrainingMemory) -> tuple[WhatIf, ...]:
+def _what_ifs(
+    config: ConfigurationPlan, device: str, precision: str, budget: int, planned: TrainingMemory
+) -> tuple[WhatIf, ...]:
     out = []
     for i, (change, batch, patch, prec, ckpt) in enumerate(_what_if_settings(config, device, precision)):
         step = planned if i == 0 else _simulate(config, batch, patch, prec, ckpt, device)

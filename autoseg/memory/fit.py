@@ -42,8 +42,7 @@ class _Lines:
     event_storage: np.ndarray | None = None
 
 
-def _solve(points: list[tuple[int, int]],
-           values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _solve(points: list[tuple[int, int]], values: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Coefficients ``a, b, c`` of ``a + b B + c B V`` through the (B, V) points. Two points share B = 1
     (then b = 0); three points are (2, V1), (2, V2), (3, V1)."""
     if len(points) == 2:
@@ -74,8 +73,7 @@ def _canonical(signature: np.ndarray) -> np.ndarray:
 
 def _aligned(records: list[StepRecord]) -> bool:
     first = _canonical(records[0].signature)
-    return all(r.signature.shape == first.shape and np.array_equal(_canonical(r.signature), first)
-               for r in records[1:])
+    return all(r.signature.shape == first.shape and np.array_equal(_canonical(r.signature), first) for r in records[1:])
 
 
 def _candidate_rows(signature: np.ndarray) -> np.ndarray:
@@ -100,12 +98,23 @@ def _fit(records: list[StepRecord], points: list[tuple[int, int]]) -> _Lines:
     event_coef = event_storage = None
     if ref.heap is not None:
         orders = [_canonical_order(r.signature) for r in records]
-        event_coef = np.stack(_solve(points, [np.diff(r.timeline.sum(axis=1))[order].astype(np.float64)
-                                              for r, order in zip(records, orders)]))
+        event_coef = np.stack(
+            _solve(
+                points, [np.diff(r.timeline.sum(axis=1))[order].astype(np.float64) for r, order in zip(records, orders)]
+            )
+        )
         event_storage = ref.signature[orders[0], 0]
-    return _Lines(coef=coef, total=coef.sum(axis=2), rows=rows, record=ref, stage_coef=stage_coef,
-                  conv_coef=(float(ca), float(cb), float(cc)), start_coef=(float(ta), float(tb), float(tc)),
-                  event_coef=event_coef, event_storage=event_storage)
+    return _Lines(
+        coef=coef,
+        total=coef.sum(axis=2),
+        rows=rows,
+        record=ref,
+        stage_coef=stage_coef,
+        conv_coef=(float(ca), float(cb), float(cc)),
+        start_coef=(float(ta), float(tb), float(tc)),
+        event_coef=event_coef,
+        event_storage=event_storage,
+    )
 
 
 class TrainingMemoryModel:
@@ -119,11 +128,18 @@ class TrainingMemoryModel:
     fitting timelines did not line up (then every query is simulated).
     """
 
-    def __init__(self, topology: NetworkTopology, *, precision: str = "fp32", checkpointing: bool = False,
-                 optimizer: str = "sgd", accumulation_steps: int = 1, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        topology: NetworkTopology,
+        *,
+        precision: str = "fp32",
+        checkpointing: bool = False,
+        optimizer: str = "sgd",
+        accumulation_steps: int = 1,
+        device: str = "cpu",
+    ) -> None:
         self.divisor = topology.patch_divisor()
-        check_step_arguments(topology, 1, tuple(2 * d for d in self.divisor), precision, optimizer,
-                             accumulation_steps)
+        check_step_arguments(topology, 1, tuple(2 * d for d in self.divisor), precision, optimizer, accumulation_steps)
         self.topology = topology
         self.precision = precision
         self.checkpointing = checkpointing
@@ -137,15 +153,24 @@ class TrainingMemoryModel:
         self._heaps: dict[tuple[int, int], HeapFootprint] = {}  # CPU: predict's heap replays by (batch, voxels)
 
     def _config(self, batch_size: int, patch_size: tuple[int, ...]) -> StepConfig:
-        return StepConfig(self.topology, batch_size, tuple(patch_size), self.precision, self.checkpointing,
-                          self.optimizer, self.accumulation_steps, device=self.device)
+        return StepConfig(
+            self.topology,
+            batch_size,
+            tuple(patch_size),
+            self.precision,
+            self.checkpointing,
+            self.optimizer,
+            self.accumulation_steps,
+            device=self.device,
+        )
 
     def _lines_for(self, batch_size: int) -> _Lines | None:
         single = batch_size == 1
         if single not in self._lines:
             patches = [tuple(2 * d for d in self.divisor), tuple(3 * d for d in self.divisor)]
-            shapes = [(1, patches[0]), (1, patches[1])] if single else [(2, patches[0]), (2, patches[1]),
-                                                                        (3, patches[0])]
+            shapes = (
+                [(1, patches[0]), (1, patches[1])] if single else [(2, patches[0]), (2, patches[1]), (3, patches[0])]
+            )
             records = [record_training_step(self._config(b, p)) for b, p in shapes]
             self.simulations += len(records)
             self.fallback[single] = not _aligned(records)
@@ -170,8 +195,9 @@ class TrainingMemoryModel:
 
     def peak_bytes(self, batch_size: int, patch_size: tuple[int, ...]) -> int:
         """Peak live tensor bytes of one training step (as ``simulate_training_step(...).peak_bytes``)."""
-        check_step_arguments(self.topology, batch_size, tuple(patch_size), self.precision, self.optimizer,
-                             self.accumulation_steps)
+        check_step_arguments(
+            self.topology, batch_size, tuple(patch_size), self.precision, self.optimizer, self.accumulation_steps
+        )
         lines = self._lines_for(batch_size)
         if lines is None:
             return self.predict(batch_size, patch_size).peak_bytes
@@ -201,12 +227,17 @@ class TrainingMemoryModel:
 
         row = int(lines.rows[i])
         memory = TrainingMemory(
-            peak_bytes=sum(terms), parameter_bytes=named["parameters"], gradient_bytes=named["gradients"],
-            optimizer_state_bytes=named["optimizer_state"], batch_bytes=named["batch"],
+            peak_bytes=sum(terms),
+            parameter_bytes=named["parameters"],
+            gradient_bytes=named["gradients"],
+            optimizer_state_bytes=named["optimizer_state"],
+            batch_bytes=named["batch"],
             activation_bytes=named["activations"],
             stage_activation_bytes={k: at(v) for k, v in lines.stage_coef.items()},
             largest_conv_output_bytes=at(lines.conv_coef),
-            live_allocations_at_peak=int(lines.record.live_count[row]), peak_phase=lines.record.phase_at(row))
+            live_allocations_at_peak=int(lines.record.live_count[row]),
+            peak_phase=lines.record.phase_at(row),
+        )
         if lines.event_coef is None:
             return memory
         key = (batch_size, voxels)
@@ -215,22 +246,42 @@ class TrainingMemoryModel:
             sizes = np.rint(a + batch_size * b + batch_size * voxels * c).astype(np.int64)
             self._heaps[key] = heap_footprint(lines.event_storage, sizes)
         heap = self._heaps[key]
-        return replace(memory, heap_retained_bytes=heap.retained_bytes(memory.peak_bytes - at(lines.start_coef)),
-                       mapped_bytes_per_step=heap.mapped_bytes_per_step)
+        return replace(
+            memory,
+            heap_retained_bytes=heap.retained_bytes(memory.peak_bytes - at(lines.start_coef)),
+            mapped_bytes_per_step=heap.mapped_bytes_per_step,
+        )
 
 
 @functools.lru_cache(maxsize=64)
-def training_memory_model(topology: NetworkTopology, precision: str = "fp32", checkpointing: bool = False,
-                          optimizer: str = "sgd", accumulation_steps: int = 1,
-                          device: str = "cpu") -> TrainingMemoryModel:
+def training_memory_model(
+    topology: NetworkTopology,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    optimizer: str = "sgd",
+    accumulation_steps: int = 1,
+    device: str = "cpu",
+) -> TrainingMemoryModel:
     """A shared ``TrainingMemoryModel`` per setting (so a planner's search simulates each setting once)."""
-    return TrainingMemoryModel(topology, precision=precision, checkpointing=checkpointing,
-                               optimizer=optimizer, accumulation_steps=accumulation_steps, device=device)
+    return TrainingMemoryModel(
+        topology,
+        precision=precision,
+        checkpointing=checkpointing,
+        optimizer=optimizer,
+        accumulation_steps=accumulation_steps,
+        device=device,
+    )
 
 
-def predicted_training_bytes(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
-                             precision: str = "fp32", checkpointing: bool = False, device: str = "cuda",
-                             accumulation_steps: int = 1) -> int:
+def predicted_training_bytes(
+    topology: NetworkTopology,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    device: str = "cuda",
+    accumulation_steps: int = 1,
+) -> int:
     """Predicted device bytes of one training step (tensors + the ``device`` terms of
     ``predict_device_peak``); the first five arguments are the planner's ``peak_fn``'s. With
     ``accumulation_steps > 1`` the gradients of earlier micro-batches are held during the later ones."""

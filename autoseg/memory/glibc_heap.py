@@ -202,8 +202,9 @@ class GlibcHeap:
         return size
 
 
-def heap_footprint(storage: np.ndarray, delta: np.ndarray, steps: int = HEAP_STEPS,
-                   held_every: int = HELD_FRAGMENT_EVERY) -> HeapFootprint:
+def heap_footprint(
+    storage: np.ndarray, delta: np.ndarray, steps: int = HEAP_STEPS, held_every: int = HELD_FRAGMENT_EVERY
+) -> HeapFootprint:
     """Replay one step's allocation trace ``steps`` times in a ``GlibcHeap``.
 
     ``storage[i]``, ``delta[i]``: event ``i`` changes storage ``storage[i]`` by ``delta[i]`` bytes (> 0: allocated or
@@ -238,8 +239,9 @@ def heap_footprint(storage: np.ndarray, delta: np.ndarray, steps: int = HEAP_STE
                 heap.free(keys[number])
             heap.tick()
         keys = _carry(carried, {key: sizes[key] for key in heap.blocks if key[0] == step})
-    return HeapFootprint(peak_bytes=heap.peak_bytes - start,
-                         mapped_bytes_per_step=heap.mapped_total_bytes - mapped_before)
+    return HeapFootprint(
+        peak_bytes=heap.peak_bytes - start, mapped_bytes_per_step=heap.mapped_total_bytes - mapped_before
+    )
 
 
 def _carry(carried: list[tuple[int, int]], left: dict[object, int]) -> dict[int, object]:

@@ -55,9 +55,13 @@ def _voxels(shape: Sequence[int]) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,
-                            runtime_bytes: int = WORKER_RUNTIME_BYTES,
-                            cropped_zyx: Sequence[int] | None = None) -> dict[str, int]:
+def preprocess_worker_bytes(
+    shape_zyx_before: Sequence[int],
+    shape_zyx_after: Sequence[int],
+    num_channels: int,
+    runtime_bytes: int = WORKER_RUNTIME_BYTES,
+    cropped_zyx: Sequence[int] | None = None,
+) -> dict[str, int]:
     """Peak RAM of one preprocessing worker on one case (``autoseg.preprocess.preprocessor.run_case``).
     ``runtime_bytes``: the process before the case (a spawned worker's ``WORKER_RUNTIME_BYTES``, or the RSS of the
     process that preprocesses in-process: with torch and the planner loaded, 300-500 MiB).
@@ -78,14 +82,17 @@ def preprocess_worker_bytes(shape_zyx_before: Sequence[int], shape_zyx_after: Se
         "load": 2 * c * vb * _F32 + vb * _F32,
         "crop": raw + cropped,
         "resample_image": raw + cropped + resampling_peak_bytes(cropped_zyx, shape_zyx_after, c),
-        "resample_seg": (raw + cropped + c * va * _F32 + va * (2 + _F32 + _F32 + 1) + vc * _F32
-                         + max(seg_temps, 0)),
+        "resample_seg": (raw + cropped + c * va * _F32 + va * (2 + _F32 + _F32 + 1) + vc * _F32 + max(seg_temps, 0)),
     }
     return {"runtime": runtime_bytes, **phases, "total": runtime_bytes + max(phases.values())}
 
 
-def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,
-                                spacing_mm: Sequence[float] | None = None) -> dict[str, int]:
+def prediction_preprocess_bytes(
+    shape_zyx: Sequence[int],
+    shape_zyx_after: Sequence[int],
+    num_channels: int,
+    spacing_mm: Sequence[float] | None = None,
+) -> dict[str, int]:
     """Peak RAM of reading and preprocessing one case for prediction (``autoseg.dataset.raw.load_case``, then
     ``autoseg.preprocess.preprocessor.preprocess_case`` without a label), the crop taken as the whole image.
 
@@ -106,9 +113,14 @@ def prediction_preprocess_bytes(shape_zyx: Sequence[int], shape_zyx_after: Seque
     return {**phases, "result": c * va * _F32, "total": max(phases.values())}
 
 
-def cascade_input_bytes(shape_zyx: Sequence[int], shape_zyx_after: Sequence[int], num_channels: int,
-                        num_previous: int, spacing_mm: Sequence[float] | None = None,
-                        label_itemsize: int = 1) -> dict[str, int]:
+def cascade_input_bytes(
+    shape_zyx: Sequence[int],
+    shape_zyx_after: Sequence[int],
+    num_channels: int,
+    num_previous: int,
+    spacing_mm: Sequence[float] | None = None,
+    label_itemsize: int = 1,
+) -> dict[str, int]:
     """Host bytes a cascade stage's prediction of one case holds beside its preprocessed image
     (``prediction_preprocess_bytes``' result) while it builds the network input
     (``autoseg.predict.cascade.cascade_input``), the crop taken as the whole image: ``labels`` the previous stage's
@@ -118,29 +130,46 @@ def cascade_input_bytes(shape_zyx: Sequence[int], shape_zyx_after: Sequence[int]
     peak, at the input's allocation (the labels on the grid still alive)."""
     vb, va = _voxels(shape_zyx), _voxels(shape_zyx_after)
     labels = vb * label_itemsize
-    on_grid = segmentation_resampling_peak_bytes(shape_zyx, shape_zyx_after, spacing_mm, label_itemsize=1,
-                                                 num_labels=num_previous + 1)
+    on_grid = segmentation_resampling_peak_bytes(
+        shape_zyx, shape_zyx_after, spacing_mm, label_itemsize=1, num_labels=num_previous + 1
+    )
     network_input = (num_channels + num_previous) * va * _F32
-    return {"labels": labels, "on_grid": on_grid, "input": network_input,
-            "total": max(labels + on_grid, labels + va + network_input)}
+    return {
+        "labels": labels,
+        "on_grid": on_grid,
+        "input": network_input,
+        "total": max(labels + on_grid, labels + va + network_input),
+    }
 
 
-def export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int],
-                 scheme: LabelScheme, probability_bytes: int = _F32) -> dict[str, int]:
+def export_bytes(
+    shape_zyx_original: Sequence[int],
+    shape_zyx_resampled: Sequence[int],
+    scheme: LabelScheme,
+    probability_bytes: int = _F32,
+) -> dict[str, int]:
     """RAM of exporting one prediction held whole (``autoseg.predict.export.export_segmentation``, the
     ``--save-probabilities`` path): ``probabilities`` the network's (K, resampled shape) softmax or sigmoid, held
     throughout, of ``probability_bytes`` per value (4: float32, 2: float16), and ``slab_export_bytes`` with the
     whole image as one slab."""
     vr = _voxels(shape_zyx_resampled)
-    terms = {"probabilities": scheme.num_outputs * vr * int(probability_bytes),
-             **slab_export_bytes(shape_zyx_original, shape_zyx_resampled, scheme, int(shape_zyx_resampled[0]),
-                                 probability_bytes)}
+    terms = {
+        "probabilities": scheme.num_outputs * vr * int(probability_bytes),
+        **slab_export_bytes(
+            shape_zyx_original, shape_zyx_resampled, scheme, int(shape_zyx_resampled[0]), probability_bytes
+        ),
+    }
     terms["total"] = terms["probabilities"] + terms.pop("total")
     return terms
 
 
-def slab_export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Sequence[int], scheme: LabelScheme,
-                      slab_depth: int, probability_bytes: int = _F32) -> dict[str, int]:
+def slab_export_bytes(
+    shape_zyx_original: Sequence[int],
+    shape_zyx_resampled: Sequence[int],
+    scheme: LabelScheme,
+    slab_depth: int,
+    probability_bytes: int = _F32,
+) -> dict[str, int]:
     """RAM of ``autoseg.predict.export.SlabExport`` beside the slabs it is handed (``slab_depth`` z-slices of the
     resampled image at most, ``probability_bytes`` per value). The crop is taken as the whole image.
 
@@ -153,11 +182,15 @@ def slab_export_bytes(shape_zyx_original: Sequence[int], shape_zyx_resampled: Se
     """
     original, resampled = [int(n) for n in shape_zyx_original], [int(n) for n in shape_zyx_resampled]
     k, depth = scheme.num_outputs, min(int(slab_depth), resampled[0])
-    out_depth = depth if original[0] == resampled[0] else min(original[0],
-                                                              math.ceil(depth * original[0] / resampled[0]) + 1)
+    out_depth = (
+        depth if original[0] == resampled[0] else min(original[0], math.ceil(depth * original[0] / resampled[0]) + 1)
+    )
     # the block after each pass: (out_depth, Y', X'), (out_depth, Y, X'), (out_depth, Y, X)
-    sizes = [out_depth * resampled[1] * resampled[2], out_depth * original[1] * resampled[2],
-             out_depth * original[1] * original[2]]
+    sizes = [
+        out_depth * resampled[1] * resampled[2],
+        out_depth * original[1] * resampled[2],
+        out_depth * original[1] * original[2],
+    ]
     interpolation, previous = 0, 0
     for axis, size in enumerate(sizes):
         if original[axis] != resampled[axis]:
@@ -198,8 +231,10 @@ def resampling_peak_bytes(
         return 0
     output = 4 * num_channels * int(np.prod(new_shape))
     if spacing_mm is None:
-        temp = max(_channel_temp_bytes(shape, new_shape, None, order, order_z),
-                   _channel_temp_bytes(shape, new_shape, 0, order, order_z))
+        temp = max(
+            _channel_temp_bytes(shape, new_shape, None, order, order_z),
+            _channel_temp_bytes(shape, new_shape, 0, order, order_z),
+        )
     else:
         temp = _channel_temp_bytes(shape, new_shape, out_of_plane_axis(spacing_mm), order, order_z)
     return output + temp + _CALL_OVERHEAD_BYTES
@@ -261,14 +296,15 @@ def _separable_temp_bytes(shape: tuple[int, ...], new_shape: tuple[int, ...]) ->
     of its output size; passes go z, y, x); the response with its comparison and selection (9 B per output voxel); the
     final comparisons (4 bool arrays)."""
     n_in, n_out = int(np.prod(shape)), int(np.prod(new_shape))
-    sizes = [n_in] + [int(np.prod(new_shape[: a + 1]) * np.prod(shape[a + 1:])) for a in range(3)]
+    sizes = [n_in] + [int(np.prod(new_shape[: a + 1]) * np.prod(shape[a + 1 :])) for a in range(3)]
     # the caller's argument (the mask) stays referenced until the call returns
     passes = max(4 * (sizes[a] + 2 * sizes[a + 1]) + (4 * n_in if a else 0) for a in range(3))
     return max(5 * n_in, passes, 9 * n_out, 4 * n_out)
 
 
-def _sample_buffers(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], num_channels: int,
-                    seg_itemsize: int, dummy_2d: bool) -> dict[str, list[int]]:
+def _sample_buffers(
+    patch_size: Sequence[int], enlarged_patch_size: Sequence[int], num_channels: int, seg_itemsize: int, dummy_2d: bool
+) -> dict[str, list[int]]:
     """The buffers one sample allocates in a worker at the largest read box, in bytes, by phase.
 
     ``read`` (``PatchSampler.sample_patches``): its box, float32 (C, *E), and labels (1, *E), alive through the
@@ -281,10 +317,20 @@ def _sample_buffers(patch_size: Sequence[int], enlarged_patch_size: Sequence[int
     d = 2 if (len(patch_size) == 2 or dummy_2d) else 3  # dimensions of the rotation
     p_sp = math.prod(patch_size[-d:])
     planes = c + LABELS_PER_CALL
-    return {"read": [c * e * _F32, e * seg_itemsize],
-            "spatial": [e * seg_itemsize, d * p_sp * _F32, d * p_sp * _F32, planes * e * _F32, planes * p * _F32,
-                        p * _F32, p * _F32, p],
-            "intensity": [p * _F32] * max(c, 3)}
+    return {
+        "read": [c * e * _F32, e * seg_itemsize],
+        "spatial": [
+            e * seg_itemsize,
+            d * p_sp * _F32,
+            d * p_sp * _F32,
+            planes * e * _F32,
+            planes * p * _F32,
+            p * _F32,
+            p * _F32,
+            p,
+        ],
+        "intensity": [p * _F32] * max(c, 3),
+    }
 
 
 def batch_bytes_terms(
@@ -312,8 +358,14 @@ def batch_bytes_terms(
     }
 
 
-def heap_retention_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], num_channels: int, *,
-                         seg_itemsize: int = 1, dummy_2d: bool = False) -> int:
+def heap_retention_bytes(
+    patch_size: Sequence[int],
+    enlarged_patch_size: Sequence[int],
+    num_channels: int,
+    *,
+    seg_itemsize: int = 1,
+    dummy_2d: bool = False,
+) -> int:
     """Freed memory a loader worker keeps resident: glibc serves a block under its mmap threshold from the heap and
     keeps it there when freed, for reuse (the threshold rises to the size of each mapped block freed, up to
     ``GLIBC_MMAP_THRESHOLD_MAX``); so the heap holds one sample's such buffers beside the next sample's live ones.
@@ -346,8 +398,9 @@ def batch_bytes(
     (56, 386, 376), B=2, C=1: about 0.21 GB; (160, 192, 160), enlarged (302, 340, 302), B=12, C=4: 2.6 GB
     (it was 8.4 GB while the sampler read every sample's box before transforming any).
     """
-    terms = batch_bytes_terms(patch_size, enlarged_patch_size, batch_size, num_channels,
-                              seg_itemsize=seg_itemsize, dummy_2d=dummy_2d)
+    terms = batch_bytes_terms(
+        patch_size, enlarged_patch_size, batch_size, num_channels, seg_itemsize=seg_itemsize, dummy_2d=dummy_2d
+    )
     return sum(terms.values())
 
 
@@ -371,9 +424,16 @@ def low_resolution_cache_bytes(patch_size: Sequence[int], dummy_2d: bool = False
     return arrays + (len(largest) + len(indices)) * _CACHE_ENTRY_OVERHEAD_BYTES
 
 
-def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], batch_size: int,
-                 num_channels: int, queue_depth: int, *, seg_itemsize: int = 1,
-                 dummy_2d: bool = False) -> dict[str, int]:
+def worker_bytes(
+    patch_size: Sequence[int],
+    enlarged_patch_size: Sequence[int],
+    batch_size: int,
+    num_channels: int,
+    queue_depth: int,
+    *,
+    seg_itemsize: int = 1,
+    dummy_2d: bool = False,
+) -> dict[str, int]:
     """Host bytes of one loader worker, by term, and their ``total``: what it adds to the trainer's RAM.
 
     ``runtime``: the forked process's own pages (``LOADER_WORKER_RUNTIME_BYTES``); ``in_flight``: the batch it
@@ -385,14 +445,17 @@ def worker_bytes(patch_size: Sequence[int], enlarged_patch_size: Sequence[int], 
     read box (56, 380, 380), B=2, C=1, queue depth 2, dummy 2D: 32 + 200 + 112 + 3 x 19.7 + 10 MiB = 413 MiB
     (measured 344-495 MiB over six runs, benchmarks/host_memory.py)."""
     if queue_depth < 1 or batch_size < 1 or num_channels < 1:
-        raise ValueError(f"batch_size ({batch_size}), num_channels ({num_channels}) and queue_depth "
-                         f"({queue_depth}) must be >= 1")
+        raise ValueError(
+            f"batch_size ({batch_size}), num_channels ({num_channels}) and queue_depth ({queue_depth}) must be >= 1"
+        )
     terms = {
         "runtime": LOADER_WORKER_RUNTIME_BYTES,
-        "in_flight": batch_bytes(patch_size, enlarged_patch_size, batch_size, num_channels,
-                                 seg_itemsize=seg_itemsize, dummy_2d=dummy_2d),
-        "heap": heap_retention_bytes(patch_size, enlarged_patch_size, num_channels, seg_itemsize=seg_itemsize,
-                                     dummy_2d=dummy_2d),
+        "in_flight": batch_bytes(
+            patch_size, enlarged_patch_size, batch_size, num_channels, seg_itemsize=seg_itemsize, dummy_2d=dummy_2d
+        ),
+        "heap": heap_retention_bytes(
+            patch_size, enlarged_patch_size, num_channels, seg_itemsize=seg_itemsize, dummy_2d=dummy_2d
+        ),
         "slots": (queue_depth + 1) * output_batch_bytes(patch_size, batch_size, num_channels, seg_itemsize),
         "caches": low_resolution_cache_bytes(patch_size, dummy_2d),
     }

@@ -67,16 +67,30 @@ class InferenceMemory:
     heap_retained_bytes: int = 0  # CPU: glibc's heap beyond the tensors at a tile's peak (``heap_footprint``)
 
     def breakdown(self) -> dict[str, int]:
-        return {"parameters": self.parameter_bytes, "tile": self.tile_bytes,
-                "padded_input": self.padded_input_bytes, "accumulator": self.accumulator_bytes,
-                "weight_map": self.weight_map_bytes, "gaussian": self.gaussian_bytes,
-                "softmax_temp": self.softmax_temp_bytes, "output": self.output_bytes, "total": self.peak_bytes}
+        return {
+            "parameters": self.parameter_bytes,
+            "tile": self.tile_bytes,
+            "padded_input": self.padded_input_bytes,
+            "accumulator": self.accumulator_bytes,
+            "weight_map": self.weight_map_bytes,
+            "gaussian": self.gaussian_bytes,
+            "softmax_temp": self.softmax_temp_bytes,
+            "output": self.output_bytes,
+            "total": self.peak_bytes,
+        }
 
 
-def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
-                             precision: str = "fp32", mirror_axes: Sequence[int] = (),
-                             tta: int | None = None, cache: MachineCache | None = None,
-                             accumulator_dtype: str = "float32", device: str = "cpu") -> tuple[int, int, int, int, int]:
+def simulate_tile_prediction(
+    topology: NetworkTopology,
+    patch_size: tuple[int, ...],
+    tile_batch_size: int,
+    precision: str = "fp32",
+    mirror_axes: Sequence[int] = (),
+    tta: int | None = None,
+    cache: MachineCache | None = None,
+    accumulator_dtype: str = "float32",
+    device: str = "cpu",
+) -> tuple[int, int, int, int, int]:
     """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
     ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
     (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
@@ -91,14 +105,30 @@ def simulate_tile_prediction(topology: NetworkTopology, patch_size: tuple[int, .
     """
     check_precision(precision)  # an unknown name says what to use
     device = device.split(":")[0]  # "cuda:1" -> "cuda"
-    args = (topology, tuple(int(p) for p in patch_size), int(tile_batch_size), "bf16" if precision == "fp16"
-            else precision, tuple(int(a) for a in mirror_axes), tta, accumulator_dtype, device)
+    args = (
+        topology,
+        tuple(int(p) for p in patch_size),
+        int(tile_batch_size),
+        "bf16" if precision == "fp16" else precision,
+        tuple(int(a) for a in mirror_axes),
+        tta,
+        accumulator_dtype,
+        device,
+    )
     cache = cache or kept_simulations()  # the planner's inference tile: the command's cache
     if cache is None:
         return _simulate_cached(*args)
-    key = {**simulation_key(_SIMULATED_MODULES), "topology": asdict(topology),
-           "tile": args[1], "tile_batch": args[2], "precision": args[3], "mirror_axes": args[4], "tta": args[5],
-           "accumulator": args[6], "device": args[7]}
+    key = {
+        **simulation_key(_SIMULATED_MODULES),
+        "topology": asdict(topology),
+        "tile": args[1],
+        "tile_batch": args[2],
+        "precision": args[3],
+        "mirror_axes": args[4],
+        "tta": args[5],
+        "accumulator": args[6],
+        "device": args[7],
+    }
     value, _ = cache.kept("inference_simulation", key, lambda: list(_simulate_cached(*args)), SIMULATIONS_KEPT)
     return tuple(int(v) for v in value)  # type: ignore[return-value]
 
@@ -108,28 +138,53 @@ SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between run
 
 # the code a tile simulation runs (the networks, the sliding window's step and buffers, the tracker, the heap model,
 # the simulation and this module): a kept simulation is reused only while these files are unchanged
-_SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "network", "residual", "sliding_window", "slabs",
-                                                          "tile_buffers", "tiles", "tta", "topology")) + (
-    "autoseg.core.precision", "autoseg.memory.tracker", "autoseg.memory.glibc_heap",
-    "autoseg.memory.inference_simulation", __name__)
+_SIMULATED_MODULES = tuple(
+    f"autoseg.model.{m}"
+    for m in ("blocks", "network", "residual", "sliding_window", "slabs", "tile_buffers", "tiles", "tta", "topology")
+) + (
+    "autoseg.core.precision",
+    "autoseg.memory.tracker",
+    "autoseg.memory.glibc_heap",
+    "autoseg.memory.inference_simulation",
+    __name__,
+)
 
 
 @functools.lru_cache(maxsize=64)
-def _simulate_cached(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
-                     precision: str, mirror_axes: tuple[int, ...], tta: int | None,
-                     accumulator_dtype: str, device: str) -> tuple[int, int, int, int, int]:
+def _simulate_cached(
+    topology: NetworkTopology,
+    patch_size: tuple[int, ...],
+    tile_batch_size: int,
+    precision: str,
+    mirror_axes: tuple[int, ...],
+    tta: int | None,
+    accumulator_dtype: str,
+    device: str,
+) -> tuple[int, int, int, int, int]:
     from autoseg.memory.inference_simulation import simulate_tile_batch  # torch: imported once a tile must run
 
-    return simulate_tile_batch(topology, patch_size, tile_batch_size, precision, mirror_axes, tta, accumulator_dtype,
-                               device)
+    return simulate_tile_batch(
+        topology, patch_size, tile_batch_size, precision, mirror_axes, tta, accumulator_dtype, device
+    )
 
 
-def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
-                     image_shape_zyx: tuple[int, int, int], num_outputs: int, precision: str = "fp32",
-                     mirror_axes: Sequence[int] = (), step_fraction: float | Sequence[float] = 0.5,
-                     tta: int | None = None, accumulator_on_device: bool = True, device: str = "cpu",
-                     output_dtype: str | None = "float32", num_networks: int = 1,
-                     cache: MachineCache | None = None, accumulator_dtype: str = "float32") -> InferenceMemory:
+def inference_memory(
+    topology: NetworkTopology,
+    patch_size: tuple[int, ...],
+    tile_batch_size: int,
+    image_shape_zyx: tuple[int, int, int],
+    num_outputs: int,
+    precision: str = "fp32",
+    mirror_axes: Sequence[int] = (),
+    step_fraction: float | Sequence[float] = 0.5,
+    tta: int | None = None,
+    accumulator_on_device: bool = True,
+    device: str = "cpu",
+    output_dtype: str | None = "float32",
+    num_networks: int = 1,
+    cache: MachineCache | None = None,
+    accumulator_dtype: str = "float32",
+) -> InferenceMemory:
     """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
 
     ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
@@ -142,42 +197,64 @@ def inference_memory(topology: NetworkTopology, patch_size: tuple[int, ...], til
     (``simulate_tile_prediction``). ``accumulator_dtype``: a key of ``ACCUMULATOR_DTYPES``.
     """
     if num_outputs != topology.num_outputs:
-        raise InputError(f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
-                         "pass the plan's number of classes (labels in dataset.json)")
+        raise InputError(
+            f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
+            "pass the plan's number of classes (labels in dataset.json)"
+        )
     if len(patch_size) != topology.dim:
-        raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is "
-                         f"{topology.dim}D")
+        raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is {topology.dim}D")
     variants = len(mirror_variants(mirror_axes, tta))
     layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
-    params, tile, conv, count, retained = simulate_tile_prediction(topology, tuple(patch_size), batch, precision,
-                                                                   mirror_axes, tta, cache, accumulator_dtype, device)
+    params, tile, conv, count, retained = simulate_tile_prediction(
+        topology, tuple(patch_size), batch, precision, mirror_axes, tta, cache, accumulator_dtype, device
+    )
     params *= num_networks
-    buffers = inference_buffer_bytes(image_shape_zyx, patch_size, num_outputs, batch, topology.in_channels,
-                                     num_variants=variants, output_dtype=output_dtype, step_fraction=step_fraction,
-                                     device=device, accumulator_dtype=accumulator_dtype)
+    buffers = inference_buffer_bytes(
+        image_shape_zyx,
+        patch_size,
+        num_outputs,
+        batch,
+        topology.in_channels,
+        num_variants=variants,
+        output_dtype=output_dtype,
+        step_fraction=step_fraction,
+        device=device,
+        accumulator_dtype=accumulator_dtype,
+    )
     depth = accumulator_depth(layout, variants, batch)
     temp = finish_temp_bytes(depth, math.prod(layout.padded_shape_zyx[1:]), num_outputs, accumulator_dtype)
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
     # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
     # (and, adding a tile: its share g / W, and for float16 the region's fp32 copy)
     patch_voxels = math.prod(patch_size)
-    logit_copies = ((batch + 1) * num_outputs * patch_voxels * element_bytes(precision) + patch_voxels * 4
-                    + (num_outputs * patch_voxels * 4 if accumulator_dtype == "float16" else 0))
+    logit_copies = (
+        (batch + 1) * num_outputs * patch_voxels * element_bytes(precision)
+        + patch_voxels * 4
+        + (num_outputs * patch_voxels * 4 if accumulator_dtype == "float16" else 0)
+    )
     output_here = buffers["output"] if device == "cpu" else 0  # the output lives on the host
     host = (buffers["output"] if device != "cpu" else 0) + (0 if accumulator_on_device else held + logit_copies)
     on_device = (held if accumulator_on_device else 0) + params + buffers["padded_input"] + output_here
     tiles = on_device + tile
     finishing = on_device + (temp if accumulator_on_device else 0)  # after a batch: its tiles are freed
     return InferenceMemory(
-        parameter_bytes=params, tile_bytes=tile, padded_input_bytes=buffers["padded_input"],
+        parameter_bytes=params,
+        tile_bytes=tile,
+        padded_input_bytes=buffers["padded_input"],
         accumulator_bytes=buffers["accumulator"] if accumulator_on_device else 0,
         weight_map_bytes=buffers["weight_map"] if accumulator_on_device else 0,
         gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
-        softmax_temp_bytes=temp if accumulator_on_device else 0, output_bytes=output_here,
-        peak_bytes=max(tiles, finishing), largest_conv_output_bytes=conv, live_allocations_at_peak=count,
-        tile_batch_size=batch, accumulator_depth=depth,
-        host_accumulator_bytes=host, heap_retained_bytes=retained)
+        softmax_temp_bytes=temp if accumulator_on_device else 0,
+        output_bytes=output_here,
+        peak_bytes=max(tiles, finishing),
+        largest_conv_output_bytes=conv,
+        live_allocations_at_peak=count,
+        tile_batch_size=batch,
+        accumulator_depth=depth,
+        host_accumulator_bytes=host,
+        heap_retained_bytes=retained,
+    )
 
 
 CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)
@@ -190,6 +267,8 @@ def cpu_tile_batch_cap(tile_size: Sequence[int]) -> int:
     """The most (tile, variant) pairs one forward pass takes on CPU: ``CPU_MAX_TILE_BATCH`` tiles at most,
     ``CPU_BATCH_VOXELS`` voxels at most, at least 1."""
     return max(1, min(CPU_MAX_TILE_BATCH, CPU_BATCH_VOXELS // math.prod(int(t) for t in tile_size)))
+
+
 CUDA_TILES_PER_BATCH = 2  # CUDA: up to every mirror variant of this many tiles in one forward pass
 
 
@@ -219,20 +298,32 @@ class InferencePlan:
 
     def describe(self) -> str:
         """One line for ``--verbose``."""
-        return (f"tile batch {self.tile_batch_size} ({self.num_variants} mirror variant(s) per tile), "
-                f"accumulator {self.accumulator_dtype} on {self.accumulator_device}; predicted peak "
-                f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB"
-                + (f" (glibc's heap {self.heap_retained_bytes / MiB:.0f} MiB)" if self.heap_retained_bytes else "")
-                + ("" if self.fits else " (does not fit: expect out-of-memory)"))
+        return (
+            f"tile batch {self.tile_batch_size} ({self.num_variants} mirror variant(s) per tile), "
+            f"accumulator {self.accumulator_dtype} on {self.accumulator_device}; predicted peak "
+            f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB"
+            + (f" (glibc's heap {self.heap_retained_bytes / MiB:.0f} MiB)" if self.heap_retained_bytes else "")
+            + ("" if self.fits else " (does not fit: expect out-of-memory)")
+        )
 
 
-def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image_shape_zyx: tuple[int, int, int],
-                   num_outputs: int, budget_bytes: int, device: str = "cpu", precision: str = "fp32",
-                   mirror_axes: Sequence[int] = (), tta: int | None = None,
-                   step_fraction: float | Sequence[float] = 0.5, max_tile_batch: int | None = None,
-                   output_dtype: str | None = "float32", num_networks: int = 1,
-                   cache: MachineCache | None = None,
-                   accumulator_dtype: str = PREDICTION_ACCUMULATOR) -> InferencePlan:
+def plan_inference(
+    topology: NetworkTopology,
+    patch_size: tuple[int, ...],
+    image_shape_zyx: tuple[int, int, int],
+    num_outputs: int,
+    budget_bytes: int,
+    device: str = "cpu",
+    precision: str = "fp32",
+    mirror_axes: Sequence[int] = (),
+    tta: int | None = None,
+    step_fraction: float | Sequence[float] = 0.5,
+    max_tile_batch: int | None = None,
+    output_dtype: str | None = "float32",
+    num_networks: int = 1,
+    cache: MachineCache | None = None,
+    accumulator_dtype: str = PREDICTION_ACCUMULATOR,
+) -> InferencePlan:
     """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
     image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
     the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
@@ -245,14 +336,27 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     """
     num_variants = len(mirror_variants(mirror_axes, tta))
     num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
-    cap = max_tile_batch or (cpu_tile_batch_cap(patch_size) if device == "cpu"
-                             else CUDA_TILES_PER_BATCH * num_variants)
+    cap = max_tile_batch or (cpu_tile_batch_cap(patch_size) if device == "cpu" else CUDA_TILES_PER_BATCH * num_variants)
     cap = max(1, min(cap, num_items))
 
     def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
-        mem = inference_memory(topology, patch_size, batch, image_shape_zyx, num_outputs, precision,
-                               mirror_axes, step_fraction, tta, on_device, device, output_dtype, num_networks,
-                               cache, accumulator_dtype)
+        mem = inference_memory(
+            topology,
+            patch_size,
+            batch,
+            image_shape_zyx,
+            num_outputs,
+            precision,
+            mirror_axes,
+            step_fraction,
+            tta,
+            on_device,
+            device,
+            output_dtype,
+            num_networks,
+            cache,
+            accumulator_dtype,
+        )
         return mem, predict_device_peak(mem, device)["total"]
 
     placements = (True,) if device == "cpu" else (True, False)
@@ -276,13 +380,28 @@ def plan_inference(topology: NetworkTopology, patch_size: tuple[int, ...], image
     return _inference_plan(choices[-1], choices, num_variants, budget_bytes, False, accumulator_dtype, num_outputs)
 
 
-def _inference_plan(best: tuple[int, str, int, InferenceMemory], choices: list, num_variants: int,
-                    budget_bytes: int, fits: bool, accumulator_dtype: str, num_outputs: int) -> InferencePlan:
+def _inference_plan(
+    best: tuple[int, str, int, InferenceMemory],
+    choices: list,
+    num_variants: int,
+    budget_bytes: int,
+    fits: bool,
+    accumulator_dtype: str,
+    num_outputs: int,
+) -> InferencePlan:
     batch, acc_device, total, mem = best
     others = tuple((b, d, t) for b, d, t, _ in choices if (b, d) != (batch, acc_device))
-    return InferencePlan(tile_batch_size=batch, accumulator_device=acc_device, accumulator_dtype=accumulator_dtype,
-                         num_variants=num_variants, peak_bytes=total, parameter_bytes=mem.parameter_bytes,
-                         slab_depth=finish_chunk_slices(mem.accumulator_depth, num_outputs, accumulator_dtype),
-                         host_accumulator_bytes=mem.host_accumulator_bytes, budget_bytes=budget_bytes, fits=fits,
-                         heap_retained_bytes=mem.heap_retained_bytes,
-                         choices=((batch, acc_device, total), *others))
+    return InferencePlan(
+        tile_batch_size=batch,
+        accumulator_device=acc_device,
+        accumulator_dtype=accumulator_dtype,
+        num_variants=num_variants,
+        peak_bytes=total,
+        parameter_bytes=mem.parameter_bytes,
+        slab_depth=finish_chunk_slices(mem.accumulator_depth, num_outputs, accumulator_dtype),
+        host_accumulator_bytes=mem.host_accumulator_bytes,
+        budget_bytes=budget_bytes,
+        fits=fits,
+        heap_retained_bytes=mem.heap_retained_bytes,
+        choices=((batch, acc_device, total), *others),
+    )

@@ -25,9 +25,16 @@ from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants
 
 
-def simulate_tile_batch(topology: NetworkTopology, patch_size: tuple[int, ...], tile_batch_size: int,
-                        precision: str, mirror_axes: tuple[int, ...], tta: int | None,
-                        accumulator_dtype: str, device: str) -> tuple[int, int, int, int, int]:
+def simulate_tile_batch(
+    topology: NetworkTopology,
+    patch_size: tuple[int, ...],
+    tile_batch_size: int,
+    precision: str,
+    mirror_axes: tuple[int, ...],
+    tta: int | None,
+    accumulator_dtype: str,
+    device: str,
+) -> tuple[int, int, int, int, int]:
     """``autoseg.memory.inference.simulate_tile_prediction``'s figures, simulated now (no cache): one forward pass
     of ``run_tile_batch`` on ``tile_batch_size`` (tile, mirror variant) pairs under ``FakeTensorMode``. ``device``
     "cpu": the network runs its large convolutions in slabs as ``sliding_window_predict`` does there
@@ -44,8 +51,16 @@ def simulate_tile_batch(topology: NetworkTopology, patch_size: tuple[int, ...], 
         network.eval()
         params = sum(p.numel() * p.element_size() for p in network.parameters())
         image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
-        buffers = allocate_buffers(image, one_tile, topology.num_outputs, False, cpu, cpu,  # no real Gaussian
-                                   on_slab=_discard, accumulator_dtype=accumulator_dtype)
+        buffers = allocate_buffers(
+            image,
+            one_tile,
+            topology.num_outputs,
+            False,
+            cpu,
+            cpu,  # no real Gaussian
+            on_slab=_discard,
+            accumulator_dtype=accumulator_dtype,
+        )
         del image
         items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
         tracker.mark("tiles")
@@ -61,9 +76,11 @@ def simulate_tile_batch(topology: NetworkTopology, patch_size: tuple[int, ...], 
     tile = int(live[start:].max()) - base
     retained = 0
     if device == "cpu":
-        heap = heap_footprint(np.asarray(tracker.event_storage[start:stop], dtype=np.int64),
-                              np.asarray(tracker.event_delta[start:stop], dtype=np.int64),
-                              held_every=INFERENCE_HELD_FRAGMENT_EVERY)
+        heap = heap_footprint(
+            np.asarray(tracker.event_storage[start:stop], dtype=np.int64),
+            np.asarray(tracker.event_delta[start:stop], dtype=np.int64),
+            held_every=INFERENCE_HELD_FRAGMENT_EVERY,
+        )
         retained = heap.retained_bytes(tile)
     return params, tile, tracker.largest_conv_output_bytes, count, retained
 
@@ -72,11 +89,18 @@ def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
     """A ``SlabSink`` that keeps nothing (the simulation's stand-in buffers have no output)."""
 
 
-def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_size: tuple[int, ...],
-                            tile_batch_size: int = 1, precision: str = "fp32",
-                            mirror_axes: Sequence[int] = (), tta: int | None = None,
-                            output_dtype: str | None = "float32", step_fraction: float | Sequence[float] = 0.5,
-                            accumulator_dtype: str = "float32") -> int:
+def measure_inference_bytes(
+    topology: NetworkTopology,
+    data: np.ndarray,
+    patch_size: tuple[int, ...],
+    tile_batch_size: int = 1,
+    precision: str = "fp32",
+    mirror_axes: Sequence[int] = (),
+    tta: int | None = None,
+    output_dtype: str | None = "float32",
+    step_fraction: float | Sequence[float] = 0.5,
+    accumulator_dtype: str = "float32",
+) -> int:
     """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
     parameters included, and each convolution's hidden buffers as ``cpu_conv_scratch_bytes`` models them (held
     against real convolutions in ``tests/memory/test_conv_scratch.py``), for tests: hold ``inference_memory``
@@ -89,12 +113,20 @@ def measure_inference_bytes(topology: NetworkTopology, data: np.ndarray, patch_s
     with torch.random.fork_rng(devices=[]), tracker:
         tracker.exclude([data_t])
         network = build_network(topology)
-        probabilities = sliding_window_predict(network, data_t, patch_size, topology.num_outputs,
-                                               mirror_axes=tuple(mirror_axes), tta=tta, step_fraction=step_fraction,
-                                               tile_batch_size=tile_batch_size, precision=precision,
-                                               output_dtype=output_dtype or "float32",
-                                               accumulator_dtype=accumulator_dtype,
-                                               on_slab=_discard if output_dtype is None else None)
+        probabilities = sliding_window_predict(
+            network,
+            data_t,
+            patch_size,
+            topology.num_outputs,
+            mirror_axes=tuple(mirror_axes),
+            tta=tta,
+            step_fraction=step_fraction,
+            tile_batch_size=tile_batch_size,
+            precision=precision,
+            output_dtype=output_dtype or "float32",
+            accumulator_dtype=accumulator_dtype,
+            on_slab=_discard if output_dtype is None else None,
+        )
         del probabilities, network
     clear_gaussian_cache()
     return tracker.peak_bytes

@@ -56,9 +56,14 @@ class TrainingMemory:
 
     def breakdown(self) -> dict[str, int]:
         """The terms of the peak and their ``total``."""
-        return {"parameters": self.parameter_bytes, "gradients": self.gradient_bytes,
-                "optimizer_state": self.optimizer_state_bytes, "batch": self.batch_bytes,
-                "activations": self.activation_bytes, "total": self.peak_bytes}
+        return {
+            "parameters": self.parameter_bytes,
+            "gradients": self.gradient_bytes,
+            "optimizer_state": self.optimizer_state_bytes,
+            "batch": self.batch_bytes,
+            "activations": self.activation_bytes,
+            "total": self.peak_bytes,
+        }
 
 
 @dataclass(frozen=True)
@@ -76,33 +81,45 @@ class StepConfig:
     device: str = "cpu"  # "cpu": each convolution's hidden buffers count (``cpu_conv_scratch_bytes``); "cuda": not
 
     def __post_init__(self) -> None:
-        check_step_arguments(self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer,
-                             self.accumulation_steps)
+        check_step_arguments(
+            self.topology, self.batch_size, self.patch_size, self.precision, self.optimizer, self.accumulation_steps
+        )
         if self.labels is not None and self.labels.num_outputs != self.topology.num_outputs:
-            raise InputError(f"the labels have {self.labels.num_outputs} network outputs but the topology has "
-                             f"num_outputs {self.topology.num_outputs}; plan with the same dataset.json labels")
+            raise InputError(
+                f"the labels have {self.labels.num_outputs} network outputs but the topology has "
+                f"num_outputs {self.topology.num_outputs}; plan with the same dataset.json labels"
+            )
 
     @property
     def scheme(self) -> LabelScheme:
         return self.labels if self.labels is not None else LabelScheme.for_outputs(self.topology.num_outputs)
 
 
-def check_step_arguments(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
-                         precision: str, optimizer: str, accumulation_steps: int = 1) -> None:
+def check_step_arguments(
+    topology: NetworkTopology,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    precision: str,
+    optimizer: str,
+    accumulation_steps: int = 1,
+) -> None:
     """Raise ``ValueError`` naming the argument to change."""
     check_precision(precision)  # an unknown name says what to use
     if optimizer not in OPTIMIZERS:
         raise InputError(f"optimizer {optimizer!r} is not known; use one of {list(OPTIMIZERS)}")
     if batch_size < 1 or accumulation_steps < 1:
-        raise InputError(f"batch_size ({batch_size}) and accumulation_steps ({accumulation_steps}) "
-                         "must be >= 1")
+        raise InputError(f"batch_size ({batch_size}) and accumulation_steps ({accumulation_steps}) must be >= 1")
     divisor = topology.patch_divisor()
     if len(patch_size) != topology.dim or any(p < 1 or p % d for p, d in zip(patch_size, divisor)):
-        raise InputError(f"patch_size {tuple(patch_size)} does not fit the {topology.dim}D network: expected "
-                         f"{topology.dim} sizes, each a multiple of {divisor} (the product of the strides)")
+        raise InputError(
+            f"patch_size {tuple(patch_size)} does not fit the {topology.dim}D network: expected "
+            f"{topology.dim} sizes, each a multiple of {divisor} (the product of the strides)"
+        )
     if math.prod(p // d for p, d in zip(patch_size, divisor)) < 2:
-        raise InputError(f"patch_size {tuple(patch_size)} leaves one voxel at the lowest resolution, where "
-                         f"instance norm cannot train; make at least one axis a larger multiple of {divisor}")
+        raise InputError(
+            f"patch_size {tuple(patch_size)} leaves one voxel at the lowest resolution, where "
+            f"instance norm cannot train; make at least one axis a larger multiple of {divisor}"
+        )
 
 
 @dataclass(frozen=True)
@@ -129,12 +146,17 @@ class StepRecord:
     def memory_at(self, row: int) -> TrainingMemory:
         terms = dict(zip(CATEGORIES, (int(v) for v in self.timeline[row])))
         return TrainingMemory(
-            peak_bytes=sum(terms.values()), parameter_bytes=terms["parameters"],
+            peak_bytes=sum(terms.values()),
+            parameter_bytes=terms["parameters"],
             gradient_bytes=terms["gradients"],
-            optimizer_state_bytes=terms["optimizer_state"], batch_bytes=terms["batch"],
-            activation_bytes=terms["activations"], stage_activation_bytes=dict(self.stage_bytes),
+            optimizer_state_bytes=terms["optimizer_state"],
+            batch_bytes=terms["batch"],
+            activation_bytes=terms["activations"],
+            stage_activation_bytes=dict(self.stage_bytes),
             largest_conv_output_bytes=self.largest_conv_output_bytes,
-            live_allocations_at_peak=int(self.live_count[row]), peak_phase=self.phase_at(row))
+            live_allocations_at_peak=int(self.live_count[row]),
+            peak_phase=self.phase_at(row),
+        )
 
     def peak(self) -> TrainingMemory:
         """The memory at the tensor peak, with what glibc's heap holds beyond the tensors there (a ``heap``)."""
@@ -143,21 +165,31 @@ class StepRecord:
         memory = self.memory_at(row)
         if self.heap is None:
             return memory
-        return replace(memory, heap_retained_bytes=self.heap.retained_bytes(int(total[row] - total[0])),
-                       mapped_bytes_per_step=self.heap.mapped_bytes_per_step)
+        return replace(
+            memory,
+            heap_retained_bytes=self.heap.retained_bytes(int(total[row] - total[0])),
+            mapped_bytes_per_step=self.heap.mapped_bytes_per_step,
+        )
 
     def to_json(self) -> dict:
-        return {"timeline": self.timeline.tolist(), "live_count": self.live_count.tolist(),
-                "phases": [list(p) for p in self.phases], "signature": self.signature.tolist(),
-                "stage_bytes": self.stage_bytes, "largest_conv_output_bytes": self.largest_conv_output_bytes,
-                "heap": None if self.heap is None else self.heap.to_json()}
+        return {
+            "timeline": self.timeline.tolist(),
+            "live_count": self.live_count.tolist(),
+            "phases": [list(p) for p in self.phases],
+            "signature": self.signature.tolist(),
+            "stage_bytes": self.stage_bytes,
+            "largest_conv_output_bytes": self.largest_conv_output_bytes,
+            "heap": None if self.heap is None else self.heap.to_json(),
+        }
 
     @classmethod
     def from_json(cls, value: dict) -> StepRecord:
-        return cls(timeline=np.asarray(value["timeline"], dtype=np.int64).reshape(-1, len(CATEGORIES)),
-                   live_count=np.asarray(value["live_count"], dtype=np.int64),
-                   phases=tuple((str(n), int(i)) for n, i in value["phases"]),
-                   signature=np.asarray(value["signature"], dtype=np.int64).reshape(-1, 2),
-                   stage_bytes={str(k): int(v) for k, v in value["stage_bytes"].items()},
-                   largest_conv_output_bytes=int(value["largest_conv_output_bytes"]),
-                   heap=None if value["heap"] is None else HeapFootprint.from_json(value["heap"]))
+        return cls(
+            timeline=np.asarray(value["timeline"], dtype=np.int64).reshape(-1, len(CATEGORIES)),
+            live_count=np.asarray(value["live_count"], dtype=np.int64),
+            phases=tuple((str(n), int(i)) for n, i in value["phases"]),
+            signature=np.asarray(value["signature"], dtype=np.int64).reshape(-1, 2),
+            stage_bytes={str(k): int(v) for k, v in value["stage_bytes"].items()},
+            largest_conv_output_bytes=int(value["largest_conv_output_bytes"]),
+            heap=None if value["heap"] is None else HeapFootprint.from_json(value["heap"]),
+        )

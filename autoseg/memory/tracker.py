@@ -33,8 +33,9 @@ IM2COL_MAX_CHANNELS = 8  # 3D convolutions with 1 to 8 input channels run throug
 CHANNEL_BLOCK = 16  # oneDNN computes a convolution's output channels in blocks of this many
 
 
-def cpu_conv_scratch_bytes(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool,
-                           backward: bool = False) -> int:
+def cpu_conv_scratch_bytes(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool, backward: bool = False
+) -> int:
     """The bytes a CPU convolution holds beyond its input and output while it runs (oneDNN's copies), as measured
     on torch 2.13's CPU wheel (peak RSS above the output, ``tests/memory/test_conv_scratch.py``): a transposed
     convolution twice its output (measured from 16 MiB outputs up; an 8 MiB one held only once); a 3D one with

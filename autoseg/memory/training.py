@@ -31,11 +31,17 @@ from autoseg.memory.step_record import StepConfig, StepRecord, TrainingMemory
 from autoseg.model.topology import NetworkTopology
 
 # the code a simulated step runs: a change to any of these files simulates again
-SIMULATED_MODULES = tuple(f"autoseg.model.{m}" for m in ("blocks", "loss", "network", "optimizer", "residual",
-                                                         "step", "topology")) + (
-    "autoseg.memory.tracker", "autoseg.memory.training_simulation", "autoseg.memory.step_record",
+SIMULATED_MODULES = tuple(
+    f"autoseg.model.{m}" for m in ("blocks", "loss", "network", "optimizer", "residual", "step", "topology")
+) + (
+    "autoseg.memory.tracker",
+    "autoseg.memory.training_simulation",
+    "autoseg.memory.step_record",
     "autoseg.memory.glibc_heap",
-    "autoseg.dataset.labels", "autoseg.core.precision", __name__)
+    "autoseg.dataset.labels",
+    "autoseg.core.precision",
+    __name__,
+)
 
 
 def record_training_step(cfg: StepConfig, fake: bool = True) -> StepRecord:
@@ -59,10 +65,18 @@ def _record_training_step(cfg: StepConfig, fake: bool) -> StepRecord:
     return record_step(cfg, fake)
 
 
-def simulate_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...], *,
-                           precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
-                           accumulation_steps: int = 1, labels: LabelScheme | None = None,
-                           device: str = "cpu") -> TrainingMemory:
+def simulate_training_step(
+    topology: NetworkTopology,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    *,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    optimizer: str = "sgd",
+    accumulation_steps: int = 1,
+    labels: LabelScheme | None = None,
+    device: str = "cpu",
+) -> TrainingMemory:
     """Peak live tensor bytes of one training step, predicted without allocating (FakeTensorMode).
 
     ``patch_size``: ``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``. ``labels``: the
@@ -70,22 +84,29 @@ def simulate_training_step(topology: NetworkTopology, batch_size: int, patch_siz
     for a single-output network). ``device`` "cpu": each convolution's hidden oneDNN buffers count as alive
     while it runs (``StepConfig.device``). About 0.1-1 s, independent of the patch size.
     """
-    cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
-                     accumulation_steps, labels, device)
+    cfg = StepConfig(
+        topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer, accumulation_steps, labels, device
+    )
     return record_training_step(cfg, fake=True).peak()
 
 
-def measure_training_step(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
-                          precision: str = "fp32", checkpointing: bool = False, optimizer: str = "sgd",
-                          accumulation_steps: int = 1, labels: LabelScheme | None = None,
-                          device: str = "cpu") -> int:
+def measure_training_step(
+    topology: NetworkTopology,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    optimizer: str = "sgd",
+    accumulation_steps: int = 1,
+    labels: LabelScheme | None = None,
+    device: str = "cpu",
+) -> int:
     """The same step run for real on CPU tensors, tracked the same way (``device`` as modelled: "cpu" counts the
     convolutions' hidden buffers): peak live tensor bytes.
 
     Allocates and computes for real: keep the sizes small. The caller's RNG state is left untouched.
     """
-    cfg = StepConfig(topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer,
-                     accumulation_steps, labels, device)
+    cfg = StepConfig(
+        topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer, accumulation_steps, labels, device
+    )
     return int(record_training_step(cfg, fake=False).timeline.sum(axis=1).max())
-
-

@@ -36,13 +36,19 @@ def stage_modules(network: nn.Module) -> dict[str, nn.Module]:
     return out
 
 
-def _run_step(cfg: StepConfig, tracker: StorageTracker,
-              generator: torch.Generator | None) -> tuple[dict[str, set[int]], dict[str, int]]:
+def _run_step(
+    cfg: StepConfig, tracker: StorageTracker, generator: torch.Generator | None
+) -> tuple[dict[str, set[int]], dict[str, int]]:
     """Build the trainer's step and run it once inside ``tracker``; returns the storage numbers per category and
     the bytes per stage alive at the end of the (last) forward."""
-    step = build_step(cfg.topology, cfg.scheme, precision=cfg.precision, checkpointing=cfg.checkpointing,
-                      accumulation_steps=1 if cfg.accumulation_steps == 1 else 2,
-                      optimizer=OPTIMIZERS[cfg.optimizer])
+    step = build_step(
+        cfg.topology,
+        cfg.scheme,
+        precision=cfg.precision,
+        checkpointing=cfg.checkpointing,
+        accumulation_steps=1 if cfg.accumulation_steps == 1 else 2,
+        optimizer=OPTIMIZERS[cfg.optimizer],
+    )
     step.network.train()
     params = list(step.network.parameters())
     for p in params:
@@ -69,9 +75,12 @@ def _run_step(cfg: StepConfig, tracker: StorageTracker,
     for h in handles:
         h.remove()
     state = [v for s in step.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    numbers = {"parameters": tracker.storage_numbers(params),
-               "gradients": tracker.storage_numbers(p.grad for p in params),
-               "optimizer_state": tracker.storage_numbers(state), "batch": batch_numbers}
+    numbers = {
+        "parameters": tracker.storage_numbers(params),
+        "gradients": tracker.storage_numbers(p.grad for p in params),
+        "optimizer_state": tracker.storage_numbers(state),
+        "batch": batch_numbers,
+    }
     return numbers, stage_bytes
 
 
@@ -94,8 +103,9 @@ def record_step(cfg: StepConfig, fake: bool) -> StepRecord:
             gc.enable()
 
 
-def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]], stage_bytes: dict[str, int],
-               cpu_heap: bool) -> StepRecord:
+def _to_record(
+    tracker: StorageTracker, numbers: dict[str, set[int]], stage_bytes: dict[str, int], cpu_heap: bool
+) -> StepRecord:
     start, stop = tracker.index_of("step"), tracker.index_of("end")
     category_of = np.full(len(tracker.sizes), CATEGORIES.index("activations"), dtype=np.int64)
     for name, members in numbers.items():
@@ -105,11 +115,19 @@ def _to_record(tracker: StorageTracker, numbers: dict[str, set[int]], stage_byte
     storage = np.asarray(tracker.event_storage[start:stop], dtype=np.int64)
     first_number = int(storage.min()) if len(storage) else 0
     signature = np.stack([storage - first_number, np.asarray(tracker.event_kind[start:stop])], axis=1)
-    phases = tuple((name, index - start) for name, index in tracker.mark_list
-                   if start <= index and name not in ("step", "end"))
+    phases = tuple(
+        (name, index - start) for name, index in tracker.mark_list if start <= index and name not in ("step", "end")
+    )
     heap = heap_footprint(storage, np.diff(timeline.sum(axis=1))) if cpu_heap else None
-    return StepRecord(timeline=timeline, live_count=live_count, phases=phases, signature=signature,
-                      stage_bytes=stage_bytes, largest_conv_output_bytes=tracker.largest_conv_output_bytes, heap=heap)
+    return StepRecord(
+        timeline=timeline,
+        live_count=live_count,
+        phases=phases,
+        signature=signature,
+        stage_bytes=stage_bytes,
+        largest_conv_output_bytes=tracker.largest_conv_output_bytes,
+        heap=heap,
+    )
 
 
 def training_step_flops(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...]) -> int:

@@ -24,23 +24,35 @@ AVG_POOL = {2: nn.AvgPool2d, 3: nn.AvgPool3d}
 _CONV_TYPES = (nn.Conv2d, nn.Conv3d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 
 
-def conv_norm(dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...],
-              stride: tuple[int, ...] | int = 1) -> list[nn.Module]:
+def conv_norm(
+    dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...], stride: tuple[int, ...] | int = 1
+) -> list[nn.Module]:
     """Conv(kernel, padding k // 2, bias) -> InstanceNorm(affine), as a list of modules."""
-    return [CONV[dim](in_channels, out_channels, tuple(kernel), stride=stride,
-                      padding=tuple(k // 2 for k in kernel), bias=True),
-            INSTANCE_NORM[dim](out_channels, eps=1e-5, affine=True)]
+    return [
+        CONV[dim](
+            in_channels, out_channels, tuple(kernel), stride=stride, padding=tuple(k // 2 for k in kernel), bias=True
+        ),
+        INSTANCE_NORM[dim](out_channels, eps=1e-5, affine=True),
+    ]
 
 
-def conv_block(dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...],
-               stride: tuple[int, ...] | int = 1) -> nn.Sequential:
+def conv_block(
+    dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...], stride: tuple[int, ...] | int = 1
+) -> nn.Sequential:
     """Conv(kernel, padding k // 2, bias) -> InstanceNorm(affine) -> LeakyReLU(0.01)."""
-    return nn.Sequential(*conv_norm(dim, in_channels, out_channels, kernel, stride),
-                         nn.LeakyReLU(negative_slope=0.01, inplace=True))
+    return nn.Sequential(
+        *conv_norm(dim, in_channels, out_channels, kernel, stride), nn.LeakyReLU(negative_slope=0.01, inplace=True)
+    )
 
 
-def conv_stage(dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...],
-               first_stride: tuple[int, ...] | int, num_convs: int) -> nn.Sequential:
+def conv_stage(
+    dim: int,
+    in_channels: int,
+    out_channels: int,
+    kernel: tuple[int, ...],
+    first_stride: tuple[int, ...] | int,
+    num_convs: int,
+) -> nn.Sequential:
     """``num_convs`` conv blocks; only the first one is strided."""
     blocks = [conv_block(dim, in_channels, out_channels, kernel, first_stride)]
     blocks += [conv_block(dim, out_channels, out_channels, kernel) for _ in range(num_convs - 1)]
@@ -54,12 +66,20 @@ class DecoderStage(nn.Module):
     ``fine = coarse * stride`` -> ``(B, skip_channels, *fine)``.
     """
 
-    def __init__(self, dim: int, in_channels: int, skip_channels: int, kernel: tuple[int, ...],
-                 stride: tuple[int, ...], num_convs: int) -> None:
+    def __init__(
+        self,
+        dim: int,
+        in_channels: int,
+        skip_channels: int,
+        kernel: tuple[int, ...],
+        stride: tuple[int, ...],
+        num_convs: int,
+    ) -> None:
         super().__init__()
         # kernel = stride: no overlap; with stride 1 this is a 1x1 conv and leaves the size unchanged
-        self.upsample = TRANSPOSED_CONV[dim](in_channels, skip_channels, kernel_size=tuple(stride),
-                                             stride=tuple(stride), bias=True)
+        self.upsample = TRANSPOSED_CONV[dim](
+            in_channels, skip_channels, kernel_size=tuple(stride), stride=tuple(stride), bias=True
+        )
         self.convs = conv_stage(dim, 2 * skip_channels, skip_channels, kernel, 1, num_convs)
 
     def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
@@ -84,8 +104,8 @@ class DecoderStage(nn.Module):
             dtype = torch.promote_types(skip.dtype, _upsampled_dtype(maps[-1]))  # torch.cat's
             merged = skip.new_empty((skip.shape[0], 2 * skip.shape[1], *skip.shape[2:]), dtype=dtype)
             del skip
-            merged[:, merged.shape[1] // 2:].copy_(maps.pop(-2))  # the skip, released after the copy
-            transposed_into(self.upsample, maps.pop(), merged[:, :merged.shape[1] // 2], slab_bytes)  # coarse map
+            merged[:, merged.shape[1] // 2 :].copy_(maps.pop(-2))  # the skip, released after the copy
+            transposed_into(self.upsample, maps.pop(), merged[:, : merged.shape[1] // 2], slab_bytes)  # coarse map
         for module in modules:
             merged = run_module(module, merged, slab_bytes)  # the input is released as soon as the output exists
         return merged
@@ -146,8 +166,14 @@ class UNet(nn.Module):
         self.encoder = nn.ModuleList(self.build_encoder(topology))
         # decoder[s] and seg_heads[s] work at the resolution of encoder stage s (s = 0 .. num_stages - 2)
         self.decoder = nn.ModuleList(
-            DecoderStage(dim, features[s + 1], features[s], topology.kernel_sizes[s], topology.strides[s + 1],
-                         topology.conv_per_stage)
+            DecoderStage(
+                dim,
+                features[s + 1],
+                features[s],
+                topology.kernel_sizes[s],
+                topology.strides[s + 1],
+                topology.conv_per_stage,
+            )
             for s in range(topology.num_stages - 1)
         )
         self.seg_heads = nn.ModuleList(
@@ -183,14 +209,18 @@ class UNet(nn.Module):
     def _check_input(self, x: torch.Tensor) -> None:
         t = self.topology
         if x.ndim != t.dim + 2 or x.shape[1] != t.in_channels:
-            raise ValueError(f"network input has shape {tuple(x.shape)}; expected (B, {t.in_channels}, "
-                             f"{', '.join(['...'] * t.dim)}) for a {t.dim}D network with "
-                             f"{t.in_channels} channel(s)")
+            raise ValueError(
+                f"network input has shape {tuple(x.shape)}; expected (B, {t.in_channels}, "
+                f"{', '.join(['...'] * t.dim)}) for a {t.dim}D network with "
+                f"{t.in_channels} channel(s)"
+            )
         divisor = t.patch_divisor()
         if any(size % d for size, d in zip(x.shape[2:], divisor, strict=True)):
-            raise ValueError(f"network input spatial shape {tuple(x.shape[2:])} is not a multiple of "
-                             f"{divisor} (the product of the strides); pad the input or choose a patch size "
-                             "that is a multiple of it")
+            raise ValueError(
+                f"network input spatial shape {tuple(x.shape[2:])} is not a multiple of "
+                f"{divisor} (the product of the strides); pad the input or choose a patch size "
+                "that is a multiple of it"
+            )
 
 
 def init_weights(module: nn.Module) -> None:

@@ -45,12 +45,15 @@ def read_checkpoint_file(path: Path, fix: str, mmap: bool = False) -> dict[str, 
             state = torch.load(path, map_location="cpu", weights_only=True)  # e.g. a file system without mmap
     except (RuntimeError, EOFError, OSError, ValueError, pickle.UnpicklingError) as e:
         reason = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        raise InputError(f"{path} is not a readable checkpoint, probably truncated or corrupt ({reason}); "
-                         f"{_others(path)}{fix}") from e
+        raise InputError(
+            f"{path} is not a readable checkpoint, probably truncated or corrupt ({reason}); {_others(path)}{fix}"
+        ) from e
     if not isinstance(state, dict) or state.get("version") != CHECKPOINT_VERSION:
         version = state.get("version") if isinstance(state, dict) else None
-        raise InputError(f"{path} was not written by this version of autoseg (checkpoint version {version!r}, "
-                         f"expected {CHECKPOINT_VERSION}); {fix}")
+        raise InputError(
+            f"{path} was not written by this version of autoseg (checkpoint version {version!r}, "
+            f"expected {CHECKPOINT_VERSION}); {fix}"
+        )
     return state
 
 

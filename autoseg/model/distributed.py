@@ -39,8 +39,17 @@ import torch.distributed as dist
 from autoseg.core.errors import InputError
 from autoseg.core.workers import die_with_parent
 
-__all__ = ["DistributedContext", "PeerOutOfMemoryError", "Ranks", "SINGLE_PROCESS", "all_reduce_sum", "backend_for",
-           "process_group", "rank_batch", "torchrun_command"]
+__all__ = [
+    "DistributedContext",
+    "PeerOutOfMemoryError",
+    "Ranks",
+    "SINGLE_PROCESS",
+    "all_reduce_sum",
+    "backend_for",
+    "process_group",
+    "rank_batch",
+    "torchrun_command",
+]
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -62,8 +71,10 @@ class DistributedContext:
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size or not 0 <= self.local_rank < self.local_world_size:
-            raise InputError(f"rank {self.rank} / local rank {self.local_rank} outside world size {self.world_size}"
-                             f" / local world size {self.local_world_size}; launch through torchrun")
+            raise InputError(
+                f"rank {self.rank} / local rank {self.local_rank} outside world size {self.world_size}"
+                f" / local world size {self.local_world_size}; launch through torchrun"
+            )
         if self.backend not in ("nccl", "gloo"):
             raise InputError(f"backend {self.backend!r}: expected 'nccl' (CUDA) or 'gloo' (CPU)")
 
@@ -98,8 +109,9 @@ def rank_batch(batch_size: int, accumulation_steps: int, world_size: int) -> tup
     ``world_size * micro-batch * accumulation``: G when N divides G, else the next multiple of N.
     """
     if min(batch_size, accumulation_steps, world_size) < 1:
-        raise InputError(f"batch {batch_size} x {accumulation_steps} accumulation on {world_size} ranks: all "
-                         "must be >= 1")
+        raise InputError(
+            f"batch {batch_size} x {accumulation_steps} accumulation on {world_size} ranks: all must be >= 1"
+        )
     share = -(-batch_size * accumulation_steps // world_size)
     micro = max(b for b in range(1, min(batch_size, share) + 1) if share % b == 0)
     return micro, share // micro
@@ -108,8 +120,17 @@ def rank_batch(batch_size: int, accumulation_steps: int, world_size: int) -> tup
 def torchrun_command(nproc: int, argv: Sequence[str]) -> list[str]:
     """``python -m torch.distributed.run --standalone --nproc_per_node N -m autoseg ARGV``: N processes on
     this node (``--standalone``: a local rendezvous on a free port)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-            "-m", "autoseg", *argv]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        "-m",
+        "autoseg",
+        *argv,
+    ]
 
 
 def context_from_environment(environ: Mapping[str, str], device: str) -> DistributedContext:
@@ -118,16 +139,24 @@ def context_from_environment(environ: Mapping[str, str], device: str) -> Distrib
     if "WORLD_SIZE" not in environ:
         return SINGLE_PROCESS
     try:
-        context = DistributedContext(rank=int(environ["RANK"]), world_size=int(environ["WORLD_SIZE"]),
-                                     local_rank=int(environ["LOCAL_RANK"]),
-                                     local_world_size=int(environ["LOCAL_WORLD_SIZE"]), backend=backend_for(device))
+        context = DistributedContext(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ["LOCAL_RANK"]),
+            local_world_size=int(environ["LOCAL_WORLD_SIZE"]),
+            backend=backend_for(device),
+        )
     except (KeyError, ValueError) as e:
-        raise InputError(f"cannot read the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE): "
-                         f"{e}; launch with torchrun or `autoseg train ... --gpus N`") from e
+        raise InputError(
+            f"cannot read the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE): "
+            f"{e}; launch with torchrun or `autoseg train ... --gpus N`"
+        ) from e
     if context.is_distributed and context.backend == "nccl":
         if context.local_rank >= torch.cuda.device_count():
-            raise InputError(f"local rank {context.local_rank} has no CUDA device ({torch.cuda.device_count()} "
-                             "visible); start at most one process per GPU (--nproc_per_node)")
+            raise InputError(
+                f"local rank {context.local_rank} has no CUDA device ({torch.cuda.device_count()} "
+                "visible); start at most one process per GPU (--nproc_per_node)"
+            )
     return context
 
 
@@ -148,8 +177,9 @@ def process_group(context: DistributedContext) -> Iterator[None]:
         return
     if context.backend == "nccl":
         torch.cuda.set_device(context.local_rank)
-    dist.init_process_group(context.backend, init_method=context.init_method, rank=context.rank,
-                            world_size=context.world_size)
+    dist.init_process_group(
+        context.backend, init_method=context.init_method, rank=context.rank, world_size=context.world_size
+    )
     try:
         yield
     finally:

@@ -28,19 +28,27 @@ from autoseg.dataset.labels import LabelScheme
 
 def _check_logits_target(logits: torch.Tensor, target: torch.Tensor, min_channels: int = 2) -> None:
     if logits.ndim < 3 or logits.shape[1] < min_channels:
-        raise ValueError(f"logits have shape {tuple(logits.shape)}; expected (B, C, *spatial) with C >= 2 "
-                         "(background plus at least one foreground class)")
+        raise ValueError(
+            f"logits have shape {tuple(logits.shape)}; expected (B, C, *spatial) with C >= 2 "
+            "(background plus at least one foreground class)"
+        )
     expected = (logits.shape[0], 1, *logits.shape[2:])
     if tuple(target.shape) != expected:
-        raise ValueError(f"target has shape {tuple(target.shape)}; expected {expected} to match logits "
-                         f"{tuple(logits.shape)} (for deep supervision use downsample_targets)")
+        raise ValueError(
+            f"target has shape {tuple(target.shape)}; expected {expected} to match logits "
+            f"{tuple(logits.shape)} (for deep supervision use downsample_targets)"
+        )
     if target.is_floating_point() or target.is_complex():
         raise ValueError(f"target has dtype {target.dtype}; expected an integer label map")
 
 
-def batch_soft_dice(probs: torch.Tensor, onehot: torch.Tensor, smooth: float = 1e-5,
-                    valid: torch.Tensor | None = None,
-                    reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def batch_soft_dice(
+    probs: torch.Tensor,
+    onehot: torch.Tensor,
+    smooth: float = 1e-5,
+    valid: torch.Tensor | None = None,
+    reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Batch soft Dice of every channel: ``(C,)`` float32.
 
     ``probs`` ``(B, C, *spatial)`` probabilities; ``onehot`` bool ``(B, C, *spatial)`` targets; ``valid``
@@ -63,8 +71,9 @@ def batch_soft_dice(probs: torch.Tensor, onehot: torch.Tensor, smooth: float = 1
     return (2 * intersection + smooth) / torch.clamp(sum_probs + sum_target + smooth, min=1e-8)
 
 
-def labelled_mean_scale(valid: torch.Tensor, per_voxel: int = 1,
-                        reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def labelled_mean_scale(
+    valid: torch.Tensor, per_voxel: int = 1, reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The factor that turns a sum over this micro-batch's labelled voxels (``valid``, ``per_voxel`` terms
     each) into its share of the mean over the global micro-batch: ``ranks / labelled voxels of all ranks``
     (1 / local count for a single process). Averaging the ranks' gradients then gives the gradient of the
@@ -75,9 +84,13 @@ def labelled_mean_scale(valid: torch.Tensor, per_voxel: int = 1,
     return counts[1] / counts[0].clamp_min(1)
 
 
-def soft_dice_per_class(probs: torch.Tensor, target: torch.Tensor, smooth: float = 1e-5,
-                        valid: torch.Tensor | None = None,
-                        reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def soft_dice_per_class(
+    probs: torch.Tensor,
+    target: torch.Tensor,
+    smooth: float = 1e-5,
+    valid: torch.Tensor | None = None,
+    reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Batch soft Dice of every foreground class: ``(C - 1,)`` float32 (see ``batch_soft_dice``).
 
     ``probs`` ``(B, C, *spatial)`` class probabilities; ``target`` ``(B, 1, *spatial)`` int64, values
@@ -98,9 +111,14 @@ class DiceCELoss(nn.Module):
     ``batch_soft_dice``.
     """
 
-    def __init__(self, dice_weight: float = 1.0, ce_weight: float = 1.0, smooth: float = 1e-5,
-                 ignore_value: int | None = None,
-                 reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        dice_weight: float = 1.0,
+        ce_weight: float = 1.0,
+        smooth: float = 1e-5,
+        ignore_value: int | None = None,
+        reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         self.dice_weight = dice_weight
         self.ce_weight = ce_weight
@@ -114,16 +132,14 @@ class DiceCELoss(nn.Module):
         logits = logits.float()
         if self.ignore_value is None:
             ce = F.cross_entropy(logits, target[:, 0])
-            dice = soft_dice_per_class(torch.softmax(logits, dim=1), target, self.smooth,
-                                       reduce_sums=self.reduce_sums)
+            dice = soft_dice_per_class(torch.softmax(logits, dim=1), target, self.smooth, reduce_sums=self.reduce_sums)
         else:
             valid = target != self.ignore_value  # B x 1 x spatial bool
             # Mean over the labelled voxels (of every rank); 0 (not NaN) when a patch holds only ignored ones.
             ce = F.cross_entropy(logits, target[:, 0], ignore_index=self.ignore_value, reduction="sum")
             ce = ce * labelled_mean_scale(valid, 1, self.reduce_sums)
             labelled = target * valid  # ignore -> 0 for the one-hot; masked out of the Dice by ``valid``
-            dice = soft_dice_per_class(torch.softmax(logits, dim=1), labelled, self.smooth, valid,
-                                       self.reduce_sums)
+            dice = soft_dice_per_class(torch.softmax(logits, dim=1), labelled, self.smooth, valid, self.reduce_sums)
         return self.ce_weight * ce + self.dice_weight * (1 - dice.mean())
 
 
@@ -137,8 +153,14 @@ class RegionDiceBCELoss(nn.Module):
     ``batch_soft_dice``.
     """
 
-    def __init__(self, scheme: LabelScheme, dice_weight: float = 1.0, bce_weight: float = 1.0,
-                 smooth: float = 1e-5, reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        scheme: LabelScheme,
+        dice_weight: float = 1.0,
+        bce_weight: float = 1.0,
+        smooth: float = 1e-5,
+        reduce_sums: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__()
         if not scheme.has_regions:
             raise ValueError("RegionDiceBCELoss needs region-based labels; use DiceCELoss for plain classes")
@@ -151,14 +173,17 @@ class RegionDiceBCELoss(nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         regions = self.scheme.num_outputs
         if logits.ndim < 3 or logits.shape[1] != regions:
-            raise ValueError(f"logits have shape {tuple(logits.shape)}; expected (B, {regions}, *spatial), one "
-                             f"channel per region of {self.scheme.names}")
+            raise ValueError(
+                f"logits have shape {tuple(logits.shape)}; expected (B, {regions}, *spatial), one "
+                f"channel per region of {self.scheme.names}"
+            )
         _check_logits_target(logits, target, min_channels=1)
         logits = logits.float()
         onehot = self.scheme.target_to_regions(target)  # B x R x spatial bool
         valid = self.scheme.valid_mask(target)  # B x 1 x spatial bool, or None
-        bce = F.binary_cross_entropy_with_logits(logits, onehot.float(), reduction="none" if valid is not None
-                                                 else "mean")  # B x R x spatial fp32 with an ignore label
+        bce = F.binary_cross_entropy_with_logits(
+            logits, onehot.float(), reduction="none" if valid is not None else "mean"
+        )  # B x R x spatial fp32 with an ignore label
         if valid is not None:
             bce = (bce * valid).sum() * labelled_mean_scale(valid, regions, self.reduce_sums)
         dice = batch_soft_dice(torch.sigmoid(logits), onehot, self.smooth, valid, self.reduce_sums)
@@ -191,18 +216,23 @@ class DeepSupervisionLoss(nn.Module):
     def __init__(self, base_loss: nn.Module, weights: Sequence[float]) -> None:
         super().__init__()
         if len(weights) == 0 or any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"deep supervision weights {list(weights)} must be non-negative with a positive "
-                             "sum (see deep_supervision_weights)")
+            raise ValueError(
+                f"deep supervision weights {list(weights)} must be non-negative with a positive "
+                "sum (see deep_supervision_weights)"
+            )
         self.base_loss = base_loss
         self.weights = [float(w) for w in weights]
 
     def forward(self, outputs: Sequence[torch.Tensor], targets: Sequence[torch.Tensor]) -> torch.Tensor:
         if not len(outputs) == len(targets) == len(self.weights):
-            raise ValueError(f"got {len(outputs)} outputs and {len(targets)} targets for {len(self.weights)} "
-                             "deep supervision weights; they must match (the network's deep_supervision "
-                             "setting and the loss must agree)")
-        terms = [w * self.base_loss(out, tgt)
-                 for w, out, tgt in zip(self.weights, outputs, targets, strict=True) if w != 0]
+            raise ValueError(
+                f"got {len(outputs)} outputs and {len(targets)} targets for {len(self.weights)} "
+                "deep supervision weights; they must match (the network's deep_supervision "
+                "setting and the loss must agree)"
+            )
+        terms = [
+            w * self.base_loss(out, tgt) for w, out, tgt in zip(self.weights, outputs, targets, strict=True) if w != 0
+        ]
         return torch.stack(terms).sum()
 
 
@@ -220,8 +250,10 @@ def downsample_targets(target: torch.Tensor, shapes: Sequence[Sequence[int]]) ->
     for shape in shapes:
         shape = tuple(int(s) for s in shape)
         if len(shape) != len(in_shape) or min(shape) < 1:
-            raise ValueError(f"cannot resize a target of spatial shape {in_shape} to {shape}; expected "
-                             f"{len(in_shape)} positive sizes (the spatial shape of a network output)")
+            raise ValueError(
+                f"cannot resize a target of spatial shape {in_shape} to {shape}; expected "
+                f"{len(in_shape)} positive sizes (the spatial shape of a network output)"
+            )
         resized = target
         for axis, (n_in, n_out) in enumerate(zip(in_shape, shape, strict=True), start=2):
             if n_in == n_out:
@@ -237,8 +269,9 @@ def downsample_targets(target: torch.Tensor, shapes: Sequence[Sequence[int]]) ->
     return out
 
 
-def compute_loss(network_output: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor,
-                 loss: nn.Module) -> torch.Tensor:
+def compute_loss(
+    network_output: torch.Tensor | Sequence[torch.Tensor], target: torch.Tensor, loss: nn.Module
+) -> torch.Tensor:
     """Loss of one batch. A deep-supervision list (``loss`` a ``DeepSupervisionLoss``) gets ``target``
     downsampled to each output's spatial shape; a single tensor goes to ``loss`` (to its ``base_loss`` when
     ``loss`` is a ``DeepSupervisionLoss``, e.g. with the network's deep supervision switched off)."""
@@ -246,9 +279,11 @@ def compute_loss(network_output: torch.Tensor | Sequence[torch.Tensor], target: 
         base = loss.base_loss if isinstance(loss, DeepSupervisionLoss) else loss
         return base(network_output, target)
     if not isinstance(loss, DeepSupervisionLoss):
-        raise ValueError(f"the network returned {len(network_output)} deep-supervision outputs but the loss "
-                         f"is a {type(loss).__name__}; wrap it in DeepSupervisionLoss or turn deep "
-                         "supervision off")
+        raise ValueError(
+            f"the network returned {len(network_output)} deep-supervision outputs but the loss "
+            f"is a {type(loss).__name__}; wrap it in DeepSupervisionLoss or turn deep "
+            "supervision off"
+        )
     targets = downsample_targets(target, [tuple(o.shape[2:]) for o in network_output])
     return loss(network_output, targets)
 
@@ -256,6 +291,5 @@ def compute_loss(network_output: torch.Tensor | Sequence[torch.Tensor], target: 
 def training_loss(scheme: LabelScheme, num_heads: int) -> DeepSupervisionLoss:
     """The trainer's loss for ``scheme``: Dice + CE (classes) or Dice + BCE (regions), ignore label masked,
     weighted over ``num_heads`` deep-supervision outputs (``deep_supervision_weights``)."""
-    base: nn.Module = RegionDiceBCELoss(scheme) if scheme.has_regions else DiceCELoss(
-        ignore_value=scheme.ignore_value)
+    base: nn.Module = RegionDiceBCELoss(scheme) if scheme.has_regions else DiceCELoss(ignore_value=scheme.ignore_value)
     return DeepSupervisionLoss(base, deep_supervision_weights(num_heads))

@@ -38,8 +38,17 @@ class PlainConvUNet(UNet):
     def build_encoder(self, topology: NetworkTopology) -> list[nn.Module]:
         features = topology.features_per_stage
         in_channels = [topology.in_channels, *features[:-1]]
-        return [conv_stage(topology.dim, in_channels[s], features[s], topology.kernel_sizes[s], topology.strides[s],
-                           topology.conv_per_stage) for s in range(topology.num_stages)]
+        return [
+            conv_stage(
+                topology.dim,
+                in_channels[s],
+                features[s],
+                topology.kernel_sizes[s],
+                topology.strides[s],
+                topology.conv_per_stage,
+            )
+            for s in range(topology.num_stages)
+        ]
 
 
 NETWORKS: dict[str, Callable[[NetworkTopology, bool], nn.Module]] = {
@@ -52,6 +61,8 @@ def build_network(topology: NetworkTopology, checkpointing: bool = False) -> nn.
     """Create the network the topology names (``topology.architecture``, a key of ``NETWORKS``), freshly
     initialized."""
     if topology.architecture not in NETWORKS:
-        raise InputError(f"network architecture {topology.architecture!r} (the 'network' entry of a configuration "
-                         f"in plans.json) is not known; use one of {sorted(NETWORKS)}")
+        raise InputError(
+            f"network architecture {topology.architecture!r} (the 'network' entry of a configuration "
+            f"in plans.json) is not known; use one of {sorted(NETWORKS)}"
+        )
     return NETWORKS[topology.architecture](topology, checkpointing)

@@ -29,8 +29,14 @@ class OptimizerSettings:
         import torch
 
         if self.name == "sgd":
-            return torch.optim.SGD(params, lr=self.initial_lr, momentum=self.momentum, nesterov=True,
-                                   weight_decay=self.weight_decay, foreach=True)
+            return torch.optim.SGD(
+                params,
+                lr=self.initial_lr,
+                momentum=self.momentum,
+                nesterov=True,
+                weight_decay=self.weight_decay,
+                foreach=True,
+            )
         if self.name == "adamw":
             return torch.optim.AdamW(params, lr=self.initial_lr, weight_decay=self.weight_decay, foreach=True)
         raise InputError(f"OptimizerSettings.name {self.name!r} is not known; use 'sgd' or 'adamw'")

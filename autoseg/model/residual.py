@@ -26,8 +26,9 @@ from autoseg.model.topology import NetworkTopology
 class ResidualBlock(nn.Module):
     """``(B, in_channels, *size)`` -> ``(B, out_channels, *size / stride)``: two convs (the first strided), a skip."""
 
-    def __init__(self, dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...],
-                 stride: tuple[int, ...]) -> None:
+    def __init__(
+        self, dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...], stride: tuple[int, ...]
+    ) -> None:
         super().__init__()
         stride = tuple(stride)
         self.conv1 = conv_block(dim, in_channels, out_channels, kernel, stride)
@@ -44,11 +45,14 @@ class ResidualBlock(nn.Module):
         return self.nonlin(self.conv2(self.conv1(x)) + self.skip(x))
 
 
-def residual_stage(dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...], stride: tuple[int, ...],
-                   num_blocks: int) -> list[nn.Module]:
+def residual_stage(
+    dim: int, in_channels: int, out_channels: int, kernel: tuple[int, ...], stride: tuple[int, ...], num_blocks: int
+) -> list[nn.Module]:
     """``num_blocks`` residual blocks; only the first one strides and changes the channels."""
-    return [ResidualBlock(dim, in_channels, out_channels, kernel, stride),
-            *(ResidualBlock(dim, out_channels, out_channels, kernel, (1,) * dim) for _ in range(num_blocks - 1))]
+    return [
+        ResidualBlock(dim, in_channels, out_channels, kernel, stride),
+        *(ResidualBlock(dim, out_channels, out_channels, kernel, (1,) * dim) for _ in range(num_blocks - 1)),
+    ]
 
 
 class ResidualEncoderUNet(UNet):
@@ -64,9 +68,20 @@ class ResidualEncoderUNet(UNet):
     def build_encoder(self, topology: NetworkTopology) -> list[nn.Module]:
         dim, features, kernels = topology.dim, topology.features_per_stage, topology.kernel_sizes
         stem = conv_block(dim, topology.in_channels, features[0], kernels[0])
-        stages = [nn.Sequential(stem, *residual_stage(dim, features[0], features[0], kernels[0], topology.strides[0],
-                                                      topology.blocks_per_stage[0]))]
-        stages += [nn.Sequential(*residual_stage(dim, features[s - 1], features[s], kernels[s], topology.strides[s],
-                                                 topology.blocks_per_stage[s]))
-                   for s in range(1, topology.num_stages)]
+        stages = [
+            nn.Sequential(
+                stem,
+                *residual_stage(
+                    dim, features[0], features[0], kernels[0], topology.strides[0], topology.blocks_per_stage[0]
+                ),
+            )
+        ]
+        stages += [
+            nn.Sequential(
+                *residual_stage(
+                    dim, features[s - 1], features[s], kernels[s], topology.strides[s], topology.blocks_per_stage[s]
+                )
+            )
+            for s in range(1, topology.num_stages)
+        ]
         return stages

@@ -93,8 +93,12 @@ def conv_in_slabs(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, x: torch.Tensor, slab
     return _conv_rows(conv, x.shape, lambda axis, lo, hi: x.narrow(axis, lo, hi - lo), slabs)
 
 
-def _conv_rows(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, in_shape: torch.Size,
-               rows_of: Callable[[int, int, int], torch.Tensor], slabs: int) -> torch.Tensor:
+def _conv_rows(
+    conv: nn.Conv1d | nn.Conv2d | nn.Conv3d,
+    in_shape: torch.Size,
+    rows_of: Callable[[int, int, int], torch.Tensor],
+    slabs: int,
+) -> torch.Tensor:
     """``conv_in_slabs`` of an input of ``in_shape`` given by ``rows_of(axis, lo, hi)``, its rows [lo, hi) along
     ``axis``: the input need never exist whole (``conv_of_upsampled_and_skip``)."""
     out_shape = _conv_output_shape(conv, in_shape)
@@ -120,8 +124,9 @@ def _conv_rows(conv: nn.Conv1d | nn.Conv2d | nn.Conv3d, in_shape: torch.Size,
     return out
 
 
-def conv_of_upsampled_and_skip(conv: nn.Module, upsample: nn.Module, coarse: torch.Tensor, skip: torch.Tensor,
-                               slab_bytes: int | None) -> torch.Tensor | None:
+def conv_of_upsampled_and_skip(
+    conv: nn.Module, upsample: nn.Module, coarse: torch.Tensor, skip: torch.Tensor, slab_bytes: int | None
+) -> torch.Tensor | None:
     """``conv(torch.cat((upsample(coarse), skip), 1))`` (a decoder stage's first convolution) in slabs, without
     the concatenation ever existing whole: each slab's input rows are the upsampling of the coarse rows they come
     from, beside the skip's rows, so the stage holds the skip, the coarse map and the output (on a 48x192x160 tile
@@ -136,8 +141,9 @@ def conv_of_upsampled_and_skip(conv: nn.Module, upsample: nn.Module, coarse: tor
     def rows_of(axis: int, lo: int, hi: int) -> torch.Tensor:
         step = upsample.stride[axis - 2]
         c0, c1 = lo // step, -(-hi // step)  # the coarse rows that make output rows [lo, hi)
-        up = _TRANSPOSED[coarse.ndim - 2](coarse.narrow(axis, c0, c1 - c0).contiguous(), upsample.weight,
-                                          upsample.bias, upsample.stride)
+        up = _TRANSPOSED[coarse.ndim - 2](
+            coarse.narrow(axis, c0, c1 - c0).contiguous(), upsample.weight, upsample.bias, upsample.stride
+        )
         return torch.cat((up.narrow(axis, lo - c0 * step, hi - lo), skip.narrow(axis, lo, hi - lo)), dim=1)
 
     return _conv_rows(conv, in_shape, rows_of, slabs)
@@ -145,18 +151,30 @@ def conv_of_upsampled_and_skip(conv: nn.Module, upsample: nn.Module, coarse: tor
 
 def _plain_upsample(upsample: nn.Module) -> bool:
     """A transposed convolution whose kernel equals its stride: each input row makes ``stride`` rows of its own."""
-    return (type(upsample) in _TRANSPOSED_TYPES and upsample.kernel_size == upsample.stride
-            and not any(upsample.padding) and not any(upsample.output_padding)
-            and all(dd == 1 for dd in upsample.dilation))
+    return (
+        type(upsample) in _TRANSPOSED_TYPES
+        and upsample.kernel_size == upsample.stride
+        and not any(upsample.padding)
+        and not any(upsample.output_padding)
+        and all(dd == 1 for dd in upsample.dilation)
+    )
 
 
-def transposed_into(upsample: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d, x: torch.Tensor,
-                    out: torch.Tensor, slab_bytes: int | None) -> None:
+def transposed_into(
+    upsample: nn.ConvTranspose1d | nn.ConvTranspose2d | nn.ConvTranspose3d,
+    x: torch.Tensor,
+    out: torch.Tensor,
+    slab_bytes: int | None,
+) -> None:
     """``out.copy_(upsample(x))`` for a transposed convolution whose kernel equals its stride (each input row makes
     ``stride`` output rows of its own), in slabs of input rows along the largest spatial axis when the output is
     larger than ``slab_bytes`` and autograd is off."""
-    if (slab_bytes is None or torch.is_grad_enabled() or not _plain_upsample(upsample)
-            or out.numel() * x.element_size() <= slab_bytes):
+    if (
+        slab_bytes is None
+        or torch.is_grad_enabled()
+        or not _plain_upsample(upsample)
+        or out.numel() * x.element_size() <= slab_bytes
+    ):
         out.copy_(upsample(x))
         return
     slabs = math.ceil(out.numel() * x.element_size() / slab_bytes)

@@ -56,6 +56,8 @@ from autoseg.model.tiles import (
 from autoseg.model.tta import mirror_variants
 
 ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
+
+
 def _autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
     dtype = autocast_dtype(precision)
     if dtype is None or (dtype == torch.float16 and device.type == "cpu"):
@@ -77,9 +79,11 @@ def predict_tile_batch(
     if isinstance(out, (list, tuple)):  # deep supervision: full resolution first
         out = out[0]
     if tuple(out.shape) != expected:
-        raise ValueError(f"network returned logits of shape {tuple(out.shape)} for a tile batch of "
-                         f"shape {tuple(tile_batch.shape)}; expected {expected}. Check num_outputs "
-                         "and that the patch size is divisible by the network's strides")
+        raise ValueError(
+            f"network returned logits of shape {tuple(out.shape)} for a tile batch of "
+            f"shape {tuple(tile_batch.shape)}; expected {expected}. Check num_outputs "
+            "and that the patch size is divisible by the network's strides"
+        )
     return out
 
 
@@ -117,8 +121,9 @@ def run_tile_batch(
         del logits  # before the next network's forward pass
 
 
-def _accumulate(logits: torch.Tensor, buffers: TileBuffers, items: Sequence[Item],
-                variants: Sequence[tuple[int, ...]]) -> None:
+def _accumulate(
+    logits: torch.Tensor, buffers: TileBuffers, items: Sequence[Item], variants: Sequence[tuple[int, ...]]
+) -> None:
     """Fold one forward pass's ``(B, K, *patch)`` logits, each flipped back, into the accumulator's running
     Gaussian-weighted mean: per voxel, ``W += g`` (the weight map) and ``mean += (g / W) (logits - mean)``.
     A mean, not a sum: it stays at the logits' scale, so a float16 accumulator neither underflows where a tile's
@@ -191,8 +196,19 @@ def sliding_window_predict(
     device = torch.device(device)
     acc_device = device if accumulator_device is None else torch.device(accumulator_device)
     data_t = _as_float_tensor(data)
-    _check_args(data_t, patch, num_outputs, step_fraction, mirror, tile_batch_size, precision, activation,
-                output_dtype, len(networks), accumulator_dtype)
+    _check_args(
+        data_t,
+        patch,
+        num_outputs,
+        step_fraction,
+        mirror,
+        tile_batch_size,
+        precision,
+        activation,
+        output_dtype,
+        len(networks),
+        accumulator_dtype,
+    )
     variants, was_training = mirror_variants(mirror, tta), [n.training for n in networks]
     for n in networks:
         n.eval()
@@ -200,11 +216,22 @@ def sliding_window_predict(
         with torch.no_grad(), slabs_on(networks, device):  # CPU: large convolutions in slabs
             layout = tile_layout(data_t.shape[1:], patch, step_fraction)
             depth = accumulator_depth(layout, len(variants), tile_batch_size)
-            buffers = allocate_buffers(data_t, layout, num_outputs, use_gaussian, device, acc_device, depth,
-                                       output_dtype, on_slab, accumulator_dtype)
+            buffers = allocate_buffers(
+                data_t,
+                layout,
+                num_outputs,
+                use_gaussian,
+                device,
+                acc_device,
+                depth,
+                output_dtype,
+                on_slab,
+                accumulator_dtype,
+            )
             del data_t
-            _run_tiles(networks, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress,
-                       activation)
+            _run_tiles(
+                networks, buffers, layout, variants, num_outputs, tile_batch_size, precision, progress, activation
+            )
             return buffers.output
     finally:
         for n, mode in zip(networks, was_training, strict=True):
@@ -230,7 +257,7 @@ def _run_tiles(
     finished = 0  # padded z-slices before this one are in the output
     with tqdm(total=len(items), disable=not progress, desc="sliding window", unit="tile") as bar:
         for first in range(0, len(items), tile_batch_size):
-            batch = items[first:first + tile_batch_size]
+            batch = items[first : first + tile_batch_size]
             if _z_range(batch[-1][0])[1] - buffers.z0 > depth:
                 _slide(buffers, finished)
             run_tile_batch(networks, buffers, batch, variants, num_outputs, precision)
@@ -269,7 +296,7 @@ def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: i
     zs, ys, xs = layout.image_region
     for a in range(start, stop, chunk):
         b = min(a + chunk, stop)
-        logits = buffers.accumulator[:, a - buffers.z0:b - buffers.z0].float()  # float32: a view
+        logits = buffers.accumulator[:, a - buffers.z0 : b - buffers.z0].float()  # float32: a view
         if activation == "sigmoid":
             logits.sigmoid_()  # in place, per region: no temporaries
         else:  # in-place softmax over classes: temporaries are one slices x Yp x Xp fp32 map each
@@ -278,7 +305,7 @@ def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: i
             logits /= logits.sum(dim=0, keepdim=True)
         z_from, z_to = max(a, zs.start), min(b, zs.stop)
         if z_from < z_to:
-            buffers.on_slab(z_from - zs.start, z_to - zs.start, logits[:, z_from - a:z_to - a, ys, xs])
+            buffers.on_slab(z_from - zs.start, z_to - zs.start, logits[:, z_from - a : z_to - a, ys, xs])
 
 
 def _as_float_tensor(data: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -312,8 +339,9 @@ def _check_args(
     if output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {sorted(OUTPUT_DTYPES)}; got {output_dtype!r}")
     if data.ndim != 4:
-        raise ValueError(f"data must be (C, Z, Y, X); got shape {tuple(data.shape)}. "
-                         "Lift 2D images to Z = 1 and add a channel axis")
+        raise ValueError(
+            f"data must be (C, Z, Y, X); got shape {tuple(data.shape)}. Lift 2D images to Z = 1 and add a channel axis"
+        )
     patch_as_zyx(patch)  # validates the number of patch axes
     if any(p < 1 for p in patch):
         raise ValueError(f"patch_size must be positive; got {patch}")
@@ -325,5 +353,7 @@ def _check_args(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}; got {precision!r}")
     if len(set(mirror_axes)) != len(mirror_axes) or any(not 0 <= a < len(patch) for a in mirror_axes):
-        raise ValueError(f"mirror_axes {mirror_axes} must be distinct indices into the {len(patch)} spatial "
-                         f"axes of patch {patch} (e.g. {tuple(range(len(patch)))})")
+        raise ValueError(
+            f"mirror_axes {mirror_axes} must be distinct indices into the {len(patch)} spatial "
+            f"axes of patch {patch} (e.g. {tuple(range(len(patch)))})"
+        )

@@ -96,8 +96,9 @@ class TrainStep:
             y = batch["target"].to(self.device, non_blocking=True)
             del batch
             self._phase("forward")
-            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                enabled=self.amp_dtype is not None):
+            with torch.autocast(
+                self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+            ):
                 output = self.network(x)
                 self._phase("loss")
                 loss = compute_loss(output, y, self.loss_fn) / self.accumulation_steps
@@ -112,9 +113,16 @@ class TrainStep:
         return step_loss, wait
 
 
-def build_step(topology: NetworkTopology, scheme: LabelScheme, *, precision: str = "fp32",
-               checkpointing: bool = False, accumulation_steps: int = 1, device: str | torch.device = "cpu",
-               optimizer: OptimizerSettings = OPTIMIZERS["sgd"]) -> TrainStep:
+def build_step(
+    topology: NetworkTopology,
+    scheme: LabelScheme,
+    *,
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    accumulation_steps: int = 1,
+    device: str | torch.device = "cpu",
+    optimizer: OptimizerSettings = OPTIMIZERS["sgd"],
+) -> TrainStep:
     """The training step of a configuration: its network (the ``architecture`` the topology names), Dice + CE (or
     Dice + BCE for regions) with deep supervision, ``precision``'s autocast (fp16 with a GradScaler on CUDA),
     ``optimizer``. A fresh network: build it inside ``FakeTensorMode`` to simulate without memory."""
@@ -124,22 +132,35 @@ def build_step(topology: NetworkTopology, scheme: LabelScheme, *, precision: str
     if device.type != "cpu":  # (a module cannot be moved inside FakeTensorMode, where the memory model builds it)
         network = network.to(device)
     return TrainStep(
-        network=network, optimizer=optimizer.build(list(network.parameters())),
+        network=network,
+        optimizer=optimizer.build(list(network.parameters())),
         scaler=torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16 and device.type == "cuda"),
-        loss_fn=training_loss(scheme, topology.num_stages - 1), device=device, amp_dtype=amp_dtype,
-        accumulation_steps=accumulation_steps, grad_clip=optimizer.grad_clip)
+        loss_fn=training_loss(scheme, topology.num_stages - 1),
+        device=device,
+        amp_dtype=amp_dtype,
+        accumulation_steps=accumulation_steps,
+        grad_clip=optimizer.grad_clip,
+    )
 
 
-def synthetic_batches(topology: NetworkTopology, scheme: LabelScheme, batch_size: int, patch_size: tuple[int, ...],
-                      generator: torch.Generator | None = None,
-                      target_dtype: torch.dtype = torch.int8) -> Iterator[Batch]:
+def synthetic_batches(
+    topology: NetworkTopology,
+    scheme: LabelScheme,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    generator: torch.Generator | None = None,
+    target_dtype: torch.dtype = torch.int8,
+) -> Iterator[Batch]:
     """Endless fresh batches as the loader hands them over: ``data`` (B, C, *patch) float32 normal noise, ``target``
     (B, 1, *patch) label values (the ignore label included) in the loader's int8 (``generator`` None under
     ``FakeTensorMode``)."""
     while True:
-        yield {"data": torch.randn((batch_size, topology.in_channels, *patch_size), generator=generator),
-               "target": torch.randint(0, scheme.num_label_values, (batch_size, 1, *patch_size), generator=generator,
-                                       dtype=target_dtype)}
+        yield {
+            "data": torch.randn((batch_size, topology.in_channels, *patch_size), generator=generator),
+            "target": torch.randint(
+                0, scheme.num_label_values, (batch_size, 1, *patch_size), generator=generator, dtype=target_dtype
+            ),
+        }
 
 
 def distribute(step: TrainStep, distributed: DistributedContext) -> None:

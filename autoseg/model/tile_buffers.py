@@ -44,6 +44,7 @@ def finish_temp_bytes(depth: int, plane_voxels: int, num_outputs: int, accumulat
     copies = 0 if accumulator_dtype == "float32" else num_outputs
     return (copies + 1) * chunk * plane_voxels * _FP32_BYTES
 
+
 def inference_buffer_bytes(
     image_shape_zyx: Sequence[int],
     patch_size: Sequence[int],
@@ -77,8 +78,9 @@ def inference_buffer_bytes(
         "accumulator": num_outputs * window * ACCUMULATOR_DTYPES[accumulator_dtype],
         "weight_map": window * _FP32_BYTES,
         "gaussian": patch_voxels * _FP32_BYTES,
-        "output": 0 if output_dtype is None else
-        num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype],
+        "output": 0
+        if output_dtype is None
+        else num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype],
         "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
         "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
     }
@@ -138,8 +140,9 @@ def allocate_buffers(
         padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
     # K x D x Yp x Xp: the z-slices tiles still add to
     window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
-    accumulator = torch.zeros((num_outputs, *window), dtype=getattr(torch, accumulator_dtype),
-                              device=accumulator_device)
+    accumulator = torch.zeros(
+        (num_outputs, *window), dtype=getattr(torch, accumulator_dtype), device=accumulator_device
+    )
     weight_map = torch.zeros(window, dtype=torch.float32, device=accumulator_device)  # D x Yp x Xp fp32
     if use_gaussian:
         gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)

@@ -103,20 +103,25 @@ class TileLayout:
     @property
     def image_region(self) -> tuple[slice, slice, slice]:
         """Slices of the unpadded image inside the padded ``(Zp, Yp, Xp)`` volume."""
-        return tuple(slice((p - s) // 2, (p - s) // 2 + s)  # type: ignore[return-value]
-                     for s, p in zip(self.image_shape_zyx, self.padded_shape_zyx, strict=True))
+        return tuple(
+            slice((p - s) // 2, (p - s) // 2 + s)  # type: ignore[return-value]
+            for s, p in zip(self.image_shape_zyx, self.padded_shape_zyx, strict=True)
+        )
 
     def regions(self) -> list[Region]:
         """Every tile's region in the padded volume: 3 slices (3D), or (z index, y slice, x slice) (2D)."""
         if len(self.patch_size) == 3:
-            return [tuple(slice(s, s + p) for s, p in zip(start, self.patch_size, strict=True))
-                    for start in itertools.product(*self.axis_starts)]
+            return [
+                tuple(slice(s, s + p) for s, p in zip(start, self.patch_size, strict=True))
+                for start in itertools.product(*self.axis_starts)
+            ]
         py, px = self.patch_size
         return [(z, slice(y, y + py), slice(x, x + px)) for z, y, x in itertools.product(*self.axis_starts)]
 
 
-def tile_layout(image_shape_zyx: Sequence[int], patch_size: Sequence[int],
-                step_fraction: float | Sequence[float] = 0.5) -> TileLayout:
+def tile_layout(
+    image_shape_zyx: Sequence[int], patch_size: Sequence[int], step_fraction: float | Sequence[float] = 0.5
+) -> TileLayout:
     """The padding and tiles of ``sliding_window_predict`` for an image of ``image_shape_zyx`` (Z, Y, X);
     ``patch_size`` (z, y, x) for a 3D network or (y, x) for a 2D network (each slice tiled over (Y, X)).
     ``step_fraction``: one for every axis of the patch, or one per axis (``overlap_step_fractions``).
@@ -130,13 +135,14 @@ def tile_layout(image_shape_zyx: Sequence[int], patch_size: Sequence[int],
     patch = tuple(int(p) for p in patch_size)
     fractions = step_fractions(step_fraction, len(patch))
     padded = tuple(max(s, p) for s, p in zip(image, patch_as_zyx(patch), strict=True))
-    tiled = tuple(_axis_starts(s, p, f) for s, p, f in zip(padded[-len(patch):], patch, fractions, strict=True))
+    tiled = tuple(_axis_starts(s, p, f) for s, p, f in zip(padded[-len(patch) :], patch, fractions, strict=True))
     starts = tiled if len(patch) == 3 else (tuple(range(padded[0])), *tiled)  # 2D: every slice
     return TileLayout(image, patch, padded, starts)  # type: ignore[arg-type]
 
 
-def overlap_step_fractions(tile_size: Sequence[int], patch_size: Sequence[int],
-                           step_fraction: float = 0.5) -> tuple[float, ...]:
+def overlap_step_fractions(
+    tile_size: Sequence[int], patch_size: Sequence[int], step_fraction: float = 0.5
+) -> tuple[float, ...]:
     """Per-axis step fractions of a ``tile_size`` tile that keep the overlap of consecutive tiles, in voxels, what
     ``step_fraction`` gives the training patch ``patch_size``: ``1 - (1 - step_fraction) * patch / tile``. A tile
     of twice the patch at step 0.5 steps 3/4 of itself (overlap: half a patch); the patch itself steps 0.5."""
@@ -148,11 +154,15 @@ def overlap_step_fractions(tile_size: Sequence[int], patch_size: Sequence[int],
 
 def step_fractions(step_fraction: float | Sequence[float], num_axes: int) -> tuple[float, ...]:
     """One step fraction per patch axis, each in (0, 1]."""
-    fractions = (tuple(float(f) for f in step_fraction) if isinstance(step_fraction, Sequence)
-                 else (float(step_fraction),) * num_axes)
+    fractions = (
+        tuple(float(f) for f in step_fraction)
+        if isinstance(step_fraction, Sequence)
+        else (float(step_fraction),) * num_axes
+    )
     if len(fractions) != num_axes or not all(0 < f <= 1 for f in fractions):
-        raise ValueError(f"step_fraction must be in (0, 1], one value or one per patch axis ({num_axes}); "
-                         f"got {step_fraction}")
+        raise ValueError(
+            f"step_fraction must be in (0, 1], one value or one per patch axis ({num_axes}); got {step_fraction}"
+        )
     return fractions
 
 

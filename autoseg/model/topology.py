@@ -29,8 +29,11 @@ def preset_fields(architecture: str, num_stages: int) -> dict:
     """The ``NetworkTopology`` fields besides the U-Net's shape that the planner sets for ``architecture``: nnU-Net's
     ResEnc block counts and one conv block per decoder stage for a residual encoder; the defaults for a plain U-Net."""
     if architecture == RESIDUAL_ENCODER_UNET:
-        return {"architecture": architecture, "blocks_per_stage": resenc_blocks_per_stage(num_stages),
-                "conv_per_stage": RESENC_DECODER_CONVS}
+        return {
+            "architecture": architecture,
+            "blocks_per_stage": resenc_blocks_per_stage(num_stages),
+            "conv_per_stage": RESENC_DECODER_CONVS,
+        }
     return {"architecture": architecture}
 
 
@@ -88,24 +91,34 @@ def validate_topology(topology: NetworkTopology) -> None:
     if n < 2:
         raise InputError(f"{where}: features_per_stage has {n} stage(s); a U-Net needs at least 2")
     if len(topology.kernel_sizes) != n or len(topology.strides) != n:
-        raise InputError(f"{where}: features_per_stage has {n} stages but kernel_sizes has "
-                         f"{len(topology.kernel_sizes)} and strides {len(topology.strides)}; "
-                         "give one per stage")
+        raise InputError(
+            f"{where}: features_per_stage has {n} stages but kernel_sizes has "
+            f"{len(topology.kernel_sizes)} and strides {len(topology.strides)}; "
+            "give one per stage"
+        )
     for name in ("kernel_sizes", "strides"):
         for s, values in enumerate(getattr(topology, name)):
             if len(values) != topology.dim or any(v < 1 for v in values):
-                raise InputError(f"{where}: {name}[{s}] is {tuple(values)}; expected {topology.dim} "
-                                 "positive integers (one per spatial axis)")
+                raise InputError(
+                    f"{where}: {name}[{s}] is {tuple(values)}; expected {topology.dim} "
+                    "positive integers (one per spatial axis)"
+                )
     for s, kernel in enumerate(topology.kernel_sizes):
         if any(k % 2 == 0 for k in kernel):
-            raise InputError(f"{where}: kernel_sizes[{s}] is {tuple(kernel)}; kernels must be odd so that "
-                             "padding k // 2 keeps the spatial size")
+            raise InputError(
+                f"{where}: kernel_sizes[{s}] is {tuple(kernel)}; kernels must be odd so that "
+                "padding k // 2 keeps the spatial size"
+            )
     if any(v != 1 for v in topology.strides[0]):
-        raise InputError(f"{where}: strides[0] is {tuple(topology.strides[0])}; the first stage works at "
-                         "full resolution, so its stride must be all ones")
+        raise InputError(
+            f"{where}: strides[0] is {tuple(topology.strides[0])}; the first stage works at "
+            "full resolution, so its stride must be all ones"
+        )
     if min(topology.features_per_stage) < 1 or topology.in_channels < 1 or topology.num_outputs < 1:
-        raise InputError(f"{where}: features_per_stage {topology.features_per_stage}, in_channels "
-                         f"{topology.in_channels} and num_outputs {topology.num_outputs} must all be >= 1")
+        raise InputError(
+            f"{where}: features_per_stage {topology.features_per_stage}, in_channels "
+            f"{topology.in_channels} and num_outputs {topology.num_outputs} must all be >= 1"
+        )
     if topology.conv_per_stage < 1:
         raise InputError(f"{where}: conv_per_stage is {topology.conv_per_stage}; expected >= 1")
     _check_blocks(topology, where)
@@ -115,9 +128,13 @@ def _check_blocks(topology: NetworkTopology, where: str) -> None:
     blocks = tuple(topology.blocks_per_stage)
     if topology.architecture == RESIDUAL_ENCODER_UNET:
         if len(blocks) != topology.num_stages or min(blocks) < 1:
-            raise InputError(f"{where}: blocks_per_stage is {list(blocks)}; a {RESIDUAL_ENCODER_UNET} needs one "
-                             f"count >= 1 per stage ({topology.num_stages}), e.g. nnU-Net's "
-                             f"{list(resenc_blocks_per_stage(topology.num_stages))}")
+            raise InputError(
+                f"{where}: blocks_per_stage is {list(blocks)}; a {RESIDUAL_ENCODER_UNET} needs one "
+                f"count >= 1 per stage ({topology.num_stages}), e.g. nnU-Net's "
+                f"{list(resenc_blocks_per_stage(topology.num_stages))}"
+            )
     elif blocks:
-        raise InputError(f"{where}: blocks_per_stage is {list(blocks)} but architecture {topology.architecture!r} "
-                         f"has no residual blocks; set it to [] (or the architecture to {RESIDUAL_ENCODER_UNET!r})")
+        raise InputError(
+            f"{where}: blocks_per_stage is {list(blocks)} but architecture {topology.architecture!r} "
+            f"has no residual blocks; set it to [] (or the architecture to {RESIDUAL_ENCODER_UNET!r})"
+        )

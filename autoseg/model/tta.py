@@ -20,15 +20,17 @@ def mirror_variants(mirror_axes: Sequence[int], tta: int | None = None) -> list[
     if tta is None:
         return every
     if not 0 <= tta <= len(every):
-        raise InputError(f"tta {tta} is not between 0 and {len(every)}, the number of mirror variants of axes "
-                         f"{tuple(mirror_axes)}; use --tta all, none or a number in that range")
-    return every[:max(tta, 1)]
+        raise InputError(
+            f"tta {tta} is not between 0 and {len(every)}, the number of mirror variants of axes "
+            f"{tuple(mirror_axes)}; use --tta all, none or a number in that range"
+        )
+    return every[: max(tta, 1)]
 
 
 def parse_tta(value: str, num_axes: int) -> int:
     """``--tta``: "all" (every one of the ``2 ** num_axes`` mirror variants), "none" (identity only, 1) or a
     number N in 0..2 ** num_axes (the first N of ``mirror_variants``' order; 0 means none). Returns the count."""
-    total = 2 ** num_axes
+    total = 2**num_axes
     text = value.strip().lower()
     if text == "all":
         return total
@@ -36,5 +38,7 @@ def parse_tta(value: str, num_axes: int) -> int:
         return 1
     if text.isdigit() and int(text) <= total:
         return max(int(text), 1)
-    raise InputError(f"--tta {value!r}: use all, none or a number of mirror variants from 0 to {total} "
-                     f"(this network mirrors {num_axes} axes: {total} variants, identity first)")
+    raise InputError(
+        f"--tta {value!r}: use all, none or a number of mirror variants from 0 to {total} "
+        f"(this network mirrors {num_axes} axes: {total} variants, identity first)"
+    )

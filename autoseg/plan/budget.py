@@ -52,11 +52,15 @@ class Budget:
         if self.precision is not None and self.precision not in PRECISIONS:
             raise InputError(f"Budget.precision {self.precision!r}: use one of {sorted(PRECISIONS)}")
         if self.architecture not in ARCHITECTURES.values():
-            raise InputError(f"Budget.architecture {self.architecture!r}: use one of {sorted(ARCHITECTURES.values())} "
-                             f"(autoseg plan --architecture {'|'.join(ARCHITECTURES)})")
+            raise InputError(
+                f"Budget.architecture {self.architecture!r}: use one of {sorted(ARCHITECTURES.values())} "
+                f"(autoseg plan --architecture {'|'.join(ARCHITECTURES)})"
+            )
         if self.device == "cpu" and self.precision not in (None, "fp32"):
-            raise InputError("training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
-                             "leave Budget.precision unset for device 'cpu'")
+            raise InputError(
+                "training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
+                "leave Budget.precision unset for device 'cpu'"
+            )
 
     @property
     def cpu_rates(self) -> StepRates:

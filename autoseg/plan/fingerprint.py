@@ -65,10 +65,16 @@ def fingerprint(dataset: RawDataset, seed: int = 0, progress: bool = True, proce
                 bar.update()
         else:
             results = run_in_processes(
-                _summarise_case, tasks, [c.case_id for c in dataset.cases], processes,
+                _summarise_case,
+                tasks,
+                [c.case_id for c in dataset.cases],
+                processes,
                 on_result=lambda _: bar.update(),
-                describe_death=lambda in_flight: (f"a fingerprint worker died (killed by the OS for lack of memory?) "
-                                                  f"while reading {sorted(in_flight)}; rerun with fewer --processes"))
+                describe_death=lambda in_flight: (
+                    f"a fingerprint worker died (killed by the OS for lack of memory?) "
+                    f"while reading {sorted(in_flight)}; rerun with fewer --processes"
+                ),
+            )
     results.sort(key=lambda r: r[0])  # completion order -> case order
     raise_problems(dataset, [p for r in results for p in r[4]])  # the voxels of every case are checked here
     cases = tuple(r[1] for r in results)
@@ -124,9 +130,11 @@ def _require_foreground(dataset: RawDataset, cases: tuple[CaseFingerprint, ...])
     scheme = dataset.label_scheme
     foreground = [v for v in scheme.label_values if v not in (0, scheme.ignore_value)]
     if not any(c.class_voxels[v] for c in cases for v in foreground if v < len(c.class_voxels)):
-        raise DatasetError(f"{dataset.root / 'labelsTr'}: none of the {len(cases)} label files holds a foreground "
-                           f"voxel (values {foreground} declared in dataset.json); every voxel is background or "
-                           "ignore. Check that the labels were exported with their values, not as empty masks")
+        raise DatasetError(
+            f"{dataset.root / 'labelsTr'}: none of the {len(cases)} label files holds a foreground "
+            f"voxel (values {foreground} declared in dataset.json); every voxel is background or "
+            "ignore. Check that the labels were exported with their values, not as empty masks"
+        )
 
 
 def _intensity_properties(samples: list[np.ndarray]) -> IntensityProperties:
@@ -134,5 +142,6 @@ def _intensity_properties(samples: list[np.ndarray]) -> IntensityProperties:
         return IntensityProperties(mean=0.0, std=1.0, percentile_00_5=0.0, percentile_99_5=0.0)
     values = np.concatenate(samples).astype(np.float64)
     p005, p995 = np.percentile(values, [0.5, 99.5])
-    return IntensityProperties(mean=float(values.mean()), std=float(values.std()),
-                               percentile_00_5=float(p005), percentile_99_5=float(p995))
+    return IntensityProperties(
+        mean=float(values.mean()), std=float(values.std()), percentile_00_5=float(p005), percentile_99_5=float(p995)
+    )

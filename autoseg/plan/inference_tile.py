@@ -37,8 +37,9 @@ def inference_budget_share(device: str, memory_bytes: int) -> int:
     return int(INFERENCE_BUDGET_FRACTION["cuda" if device.startswith("cuda") else "cpu"] * memory_bytes)
 
 
-def tile_candidates(patch_size: tuple[int, ...], divisor: tuple[int, ...],
-                    median_shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+def tile_candidates(
+    patch_size: tuple[int, ...], divisor: tuple[int, ...], median_shape: tuple[int, ...]
+) -> list[tuple[int, ...]]:
     """Valid tiles from the largest down to the patch: the patch scaled by common factors, each axis rounded
     down to a multiple of ``divisor`` and held between the patch and its cap, the smallest multiple of
     ``divisor`` covering the median image (``median_shape``, one value per patch axis), at most
@@ -47,14 +48,17 @@ def tile_candidates(patch_size: tuple[int, ...], divisor: tuple[int, ...],
     Example: patch (16, 40, 40), divisor (4, 8, 8), median (17, 47, 47) -> caps (20, 48, 48): [(20, 48, 48),
     (16, 48, 48), (16, 40, 40)].
     """
-    caps = tuple(max(p, min(MAX_TILE_MULTIPLE * p, math.ceil(m / d) * d))
-                 for p, d, m in zip(patch_size, divisor, median_shape, strict=True))
+    caps = tuple(
+        max(p, min(MAX_TILE_MULTIPLE * p, math.ceil(m / d) * d))
+        for p, d, m in zip(patch_size, divisor, median_shape, strict=True)
+    )
     largest = max(c / p for c, p in zip(caps, patch_size, strict=True))
     tiles = {tuple(patch_size)}
     for i in range(TILE_SCALE_STEPS + 1):  # at most 9 tiles: the planner simulates them from the largest down
         scale = 1.0 + (largest - 1.0) * i / TILE_SCALE_STEPS
-        tiles.add(tuple(min(c, max(p, int(scale * p) // d * d))
-                        for p, d, c in zip(patch_size, divisor, caps, strict=True)))
+        tiles.add(
+            tuple(min(c, max(p, int(scale * p) // d * d)) for p, d, c in zip(patch_size, divisor, caps, strict=True))
+        )
     return sorted(tiles, key=lambda t: (math.prod(t), t), reverse=True)
 
 
@@ -63,20 +67,29 @@ def plan_inference_tile(config: ConfigurationPlan, memory_bytes: int) -> tuple[i
     forward pass, every mirror variant, the accumulator on the device, is predicted to fit
     ``inference_budget_share(config.device, memory_bytes)``; the patch if none does."""
     median = tuple(config.median_shape_zyx)
-    candidates = tile_candidates(tuple(config.patch_size), config.network.patch_divisor(), median[-config.dim:])
+    candidates = tile_candidates(tuple(config.patch_size), config.network.patch_divisor(), median[-config.dim :])
     budget = inference_budget_share(config.device, memory_bytes)
     precision = effective_precision(config.precision, config.device)
     for tile in candidates:
-        mem = inference_memory(config.network, tile, 1, median, config.network.num_outputs, precision,
-                               mirror_axes=tuple(range(config.dim)), device=config.device,
-                               accumulator_dtype=PREDICTION_ACCUMULATOR)
+        mem = inference_memory(
+            config.network,
+            tile,
+            1,
+            median,
+            config.network.num_outputs,
+            precision,
+            mirror_axes=tuple(range(config.dim)),
+            device=config.device,
+            accumulator_dtype=PREDICTION_ACCUMULATOR,
+        )
         if predict_device_peak(mem, config.device)["total"] <= budget:
             return tile
     return tuple(config.patch_size)
 
 
-def tile_for_image(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], tile: str = "planned",
-                   step_fraction: float = 0.5) -> tuple[int, ...]:
+def tile_for_image(
+    config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], tile: str = "planned", step_fraction: float = 0.5
+) -> tuple[int, ...]:
     """The tile of the sliding window over one preprocessed image of ``image_shape_zyx`` (Z, Y, X): ``tile`` "patch"
     is the training patch; "planned" takes, per axis, a size between the patch and the planned tile
     (``config.inference_tile()``), a multiple of the strides' product and no larger than the image, that predicts
@@ -91,10 +104,11 @@ def tile_for_image(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...], 
     patch = tuple(config.patch_size)
     if config.inference_tile(tile) == patch:
         return patch
-    sizes = tuple(image_shape_zyx)[-len(patch):]
-    return tuple(min(_axis_options(p, t, d, s), key=lambda c, s=s, p=p: (_axis_voxels(s, c, p, step_fraction), -c))
-                 for s, p, t, d in zip(sizes, patch, config.inference_tile(tile), config.network.patch_divisor(),
-                                       strict=True))
+    sizes = tuple(image_shape_zyx)[-len(patch) :]
+    return tuple(
+        min(_axis_options(p, t, d, s), key=lambda c, s=s, p=p: (_axis_voxels(s, c, p, step_fraction), -c))
+        for s, p, t, d in zip(sizes, patch, config.inference_tile(tile), config.network.patch_divisor(), strict=True)
+    )
 
 
 def _axis_options(patch: int, largest: int, divisor: int, size: int) -> list[int]:

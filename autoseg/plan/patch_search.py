@@ -135,8 +135,9 @@ class StepCost:
         key = (topology, batch, math.prod(patch))  # the peak depends on the patch through its volume only
         if key not in self._peaks:
             s = self.setting
-            self._peaks[key] = int(self.peak_fn(topology, batch, patch, s.precision, s.checkpointing,
-                                                s.accumulation_steps))
+            self._peaks[key] = int(
+                self.peak_fn(topology, batch, patch, s.precision, s.checkpointing, s.accumulation_steps)
+            )
         return self._peaks[key]
 
     def flops(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
@@ -145,15 +146,34 @@ class StepCost:
     def seconds(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> float:
         """Predicted seconds of one optimizer step (``StepRates.seconds``; recomputation re-runs the forward's
         feature maps as it re-runs its FLOPs). Bytes mapped afresh are counted at fp32 (CPU steps run in fp32)."""
-        return self.limits.rates.seconds(self.flops(topology, batch, patch), step_elements(topology, patch, batch) *
-                                         self.factor, mapped_bytes(topology, patch, batch) * self.factor)
+        return self.limits.rates.seconds(
+            self.flops(topology, batch, patch),
+            step_elements(topology, patch, batch) * self.factor,
+            mapped_bytes(topology, patch, batch) * self.factor,
+        )
 
-    def candidate(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...], coverage: float,
-                  max_batch: int, accumulation_steps: int | None = None) -> Candidate:
+    def candidate(
+        self,
+        topology: NetworkTopology,
+        batch: int,
+        patch: tuple[int, ...],
+        coverage: float,
+        max_batch: int,
+        accumulation_steps: int | None = None,
+    ) -> Candidate:
         """THE ``Candidate`` of this topology, batch and patch, its bytes (when memory is checked) and time."""
         peak = self.peak(topology, batch, patch) if self.use_memory else 0
-        return Candidate(topology, patch, batch, accumulation_steps or self.setting.accumulation_steps, peak,
-                         self.flops(topology, batch, patch), self.seconds(topology, batch, patch), coverage, max_batch)
+        return Candidate(
+            topology,
+            patch,
+            batch,
+            accumulation_steps or self.setting.accumulation_steps,
+            peak,
+            self.flops(topology, batch, patch),
+            self.seconds(topology, batch, patch),
+            coverage,
+            max_batch,
+        )
 
     def fits(self, topology: NetworkTopology, batch: int, patch: tuple[int, ...]) -> bool:
         """Within the time and memory limits; a topology of one stage (a patch too small to pool) never
@@ -170,13 +190,21 @@ def step_flops(topology: NetworkTopology, patch_size: tuple[int, ...], batch_siz
     """``autoseg.plan.throughput.conv_flops`` (one training step, forward + backward ~ 3x the forward's convolutions)
     for the topology's architecture: the plain U-Net's formula there, a residual encoder's from its own module."""
     residual = topology.architecture == RESIDUAL_ENCODER_UNET
-    return 3.0 * forward_conv_flops(topology, patch_size) * batch_size if residual else \
-        conv_flops(topology, patch_size, batch_size)
+    return (
+        3.0 * forward_conv_flops(topology, patch_size) * batch_size
+        if residual
+        else conv_flops(topology, patch_size, batch_size)
+    )
 
 
-def rough_training_peak_bytes(topology: NetworkTopology, batch_size: int, patch_size: tuple[int, ...],
-                              precision: str = "fp32", checkpointing: bool = False,
-                              accumulation_steps: int = 1) -> int:
+def rough_training_peak_bytes(
+    topology: NetworkTopology,
+    batch_size: int,
+    patch_size: tuple[int, ...],
+    precision: str = "fp32",
+    checkpointing: bool = False,
+    accumulation_steps: int = 1,
+) -> int:
     """A first-order estimate, the search's proxy between simulations: parameters x 16 bytes (weights,
     gradients, momentum, transient) + ~6 stored tensors per convolution block at each resolution,
     encoder and decoder (the encoder's convolutions as the architecture has them)."""
@@ -184,8 +212,9 @@ def rough_training_peak_bytes(topology: NetworkTopology, batch_size: int, patch_
     params = 0.0
     act = 0.0
     prev = topology.in_channels
-    for f, k, st, convs in zip(topology.features_per_stage, topology.kernel_sizes, topology.strides,
-                               topology.encoder_convs()):
+    for f, k, st, convs in zip(
+        topology.features_per_stage, topology.kernel_sizes, topology.strides, topology.encoder_convs()
+    ):
         voxels /= float(math.prod(st))
         params += float(math.prod(k)) * (prev * f + (convs - 1) * f * f)  # the encoder's
         act += 3 * (convs + topology.conv_per_stage) * f * voxels  # encoder + decoder
@@ -220,7 +249,7 @@ def search(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate | 
         # no grid searched holds a patch near the limit: the topologies of larger family patches, then
         # networks pooling one axis once less (a finer grid on that axis)
         def alternatives():  # lazily: most searches stop before
-            yield from ((t, None) for t in _guesses(space, setting, cost, ratio, batch)[1:1 + MAX_FITS])
+            yield from ((t, None) for t in _guesses(space, setting, cost, ratio, batch)[1 : 1 + MAX_FITS])
             yield from _pool_variants(space, setting, best[0], ratio, batch, cost.limits)
 
         for topology, caps in alternatives():
@@ -236,8 +265,9 @@ def search(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate | 
     return cost.candidate(topology, batch, patch, space.coverage(patch), space.max_batch(patch))
 
 
-def _pool_variants(space: SearchSpace, setting: Setting, topology: NetworkTopology, ratio: float, batch: int,
-                   limits: Limits) -> list[tuple[NetworkTopology, tuple[int, ...]]]:
+def _pool_variants(
+    space: SearchSpace, setting: Setting, topology: NetworkTopology, ratio: float, batch: int, limits: Limits
+) -> list[tuple[NetworkTopology, tuple[int, ...]]]:
     """``topology`` with one pooling fewer on one axis (and the pooling caps that give it), the most
     promising first by the proxy's best coverage on its grid."""
     pools = pools_per_axis(topology)
@@ -260,22 +290,30 @@ def _pool_variants(space: SearchSpace, setting: Setting, topology: NetworkTopolo
     return [(variant, caps) for _, variant, caps in ranked]
 
 
-def _underfilled(space: SearchSpace, best: tuple[NetworkTopology, tuple[int, ...]], cost: StepCost,
-                 batch: int) -> bool:
+def _underfilled(space: SearchSpace, best: tuple[NetworkTopology, tuple[int, ...]], cost: StepCost, batch: int) -> bool:
     return space.coverage(best[1]) < 1.0 and cost.peak(best[0], batch, best[1]) < cost.limits.fill_bytes
 
 
-def canonical(space: SearchSpace, setting: Setting, patch: tuple[int, ...], max_pools: tuple[int, ...] | None = None
-              ) -> tuple[NetworkTopology, tuple[int, ...]]:
+def canonical(
+    space: SearchSpace, setting: Setting, patch: tuple[int, ...], max_pools: tuple[int, ...] | None = None
+) -> tuple[NetworkTopology, tuple[int, ...]]:
     """The topology ``topology_for`` gives this patch under ``setting``, and the patch rounded to it."""
-    return topology_for(tuple(int(v) for v in patch), tuple(space.spacing_mm), space.in_channels,
-                        space.num_outputs, setting.base_features, setting.max_features, max_pools,
-                        setting.architecture)
+    return topology_for(
+        tuple(int(v) for v in patch),
+        tuple(space.spacing_mm),
+        space.in_channels,
+        space.num_outputs,
+        setting.base_features,
+        setting.max_features,
+        max_pools,
+        setting.architecture,
+    )
 
 
 def _proxy_bytes(topology: NetworkTopology, batch: int, patch: tuple[int, ...], setting: Setting) -> int:
-    return rough_training_peak_bytes(topology, batch, patch, setting.precision, setting.checkpointing,
-                                     setting.accumulation_steps)
+    return rough_training_peak_bytes(
+        topology, batch, patch, setting.precision, setting.checkpointing, setting.accumulation_steps
+    )
 
 
 def _guesses(space: SearchSpace, setting: Setting, cost: StepCost, ratio: float, batch: int) -> list[NetworkTopology]:
@@ -290,14 +328,15 @@ def _guesses(space: SearchSpace, setting: Setting, cost: StepCost, ratio: float,
         topology, patch = canonical(space, setting, tuple(max(1, round(s)) for s in shape))
         fits_time = cost.limits.seconds is None or cost.seconds(topology, batch, patch) <= cost.limits.seconds
         fits_bytes = not cost.use_memory or (
-            ratio * _proxy_bytes(topology, batch, patch, setting) <= cost.limits.memory_bytes)
+            ratio * _proxy_bytes(topology, batch, patch, setting) <= cost.limits.memory_bytes
+        )
         family.append((voxels, topology, fits_time and fits_bytes))
         if voxels >= median_voxels:
             break
         voxels *= FAMILY_STEP
     best = max((i for i, f in enumerate(family) if f[2]), default=0)
     out = [family[best][1]]
-    for v, topology, _ in family[best + 1:]:
+    for v, topology, _ in family[best + 1 :]:
         if v > NEIGHBOUR_RANGE * family[best][0]:
             break
         if topology not in out:
@@ -305,8 +344,14 @@ def _guesses(space: SearchSpace, setting: Setting, cost: StepCost, ratio: float,
     return out
 
 
-def _fitting_patches(space: SearchSpace, topology: NetworkTopology, setting: Setting, cost: StepCost, batch: int,
-                     max_pools: tuple[int, ...] | None = None) -> list[tuple[int, ...]]:
+def _fitting_patches(
+    space: SearchSpace,
+    topology: NetworkTopology,
+    setting: Setting,
+    cost: StepCost,
+    batch: int,
+    max_pools: tuple[int, ...] | None = None,
+) -> list[tuple[int, ...]]:
     """The patches on ``topology``'s grid (multiples of its strides, each axis at most the median rounded up)
     whose own topology it is (pooling capped at ``max_pools``) and whose step fits at ``batch``.
 
@@ -320,8 +365,9 @@ def _fitting_patches(space: SearchSpace, topology: NetworkTopology, setting: Set
     fit_at = _last_fitting([p for _, p in family], lambda p: cost.fits(topology, batch, p))
     v_low = BAND_LOW * family[fit_at][0] if fit_at >= 0 else 0.0
     v_high = family[fit_at + 1][0] if fit_at + 1 < len(family) else math.inf
-    grid = [p for p in _grid_band(div, counts, v_low, v_high)
-            if canonical(space, setting, p, max_pools) == (topology, p)]
+    grid = [
+        p for p in _grid_band(div, counts, v_low, v_high) if canonical(space, setting, p, max_pools) == (topology, p)
+    ]
     by_volume = sorted({math.prod(p): p for p in grid}.items())
     last = _last_fitting([p for _, p in by_volume], lambda p: cost.fits(topology, batch, p))
     return [] if last < 0 else [p for p in grid if math.prod(p) <= by_volume[last][0]]
@@ -363,8 +409,9 @@ def _grid_band(div: tuple[int, ...], counts: list[int], v_low: float, v_high: fl
     return out
 
 
-def _select(space: SearchSpace, options: list[tuple[NetworkTopology, tuple[int, ...]]], cost: StepCost,
-            batch: int) -> tuple[NetworkTopology, tuple[int, ...]] | None:
+def _select(
+    space: SearchSpace, options: list[tuple[NetworkTopology, tuple[int, ...]]], cost: StepCost, batch: int
+) -> tuple[NetworkTopology, tuple[int, ...]] | None:
     """Largest coverage; within COVERAGE_TOLERANCE of it the shape closest to the isotropic family that
     still reaches ``fill_bytes`` at ``batch`` (among patches covering the whole median image: the smallest)."""
     if not options:

@@ -195,32 +195,47 @@ class Plans(Artifact):
         channels = len(self.channel_names)
         for key in ("normalization", "use_nonzero_mask", "intensity_properties"):
             if len(getattr(self, key)) != channels:
-                raise InputError(f"{where}: {key} has {len(getattr(self, key))} entries for {channels} channel(s) "
-                                 f"{list(self.channel_names)}; give one per channel")
+                raise InputError(
+                    f"{where}: {key} has {len(getattr(self, key))} entries for {channels} channel(s) "
+                    f"{list(self.channel_names)}; give one per channel"
+                )
         outputs = self.label_scheme.num_outputs
         for name, config in self.configurations.items():
             at = f"{where}: configuration {name!r}"
             try:
                 validate_topology(config.network)
-                check_step_arguments(config.network, config.batch_size, config.patch_size, config.precision,
-                                     "sgd", config.accumulation_steps)
+                check_step_arguments(
+                    config.network,
+                    config.batch_size,
+                    config.patch_size,
+                    config.precision,
+                    "sgd",
+                    config.accumulation_steps,
+                )
             except InputError as e:
                 raise InputError(f"{at}: {e}") from None
             inputs = self.input_channels(config)
             if config.network.in_channels != inputs or config.network.num_outputs != outputs:
-                cascade = f" + {inputs - channels} one-hot channel(s) of {config.previous_stage}'s prediction" \
-                    if config.previous_stage else ""
-                raise InputError(f"{at}: network.in_channels {config.network.in_channels} and num_outputs "
-                                 f"{config.network.num_outputs} must be the {channels} channel(s){cascade} and "
-                                 f"{outputs} output(s) of the dataset's channel_names and labels")
+                cascade = (
+                    f" + {inputs - channels} one-hot channel(s) of {config.previous_stage}'s prediction"
+                    if config.previous_stage
+                    else ""
+                )
+                raise InputError(
+                    f"{at}: network.in_channels {config.network.in_channels} and num_outputs "
+                    f"{config.network.num_outputs} must be the {channels} channel(s){cascade} and "
+                    f"{outputs} output(s) of the dataset's channel_names and labels"
+                )
             self._check_stages(config, at)
             _check_inference_tile(config, at)
             if len(config.spacing_mm) != 3 or min(config.spacing_mm) <= 0:
                 raise InputError(f"{at}: spacing_mm {list(config.spacing_mm)} must be 3 positive values (z, y, x)")
             if config.device not in ("cpu", "cuda") or config.loader_workers < 0 or config.loader_queue_depth < 1:
-                raise InputError(f"{at}: device {config.device!r} must be 'cpu' or 'cuda', loader_workers >= 0 and "
-                                 f"loader_queue_depth >= 1 (found {config.loader_workers}, "
-                                 f"{config.loader_queue_depth})")
+                raise InputError(
+                    f"{at}: device {config.device!r} must be 'cpu' or 'cuda', loader_workers >= 0 and "
+                    f"loader_queue_depth >= 1 (found {config.loader_workers}, "
+                    f"{config.loader_queue_depth})"
+                )
 
     def _check_stages(self, config: ConfigurationPlan, at: str) -> None:
         """A cascade's previous stage and the data it trains on are planned, are no cascades themselves, and the data
@@ -228,13 +243,17 @@ class Plans(Artifact):
         for key in ("previous_stage", "preprocessed_as"):
             other = self.configurations.get(getattr(config, key))
             if getattr(config, key) and (other is None or other.previous_stage or other.preprocessed_as):
-                raise InputError(f"{at}: {key} {getattr(config, key)!r} must name another planned configuration "
-                                 f"that is no cascade stage ({list(self.configurations)}), or be \"\"")
+                raise InputError(
+                    f"{at}: {key} {getattr(config, key)!r} must name another planned configuration "
+                    f'that is no cascade stage ({list(self.configurations)}), or be ""'
+                )
         source = self.configurations.get(config.preprocessed_as)
         if source is not None and (tuple(source.spacing_mm) != tuple(config.spacing_mm) or source.dim != config.dim):
-            raise InputError(f"{at}: preprocessed_as {config.preprocessed_as!r} has spacing_mm "
-                             f"{list(source.spacing_mm)}, not this configuration's {list(config.spacing_mm)}; "
-                             "a configuration trains on data preprocessed at its own spacing")
+            raise InputError(
+                f"{at}: preprocessed_as {config.preprocessed_as!r} has spacing_mm "
+                f"{list(source.spacing_mm)}, not this configuration's {list(config.spacing_mm)}; "
+                "a configuration trains on data preprocessed at its own spacing"
+            )
 
     def configuration(self, name: str) -> ConfigurationPlan:
         if name not in self.configurations:
@@ -247,8 +266,11 @@ def _check_inference_tile(config: ConfigurationPlan, at: str) -> None:
     patch, each at least the patch's and a multiple of the strides' product."""
     tile = config.inference_patch_size
     divisor = config.network.patch_divisor()
-    if tile and (len(tile) != len(config.patch_size) or any(t < p or t % d for t, p, d in
-                                                            zip(tile, config.patch_size, divisor))):
-        raise InputError(f"{at}: inference_patch_size {list(tile)} must have {len(config.patch_size)} sizes, each at "
-                         f"least the patch_size {list(config.patch_size)} and a multiple of {list(divisor)} (the "
-                         "product of the network's strides); set it to the patch_size to predict with the patch")
+    if tile and (
+        len(tile) != len(config.patch_size) or any(t < p or t % d for t, p, d in zip(tile, config.patch_size, divisor))
+    ):
+        raise InputError(
+            f"{at}: inference_patch_size {list(tile)} must have {len(config.patch_size)} sizes, each at "
+            f"least the patch_size {list(config.patch_size)} and a multiple of {list(divisor)} (the "
+            "product of the network's strides); set it to the patch_size to predict with the patch"
+        )

@@ -55,19 +55,36 @@ class ReferenceDataset(Artifact):
 def to_fingerprint(ref: ReferenceDataset) -> Fingerprint:
     """The planner's input: ``num_training_cases`` identical median cases."""
     original = tuple(int(round(s / ref.median_relative_crop_volume ** (1 / 3))) for s in ref.median_shape_zyx)
-    case = CaseFingerprint(case_id="", spacing_mm=tuple(ref.median_spacing_mm), shape_zyx=original,
-                           cropped_shape_zyx=tuple(ref.median_shape_zyx), class_voxels=(0,) * len(ref.labels))
-    cases = tuple(CaseFingerprint(f"case_{i:04d}", case.spacing_mm, case.shape_zyx, case.cropped_shape_zyx,
-                                  case.class_voxels) for i in range(ref.num_training_cases))
-    return Fingerprint(dataset_name=ref.dataset_name, channel_names=tuple(ref.channel_names), labels=dict(ref.labels),
-                       file_ending=ref.file_ending, image_dim=3, cases=cases,
-                       foreground_intensity=tuple(ref.foreground_intensity),
-                       median_relative_crop_volume=ref.median_relative_crop_volume)
+    case = CaseFingerprint(
+        case_id="",
+        spacing_mm=tuple(ref.median_spacing_mm),
+        shape_zyx=original,
+        cropped_shape_zyx=tuple(ref.median_shape_zyx),
+        class_voxels=(0,) * len(ref.labels),
+    )
+    cases = tuple(
+        CaseFingerprint(f"case_{i:04d}", case.spacing_mm, case.shape_zyx, case.cropped_shape_zyx, case.class_voxels)
+        for i in range(ref.num_training_cases)
+    )
+    return Fingerprint(
+        dataset_name=ref.dataset_name,
+        channel_names=tuple(ref.channel_names),
+        labels=dict(ref.labels),
+        file_ending=ref.file_ending,
+        image_dim=3,
+        cases=cases,
+        foreground_intensity=tuple(ref.foreground_intensity),
+        median_relative_crop_volume=ref.median_relative_crop_volume,
+    )
 
 
 def reference_budget(gib: int) -> Budget:
-    return Budget(gpu_memory_bytes=gib * GiB, host_ram_bytes=REFERENCE_HOST_RAM_BYTES, device="cuda",
-                  cpu_count=REFERENCE_CPU_COUNT)
+    return Budget(
+        gpu_memory_bytes=gib * GiB,
+        host_ram_bytes=REFERENCE_HOST_RAM_BYTES,
+        device="cuda",
+        cpu_count=REFERENCE_CPU_COUNT,
+    )
 
 
 def load_references(root: Path = PLANS_ROOT) -> dict[str, ReferenceDataset]:

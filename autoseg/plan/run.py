@@ -51,16 +51,26 @@ class PlannedWorkspace:
     plans_hash: str  # WorkspaceInfo.plans_hash to record ("" until written)
 
 
-def plan_dataset(dataset: str | Path | RawDataset, workspace: Workspace, budget: Budget,
-                 progress: bool = True, overwrite: bool = False) -> Plans:
+def plan_dataset(
+    dataset: str | Path | RawDataset,
+    workspace: Workspace,
+    budget: Budget,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> Plans:
     """``make_plan`` then ``write_plan``; returns the plan in use."""
     planned = make_plan(dataset, workspace, budget, progress, overwrite)
     write_plan(workspace, planned)
     return planned.plans
 
 
-def make_plan(dataset: str | Path | RawDataset, workspace: Workspace, budget: Budget, progress: bool = True,
-              overwrite: bool = False) -> PlannedWorkspace:
+def make_plan(
+    dataset: str | Path | RawDataset,
+    workspace: Workspace,
+    budget: Budget,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> PlannedWorkspace:
     """Integrity check, ``check_dataset``, fingerprint and plan of the dataset (its root, or as
     ``load_dataset`` read it). Writes nothing; raises ``InputError`` for a dataset the workspace was not made
     from (unless ``overwrite``) or a budget too small for any network."""
@@ -69,12 +79,19 @@ def make_plan(dataset: str | Path | RawDataset, workspace: Workspace, budget: Bu
     t0 = time.perf_counter()
     check_integrity(dataset, read_voxels=False)  # files and headers; the fingerprint checks the voxels
     source = dataset_source(dataset.root)
-    log.info("dataset %s: %d cases, %d channel(s) %s, labels %s (files and headers checked in %.1f s)", dataset.name,
-             len(dataset.cases), dataset.num_channels, list(dataset.channel_names), dataset.labels,
-             time.perf_counter() - t0)
+    log.info(
+        "dataset %s: %d cases, %d channel(s) %s, labels %s (files and headers checked in %.1f s)",
+        dataset.name,
+        len(dataset.cases),
+        dataset.num_channels,
+        list(dataset.channel_names),
+        dataset.labels,
+        time.perf_counter() - t0,
+    )
     changes = check_dataset(workspace, dataset.root, source, overwrite)
-    fp = reused_fingerprint(workspace, source) or fingerprint(dataset, progress=progress,
-                                                              processes=fingerprint_processes(dataset, budget))
+    fp = reused_fingerprint(workspace, source) or fingerprint(
+        dataset, progress=progress, processes=fingerprint_processes(dataset, budget)
+    )
     fresh = plan(fp, budget)
     previous = _previous_plans(workspace, overwrite)
     info = workspace.info() if workspace.info_path.is_file() else None
@@ -83,14 +100,21 @@ def make_plan(dataset: str | Path | RawDataset, workspace: Workspace, budget: Bu
         return PlannedWorkspace(dataset, source, fp, fresh, previous, True, tuple(changes), "")
     differences = plan_differences(previous, fresh)
     if edited:
-        log.warning("%s was edited by hand after planning: it is kept as it is%s (delete it to plan anew)",
-                    workspace.plans_path, "; it was planned for the dataset before its changes" if changes else "")
+        log.warning(
+            "%s was edited by hand after planning: it is kept as it is%s (delete it to plan anew)",
+            workspace.plans_path,
+            "; it was planned for the dataset before its changes" if changes else "",
+        )
     else:
-        log.warning("%s kept: the preprocessed data and trained folds were made with it; this run would plan "
-                    "differently (%s); rerun with --overwrite to use the new plan", workspace.plans_path,
-                    "; ".join(differences[:SHOWN_CHANGES]))
-    return PlannedWorkspace(dataset, source, fp, previous, previous, False, tuple(changes),
-                            info.plans_hash if info else "")
+        log.warning(
+            "%s kept: the preprocessed data and trained folds were made with it; this run would plan "
+            "differently (%s); rerun with --overwrite to use the new plan",
+            workspace.plans_path,
+            "; ".join(differences[:SHOWN_CHANGES]),
+        )
+    return PlannedWorkspace(
+        dataset, source, fp, previous, previous, False, tuple(changes), info.plans_hash if info else ""
+    )
 
 
 def reused_fingerprint(workspace: Workspace, source: DatasetSource) -> Fingerprint | None:
@@ -133,14 +157,23 @@ def write_plan(workspace: Workspace, planned: PlannedWorkspace) -> None:
     if planned.write_plans:
         planned.plans.to_json(workspace.plans_path)
         plans_hash = file_hash(workspace.plans_path)
-    WorkspaceInfo(dataset_root=str(planned.dataset.root), dataset=planned.source,
-                  plans_hash=plans_hash).to_json(workspace.info_path)
+    WorkspaceInfo(dataset_root=str(planned.dataset.root), dataset=planned.source, plans_hash=plans_hash).to_json(
+        workspace.info_path
+    )
     for name, cfg in planned.plans.configurations.items():
-        log.info("plan %s: spacing %s mm, patch %s (inference tile %s), batch %d x %d, features %s, strides %s, "
-                 "predicted peak %.2f GiB", name, tuple(round(s, 3) for s in cfg.spacing_mm), cfg.patch_size,
-                 cfg.inference_tile(), cfg.batch_size,
-                 cfg.accumulation_steps, cfg.network.features_per_stage, cfg.network.strides,
-                 cfg.memory.get("predicted_peak_bytes", 0) / GiB)
+        log.info(
+            "plan %s: spacing %s mm, patch %s (inference tile %s), batch %d x %d, features %s, strides %s, "
+            "predicted peak %.2f GiB",
+            name,
+            tuple(round(s, 3) for s in cfg.spacing_mm),
+            cfg.patch_size,
+            cfg.inference_tile(),
+            cfg.batch_size,
+            cfg.accumulation_steps,
+            cfg.network.features_per_stage,
+            cfg.network.strides,
+            cfg.memory.get("predicted_peak_bytes", 0) / GiB,
+        )
         for note in cfg.notes:
             log.warning("plan %s: %s", name, note)
 
@@ -159,8 +192,12 @@ def check_dataset(workspace: Workspace, root: Path, source: DatasetSource, overw
     made_from, root = Path(info.dataset_root), Path(root).resolve()
     if info.dataset is None:
         if made_from == root:
-            log.warning("%s: made by an older autoseg without a fingerprint of its dataset; taking %s as the "
-                        "dataset it was made from", workspace.info_path, root)
+            log.warning(
+                "%s: made by an older autoseg without a fingerprint of its dataset; taking %s as the "
+                "dataset it was made from",
+                workspace.info_path,
+                root,
+            )
             return []
         changes = [f"{made_from}: the workspace's dataset, whose files were not recorded (an older autoseg)"]
     else:
@@ -170,20 +207,27 @@ def check_dataset(workspace: Workspace, root: Path, source: DatasetSource, overw
     if changes and not overwrite:
         raise InputError(_changed_message(workspace, made_from, root, changes))
     if changes:
-        log.warning("--overwrite: redoing what %s made from the dataset before it changed: %s", workspace.root,
-                    _listed(changes))
+        log.warning(
+            "--overwrite: redoing what %s made from the dataset before it changed: %s", workspace.root, _listed(changes)
+        )
     return changes
 
 
 def _changed_message(workspace: Workspace, made_from: Path, root: Path, changes: list[str]) -> str:
-    redo = (f"`autoseg plan_and_preprocess {root} -w {workspace.root} --overwrite` redoes what is stale (trained "
-            "folds of a changed plan or dataset are moved aside, not deleted)")
+    redo = (
+        f"`autoseg plan_and_preprocess {root} -w {workspace.root} --overwrite` redoes what is stale (trained "
+        "folds of a changed plan or dataset are moved aside, not deleted)"
+    )
     if made_from != root:
-        return (f"workspace {workspace.root} was made from dataset {made_from}, and {root} is a different one "
-                f"({len(changes)} difference(s): {_listed(changes[:3]) + ('; ...' if len(changes) > 3 else '')}). "
-                f"Give this dataset its own workspace (-w), or: {redo}")
-    return (f"dataset {root} changed since workspace {workspace.root} was made from it: {_listed(changes)}. "
-            f"Restore it, or: {redo}")
+        return (
+            f"workspace {workspace.root} was made from dataset {made_from}, and {root} is a different one "
+            f"({len(changes)} difference(s): {_listed(changes[:3]) + ('; ...' if len(changes) > 3 else '')}). "
+            f"Give this dataset its own workspace (-w), or: {redo}"
+        )
+    return (
+        f"dataset {root} changed since workspace {workspace.root} was made from it: {_listed(changes)}. "
+        f"Restore it, or: {redo}"
+    )
 
 
 def _listed(lines: list[str]) -> str:
@@ -192,18 +236,22 @@ def _listed(lines: list[str]) -> str:
 
 
 def plan_differences(before: Plans, after: Plans) -> list[str]:
-    """"field: before -> after" for each field of the plans (each configuration's, by name) that differs."""
+    """ "field: before -> after" for each field of the plans (each configuration's, by name) that differs."""
     old, new = to_dict(before), to_dict(after)
-    lines = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-             if k != "configurations" and old.get(k) != new.get(k)]
+    lines = [
+        f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
+        for k in sorted(old.keys() | new.keys())
+        if k != "configurations" and old.get(k) != new.get(k)
+    ]
     configs_old, configs_new = old.get("configurations", {}), new.get("configurations", {})
     for name in sorted(configs_old.keys() | configs_new.keys()):
         a, b = configs_old.get(name), configs_new.get(name)
         if a is None or b is None:
             lines.append(f"configuration {name}: {'added' if a is None else 'removed'}")
             continue
-        lines += [f"{name}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys())
-                  if a.get(k) != b.get(k)]
+        lines += [
+            f"{name}.{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)
+        ]
     return lines
 
 
@@ -226,13 +274,20 @@ def fingerprint_processes(dataset: RawDataset, budget: Budget) -> int:
     largest = max(shapes, key=math.prod)
     voxels = sum(math.prod(s) for s in shapes) * dataset.num_channels
     if voxels < IN_PROCESS_FINGERPRINT_VOXELS:
-        log.info("fingerprint: in this process (%.1f M voxels: read in less time than worker processes take to "
-                 "start)", voxels / 1e6)
+        log.info(
+            "fingerprint: in this process (%.1f M voxels: read in less time than worker processes take to start)",
+            voxels / 1e6,
+        )
         return 1
     peak = preprocess_worker_bytes(largest, largest, dataset.num_channels)["total"]
     n = processes_for(budget.host_ram_bytes, peak, budget.cpu_count or cpu_count())
-    log.info("fingerprint: %d process(es) (largest case %s needs at most %.0f MiB, RAM budget %.1f GiB)",
-             n, "x".join(map(str, largest)), peak / MiB, budget.host_ram_bytes / GiB)
+    log.info(
+        "fingerprint: %d process(es) (largest case %s needs at most %.0f MiB, RAM budget %.1f GiB)",
+        n,
+        "x".join(map(str, largest)),
+        peak / MiB,
+        budget.host_ram_bytes / GiB,
+    )
     return n
 
 

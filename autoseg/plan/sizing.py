@@ -19,8 +19,9 @@ HOST_RAM_FRACTION = 0.8  # of the host RAM budget for preprocessing processes or
 LOADER_QUEUE_DEPTH = 2  # finished batches per loader worker, unless 1 leaves room for more workers
 
 
-def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget: Budget
-                 ) -> tuple[int, dict[str, float]]:
+def host_workers(
+    fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget: Budget
+) -> tuple[int, dict[str, float]]:
     """(preprocessing processes, the figures behind the count): HOST_RAM_FRACTION of the RAM over one
     worker's peak on the largest case (the finest configuration's resampled shape), between 1 and the CPU
     count."""
@@ -33,8 +34,11 @@ def host_workers(fp: Fingerprint, configs: dict[str, ConfigurationPlan], budget:
         after = cfg.resampled_shape(largest.cropped_shape_zyx, largest.spacing_mm)
         per_process = max(per_process, preprocess_worker_bytes(largest.shape_zyx, after, channels)["total"])
     processes = processes_for(usable, per_process, cpus)
-    return processes, {"preprocess_worker_bytes": float(per_process), "usable_host_ram_bytes": float(usable),
-                       "cpu_count": float(cpus)}
+    return processes, {
+        "preprocess_worker_bytes": float(per_process),
+        "usable_host_ram_bytes": float(usable),
+        "cpu_count": float(cpus),
+    }
 
 
 def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget) -> dict[str, float]:
@@ -48,12 +52,21 @@ def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget)
     room = budget.host_ram_bytes * HOST_RAM_FRACTION - TRAINER_HOST_BYTES
 
     def per_worker(depth: int) -> int:
-        return worker_bytes(loader.patch_size, loader.enlarged_patch_size, loader.batch_size, num_channels, depth,
-                            dummy_2d=loader.dummy_2d)["total"]
+        return worker_bytes(
+            loader.patch_size,
+            loader.enlarged_patch_size,
+            loader.batch_size,
+            num_channels,
+            depth,
+            dummy_2d=loader.dummy_2d,
+        )["total"]
 
     def workers(depth: int) -> int:
         return 0 if budget.device == "cpu" else processes_for(room, per_worker(depth), cpus - 1, minimum=0)
 
     depth = LOADER_QUEUE_DEPTH if workers(LOADER_QUEUE_DEPTH) >= workers(1) else 1
-    return {"loader_workers": workers(depth), "loader_queue_depth": depth,
-            "loader_worker_bytes": float(per_worker(depth))}
+    return {
+        "loader_workers": workers(depth),
+        "loader_queue_depth": depth,
+        "loader_worker_bytes": float(per_worker(depth)),
+    }

@@ -132,8 +132,13 @@ def step_elements(topology: NetworkTopology, patch_size: tuple[int, ...], batch_
 STAGE_TENSORS_PER_ELEMENT = 7.7
 
 
-def mapped_bytes(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int, itemsize: int = 4,
-                 threshold: int = GLIBC_MMAP_THRESHOLD_MAX) -> float:
+def mapped_bytes(
+    topology: NetworkTopology,
+    patch_size: tuple[int, ...],
+    batch_size: int,
+    itemsize: int = 4,
+    threshold: int = GLIBC_MMAP_THRESHOLD_MAX,
+) -> float:
     """Bytes a CPU training step allocates in blocks that glibc maps afresh every step: a block of at least
     ``threshold`` (``GLIBC_MMAP_THRESHOLD_MAX``) is mapped when allocated and unmapped when freed, so its pages are
     faulted in and zeroed again on every step (the third term of ``StepRates.seconds``; smaller blocks are reused
@@ -174,12 +179,20 @@ def mapping_rate(repeats: int = 5, nbytes: int = 64 * MiB) -> tuple[float, bool]
 
 
 CALIBRATION_TOPOLOGY = NetworkTopology(
-    dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
-    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
+    dim=3,
+    in_channels=1,
+    num_outputs=3,
+    features_per_stage=(16, 32, 64, 128),
+    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3)),
+    strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)),
 )
 CALIBRATION_TOPOLOGY_2D = NetworkTopology(
-    dim=2, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64, 128),
-    kernel_sizes=((3, 3),) * 4, strides=((1, 1), (2, 2), (2, 2), (2, 2)),
+    dim=2,
+    in_channels=1,
+    num_outputs=3,
+    features_per_stage=(16, 32, 64, 128),
+    kernel_sizes=((3, 3),) * 4,
+    strides=((1, 1), (2, 2), (2, 2), (2, 2)),
 )
 # (network, patch, batch) of the calibration steps: the 3D step runs ~2750 FLOPs per feature-map element, the 2D
 # one ~1470 (a 3x3 kernel), so their seconds separate the two rates of ``StepRates``
@@ -187,8 +200,9 @@ CALIBRATION_STEPS = ((CALIBRATION_TOPOLOGY, (16, 48, 48), 2), (CALIBRATION_TOPOL
 CALIBRATION_VERSION = 4  # part of the cache key: a change to the calibration steps or rule measures again
 
 
-def training_step_closure(topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int,
-                          seed: int = 0) -> Callable[[], object]:
+def training_step_closure(
+    topology: NetworkTopology, patch_size: tuple[int, ...], batch_size: int, seed: int = 0
+) -> Callable[[], object]:
     """THE training step (``autoseg.model.step``) on a fresh network and synthetic batches, as a callable to time."""
     import torch
 
@@ -249,15 +263,24 @@ class StepRates:
     def describe(self) -> str:
         """E.g. "320.0 GFLOP/s, 220 M feature-map elements/s, 2.8 GiB/s of fresh pages", or "40.0 GFLOP/s" for the
         convolutions alone."""
-        elements = "" if self.elements_per_second is None else \
-            f", {self.elements_per_second / 1e6:.0f} M feature-map elements/s"
-        mapped = "" if self.mapped_bytes_per_second is None else \
-            f", {self.mapped_bytes_per_second / GiB:.1f} GiB/s of fresh pages"
+        elements = (
+            ""
+            if self.elements_per_second is None
+            else f", {self.elements_per_second / 1e6:.0f} M feature-map elements/s"
+        )
+        mapped = (
+            ""
+            if self.mapped_bytes_per_second is None
+            else f", {self.mapped_bytes_per_second / GiB:.1f} GiB/s of fresh pages"
+        )
         return f"{self.flops_per_second / 1e9:.1f} GFLOP/s{elements}{mapped}"
 
     def as_dict(self) -> dict[str, float | None]:
-        return {"flops_per_second": self.flops_per_second, "elements_per_second": self.elements_per_second,
-                "mapped_bytes_per_second": self.mapped_bytes_per_second}
+        return {
+            "flops_per_second": self.flops_per_second,
+            "elements_per_second": self.elements_per_second,
+            "mapped_bytes_per_second": self.mapped_bytes_per_second,
+        }
 
 
 @dataclass(frozen=True)
@@ -284,8 +307,10 @@ class TimedStep:
         if share < 0.9:
             return f"one thread got {share:.0%} of a CPU"
         if self.every is not None and self.every.wall_seconds > 0.9 * self.one.wall_seconds:
-            return (f"{self.every.threads} threads ran no faster than one ({self.every.wall_seconds:.3f} vs "
-                    f"{self.one.wall_seconds:.3f} s)")
+            return (
+                f"{self.every.threads} threads ran no faster than one ({self.every.wall_seconds:.3f} vs "
+                f"{self.one.wall_seconds:.3f} s)"
+            )
         return ""
 
 
@@ -297,8 +322,9 @@ def cpu_rates_from_times(steps: Sequence[TimedStep], mapping: tuple[float, bool]
     convolutions alone at the first step's rate; an unsteady mapping rate (or none) drops that term. When the
     cores were visibly busy (``TimedStep.busy``) the figures are too low and are not to be cached."""
     first, second = steps[0], steps[1]
-    per_flop, per_element = np.linalg.solve([[first.flops, first.elements], [second.flops, second.elements]],
-                                            [first.seconds(), second.seconds()])
+    per_flop, per_element = np.linalg.solve(
+        [[first.flops, first.elements], [second.flops, second.elements]], [first.seconds(), second.seconds()]
+    )
     mapped = float(f"{mapping[0]:.2g}") if mapping is not None and mapping[1] else None
     if per_flop > 0 and per_element > 0:
         rates = StepRates(float(f"{1 / per_flop:.2g}"), float(f"{1 / per_element:.2g}"), mapped)
@@ -306,16 +332,25 @@ def cpu_rates_from_times(steps: Sequence[TimedStep], mapping: tuple[float, bool]
         rates = StepRates(float(f"{first.flops / first.seconds():.2g}"), None, mapped)
     details = {}
     for name, step in zip(("3d", "2d"), steps):
-        details.update({f"{name}_step_flops": step.flops, f"{name}_step_elements": step.elements,
-                        f"{name}_one_thread_wall_seconds": step.one.wall_seconds,
-                        f"{name}_one_thread_cpu_seconds": step.one.cpu_seconds})
+        details.update(
+            {
+                f"{name}_step_flops": step.flops,
+                f"{name}_step_elements": step.elements,
+                f"{name}_one_thread_wall_seconds": step.one.wall_seconds,
+                f"{name}_one_thread_cpu_seconds": step.one.cpu_seconds,
+            }
+        )
         if step.every is not None:
             details.update({"threads": step.every.threads, f"{name}_all_threads_wall_seconds": step.every.wall_seconds})
     if mapping is not None:
         details["mapping_bytes_per_cpu_second"] = mapping[0]
     busy = next((why for why in (step.busy() for step in steps) if why), "")
-    return Measurement(rates.as_dict(), keep=not busy, details=details,
-                       why_not_kept=f"the cores were busy ({busy}); measured again next time, --cpu-flops overrides")
+    return Measurement(
+        rates.as_dict(),
+        keep=not busy,
+        details=details,
+        why_not_kept=f"the cores were busy ({busy}); measured again next time, --cpu-flops overrides",
+    )
 
 
 def calibrate_cpu_throughput(repeats: int = 5, max_threads: int | None = None) -> Measurement:

@@ -16,10 +16,16 @@ FEATURE_CAP = {2: 512, 3: 320}
 
 
 @functools.lru_cache(maxsize=65536)
-def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_channels: int,
-                 num_outputs: int, base_features: int, max_features: int,
-                 max_pools: tuple[int, ...] | None = None,
-                 architecture: str = PLAIN_UNET) -> tuple[NetworkTopology, tuple[int, ...]]:
+def topology_for(
+    patch_size: tuple[int, ...],
+    spacing_mm: tuple[float, ...],
+    in_channels: int,
+    num_outputs: int,
+    base_features: int,
+    max_features: int,
+    max_pools: tuple[int, ...] | None = None,
+    architecture: str = PLAIN_UNET,
+) -> tuple[NetworkTopology, tuple[int, ...]]:
     """Pooling per axis and kernel sizes from the spacing (nnU-Net's rule, our code); ``architecture``'s blocks
     (``preset_fields``).
 
@@ -38,8 +44,16 @@ def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_
     pools = [0] * dim
     while len(strides) < MAX_STAGES[dim]:
         finest = min(spacing)
-        pool = [1 if (spacing[a] > 2 * finest or size[a] < 2 * MIN_FEATURE_MAP
-                      or (max_pools is not None and pools[a] >= max_pools[a])) else 2 for a in range(dim)]
+        pool = [
+            1
+            if (
+                spacing[a] > 2 * finest
+                or size[a] < 2 * MIN_FEATURE_MAP
+                or (max_pools is not None and pools[a] >= max_pools[a])
+            )
+            else 2
+            for a in range(dim)
+        ]
         pools = [n + (p == 2) for n, p in zip(pools, pool)]
         if all(p == 1 for p in pool):
             break
@@ -50,9 +64,15 @@ def topology_for(patch_size: tuple[int, ...], spacing_mm: tuple[float, ...], in_
         strides.append(tuple(pool))
         kernels.append(tuple(kernel))
     features = tuple(min(base_features * 2**s, max_features) for s in range(len(strides)))
-    topology = NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
-                               features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides),
-                               **preset_fields(architecture, len(strides)))
+    topology = NetworkTopology(
+        dim=dim,
+        in_channels=in_channels,
+        num_outputs=num_outputs,
+        features_per_stage=features,
+        kernel_sizes=tuple(kernels),
+        strides=tuple(strides),
+        **preset_fields(architecture, len(strides)),
+    )
     div = topology.patch_divisor()
     patch = tuple(int(math.ceil(p / d) * d) for p, d in zip(patch_size, div))
     return topology, patch

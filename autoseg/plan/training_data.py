@@ -77,17 +77,19 @@ class LoaderConfig:
         if self.dummy_2d and self.dim != 3:
             raise InputError("dummy_2d applies to 3D patches (z, y, x); set dummy_2d=False for a 2D patch")
         if any(not 0 <= a < self.dim for a in self.mirror_axes_effective):
-            raise InputError(
-                f"mirror_axes {self.mirror_axes} out of range for a {self.dim}D patch (0..{self.dim - 1})")
+            raise InputError(f"mirror_axes {self.mirror_axes} out of range for a {self.dim}D patch (0..{self.dim - 1})")
         if len(self.scale_range) != 2 or not 0 < self.scale_range[0] <= self.scale_range[1]:
             raise InputError(f"scale_range must be (low, high) with 0 < low <= high, got {self.scale_range}")
         object.__setattr__(self, "previous_labels", tuple(int(v) for v in self.previous_labels))
         if self.previous_labels and self.use_precomputed:
-            raise InputError("precomputed augmented copies have no previous-stage labels: a cascade stage samples "
-                             "the cases themselves (use_precomputed=False)")
+            raise InputError(
+                "precomputed augmented copies have no previous-stage labels: a cascade stage samples "
+                "the cases themselves (use_precomputed=False)"
+            )
         if self.order_data not in (0, 1, 3) or self.order_seg not in (0, 1):
-            raise InputError(f"order_data must be 0, 1 or 3 and order_seg 0 or 1; got {self.order_data}, "
-                             f"{self.order_seg}")
+            raise InputError(
+                f"order_data must be 0, 1 or 3 and order_seg 0 or 1; got {self.order_data}, {self.order_seg}"
+            )
 
     @property
     def dim(self) -> int:
@@ -120,15 +122,21 @@ def uses_dummy_2d(patch_size: Sequence[int]) -> bool:
     return len(patch_size) == 3 and max(patch_size) / patch_size[0] > DUMMY_2D_ANISOTROPY
 
 
-def loader_config(config: ConfigurationPlan, augment: bool, use_precomputed: bool = False,
-                  previous_labels: Sequence[int] = ()) -> LoaderConfig:
+def loader_config(
+    config: ConfigurationPlan, augment: bool, use_precomputed: bool = False, previous_labels: Sequence[int] = ()
+) -> LoaderConfig:
     """The loader of ``config``: its patch and micro-batch; augmentation as nnU-Net's defaults, in-plane
     only for a dummy-2D patch; with ``use_precomputed`` the spatial transform is skipped. ``previous_labels``: a
     cascade stage's (``Plans.previous_stage_values``)."""
     patch = tuple(config.patch_size)
-    return LoaderConfig(patch_size=patch, batch_size=config.batch_size, augment=augment,
-                        dummy_2d=augment and uses_dummy_2d(patch), use_precomputed=use_precomputed,
-                        previous_labels=tuple(previous_labels))
+    return LoaderConfig(
+        patch_size=patch,
+        batch_size=config.batch_size,
+        augment=augment,
+        dummy_2d=augment and uses_dummy_2d(patch),
+        use_precomputed=use_precomputed,
+        previous_labels=tuple(previous_labels),
+    )
 
 
 # Angles tried per rotation axis when bounding the rotated patch (3D: a 31^3 grid of rotation matrices).

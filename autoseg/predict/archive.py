@@ -104,21 +104,31 @@ class OpenedModel:
         follows it."""
         manifest = self.manifest
         if config is not None and config not in manifest.configurations:
-            raise InputError(f"-c {config}: the model archive {self.archive} holds configuration "
-                             f"{' and '.join(map(repr, manifest.configurations))} only; leave -c out or export that "
-                             "configuration")
+            raise InputError(
+                f"-c {config}: the model archive {self.archive} holds configuration "
+                f"{' and '.join(map(repr, manifest.configurations))} only; leave -c out or export that "
+                "configuration"
+            )
         held = [str(f) for f in manifest.folds]
         missing = [f for f in folds or [] if f not in held]
         if missing:
-            raise InputError(f"--folds {' '.join(missing)}: not in the model archive {self.archive}, which holds "
-                             f"fold(s) {' '.join(held)}; leave --folds out to use them all")
+            raise InputError(
+                f"--folds {' '.join(missing)}: not in the model archive {self.archive}, which holds "
+                f"fold(s) {' '.join(held)}; leave --folds out to use them all"
+            )
         if config is None and manifest.follows_choice:  # predict follows the archived inference.json
             return None, list(folds) if folds else None
         return config or manifest.configurations[0], list(folds) if folds else held
 
 
-def export_model(workspace: Workspace, out: str | Path, *, config_name: str | None = None,
-                 folds: list[int | str] | None = None, checkpoint: str | None = None) -> ModelManifest:
+def export_model(
+    workspace: Workspace,
+    out: str | Path,
+    *,
+    config_name: str | None = None,
+    folds: list[int | str] | None = None,
+    checkpoint: str | None = None,
+) -> ModelManifest:
     """Write the zip ``out`` holding what prediction needs: with ``config_name`` None and an inference.json in the
     workspace, that choice (its configurations, folds and checkpoint unless given, postprocessing); else
     ``config_name`` (default: the plan's default) without postprocessing, ``folds`` (default: every fold trained
@@ -126,14 +136,19 @@ def export_model(workspace: Workspace, out: str | Path, *, config_name: str | No
     unplanned workspace, a fold not trained, a checkpoint that does not load."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     workspace.require(workspace.fingerprint_path, "plan_and_preprocess")
-    choice = InferenceChoice.from_json(workspace.inference_path) \
-        if config_name is None and workspace.inference_path.is_file() else None
+    choice = (
+        InferenceChoice.from_json(workspace.inference_path)
+        if config_name is None and workspace.inference_path.is_file()
+        else None
+    )
     configurations = choice.configurations if choice else (config_name or plans.default_configuration(),)
     checkpoint = checkpoint or (choice.checkpoint if choice else "final")
     folds = folds if folds is not None or choice is None else list(choice.folds)
     chosen = _chosen_folds(workspace, configurations[0], folds, checkpoint)
-    files: dict[str, Path | bytes] = {"plans.json": workspace.plans_path,
-                                      "fingerprint.json": workspace.fingerprint_path}
+    files: dict[str, Path | bytes] = {
+        "plans.json": workspace.plans_path,
+        "fingerprint.json": workspace.fingerprint_path,
+    }
     for name in with_previous_stages(plans, configurations):
         config = plans.configuration(name)
         for fold in _chosen_folds(workspace, name, list(chosen), checkpoint):
@@ -142,15 +157,21 @@ def export_model(workspace: Workspace, out: str | Path, *, config_name: str | No
             files[path.relative_to(workspace.root).as_posix()] = path
     if choice is not None:  # as predict -m will follow it: the archived folds and checkpoint
         archived = dataclasses.replace(choice, folds=chosen, checkpoint=checkpoint)
-        files["inference.json"] = (json.dumps({"schema_version": InferenceChoice.SCHEMA_VERSION, **to_dict(archived)},
-                                              indent=2) + "\n").encode()
+        files["inference.json"] = (
+            json.dumps({"schema_version": InferenceChoice.SCHEMA_VERSION, **to_dict(archived)}, indent=2) + "\n"
+        ).encode()
     out = Path(out)
     remove_stale_temporaries(out.parent, [out.name])  # a killed export's .OUT.zip.*.tmp.zip
     with atomic_path(out, suffix=".zip") as tmp, zipfile.ZipFile(tmp, "w") as zf:
         members = tuple(_pack(zf, name, source) for name, source in files.items())
-        manifest = ModelManifest(autoseg_version=autoseg.__version__, configurations=configurations, folds=chosen,
-                                 checkpoint=checkpoint, members=members,
-                                 postprocessing=choice.postprocessing.describe() if choice else "none")
+        manifest = ModelManifest(
+            autoseg_version=autoseg.__version__,
+            configurations=configurations,
+            folds=chosen,
+            checkpoint=checkpoint,
+            members=members,
+            postprocessing=choice.postprocessing.describe() if choice else "none",
+        )
         payload = {"schema_version": ModelManifest.SCHEMA_VERSION, **to_dict(manifest)}
         zf.writestr(_member_info(MANIFEST), json.dumps(payload, indent=2) + "\n")
     return manifest
@@ -163,30 +184,37 @@ def with_previous_stages(plans: Plans, configurations: tuple[str, ...]) -> list[
     return list(dict.fromkeys(names))
 
 
-def _chosen_folds(workspace: Workspace, config_name: str, folds: list[int | str] | None,
-                  checkpoint: str) -> tuple[int | str, ...]:
+def _chosen_folds(
+    workspace: Workspace, config_name: str, folds: list[int | str] | None, checkpoint: str
+) -> tuple[int | str, ...]:
     results = workspace.root / "results" / config_name
     if folds is None:
         chosen: tuple[int | str, ...] = workspace.trained_folds(config_name, checkpoint)
         if not chosen:
-            raise InputError(f"{results}: no trained fold with checkpoint_{checkpoint}.pt to export; train one "
-                             f"first (`autoseg train fold 0 -w {workspace.root}`) or choose --checkpoint")
+            raise InputError(
+                f"{results}: no trained fold with checkpoint_{checkpoint}.pt to export; train one "
+                f"first (`autoseg train fold 0 -w {workspace.root}`) or choose --checkpoint"
+            )
         return chosen
     chosen = tuple(dict.fromkeys(int(f) if str(f).isdigit() else str(f) for f in folds))
     untrained = [f for f in chosen if not workspace.checkpoint(config_name, f, checkpoint).is_file()]
     if untrained:
-        raise InputError(f"fold(s) {' '.join(map(str, untrained))} of {config_name}: no "
-                         f"checkpoint_{checkpoint}.pt under {results}; train them first "
-                         f"(`autoseg train fold {untrained[0]} -w {workspace.root}`), or leave them out of --folds "
-                         f"(trained: {' '.join(map(str, workspace.trained_folds(config_name, checkpoint))) or 'none'})")
+        raise InputError(
+            f"fold(s) {' '.join(map(str, untrained))} of {config_name}: no "
+            f"checkpoint_{checkpoint}.pt under {results}; train them first "
+            f"(`autoseg train fold {untrained[0]} -w {workspace.root}`), or leave them out of --folds "
+            f"(trained: {' '.join(map(str, workspace.trained_folds(config_name, checkpoint))) or 'none'})"
+        )
     return chosen
 
 
 def _pack(zf: zipfile.ZipFile, name: str, source: Path | bytes) -> ArchiveMember:
     """Copy ``source`` (a file, or the bytes themselves) into ``zf`` as ``name``, hashing what is written."""
     digest, size = hashlib.sha256(), 0
-    with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as src, \
-            zf.open(_member_info(name), "w", force_zip64=True) as dst:
+    with (
+        io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as src,
+        zf.open(_member_info(name), "w", force_zip64=True) as dst,
+    ):
         while chunk := src.read(CHUNK_BYTES):
             digest.update(chunk)
             dst.write(chunk)
@@ -217,8 +245,10 @@ def open_model_archive(archive: str | Path, *, load_checkpoints: bool = True) ->
     try:
         zf = zipfile.ZipFile(archive)
     except (zipfile.BadZipFile, zlib.error, EOFError, ValueError) as e:
-        raise InputError(f"{archive}: not a readable zip file ({e}); it is probably truncated or damaged: copy it "
-                         "again or export the model again") from e
+        raise InputError(
+            f"{archive}: not a readable zip file ({e}); it is probably truncated or damaged: copy it "
+            "again or export the model again"
+        ) from e
     with zf, _model_folder() as root:
         manifest = _read_manifest(zf, archive)
         for member in manifest.members:
@@ -252,7 +282,7 @@ def remove_abandoned_model_folders(parent: Path) -> list[Path]:
     user's (not ours to remove), and anything not named so."""
     removed = []
     for folder in sorted(parent.glob(f"{MODEL_FOLDER_PREFIX}*-*")):
-        pid = folder.name[len(MODEL_FOLDER_PREFIX):].split("-", 1)[0]
+        pid = folder.name[len(MODEL_FOLDER_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and folder.is_dir() and not folder.is_symlink() and not _running(int(pid)):
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
@@ -276,11 +306,15 @@ def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
     for name in names:
         _check_name(archive, name)
     if len(set(names)) != len(names):
-        raise InputError(f"{archive}: a member name occurs twice; this is not an archive `autoseg export-model` "
-                         "wrote: export the model again")
+        raise InputError(
+            f"{archive}: a member name occurs twice; this is not an archive `autoseg export-model` "
+            "wrote: export the model again"
+        )
     if MANIFEST not in names:
-        raise InputError(f"{archive}: member {MANIFEST} is missing: the file is truncated or damaged (copy it "
-                         "again), or it is not a model archive written by `autoseg export-model`")
+        raise InputError(
+            f"{archive}: member {MANIFEST} is missing: the file is truncated or damaged (copy it "
+            "again), or it is not a model archive written by `autoseg export-model`"
+        )
     try:
         payload = json.loads(_read_member(zf, archive, MANIFEST))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -288,21 +322,28 @@ def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
     version = payload.get("schema_version") if isinstance(payload, dict) else None
     if version == 1 and isinstance(payload, dict):  # format 1: one configuration, no postprocessing
         payload = {k: v for k, v in payload.items() if k not in ("configuration", "notes", "postprocessing")} | {
-            "schema_version": ModelManifest.SCHEMA_VERSION, "configurations": [payload.get("configuration")]}
+            "schema_version": ModelManifest.SCHEMA_VERSION,
+            "configurations": [payload.get("configuration")],
+        }
         version = ModelManifest.SCHEMA_VERSION
     if version != ModelManifest.SCHEMA_VERSION:
         written_by = payload.get("autoseg_version", "unknown") if isinstance(payload, dict) else "unknown"
-        raise InputError(f"{archive}: member {MANIFEST}: archive format version {version!r} is not the one this "
-                         f"autoseg ({autoseg.__version__}) reads ({ModelManifest.SCHEMA_VERSION}); it was written by "
-                         f"autoseg {written_by}: predict with that version, or export the model again with this one")
+        raise InputError(
+            f"{archive}: member {MANIFEST}: archive format version {version!r} is not the one this "
+            f"autoseg ({autoseg.__version__}) reads ({ModelManifest.SCHEMA_VERSION}); it was written by "
+            f"autoseg {written_by}: predict with that version, or export the model again with this one"
+        )
     manifest = ModelManifest.from_payload(payload, f"{archive}: member {MANIFEST}")
     for member in manifest.members:
         _check_name(archive, member.name)
     listed = {m.name for m in manifest.members} | {MANIFEST}
     unlisted, absent = sorted(set(names) - listed), sorted(listed - set(names))
     if unlisted or absent:
-        which = f"member(s) {', '.join(unlisted)} not in the manifest" if unlisted else \
-            f"member(s) {', '.join(absent)} of the manifest missing"
+        which = (
+            f"member(s) {', '.join(unlisted)} not in the manifest"
+            if unlisted
+            else f"member(s) {', '.join(absent)} of the manifest missing"
+        )
         raise InputError(f"{archive}: {which}; the archive was altered after `autoseg export-model`: export it again")
     return manifest
 
@@ -310,26 +351,38 @@ def _read_manifest(zf: zipfile.ZipFile, archive: Path) -> ModelManifest:
 def _check_name(archive: Path, name: str) -> None:
     """Refuse a member name that would land outside the folder it is unpacked into (zip-slip)."""
     path = PurePosixPath(name)
-    if (not name or "\\" in name or path.is_absolute() or ".." in path.parts or ":" in name
-            or any(part in ("", ".") for part in name.split("/"))):
-        raise InputError(f"{archive}: member {name!r} has an unsafe path (absolute, '..', or not a plain relative "
-                         "path); refusing to unpack this archive: it was not written by `autoseg export-model`")
+    if (
+        not name
+        or "\\" in name
+        or path.is_absolute()
+        or ".." in path.parts
+        or ":" in name
+        or any(part in ("", ".") for part in name.split("/"))
+    ):
+        raise InputError(
+            f"{archive}: member {name!r} has an unsafe path (absolute, '..', or not a plain relative "
+            "path); refusing to unpack this archive: it was not written by `autoseg export-model`"
+        )
 
 
 def _read_member(zf: zipfile.ZipFile, archive: Path, name: str) -> bytes:
     try:
         return zf.read(name)
     except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as e:
-        raise InputError(f"{archive}: member {name} cannot be read ({e}); the archive is damaged: copy it again "
-                         "or export the model again") from e
+        raise InputError(
+            f"{archive}: member {name} cannot be read ({e}); the archive is damaged: copy it again "
+            "or export the model again"
+        ) from e
 
 
 def _unpack(zf: zipfile.ZipFile, archive: Path, member: ArchiveMember, root: Path) -> None:
     """Copy ``member`` to ``root / member.name``, checking its size and sha256 as it is read."""
     damaged = f"{archive}: member {member.name}"
     if zf.getinfo(member.name).file_size != member.size_bytes:
-        raise InputError(f"{damaged} is {zf.getinfo(member.name).file_size} bytes, its manifest says "
-                         f"{member.size_bytes}; the archive was altered or damaged: export the model again")
+        raise InputError(
+            f"{damaged} is {zf.getinfo(member.name).file_size} bytes, its manifest says "
+            f"{member.size_bytes}; the archive was altered or damaged: export the model again"
+        )
     target = root / member.name
     target.parent.mkdir(parents=True, exist_ok=True)
     digest = hashlib.sha256()
@@ -339,11 +392,14 @@ def _unpack(zf: zipfile.ZipFile, archive: Path, member: ArchiveMember, root: Pat
                 digest.update(chunk)
                 dst.write(chunk)
     except (zipfile.BadZipFile, zlib.error, EOFError) as e:
-        raise InputError(f"{damaged} cannot be read ({e}); the archive is damaged: copy it again or export the "
-                         "model again") from e
+        raise InputError(
+            f"{damaged} cannot be read ({e}); the archive is damaged: copy it again or export the model again"
+        ) from e
     if digest.hexdigest() != member.sha256:
-        raise InputError(f"{damaged}: sha256 {digest.hexdigest()} differs from the manifest's {member.sha256}; the "
-                         "archive was altered or damaged: copy it again or export the model again")
+        raise InputError(
+            f"{damaged}: sha256 {digest.hexdigest()} differs from the manifest's {member.sha256}; the "
+            "archive was altered or damaged: copy it again or export the model again"
+        )
 
 
 def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:

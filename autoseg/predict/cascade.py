@@ -33,19 +33,22 @@ from autoseg.preprocess.preprocessor import labels_on_grid, preprocess_case
 from autoseg.preprocess.store import CaseProperties
 
 
-def cascade_input(data: np.ndarray, previous: np.ndarray | None, props: CaseProperties, plans: Plans,
-                  config: ConfigurationPlan) -> np.ndarray:
+def cascade_input(
+    data: np.ndarray, previous: np.ndarray | None, props: CaseProperties, plans: Plans, config: ConfigurationPlan
+) -> np.ndarray:
     """The network input of a cascade stage, float32 (C + K, Z', Y', X'): the preprocessed image ``data``
     (C, Z', Y', X'), then the one-hot of ``previous``, the previous stage's label map (Z, Y, X) in the image's
     original grid, put on the preprocessed grid (``props``) first. K = ``len(plans.previous_stage_values(config))``."""
     if previous is None:
-        raise InputError(f"{config.name} takes {config.previous_stage}'s predicted label map of case "
-                         f"{props.case_id!r} as input; none was given")
+        raise InputError(
+            f"{config.name} takes {config.previous_stage}'s predicted label map of case "
+            f"{props.case_id!r} as input; none was given"
+        )
     values = plans.previous_stage_values(config)
     on_grid = labels_on_grid(previous, props)[0]
     out = np.empty((data.shape[0] + len(values), *data.shape[1:]), dtype=np.float32)  # (C + K) x V' x 4 bytes
     out[: data.shape[0]] = data
-    one_hot(on_grid, values, out=out[data.shape[0]:])
+    one_hot(on_grid, values, out=out[data.shape[0] :])
     return out
 
 
@@ -71,17 +74,27 @@ class CascadePrediction:
     labels: Callable[..., np.ndarray]
 
     @classmethod
-    def load(cls, workspace: Workspace, plans: Plans, config: ConfigurationPlan, folds: tuple[int, ...],
-             checkpoint: str, device: str, labels: Callable[..., np.ndarray]) -> CascadePrediction:
+    def load(
+        cls,
+        workspace: Workspace,
+        plans: Plans,
+        config: ConfigurationPlan,
+        folds: tuple[int, ...],
+        checkpoint: str,
+        device: str,
+        labels: Callable[..., np.ndarray],
+    ) -> CascadePrediction:
         """The previous stage's networks of ``folds``; refused, naming them, when one is not trained."""
         stage = plans.configuration(config.previous_stage)
         missing = [f for f in folds if not workspace.checkpoint(stage.name, f, checkpoint).is_file()]
         if missing:
             listed = " ".join(map(str, missing))
-            raise InputError(f"{config.name} predicts with {stage.name} first, with the same folds ({list(folds)}): "
-                             f"{stage.name} fold(s) {listed} have no checkpoint_{checkpoint}.pt; train them "
-                             f"(`autoseg train fold {listed} -c {stage.name} -w {workspace.root}`) or predict with "
-                             "--folds naming folds both stages have")
+            raise InputError(
+                f"{config.name} predicts with {stage.name} first, with the same folds ({list(folds)}): "
+                f"{stage.name} fold(s) {listed} have no checkpoint_{checkpoint}.pt; train them "
+                f"(`autoseg train fold {listed} -c {stage.name} -w {workspace.root}`) or predict with "
+                "--folds naming folds both stages have"
+            )
         return cls(plans, config, stage, load_networks(workspace, stage, folds, checkpoint, device), labels)
 
     def prepare(self, case: Case) -> tuple[CascadeCase, CaseProperties]:
@@ -95,10 +108,13 @@ class CascadePrediction:
     def segment_with(self, segment: Callable[..., Callable[[], None]]) -> Callable[..., Callable[[], None]]:
         """``segment`` (the cascade's own: a preprocessed input, its properties, the case id, the output paths)
         preceded by the previous stage's label map and ``cascade_input``."""
+
         def run(prepared: CascadeCase, props: CaseProperties, case_id: str, *outputs: Any) -> Callable[[], None]:
-            labels = self.labels(prepared.previous_image, prepared.previous_props, case_id, self.networks, self.plans,
-                                 self.stage)
-            return segment(cascade_input(prepared.image, labels, props, self.plans, self.config), props, case_id,
-                           *outputs)
+            labels = self.labels(
+                prepared.previous_image, prepared.previous_props, case_id, self.networks, self.plans, self.stage
+            )
+            return segment(
+                cascade_input(prepared.image, labels, props, self.plans, self.config), props, case_id, *outputs
+            )
 
         return run

@@ -47,9 +47,18 @@ log = logging.getLogger("autoseg")
 SCRATCH = ".autoseg-ensemble"  # inside the output folder: the configurations' own predictions of an ensemble
 
 
-def predict_chosen(workspace: Workspace, choice: InferenceChoice, inputs: str | Path, output_dir: str | Path, *,
-                   folds: tuple[int, ...] | None = None, checkpoint: str | None = None,
-                   options: PredictOptions = PredictOptions(), progress: bool = True, **window) -> list[Path]:
+def predict_chosen(
+    workspace: Workspace,
+    choice: InferenceChoice,
+    inputs: str | Path,
+    output_dir: str | Path,
+    *,
+    folds: tuple[int, ...] | None = None,
+    checkpoint: str | None = None,
+    options: PredictOptions = PredictOptions(),
+    progress: bool = True,
+    **window,
+) -> list[Path]:
     """Segment every case of ``inputs`` as ``choice`` says, into ``output_dir``; the label maps written.
     ``folds`` / ``checkpoint`` None: the choice's. ``window``: ``predict``'s other options (device, tta, tile, ...),
     the same for each configuration."""
@@ -58,28 +67,58 @@ def predict_chosen(workspace: Workspace, choice: InferenceChoice, inputs: str | 
     folds = choice.folds if folds is None else folds
     checkpoint = checkpoint or choice.checkpoint
     if not choice.is_ensemble:
-        return predict(workspace, inputs, output_dir, config_name=choice.configurations[0], folds=folds,
-                       checkpoint=checkpoint, options=options, progress=progress,
-                       postprocessing=choice.postprocessing, **window)
+        return predict(
+            workspace,
+            inputs,
+            output_dir,
+            config_name=choice.configurations[0],
+            folds=folds,
+            checkpoint=checkpoint,
+            options=options,
+            progress=progress,
+            postprocessing=choice.postprocessing,
+            **window,
+        )
     output_dir = check_writable_folder(output_dir, "-o/--output")
     scratch = output_dir / SCRATCH
     found = prediction_inputs(workspace, plans, inputs, options.series)
-    done = frozenset(c.case_id for c in found.cases if options.skip_existing and all(
-        p.is_file() for p in case_outputs(c, output_dir, options.save_probabilities)))
+    done = frozenset(
+        c.case_id
+        for c in found.cases
+        if options.skip_existing and all(p.is_file() for p in case_outputs(c, output_dir, options.save_probabilities))
+    )
     if not options.skip_existing:
         shutil.rmtree(scratch, ignore_errors=True)  # another model's outputs may be there
     inner = replace(options, save_probabilities=True, skip_existing=True, done_cases=done)
     failed: list[str] = []
     for config in choice.configurations:
-        log.info("ensemble: predicting %s (%d of %d) into %s", config, choice.configurations.index(config) + 1,
-                 len(choice.configurations), scratch / config)
+        log.info(
+            "ensemble: predicting %s (%d of %d) into %s",
+            config,
+            choice.configurations.index(config) + 1,
+            len(choice.configurations),
+            scratch / config,
+        )
         try:
-            predict(workspace, inputs, scratch / config, config_name=config, folds=folds, checkpoint=checkpoint,
-                    options=inner, progress=progress, **window)
+            predict(
+                workspace,
+                inputs,
+                scratch / config,
+                config_name=config,
+                folds=folds,
+                checkpoint=checkpoint,
+                options=inner,
+                progress=progress,
+                **window,
+            )
         except CasesFailedError as e:  # the other configuration still predicts every good case
             failed.append(f"{config}: {e}")
-    cases = [c for c in found.cases if c.case_id not in done and all(
-        (scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)]
+    cases = [
+        c
+        for c in found.cases
+        if c.case_id not in done
+        and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
+    ]
     written = _combine(cases, choice, plans, scratch, output_dir, options.save_probabilities, progress)
     if failed:
         raise CasesFailedError("\n".join(failed))
@@ -87,8 +126,15 @@ def predict_chosen(workspace: Workspace, choice: InferenceChoice, inputs: str | 
     return written
 
 
-def _combine(cases: list, choice: InferenceChoice, plans: Plans, scratch: Path, output_dir: Path,
-             save_probabilities: bool, progress: bool) -> list[Path]:
+def _combine(
+    cases: list,
+    choice: InferenceChoice,
+    plans: Plans,
+    scratch: Path,
+    output_dir: Path,
+    save_probabilities: bool,
+    progress: bool,
+) -> list[Path]:
     """Each case: the mean of its configurations' probabilities, the label map, postprocessing, written (with the
     mean as ``{case}.npz`` when asked); then its scratch files removed."""
     scheme, written = plans.label_scheme, []
@@ -97,9 +143,12 @@ def _combine(cases: list, choice: InferenceChoice, plans: Plans, scratch: Path, 
         first = case_outputs(case, scratch / choice.configurations[0], True)[0]  # its geometry: the image's
         geometry = read_geometry(first)
         num_voxels = math.prod(geometry.shape_zyx)
-        log.debug("ensemble: case %s holds %.0f MiB (probabilities) then %.0f MiB (postprocessing)", case.case_id,
-                  ensemble_case_bytes(scheme.num_outputs, num_voxels) / MiB,
-                  largest_component_bytes(num_voxels, np.dtype(scheme.export_dtype()).itemsize) / MiB)
+        log.debug(
+            "ensemble: case %s holds %.0f MiB (probabilities) then %.0f MiB (postprocessing)",
+            case.case_id,
+            ensemble_case_bytes(scheme.num_outputs, num_voxels) / MiB,
+            largest_component_bytes(num_voxels, np.dtype(scheme.export_dtype()).itemsize) / MiB,
+        )
         mean = mean_probabilities([scratch / c / f"{case.case_id}.npz" for c in choice.configurations], scheme)
         labels = labels_from_probabilities(mean, scheme)
         if probabilities_path:

@@ -44,8 +44,9 @@ class SlabExport:
         axis = out_of_plane_axis(props.target_spacing_mm)
         if axis is not None:
             orders[axis] = 0  # nearest across thick slices
-        self.taps = [axis_taps(int(n_in), n_out, o) for n_in, n_out, o in zip(shape_zyx, out_shape, orders,
-                                                                                strict=True)]
+        self.taps = [
+            axis_taps(int(n_in), n_out, o) for n_in, n_out, o in zip(shape_zyx, out_shape, orders, strict=True)
+        ]
         low, high, weight = self.taps[0]
         self.taps[0] = (low, np.where(weight > 0, high, low), weight)  # a tap of weight 0 is not waited for
         self.scheme, self.num_inputs = scheme, int(shape_zyx[0])
@@ -56,8 +57,13 @@ class SlabExport:
         self.kept: np.ndarray | None = None  # (K, n, Y', X') float32 input slices [kept_from, received) still read
         self.kept_from = 0
 
-    def add(self, z_start: int, z_stop: int, probabilities: torch.Tensor | np.ndarray,
-            on_output: Callable[[int, np.ndarray], None] | None = None) -> None:
+    def add(
+        self,
+        z_start: int,
+        z_stop: int,
+        probabilities: torch.Tensor | np.ndarray,
+        on_output: Callable[[int, np.ndarray], None] | None = None,
+    ) -> None:
         """Input z-slices ``[z_start, z_stop)`` (the next ones), ``(K, z_stop - z_start, Y', X')``: finish every output
         slice whose input slices have all arrived. ``on_output(k, map)`` sees each output's interpolated map of
         those slices (float32)."""
@@ -82,10 +88,11 @@ class SlabExport:
         self.kept = None
         if end < len(low) and low[end] < z_stop:  # the next output reads the end of this slab: keep it
             self.kept_from = int(low[end])
-            self.kept = slab[:, self.kept_from - z_start:].astype(np.float32, copy=True)
+            self.kept = slab[:, self.kept_from - z_start :].astype(np.float32, copy=True)
 
-    def _export(self, block: np.ndarray, block_start: int, j0: int, j1: int,
-                on_output: Callable[[int, np.ndarray], None] | None) -> None:
+    def _export(
+        self, block: np.ndarray, block_start: int, j0: int, j1: int, on_output: Callable[[int, np.ndarray], None] | None
+    ) -> None:
         """Output z-slices ``[j0, j1)`` from ``block`` (K, n, Y', X'), whose first slice is input slice
         ``block_start``."""
         low, high, weight = self.taps[0]
@@ -110,14 +117,19 @@ class SlabExport:
     def labels(self) -> np.ndarray:
         """The label map (Z, Y, X) in the original image's array space, once every slab has arrived."""
         if self.done != len(self.taps[0][0]):
-            raise ValueError(f"{self.done} of {len(self.taps[0][0])} output slices exported; "
-                             f"{self.received} of {self.num_inputs} input slices arrived")
+            raise ValueError(
+                f"{self.done} of {len(self.taps[0][0])} output slices exported; "
+                f"{self.received} of {self.num_inputs} input slices arrived"
+            )
         return self.full
 
 
-def export_segmentation(probabilities: torch.Tensor | np.ndarray, props: CaseProperties,
-                        scheme: LabelScheme | None = None,
-                        on_output: Callable[[int, np.ndarray], None] | None = None) -> np.ndarray:
+def export_segmentation(
+    probabilities: torch.Tensor | np.ndarray,
+    props: CaseProperties,
+    scheme: LabelScheme | None = None,
+    on_output: Callable[[int, np.ndarray], None] | None = None,
+) -> np.ndarray:
     """(K, Z', Y', X') probabilities in preprocessed space, held whole -> label map (Z, Y, X) of label values
     (``scheme.export_dtype()``) in the original image's array space: ``SlabExport`` with one slab. ``scheme``
     None: plain classes 0 .. K-1 (``LabelScheme.for_outputs``). ``on_output(k, map)`` sees each output's whole

@@ -63,10 +63,12 @@ class PipelinePlan:
     def describe(self) -> str:
         """One line for ``--verbose``."""
         b = {k: f"{v / MiB:.0f}" for k, v in self.case_bytes.items()}
-        return (f"{self.preprocess_workers} case(s) read ahead, {self.export_workers} exported behind (threads); "
-                f"runtime {b['runtime']} MiB; largest case: preprocess {b['preprocess']} MiB, input {b['input']} "
-                f"MiB, predict {b['predict']} MiB, export {b['export']} MiB; predicted host peak "
-                f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB")
+        return (
+            f"{self.preprocess_workers} case(s) read ahead, {self.export_workers} exported behind (threads); "
+            f"runtime {b['runtime']} MiB; largest case: preprocess {b['preprocess']} MiB, input {b['input']} "
+            f"MiB, predict {b['predict']} MiB, export {b['export']} MiB; predicted host peak "
+            f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB"
+        )
 
 
 def pipeline_peak_bytes(case_bytes: dict[str, int], preprocess_workers: int, export_workers: int) -> int:
@@ -81,8 +83,13 @@ def pipeline_peak_bytes(case_bytes: dict[str, int], preprocess_workers: int, exp
     return b["runtime"] + b["predict"] + b["input"] + ahead + export_workers * b["export"]
 
 
-def plan_pipeline(case_bytes: dict[str, int], num_cases: int, budget_bytes: int, preprocess_workers: int | None = None,
-                  export_workers: int | None = None) -> PipelinePlan:
+def plan_pipeline(
+    case_bytes: dict[str, int],
+    num_cases: int,
+    budget_bytes: int,
+    preprocess_workers: int | None = None,
+    export_workers: int | None = None,
+) -> PipelinePlan:
     """Workers per stage (threads): the same number for reading ahead and exporting behind, as many as
     ``budget_bytes`` holds beside the prediction (``processes_for``), at most ``MAX_BACKGROUND_WORKERS``, the
     CPU count and the cases after the first; 0 when one case, or the budget, leaves no room. A given count
@@ -96,8 +103,13 @@ def plan_pipeline(case_bytes: dict[str, int], num_cases: int, budget_bytes: int,
     pre = auto if preprocess_workers is None else preprocess_workers
     exp = auto if export_workers is None else export_workers
     peak = pipeline_peak_bytes(case_bytes, pre, exp)
-    return PipelinePlan(preprocess_workers=pre, export_workers=exp, case_bytes=dict(case_bytes), peak_bytes=peak,
-                        budget_bytes=budget_bytes)
+    return PipelinePlan(
+        preprocess_workers=pre,
+        export_workers=exp,
+        case_bytes=dict(case_bytes),
+        peak_bytes=peak,
+        budget_bytes=budget_bytes,
+    )
 
 
 class Pipeline(Generic[Item, Ready]):
@@ -160,9 +172,15 @@ class Pipeline(Generic[Item, Ready]):
         self._pending.append(self._writers.submit(work))
 
 
-def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, window: Callable[..., InferencePlan],
-                probability_bytes: int | None, postprocessed: bool = False,
-                previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None) -> dict[str, int]:
+def case_memory(
+    cases: list[Case],
+    plans: Plans,
+    config: ConfigurationPlan,
+    window: Callable[..., InferencePlan],
+    probability_bytes: int | None,
+    postprocessed: bool = False,
+    previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None,
+) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
     ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
     host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the crop taken as the
@@ -194,25 +212,37 @@ def case_memory(cases: list[Case], plans: Plans, config: ConfigurationPlan, wind
         low = prediction_preprocess_bytes(shape, low_after, channels, spacing)
         low_plan = stage_window(low_after)
         values = plans.previous_stage_values(config)
-        cascade = cascade_input_bytes(shape, after, channels, len(values), spacing,
-                                      np.dtype(scheme.export_dtype()).itemsize)
+        cascade = cascade_input_bytes(
+            shape, after, channels, len(values), spacing, np.dtype(scheme.export_dtype()).itemsize
+        )
         # the previous stage's window and slab export, then the input built, each beside both preprocessed images
         previous_predict = _window_host_bytes(low_plan) + _slab_bytes(shape, low_after, scheme, low_plan)
         previous_predict = max(previous_predict, cascade["total"])
         on_host += cascade["input"]  # the cascade's window reads the (C + K)-channel input beside the image
-        preprocess = {"total": max(low["total"], low["result"] + preprocess["total"]),
-                      "result": preprocess["result"] + low["result"]}
+        preprocess = {
+            "total": max(low["total"], low["result"] + preprocess["total"]),
+            "result": preprocess["result"] + low["result"],
+        }
     itemsize = np.dtype(scheme.export_dtype()).itemsize
     labels = math.prod(shape) * itemsize
     write = 2 * labels  # the label map and SimpleITK's copy of it
     if postprocessed:  # the label map beside the postprocessing, then the written copy beside both
         write = labels + max(largest_component_bytes(math.prod(shape), itemsize), write)
     if probability_bytes is None:
-        return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-                "predict": max(on_host + slabs, previous_predict), "export": write}
-    return {"runtime": runtime, "preprocess": preprocess["total"], "input": preprocess["result"],
-            "predict": max(on_host, previous_predict),
-            "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write)}
+        return {
+            "runtime": runtime,
+            "preprocess": preprocess["total"],
+            "input": preprocess["result"],
+            "predict": max(on_host + slabs, previous_predict),
+            "export": write,
+        }
+    return {
+        "runtime": runtime,
+        "preprocess": preprocess["total"],
+        "input": preprocess["result"],
+        "predict": max(on_host, previous_predict),
+        "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write),
+    }
 
 
 def _window_host_bytes(plan: InferencePlan) -> int:
@@ -223,8 +253,9 @@ def _window_host_bytes(plan: InferencePlan) -> int:
     return max(plan.peak_bytes - CPU_RUNTIME_BYTES - plan.parameter_bytes, 0)
 
 
-def _slab_bytes(shape_zyx: tuple[int, ...], after_zyx: tuple[int, ...], scheme: LabelScheme,
-                plan: InferencePlan) -> int:
+def _slab_bytes(
+    shape_zyx: tuple[int, ...], after_zyx: tuple[int, ...], scheme: LabelScheme, plan: InferencePlan
+) -> int:
     """The host bytes of a streamed export (``slab_export_bytes`` for the window's deepest slab), with each slab's
     copy to the host when the accumulator is on the device."""
     slabs = slab_export_bytes(shape_zyx, after_zyx, scheme, plan.slab_depth)["total"]

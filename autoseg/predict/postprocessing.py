@@ -47,8 +47,9 @@ class Postprocessing:
         return not self.largest_foreground_component and not self.largest_component_of
 
     def describe(self) -> str:
-        steps = (["largest component of all foreground"] if self.largest_foreground_component else []) + \
-            [f"largest component of {name}" for name in self.largest_component_of]
+        steps = (["largest component of all foreground"] if self.largest_foreground_component else []) + [
+            f"largest component of {name}" for name in self.largest_component_of
+        ]
         return ", then ".join(steps) if steps else "none"
 
 
@@ -62,7 +63,7 @@ def largest_component_mask(mask: np.ndarray) -> np.ndarray:
     sizes = np.zeros(count + 1, dtype=np.int64)
     flat = components.reshape(-1)
     for start in range(0, flat.size, BINCOUNT_CHUNK):  # bincount casts to int64: 8 bytes a voxel at once
-        sizes += np.bincount(flat[start:start + BINCOUNT_CHUNK], minlength=count + 1)
+        sizes += np.bincount(flat[start : start + BINCOUNT_CHUNK], minlength=count + 1)
     sizes[0] = 0  # background
     keep = sizes == sizes.max()  # per component (a table): a lookup costs 1 byte a voxel, np.isin 10 (sorting)
     return keep[components]
@@ -74,8 +75,11 @@ def largest_component_bytes(num_voxels: int, label_itemsize: int = 1) -> int:
     int32 component map, beside either one chunk of the component count (int64) or, later, the kept mask (bool);
     and the per-component tables (``COMPONENT_TABLE_BYTES``). Held against tracemalloc in
     tests/predict/test_postprocessing.py."""
-    return num_voxels * (label_itemsize + 1 + 4) + max(num_voxels, min(num_voxels, BINCOUNT_CHUNK) * 8) + \
-        COMPONENT_TABLE_BYTES
+    return (
+        num_voxels * (label_itemsize + 1 + 4)
+        + max(num_voxels, min(num_voxels, BINCOUNT_CHUNK) * 8)
+        + COMPONENT_TABLE_BYTES
+    )
 
 
 def apply_postprocessing(labels: np.ndarray, postprocessing: Postprocessing, scheme: LabelScheme) -> np.ndarray:
@@ -96,9 +100,11 @@ def check_postprocessing(postprocessing: Postprocessing, scheme: LabelScheme) ->
     inference.json of another dataset)."""
     unknown = [name for name in postprocessing.largest_component_of if name not in scheme.names]
     if unknown:
-        raise InputError(f"postprocessing names {', '.join(map(repr, unknown))}, which is not a foreground class or "
-                         f"region of these labels ({', '.join(scheme.names)}); run `autoseg find-best` again for "
-                         "this workspace")
+        raise InputError(
+            f"postprocessing names {', '.join(map(repr, unknown))}, which is not a foreground class or "
+            f"region of these labels ({', '.join(scheme.names)}); run `autoseg find-best` again for "
+            "this workspace"
+        )
 
 
 def _keep_largest(labels: np.ndarray, values: list[int]) -> None:

@@ -86,11 +86,16 @@ def _probability_stream(path: Path, shape: tuple[int, ...], scheme: LabelScheme)
     values in C order), then its ``names`` and ``activation``; renamed into place when complete. An error raised
     by the caller drops the file and goes on unchanged."""
     names, activation = _outputs_of(scheme)
-    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(PROBABILITY_DTYPE)), "fortran_order": False,
-              "shape": shape}
+    header = {
+        "descr": np.lib.format.dtype_to_descr(np.dtype(PROBABILITY_DTYPE)),
+        "fortran_order": False,
+        "shape": shape,
+    }
     try:
-        with atomic_path(path, suffix=".npz") as tmp, \
-                zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+        with (
+            atomic_path(path, suffix=".npz") as tmp,
+            zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive,
+        ):
             with archive.open("probabilities.npy", "w", force_zip64=True) as stream:
                 np.lib.format.write_array_header_1_0(stream, header)
                 try:
@@ -123,15 +128,18 @@ def read_probabilities(path: Path, scheme: LabelScheme) -> np.ndarray:
         with np.load(path, allow_pickle=False) as npz:
             found_names, found_activation = tuple(str(n) for n in npz["names"]), str(npz["activation"])
             if found_names != names or found_activation != activation:
-                raise InputError(f"{path}: holds {found_activation} outputs {list(found_names)}, but the labels have "
-                                 f"{activation} outputs {list(names)}; it was written for other labels: predict "
-                                 "these cases again with this workspace")
+                raise InputError(
+                    f"{path}: holds {found_activation} outputs {list(found_names)}, but the labels have "
+                    f"{activation} outputs {list(names)}; it was written for other labels: predict "
+                    "these cases again with this workspace"
+                )
             probabilities = npz["probabilities"]
     except InputError:
         raise
     except (OSError, KeyError, ValueError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable probability file ({type(e).__name__}: {e}); predict the case "
-                         "again to rewrite it") from e
+        raise InputError(
+            f"{path}: not a readable probability file ({type(e).__name__}: {e}); predict the case again to rewrite it"
+        ) from e
     if probabilities.ndim != 4 or probabilities.shape[0] != len(names):
         raise InputError(f"{path}: probabilities of shape {probabilities.shape}; expected ({len(names)}, Z, Y, X)")
     return probabilities
@@ -146,9 +154,11 @@ def mean_probabilities(paths: Sequence[Path], scheme: LabelScheme) -> np.ndarray
         if total is None:
             total = probabilities.astype(np.float32)
         elif total.shape != probabilities.shape:
-            raise InputError(f"{path}: probabilities of shape {probabilities.shape}, but {paths[0]} has "
-                             f"{total.shape}; predict both in the image's own grid (predict and train's final "
-                             "validation do)")
+            raise InputError(
+                f"{path}: probabilities of shape {probabilities.shape}, but {paths[0]} has "
+                f"{total.shape}; predict both in the image's own grid (predict and train's final "
+                "validation do)"
+            )
         else:
             total += probabilities
         del probabilities
@@ -162,8 +172,9 @@ def ensemble_case_bytes(num_outputs: int, num_voxels: int) -> int:
     voxel per output) beside one configuration's float16 probabilities (2) as they are read and added; later the
     sum beside the label map, the running maximum and its mask (``labels_from_probabilities``: 1 + 4 + 1), less
     for two outputs or more; and the reader's buffers."""
-    return max(num_outputs * num_voxels * (4 + 2) + READ_BUFFER_BYTES,
-               num_outputs * num_voxels * 4 + num_voxels * (1 + 4 + 1))
+    return max(
+        num_outputs * num_voxels * (4 + 2) + READ_BUFFER_BYTES, num_outputs * num_voxels * 4 + num_voxels * (1 + 4 + 1)
+    )
 
 
 def labels_from_probabilities(probabilities: np.ndarray, scheme: LabelScheme) -> np.ndarray:

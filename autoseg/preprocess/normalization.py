@@ -118,9 +118,5 @@ def normalize(
     if image.ndim != 3:
         raise ValueError(f"normalize expects one channel (Z, Y, X); got an array of shape {image.shape}")
     if mask is not None and (mask.shape != image.shape or mask.dtype != bool):
-        raise ValueError(
-            f"mask must be bool with the image's shape {image.shape}; got {mask.dtype} {mask.shape}"
-        )
+        raise ValueError(f"mask must be bool with the image's shape {image.shape}; got {mask.dtype} {mask.shape}")
     return NORMALIZERS[scheme](image, mask, props)
-
-

@@ -77,8 +77,7 @@ class SpatialParams:
     order_seg: int = 1
 
 
-def draw_spatial_params(rng: np.random.Generator, config: PrecomputeConfig,
-                        in_plane_only: bool) -> SpatialParams:
+def draw_spatial_params(rng: np.random.Generator, config: PrecomputeConfig, in_plane_only: bool) -> SpatialParams:
     """Random parameters of one copy; every draw comes from ``rng``."""
     if in_plane_only:
         a = math.radians(config.rotation_deg_in_plane)
@@ -89,10 +88,16 @@ def draw_spatial_params(rng: np.random.Generator, config: PrecomputeConfig,
     scale = float(rng.uniform(*config.scale_range))
     elastic = bool(rng.random() < config.p_elastic)
     magnitude = float(rng.uniform(*config.elastic_magnitude_vox)) if elastic else 0.0
-    return SpatialParams(seed=int(rng.integers(2**31)), in_plane_only=in_plane_only,
-                         rotation_rad_zyx=angles, scale=scale, elastic=elastic,
-                         elastic_magnitude_vox=magnitude, elastic_grid_vox=config.elastic_grid_vox,
-                         order_seg=config.order_seg)
+    return SpatialParams(
+        seed=int(rng.integers(2**31)),
+        in_plane_only=in_plane_only,
+        rotation_rad_zyx=angles,
+        scale=scale,
+        elastic=elastic,
+        elastic_magnitude_vox=magnitude,
+        elastic_grid_vox=config.elastic_grid_vox,
+        order_seg=config.order_seg,
+    )
 
 
 def rotation_matrix(angles_rad_zyx: Sequence[float]) -> np.ndarray:
@@ -111,8 +116,9 @@ def _bspline_weights(n_out: int, grid_vox: float) -> np.ndarray:
     n_ctrl = int(math.ceil((n_out - 1) / grid_vox)) + 4
     u = np.arange(n_out) / grid_vox + 1.0  # control point 1 sits on voxel 0
     i, t = np.floor(u).astype(np.int64), u - np.floor(u)
-    basis = np.stack([(1 - t) ** 3 / 6, (3 * t**3 - 6 * t**2 + 4) / 6, (-3 * t**3 + 3 * t**2 + 3 * t + 1) / 6,
-                      t**3 / 6], axis=1)
+    basis = np.stack(
+        [(1 - t) ** 3 / 6, (3 * t**3 - 6 * t**2 + 4) / 6, (-3 * t**3 + 3 * t**2 + 3 * t + 1) / 6, t**3 / 6], axis=1
+    )
     weights = np.zeros((n_out, n_ctrl), dtype=np.float32)
     for k in range(4):
         np.add.at(weights, (np.arange(n_out), np.clip(i - 1 + k, 0, n_ctrl - 1)), basis[:, k])
@@ -174,8 +180,10 @@ def augment_case(data: np.ndarray, seg: np.ndarray, params: SpatialParams) -> tu
     (1, Z, Y, X) (``-1`` outside the image after the transform). Memory: ``augment_case_bytes``.
     """
     if data.ndim != 4 or seg.shape != (1, *data.shape[1:]) or not np.issubdtype(seg.dtype, np.signedinteger):
-        raise ValueError(f"expected data (C, Z, Y, X) and a signed integer seg (1, Z, Y, X); got "
-                         f"{data.shape} and {seg.dtype} {seg.shape}")
+        raise ValueError(
+            f"expected data (C, Z, Y, X) and a signed integer seg (1, Z, Y, X); got "
+            f"{data.shape} and {seg.dtype} {seg.shape}"
+        )
     shape = tuple(int(s) for s in data.shape[1:])
     mapping = _Mapping(params, shape)
     out_data = np.empty(data.shape, dtype=np.float32)
@@ -191,13 +199,15 @@ def _interpolate_image(channel: np.ndarray, mapping: _Mapping, out: np.ndarray) 
         positions = mapping.positions(0, 1)  # (2, Y, X), the same for every slice
         for k in range(channel.shape[0]):
             coeffs = ndimage.spline_filter(channel[k], 3, output=np.float32, mode="mirror")
-            ndimage.map_coordinates(coeffs, positions, output=out[k], order=3, mode="constant", cval=0.0,
-                                    prefilter=False)
+            ndimage.map_coordinates(
+                coeffs, positions, output=out[k], order=3, mode="constant", cval=0.0, prefilter=False
+            )
         return
     coeffs = ndimage.spline_filter(channel, 3, output=np.float32, mode="mirror")  # Z x Y x X x 4 bytes
     for z0, z1 in _slabs(mapping.shape):
-        ndimage.map_coordinates(coeffs, mapping.positions(z0, z1), output=out[z0:z1], order=3,
-                                mode="constant", cval=0.0, prefilter=False)
+        ndimage.map_coordinates(
+            coeffs, mapping.positions(z0, z1), output=out[z0:z1], order=3, mode="constant", cval=0.0, prefilter=False
+        )
 
 
 def _interpolate_labels(seg_zyx: np.ndarray, mapping: _Mapping, order_seg: int) -> np.ndarray:
@@ -211,8 +221,9 @@ def _interpolate_labels(seg_zyx: np.ndarray, mapping: _Mapping, order_seg: int) 
                 ndimage.map_coordinates(seg_zyx[k], fixed, output=out[k], order=0, mode="constant", cval=-1)
         else:
             for z0, z1 in _slabs(mapping.shape):
-                ndimage.map_coordinates(seg_zyx, mapping.positions(z0, z1), output=out[z0:z1], order=0,
-                                        mode="constant", cval=-1)
+                ndimage.map_coordinates(
+                    seg_zyx, mapping.positions(z0, z1), output=out[z0:z1], order=0, mode="constant", cval=-1
+                )
         return out
     labels = sorted({-1, *(int(v) for k in range(seg_zyx.shape[0]) for v in np.unique(seg_zyx[k]))})
     masks = np.empty((len(labels), *seg_zyx.shape), dtype=bool)  # L x Z x Y x X bytes
@@ -228,19 +239,20 @@ def _interpolate_labels(seg_zyx: np.ndarray, mapping: _Mapping, order_seg: int) 
             cval = 1.0 if label == -1 else 0.0  # outside the image counts as "outside the body"
             if in_plane:
                 for k in range(z0, z1):
-                    ndimage.map_coordinates(masks[i, k], fixed, output=response[k - z0], order=1,
-                                            mode="constant", cval=cval)
+                    ndimage.map_coordinates(
+                        masks[i, k], fixed, output=response[k - z0], order=1, mode="constant", cval=cval
+                    )
             else:
-                ndimage.map_coordinates(masks[i], positions, output=response, order=1, mode="constant",
-                                        cval=cval)
+                ndimage.map_coordinates(masks[i], positions, output=response, order=1, mode="constant", cval=cval)
             np.greater(response, best, out=better)  # ties keep the smaller label
             np.copyto(best, response, where=better)
             np.copyto(out[z0:z1], label, where=better)
     return out
 
 
-def augment_case_bytes(shape_zyx: Sequence[int], num_channels: int, num_labels: int,
-                       order_seg: int = 1, label_itemsize: int = 1) -> int:
+def augment_case_bytes(
+    shape_zyx: Sequence[int], num_channels: int, num_labels: int, order_seg: int = 1, label_itemsize: int = 1
+) -> int:
     """Peak bytes ``augment_case`` holds beyond its inputs (an upper bound).
 
     The copy (float32 data, labels), the spline coefficients of one channel (float32, input-sized), and

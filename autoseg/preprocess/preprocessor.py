@@ -54,7 +54,11 @@ LOCATIONS_PER_CLASS = 10_000
 
 
 def preprocess_case(
-    data: np.ndarray, seg: np.ndarray | None, geometry: Geometry, plans: Plans, config: ConfigurationPlan,
+    data: np.ndarray,
+    seg: np.ndarray | None,
+    geometry: Geometry,
+    plans: Plans,
+    config: ConfigurationPlan,
     case_id: str,
 ) -> tuple[np.ndarray, np.ndarray | None, CaseProperties]:
     """Crop, normalize and resample one case. ``data`` float32 (C, Z, Y, X); ``seg`` int (1, Z, Y, X)."""
@@ -72,9 +76,14 @@ def preprocess_case(
     if seg is not None:
         seg = resample_segmentation(seg, new_shape, spacing, order=1, order_z=0)
     props = CaseProperties(
-        case_id=case_id, geometry=geometry, spacing_mm=spacing, target_spacing_mm=tuple(target),
-        shape_before_crop=shape_before, crop_bbox=tuple(tuple(int(v) for v in b) for b in cropped.bbox),
-        shape_after_crop=shape_after_crop, shape_after_resample=tuple(int(v) for v in new_shape),
+        case_id=case_id,
+        geometry=geometry,
+        spacing_mm=spacing,
+        target_spacing_mm=tuple(target),
+        shape_before_crop=shape_before,
+        crop_bbox=tuple(tuple(int(v) for v in b) for b in cropped.bbox),
+        shape_after_crop=shape_after_crop,
+        shape_after_resample=tuple(int(v) for v in new_shape),
     )
     return data, seg, props
 
@@ -84,8 +93,10 @@ def labels_on_grid(labels: np.ndarray, props: CaseProperties) -> np.ndarray:
     made of it (``props``): cropped to its box and resampled as its labels are (each label linearly, then the
     largest). int (1, Z', Y', X'), the input's dtype; unlike a training label, no -1 outside the body."""
     if tuple(labels.shape) != tuple(props.shape_before_crop):
-        raise InputError(f"case {props.case_id!r}: label map of shape {labels.shape} for an image of shape "
-                         f"{props.shape_before_crop}; it was predicted for another image")
+        raise InputError(
+            f"case {props.case_id!r}: label map of shape {labels.shape} for an image of shape "
+            f"{props.shape_before_crop}; it was predicted for another image"
+        )
     box = tuple(slice(lo, hi) for lo, hi in props.crop_bbox)
     cropped = np.ascontiguousarray(labels[box])[None]
     return resample_segmentation(cropped, props.shape_after_resample, props.spacing_mm, order=1, order_z=0)
@@ -99,8 +110,9 @@ def class_voxels_per_slice(seg: np.ndarray, num_label_values: int) -> np.ndarray
     return counts
 
 
-def class_locations(seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Generator,
-                    scheme: LabelScheme | None = None) -> dict[str, tuple]:
+def class_locations(
+    seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Generator, scheme: LabelScheme | None = None
+) -> dict[str, tuple]:
     """Up to LOCATIONS_PER_CLASS (z, y, x) voxels of each foreground class or region, drawn uniformly
     without replacement, in array order. ``per_slice``: ``class_voxels_per_slice(seg)``. Works a slice at
     a time.
@@ -116,8 +128,11 @@ def class_locations(seg: np.ndarray, per_slice: np.ndarray, rng: np.random.Gener
         values = [v for v in values if v < per_slice.shape[1]]
         counts = per_slice[:, values].sum(1)  # (Z,) voxels of the class or region per slice
         total = int(counts.sum())
-        ranks = np.arange(total) if total <= LOCATIONS_PER_CLASS else np.sort(
-            rng.choice(total, LOCATIONS_PER_CLASS, replace=False))
+        ranks = (
+            np.arange(total)
+            if total <= LOCATIONS_PER_CLASS
+            else np.sort(rng.choice(total, LOCATIONS_PER_CLASS, replace=False))
+        )
         ends = np.cumsum(counts)
         slice_of_rank = np.searchsorted(ends, ranks, side="right")
         found = []
@@ -136,10 +151,16 @@ def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...
     return config.dim == 2 or out_of_plane_axis(target_spacing_mm) == 0
 
 
-def case_peak_bytes(shape_zyx: tuple[int, ...], spacing_mm: tuple[float, float, float],
-                    config: ConfigurationPlan, num_channels: int, num_label_values: int,
-                    num_augmentations: int = 0, runtime_bytes: int = WORKER_RUNTIME_BYTES,
-                    cropped_zyx: tuple[int, ...] | None = None) -> int:
+def case_peak_bytes(
+    shape_zyx: tuple[int, ...],
+    spacing_mm: tuple[float, float, float],
+    config: ConfigurationPlan,
+    num_channels: int,
+    num_label_values: int,
+    num_augmentations: int = 0,
+    runtime_bytes: int = WORKER_RUNTIME_BYTES,
+    cropped_zyx: tuple[int, ...] | None = None,
+) -> int:
     """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing and its crop
     to the nonzero box (the fingerprint's ``cropped_shape_zyx``; None: the whole image, an upper bound).
 
@@ -205,33 +226,59 @@ def run_case(task: CaseTask) -> CaseResult:
         copies.append(AugmentedCopy(k, params, tuple(int(v) for v in counts.sum(0))))
         del aug_data, aug_seg
     writer.commit(replace(props, augmentations=tuple(copies)))  # last: marks the case complete
-    return CaseResult(case.case_id, time.perf_counter() - t0, peak_rss_bytes(),
-                      writer.case_bytes + writer.copy_bytes, writer.copy_bytes)
+    return CaseResult(
+        case.case_id,
+        time.perf_counter() - t0,
+        peak_rss_bytes(),
+        writer.case_bytes + writer.copy_bytes,
+        writer.copy_bytes,
+    )
 
 
 CaseRunner = Callable[[CaseTask], CaseResult]
 PeaksOf = Callable[[set[str]], dict[str, int]]  # case ids -> predicted peak bytes
 
 
-def predicted_case_peaks(cases: list[Case], plans: Plans, config: ConfigurationPlan, num_augmentations: int = 0,
-                         runtime_bytes: int = WORKER_RUNTIME_BYTES,
-                         cropped: Mapping[str, tuple[int, ...]] | None = None) -> dict[str, int]:
+def predicted_case_peaks(
+    cases: list[Case],
+    plans: Plans,
+    config: ConfigurationPlan,
+    num_augmentations: int = 0,
+    runtime_bytes: int = WORKER_RUNTIME_BYTES,
+    cropped: Mapping[str, tuple[int, ...]] | None = None,
+) -> dict[str, int]:
     """``case_peak_bytes`` of each case, from the image headers (no voxel data read) and its crop in ``cropped``
     (case id -> the fingerprint's ``cropped_shape_zyx``; a case not in it: the whole image), in a process that
     holds ``runtime_bytes`` before it."""
     peaks = {}
     for case in cases:
         geometry = read_geometry(case.image_paths[0])
-        peaks[case.case_id] = case_peak_bytes(geometry.shape_zyx, geometry.spacing_zyx, config,
-                                              len(case.image_paths), plans.num_label_values, num_augmentations,
-                                              runtime_bytes, (cropped or {}).get(case.case_id))
+        peaks[case.case_id] = case_peak_bytes(
+            geometry.shape_zyx,
+            geometry.spacing_zyx,
+            config,
+            len(case.image_paths),
+            plans.num_label_values,
+            num_augmentations,
+            runtime_bytes,
+            (cropped or {}).get(case.case_id),
+        )
     return peaks
 
 
-def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str | Path, processes: int = 1,
-               seed: int = 0, progress: bool = True, precompute: PrecomputeConfig | None = None,
-               case_runner: CaseRunner = run_case, report_path: str | Path | None = None,
-               cropped: Mapping[str, tuple[int, ...]] | None = None) -> Path:
+def preprocess(
+    dataset: RawDataset,
+    plans: Plans,
+    config_name: str,
+    out_dir: str | Path,
+    processes: int = 1,
+    seed: int = 0,
+    progress: bool = True,
+    precompute: PrecomputeConfig | None = None,
+    case_runner: CaseRunner = run_case,
+    report_path: str | Path | None = None,
+    cropped: Mapping[str, tuple[int, ...]] | None = None,
+) -> Path:
     """Preprocess every training case of ``dataset`` for one configuration into ``out_dir``.
 
     Complete cases are skipped, so a rerun after a crash finishes the job. ``processes`` > 1 runs cases
@@ -254,11 +301,17 @@ def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str
     runtime = process_rss_bytes() if in_process else WORKER_RUNTIME_BYTES
 
     def peaks_of(case_ids: set[str]) -> dict[str, int]:  # only when reporting: case_peak_bytes imports torch
-        return predicted_case_peaks([c for c in todo if c.case_id in case_ids], plans, config,
-                                    precompute.num_copies, runtime, cropped)
+        return predicted_case_peaks(
+            [c for c in todo if c.case_id in case_ids], plans, config, precompute.num_copies, runtime, cropped
+        )
 
-    bar = tqdm(total=len(dataset.cases), initial=len(dataset.cases) - len(todo),
-               desc=f"preprocess {config_name}", unit="case", disable=not progress)
+    bar = tqdm(
+        total=len(dataset.cases),
+        initial=len(dataset.cases) - len(todo),
+        desc=f"preprocess {config_name}",
+        unit="case",
+        disable=not progress,
+    )
     t0 = time.perf_counter()
     try:
         if in_process:
@@ -268,9 +321,14 @@ def preprocess(dataset: RawDataset, plans: Plans, config_name: str, out_dir: str
                 bar.update()
         else:
             n = min(processes, len(tasks))
-            results = run_in_processes(case_runner, tasks, [t.case.case_id for t in tasks], n,
-                                       on_result=lambda _: bar.update(),
-                                       describe_death=lambda f: _describe_death(f, peaks_of, plans, n))
+            results = run_in_processes(
+                case_runner,
+                tasks,
+                [t.case.case_id for t in tasks],
+                n,
+                on_result=lambda _: bar.update(),
+                describe_death=lambda f: _describe_death(f, peaks_of, plans, n),
+            )
     finally:
         bar.close()
     seconds = time.perf_counter() - t0
@@ -287,14 +345,22 @@ def _describe_death(in_flight: dict[str, int | None], peaks_of: PeaksOf, plans: 
         return f"{case_id} (predicted peak {peaks.get(case_id, 0) / MiB:.0f} MiB{how})"
 
     described = ", ".join(describe(c, code) for c, code in sorted(in_flight.items())) or "an unknown case"
-    return (f"a preprocessing worker process died while working on {described}; usually the OS killed it "
-            f"for lack of memory. {processes} processes were running under a host RAM budget of "
-            f"{plans.host_ram_bytes / GiB:.1f} GiB. Rerun with fewer --processes (e.g. --processes 1) or "
-            "with more free memory; the cases completed so far are kept and skipped.")
+    return (
+        f"a preprocessing worker process died while working on {described}; usually the OS killed it "
+        f"for lack of memory. {processes} processes were running under a host RAM budget of "
+        f"{plans.host_ram_bytes / GiB:.1f} GiB. Rerun with fewer --processes (e.g. --processes 1) or "
+        "with more free memory; the cases completed so far are kept and skipped."
+    )
 
 
-def _report(results: list[CaseResult], peaks: dict[str, int], config_name: str, seconds: float,
-            processes: int, report_path: str | Path | None) -> None:
+def _report(
+    results: list[CaseResult],
+    peaks: dict[str, int],
+    config_name: str,
+    seconds: float,
+    processes: int,
+    report_path: str | Path | None,
+) -> None:
     """Log the run's summary (and write the per-case report if asked)."""
     if not results:
         log.info("preprocess %s: every case already complete", config_name)
@@ -303,17 +369,37 @@ def _report(results: list[CaseResult], peaks: dict[str, int], config_name: str, 
     worst = max(measured, key=lambda r: r.peak_rss_bytes or 0) if measured else None
     disk = sum(r.disk_bytes for r in results)
     augmented = sum(r.augmented_disk_bytes for r in results)
-    log.info("preprocess %s: %d case(s) in %.1f s (%.2f cases/s, %d process(es)); disk %.1f MiB "
-             "(augmented copies %.1f MiB); peak RAM per case predicted max %.0f MiB%s", config_name,
-             len(results), seconds, len(results) / max(seconds, 1e-9), processes, disk / MiB, augmented / MiB,
-             max(peaks.values(), default=0) / MiB,
-             f", measured max {worst.peak_rss_bytes / MiB:.0f} MiB ({worst.case_id})" if worst else "")
+    log.info(
+        "preprocess %s: %d case(s) in %.1f s (%.2f cases/s, %d process(es)); disk %.1f MiB "
+        "(augmented copies %.1f MiB); peak RAM per case predicted max %.0f MiB%s",
+        config_name,
+        len(results),
+        seconds,
+        len(results) / max(seconds, 1e-9),
+        processes,
+        disk / MiB,
+        augmented / MiB,
+        max(peaks.values(), default=0) / MiB,
+        f", measured max {worst.peak_rss_bytes / MiB:.0f} MiB ({worst.case_id})" if worst else "",
+    )
     if report_path is not None:
-        write_json(report_path, {
-            "config": config_name, "seconds": seconds, "processes": processes, "disk_bytes": disk,
-            "augmented_disk_bytes": augmented,
-            "cases": [{"case_id": r.case_id, "seconds": r.seconds, "disk_bytes": r.disk_bytes,
-                       "predicted_peak_bytes": peaks.get(r.case_id),
-                       "measured_peak_rss_bytes": r.peak_rss_bytes}
-                      for r in results],
-        })
+        write_json(
+            report_path,
+            {
+                "config": config_name,
+                "seconds": seconds,
+                "processes": processes,
+                "disk_bytes": disk,
+                "augmented_disk_bytes": augmented,
+                "cases": [
+                    {
+                        "case_id": r.case_id,
+                        "seconds": r.seconds,
+                        "disk_bytes": r.disk_bytes,
+                        "predicted_peak_bytes": peaks.get(r.case_id),
+                        "measured_peak_rss_bytes": r.peak_rss_bytes,
+                    }
+                    for r in results
+                ],
+            },
+        )

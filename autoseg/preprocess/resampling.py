@@ -158,9 +158,7 @@ def resample_segmentation(
     if seg.ndim != 4 or seg.shape[0] != 1:
         raise ValueError(f"resample_segmentation expects (1, Z, Y, X); got an array of shape {seg.shape}")
     if not np.issubdtype(seg.dtype, np.integer):
-        raise ValueError(
-            f"segmentation dtype is {seg.dtype}; expected integer labels (cast with astype(np.int16))"
-        )
+        raise ValueError(f"segmentation dtype is {seg.dtype}; expected integer labels (cast with astype(np.int16))")
     new_shape = tuple(int(n) for n in new_shape_zyx)
     if seg.shape[1:] == new_shape:
         return seg
@@ -206,8 +204,7 @@ def axis_taps(n_in: int, n_out: int, order: int) -> tuple[np.ndarray, np.ndarray
     return np.clip(low, 0, n_in - 1), np.clip(low + 1, 0, n_in - 1), weight
 
 
-def interpolate_separable(block: np.ndarray, taps: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
-                          ) -> np.ndarray:
+def interpolate_separable(block: np.ndarray, taps: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> np.ndarray:
     """Linear / nearest interpolation of float32 ``block`` one axis at a time with precomputed ``taps``
     (``axis_taps``: indices into ``block`` and weights per axis). An axis whose taps read consecutive voxels with
     no weight is sliced, not copied: when every axis is, the result is a view of ``block``."""
@@ -229,8 +226,9 @@ def interpolate_separable(block: np.ndarray, taps: Sequence[tuple[np.ndarray, np
     return block
 
 
-def _resample_labels_separable(seg: np.ndarray, labels: list[int], out: np.ndarray,
-                               orders: tuple[int, ...]) -> np.ndarray:
+def _resample_labels_separable(
+    seg: np.ndarray, labels: list[int], out: np.ndarray, orders: tuple[int, ...]
+) -> np.ndarray:
     """``resample_segmentation``'s fast path (see its docstring) into ``out`` ``(1, *new_shape)``."""
     shape, new_shape = seg.shape[1:], out.shape[1:]
     taps = [axis_taps(n_in, n_out, o) for n_in, n_out, o in zip(shape, new_shape, orders, strict=True)]
@@ -263,8 +261,9 @@ def _resample_labels_separable(seg: np.ndarray, labels: list[int], out: np.ndarr
     return out
 
 
-def _label_box(seg_zyx: np.ndarray, label: int, taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
-               ) -> tuple[tuple[slice, ...], tuple[slice, ...], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
+def _label_box(
+    seg_zyx: np.ndarray, label: int, taps: list[tuple[np.ndarray, np.ndarray, np.ndarray]]
+) -> tuple[tuple[slice, ...], tuple[slice, ...], list[tuple[np.ndarray, np.ndarray, np.ndarray]]]:
     """The input box holding ``label`` (plus one voxel per side, so every tap of an output voxel that reads
     the label falls inside it), the output box of those voxels, and the taps relative to the input box."""
     present = [np.zeros(n, bool) for n in seg_zyx.shape]

@@ -37,16 +37,25 @@ log = logging.getLogger("autoseg")
 SHOWN_REASONS = 8
 
 
-def plan_and_preprocess(dataset: str | Path | RawDataset, workspace: Workspace, budget: Budget, *,
-                        preprocess_configs: bool = True, configs: list[str] | None = None,
-                        processes: int | None = None, progress: bool = True, precompute_augmentations: int = 0,
-                        overwrite: bool = False) -> Plans:
+def plan_and_preprocess(
+    dataset: str | Path | RawDataset,
+    workspace: Workspace,
+    budget: Budget,
+    *,
+    preprocess_configs: bool = True,
+    configs: list[str] | None = None,
+    processes: int | None = None,
+    progress: bool = True,
+    precompute_augmentations: int = 0,
+    overwrite: bool = False,
+) -> Plans:
     """`autoseg plan` (``preprocess_configs`` False) and `autoseg plan_and_preprocess`: plan, then refuse
     (or with ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or
     dataset, all before anything is written; then write the plan and preprocess."""
     planned = make_plan(dataset, workspace, budget, progress, overwrite)
-    stale = stale_preprocessed(workspace, planned.plans, planned.dataset, planned.source,
-                               unknown_is_stale=bool(planned.dataset_changes))
+    stale = stale_preprocessed(
+        workspace, planned.plans, planned.dataset, planned.source, unknown_is_stale=bool(planned.dataset_changes)
+    )
     if stale and not overwrite:
         raise InputError(_stale_message(workspace, planned.dataset.root, stale))
     if overwrite:
@@ -54,13 +63,25 @@ def plan_and_preprocess(dataset: str | Path | RawDataset, workspace: Workspace, 
         _delete_stale(stale)
     write_plan(workspace, planned)
     if preprocess_configs:
-        preprocess_workspace(workspace, configs, processes, progress=progress,
-                             precompute_augmentations=precompute_augmentations, overwrite=overwrite)
+        preprocess_workspace(
+            workspace,
+            configs,
+            processes,
+            progress=progress,
+            precompute_augmentations=precompute_augmentations,
+            overwrite=overwrite,
+        )
     return planned.plans
 
 
-def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None, processes: int | None = None,
-                         progress: bool = True, precompute_augmentations: int = 0, overwrite: bool = False) -> None:
+def preprocess_workspace(
+    workspace: Workspace,
+    configs: list[str] | None = None,
+    processes: int | None = None,
+    progress: bool = True,
+    precompute_augmentations: int = 0,
+    overwrite: bool = False,
+) -> None:
     """Preprocess each configuration into ``preprocessed/<config>/``; ``processes=None`` derives the count
     from the plan's RAM budget (``preprocessing_processes_for``). Also writes
     ``preprocessed/<config>_report.json`` (per-case predicted and measured peak memory, seconds, disk) and,
@@ -83,8 +104,17 @@ def preprocess_workspace(workspace: Workspace, configs: list[str] | None = None,
         out_dir = workspace.preprocessed(name)
         # before the cases: every case in the folder is made from what it says (stale ones were deleted)
         PreprocessedSource(preprocessing_fields(plans, name), digests).to_json(source_path(out_dir))
-        preprocess(dataset, plans, name, out_dir, processes=n, progress=progress, precompute=precompute,
-                   report_path=out_dir.with_name(f"{name}_report.json"), cropped=cropped)
+        preprocess(
+            dataset,
+            plans,
+            name,
+            out_dir,
+            processes=n,
+            progress=progress,
+            precompute=precompute,
+            report_path=out_dir.with_name(f"{name}_report.json"),
+            cropped=cropped,
+        )
         log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
 
 
@@ -101,22 +131,29 @@ def preprocessing_fields(plans: Plans, config_name: str) -> dict[str, Any]:
     properties of the channels normalized as CT, the only scheme that reads them) and the labels."""
     config = plans.configuration(config_name)
     fields = {
-        "spacing_mm": config.spacing_mm, "dim": config.dim, "normalization": plans.normalization,
+        "spacing_mm": config.spacing_mm,
+        "dim": config.dim,
+        "normalization": plans.normalization,
         "use_nonzero_mask": plans.use_nonzero_mask,
-        "intensity_properties": [p if n == "ct" else None for n, p in zip(plans.normalization,
-                                                                             plans.intensity_properties)],
-        "labels": plans.labels, "regions_class_order": plans.regions_class_order,
+        "intensity_properties": [
+            p if n == "ct" else None for n, p in zip(plans.normalization, plans.intensity_properties)
+        ],
+        "labels": plans.labels,
+        "regions_class_order": plans.regions_class_order,
     }
     return json.loads(json.dumps(to_dict(fields)))
 
 
 def case_digests(dataset: RawDataset, source: DatasetSource) -> dict[str, str]:
     """Case id -> the digest of its image and label files in ``source`` (``DatasetSource.digest_of``)."""
+
     def name(path: Path) -> str:
         return path.relative_to(dataset.root).as_posix()
 
-    return {c.case_id: source.digest_of([name(p) for p in (*c.image_paths, c.label_path) if p is not None])
-            for c in dataset.cases}
+    return {
+        c.case_id: source.digest_of([name(p) for p in (*c.image_paths, c.label_path) if p is not None])
+        for c in dataset.cases
+    }
 
 
 @dataclass(frozen=True)
@@ -129,8 +166,14 @@ class StalePreprocessed:
     cases: tuple[str, ...]  # to delete (every case of the folder when the plan changed)
 
 
-def stale_preprocessed(workspace: Workspace, plans: Plans, dataset: RawDataset, source: DatasetSource,
-                       configs: list[str] | None = None, unknown_is_stale: bool = False) -> list[StalePreprocessed]:
+def stale_preprocessed(
+    workspace: Workspace,
+    plans: Plans,
+    dataset: RawDataset,
+    source: DatasetSource,
+    configs: list[str] | None = None,
+    unknown_is_stale: bool = False,
+) -> list[StalePreprocessed]:
     """The stale cases of each configuration (default: every planned one) with a folder. A folder without
     ``<config>_source.json`` (an older autoseg) is taken as current unless ``unknown_is_stale`` (the dataset
     changed since the workspace was made)."""
@@ -145,15 +188,18 @@ def stale_preprocessed(workspace: Workspace, plans: Plans, dataset: RawDataset, 
         if record is None:
             reasons = ["made by an older autoseg, which did not record the files it was made from"]
         else:
-            reasons = [f"made with another plan: {c}" for c in _field_changes(record.plan_fields,
-                                                                               preprocessing_fields(plans, name))]
+            reasons = [
+                f"made with another plan: {c}"
+                for c in _field_changes(record.plan_fields, preprocessing_fields(plans, name))
+            ]
         if reasons:
             stale.append(StalePreprocessed(name, folder, tuple(reasons), tuple(stored)))
             continue
         gone = [c for c in stored if c not in digests]
         redo = [c for c in stored if c in digests and record.cases.get(c) != digests[c]]
-        reasons = [f"case {c}: no longer in the dataset" for c in gone] + \
-                  [f"case {c}: made from other files" for c in redo]
+        reasons = [f"case {c}: no longer in the dataset" for c in gone] + [
+            f"case {c}: made from other files" for c in redo
+        ]
         if reasons:
             stale.append(StalePreprocessed(name, folder, tuple(reasons), tuple(gone + redo)))
     return stale
@@ -170,47 +216,67 @@ def check_preprocessed(workspace: Workspace, plans: Plans, config_name: str, nee
     if (root / "dataset.json").is_file():
         check_dataset(workspace, root, dataset_source(root))
     elif needs_dataset:
-        raise InputError(f"dataset {root}, which {workspace.root} was made from, is gone; the final validation "
-                         "predicts its images: restore it there, or train with --no-validation")
+        raise InputError(
+            f"dataset {root}, which {workspace.root} was made from, is gone; the final validation "
+            "predicts its images: restore it there, or train with --no-validation"
+        )
     else:
         log.info("dataset %s not found; training from the preprocessed data in %s", root, folder)
     record = read_source(folder)
     if record is None:
-        log.info("%s: no record of the plan it was preprocessed with (an older autoseg); taken as plans.json's",
-                 folder)
+        log.info("%s: no record of the plan it was preprocessed with (an older autoseg); taken as plans.json's", folder)
         return
     changes = _field_changes(record.plan_fields, preprocessing_fields(plans, config_name))
     if changes:
-        raise InputError(f"{folder} was preprocessed with another plan than {workspace.plans_path} says "
-                         f"({'; '.join(changes[:SHOWN_REASONS])}); run `autoseg plan_and_preprocess {root} -w "
-                         f"{workspace.root} --overwrite` to preprocess it again with the plan as it is")
+        raise InputError(
+            f"{folder} was preprocessed with another plan than {workspace.plans_path} says "
+            f"({'; '.join(changes[:SHOWN_REASONS])}); run `autoseg plan_and_preprocess {root} -w "
+            f"{workspace.root} --overwrite` to preprocess it again with the plan as it is"
+        )
 
 
 def _field_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    return [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(before.keys() | now.keys())
-            if before.get(k) != now.get(k)]
+    return [
+        f"{k}: {before.get(k)!r} -> {now.get(k)!r}"
+        for k in sorted(before.keys() | now.keys())
+        if before.get(k) != now.get(k)
+    ]
 
 
 def _stale_message(workspace: Workspace, root: Path, stale: list[StalePreprocessed]) -> str:
     lines = [f"{s.folder.name}: {r}" for s in stale for r in s.reasons]
     more = len(lines) - SHOWN_REASONS
-    return (f"preprocessed data in {workspace.root / 'preprocessed'} no longer matches the dataset and plan: "
-            f"{'; '.join(lines[:SHOWN_REASONS])}{f'; and {more} more' if more > 0 else ''}. Run `autoseg "
-            f"plan_and_preprocess {root} -w {workspace.root} --overwrite` to redo the stale cases")
+    return (
+        f"preprocessed data in {workspace.root / 'preprocessed'} no longer matches the dataset and plan: "
+        f"{'; '.join(lines[:SHOWN_REASONS])}{f'; and {more} more' if more > 0 else ''}. Run `autoseg "
+        f"plan_and_preprocess {root} -w {workspace.root} --overwrite` to redo the stale cases"
+    )
 
 
 def _delete_stale(stale: list[StalePreprocessed]) -> None:
     for s in stale:
-        log.warning("--overwrite: deleting %d stale preprocessed case(s) of %s to redo them (%s)", len(s.cases),
-                    s.folder, "; ".join(s.reasons[:SHOWN_REASONS]))
+        log.warning(
+            "--overwrite: deleting %d stale preprocessed case(s) of %s to redo them (%s)",
+            len(s.cases),
+            s.folder,
+            "; ".join(s.reasons[:SHOWN_REASONS]),
+        )
         for case_id in s.cases:
             delete_case(s.folder, case_id)
 
 
 # a configuration's fields that describe the machine it runs on, not the network trained or its data: a plan
 # that differs only in these (another RAM budget) leaves trained folds as they are
-MACHINE_FIELDS = ("memory", "notes", "limited_by", "predicted_seconds_per_iteration", "flops_per_iteration",
-                  "loader_workers", "loader_queue_depth", "loader_worker_bytes")
+MACHINE_FIELDS = (
+    "memory",
+    "notes",
+    "limited_by",
+    "predicted_seconds_per_iteration",
+    "flops_per_iteration",
+    "loader_workers",
+    "loader_queue_depth",
+    "loader_worker_bytes",
+)
 
 
 def _trained_on(config: ConfigurationPlan) -> dict[str, Any]:
@@ -224,46 +290,79 @@ def _set_aside_results(workspace: Workspace, planned: PlannedWorkspace, stale_co
     files_changed = any(not c.startswith("dataset.json") for c in planned.dataset_changes)
     previous = planned.previous_plans.configurations if planned.previous_plans and planned.write_plans else {}
     configs = planned.plans.configurations
-    changed = {name for name, config in configs.items() if name in stale_configs or (
-        name in previous and _trained_on(previous[name]) != _trained_on(config))}
+    changed = {
+        name
+        for name, config in configs.items()
+        if name in stale_configs or (name in previous and _trained_on(previous[name]) != _trained_on(config))
+    }
     # a cascade stage was trained on its previous stage's predictions and on the data it reads: changed with them
     changed |= {name for name, c in configs.items() if {c.previous_stage, c.preprocessed_as} & changed}
     for name in sorted(configs):
         if files_changed or name in changed:
             moved = workspace.set_aside(workspace.results(name, 0).parent)
             if moved is not None:
-                log.warning("--overwrite: %s was trained on the %s before this change; moved to %s (autoseg no "
-                            "longer uses it; delete it when you no longer need it)", moved.with_name(name),
-                            "dataset" if files_changed else "plan", moved)
+                log.warning(
+                    "--overwrite: %s was trained on the %s before this change; moved to %s (autoseg no "
+                    "longer uses it; delete it when you no longer need it)",
+                    moved.with_name(name),
+                    "dataset" if files_changed else "plan",
+                    moved,
+                )
     if workspace.splits_path.is_file():
         splits = Splits.from_json(workspace.splits_path)
         if {c for f in splits.folds for c in f.val} != {c.case_id for c in planned.dataset.cases}:
-            log.warning("--overwrite: %s splits other cases than the dataset has now; moved to %s",
-                        workspace.splits_path, workspace.set_aside(workspace.splits_path))
+            log.warning(
+                "--overwrite: %s splits other cases than the dataset has now; moved to %s",
+                workspace.splits_path,
+                workspace.set_aside(workspace.splits_path),
+            )
 
 
-def preprocessing_processes_for(workspace: Workspace, plans: Plans, config_name: str,
-                                num_augmentations: int = 0) -> int:
+def preprocessing_processes_for(
+    workspace: Workspace, plans: Plans, config_name: str, num_augmentations: int = 0
+) -> int:
     """Processes for preprocessing ``config_name``: as many as fit the plan's RAM budget (less what this
     process holds) given the largest case's predicted peak (``case_peak_bytes`` over the fingerprint's
     shapes and crops, augmented copies included), at most the CPU count, and at most the plan's
     ``preprocessing_processes`` when that is above 1 (it may have been lowered by hand). Logs the numbers."""
     fp = load_fingerprint(workspace)
     config = plans.configuration(config_name)
-    peaks = {c.case_id: case_peak_bytes(c.shape_zyx, c.spacing_mm, config, len(fp.channel_names),
-                                        plans.num_label_values, num_augmentations, cropped_zyx=c.cropped_shape_zyx)
-             for c in fp.cases}
+    peaks = {
+        c.case_id: case_peak_bytes(
+            c.shape_zyx,
+            c.spacing_mm,
+            config,
+            len(fp.channel_names),
+            plans.num_label_values,
+            num_augmentations,
+            cropped_zyx=c.cropped_shape_zyx,
+        )
+        for c in fp.cases
+    }
     largest = max(peaks, key=lambda c: peaks[c])
     cpus = cpu_count()
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * KiB  # this process's peak so far (ru_maxrss is in KiB)
     n = processes_for(plans.host_ram_bytes - held, peaks[largest], cpus)
-    log.info("preprocess %s: %d process(es) fit: min(%d CPUs, (RAM budget %.1f GiB - %.2f GiB held here) "
-             "// largest case's predicted peak %.0f MiB (%s))", config_name, n, cpus,
-             plans.host_ram_bytes / GiB, held / GiB, peaks[largest] / MiB, largest)
+    log.info(
+        "preprocess %s: %d process(es) fit: min(%d CPUs, (RAM budget %.1f GiB - %.2f GiB held here) "
+        "// largest case's predicted peak %.0f MiB (%s))",
+        config_name,
+        n,
+        cpus,
+        plans.host_ram_bytes / GiB,
+        held / GiB,
+        peaks[largest] / MiB,
+        largest,
+    )
     if plans.preprocessing_processes > 1 and plans.preprocessing_processes < n:
         n = plans.preprocessing_processes
         log.info("preprocess %s: %d process(es), as plans.json says", config_name, n)
     if peaks[largest] > plans.host_ram_bytes:
-        log.warning("preprocess %s: case %s is predicted to need %.1f GiB, more than the RAM budget of "
-                    "%.1f GiB", config_name, largest, peaks[largest] / GiB, plans.host_ram_bytes / GiB)
+        log.warning(
+            "preprocess %s: case %s is predicted to need %.1f GiB, more than the RAM budget of %.1f GiB",
+            config_name,
+            largest,
+            peaks[largest] / GiB,
+            plans.host_ram_bytes / GiB,
+        )
     return n

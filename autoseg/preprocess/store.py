@@ -45,11 +45,34 @@ from autoseg.preprocess.precompute import SpatialParams
 AUGMENTED = re.compile(r"_aug\d+_data\.npy$")  # an augmented copy's data file, not a case's
 ClassLocations = Mapping[str, Sequence[Sequence[int]]]  # output channel -> (z, y, x) voxels
 
-__all__ = ["AugmentedCopy", "CaseFiles", "CaseProperties", "CaseWriter", "PreprocessedSource", "StoredCase",
-           "PreviousStageSource", "case_files", "delete_case", "is_complete", "list_complete_cases",
-           "locations_array", "missing_files", "open_case", "open_npy_for_patches", "open_previous_stage",
-           "precomputed_copies", "prefetch_pages", "properties_path", "read_previous_stage_source", "read_properties",
-           "read_source", "source_path", "stored_case_ids", "write_case", "write_previous_stage"]
+__all__ = [
+    "AugmentedCopy",
+    "CaseFiles",
+    "CaseProperties",
+    "CaseWriter",
+    "PreprocessedSource",
+    "StoredCase",
+    "PreviousStageSource",
+    "case_files",
+    "delete_case",
+    "is_complete",
+    "list_complete_cases",
+    "locations_array",
+    "missing_files",
+    "open_case",
+    "open_npy_for_patches",
+    "open_previous_stage",
+    "precomputed_copies",
+    "prefetch_pages",
+    "properties_path",
+    "read_previous_stage_source",
+    "read_properties",
+    "read_source",
+    "source_path",
+    "stored_case_ids",
+    "write_case",
+    "write_previous_stage",
+]
 
 
 @dataclass(frozen=True)
@@ -151,8 +174,10 @@ def read_previous_stage_source(folder: str | Path, case_id: str) -> PreviousStag
 def open_previous_stage(folder: str | Path, case_id: str) -> np.ndarray:
     """A read-only memory map (``open_npy_for_patches``) of the case's previous-stage label map (1, Z, Y, X)."""
     if read_previous_stage_source(folder, case_id) is None:
-        raise InputError(f"{folder}: no previous-stage label map of case {case_id!r}; train the cascade stage again "
-                         "(its start writes them)")
+        raise InputError(
+            f"{folder}: no previous-stage label map of case {case_id!r}; train the cascade stage again "
+            "(its start writes them)"
+        )
     return open_npy_for_patches(_previous_stage_files(folder, case_id)[0])
 
 
@@ -188,8 +213,10 @@ def locations_array(locations: ClassLocations) -> np.ndarray:
 
 def _check_arrays(where: str, data: np.ndarray, seg: np.ndarray) -> None:
     if data.ndim != 4 or seg.ndim != 4 or seg.shape[0] != 1 or seg.shape[1:] != data.shape[1:]:
-        raise ValueError(f"{where}: expected data (C, Z, Y, X) and seg (1, Z, Y, X), got {data.shape} and "
-                         f"{seg.shape}; re-run preprocessing")
+        raise ValueError(
+            f"{where}: expected data (C, Z, Y, X) and seg (1, Z, Y, X), got {data.shape} and "
+            f"{seg.shape}; re-run preprocessing"
+        )
 
 
 class CaseWriter:
@@ -209,8 +236,10 @@ class CaseWriter:
         (1, Z, Y, X) and foreground voxels per class (stored as ``locations_array``)."""
         _check_arrays(f"case {self.case_id!r} copy {copy}", data, seg)
         if data.dtype != np.float32 or not np.issubdtype(seg.dtype, np.signedinteger):
-            raise ValueError(f"case {self.case_id!r}: expected float32 data and a signed integer seg, got "
-                             f"{data.dtype} and {seg.dtype}")
+            raise ValueError(
+                f"case {self.case_id!r}: expected float32 data and a signed integer seg, got "
+                f"{data.dtype} and {seg.dtype}"
+            )
         files = case_files(self.folder, self.case_id, copy)
         written = 0
         for path, array in zip(files, (data, seg, locations_array(locations)), strict=True):
@@ -226,15 +255,18 @@ class CaseWriter:
         """Write ``<case>.json`` last: from now on the case is complete."""
         expected = {-1, *(c.index for c in props.augmentations)}
         if props.case_id != self.case_id or not expected <= self._written:
-            raise ValueError(f"case {self.case_id!r}: properties of {props.case_id!r} with copies "
-                             f"{sorted(expected - {-1})}, but arrays written for {sorted(self._written)}")
+            raise ValueError(
+                f"case {self.case_id!r}: properties of {props.case_id!r} with copies "
+                f"{sorted(expected - {-1})}, but arrays written for {sorted(self._written)}"
+            )
         path = properties_path(self.folder, self.case_id)
         props.to_json(path)
         self.case_bytes += path.stat().st_size
 
 
-def write_case(folder: str | Path, props: CaseProperties, data: np.ndarray, seg: np.ndarray,
-               locations: ClassLocations) -> None:
+def write_case(
+    folder: str | Path, props: CaseProperties, data: np.ndarray, seg: np.ndarray, locations: ClassLocations
+) -> None:
     """A case without augmented copies: its arrays, then its JSON (``CaseWriter``)."""
     writer = CaseWriter(folder, props.case_id)
     writer.write_arrays(data, seg, locations)
@@ -288,8 +320,10 @@ def read_properties(folder: str | Path, case_id: str) -> CaseProperties:
     """``<case>.json``; a missing file, bad JSON or another schema version raises ``ArtifactError`` naming it."""
     path = properties_path(folder, case_id)
     if not path.is_file():
-        raise ArtifactError(f"{path}: file not found; case {case_id!r} is incomplete or was never preprocessed, "
-                            "run plan_and_preprocess again")
+        raise ArtifactError(
+            f"{path}: file not found; case {case_id!r} is incomplete or was never preprocessed, "
+            "run plan_and_preprocess again"
+        )
     return CaseProperties.from_json(path)
 
 
@@ -330,8 +364,7 @@ class StoredCase:
         path = self.files(copy).locations
         rows = np.load(path)
         if rows.ndim != 2 or rows.shape[1] != 4:
-            raise InputError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; "
-                             "re-run preprocessing")
+            raise InputError(f"{path}: expected (N, 4) rows (class, z, y, x), got {rows.shape}; re-run preprocessing")
         return {str(c): rows[rows[:, 0] == c, 1:] for c in np.unique(rows[:, 0])}
 
 
@@ -341,7 +374,8 @@ def open_case(folder: str | Path, case_id: str) -> StoredCase:
     if missing:
         raise InputError(
             f"preprocessed case {case_id!r} in {folder} is incomplete, missing {[str(p) for p in missing]}; "
-            "run preprocessing again (a case without <case>.json is incomplete)")
+            "run preprocessing again (a case without <case>.json is incomplete)"
+        )
     return StoredCase(Path(folder), case_id)
 
 
@@ -356,8 +390,7 @@ def open_npy_for_patches(path: str | Path) -> np.ndarray:
     """
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
-            np.lib.format.read_array_header_2_0
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran_order, dtype = read_header(f)
         offset = f.tell()
         if math.prod(shape) * dtype.itemsize == 0:

@@ -47,25 +47,48 @@ def format_markdown(report: FindBestReport, choice: InferenceChoice, workspace_r
     """The candidates' table, the postprocessing steps tried and the command to predict with."""
     names = list(report.best_postprocessed.class_dice)
     head = "| candidate | mean Dice | " + " | ".join(names) + " |"
-    lines = [f"# autoseg find-best: folds {' '.join(map(str, report.folds))}, {report.num_cases} validation cases",
-             "", "Cross-validation Dice (mean over the validation cases of every fold, per class; mean Dice: the "
-             "mean of the classes), before postprocessing.", "", head, "|" + " --- |" * (len(names) + 2)]
+    lines = [
+        f"# autoseg find-best: folds {' '.join(map(str, report.folds))}, {report.num_cases} validation cases",
+        "",
+        "Cross-validation Dice (mean over the validation cases of every fold, per class; mean Dice: the "
+        "mean of the classes), before postprocessing.",
+        "",
+        head,
+        "|" + " --- |" * (len(names) + 2),
+    ]
     for c in report.candidates:
         mark = " **(chosen)**" if c.name == report.best else ""
-        lines.append(f"| {c.name}{mark} | {_fmt(c.mean_dice)} | " +
-                     " | ".join(_fmt(c.class_dice[n]) for n in names) + " |")
+        lines.append(
+            f"| {c.name}{mark} | {_fmt(c.mean_dice)} | " + " | ".join(_fmt(c.class_dice[n]) for n in names) + " |"
+        )
     pp = report.best_postprocessed
-    lines.append(f"| {pp.name} postprocessed | {_fmt(pp.mean_dice)} | " +
-                 " | ".join(_fmt(pp.class_dice[n]) for n in names) + " |")
-    lines += ["", f"Postprocessing of {report.best} (keep only the largest connected component):", "",
-              "| step | Dice before | Dice after | applied |", "| --- | --- | --- | --- |"]
+    lines.append(
+        f"| {pp.name} postprocessed | {_fmt(pp.mean_dice)} | "
+        + " | ".join(_fmt(pp.class_dice[n]) for n in names)
+        + " |"
+    )
+    lines += [
+        "",
+        f"Postprocessing of {report.best} (keep only the largest connected component):",
+        "",
+        "| step | Dice before | Dice after | applied |",
+        "| --- | --- | --- | --- |",
+    ]
     for step in choice.steps:
         what = "all foreground as one (mean Dice)" if step.target == "foreground" else f"{step.target} (its Dice)"
-        lines.append(f"| {what} | {_fmt(step.dice_before)} | {_fmt(step.dice_after)} | "
-                     f"{'yes' if step.applied else 'no'} |")
-    lines += ["", f"Chosen: {' + '.join(choice.configurations)}"
-              f"{' (ensemble: probabilities averaged)' if len(choice.configurations) > 1 else ''}, folds "
-              f"{' '.join(map(str, choice.folds))}, postprocessing: {choice.postprocessing.describe()}; "
-              f"mean Dice {_fmt(choice.cv_dice)} -> {_fmt(choice.cv_dice_postprocessed)} after postprocessing.",
-              "", "Predict with it:", "", f"    {predict_command(workspace_root)}", ""]
+        lines.append(
+            f"| {what} | {_fmt(step.dice_before)} | {_fmt(step.dice_after)} | {'yes' if step.applied else 'no'} |"
+        )
+    lines += [
+        "",
+        f"Chosen: {' + '.join(choice.configurations)}"
+        f"{' (ensemble: probabilities averaged)' if len(choice.configurations) > 1 else ''}, folds "
+        f"{' '.join(map(str, choice.folds))}, postprocessing: {choice.postprocessing.describe()}; "
+        f"mean Dice {_fmt(choice.cv_dice)} -> {_fmt(choice.cv_dice_postprocessed)} after postprocessing.",
+        "",
+        "Predict with it:",
+        "",
+        f"    {predict_command(workspace_root)}",
+        "",
+    ]
     return "\n".join(lines)

@@ -30,30 +30,49 @@ class FindBestResult:
     markdown: str  # as written to find_best.md
 
 
-def find_best(workspace: Workspace, configs: list[str] | None = None, folds: tuple[int, ...] | None = None,
-              progress: bool = False) -> FindBestResult:
+def find_best(
+    workspace: Workspace, configs: list[str] | None = None, folds: tuple[int, ...] | None = None, progress: bool = False
+) -> FindBestResult:
     """Choose the configuration or ensemble of two with the highest cross-validation mean foreground Dice (ties:
     the first, single configurations before ensembles), then its postprocessing, over ``folds`` (None: every fold of
     splits.json); write ``inference.json``,
     ``find_best.json`` and ``find_best.md`` into the workspace (each atomically, after every figure is known)."""
     cv = collect(workspace, configs, folds)
     cands = candidates(cv.configurations)
-    log.info("find-best: %d candidate(s) (%s) over %d validation case(s) of fold(s) %s", len(cands),
-             ", ".join(c.name for c in cands), len(cv.cases), " ".join(map(str, cv.folds)))
+    log.info(
+        "find-best: %d candidate(s) (%s) over %d validation case(s) of fold(s) %s",
+        len(cands),
+        ", ".join(c.name for c in cands),
+        len(cv.cases),
+        " ".join(map(str, cv.folds)),
+    )
     figures = score_candidates(cv, cands, progress)
     best = _best(cands, figures)
     postprocessing, steps = search_postprocessing(cv, best, progress)
-    after = figures[best.name] if postprocessing.is_identity else score_postprocessed(cv, best, postprocessing,
-                                                                                       progress)
+    after = (
+        figures[best.name] if postprocessing.is_identity else score_postprocessed(cv, best, postprocessing, progress)
+    )
     before = figures[best.name]
     choice = InferenceChoice(
-        configurations=best.configurations, folds=cv.folds, checkpoint="final", postprocessing=postprocessing,
-        cv_dice=nan_to_none(before.mean_dice), cv_dice_postprocessed=nan_to_none(after.mean_dice),
-        class_dice=_classes(before), class_dice_postprocessed=_classes(after), steps=steps,
-        candidates={c.name: nan_to_none(figures[c.name].mean_dice) for c in cands}, num_cases=len(cv.cases))
-    report = FindBestReport(folds=cv.folds, num_cases=len(cv.cases),
-                            candidates=tuple(_candidate_figures(c, figures[c.name]) for c in cands),
-                            best=best.name, best_postprocessed=_candidate_figures(best, after))
+        configurations=best.configurations,
+        folds=cv.folds,
+        checkpoint="final",
+        postprocessing=postprocessing,
+        cv_dice=nan_to_none(before.mean_dice),
+        cv_dice_postprocessed=nan_to_none(after.mean_dice),
+        class_dice=_classes(before),
+        class_dice_postprocessed=_classes(after),
+        steps=steps,
+        candidates={c.name: nan_to_none(figures[c.name].mean_dice) for c in cands},
+        num_cases=len(cv.cases),
+    )
+    report = FindBestReport(
+        folds=cv.folds,
+        num_cases=len(cv.cases),
+        candidates=tuple(_candidate_figures(c, figures[c.name]) for c in cands),
+        best=best.name,
+        best_postprocessed=_candidate_figures(best, after),
+    )
     markdown = format_markdown(report, choice, str(workspace.root))
     report.to_json(workspace.find_best_path)
     atomic_write_text(workspace.find_best_path.with_suffix(".md"), markdown)
@@ -74,5 +93,4 @@ def _classes(figures: Figures) -> dict[str, float | None]:
 
 
 def _candidate_figures(candidate: Candidate, figures: Figures) -> CandidateFigures:
-    return CandidateFigures(candidate.name, candidate.configurations, nan_to_none(figures.mean_dice),
-                            _classes(figures))
+    return CandidateFigures(candidate.name, candidate.configurations, nan_to_none(figures.mean_dice), _classes(figures))

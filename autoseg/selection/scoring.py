@@ -50,8 +50,9 @@ class Figures:
 
 def candidates(configurations: tuple[str, ...]) -> list[Candidate]:
     """Each configuration alone, then every pair (an ensemble of two), in the configurations' order."""
-    return [Candidate((c,)) for c in configurations] + \
-        [Candidate(pair) for pair in itertools.combinations(configurations, 2)]
+    return [Candidate((c,)) for c in configurations] + [
+        Candidate(pair) for pair in itertools.combinations(configurations, 2)
+    ]
 
 
 def candidate_labels(cv: CrossValidation, candidate: Candidate, case: ValidationCase) -> np.ndarray:
@@ -62,17 +63,21 @@ def candidate_labels(cv: CrossValidation, candidate: Candidate, case: Validation
     return labels_from_probabilities(mean, cv.scheme)
 
 
-def _score(cv: CrossValidation, labels: np.ndarray, ref: np.ndarray, case: ValidationCase, what: str
-           ) -> dict[str, float]:
+def _score(
+    cv: CrossValidation, labels: np.ndarray, ref: np.ndarray, case: ValidationCase, what: str
+) -> dict[str, float]:
     if labels.shape != ref.shape:
-        raise InputError(f"{what} of case {case.case_id} (fold {case.fold}) has shape {labels.shape}, its reference "
-                         f"{case.reference} {ref.shape}; the validation outputs are not of this dataset: train the "
-                         "fold again")
+        raise InputError(
+            f"{what} of case {case.case_id} (fold {case.fold}) has shape {labels.shape}, its reference "
+            f"{case.reference} {ref.shape}; the validation outputs are not of this dataset: train the "
+            "fold again"
+        )
     return case_dice(labels, ref, cv.foreground, cv.ignore, where=case.case_id)
 
 
-def _over_cases(cv: CrossValidation, per_case: Callable[[ValidationCase, np.ndarray], None], desc: str,
-                progress: bool) -> None:
+def _over_cases(
+    cv: CrossValidation, per_case: Callable[[ValidationCase, np.ndarray], None], desc: str, progress: bool
+) -> None:
     for case in tqdm(cv.cases, desc=desc, unit="case", disable=not progress):
         ref = read_label_map(case.reference, "reference")[0]  # int16 (Z, Y, X)
         per_case(case, ref)
@@ -90,8 +95,9 @@ def score_candidates(cv: CrossValidation, cands: list[Candidate], progress: bool
     return {name: Figures(*mean_dice(scores)) for name, scores in dice.items()}
 
 
-def search_postprocessing(cv: CrossValidation, best: Candidate, progress: bool = False
-                          ) -> tuple[Postprocessing, tuple[PostprocessingStep, ...]]:
+def search_postprocessing(
+    cv: CrossValidation, best: Candidate, progress: bool = False
+) -> tuple[Postprocessing, tuple[PostprocessingStep, ...]]:
     """nnU-Net's search (``determine_postprocessing``), on ``best``'s label maps:
 
     1. keep only the largest component of all foreground as one: applied when it raises the mean foreground Dice
@@ -130,8 +136,9 @@ def search_postprocessing(cv: CrossValidation, best: Candidate, progress: bool =
     return Postprocessing(use_fg, tuple(chosen)), tuple(steps)
 
 
-def score_postprocessed(cv: CrossValidation, best: Candidate, postprocessing: Postprocessing,
-                        progress: bool = False) -> Figures:
+def score_postprocessed(
+    cv: CrossValidation, best: Candidate, postprocessing: Postprocessing, progress: bool = False
+) -> Figures:
     """``best``'s cross-validation Dice with ``postprocessing`` applied as prediction will apply it."""
     scores: list[dict[str, float]] = []
 

@@ -43,8 +43,9 @@ class CrossValidation:
         return self.workspace.results(config, case.fold) / "validation" / f"{case.case_id}.npz"
 
 
-def collect(workspace: Workspace, configs: list[str] | None = None,
-            folds: tuple[int, ...] | None = None) -> CrossValidation:
+def collect(
+    workspace: Workspace, configs: list[str] | None = None, folds: tuple[int, ...] | None = None
+) -> CrossValidation:
     """Find and check the cross-validation outputs of ``configs`` (None: every planned configuration with a
     trained fold) over ``folds`` (None: every fold of splits.json, 0 1 2 3 4 for 5 cases or more); raise
     ``InputError`` naming every missing piece and the command that writes it."""
@@ -56,19 +57,31 @@ def collect(workspace: Workspace, configs: list[str] | None = None,
         raise InputError(f"--folds {' '.join(map(str, folds))}: give one or more folds, each once")
     too_high = [f for f in folds if f >= len(splits.folds)]
     if too_high:
-        raise InputError(f"fold(s) {too_high}: {workspace.splits_path} has {len(splits.folds)} folds (0 to "
-                         f"{len(splits.folds) - 1}); choose folds with --folds, e.g. --folds 0 1")
+        raise InputError(
+            f"fold(s) {too_high}: {workspace.splits_path} has {len(splits.folds)} folds (0 to "
+            f"{len(splits.folds) - 1}); choose folds with --folds, e.g. --folds 0 1"
+        )
     dataset = load_dataset(workspace.dataset_root())
     references = {c.case_id: c.label_path for c in dataset.cases}
     cases = []
     for fold in folds:
         for case_id in sorted(splits.folds[fold].val):
             if references.get(case_id) is None:
-                raise InputError(f"{dataset.root}: no label file for validation case {case_id!r} of fold {fold} "
-                                 f"({workspace.splits_path}); the dataset changed since training")
+                raise InputError(
+                    f"{dataset.root}: no label file for validation case {case_id!r} of fold {fold} "
+                    f"({workspace.splits_path}); the dataset changed since training"
+                )
             cases.append(ValidationCase(fold, case_id, references[case_id]))
-    cv = CrossValidation(workspace, tuple(configs), tuple(folds), tuple(cases), plans.label_scheme,
-                         foreground_entries(dataset.labels), dataset.labels.get(IGNORE), dataset.file_ending)
+    cv = CrossValidation(
+        workspace,
+        tuple(configs),
+        tuple(folds),
+        tuple(cases),
+        plans.label_scheme,
+        foreground_entries(dataset.labels),
+        dataset.labels.get(IGNORE),
+        dataset.file_ending,
+    )
     _check_outputs(cv)
     return cv
 
@@ -77,14 +90,17 @@ def _configurations(workspace: Workspace, plans: Plans, configs: list[str] | Non
     if configs is None:
         configs = [c for c in plans.configurations if (workspace.root / "results" / c).is_dir()]
         if not configs:
-            raise InputError(f"{workspace.root}: no configuration has trained folds (results/<config>/ not found); "
-                             f"train one first: `autoseg train fold 0 1 2 3 4 -c {plans.default_configuration()} "
-                             f"-w {workspace.root}`")
+            raise InputError(
+                f"{workspace.root}: no configuration has trained folds (results/<config>/ not found); "
+                f"train one first: `autoseg train fold 0 1 2 3 4 -c {plans.default_configuration()} "
+                f"-w {workspace.root}`"
+            )
         return configs
     unknown = [c for c in configs if c not in plans.configurations]
     if unknown:
-        raise InputError(f"--configs: {', '.join(unknown)} not planned; {workspace.plans_path} has "
-                         f"{', '.join(plans.configurations)}")
+        raise InputError(
+            f"--configs: {', '.join(unknown)} not planned; {workspace.plans_path} has {', '.join(plans.configurations)}"
+        )
     if len(set(configs)) != len(configs):
         raise InputError(f"--configs {' '.join(configs)}: give each configuration once")
     return [c for c in plans.configurations if c in configs]
@@ -98,23 +114,31 @@ def _check_outputs(cv: CrossValidation) -> None:
             out = ws.results(config, fold)
             train = f"autoseg train fold {fold} -c {config} -w {ws.root}"
             if not ws.checkpoint(config, fold, "final").is_file():
-                problems.append(f"{config} fold {fold}: not trained ({out / 'checkpoint_final.pt'} not found); "
-                                f"run `{train}`, or leave the fold out with --folds")
+                problems.append(
+                    f"{config} fold {fold}: not trained ({out / 'checkpoint_final.pt'} not found); "
+                    f"run `{train}`, or leave the fold out with --folds"
+                )
                 continue
             missing = _missing_outputs(cv, config, fold)
             if missing:
-                problems.append(f"{config} fold {fold}: its final validation is incomplete in {out / 'validation'} "
-                                f"(missing {missing}); run `{train} --resume` (a finished fold only runs its "
-                                f"validation again; if summary.json is there, move the validation folder aside first)")
+                problems.append(
+                    f"{config} fold {fold}: its final validation is incomplete in {out / 'validation'} "
+                    f"(missing {missing}); run `{train} --resume` (a finished fold only runs its "
+                    f"validation again; if summary.json is there, move the validation folder aside first)"
+                )
             foreign = _foreign_cases(cv, config, fold)
             if foreign:
-                problems.append(f"{config} fold {fold}: validated case(s) {foreign} that are not in fold {fold}'s "
-                                f"validation cases of {ws.splits_path}: it was trained with other splits; train it "
-                                f"again (`{train}`) so every configuration is compared on the same cases")
+                problems.append(
+                    f"{config} fold {fold}: validated case(s) {foreign} that are not in fold {fold}'s "
+                    f"validation cases of {ws.splits_path}: it was trained with other splits; train it "
+                    f"again (`{train}`) so every configuration is compared on the same cases"
+                )
     if problems:
         what = "fold is" if len(problems) == 1 else f"{len(problems)} folds are"
-        raise ArtifactError(f"autoseg find-best compares configurations on the validation outputs of every fold; "
-                            f"{what} missing them:\n  " + "\n  ".join(problems))
+        raise ArtifactError(
+            f"autoseg find-best compares configurations on the validation outputs of every fold; "
+            f"{what} missing them:\n  " + "\n  ".join(problems)
+        )
 
 
 def _foreign_cases(cv: CrossValidation, config: str, fold: int) -> list[str]:

@@ -63,9 +63,15 @@ def restore_rng_states(states: dict[str, Any]) -> None:
     random.setstate((version, tuple(internal), gauss))
 
 
-def save_checkpoint(path: Path, network: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scaler: torch.amp.GradScaler, config: ConfigurationPlan, config_name: str,
-                    progress: dict[str, Any]) -> None:
+def save_checkpoint(
+    path: Path,
+    network: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler,
+    config: ConfigurationPlan,
+    config_name: str,
+    progress: dict[str, Any],
+) -> None:
     """Write atomically (temp file, then rename). ``config``: the plan's configuration as planned (before
     degradations); ``progress``: epoch, schedule, ema / best_ema, metrics, degradations, time_budget."""
     state = {
@@ -92,8 +98,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``); JSON fields decoded."""
     if not path.is_file():
         raise InputError(f"{path} not found: nothing to resume; start the fold without --resume")
-    state = read_checkpoint_file(path, f"copy one of them onto {path.name} to resume from it, or train the fold "
-                                       "again without --resume")
+    state = read_checkpoint_file(
+        path, f"copy one of them onto {path.name} to resume from it, or train the fold again without --resume"
+    )
     state["metrics"] = json.loads(state.pop("metrics_json"))
     state["degradations"] = json.loads(state.pop("degradations_json"))
     state["time_budget"] = json.loads(state.pop("time_budget_json"))
@@ -115,5 +122,7 @@ def check_same_plan(state: dict[str, Any], config: ConfigurationPlan, config_nam
     changed = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
     if changed:
         details = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:4])
-        raise InputError(f"plans.json's configuration {config_name!r} differs from the one {path} was trained "
-                         f"with ({details}); restore the plan, or train the fold again without --resume")
+        raise InputError(
+            f"plans.json's configuration {config_name!r} differs from the one {path} was trained "
+            f"with ({details}); restore the plan, or train the fold again without --resume"
+        )

@@ -46,8 +46,10 @@ def fold_cases(workspace: Workspace, data_config: str, fold: int | str) -> tuple
         raise InputError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
     for case_id in case_ids:  # a case never silently leaves the folds
         if missing := missing_files(folder, case_id):
-            raise InputError(f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
-                             "run `autoseg plan_and_preprocess` again (it redoes incomplete cases)")
+            raise InputError(
+                f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
+                "run `autoseg plan_and_preprocess` again (it redoes incomplete cases)"
+            )
     splits = load_or_create_splits(workspace, case_ids)
     if fold == "all":
         return case_ids, case_ids
@@ -82,15 +84,26 @@ def prepare_previous_stage(workspace: Workspace, plans: Plans, config_name: str,
     written = 0
     for case_id, path in files.items():
         props = read_properties(data, case_id)
-        source = PreviousStageSource(label_file=str(path.relative_to(workspace.root)), label_digest=file_hash(path),
-                                     crop_bbox=props.crop_bbox, shape_zyx=props.shape_after_resample)
+        source = PreviousStageSource(
+            label_file=str(path.relative_to(workspace.root)),
+            label_digest=file_hash(path),
+            crop_bbox=props.crop_bbox,
+            shape_zyx=props.shape_after_resample,
+        )
         if read_previous_stage_source(folder, case_id) == source:
             continue
         labels, _ = read_image(path, dtype=None)
         write_previous_stage(folder, case_id, labels_on_grid(labels, props), source)
         written += 1
-    log.info("%s: %d case(s)' %s label maps on the %s grid in %s (%d written now, the others kept)", config_name,
-             len(files), config.previous_stage, config.data_configuration, folder, written)
+    log.info(
+        "%s: %d case(s)' %s label maps on the %s grid in %s (%d written now, the others kept)",
+        config_name,
+        len(files),
+        config.previous_stage,
+        config.data_configuration,
+        folder,
+        written,
+    )
     return folder
 
 
@@ -111,13 +124,17 @@ def _check_previous_folds(workspace: Workspace, config_name: str, stage: str, fi
     problems = []
     if untrained:
         folds = " ".join(map(str, sorted(untrained)))
-        problems.append(f"{stage} fold(s) {folds} not trained: run `autoseg train fold {folds} -c {stage} -w "
-                        f"{workspace.root}`")
+        problems.append(
+            f"{stage} fold(s) {folds} not trained: run `autoseg train fold {folds} -c {stage} -w {workspace.root}`"
+        )
     for fold, cases in sorted(incomplete.items()):
-        problems.append(f"{stage} fold {fold}'s final validation has no label map of case(s) {', '.join(cases)} "
-                        f"(reduced by a time budget, or trained with --no-validation): run `autoseg train fold {fold} "
-                        f"-c {stage} -w {workspace.root} --resume` (a finished fold runs its validation again; move "
-                        f"{workspace.results(stage, fold) / 'validation'} aside first if it holds summary.json)")
-    raise InputError(f"{config_name} takes {stage}'s prediction of every case it trains and validates on, predicted "
-                     f"by the {stage} fold that held the case out (its final validation); missing:\n  "
-                     + "\n  ".join(problems))
+        problems.append(
+            f"{stage} fold {fold}'s final validation has no label map of case(s) {', '.join(cases)} "
+            f"(reduced by a time budget, or trained with --no-validation): run `autoseg train fold {fold} "
+            f"-c {stage} -w {workspace.root} --resume` (a finished fold runs its validation again; move "
+            f"{workspace.results(stage, fold) / 'validation'} aside first if it holds summary.json)"
+        )
+    raise InputError(
+        f"{config_name} takes {stage}'s prediction of every case it trains and validates on, predicted "
+        f"by the {stage} fold that held the case out (its final validation); missing:\n  " + "\n  ".join(problems)
+    )

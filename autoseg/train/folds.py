@@ -29,8 +29,14 @@ def fold_finished(workspace: Workspace, config_name: str, fold: int | str, valid
     return (out / "run.json").is_file() and (not validate or (out / "validation" / "summary.json").is_file())
 
 
-def train_folds(workspace: Workspace, config_name: str, folds: Sequence[int | str], run: RunConfig,
-                progress: bool = True, distributed: DistributedContext = SINGLE_PROCESS) -> list[Path]:
+def train_folds(
+    workspace: Workspace,
+    config_name: str,
+    folds: Sequence[int | str],
+    run: RunConfig,
+    progress: bool = True,
+    distributed: DistributedContext = SINGLE_PROCESS,
+) -> list[Path]:
     """Train ``folds`` one after the other (``train``); returns their results folders, finished ones included.
     ``run.resume``: skip finished folds, resume the others from their latest checkpoint where they have one."""
     done = []
@@ -44,6 +50,7 @@ def train_folds(workspace: Workspace, config_name: str, folds: Sequence[int | st
         if len(folds) > 1:
             how = "resuming from its latest checkpoint" if resume else "from its first epoch"
             log.info("fold %s (%d of %d): %s", fold, i + 1, len(folds), how)
-        done.append(train(workspace, config_name, fold, replace(run, resume=resume), progress=progress,
-                          distributed=distributed))
+        done.append(
+            train(workspace, config_name, fold, replace(run, resume=resume), progress=progress, distributed=distributed)
+        )
     return done

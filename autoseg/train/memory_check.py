@@ -42,9 +42,22 @@ from autoseg.model.optimizer import OPTIMIZERS, OptimizerSettings
 from autoseg.model.step import TrainStep, build_step, synthetic_batches
 from autoseg.plan.plans import ConfigurationPlan, Plans
 
-__all__ = ["CHECK_STEPS", "EXIT_MEMORY_MISMATCH", "TOLERANCE", "CpuProbe", "CudaProbe", "MemoryCheck",
-           "MemoryObserver", "MemoryRow", "StepPrediction", "check_plan", "compare", "configured_step", "log_check",
-           "predict_step"]
+__all__ = [
+    "CHECK_STEPS",
+    "EXIT_MEMORY_MISMATCH",
+    "TOLERANCE",
+    "CpuProbe",
+    "CudaProbe",
+    "MemoryCheck",
+    "MemoryObserver",
+    "MemoryRow",
+    "StepPrediction",
+    "check_plan",
+    "compare",
+    "configured_step",
+    "log_check",
+    "predict_step",
+]
 
 TOLERANCE = 0.10  # a row is off when |measured - predicted| > TOLERANCE x predicted
 RSS_SLACK_BYTES = 64 * MiB  # the CPU peak RSS row also by more than this: its spread between fresh processes
@@ -73,13 +86,23 @@ class MemoryRow:
         return (self.measured_bytes - self.predicted_bytes) / max(self.predicted_bytes, 1)
 
     def off(self, tolerance: float = TOLERANCE) -> bool:
-        return (self.checked and abs(self.error) > tolerance
-                and abs(self.measured_bytes - self.predicted_bytes) > self.slack_bytes)
+        return (
+            self.checked
+            and abs(self.error) > tolerance
+            and abs(self.measured_bytes - self.predicted_bytes) > self.slack_bytes
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "measured_bytes": self.measured_bytes, "predicted_bytes": self.predicted_bytes,
-                "error": self.error, "checked": self.checked, "slack_bytes": self.slack_bytes, "source": self.source,
-                "model": self.model}
+        return {
+            "name": self.name,
+            "measured_bytes": self.measured_bytes,
+            "predicted_bytes": self.predicted_bytes,
+            "error": self.error,
+            "checked": self.checked,
+            "slack_bytes": self.slack_bytes,
+            "source": self.source,
+            "model": self.model,
+        }
 
 
 @dataclass(frozen=True)
@@ -102,42 +125,86 @@ class MemoryCheck:
         return not self.off_rows
 
     def to_dict(self) -> dict[str, Any]:
-        return {"device": self.device, "configuration": self.configuration, "steps": self.steps,
-                "tolerance": self.tolerance, "ok": self.ok, "rows": [r.to_dict() for r in self.rows],
-                "notes": list(self.notes)}
+        return {
+            "device": self.device,
+            "configuration": self.configuration,
+            "steps": self.steps,
+            "tolerance": self.tolerance,
+            "ok": self.ok,
+            "rows": [r.to_dict() for r in self.rows],
+            "notes": list(self.notes),
+        }
 
     def describe(self) -> str:
         """One line: the configuration, each checked row as measured / predicted (error), the verdict."""
         c = self.configuration
-        rows = ", ".join(f"{r.name} {format_bytes(r.measured_bytes)} / {format_bytes(r.predicted_bytes)} "
-                         f"({r.error:+.1%})" for r in self.rows if r.checked)
-        verdict = (f"within {self.tolerance:.0%}" if self.ok else
-                   f"OFF by more than {self.tolerance:.0%}: {', '.join(r.name for r in self.off_rows)}")
-        return (f"memory check on {self.device} ({self.steps} steps, batch {c['batch_size']} x "
-                f"{c['accumulation_steps']}, patch {'x'.join(map(str, c['patch_size']))}, {c['precision']}"
-                f"{', checkpointing' if c['checkpointing'] else ''}): measured / predicted {rows}; {verdict}")
+        rows = ", ".join(
+            f"{r.name} {format_bytes(r.measured_bytes)} / {format_bytes(r.predicted_bytes)} ({r.error:+.1%})"
+            for r in self.rows
+            if r.checked
+        )
+        verdict = (
+            f"within {self.tolerance:.0%}"
+            if self.ok
+            else f"OFF by more than {self.tolerance:.0%}: {', '.join(r.name for r in self.off_rows)}"
+        )
+        return (
+            f"memory check on {self.device} ({self.steps} steps, batch {c['batch_size']} x "
+            f"{c['accumulation_steps']}, patch {'x'.join(map(str, c['patch_size']))}, {c['precision']}"
+            f"{', checkpointing' if c['checkpointing'] else ''}): measured / predicted {rows}; {verdict}"
+        )
 
     def warning(self) -> str | None:
         """What is off and what to do, or None when every checked row is within the tolerance."""
         if self.ok:
             return None
-        what = "; ".join(f"{r.name}: measured {format_bytes(r.measured_bytes)}, predicted "
-                         f"{format_bytes(r.predicted_bytes)} ({r.error:+.1%}; {r.model})" for r in self.off_rows)
-        return (f"the memory model is off by more than {self.tolerance:.0%} on this {self.device}: {what}. Plans for "
-                "this machine may over- or under-fill it; please report this line (with `autoseg check-memory "
-                "--json`'s output) so the device terms in autoseg/memory/device.py can be calibrated")
+        what = "; ".join(
+            f"{r.name}: measured {format_bytes(r.measured_bytes)}, predicted "
+            f"{format_bytes(r.predicted_bytes)} ({r.error:+.1%}; {r.model})"
+            for r in self.off_rows
+        )
+        return (
+            f"the memory model is off by more than {self.tolerance:.0%} on this {self.device}: {what}. Plans for "
+            "this machine may over- or under-fill it; please report this line (with `autoseg check-memory "
+            "--json`'s output) so the device terms in autoseg/memory/device.py can be calibrated"
+        )
 
     def table(self) -> str:
         """The comparison table of ``autoseg check-memory``."""
-        header = ["term", "measured", "predicted", "error", f"within {self.tolerance:.0%}",
-                  "measured by / predicted as"]
-        body = [[r.name, format_bytes(r.measured_bytes), format_bytes(r.predicted_bytes), f"{r.error:+.2%}",
-                 ("NO" if r.off(self.tolerance) else "yes" if abs(r.error) <= self.tolerance else
-                  f"yes (by < {format_bytes(r.slack_bytes)})") if r.checked else "(not checked)",
-                 f"{r.source} / {r.model}"] for r in self.rows]
+        header = [
+            "term",
+            "measured",
+            "predicted",
+            "error",
+            f"within {self.tolerance:.0%}",
+            "measured by / predicted as",
+        ]
+        body = [
+            [
+                r.name,
+                format_bytes(r.measured_bytes),
+                format_bytes(r.predicted_bytes),
+                f"{r.error:+.2%}",
+                (
+                    "NO"
+                    if r.off(self.tolerance)
+                    else "yes"
+                    if abs(r.error) <= self.tolerance
+                    else f"yes (by < {format_bytes(r.slack_bytes)})"
+                )
+                if r.checked
+                else "(not checked)",
+                f"{r.source} / {r.model}",
+            ]
+            for r in self.rows
+        ]
         widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-        lines = ["  ".join(cell.rjust(w) if 0 < i < 5 else cell.ljust(w) for i, (cell, w) in
-                           enumerate(zip(row, widths))).rstrip() for row in [header, *body]]
+        lines = [
+            "  ".join(
+                cell.rjust(w) if 0 < i < 5 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
+            ).rstrip()
+            for row in [header, *body]
+        ]
         lines.insert(1, "-" * len(lines[0]))
         return "\n".join([self.describe(), *lines, *(f"note: {n}" for n in self.notes)])
 
@@ -150,41 +217,91 @@ class StepPrediction:
     device_terms: dict[str, int]  # predict_device_peak: tensors, the device's terms, total
 
 
-def predict_step(config: ConfigurationPlan, device_type: str, optimizer: OptimizerSettings,
-                 scheme: LabelScheme) -> StepPrediction:
+def predict_step(
+    config: ConfigurationPlan, device_type: str, optimizer: OptimizerSettings, scheme: LabelScheme
+) -> StepPrediction:
     """One simulation of the step as it runs on ``device_type``: the configuration's batch, accumulation and
     checkpointing (after degradations, a rank's share), the precision it runs at there, the run's optimizer."""
     device = "cuda" if device_type == "cuda" else "cpu"
     kind = next(key for key, settings in OPTIMIZERS.items() if settings.name == optimizer.name)  # state: by kind
-    memory = simulate_training_step(config.network, config.batch_size, tuple(config.patch_size),
-                                    precision=effective_precision(config.precision, device_type),
-                                    checkpointing=config.checkpointing, optimizer=kind,
-                                    accumulation_steps=config.accumulation_steps, labels=scheme, device=device)
+    memory = simulate_training_step(
+        config.network,
+        config.batch_size,
+        tuple(config.patch_size),
+        precision=effective_precision(config.precision, device_type),
+        checkpointing=config.checkpointing,
+        optimizer=kind,
+        accumulation_steps=config.accumulation_steps,
+        labels=scheme,
+        device=device,
+    )
     return StepPrediction(memory, predict_device_peak(memory, device))
 
 
-def compare(prediction: StepPrediction, measured: dict[str, int], device_type: str, configuration: dict[str, Any],
-            steps: int, notes: tuple[str, ...] = ()) -> MemoryCheck:
+def compare(
+    prediction: StepPrediction,
+    measured: dict[str, int],
+    device_type: str,
+    configuration: dict[str, Any],
+    steps: int,
+    notes: tuple[str, ...] = (),
+) -> MemoryCheck:
     """THE comparison of a measurement (``CudaProbe.finish`` or ``CpuProbe.finish``) with a prediction."""
     terms, tensors = prediction.device_terms, prediction.device_terms["tensors"]
     if device_type == "cuda":
         cached = tensors + terms["allocator_rounding"] + terms["fragmentation"] + terms["conv_workspace"]
-        rows = (MemoryRow("allocated", measured["max_memory_allocated"], tensors, "torch.cuda.max_memory_allocated",
-                          "simulated tensor peak"),
-                MemoryRow("reserved", measured["max_memory_reserved"], cached, "torch.cuda.max_memory_reserved",
-                          "tensors + allocator rounding, fragmentation, conv workspace"),
-                MemoryRow("device used", measured["device_used"], terms["total"], "mem_get_info: total - free",
-                          "the above + CUDA context"))
+        rows = (
+            MemoryRow(
+                "allocated",
+                measured["max_memory_allocated"],
+                tensors,
+                "torch.cuda.max_memory_allocated",
+                "simulated tensor peak",
+            ),
+            MemoryRow(
+                "reserved",
+                measured["max_memory_reserved"],
+                cached,
+                "torch.cuda.max_memory_reserved",
+                "tensors + allocator rounding, fragmentation, conv workspace",
+            ),
+            MemoryRow(
+                "device used",
+                measured["device_used"],
+                terms["total"],
+                "mem_get_info: total - free",
+                "the above + CUDA context",
+            ),
+        )
     else:
         added, heap = tensors - measured["baseline_tensor_bytes"], terms["fragmentation"]
-        rows = (MemoryRow("tensors", measured["tracked_peak"], tensors, f"StorageTracker, step {TRACKED_STEP}",
-                          "simulated tensor peak"),
-                MemoryRow("peak RSS", measured["peak_rss"], measured["baseline_rss"] + added + heap, "VmHWM over the "
-                          "untracked steps", f"RSS before them ({format_bytes(measured['baseline_rss'])}, measured) + "
-                          f"what the step adds to its tensors ({format_bytes(added)}, simulated) + what glibc's heap "
-                          f"keeps beyond them ({format_bytes(heap)}, modelled)", slack_bytes=RSS_SLACK_BYTES),
-                MemoryRow("peak RSS (model)", measured["peak_rss"], terms["total"], "VmHWM over the untracked steps",
-                          "tensors + fragmentation + CPU_RUNTIME_BYTES", checked=False))
+        rows = (
+            MemoryRow(
+                "tensors",
+                measured["tracked_peak"],
+                tensors,
+                f"StorageTracker, step {TRACKED_STEP}",
+                "simulated tensor peak",
+            ),
+            MemoryRow(
+                "peak RSS",
+                measured["peak_rss"],
+                measured["baseline_rss"] + added + heap,
+                "VmHWM over the untracked steps",
+                f"RSS before them ({format_bytes(measured['baseline_rss'])}, measured) + "
+                f"what the step adds to its tensors ({format_bytes(added)}, simulated) + what glibc's heap "
+                f"keeps beyond them ({format_bytes(heap)}, modelled)",
+                slack_bytes=RSS_SLACK_BYTES,
+            ),
+            MemoryRow(
+                "peak RSS (model)",
+                measured["peak_rss"],
+                terms["total"],
+                "VmHWM over the untracked steps",
+                "tensors + fragmentation + CPU_RUNTIME_BYTES",
+                checked=False,
+            ),
+        )
     return MemoryCheck(device_type, configuration, steps, rows, TOLERANCE, notes)
 
 
@@ -213,9 +330,12 @@ class CudaProbe:
     def finish(self) -> dict[str, int]:
         self.cuda.synchronize(self.device)  # the steps' kernels have run
         free, total = self.cuda.mem_get_info(self.device)
-        return {"max_memory_allocated": int(self.cuda.max_memory_allocated(self.device)),
-                "max_memory_reserved": int(self.cuda.max_memory_reserved(self.device)),
-                "device_used": int(total - free), "device_total": int(total)}
+        return {
+            "max_memory_allocated": int(self.cuda.max_memory_allocated(self.device)),
+            "max_memory_reserved": int(self.cuda.max_memory_reserved(self.device)),
+            "device_used": int(total - free),
+            "device_total": int(total),
+        }
 
 
 class _Counted:
@@ -323,10 +443,14 @@ class MemoryObserver:
     def check(self, measured: dict[str, int]) -> MemoryCheck:
         c = self.config
         prediction = self.prediction
-        configuration = {"batch_size": c.batch_size, "accumulation_steps": c.accumulation_steps,
-                         "patch_size": list(c.patch_size), "checkpointing": c.checkpointing,
-                         "precision": effective_precision(c.precision, self.device.type),
-                         "optimizer": self.optimizer.name}
+        configuration = {
+            "batch_size": c.batch_size,
+            "accumulation_steps": c.accumulation_steps,
+            "patch_size": list(c.patch_size),
+            "checkpointing": c.checkpointing,
+            "precision": effective_precision(c.precision, self.device.type),
+            "optimizer": self.optimizer.name,
+        }
         notes = _plan_note(c, prediction, self.device.type)
         return compare(prediction, measured, self.device.type, configuration, self.steps, notes)
 
@@ -334,30 +458,50 @@ class MemoryObserver:
 def _plan_note(config: ConfigurationPlan, prediction: StepPrediction, device_type: str) -> tuple[str, ...]:
     """A note when plans.json's own tensor figure for this device differs from today's simulation."""
     planned = config.memory.get("tensors")
-    if config.device != device_type or planned is None or math.isclose(planned, prediction.memory.peak_bytes,
-                                                                        rel_tol=1e-3):
+    if (
+        config.device != device_type
+        or planned is None
+        or math.isclose(planned, prediction.memory.peak_bytes, rel_tol=1e-3)
+    ):
         return ()
-    return (f"plans.json predicts {format_bytes(planned)} of tensors for this configuration, the memory model now "
-            f"{format_bytes(prediction.memory.peak_bytes)} (an older plan, or the configuration changed: degraded, "
-            "a rank's share, another optimizer)",)
+    return (
+        f"plans.json predicts {format_bytes(planned)} of tensors for this configuration, the memory model now "
+        f"{format_bytes(prediction.memory.peak_bytes)} (an older plan, or the configuration changed: degraded, "
+        "a rank's share, another optimizer)",
+    )
 
 
-def configured_step(config: ConfigurationPlan, device: torch.device, optimizer: OptimizerSettings,
-                    scheme: LabelScheme) -> TrainStep:
+def configured_step(
+    config: ConfigurationPlan, device: torch.device, optimizer: OptimizerSettings, scheme: LabelScheme
+) -> TrainStep:
     """The configuration's training step on ``device``: the plan's precision on CUDA, fp32 on CPU."""
-    return build_step(config.network, scheme, precision=effective_precision(config.precision, device.type),
-                      checkpointing=config.checkpointing, accumulation_steps=config.accumulation_steps,
-                      device=device, optimizer=optimizer)
+    return build_step(
+        config.network,
+        scheme,
+        precision=effective_precision(config.precision, device.type),
+        checkpointing=config.checkpointing,
+        accumulation_steps=config.accumulation_steps,
+        device=device,
+        optimizer=optimizer,
+    )
 
 
-def check_plan(plans: Plans, config_name: str, device: torch.device, steps: int = CHECK_STEPS,
-               probe: Probe | None = None, seed: int = 0) -> MemoryCheck:
+def check_plan(
+    plans: Plans,
+    config_name: str,
+    device: torch.device,
+    steps: int = CHECK_STEPS,
+    probe: Probe | None = None,
+    seed: int = 0,
+) -> MemoryCheck:
     """``autoseg check-memory``: ``steps`` real steps of the planned configuration on synthetic batches (SGD, as
     planned), then the comparison. Refuses, before allocating anything, a configuration whose predicted peak
     exceeds what the machine has (``InputError``): on CPU it would swap instead of measuring."""
     if steps < CHECK_STEPS:
-        raise InputError(f"--steps {steps}: the check needs at least {CHECK_STEPS} steps (the first creates the "
-                         "optimizer state, the second is tracked, the peak RSS is taken over the others)")
+        raise InputError(
+            f"--steps {steps}: the check needs at least {CHECK_STEPS} steps (the first creates the "
+            "optimizer state, the second is tracked, the peak RSS is taken over the others)"
+        )
     config, scheme, optimizer = plans.configuration(config_name), plans.label_scheme, OPTIMIZERS["sgd"]
     prediction = predict_step(config, device.type, optimizer, scheme)
     if probe is None:
@@ -367,18 +511,21 @@ def check_plan(plans: Plans, config_name: str, device: torch.device, steps: int 
         torch.manual_seed(seed)
         step = configured_step(config, device, optimizer, scheme)
         step.network.train()
-        batches = synthetic_batches(config.network, scheme, config.batch_size, tuple(config.patch_size),
-                                    torch.Generator().manual_seed(seed))
-        observer = MemoryObserver(config, device, optimizer, scheme, results.append, steps, probe,
-                                  prediction=prediction)
+        batches = synthetic_batches(
+            config.network, scheme, config.batch_size, tuple(config.patch_size), torch.Generator().manual_seed(seed)
+        )
+        observer = MemoryObserver(
+            config, device, optimizer, scheme, results.append, steps, probe, prediction=prediction
+        )
         for _ in range(steps):
             loss, _ = observer.step(step, batches)
             loss.item()  # syncs with the device
     return results[0]
 
 
-def _refuse_if_too_large(config_name: str, config: ConfigurationPlan, prediction: StepPrediction,
-                         device: torch.device) -> None:
+def _refuse_if_too_large(
+    config_name: str, config: ConfigurationPlan, prediction: StepPrediction, device: torch.device
+) -> None:
     if device.type == "cuda":
         need, (have, _) = prediction.device_terms["total"], torch.cuda.mem_get_info(device)
         where = f"{device} has {format_bytes(have)} free"
@@ -386,10 +533,12 @@ def _refuse_if_too_large(config_name: str, config: ConfigurationPlan, prediction
         need, have = prediction.memory.peak_bytes, available_ram_bytes()
         where = f"this machine has {format_bytes(have)} of RAM available (it would swap, not measure)"
     if need > have:
-        raise InputError(f"configuration {config_name!r} (patch {'x'.join(map(str, config.patch_size))}, batch "
-                         f"{config.batch_size}) is predicted to need {format_bytes(need)} on {device.type}; {where}. "
-                         f"Check it on the machine it was planned for ({config.device}: `autoseg check-memory "
-                         f"--device {config.device}`), or plan for this one")
+        raise InputError(
+            f"configuration {config_name!r} (patch {'x'.join(map(str, config.patch_size))}, batch "
+            f"{config.batch_size}) is predicted to need {format_bytes(need)} on {device.type}; {where}. "
+            f"Check it on the machine it was planned for ({config.device}: `autoseg check-memory "
+            f"--device {config.device}`), or plan for this one"
+        )
 
 
 def log_check(check: MemoryCheck, logger: logging.Logger = log) -> None:

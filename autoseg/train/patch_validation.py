@@ -28,11 +28,15 @@ def pseudo_dice_counts(logits: torch.Tensor, target: torch.Tensor, scheme: Label
     return counts.cpu().numpy().astype(np.float64)  # syncs
 
 
-
-
 @torch.no_grad()
-def validate_patches(network: torch.nn.Module, loader: Iterator[dict[str, torch.Tensor]], loss_fn: torch.nn.Module,
-                     iterations: int, device: torch.device, scheme: LabelScheme) -> tuple[float, np.ndarray]:
+def validate_patches(
+    network: torch.nn.Module,
+    loader: Iterator[dict[str, torch.Tensor]],
+    loss_fn: torch.nn.Module,
+    iterations: int,
+    device: torch.device,
+    scheme: LabelScheme,
+) -> tuple[float, np.ndarray]:
     """Mean loss and pseudo-Dice per foreground class (or region) over ``iterations`` un-augmented patches."""
     network.eval()
     counts = np.zeros((3, len(scheme.names)))

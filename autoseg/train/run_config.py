@@ -43,8 +43,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         for name in ("epochs", "iterations_per_epoch", "val_iterations"):
             if getattr(self, name) < 1:
-                raise InputError(f"RunConfig.{name} is {getattr(self, name)}; it must be at least 1 "
-                                 f"(--{name.replace('_', '-')})")
+                raise InputError(
+                    f"RunConfig.{name} is {getattr(self, name)}; it must be at least 1 (--{name.replace('_', '-')})"
+                )
         if self.loader_workers is not None and self.loader_workers < 0:
             raise InputError(f"RunConfig.loader_workers is {self.loader_workers}; give 0 or more (--loader-workers)")
         if self.time_budget_s is not None and not self.time_budget_s > 0:

@@ -49,8 +49,7 @@ def parse_duration(text: str) -> float:
     """'2h', '30m', '90s', '1h30m', '1.5h' or a plain number of seconds -> seconds (> 0)."""
     compact = text.strip().lower().replace(" ", "")
     parts = re.findall(r"([0-9]*\.?[0-9]+)([hms]?)", compact)
-    if not compact or "".join(v + u for v, u in parts) != compact or \
-            (len(parts) > 1 and any(not u for _, u in parts)):
+    if not compact or "".join(v + u for v, u in parts) != compact or (len(parts) > 1 and any(not u for _, u in parts)):
         raise InputError(f"cannot read {text!r} as a duration; use e.g. 2h, 30m, 90s or 1h30m")
     seconds = sum(float(v) * _UNIT_SECONDS[u or "s"] for v, u in parts)
     if seconds <= 0:
@@ -58,8 +57,9 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def final_validation_seconds(case_shapes: Sequence[Sequence[int]], patch_size: Sequence[int],
-                             seconds_per_sample_step: float, variants: int) -> float:
+def final_validation_seconds(
+    case_shapes: Sequence[Sequence[int]], patch_size: Sequence[int], seconds_per_sample_step: float, variants: int
+) -> float:
     """Estimated seconds to predict the validation cases (preprocessed shapes (Z, Y, X)): per tile a forward
     pass costs about a third of a training step per sample (forward + backward ~ 3 forwards), times the
     ``variants`` of test-time mirroring; x1.5 for preprocessing, resampling and export."""
@@ -76,8 +76,14 @@ class ValidationChoice:
     seconds: float
 
 
-def choose_validation(cases: Mapping[str, Sequence[int]], patch_size: Sequence[int], seconds_per_sample_step: float,
-                      tta: str, variants: int, reserve_seconds: float) -> ValidationChoice:
+def choose_validation(
+    cases: Mapping[str, Sequence[int]],
+    patch_size: Sequence[int],
+    seconds_per_sample_step: float,
+    tta: str,
+    variants: int,
+    reserve_seconds: float,
+) -> ValidationChoice:
     """Every case of ``cases`` (id -> preprocessed (Z, Y, X)) with ``tta`` (``variants`` mirror variants) if that
     fits ``reserve_seconds``; else without mirroring; else the first cases in sorted order that fit, at least one."""
     ids = sorted(cases)
@@ -93,8 +99,14 @@ def choose_validation(cases: Mapping[str, Sequence[int]], patch_size: Sequence[i
     return ValidationChoice("none", tuple(ids[:k]), cost(ids[:k], 1))
 
 
-def plan_epochs(seconds_left: float, seconds_per_iteration: float, epoch_overhead_seconds: float,
-                iterations_per_epoch: int, iterations_done: int, minimum_epochs: int) -> tuple[int, int]:
+def plan_epochs(
+    seconds_left: float,
+    seconds_per_iteration: float,
+    epoch_overhead_seconds: float,
+    iterations_per_epoch: int,
+    iterations_done: int,
+    minimum_epochs: int,
+) -> tuple[int, int]:
     """(epochs still to run, the one in progress included; iterations per epoch) filling ``seconds_left``.
 
     An epoch of I iterations costs ``I * seconds_per_iteration + epoch_overhead_seconds``; ``iterations_done`` of
@@ -136,12 +148,14 @@ class BudgetDecision:
 
     def describe(self, total_cases: int) -> str:
         """The decision's log line."""
-        return (f"time budget {self.budget_seconds:.0f} s, {self.source} ({self.elapsed_seconds:.1f} s elapsed): "
-                f"{self.seconds_per_iteration:.3f} s/iteration + {self.epoch_overhead_seconds:.1f} s per epoch "
-                f"besides, final validation ~{self.final_validation_seconds:.1f} s (tta {self.validation_tta}, "
-                f"{len(self.validation_cases)} of {total_cases} cases) -> {self.epochs} epoch(s) x "
-                f"{self.iterations_per_epoch} iterations, ending at ~{self.predicted_end_seconds:.0f} s "
-                f"({100 * self.predicted_end_seconds / self.budget_seconds:.0f}%)")
+        return (
+            f"time budget {self.budget_seconds:.0f} s, {self.source} ({self.elapsed_seconds:.1f} s elapsed): "
+            f"{self.seconds_per_iteration:.3f} s/iteration + {self.epoch_overhead_seconds:.1f} s per epoch "
+            f"besides, final validation ~{self.final_validation_seconds:.1f} s (tta {self.validation_tta}, "
+            f"{len(self.validation_cases)} of {total_cases} cases) -> {self.epochs} epoch(s) x "
+            f"{self.iterations_per_epoch} iterations, ending at ~{self.predicted_end_seconds:.0f} s "
+            f"({100 * self.predicted_end_seconds / self.budget_seconds:.0f}%)"
+        )
 
 
 class TimeBudget:
@@ -154,9 +168,20 @@ class TimeBudget:
     that gives. ``micro_batches``: accumulation steps; ``batch_size``: the micro-batch.
     """
 
-    def __init__(self, budget_seconds: float, started: float, epochs: int, iterations_per_epoch: int,
-                 val_iterations: int, micro_batches: int, batch_size: int, patch_size: Sequence[int],
-                 validation_cases: Mapping[str, Sequence[int]], tta: str, tta_variants: int) -> None:
+    def __init__(
+        self,
+        budget_seconds: float,
+        started: float,
+        epochs: int,
+        iterations_per_epoch: int,
+        val_iterations: int,
+        micro_batches: int,
+        batch_size: int,
+        patch_size: Sequence[int],
+        validation_cases: Mapping[str, Sequence[int]],
+        tta: str,
+        tta_variants: int,
+    ) -> None:
         self.budget_seconds, self.started = float(budget_seconds), started
         self.plan = (epochs, iterations_per_epoch)  # in force: (epochs, iterations per epoch)
         self.iterations_per_epoch, self.val_iterations = iterations_per_epoch, val_iterations
@@ -222,12 +247,21 @@ class TimeBudget:
         new plan aimed at ``TARGET_SHARE`` of the budget, recorded and logged."""
         s, elapsed = self.seconds_per_iteration(), now - self.started
         overhead = self.epoch_overhead_seconds(s)
-        validation = choose_validation(self.validation_cases, self.patch_size, s / self.samples_per_iteration,
-                                       self.tta, self.tta_variants, VALIDATION_SHARE * self.budget_seconds)
+        validation = choose_validation(
+            self.validation_cases,
+            self.patch_size,
+            s / self.samples_per_iteration,
+            self.tta,
+            self.tta_variants,
+            VALIDATION_SHARE * self.budget_seconds,
+        )
         end = elapsed + self._remaining_seconds(self.plan, s, overhead) + validation.seconds
         same_validation = validation.case_ids == self.validation.case_ids and validation.tta == self.validation.tta
-        if self.decisions and same_validation and \
-                KEEP_BAND[0] * self.budget_seconds <= end <= KEEP_BAND[1] * self.budget_seconds:
+        if (
+            self.decisions
+            and same_validation
+            and KEEP_BAND[0] * self.budget_seconds <= end <= KEEP_BAND[1] * self.budget_seconds
+        ):
             return self.plan
         left = TARGET_SHARE * self.budget_seconds - elapsed - validation.seconds
         minimum = 1 if self._in_epoch or not self._epochs_done else 0
@@ -237,8 +271,19 @@ class TimeBudget:
         if self.decisions and plan == self.plan and same_validation:
             return self.plan
         self.plan, self.validation = plan, validation
-        decision = BudgetDecision(source, plan[0], plan[1], self.budget_seconds, elapsed, s, overhead,
-                                  validation.seconds, validation.tta, validation.case_ids, end)
+        decision = BudgetDecision(
+            source,
+            plan[0],
+            plan[1],
+            self.budget_seconds,
+            elapsed,
+            s,
+            overhead,
+            validation.seconds,
+            validation.tta,
+            validation.case_ids,
+            end,
+        )
         self.decisions.append(decision)
         log.info(decision.describe(len(self.validation_cases)))
         return plan

@@ -59,8 +59,15 @@ __all__ = ["train"]
 log = logging.getLogger("autoseg.train.trainer")
 
 
-def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfig, progress: bool = True,
-          distributed: DistributedContext = SINGLE_PROCESS, clock: Callable[[], float] = time.perf_counter) -> Path:
+def train(
+    workspace: Workspace,
+    config_name: str,
+    fold: int | str,
+    run: RunConfig,
+    progress: bool = True,
+    distributed: DistributedContext = SINGLE_PROCESS,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Path:
     """Train one fold; returns the fold's results folder. ``distributed``: this process's rank in a torchrun
     launch, its process group open (``autoseg.model.distributed.process_group``). ``clock``: seconds, what the
     time budget and the epoch times are measured with (tests pass a simulated one)."""
@@ -77,9 +84,11 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
         resumed = load_checkpoint(latest)
         check_same_plan(resumed, config, config_name, latest)
         if resumed["world_size"] != distributed.world_size:
-            raise InputError(f"{latest} was trained on {resumed['world_size']} process(es), this run has "
-                             f"{distributed.world_size} (the micro-batches and data streams are per process); "
-                             f"resume with --gpus {resumed['world_size']}, or train again without --resume")
+            raise InputError(
+                f"{latest} was trained on {resumed['world_size']} process(es), this run has "
+                f"{distributed.world_size} (the micro-batches and data streams are per process); "
+                f"resume with --gpus {resumed['world_size']}, or train again without --resume"
+            )
     out.mkdir(parents=True, exist_ok=True)
     if distributed.is_main:
         for stale in remove_stale_temporaries(out) + remove_stale_temporaries(out / "validation"):  # killed writes
@@ -89,8 +98,21 @@ def train(workspace: Workspace, config_name: str, fold: int | str, run: RunConfi
     log.addHandler(handler)
     threads = torch.get_num_threads()
     try:
-        job = _Job(workspace, plans, config, config_name, fold, train_ids, val_ids, out, run, progress, clock, started,
-                   previous)
+        job = _Job(
+            workspace,
+            plans,
+            config,
+            config_name,
+            fold,
+            train_ids,
+            val_ids,
+            out,
+            run,
+            progress,
+            clock,
+            started,
+            previous,
+        )
         ctx = _setup(job, resumed, distributed)
         return _train(ctx)
     finally:
@@ -154,27 +176,51 @@ class _Context:
         Each rank draws its own stream from all training cases (see docs/architecture.md, Multi-GPU)."""
         job = self.job
         seed = loader_seed(job.run.seed, epoch, 0 if augment else 1, len(self.degradations), self.ranks.context.rank)
-        cfg = loader_config(self.config, augment, self.use_precomputed and augment,
-                            job.plans.previous_stage_values(job.planned))
-        return BatchLoader(job.data_folder, job.train_ids if augment else job.val_ids, cfg, seed=seed,
-                           num_workers=self.loader_workers if augment else 0,
-                           queue_depth=self.config.loader_queue_depth, pin_memory=self.step.device.type == "cuda",
-                           previous_folder=job.previous_folder)
+        cfg = loader_config(
+            self.config, augment, self.use_precomputed and augment, job.plans.previous_stage_values(job.planned)
+        )
+        return BatchLoader(
+            job.data_folder,
+            job.train_ids if augment else job.val_ids,
+            cfg,
+            seed=seed,
+            num_workers=self.loader_workers if augment else 0,
+            queue_depth=self.config.loader_queue_depth,
+            pin_memory=self.step.device.type == "cuda",
+            previous_folder=job.previous_folder,
+        )
 
     def progress_state(self, epoch: int) -> dict[str, Any]:
-        return {"epoch": epoch, "schedule": {"epochs": self.epochs, "iterations_per_epoch": self.iterations_per_epoch,
-                                             "steps_done": self.steps_done},
-                "ema": self.ema, "best_ema": self.best_ema, "metrics": self.metrics,
-                "degradations": self.degradations, "time_budget": self.budget_decisions,
-                "world_size": self.ranks.world_size, "memory_checks": self.memory_checks}
+        return {
+            "epoch": epoch,
+            "schedule": {
+                "epochs": self.epochs,
+                "iterations_per_epoch": self.iterations_per_epoch,
+                "steps_done": self.steps_done,
+            },
+            "ema": self.ema,
+            "best_ema": self.best_ema,
+            "metrics": self.metrics,
+            "degradations": self.degradations,
+            "time_budget": self.budget_decisions,
+            "world_size": self.ranks.world_size,
+            "memory_checks": self.memory_checks,
+        }
 
     def save(self, which: str, epoch: int) -> None:
         """``checkpoint_{which}.pt``. Rank 0 writes; the other ranks hold the same weights (gradients are averaged)."""
         if not self.ranks.is_main:
             return
         job = self.job
-        save_checkpoint(job.workspace.checkpoint(job.config_name, job.fold, which), self.step.network,
-                        self.step.optimizer, self.step.scaler, job.planned, job.config_name, self.progress_state(epoch))
+        save_checkpoint(
+            job.workspace.checkpoint(job.config_name, job.fold, which),
+            self.step.network,
+            self.step.optimizer,
+            self.step.scaler,
+            job.planned,
+            job.config_name,
+            self.progress_state(epoch),
+        )
 
 
 def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedContext) -> _Context:
@@ -187,13 +233,18 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
         shared = max(1, cpu_count() // distributed.local_world_size)  # the node's cores shared by its ranks
         use_cpu_threads(run.cpu_threads or (shared if distributed.local_world_size > 1 else None), "training")
     torch.manual_seed(run.seed)
-    ctx = _Context(job, config, step=_make_step(config, run, job.plans.label_scheme), epochs=run.epochs,
-                   iterations_per_epoch=run.iterations_per_epoch)
+    ctx = _Context(
+        job,
+        config,
+        step=_make_step(config, run, job.plans.label_scheme),
+        epochs=run.epochs,
+        iterations_per_epoch=run.iterations_per_epoch,
+    )
     distribute(ctx.step, distributed)
     _watch_memory(ctx)
     ctx.loader_workers, ctx.use_precomputed = choose_data_pipeline(
-        run, job.data_folder, config, job.plans, job.train_ids,
-        distributed.local_world_size)
+        run, job.data_folder, config, job.plans, job.train_ids, distributed.local_world_size
+    )
     if resumed is None:
         if ctx.ranks.is_main:
             (out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
@@ -214,10 +265,16 @@ def _setup(job: _Job, resumed: dict[str, Any] | None, distributed: DistributedCo
     if ctx.ranks.is_main:
         atomic_write_text(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in ctx.metrics))
     if (ctx.epochs, ctx.iterations_per_epoch) != (run.epochs, run.iterations_per_epoch):
-        log.info("resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs,
-                 ctx.iterations_per_epoch)
-    log.info("resumed %s fold %s from %s after epoch %d", job.config_name, job.fold,
-             job.workspace.checkpoint(job.config_name, job.fold, "latest"), resumed["epoch"])
+        log.info(
+            "resuming with the checkpoint's schedule: %d epochs x %d iterations", ctx.epochs, ctx.iterations_per_epoch
+        )
+    log.info(
+        "resumed %s fold %s from %s after epoch %d",
+        job.config_name,
+        job.fold,
+        job.workspace.checkpoint(job.config_name, job.fold, "latest"),
+        resumed["epoch"],
+    )
     restore_rng_states(resumed["rng"])
     return ctx
 
@@ -226,10 +283,22 @@ def _train(ctx: _Context) -> Path:
     config, run, world = ctx.config, ctx.job.run, ctx.ranks.world_size
     global_batch = world * config.batch_size * config.accumulation_steps
     job = ctx.job
-    log.info("training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation x %d process(es) = "
-             "global batch %d (planned %d), %d epochs x %d it", job.config_name, job.fold, len(job.train_ids),
-             len(job.val_ids), config.patch_size, config.batch_size, config.accumulation_steps, world, global_batch,
-             job.planned.batch_size * job.planned.accumulation_steps, ctx.epochs, ctx.iterations_per_epoch)
+    log.info(
+        "training %s fold %s: %d train / %d val cases, patch %s, batch %d x %d accumulation x %d process(es) = "
+        "global batch %d (planned %d), %d epochs x %d it",
+        job.config_name,
+        job.fold,
+        len(job.train_ids),
+        len(job.val_ids),
+        config.patch_size,
+        config.batch_size,
+        config.accumulation_steps,
+        world,
+        global_batch,
+        job.planned.batch_size * job.planned.accumulation_steps,
+        ctx.epochs,
+        ctx.iterations_per_epoch,
+    )
     epoch = ctx.first_epoch
     while epoch < ctx.epochs:
         t0 = job.clock()
@@ -237,8 +306,15 @@ def _train(ctx: _Context) -> Path:
             ctx.budget.epoch_started(t0)
         row = _run_epoch(ctx, epoch, t0)
         if ctx.ranks.is_main:  # the other ranks have no row
-            row.update(run_times(job.clock() - job.started, epoch + 1, ctx.epochs,
-                                 [m["epoch_seconds"] for m in ctx.metrics] + [row["epoch_seconds"]], _planned(ctx)))
+            row.update(
+                run_times(
+                    job.clock() - job.started,
+                    epoch + 1,
+                    ctx.epochs,
+                    [m["epoch_seconds"] for m in ctx.metrics] + [row["epoch_seconds"]],
+                    _planned(ctx),
+                )
+            )
             ctx.metrics.append(row)
             record_epoch(row, ctx.job.out, ctx.metrics)
             if ctx.ema > ctx.best_ema:
@@ -253,14 +329,22 @@ def _train(ctx: _Context) -> Path:
     ctx.save("final", ctx.epochs - 1)
     if not ctx.ranks.is_main:
         return ctx.job.out  # rank 0 writes run.json and runs the final validation alone
-    record = {"run": asdict(run), "fold": str(ctx.job.fold), "config": ctx.job.config_name,
-              "schedule": {"epochs": ctx.epochs, "iterations_per_epoch": ctx.iterations_per_epoch},
-              "degradations": ctx.degradations, "time_budget": ctx.budget_decisions,
-              "effective_configuration": {"batch_size": ctx.config.batch_size,
-                                          "accumulation_steps": ctx.config.accumulation_steps,
-                                          "checkpointing": ctx.config.checkpointing},
-              "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
-              "distributed": {"world_size": world, "global_batch": global_batch}, "memory_checks": ctx.memory_checks}
+    record = {
+        "run": asdict(run),
+        "fold": str(ctx.job.fold),
+        "config": ctx.job.config_name,
+        "schedule": {"epochs": ctx.epochs, "iterations_per_epoch": ctx.iterations_per_epoch},
+        "degradations": ctx.degradations,
+        "time_budget": ctx.budget_decisions,
+        "effective_configuration": {
+            "batch_size": ctx.config.batch_size,
+            "accumulation_steps": ctx.config.accumulation_steps,
+            "checkpointing": ctx.config.checkpointing,
+        },
+        "data": {"loader_workers": ctx.loader_workers, "use_precomputed": ctx.use_precomputed},
+        "distributed": {"world_size": world, "global_batch": global_batch},
+        "memory_checks": ctx.memory_checks,
+    }
     if not run.validate:
         atomic_write_text(job.out / "run.json", json.dumps(record, indent=2))
         return job.out
@@ -269,11 +353,25 @@ def _train(ctx: _Context) -> Path:
     record["final_validation"] = final = final_validation_record(job.val_ids, run.device, ctx.budget)
     atomic_write_text(job.out / "run.json", json.dumps(record, indent=2))
     t0 = job.clock()
-    validate_fold(job.workspace, job.plans, job.config_name, ctx.step.network, final["cases"],
-                  job.out / "validation", run.device, job.progress, tta=final["tta"])
+    validate_fold(
+        job.workspace,
+        job.plans,
+        job.config_name,
+        ctx.step.network,
+        final["cases"],
+        job.out / "validation",
+        run.device,
+        job.progress,
+        tta=final["tta"],
+    )
     if ctx.budget is not None:
-        log.info("time budget %.0f s: the final validation took %.1f s (estimated %.1f s); the run ended at %.1f s",
-                 ctx.budget.budget_seconds, job.clock() - t0, final["estimated_seconds"], job.clock() - job.started)
+        log.info(
+            "time budget %.0f s: the final validation took %.1f s (estimated %.1f s); the run ended at %.1f s",
+            ctx.budget.budget_seconds,
+            job.clock() - t0,
+            final["estimated_seconds"],
+            job.clock() - job.started,
+        )
     return job.out
 
 
@@ -286,9 +384,19 @@ def _time_budget(job: _Job, config: ConfigurationPlan) -> TimeBudget:
     run, folder = job.run, job.data_folder
     cases = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if run.validate else {}
     tta = default_tta(run.device)
-    return TimeBudget(run.time_budget_s, job.started, run.epochs, run.iterations_per_epoch, run.val_iterations,
-                      config.accumulation_steps, config.batch_size, config.patch_size, cases, tta,
-                      parse_tta(tta, config.dim))
+    return TimeBudget(
+        run.time_budget_s,
+        job.started,
+        run.epochs,
+        run.iterations_per_epoch,
+        run.val_iterations,
+        config.accumulation_steps,
+        config.batch_size,
+        config.patch_size,
+        cases,
+        tta,
+        parse_tta(tta, config.dim),
+    )
 
 
 def _planned(ctx: _Context) -> float | None:
@@ -315,8 +423,9 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
     train_loader = ctx.loader(epoch, augment=True)
     try:
         step.network.train()
-        bar = tqdm(total=ctx.iterations_per_epoch, desc=f"epoch {epoch}", unit="it", disable=not ctx.job.progress,
-                   leave=False)
+        bar = tqdm(
+            total=ctx.iterations_per_epoch, desc=f"epoch {epoch}", unit="it", disable=not ctx.job.progress, leave=False
+        )
         while it < ctx.iterations_per_epoch:
             done, planned = ctx.steps_done + it, ctx.steps_done + (ctx.epochs - epoch) * ctx.iterations_per_epoch
             lr = poly_lr(run.optimizer.initial_lr, done, planned)  # over the steps of the plan in force
@@ -341,18 +450,27 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
     if not ctx.ranks.is_main:
         return None
     with ctx.loader(epoch, augment=False) as val_loader:
-        val_loss, dice = validate_patches(step.network, val_loader, step.loss_fn, run.val_iterations, step.device,
-                                          ctx.job.plans.label_scheme)
+        val_loss, dice = validate_patches(
+            step.network, val_loader, step.loss_fn, run.val_iterations, step.device, ctx.job.plans.label_scheme
+        )
     mean_dice = float(np.nanmean(dice)) if len(dice) else 0.0
     ctx.ema = mean_dice if ctx.ema is None else 0.9 * ctx.ema + 0.1 * mean_dice
     epoch_s = ctx.job.clock() - t0
-    return {"epoch": epoch, "train_loss": train_loss, "val_loss": val_loss,
-            "pseudo_dice": [float(d) for d in dice], "ema_pseudo_dice": ctx.ema, "lr": lr,
-            "epoch_seconds": epoch_s, "data_wait_fraction": wait / max(epoch_s, 1e-9)}
+    return {
+        "epoch": epoch,
+        "train_loss": train_loss,
+        "val_loss": val_loss,
+        "pseudo_dice": [float(d) for d in dice],
+        "ema_pseudo_dice": ctx.ema,
+        "lr": lr,
+        "epoch_seconds": epoch_s,
+        "data_wait_fraction": wait / max(epoch_s, 1e-9),
+    }
 
 
-def _step_or_degrade(ctx: _Context, loader: BatchLoader, epoch: int,
-                     iteration: int) -> tuple[tuple[float, float], BatchLoader]:
+def _step_or_degrade(
+    ctx: _Context, loader: BatchLoader, epoch: int, iteration: int
+) -> tuple[tuple[float, float], BatchLoader]:
     """One step; on out-of-memory degrade the configuration (``autoseg.train.degrade``), rebuild the loader
     with the new micro-batch and retry. Returns ((loss, data wait seconds), the loader now in use)."""
     while True:
@@ -382,10 +500,10 @@ def _make_step(config: ConfigurationPlan, run: RunConfig, scheme: LabelScheme) -
 def _watch_memory(ctx: _Context) -> None:
     """Check the memory model over the configuration's first steps (``memory_check``): a log line, a warning when
     off. Every rank measures its own device; rank 0's checks go to run.json and the checkpoints."""
+
     def record(check: MemoryCheck) -> None:
         log_check(check)
         if ctx.ranks.is_main:
             ctx.memory_checks.append(check.to_dict())
 
-    ctx.memory = MemoryObserver(ctx.config, ctx.step.device, ctx.job.run.optimizer, ctx.job.plans.label_scheme,
-                                record)
+    ctx.memory = MemoryObserver(ctx.config, ctx.step.device, ctx.job.run.optimizer, ctx.job.plans.label_scheme, record)

@@ -30,13 +30,25 @@ def final_validation_record(val_ids: list[str], device: str, budget: TimeBudget 
     if budget is None:
         return {"cases": list(val_ids), "tta": tta, "reduced_by_time_budget": False}
     choice = budget.validation
-    return {"cases": list(choice.case_ids), "tta": choice.tta, "estimated_seconds": choice.seconds,
-            "reduced_by_time_budget": len(choice.case_ids) < len(val_ids) or choice.tta != tta}
+    return {
+        "cases": list(choice.case_ids),
+        "tta": choice.tta,
+        "estimated_seconds": choice.seconds,
+        "reduced_by_time_budget": len(choice.case_ids) < len(val_ids) or choice.tta != tta,
+    }
 
 
-def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network: torch.nn.Module,
-                  val_ids: list[str], out_dir: Path, device: str, progress: bool = True,
-                  tta: str | None = None) -> EvaluationSummary:
+def validate_fold(
+    workspace: Workspace,
+    plans: Plans,
+    config_name: str,
+    network: torch.nn.Module,
+    val_ids: list[str],
+    out_dir: Path,
+    device: str,
+    progress: bool = True,
+    tta: str | None = None,
+) -> EvaluationSummary:
     """Sliding-window prediction (mirror variants: ``tta``, the ``--tta`` value; None: the device's default) of
     each validation case into ``out_dir``: its label map and its
     probabilities (``{case}.npz``, ``autoseg.predict.probabilities.ProbabilityFile``: what choosing between
@@ -48,14 +60,33 @@ def validate_fold(workspace: Workspace, plans: Plans, config_name: str, network:
     network.eval()
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
-        previous = read_image(previous_stage_label_file(workspace, plans, config_name, case.case_id), dtype=None)[0] \
-            if config.previous_stage else None
-        labels, props = predict_case(case, [network], plans, config, mirror=True, tile_batch_size=None, device=device,
-                                     probabilities_path=out_dir / f"{case.case_id}.npz", tta=tta, previous=previous)
+        previous = (
+            read_image(previous_stage_label_file(workspace, plans, config_name, case.case_id), dtype=None)[0]
+            if config.previous_stage
+            else None
+        )
+        labels, props = predict_case(
+            case,
+            [network],
+            plans,
+            config,
+            mirror=True,
+            tile_batch_size=None,
+            device=device,
+            probabilities_path=out_dir / f"{case.case_id}.npz",
+            tta=tta,
+            previous=previous,
+        )
         out = out_dir / f"{case.case_id}{dataset.file_ending}"
         write_image(out, labels, props.geometry)
         pairs.append((out, case.label_path))
-    summary = evaluate_pairs(pairs, dataset.labels, dataset.file_ending, out_dir / "summary.json",
-                             pred_dir=str(out_dir), gt_dir=str(dataset.root / "labelsTr"))
+    summary = evaluate_pairs(
+        pairs,
+        dataset.labels,
+        dataset.file_ending,
+        out_dir / "summary.json",
+        pred_dir=str(out_dir),
+        gt_dir=str(dataset.root / "labelsTr"),
+    )
     log.info("validation of %d case(s):\n%s", len(cases), format_table(summary))
     return summary

@@ -54,11 +54,19 @@ def test_a_figure_measured_on_busy_cores_is_not_cached(tmp_path: Path) -> None:
     assert cache.measured("cpu_throughput", KEY, measure)[0] == 5e9 and measure.calls == 2
 
 
-@pytest.mark.parametrize("text", ["{not json", "[]", json.dumps({"schema_version": 99, "entries": []}),
-                                  json.dumps({"schema_version": 1, "entries": [{"key": KEY}]})],
-                         ids=["truncated", "not_an_object", "unknown_version", "entry_without_value"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{not json",
+        "[]",
+        json.dumps({"schema_version": 99, "entries": []}),
+        json.dumps({"schema_version": 1, "entries": [{"key": KEY}]}),
+    ],
+    ids=["truncated", "not_an_object", "unknown_version", "entry_without_value"],
+)
 def test_an_unreadable_cache_file_is_ignored_with_a_warning_and_rewritten(
-        tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, text: str, caplog: pytest.LogCaptureFixture
+) -> None:
     path = tmp_path / "cpu_throughput.json"
     path.write_text(text)
     with caplog.at_level(logging.WARNING, logger="autoseg"):
@@ -102,8 +110,9 @@ def _threads_restored():
 
 
 @pytest.mark.usefixtures("_threads_restored")
-def test_cpu_threads_are_every_cpu_without_timing_anything(monkeypatch: pytest.MonkeyPatch,
-                                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_cpu_threads_are_every_cpu_without_timing_anything(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """The count does not depend on the load: it is the CPUs this process may use (or the requested count)."""
     monkeypatch.setattr(autoseg.core.machine, "cpu_count", lambda: 3)
     with caplog.at_level(logging.INFO, logger="autoseg"):
@@ -114,8 +123,9 @@ def test_cpu_threads_are_every_cpu_without_timing_anything(monkeypatch: pytest.M
 
 
 @pytest.mark.usefixtures("_threads_restored")
-def test_spinning_openmp_threads_are_warned_about(monkeypatch: pytest.MonkeyPatch,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_spinning_openmp_threads_are_warned_about(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setattr(autoseg.core.machine, "cpu_count", lambda: 2)
     with caplog.at_level(logging.WARNING, logger="autoseg"):
         use_cpu_threads(None, "training", {})

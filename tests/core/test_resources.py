@@ -48,9 +48,15 @@ ctypes.CDLL(None).malloc_stats()  # one "Arena N:" block per arena, on stderr
 def test_one_malloc_arena_keeps_a_threads_allocations_in_the_main_arena() -> None:
     """A fresh process whose thread allocates: glibc gives the thread an arena of its own (2 arenas), unless
     ``use_one_malloc_arena`` ran first (1): what that thread frees is then the main thread's to reuse."""
+
     def arenas(mode: str) -> int:
-        done = subprocess.run([sys.executable, "-c", _ARENAS_AFTER_A_THREAD, mode], capture_output=True, text=True,
-                              timeout=120, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _ARENAS_AFTER_A_THREAD, mode],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
         return sum(line.startswith("Arena ") for line in done.stderr.splitlines())
 
     assert arenas("default") == 2

@@ -126,9 +126,12 @@ def test_changes_since_names_each_added_removed_truncated_or_replaced_file(tmp_p
     (root / "imagesTr/c_0000.nii.gz").write_bytes(b"new")
     (root / "dataset.json").write_text('{"name": "y"}')
     assert dataset_source(root).changes_since(before) == [
-        "dataset.json: edited", "imagesTr/a_0000.nii.gz: removed",
-        "imagesTr/b_0000.nii.gz: replaced or truncated (100 -> 5 bytes)", "imagesTr/c_0000.nii.gz: added",
-        "labelsTr/a.nii.gz: replaced (same size, other content)"]
+        "dataset.json: edited",
+        "imagesTr/a_0000.nii.gz: removed",
+        "imagesTr/b_0000.nii.gz: replaced or truncated (100 -> 5 bytes)",
+        "imagesTr/c_0000.nii.gz: added",
+        "labelsTr/a.nii.gz: replaced (same size, other content)",
+    ]
 
 
 def test_case_digest_changes_with_its_own_files_only(tmp_path: Path) -> None:

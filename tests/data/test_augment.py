@@ -29,8 +29,9 @@ from autoseg.plan.training_data import LoaderConfig
 EVERY_SPATIAL = dict(p_rotation=1.0, p_scale=1.0)
 
 
-def _transformed(config: LoaderConfig, transform: PatchTransform | None, box: tuple[int, ...],
-                 need: tuple[int, ...] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _transformed(
+    config: LoaderConfig, transform: PatchTransform | None, box: tuple[int, ...], need: tuple[int, ...] | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Run spatial_transform on a box of padding (0 / -1) whose centred ``need`` region (default: the
     ``read_size``) holds the constant 7.0 / label 1 (2 at the centre): any sample taken outside shows."""
     need = need or read_size(config.patch_size, transform, config.dummy_2d)
@@ -45,13 +46,22 @@ def _transformed(config: LoaderConfig, transform: PatchTransform | None, box: tu
     return out_data, out_seg
 
 
-@pytest.mark.parametrize("patch, dummy_2d, order, order_seg", [((6, 10, 14), False, 1, 1), ((6, 10, 14), False, 3, 0),
-                                                                ((4, 14, 10), True, 1, 1), ((12, 16), False, 0, 0),
-                                                                ((12, 16), False, 3, 1)])
-def test_every_transform_samples_only_its_read_box(patch: tuple[int, ...], dummy_2d: bool, order: int,
-                                                   order_seg: int) -> None:
-    config = LoaderConfig(patch, batch_size=1, dummy_2d=dummy_2d, order_data=order, order_seg=order_seg,
-                          **EVERY_SPATIAL)
+@pytest.mark.parametrize(
+    "patch, dummy_2d, order, order_seg",
+    [
+        ((6, 10, 14), False, 1, 1),
+        ((6, 10, 14), False, 3, 0),
+        ((4, 14, 10), True, 1, 1),
+        ((12, 16), False, 0, 0),
+        ((12, 16), False, 3, 1),
+    ],
+)
+def test_every_transform_samples_only_its_read_box(
+    patch: tuple[int, ...], dummy_2d: bool, order: int, order_seg: int
+) -> None:
+    config = LoaderConfig(
+        patch, batch_size=1, dummy_2d=dummy_2d, order_data=order, order_seg=order_seg, **EVERY_SPATIAL
+    )
     worst = config.enlarged_patch_size
     rng = np.random.default_rng(0)
     draws = [draw_patch_transform(rng, config) for _ in range(40)]
@@ -104,10 +114,19 @@ def test_rotation_and_scale_follow_batchgenerators_convention() -> None:
     data = (np.sin(z) + np.cos(1.3 * y) * x).astype(np.float32)[None]  # smooth, so interpolation agrees
     ours = np.empty((1, *patch), np.float32)
     spatial_transform(data, np.zeros(data.shape, np.int8), transform, config, ours, np.empty((1, *patch), np.int8))
-    theirs = SpatialTransform(patch, patch_center_dist_from_border=None, do_elastic_deform=False,
-                              angle_x=(angles[0],) * 2, angle_y=(angles[1],) * 2, angle_z=(angles[2],) * 2,
-                              scale=(scale, scale), random_crop=False, order_data=1, p_rot_per_sample=1,
-                              p_scale_per_sample=1)(data=data[None].astype(np.float64))["data"][0]
+    theirs = SpatialTransform(
+        patch,
+        patch_center_dist_from_border=None,
+        do_elastic_deform=False,
+        angle_x=(angles[0],) * 2,
+        angle_y=(angles[1],) * 2,
+        angle_z=(angles[2],) * 2,
+        scale=(scale, scale),
+        random_crop=False,
+        order_data=1,
+        p_rot_per_sample=1,
+        p_scale_per_sample=1,
+    )(data=data[None].astype(np.float64))["data"][0]
     np.testing.assert_allclose(ours, theirs, atol=2e-4)
 
 
@@ -116,15 +135,22 @@ def test_labels_take_the_largest_linear_response_with_outside_as_background() ->
     transform = PatchTransform((0.4,), 1.1)
     box = read_size((12, 12), transform)
     rng = np.random.default_rng(3)
-    seg = np.kron(rng.integers(-1, 3, size=(5, 5)), np.ones((4, 4), dtype=int))[:box[0], :box[1]]
+    seg = np.kron(rng.integers(-1, 3, size=(5, 5)), np.ones((4, 4), dtype=int))[: box[0], : box[1]]
     out_seg = np.empty((1, 12, 12), np.int8)
-    spatial_transform(np.zeros((1, *box), np.float32), seg[None].astype(np.int8), transform, config,
-                      np.empty((1, 12, 12), np.float32), out_seg)
+    spatial_transform(
+        np.zeros((1, *box), np.float32),
+        seg[None].astype(np.int8),
+        transform,
+        config,
+        np.empty((1, 12, 12), np.float32),
+        out_seg,
+    )
     offsets = np.stack(np.meshgrid(np.arange(12) - 5.5, np.arange(12) - 5.5, indexing="ij"))
     positions = np.einsum("ij,jyx->iyx", transform.matrix(), offsets) + ((np.array(box) - 1) / 2)[:, None, None]
     background = np.maximum(seg, 0)  # -1 (outside) and 0 are both background for the network
-    responses = np.stack([ndimage.map_coordinates((background == k).astype(float), positions, order=1)
-                          for k in range(3)])
+    responses = np.stack(
+        [ndimage.map_coordinates((background == k).astype(float), positions, order=1) for k in range(3)]
+    )
     top_two = np.sort(responses, axis=0)[-2:]
     clear = top_two[1] - top_two[0] > 1e-3  # no near-tie
     assert clear.mean() > 0.8 and len(np.unique(out_seg)) == 3
@@ -139,8 +165,9 @@ def test_low_resolution_matches_batchgenerators(shape: tuple[int, ...], ignore_a
     np.random.seed(5)
     ours = SimulateLowResolution((0.5, 1.0), order_upsample=3, **kwargs)(data=data.copy())["data"]
     np.random.seed(5)
-    theirs = SimulateLowResolutionTransform((0.5, 1.0), per_channel=True, order_downsample=0, order_upsample=3,
-                                            **kwargs)(data=data.copy())["data"]
+    theirs = SimulateLowResolutionTransform(
+        (0.5, 1.0), per_channel=True, order_downsample=0, order_upsample=3, **kwargs
+    )(data=data.copy())["data"]
     assert not np.array_equal(theirs, data)  # some channels were resampled
     np.testing.assert_allclose(ours, theirs, atol=2e-5)
 
@@ -151,8 +178,9 @@ def test_gamma_matches_batchgenerators(invert: bool) -> None:
     np.random.seed(4)
     ours = Gamma((0.7, 1.5), invert_image=invert, p_per_sample=0.7)(data=data.copy())["data"]
     np.random.seed(4)
-    theirs = GammaTransform((0.7, 1.5), invert_image=invert, per_channel=True, retain_stats=True,
-                            p_per_sample=0.7)(data=data.copy())["data"]
+    theirs = GammaTransform((0.7, 1.5), invert_image=invert, per_channel=True, retain_stats=True, p_per_sample=0.7)(
+        data=data.copy()
+    )["data"]
     assert not np.allclose(theirs, data)
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
 
@@ -162,9 +190,10 @@ def test_gaussian_blur_matches_batchgenerators(shape: tuple[int, ...]) -> None:
     """The same draws and values; the thin (2-slice) case takes scipy's path along its first axis."""
     data = np.random.default_rng(3).normal(0.0, 1.0, size=shape).astype(np.float32)
     runs = []
-    for transform in (GaussianBlur((0.5, 1.0), p_per_sample=0.9, p_per_channel=0.7),
-                      GaussianBlurTransform((0.5, 1.0), different_sigma_per_channel=True, p_per_sample=0.9,
-                                            p_per_channel=0.7)):
+    for transform in (
+        GaussianBlur((0.5, 1.0), p_per_sample=0.9, p_per_channel=0.7),
+        GaussianBlurTransform((0.5, 1.0), different_sigma_per_channel=True, p_per_sample=0.9, p_per_channel=0.7),
+    ):
         np.random.seed(5)
         random.seed(5)
         runs.append(transform(data=data.copy())["data"])
@@ -173,8 +202,9 @@ def test_gaussian_blur_matches_batchgenerators(shape: tuple[int, ...]) -> None:
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shape, axes", [((2, 1, 4, 5, 6), (0, 1, 2)), ((3, 2, 5, 6), (0, 1)),
-                                         ((4, 1, 3, 4, 5), (1, 2))])
+@pytest.mark.parametrize(
+    "shape, axes", [((2, 1, 4, 5, 6), (0, 1, 2)), ((3, 2, 5, 6), (0, 1)), ((4, 1, 3, 4, 5), (1, 2))]
+)
 def test_mirror_matches_batchgenerators(shape: tuple[int, ...], axes: tuple[int, ...]) -> None:
     data = np.arange(math.prod(shape), dtype=np.float32).reshape(shape)
     seg = (data % 3).astype(np.int8)[:, :1]
@@ -189,8 +219,17 @@ def test_mirror_matches_batchgenerators(shape: tuple[int, ...], axes: tuple[int,
 def test_augmenter_mirrors_while_writing_its_output() -> None:
     """Only mirroring on: each sample comes out as its input flipped along some axes (the target -1 -> 0),
     written into the given buffers; over the seeds every axis is flipped sometimes and sometimes not."""
-    off = dict(p_rotation=0.0, p_scale=0.0, p_noise=0.0, p_blur=0.0, p_brightness=0.0, p_contrast=0.0,
-               p_low_res=0.0, p_gamma=0.0, p_gamma_inverted=0.0)
+    off = dict(
+        p_rotation=0.0,
+        p_scale=0.0,
+        p_noise=0.0,
+        p_blur=0.0,
+        p_brightness=0.0,
+        p_contrast=0.0,
+        p_low_res=0.0,
+        p_gamma=0.0,
+        p_gamma_inverted=0.0,
+    )
     config = LoaderConfig((4, 6, 8), batch_size=2, **off)
     data = np.arange(2 * 4 * 6 * 8, dtype=np.float32).reshape(2, 1, 4, 6, 8)
     seg = (data % 3 - 1).astype(np.int8)
@@ -200,8 +239,11 @@ def test_augmenter_mirrors_while_writing_its_output() -> None:
         got = Augmenter(config)({"data": data.copy(), "seg": seg.copy(), "transforms": None}, seed, out=out)
         assert got is out
         for b in range(2):
-            flipped = next(f for f in itertools.product((False, True), repeat=3)
-                           if np.array_equal(out["data"][b], np.flip(data[b], [1 + a for a in range(3) if f[a]])))
+            flipped = next(
+                f
+                for f in itertools.product((False, True), repeat=3)
+                if np.array_equal(out["data"][b], np.flip(data[b], [1 + a for a in range(3) if f[a]]))
+            )
             axes = [1 + a for a in range(3) if flipped[a]]
             np.testing.assert_array_equal(out["target"][b], np.maximum(np.flip(seg[b], axes), 0))
             seen.add(flipped)

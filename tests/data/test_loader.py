@@ -116,8 +116,11 @@ def test_too_little_shared_memory_fails_with_advice(tmp_path: Path, monkeypatch:
 
 def test_workers_for_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     def free(nbytes: int) -> None:
-        monkeypatch.setattr(batch_loader_module.shutil, "disk_usage",
-                            lambda folder: shutil._ntuple_diskusage(2**40, 2**40 - nbytes, nbytes))
+        monkeypatch.setattr(
+            batch_loader_module.shutil,
+            "disk_usage",
+            lambda folder: shutil._ntuple_diskusage(2**40, 2**40 - nbytes, nbytes),
+        )
 
     free(10 * 3 * 1000)  # the slots of 10 workers at queue depth 2 (3 slots of 1000 bytes)
     assert workers_for_shared_memory(4, 2, 1000) == 4

@@ -24,8 +24,14 @@ def _previous_maps(folder: Path, case_ids: list[str]) -> dict[str, np.ndarray]:
     maps = {}
     for i, case_id in enumerate(case_ids):
         maps[case_id] = ((z + y + x + i) % 3).astype(np.int8)[None]
-        write_previous_stage(folder, case_id, maps[case_id], PreviousStageSource(
-            label_file=f"{case_id}.nii.gz", label_digest="x", crop_bbox=((0, 1),) * 3, shape_zyx=SHAPE_ZYX))
+        write_previous_stage(
+            folder,
+            case_id,
+            maps[case_id],
+            PreviousStageSource(
+                label_file=f"{case_id}.nii.gz", label_digest="x", crop_bbox=((0, 1),) * 3, shape_zyx=SHAPE_ZYX
+            ),
+        )
     return maps
 
 
@@ -54,8 +60,17 @@ def test_intensity_transforms_leave_the_one_hot_channels_alone(tmp_path: Path) -
     data_dir.mkdir()
     ids = make_cases(data_dir, num_cases=2)
     _previous_maps(previous_dir, ids)
-    always = {"p_noise": 1.0, "p_blur": 1.0, "p_brightness": 1.0, "p_contrast": 1.0, "p_low_res": 1.0,
-              "p_gamma": 1.0, "p_gamma_inverted": 1.0, "p_rotation": 0.0, "p_scale": 0.0}
+    always = {
+        "p_noise": 1.0,
+        "p_blur": 1.0,
+        "p_brightness": 1.0,
+        "p_contrast": 1.0,
+        "p_low_res": 1.0,
+        "p_gamma": 1.0,
+        "p_gamma_inverted": 1.0,
+        "p_rotation": 0.0,
+        "p_scale": 0.0,
+    }
     config = LoaderConfig(patch_size=(4, 8, 8), batch_size=2, previous_labels=VALUES, mirror_axes=(), **always)
     sampled = PatchSampler(data_dir, ids, config, np.random.default_rng(1), previous_dir).sample_batch()
     before = sampled["data"].copy()

@@ -52,10 +52,12 @@ def test_3d_shapes_dtypes_and_values(tmp_path: Path) -> None:
             full_data, full_seg = np.load(files.data), np.load(files.seg)
             inner = tuple(slice((a - n) // 2, (a - n) // 2 + n) for a, n in zip(e, need, strict=True))
             origin = tuple(o + s.start for o, s in zip(batch["origins"][i], inner, strict=True))
-            np.testing.assert_array_equal(batch["data"][i][(slice(None), *inner)],
-                                          expected_box(full_data, origin, need, 0.0))
-            np.testing.assert_array_equal(batch["seg"][i][(slice(None), *inner)],
-                                          expected_box(full_seg, origin, need, -1))
+            np.testing.assert_array_equal(
+                batch["data"][i][(slice(None), *inner)], expected_box(full_data, origin, need, 0.0)
+            )
+            np.testing.assert_array_equal(
+                batch["seg"][i][(slice(None), *inner)], expected_box(full_seg, origin, need, -1)
+            )
             outside = np.ones(e, dtype=bool)
             outside[inner] = False
             assert np.all(batch["data"][i][:, outside] == 0) and np.all(batch["seg"][i][:, outside] == -1)
@@ -71,19 +73,25 @@ def test_rotated_and_scaled_patches_of_a_constant_image_hold_no_padding(tmp_path
     """Every sample whose box lies inside the image: the augmented patch is the image's value and label."""
     shape = (30, 60, 60)
     write_case(tmp_path, "flat", np.full((1, *shape), 5.0), np.ones((1, *shape)))
-    no_intensity = dict(p_noise=0, p_blur=0, p_brightness=0, p_contrast=0, p_low_res=0, p_gamma=0,
-                        p_gamma_inverted=0)
+    no_intensity = dict(p_noise=0, p_blur=0, p_brightness=0, p_contrast=0, p_low_res=0, p_gamma=0, p_gamma_inverted=0)
     for patch, dummy_2d in (((8, 12, 16), False), ((4, 16, 12), True), ((16, 12), False)):
-        config = LoaderConfig(patch, batch_size=4, dummy_2d=dummy_2d, p_rotation=1.0, p_scale=1.0,
-                              oversample_foreground=0.0, **no_intensity)
+        config = LoaderConfig(
+            patch,
+            batch_size=4,
+            dummy_2d=dummy_2d,
+            p_rotation=1.0,
+            p_scale=1.0,
+            oversample_foreground=0.0,
+            **no_intensity,
+        )
         sampler, augmenter = PatchSampler(tmp_path, ["flat"], config, np.random.default_rng(1)), Augmenter(config)
         inside = 0
         for seed in range(6):
             batch = sampler.sample_batch()
-            box, origins = batch["data"].shape[2:], batch["origins"][:, -len(patch):]
+            box, origins = batch["data"].shape[2:], batch["origins"][:, -len(patch) :]
             out = augmenter(batch, seed)
             for i, origin in enumerate(origins):
-                if np.all(origin >= 0) and np.all(origin + box <= shape[-len(patch):]):
+                if np.all(origin >= 0) and np.all(origin + box <= shape[-len(patch) :]):
                     inside += 1
                     np.testing.assert_allclose(out["data"][i], 5.0, rtol=1e-5)
                     assert np.all(out["target"][i] == 1)
@@ -229,8 +237,17 @@ def test_sample_patches_equals_sample_batch_then_the_spatial_transform(tmp_path:
 def test_batch_bytes_matches_allocated_buffers_and_peak(tmp_path: Path) -> None:
     """What a worker holds while it builds a batch: the patches, one sample's box at a time, the scratch."""
     ids = make_cases(tmp_path, num_channels=2)
-    every = dict(p_rotation=1.0, p_scale=1.0, p_noise=1.0, p_blur=1.0, p_brightness=1.0, p_contrast=1.0,
-                 p_low_res=1.0, p_gamma=1.0, p_gamma_inverted=1.0)
+    every = dict(
+        p_rotation=1.0,
+        p_scale=1.0,
+        p_noise=1.0,
+        p_blur=1.0,
+        p_brightness=1.0,
+        p_contrast=1.0,
+        p_low_res=1.0,
+        p_gamma=1.0,
+        p_gamma_inverted=1.0,
+    )
     config = LoaderConfig((8, 16, 16), batch_size=2, oversample_foreground=0.0, **every)
     sampler, augmenter = PatchSampler(tmp_path, ids, config, np.random.default_rng(0)), Augmenter(config)
     augmenter(sampler.sample_patches(), seed=0)  # warm up lazy imports and caches

@@ -51,13 +51,14 @@ def _measure_worker_loop(folder: str, batches: int) -> dict[str, int]:
     from autoseg.plan.training_data import LoaderConfig
 
     torch.set_num_threads(1)  # as _init_worker sets it
-    always = dict(p_noise=1.0, p_blur=1.0, p_brightness=1.0, p_contrast=1.0, p_low_res=1.0, p_gamma=1.0,
-                  p_gamma_inverted=1.0)
+    always = dict(
+        p_noise=1.0, p_blur=1.0, p_brightness=1.0, p_contrast=1.0, p_low_res=1.0, p_gamma=1.0, p_gamma_inverted=1.0
+    )
     config = LoaderConfig(PATCH, batch_size=2, dummy_2d=True, **always)
     worst = PatchTransform((math.pi / 4,), max(config.scale_range))
     assert read_size(PATCH, worst, dummy_2d=True) == config.enlarged_patch_size
     sampler_module.draw_patch_transform = lambda rng, cfg: worst
-    ids = sorted(p.name[:-len(".json")] for p in Path(folder).glob("*.json"))
+    ids = sorted(p.name[: -len(".json")] for p in Path(folder).glob("*.json"))
     tiny = LoaderConfig((4, 16, 16), batch_size=1, dummy_2d=True, **always)  # lazy imports, first-call allocations
     next(iter(_BatchStream(Path(folder), tuple(ids), tiny, seed=0, slots=None)))
     slots = _Slots(1, 3, (2, 1, *PATCH), (2, 1, *PATCH), torch.int8)  # queue depth 2; allocated by the trainer
@@ -97,11 +98,17 @@ def test_worker_bytes_holds_against_the_worker_loop_measured(tmp_path: Path) -> 
         seg[0, :, 0, :] = -1
         locations = {str(k): np.argwhere(seg[0] == k)[:LOCATIONS_PER_CLASS] for k in (1, 2)}  # as preprocessing
         write_case(tmp_path, case_properties(f"case_{i}", CASE), data, seg, locations)
-    code = ("import json, sys; sys.path[:0] = sys.argv[1:3]; from test_worker_memory import _measure_worker_loop; "
-            "print(json.dumps(_measure_worker_loop(sys.argv[3], 12)))")
+    code = (
+        "import json, sys; sys.path[:0] = sys.argv[1:3]; from test_worker_memory import _measure_worker_loop; "
+        "print(json.dumps(_measure_worker_loop(sys.argv[3], 12)))"
+    )
     here = Path(__file__).resolve().parent
-    result = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent), str(tmp_path)],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(here), str(here.parent), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     r = json.loads(result.stdout.splitlines()[-1])
     predicted = r["total"] - r["runtime"] - r["slots"]  # the slots' pages: test_loader.py

@@ -89,8 +89,14 @@ def test_crop_rejects_mismatched_seg():
 
 @pytest.mark.parametrize(
     ("dtype", "max_label", "expected"),
-    [(np.uint8, 3, np.int8), (np.uint8, 200, np.int16), (np.uint16, 40_000, np.int32),
-     (np.int16, 3, np.int16), (np.int64, 3, np.int64), (bool, 1, np.int8)],
+    [
+        (np.uint8, 3, np.int8),
+        (np.uint8, 200, np.int16),
+        (np.uint16, 40_000, np.int32),
+        (np.int16, 3, np.int16),
+        (np.int64, 3, np.int64),
+        (bool, 1, np.int8),
+    ],
 )
 def test_signed_label_dtype(dtype, max_label, expected):
     seg = np.array([0, max_label]).astype(dtype)

@@ -20,10 +20,16 @@ from autoseg.dataset.imageio import (
 
 # Spacings and origins exactly representable in float32 (NIfTI stores both as float32), so a round trip
 # must give them back bit for bit; the directions are axis permutations with flips (exact in a quaternion).
-GEOMETRY_3D = Geometry(ndim=3, size_xyz=(5, 4, 3), spacing_xyz=(0.75, 0.5, 3.0), origin_xyz=(-10.0, 5.5, 2.25),
-                       direction=(0.0, 1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0))
-GEOMETRY_2D = Geometry(ndim=2, size_xyz=(5, 4), spacing_xyz=(0.25, 1.5), origin_xyz=(-3.5, 40.125),
-                       direction=(0.0, -1.0, 1.0, 0.0))
+GEOMETRY_3D = Geometry(
+    ndim=3,
+    size_xyz=(5, 4, 3),
+    spacing_xyz=(0.75, 0.5, 3.0),
+    origin_xyz=(-10.0, 5.5, 2.25),
+    direction=(0.0, 1.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0, 1.0),
+)
+GEOMETRY_2D = Geometry(
+    ndim=2, size_xyz=(5, 4), spacing_xyz=(0.25, 1.5), origin_xyz=(-3.5, 40.125), direction=(0.0, -1.0, 1.0, 0.0)
+)
 
 
 def _voxels(dtype: type, shape_zyx: tuple[int, ...]) -> np.ndarray:
@@ -124,8 +130,10 @@ def _truncate(path, keep_fraction: float) -> None:
     path.write_bytes(data[: int(len(data) * keep_fraction)])
 
 
-@pytest.mark.parametrize(("ending", "keep_fraction"), [
-    (".nii.gz", 0.5), (".nii.gz", None), (".nii", 0.5), (".nii", None), (".nrrd", 0.5), (".mha", 0.5), (".mha", None)])
+@pytest.mark.parametrize(
+    ("ending", "keep_fraction"),
+    [(".nii.gz", 0.5), (".nii.gz", None), (".nii", 0.5), (".nii", None), (".nrrd", 0.5), (".mha", 0.5), (".mha", None)],
+)
 def test_truncated_file_is_refused_naming_it(tmp_path, ending, keep_fraction):
     """SimpleITK reads a truncated NIfTI file with zeros for the missing voxels; autoseg refuses it (and the
     readers of the other formats fail on their own). For NIfTI and MetaImage, one missing byte is enough
@@ -265,8 +273,14 @@ def test_dicom_series_reads_back_its_voxels_and_geometry(tmp_path):
     back from the per-slice tags; a second series in the folder is listed beside it."""
     voxels = np.random.default_rng(0).integers(-1000, 2000, (5, 7, 6)).astype(np.int16)
     c, s = math.cos(0.3), math.sin(0.3)
-    written = write_dicom_series(tmp_path, voxels, "1.2.3.1", spacing_xyz=(0.7, 0.9, 2.5),
-                                 origin_xyz=(-10.0, 20.0, 30.0), direction=(c, -s, 0, s, c, 0, 0, 0, 1))
+    written = write_dicom_series(
+        tmp_path,
+        voxels,
+        "1.2.3.1",
+        spacing_xyz=(0.7, 0.9, 2.5),
+        origin_xyz=(-10.0, 20.0, 30.0),
+        direction=(c, -s, 0, s, c, 0, 0, 0, 1),
+    )
     write_dicom_series(tmp_path, voxels[:3], "1.2.3.2")
     assert {uid: len(files) for uid, files in dicom_series(tmp_path).items()} == {"1.2.3.1": 5, "1.2.3.2": 3}
     array, geometry = read_dicom_series(tmp_path, "1.2.3.1")

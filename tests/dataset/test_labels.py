@@ -48,9 +48,7 @@ def test_target_to_regions_marks_each_region_and_skips_ignore_and_minus_one() ->
 def test_regions_paint_in_order_later_over_earlier() -> None:
     s = LabelScheme.from_labels(BRATS, [1, 2, 3])
     # voxels: nothing; whole tumor only; wt + core; all three; enhancing alone (painted though wt is low)
-    p = np.array([[0.1, 0.9, 0.9, 0.9, 0.2],
-                  [0.1, 0.4, 0.6, 0.8, 0.1],
-                  [0.1, 0.1, 0.3, 0.7, 0.6]], dtype=np.float32)
+    p = np.array([[0.1, 0.9, 0.9, 0.9, 0.2], [0.1, 0.4, 0.6, 0.8, 0.1], [0.1, 0.1, 0.3, 0.7, 0.6]], dtype=np.float32)
     labels = np.zeros(5, dtype=s.export_dtype())
     for region in range(3):
         s.paint_region(labels, region, p[region])
@@ -77,24 +75,27 @@ def test_region_targets_round_trip_to_the_label_map() -> None:
     assert np.array_equal(labels, seg[0, 0].numpy())
 
 
-@pytest.mark.parametrize("labels, order, message", [
-    (BRATS, None, r'need a top-level "regions_class_order".*e\.g\. "regions_class_order": \[1, 2, 3\]'),
-    (BRATS, [1, 2], r"regions_class_order \[1, 2\] must hold one integer per region; there are 3"),
-    (BRATS, [1, 1, 3], r"regions_class_order\[1\] is 1, which is not a value of region 'tumor_core' \[2, 3\]"),
-    ({"background": 0, "a": [0, 1]}, [1], r"region 'a' holds 0 \(background\)"),
-    ({"background": 0, "a": 1, "ignore": 1}, None, r"'ignore' is 1 but must be the highest label value.*give it 2"),
-    ({**BRATS, "ignore": 2}, [1, 2, 3], r"'ignore' is 2 but must be the highest"),
-    ({"background": 0, "a": 1, "ignore": 3}, None, r"consecutive integers from 0.*ignore: 3"),
-    ({"background": 0, "a": 1, "b": 3}, None, r"consecutive integers from 0"),
-    ({"background": 0, "a": 1, "b": 1}, None, r"consecutive integers from 0, each used once"),
-    ({"background": 0, "a": 1}, [1], r"regions_class_order is only for region-based labels"),
-    ({"background": 0, "a": 1, "ignore": [2]}, None, r"'ignore' must be one integer"),
-    ({"background": 1, "a": 0}, None, r"must map 'background' to 0"),
-    ({"organ": 1}, None, r'no label has value 0; add "background": 0'),
-    ({"background": 0, "a": True}, None, r"label 'a' has value True; expected a non-negative integer"),
-    ({"background": 0, "a": []}, None, r"label 'a' has value \[\]"),
-    ({}, None, r"'labels' must be an object"),
-])
+@pytest.mark.parametrize(
+    "labels, order, message",
+    [
+        (BRATS, None, r'need a top-level "regions_class_order".*e\.g\. "regions_class_order": \[1, 2, 3\]'),
+        (BRATS, [1, 2], r"regions_class_order \[1, 2\] must hold one integer per region; there are 3"),
+        (BRATS, [1, 1, 3], r"regions_class_order\[1\] is 1, which is not a value of region 'tumor_core' \[2, 3\]"),
+        ({"background": 0, "a": [0, 1]}, [1], r"region 'a' holds 0 \(background\)"),
+        ({"background": 0, "a": 1, "ignore": 1}, None, r"'ignore' is 1 but must be the highest label value.*give it 2"),
+        ({**BRATS, "ignore": 2}, [1, 2, 3], r"'ignore' is 2 but must be the highest"),
+        ({"background": 0, "a": 1, "ignore": 3}, None, r"consecutive integers from 0.*ignore: 3"),
+        ({"background": 0, "a": 1, "b": 3}, None, r"consecutive integers from 0"),
+        ({"background": 0, "a": 1, "b": 1}, None, r"consecutive integers from 0, each used once"),
+        ({"background": 0, "a": 1}, [1], r"regions_class_order is only for region-based labels"),
+        ({"background": 0, "a": 1, "ignore": [2]}, None, r"'ignore' must be one integer"),
+        ({"background": 1, "a": 0}, None, r"must map 'background' to 0"),
+        ({"organ": 1}, None, r'no label has value 0; add "background": 0'),
+        ({"background": 0, "a": True}, None, r"label 'a' has value True; expected a non-negative integer"),
+        ({"background": 0, "a": []}, None, r"label 'a' has value \[\]"),
+        ({}, None, r"'labels' must be an object"),
+    ],
+)
 def test_errors_name_the_file_and_the_fix(labels, order, message) -> None:
     with pytest.raises(LabelError, match=message) as info:
         LabelScheme.from_labels(labels, order, where="/data/Dataset001/dataset.json")
@@ -133,8 +134,9 @@ def test_plans_carry_regions_and_old_plans_still_load(tmp_path) -> None:
     plans = tiny_plans()
     config = plans.configurations["3d_fullres"]
     config = config.with_(network=dataclasses.replace(config.network, num_outputs=2))  # one per region
-    regions = dataclasses.replace(plans, labels=labels, regions_class_order=(1, 2),
-                                  configurations={"3d_fullres": config})
+    regions = dataclasses.replace(
+        plans, labels=labels, regions_class_order=(1, 2), configurations={"3d_fullres": config}
+    )
     regions.to_json(tmp_path / "plans.json")
     assert json.loads((tmp_path / "plans.json").read_text())["labels"]["organ"] == [1, 2]
     loaded = Plans.from_json(tmp_path / "plans.json")

@@ -148,12 +148,19 @@ def test_plain_labels_with_ignore_are_read(dataset_copy):
     assert ds.label_scheme.num_outputs == 3 and ds.num_label_values == 4 and not ds.label_scheme.has_regions
 
 
-@pytest.mark.parametrize("labels, order, message", [
-    ({"background": 0, "organ": [1, 2], "lesion": 2}, None, r'need a top-level "regions_class_order"'),
-    ({"background": 0, "organ": 1, "ignore": 1}, None, r"'ignore' is 1 but must be the highest label value"),
-    ({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 3], r"regions_class_order\[1\] is 3, which is not a value"),
-    ({"background": 0, "organ": 1, "lesion": 3}, None, r"consecutive integers from 0"),
-])
+@pytest.mark.parametrize(
+    "labels, order, message",
+    [
+        ({"background": 0, "organ": [1, 2], "lesion": 2}, None, r'need a top-level "regions_class_order"'),
+        ({"background": 0, "organ": 1, "ignore": 1}, None, r"'ignore' is 1 but must be the highest label value"),
+        (
+            {"background": 0, "organ": [1, 2], "lesion": 2},
+            [1, 3],
+            r"regions_class_order\[1\] is 3, which is not a value",
+        ),
+        ({"background": 0, "organ": 1, "lesion": 3}, None, r"consecutive integers from 0"),
+    ],
+)
 def test_bad_labels_name_dataset_json(dataset_copy, labels, order, message):
     _set_labels(dataset_copy, labels, order)
     with pytest.raises(DatasetError, match=message) as info:
@@ -165,27 +172,47 @@ def _meta(root):
     return json.loads((root / "dataset.json").read_text())
 
 
-@pytest.mark.parametrize(("change", "key"), [
-    (lambda m: None, "JSON object"),
-    (lambda m: [m], "JSON object"),
-    (lambda m: {**m, "numTraining": "5"}, "numTraining must be an integer"),
-    (lambda m: {**m, "numTraining": 5.5}, "numTraining must be an integer"),
-    (lambda m: {**m, "numTraining": True}, "numTraining must be an integer"),
-    (lambda m: {**m, "channel_names": {}}, "channel_names"),
-    (lambda m: {**m, "channel_names": None}, "channel_names"),
-    (lambda m: {**m, "channel_names": ["MRI"]}, "channel_names"),
-    (lambda m: {**m, "channel_names": {"0": 5}}, "channel_names"),
-    (lambda m: {**m, "channel_names": {"0": " "}}, "channel_names"),
-    (lambda m: {**m, "channel_names": {"1": "MRI"}}, "channel_names"),
-    (lambda m: {**m, "labels": ["background", "organ"]}, "labels"),
-    (lambda m: {**m, "labels": {"background": 0, "organ": "1", "lesion": 2}}, "label 'organ'"),
-    (lambda m: {**m, "labels": {"background": 0, "organ": 1.0, "lesion": 2}}, "label 'organ'"),
-    (lambda m: {**m, "file_ending": "nii.gz"}, "file_ending 'nii.gz'.*did you mean '.nii.gz'"),
-    (lambda m: {**m, "file_ending": None}, "file_ending"),
-    (lambda m: {k: v for k, v in m.items() if k != "labels"}, "missing key 'labels'"),
-], ids=["null", "list", "numTraining-str", "numTraining-float", "numTraining-bool", "channels-empty", "channels-null",
-        "channels-list", "channels-number", "channels-blank", "channels-from-1", "labels-list", "label-str",
-        "label-float", "ending-no-dot", "ending-null", "labels-missing"])
+@pytest.mark.parametrize(
+    ("change", "key"),
+    [
+        (lambda m: None, "JSON object"),
+        (lambda m: [m], "JSON object"),
+        (lambda m: {**m, "numTraining": "5"}, "numTraining must be an integer"),
+        (lambda m: {**m, "numTraining": 5.5}, "numTraining must be an integer"),
+        (lambda m: {**m, "numTraining": True}, "numTraining must be an integer"),
+        (lambda m: {**m, "channel_names": {}}, "channel_names"),
+        (lambda m: {**m, "channel_names": None}, "channel_names"),
+        (lambda m: {**m, "channel_names": ["MRI"]}, "channel_names"),
+        (lambda m: {**m, "channel_names": {"0": 5}}, "channel_names"),
+        (lambda m: {**m, "channel_names": {"0": " "}}, "channel_names"),
+        (lambda m: {**m, "channel_names": {"1": "MRI"}}, "channel_names"),
+        (lambda m: {**m, "labels": ["background", "organ"]}, "labels"),
+        (lambda m: {**m, "labels": {"background": 0, "organ": "1", "lesion": 2}}, "label 'organ'"),
+        (lambda m: {**m, "labels": {"background": 0, "organ": 1.0, "lesion": 2}}, "label 'organ'"),
+        (lambda m: {**m, "file_ending": "nii.gz"}, "file_ending 'nii.gz'.*did you mean '.nii.gz'"),
+        (lambda m: {**m, "file_ending": None}, "file_ending"),
+        (lambda m: {k: v for k, v in m.items() if k != "labels"}, "missing key 'labels'"),
+    ],
+    ids=[
+        "null",
+        "list",
+        "numTraining-str",
+        "numTraining-float",
+        "numTraining-bool",
+        "channels-empty",
+        "channels-null",
+        "channels-list",
+        "channels-number",
+        "channels-blank",
+        "channels-from-1",
+        "labels-list",
+        "label-str",
+        "label-float",
+        "ending-no-dot",
+        "ending-null",
+        "labels-missing",
+    ],
+)
 def test_malformed_dataset_json_names_file_and_key(dataset_copy, change, key):
     (dataset_copy / "dataset.json").write_text(json.dumps(change(_meta(dataset_copy))))
     with pytest.raises(DatasetError, match=key) as info:
@@ -209,8 +236,11 @@ def test_image_without_label_is_refused_listing_it(dataset_copy, num_training):
         meta["numTraining"] = num_training
     (dataset_copy / "dataset.json").write_text(json.dumps(meta))
     (dataset_copy / "labelsTr" / "demo_002.nii.gz").unlink()
-    with pytest.raises(DatasetError, match=r"imagesTr: 1 image\(s\) belong to no training case.*\n  "
-                                           r"demo_002_0000.nii.gz \(no label demo_002.nii.gz in labelsTr\)"):
+    with pytest.raises(
+        DatasetError,
+        match=r"imagesTr: 1 image\(s\) belong to no training case.*\n  "
+        r"demo_002_0000.nii.gz \(no label demo_002.nii.gz in labelsTr\)",
+    ):
         load_dataset(dataset_copy)
 
 
@@ -229,8 +259,11 @@ def _make_2d(path):
 def test_2d_case_in_a_3d_dataset_is_named(dataset_copy):
     _make_2d(dataset_copy / "imagesTr" / "demo_003_0000.nii.gz")
     _make_2d(dataset_copy / "labelsTr" / "demo_003.nii.gz")
-    with pytest.raises(DatasetError, match=r"1 problem.*\n  case demo_003: demo_003.nii.gz and its images are 2D but 4 "
-                                           r"other case\(s\) are 3D"):
+    with pytest.raises(
+        DatasetError,
+        match=r"1 problem.*\n  case demo_003: demo_003.nii.gz and its images are 2D but 4 "
+        r"other case\(s\) are 3D",
+    ):
         check_integrity(load_dataset(dataset_copy), read_voxels=False)
 
 
@@ -262,8 +295,10 @@ def test_prediction_input_problems_are_listed_per_case(dataset_copy):
         found.raise_problems()
     (folder / "demo_005_0000.nii.gz").unlink()
     (folder / "demo_005_0001.nii.gz").write_bytes(path.read_bytes())
-    assert "lacks channel file(s) ['demo_005_0000.nii.gz']" in \
-        list_prediction_inputs(folder, num_channels=2).problems["demo_005"]
+    assert (
+        "lacks channel file(s) ['demo_005_0000.nii.gz']"
+        in list_prediction_inputs(folder, num_channels=2).problems["demo_005"]
+    )
 
 
 def test_prediction_channels_on_different_grids_are_refused(dataset_copy):
@@ -283,13 +318,18 @@ def test_dicom_folder_is_one_case_named_after_it_or_its_series(tmp_path):
     (case,) = list_prediction_inputs(folder, num_channels=1).cases
     assert case.case_id == "ct_2024" and case.series_uid == "1.2.3.1"
     np.testing.assert_array_equal(load_case(case)[0], voxels[None])
-    assert "is a 3D image (4 slices) but the model was trained on 2D" in \
-        list_prediction_inputs(folder, num_channels=1, image_dim=2).problems["ct_2024"]
+    assert (
+        "is a 3D image (4 slices) but the model was trained on 2D"
+        in list_prediction_inputs(folder, num_channels=1, image_dim=2).problems["ct_2024"]
+    )
     with pytest.raises(DatasetError, match="a DICOM series is one channel but the model takes 2"):
         list_prediction_inputs(folder, num_channels=2)
     write_dicom_series(folder, voxels[::-1], "1.2.3.2")
-    with pytest.raises(DatasetError, match=r"holds 2 DICOM series; choose one with --series UID:\n  1.2.3.1 \(4 files\)"
-                                           r"\n  1.2.3.2 \(4 files\)"):
+    with pytest.raises(
+        DatasetError,
+        match=r"holds 2 DICOM series; choose one with --series UID:\n  1.2.3.1 \(4 files\)"
+        r"\n  1.2.3.2 \(4 files\)",
+    ):
         list_prediction_inputs(folder, num_channels=1)
     (case,) = list_prediction_inputs(folder, num_channels=1, series="1.2.3.2").cases
     assert case.case_id == "1.2.3.2"

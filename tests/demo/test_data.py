@@ -15,8 +15,9 @@ TINY_ZYX = (12, 24, 24)
 
 @pytest.fixture(scope="module")
 def demo_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_demo_dataset(tmp_path_factory.mktemp("demo") / "Dataset", num_train=2, num_test=1,
-                             shape_zyx=TINY_ZYX, seed=3)
+    return make_demo_dataset(
+        tmp_path_factory.mktemp("demo") / "Dataset", num_train=2, num_test=1, shape_zyx=TINY_ZYX, seed=3
+    )
 
 
 def test_writes_nnunet_layout_and_dataset_json(demo_root: Path) -> None:

@@ -129,8 +129,20 @@ def test_summary_json_round_trip(folders: tuple[Path, Path]) -> None:
 def test_format_table(folders: tuple[Path, Path]) -> None:
     table = format_table(evaluate_folder(*folders))
     lines = table.splitlines()
-    assert lines[0].split() == ["class", "value", "mean", "Dice", "mean", "IoU", "mean", "HD95", "mm",
-                                "mean", "NSD@2mm", "cases"]
+    assert lines[0].split() == [
+        "class",
+        "value",
+        "mean",
+        "Dice",
+        "mean",
+        "IoU",
+        "mean",
+        "HD95",
+        "mm",
+        "mean",
+        "NSD@2mm",
+        "cases",
+    ]
     organ = lines[1].split()
     assert organ[:4] == ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}"]
     assert float(organ[4]) == pytest.approx(1.85 / 2, abs=0.006) and organ[5:] == ["1.0000", "2"]  # 2 decimals
@@ -141,7 +153,8 @@ def test_format_table(folders: tuple[Path, Path]) -> None:
     assert lines[4].startswith("HD95: 1 (case, class) pair(s) with the class in only one")
     assert [ln.split() for ln in format_table(evaluate_folder(*folders, nsd_tolerance_mm=None)).splitlines()[:2]] == [
         ["class", "value", "mean", "Dice", "mean", "IoU", "cases"],
-        ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2"]]
+        ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2"],
+    ]
 
 
 def test_empty_reference_folder_is_an_error(tmp_path: Path) -> None:
@@ -207,8 +220,11 @@ def test_float_map_with_fractions_is_refused_naming_it(folders: tuple[Path, Path
     assert evaluate_folder(pred, gt).cases  # integer-valued floats are label values
     values[0, 0, 1] = 0.3
     write_image(path, values, _geometry(values.shape))
-    with pytest.raises(EvaluationError, match=rf"{path}: {'prediction' if which == 'pred' else 'reference'} holds 1 "
-                                              r"non-integer voxel\(s\) \(e.g. 0.3\)"):
+    with pytest.raises(
+        EvaluationError,
+        match=rf"{path}: {'prediction' if which == 'pred' else 'reference'} holds 1 "
+        r"non-integer voxel\(s\) \(e.g. 0.3\)",
+    ):
         evaluate_folder(pred, gt, output_json=pred / "summary.json")
     assert not (pred / "summary.json").exists()
 

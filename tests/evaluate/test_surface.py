@@ -92,10 +92,12 @@ def test_empty_masks_follow_the_dice_convention() -> None:
         assert one_sided.hd95_mm == pytest.approx(diagonal) and one_sided.nsd == 0.0
 
 
-def _brute_force(pred: np.ndarray, ref: np.ndarray, spacing: tuple[float, ...],
-                 tolerance: float) -> tuple[float, float]:
+def _brute_force(
+    pred: np.ndarray, ref: np.ndarray, spacing: tuple[float, ...], tolerance: float
+) -> tuple[float, float]:
     """The definitions written out: surface = a voxel with a face neighbour outside the mask (the array padded
     with background); distances between every pair of surface voxels."""
+
     def surface(mask: np.ndarray) -> np.ndarray:
         padded = np.pad(mask, 1)
         inner = np.ones_like(mask)
@@ -115,7 +117,7 @@ def _brute_force(pred: np.ndarray, ref: np.ndarray, spacing: tuple[float, ...],
 def test_random_masks_touching_the_border_match_the_brute_force_definition(shape: tuple[int, ...]) -> None:
     """The bounding-box crop changes nothing, also for masks that touch the image border."""
     rng = np.random.default_rng(3)
-    spacing = SPACING_ZYX[-len(shape):]
+    spacing = SPACING_ZYX[-len(shape) :]
     for _ in range(5):
         pred, ref = rng.random(shape) < 0.3, rng.random(shape) < 0.3
         pred[(0,) * len(shape)] = True  # on the border
@@ -150,14 +152,21 @@ def test_evaluate_folder_uses_the_image_spacing_in_3d_and_2d(tmp_path: Path) -> 
     own two axes (its arrays are (1, Y, X), which as a 3D slab would make every voxel a surface voxel)."""
     ref3 = _cube((14, 14, 14), (4, 4, 4), 6).astype(np.uint8)
     ref2 = _cube((1, 12, 14), (0, 3, 3), 6)[0].astype(np.uint8)[None]
-    for name, ref, pred, spacing_xyz in (("c3", ref3, _shifted(ref3, 0, 2), (2.0, 1.0, 0.5)),
-                                         ("c2", ref2, _shifted(ref2, 2, 2), (0.5, 1.0))):
+    for name, ref, pred, spacing_xyz in (
+        ("c3", ref3, _shifted(ref3, 0, 2), (2.0, 1.0, 0.5)),
+        ("c2", ref2, _shifted(ref2, 2, 2), (0.5, 1.0)),
+    ):
         write_image(tmp_path / name / "gt" / "a.nii.gz", ref, _geometry(ref.shape, spacing_xyz))
         write_image(tmp_path / name / "pred" / "a.nii.gz", pred, _geometry(ref.shape, spacing_xyz))
     for name in ("c3", "c2"):
         folder = tmp_path / name
-        summary = evaluate_folder(folder / "pred", folder / "gt", labels={"background": 0, "cube": 1},
-                                  nsd_tolerance_mm=0.99, output_json=folder / "summary.json")
+        summary = evaluate_folder(
+            folder / "pred",
+            folder / "gt",
+            labels={"background": 0, "cube": 1},
+            nsd_tolerance_mm=0.99,
+            output_json=folder / "summary.json",
+        )
         cube = summary.cases[0].classes["cube"]
         assert cube.hd95_mm == pytest.approx(1.0)
         assert cube.nsd == pytest.approx(100 / 152 if name == "c3" else 10 / 20)
@@ -181,17 +190,17 @@ def test_bytes_estimate_bounds_the_measured_peak(kind: str) -> None:
     rng = np.random.default_rng(0)
     if kind == "blob":  # the box dominates
         z, y, x = np.ogrid[:60, :100, :100]
-        ref = (((z - 30) / 25) ** 2 + ((y - 50) / 40) ** 2 + ((x - 50) / 45) ** 2 < 1)
+        ref = ((z - 30) / 25) ** 2 + ((y - 50) / 40) ** 2 + ((x - 50) / 45) ** 2 < 1
         pred = np.roll(ref, 3, axis=2)
     else:  # every voxel a surface voxel: the coordinates and the tree dominate
         shape = (30, 100, 100) if kind == "speckle" else (600, 600)
         ref, pred = rng.random(shape) < 0.1, rng.random(shape) < 0.1
-    to_ref, to_pred = surface_distances(pred, ref, SPACING_ZYX[-ref.ndim:])
+    to_ref, to_pred = surface_distances(pred, ref, SPACING_ZYX[-ref.ndim :])
     box_voxels = int(np.prod([s.stop - s.start for s in ndimage.find_objects((pred | ref).view(np.uint8))[0]]))
     estimate = surface_metrics_bytes(box_voxels, len(to_ref) + len(to_pred), ref.ndim)
     labels_pred, labels_ref = pred.astype(np.int16), ref.astype(np.int16)
     tracemalloc.start()
-    case_surface_metrics(labels_pred, labels_ref, {"a": 1}, SPACING_ZYX[-ref.ndim:], 1.0)
+    case_surface_metrics(labels_pred, labels_ref, {"a": 1}, SPACING_ZYX[-ref.ndim :], 1.0)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert peak <= estimate <= 1.5 * peak

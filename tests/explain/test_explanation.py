@@ -19,21 +19,41 @@ from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 
-TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(8, 16, 32),
-                           kernel_sizes=((3, 3, 3),) * 3, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)))
+TOPOLOGY = NetworkTopology(
+    dim=3,
+    in_channels=1,
+    num_outputs=3,
+    features_per_stage=(8, 16, 32),
+    kernel_sizes=((3, 3, 3),) * 3,
+    strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)),
+)
 
 
 def tiny_plans(device: str = "cuda", gpu_memory_bytes: int = 8 * GiB) -> Plans:
     """One 3d_fullres configuration: 3 stages (8-16-32 features), patch 16^3, batch 2, median 20x24x40."""
-    config = ConfigurationPlan(name="3d_fullres", spacing_mm=(1.0, 1.0, 1.0), median_shape_zyx=(20, 24, 40),
-                               patch_size=(16, 16, 16), batch_size=2, accumulation_steps=1, network=TOPOLOGY,
-                               device=device, loader_workers=2)
-    return Plans(dataset_name="Dataset001_Tiny", channel_names=("CT",),
-                 labels={"background": 0, "a": 1, "b": 2}, file_ending=".nii.gz", normalization=("ct",),
-                 use_nonzero_mask=(False,),
-                 intensity_properties=(IntensityProperties(0.0, 1.0, -1.0, 1.0),),
-                 configurations={"3d_fullres": config}, gpu_memory_bytes=gpu_memory_bytes,
-                 host_ram_bytes=16 * GiB)
+    config = ConfigurationPlan(
+        name="3d_fullres",
+        spacing_mm=(1.0, 1.0, 1.0),
+        median_shape_zyx=(20, 24, 40),
+        patch_size=(16, 16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+        network=TOPOLOGY,
+        device=device,
+        loader_workers=2,
+    )
+    return Plans(
+        dataset_name="Dataset001_Tiny",
+        channel_names=("CT",),
+        labels={"background": 0, "a": 1, "b": 2},
+        file_ending=".nii.gz",
+        normalization=("ct",),
+        use_nonzero_mask=(False,),
+        intensity_properties=(IntensityProperties(0.0, 1.0, -1.0, 1.0),),
+        configurations={"3d_fullres": config},
+        gpu_memory_bytes=gpu_memory_bytes,
+        host_ram_bytes=16 * GiB,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +71,7 @@ def test_training_terms_sum_to_the_simulated_device_peak(explanation: Explanatio
     step = simulate_training_step(TOPOLOGY, 2, (16, 16, 16), device="cuda")
     assert e.training_total_bytes == predict_device_peak(step, "cuda")["total"]
     assert e.training_terms["parameters"] == step.parameter_bytes
-    assert (e.training_terms["saved_activations"] + e.training_terms["transient_activations"]
-            == step.activation_bytes)
+    assert e.training_terms["saved_activations"] + e.training_terms["transient_activations"] == step.activation_bytes
     assert e.training_terms["cuda_context"] == 512 * 2**20
     assert e.headroom_bytes == 8 * GiB - e.training_total_bytes
     assert e.what_ifs[0].change == "as planned" and e.what_ifs[0].total_bytes == e.training_total_bytes
@@ -68,8 +87,7 @@ def test_stage_rows_cover_every_stage_with_its_feature_map(explanation: Explanat
     enc0 = stages["encoder.0"]
     assert enc0.map_copies == pytest.approx(enc0.activation_bytes / (2 * 8 * 16**3 * 4))
     assert enc0.map_copies >= 2  # two conv blocks: at least one saved map each
-    assert [s.name for s in explanation.stages][:5] == ["encoder.0", "encoder.1", "encoder.2", "decoder.1",
-                                                        "decoder.0"]
+    assert [s.name for s in explanation.stages][:5] == ["encoder.0", "encoder.1", "encoder.2", "decoder.1", "decoder.0"]
 
 
 def test_what_ifs_move_the_peak_the_expected_way(explanation: Explanation) -> None:
@@ -103,8 +121,18 @@ def test_fits_and_headroom_follow_the_budget() -> None:
 
 def test_inference_terms_sum_to_the_device_peak(explanation: Explanation) -> None:
     e = explanation
-    mem = inference_memory(TOPOLOGY, (16, 16, 16), 1, (20, 24, 40), 3, "fp32", mirror_axes=(0, 1, 2),
-                           device="cuda", output_dtype=None, accumulator_dtype="float16")
+    mem = inference_memory(
+        TOPOLOGY,
+        (16, 16, 16),
+        1,
+        (20, 24, 40),
+        3,
+        "fp32",
+        mirror_axes=(0, 1, 2),
+        device="cuda",
+        output_dtype=None,
+        accumulator_dtype="float16",
+    )
     assert sum(e.inference_terms.values()) == e.inference_total_bytes
     assert e.inference_total_bytes == predict_device_peak(mem, "cuda")["total"]
     assert e.inference_terms["accumulator"] == 3 * 16 * 24 * 40 * 2  # K x a patch-deep z-window x float16
@@ -123,13 +151,20 @@ def test_host_rows_use_the_median_shape_without_a_fingerprint(explanation: Expla
 
 def test_host_rows_of_the_median_and_largest_case_from_the_fingerprint(tmp_path: Path, capsys) -> None:
     shapes = [((10, 30, 30), (10, 24, 24)), ((12, 40, 40), (12, 40, 40)), ((8, 20, 20), (8, 20, 20))]
-    cases = tuple(CaseFingerprint(f"case_{i}", (2.0, 1.0, 1.0), shape, cropped, (1, 1, 1))
-                  for i, (shape, cropped) in enumerate(shapes))
-    fp = Fingerprint(dataset_name="Dataset001_Tiny", channel_names=("CT",),
-                     labels={"background": 0, "a": 1, "b": 2}, file_ending=".nii.gz", image_dim=3,
-                     cases=cases,
-                     foreground_intensity=(IntensityProperties(0.0, 1.0, -1.0, 1.0),),
-                     median_relative_crop_volume=1.0)
+    cases = tuple(
+        CaseFingerprint(f"case_{i}", (2.0, 1.0, 1.0), shape, cropped, (1, 1, 1))
+        for i, (shape, cropped) in enumerate(shapes)
+    )
+    fp = Fingerprint(
+        dataset_name="Dataset001_Tiny",
+        channel_names=("CT",),
+        labels={"background": 0, "a": 1, "b": 2},
+        file_ending=".nii.gz",
+        image_dim=3,
+        cases=cases,
+        foreground_intensity=(IntensityProperties(0.0, 1.0, -1.0, 1.0),),
+        median_relative_crop_volume=1.0,
+    )
     e = explain(tiny_plans(), "3d_fullres", fingerprint=fp)
     median, largest = e.host_cases
     # resampled to 1 mm: z doubles; the median by resampled volume is case_0, the largest case_1
@@ -219,17 +254,22 @@ def test_the_network_line_names_the_architecture_and_its_blocks(explanation: Exp
 
     text = format_explanation(explanation)
     params = explanation.training_terms["parameters"] // 4
-    assert (f"network: plain_unet, 3 stages of 8-16-32 features; encoder: 2-2-2 conv blocks per stage; decoder: 2 "
-            f"conv block(s) per stage; {params / 1e6:.2f} M parameters") in text
+    assert (
+        f"network: plain_unet, 3 stages of 8-16-32 features; encoder: 2-2-2 conv blocks per stage; decoder: 2 "
+        f"conv block(s) per stage; {params / 1e6:.2f} M parameters"
+    ) in text
     plans = tiny_plans()
-    network = replace(TOPOLOGY, architecture=RESIDUAL_ENCODER_UNET, conv_per_stage=1,
-                      blocks_per_stage=resenc_blocks_per_stage(3))
+    network = replace(
+        TOPOLOGY, architecture=RESIDUAL_ENCODER_UNET, conv_per_stage=1, blocks_per_stage=resenc_blocks_per_stage(3)
+    )
     plans = replace(plans, configurations={"3d_fullres": plans.configurations["3d_fullres"].with_(network=network)})
     resenc = explain(plans, "3d_fullres")
     step = simulate_training_step(network, 2, (16, 16, 16))
     assert resenc.training_terms["parameters"] == step.parameter_bytes > explanation.training_terms["parameters"]
-    assert ("network: residual_encoder_unet, 3 stages of 8-16-32 features; encoder: stem + 1-3-4 residual blocks per "
-            "stage; decoder: 1 conv block(s) per stage") in format_explanation(resenc)
+    assert (
+        "network: residual_encoder_unet, 3 stages of 8-16-32 features; encoder: stem + 1-3-4 residual blocks per "
+        "stage; decoder: 1 conv block(s) per stage"
+    ) in format_explanation(resenc)
     summary = json.loads(json.dumps(resenc.to_dict()))["network"]
     assert summary["architecture"] == RESIDUAL_ENCODER_UNET and summary["encoder_blocks_per_stage"] == [1, 3, 4]
     assert {s.name for s in resenc.stages} >= {"encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1"}

@@ -16,8 +16,14 @@ from pathlib import Path
 import pytest
 
 CASES = [  # name, input shape, weight shape, transposed, stride, measured backward too (training)
-    ("3D 32 -> 32 (max of input and output; backward: the sum)", (1, 32, 16, 64, 64), (32, 32, 3, 3, 3),
-     False, 1, True),
+    (
+        "3D 32 -> 32 (max of input and output; backward: the sum)",
+        (1, 32, 16, 64, 64),
+        (32, 32, 3, 3, 3),
+        False,
+        1,
+        True,
+    ),
     ("3D 64 -> 32 (its input)", (1, 64, 16, 48, 48), (32, 64, 3, 3, 3), False, 1, True),
     ("3D 4 -> 32 (im2col)", (1, 4, 16, 48, 48), (32, 4, 3, 3, 3), False, 1, True),
     ("3D 8 -> 16, 1x3x3 kernel (im2col)", (1, 8, 16, 48, 48), (16, 8, 1, 3, 3), False, 1, False),
@@ -73,9 +79,18 @@ print(json.dumps(results))
 def test_the_modelled_cpu_convolution_scratch_matches_the_measured_peak_rss(direction):
     cases = CASES if direction == "forward" else [case for case in CASES if case[-1]]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
-    done = subprocess.run([sys.executable, "-c", _MEASURE, json.dumps(cases), direction], capture_output=True,
-                          text=True, env=env, timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _MEASURE, json.dumps(cases), direction],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=True,
+    )
     results = json.loads(done.stdout.strip().splitlines()[-1])
-    off = {name: (measured, modelled) for name, measured, modelled in results
-           if abs(measured - modelled) > 0.05 * modelled + 256 * 1024}
+    off = {
+        name: (measured, modelled)
+        for name, measured, modelled in results
+        if abs(measured - modelled) > 0.05 * modelled + 256 * 1024
+    }
     assert not off, off  # bytes measured vs modelled, per convolution

@@ -93,6 +93,7 @@ def test_held_fragments_keep_freed_blocks_from_serving_the_next_ones_of_their_si
     """Feature maps of one size, each freed two allocations later: with every fragment given back at once the holes
     are reused and the heap holds about four maps; with every 5th fragment held, a hole beside a held one is 96 bytes
     short of an aligned block of its size and the heap keeps growing."""
+
     def ring(hold_events: int) -> int:
         heap = _raised(4 * MiB, hold_events)
         for i in range(40):
@@ -100,8 +101,9 @@ def test_held_fragments_keep_freed_blocks_from_serving_the_next_ones_of_their_si
             if i >= 2:
                 heap.free(i - 2)
             heap.tick()
-        assert heap.fragments >= 40 and len(heap.held) == (0 if hold_events == 0 else
-                                                           heap.fragments // HELD_FRAGMENT_EVERY)
+        assert heap.fragments >= 40 and len(heap.held) == (
+            0 if hold_events == 0 else heap.fragments // HELD_FRAGMENT_EVERY
+        )
         return heap.end
 
     assert ring(0) <= 5 * MiB
@@ -128,8 +130,10 @@ def test_the_replay_counts_fresh_mappings_per_step_and_maps_blocks_over_32_mib_e
     # a 4 MiB map is mapped in the first step only: its free raises the threshold, later steps keep it in the heap
     small = heap_footprint(np.array([0, 1, 2, 1]), np.array([-MiB, 4 * MiB, MiB, -4 * MiB]))
     assert small.mapped_bytes_per_step == 0
-    assert heap_footprint(np.array([0, 1, 2, 1]), np.array([-MiB, 4 * MiB, MiB, -4 * MiB]), steps=1) \
-        .mapped_bytes_per_step > 4 * MiB
+    assert (
+        heap_footprint(np.array([0, 1, 2, 1]), np.array([-MiB, 4 * MiB, MiB, -4 * MiB]), steps=1).mapped_bytes_per_step
+        > 4 * MiB
+    )
 
 
 def test_a_cpu_step_record_carries_its_heap_into_the_prediction_and_its_json() -> None:

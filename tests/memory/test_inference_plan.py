@@ -24,29 +24,66 @@ from autoseg.memory.inference_simulation import measure_inference_bytes
 from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 
-TOPO3D = NetworkTopology(dim=3, in_channels=2, num_outputs=3, features_per_stage=(4, 8, 16),
-                         kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)))
-TOPO2D = NetworkTopology(dim=2, in_channels=1, num_outputs=4, features_per_stage=(4, 8),
-                         kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)))
+TOPO3D = NetworkTopology(
+    dim=3,
+    in_channels=2,
+    num_outputs=3,
+    features_per_stage=(4, 8, 16),
+    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)),
+    strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)),
+)
+TOPO2D = NetworkTopology(
+    dim=2,
+    in_channels=1,
+    num_outputs=4,
+    features_per_stage=(4, 8),
+    kernel_sizes=((3, 3), (3, 3)),
+    strides=((1, 1), (2, 2)),
+)
 
 
-@pytest.mark.parametrize(("topology", "patch", "shape", "axes", "tta", "max_batch", "output", "accumulator"), [
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32", "float32"),  # batch 4: half of 8 variants
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32", "float16"),
-    (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5, "float16", "float16"),  # 5 pairs of 3 variants: tiles split
-    (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, "float16", "float32"),  # long in z: the accumulator's window
-    (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, None, "float16"),  # slabs to a sink, finished 1 slice at a time
-    (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6, "float32", "float16"),  # no TTA, 2D: slices share a pass
-])
-def test_planned_peak_matches_the_real_sliding_window(topology, patch, shape, axes, tta, max_batch, output,
-                                                      accumulator):
-    plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta,
-                          max_tile_batch=max_batch, output_dtype=output, accumulator_dtype=accumulator)
+@pytest.mark.parametrize(
+    ("topology", "patch", "shape", "axes", "tta", "max_batch", "output", "accumulator"),
+    [
+        (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32", "float32"),  # batch 4: half of 8 variants
+        (TOPO3D, (8, 16, 16), (10, 20, 30), (0, 1, 2), None, None, "float32", "float16"),
+        (TOPO3D, (8, 16, 16), (10, 20, 30), (1, 2), 3, 5, "float16", "float16"),  # 5 pairs of 3 variants: tiles split
+        (TOPO3D, (8, 16, 16), (40, 20, 30), (), None, 2, "float16", "float32"),  # long in z: the accumulator's window
+        (
+            TOPO3D,
+            (8, 16, 16),
+            (40, 20, 30),
+            (),
+            None,
+            2,
+            None,
+            "float16",
+        ),  # slabs to a sink, finished 1 slice at a time
+        (TOPO2D, (16, 16), (3, 20, 24), (0, 1), 1, 6, "float32", "float16"),  # no TTA, 2D: slices share a pass
+    ],
+)
+def test_planned_peak_matches_the_real_sliding_window(
+    topology, patch, shape, axes, tta, max_batch, output, accumulator
+):
+    plan = plan_inference(
+        topology,
+        patch,
+        shape,
+        topology.num_outputs,
+        4 * GiB,
+        "cpu",
+        mirror_axes=axes,
+        tta=tta,
+        max_tile_batch=max_batch,
+        output_dtype=output,
+        accumulator_dtype=accumulator,
+    )
     assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == accumulator
     assert plan.tile_batch_size == (max_batch or CPU_MAX_TILE_BATCH)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(topology, data, patch, plan.tile_batch_size, "fp32", axes, tta, output,
-                                       accumulator_dtype=accumulator)
+    measured = measure_inference_bytes(
+        topology, data, patch, plan.tile_batch_size, "fp32", axes, tta, output, accumulator_dtype=accumulator
+    )
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES - plan.heap_retained_bytes  # the tensors
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
 
@@ -81,17 +118,34 @@ def test_a_cpu_tile_s_peak_rss_counts_what_glibcs_heap_keeps() -> None:
     fragments (one in 5 instead of 20) 17-26% over."""
     if peak_rss_bytes() is None:
         pytest.skip("no peak RSS on this system")
-    topology = NetworkTopology(dim=3, in_channels=2, num_outputs=3, features_per_stage=(16, 32, 64, 128),
-                               kernel_sizes=((3, 3, 3),) * 4, strides=((1, 1, 1),) + ((2, 2, 2),) * 3)
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=2,
+        num_outputs=3,
+        features_per_stage=(16, 32, 64, 128),
+        kernel_sizes=((3, 3, 3),) * 4,
+        strides=((1, 1, 1),) + ((2, 2, 2),) * 3,
+    )
     tile = (96, 192, 192)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"OMP_NUM_THREADS": "2"}
-    runs = sorted(int(subprocess.run([sys.executable, "-c", _TILE_IN_A_FRESH_PROCESS, repr(topology), repr(tile)],
-                                     capture_output=True, text=True, env=env, timeout=300,
-                                     check=True).stdout.split()[-1]) for _ in range(3))
+    runs = sorted(
+        int(
+            subprocess.run(
+                [sys.executable, "-c", _TILE_IN_A_FRESH_PROCESS, repr(topology), repr(tile)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=300,
+                check=True,
+            ).stdout.split()[-1]
+        )
+        for _ in range(3)
+    )
     if runs[0] < 0:
         pytest.skip("not glibc's malloc")
-    memory = inference_memory(topology, tile, 1, tile, topology.num_outputs, output_dtype=None,
-                              accumulator_dtype="float16", device="cpu")
+    memory = inference_memory(
+        topology, tile, 1, tile, topology.num_outputs, output_dtype=None, accumulator_dtype="float16", device="cpu"
+    )
     tensors = memory.peak_bytes - memory.parameter_bytes  # the parameters were alive at the start
     predicted = tensors + memory.heap_retained_bytes
     assert abs(predicted / runs[1] - 1) <= 0.15, ([r / MiB for r in runs], predicted / MiB, tensors / MiB)
@@ -102,8 +156,17 @@ def test_largest_batch_within_the_budget():
     args = (TOPO3D, (8, 16, 16), 3, (10, 20, 30), 3, "fp32", (0, 1, 2))
     peaks = {b: predict_device_peak(inference_memory(*args[:2], b, *args[3:]), "cpu")["total"] for b in (3, 4)}
     assert peaks[4] > peaks[3]
-    plan = plan_inference(TOPO3D, (8, 16, 16), (10, 20, 30), 3, peaks[3], "cpu", mirror_axes=(0, 1, 2),
-                          max_tile_batch=16, accumulator_dtype="float32")
+    plan = plan_inference(
+        TOPO3D,
+        (8, 16, 16),
+        (10, 20, 30),
+        3,
+        peaks[3],
+        "cpu",
+        mirror_axes=(0, 1, 2),
+        max_tile_batch=16,
+        accumulator_dtype="float32",
+    )
     assert plan.tile_batch_size == 3 and plan.peak_bytes == peaks[3] and plan.fits
     assert plan.choices[0] == (3, "cpu", peaks[3])
     assert all(total > peaks[3] for batch, _, total in plan.choices if batch > 3)
@@ -115,8 +178,9 @@ def test_largest_batch_within_the_budget():
 def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     shape, patch = (40, 96, 96), (8, 16, 16)
     on_device = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), device="cuda")
-    on_host = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), accumulator_on_device=False,
-                               device="cuda")
+    on_host = inference_memory(
+        TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), accumulator_on_device=False, device="cuda"
+    )
     window = 8 * 96 * 96 * 4  # one batch's z-slices (a patch deep), not the 40 of the image
     held = 3 * window + window + math.prod(patch) * 4  # accumulator, weight map, Gaussian
     output = 3 * math.prod(shape) * 4  # the image's probabilities: on the host
@@ -150,25 +214,38 @@ def test_nothing_fits_says_so():
     assert "does not fit" in plan.describe()
 
 
-@pytest.mark.parametrize(("topology", "patch", "tile", "shape", "axes", "tta"), [
-    (TOPO3D, (8, 16, 16), (16, 32, 32), (20, 40, 50), (0, 1, 2), 2),  # 2 patches per axis: 8 tiles (the patch: 96)
-    (TOPO3D, (8, 16, 16), (8, 32, 24), (10, 36, 30), (1, 2), None),  # grown in (y, x) only
-    (TOPO2D, (16, 16), (32, 24), (3, 40, 30), (0, 1), 1),  # 2D
-])
-def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the_patch(topology, patch, tile, shape,
-                                                                                       axes, tta):
+@pytest.mark.parametrize(
+    ("topology", "patch", "tile", "shape", "axes", "tta"),
+    [
+        (TOPO3D, (8, 16, 16), (16, 32, 32), (20, 40, 50), (0, 1, 2), 2),  # 2 patches per axis: 8 tiles (the patch: 96)
+        (TOPO3D, (8, 16, 16), (8, 32, 24), (10, 36, 30), (1, 2), None),  # grown in (y, x) only
+        (TOPO2D, (16, 16), (32, 24), (3, 40, 30), (0, 1), 1),  # 2D
+    ],
+)
+def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the_patch(
+    topology, patch, tile, shape, axes, tta
+):
     """The planned inference tile (``autoseg.plan.inference_tile``) at its half-patch overlap steps, as predict runs
     it: the memory model holds within 1% there too."""
     steps = overlap_step_fractions(tile, patch)
-    plan = plan_inference(topology, tile, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta,
-                          step_fraction=steps)
+    plan = plan_inference(
+        topology, tile, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta, step_fraction=steps
+    )
     data = np.random.default_rng(1).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(topology, data, tile, plan.tile_batch_size, "fp32", axes, tta,
-                                       step_fraction=steps, accumulator_dtype=plan.accumulator_dtype)
+    measured = measure_inference_bytes(
+        topology,
+        data,
+        tile,
+        plan.tile_batch_size,
+        "fp32",
+        axes,
+        tta,
+        step_fraction=steps,
+        accumulator_dtype=plan.accumulator_dtype,
+    )
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES - plan.heap_retained_bytes  # the tensors
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
-    patch_plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes,
-                                tta=tta)
+    patch_plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta)
     assert plan.peak_bytes > patch_plan.peak_bytes  # the larger tile's activations are counted, not the patch's
 
 

@@ -22,13 +22,25 @@ from autoseg.model.network import build_network
 from autoseg.model.topology import RESIDUAL_ENCODER_UNET, NetworkTopology, preset_fields
 
 
-def topo(dim: int, features: tuple[int, ...], strides: list[tuple[int, ...]], in_channels: int = 1,
-         num_outputs: int = 3, kernels: list[tuple[int, ...]] | None = None,
-         deep_supervision: bool = True) -> NetworkTopology:
+def topo(
+    dim: int,
+    features: tuple[int, ...],
+    strides: list[tuple[int, ...]],
+    in_channels: int = 1,
+    num_outputs: int = 3,
+    kernels: list[tuple[int, ...]] | None = None,
+    deep_supervision: bool = True,
+) -> NetworkTopology:
     kernels = kernels or [(3,) * dim] * len(features)
-    return NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs,
-                           features_per_stage=features, kernel_sizes=tuple(kernels), strides=tuple(strides),
-                           deep_supervision=deep_supervision)
+    return NetworkTopology(
+        dim=dim,
+        in_channels=in_channels,
+        num_outputs=num_outputs,
+        features_per_stage=features,
+        kernel_sizes=tuple(kernels),
+        strides=tuple(strides),
+        deep_supervision=deep_supervision,
+    )
 
 
 def resenc(topology: NetworkTopology) -> NetworkTopology:
@@ -37,19 +49,28 @@ def resenc(topology: NetworkTopology) -> NetworkTopology:
 
 
 ISO3D = topo(3, (4, 8, 16, 32), [(1, 1, 1)] + [(2, 2, 2)] * 3)
-ANISO3D = topo(3, (4, 8, 16, 16), [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)], in_channels=2, num_outputs=4,
-               kernels=[(1, 3, 3), (1, 3, 3), (3, 3, 3), (3, 3, 3)])
-FIVE3D = topo(3, (4, 8, 8, 16, 16), [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2)], in_channels=4,
-              num_outputs=5)
+ANISO3D = topo(
+    3,
+    (4, 8, 16, 16),
+    [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)],
+    in_channels=2,
+    num_outputs=4,
+    kernels=[(1, 3, 3), (1, 3, 3), (3, 3, 3), (3, 3, 3)],
+)
+FIVE3D = topo(
+    3, (4, 8, 8, 16, 16), [(1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2)], in_channels=4, num_outputs=5
+)
 FIVE2D = topo(2, (4, 8, 16, 16, 16), [(1, 1)] + [(2, 2)] * 4, num_outputs=2)
 SIX2D = topo(2, (4, 4, 8, 8, 16, 16), [(1, 1), (2, 2), (2, 2), (2, 1), (2, 2), (2, 1)], in_channels=2)
-SEVEN2D = topo(2, (4, 4, 8, 8, 8, 16, 16), [(1, 1), (2, 2), (2, 2), (1, 2), (2, 1), (1, 2), (2, 1)],
-               in_channels=3, num_outputs=14)
+SEVEN2D = topo(
+    2, (4, 4, 8, 8, 8, 16, 16), [(1, 1), (2, 2), (2, 2), (1, 2), (2, 1), (1, 2), (2, 1)], in_channels=3, num_outputs=14
+)
 FOUR2D_NO_DS = topo(2, (4, 8, 8, 16), [(1, 1)] + [(2, 2)] * 3, num_outputs=2, deep_supervision=False)
 
 # Three sigmoid region outputs + an ignore label, and three softmax classes + an ignore label (ISO3D's 3 outputs).
-REGIONS_IGNORE = LabelScheme.from_labels({"background": 0, "wt": [1, 2, 3], "tc": [2, 3], "et": 3, "ignore": 4},
-                                         [1, 2, 3])
+REGIONS_IGNORE = LabelScheme.from_labels(
+    {"background": 0, "wt": [1, 2, 3], "tc": [2, 3], "et": 3, "ignore": 4}, [1, 2, 3]
+)
 CLASSES_IGNORE = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2, "ignore": 3})
 
 # (name, topology, batch, patch, keyword arguments)
@@ -61,8 +82,7 @@ CONFIGS = [
     ("2d-6st-aniso-b2-fp16", SIX2D, 2, (64, 16), {"precision": "fp16"}),
     ("2d-7st-aniso-b3-ckpt-14cls", SEVEN2D, 3, (32, 32), {"checkpointing": True}),
     ("2d-4st-b1-no-deep-supervision", FOUR2D_NO_DS, 1, (32, 32), {}),
-    ("3d-iso-4st-b2-accumulation-adam", ISO3D, 2, (16, 16, 16),
-     {"accumulation_steps": 2, "optimizer": "adam"}),
+    ("3d-iso-4st-b2-accumulation-adam", ISO3D, 2, (16, 16, 16), {"accumulation_steps": 2, "optimizer": "adam"}),
     ("3d-iso-4st-b1-bf16", ISO3D, 1, (16, 16, 32), {"precision": "bf16"}),
     ("3d-iso-4st-b2-regions-ignore", ISO3D, 2, (16, 16, 16), {"labels": REGIONS_IGNORE}),
     ("3d-iso-4st-b2-classes-ignore-bf16", ISO3D, 2, (16, 16, 16), {"labels": CLASSES_IGNORE, "precision": "bf16"}),
@@ -85,8 +105,13 @@ RESENC_CONFIGS = [
     ("resenc-3d-5st-b1-bf16-ckpt-4ch", resenc(FIVE3D), 1, (8, 32, 32), {"precision": "bf16", "checkpointing": True}),
     ("resenc-2d-5st-b3-fp32", resenc(FIVE2D), 3, (32, 32), {}),
     ("resenc-2d-6st-aniso-b2-fp16", resenc(SIX2D), 2, (64, 16), {"precision": "fp16"}),
-    ("resenc-3d-iso-4st-b2-regions-ignore-accumulation", resenc(ISO3D), 2, (16, 16, 16),
-     {"labels": REGIONS_IGNORE, "accumulation_steps": 2}),
+    (
+        "resenc-3d-iso-4st-b2-regions-ignore-accumulation",
+        resenc(ISO3D),
+        2,
+        (16, 16, 16),
+        {"labels": REGIONS_IGNORE, "accumulation_steps": 2},
+    ),
 ]
 
 
@@ -153,8 +178,7 @@ def test_linear_model_matches_direct_simulation_batch_one():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("topology, kwargs", [(ANISO3D, {}),
-                                              (SIX2D, {"precision": "bf16", "checkpointing": True})])
+@pytest.mark.parametrize("topology, kwargs", [(ANISO3D, {}), (SIX2D, {"precision": "bf16", "checkpointing": True})])
 def test_linear_model_matches_direct_simulation(topology, kwargs):
     model = TrainingMemoryModel(topology, **kwargs)
     div = topology.patch_divisor()
@@ -182,22 +206,28 @@ def test_device_terms():
     assert cuda["cuda_context"] == CUDA_CONTEXT_BYTES
     assert cuda["total"] == sum(v for k, v in cuda.items() if k != "total")
     assert m.heap_retained_bytes > 0  # a CPU step: glibc's heap keeps some of its freed tensors
-    assert predict_device_peak(m, "cpu") == {"tensors": m.peak_bytes, "fragmentation": m.heap_retained_bytes,
-                                             "runtime": CPU_RUNTIME_BYTES,
-                                             "total": m.peak_bytes + m.heap_retained_bytes + CPU_RUNTIME_BYTES}
+    assert predict_device_peak(m, "cpu") == {
+        "tensors": m.peak_bytes,
+        "fragmentation": m.heap_retained_bytes,
+        "runtime": CPU_RUNTIME_BYTES,
+        "total": m.peak_bytes + m.heap_retained_bytes + CPU_RUNTIME_BYTES,
+    }
     with pytest.raises(ValueError, match="device 'tpu' is not modelled"):
         predict_device_peak(m, "tpu")
 
 
-@pytest.mark.parametrize("args, message", [
-    ((ISO3D, 2, (16, 16, 16), {"precision": "int8"}), "precision 'int8' is not known"),
-    ((ISO3D, 2, (16, 16, 12), {}), r"multiple of \(8, 8, 8\)"),
-    ((ISO3D, 2, (16, 16), {}), "expected 3 sizes"),
-    ((ISO3D, 1, (8, 8, 8), {}), "one voxel at the lowest resolution"),
-    ((ISO3D, 0, (16, 16, 16), {}), "must be >= 1"),
-    ((ISO3D, 2, (16, 16, 16), {"optimizer": "lion"}), "optimizer 'lion' is not known"),
-    ((ISO3D, 2, (16, 16, 16), {"labels": LabelScheme.plain(2)}), "the labels have 2 network outputs"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((ISO3D, 2, (16, 16, 16), {"precision": "int8"}), "precision 'int8' is not known"),
+        ((ISO3D, 2, (16, 16, 12), {}), r"multiple of \(8, 8, 8\)"),
+        ((ISO3D, 2, (16, 16), {}), "expected 3 sizes"),
+        ((ISO3D, 1, (8, 8, 8), {}), "one voxel at the lowest resolution"),
+        ((ISO3D, 0, (16, 16, 16), {}), "must be >= 1"),
+        ((ISO3D, 2, (16, 16, 16), {"optimizer": "lion"}), "optimizer 'lion' is not known"),
+        ((ISO3D, 2, (16, 16, 16), {"labels": LabelScheme.plain(2)}), "the labels have 2 network outputs"),
+    ],
+)
 def test_bad_arguments_say_what_to_change(args, message):
     topology, batch, patch, kwargs = args
     with pytest.raises(ValueError, match=message):
@@ -218,22 +248,30 @@ def test_flops_match_the_convolutions():
         return 2 * b * c_in * c_out * k * voxels_out
 
     first = conv(2, 4, 9, v)
-    forward = (first + conv(4, 4, 9, v)  # encoder 0
-               + conv(4, 8, 9, v // 4) + conv(8, 8, 9, v // 4)  # encoder 1 (stride 2)
-               + conv(8, 4, 4, v // 4)  # transposed conv, kernel = stride = 2x2, counted over its input
-               + conv(8, 4, 9, v) + conv(4, 4, 9, v)  # decoder 0
-               + conv(4, 3, 1, v))  # segmentation head
+    forward = (
+        first
+        + conv(4, 4, 9, v)  # encoder 0
+        + conv(4, 8, 9, v // 4)
+        + conv(8, 8, 9, v // 4)  # encoder 1 (stride 2)
+        + conv(8, 4, 4, v // 4)  # transposed conv, kernel = stride = 2x2, counted over its input
+        + conv(8, 4, 9, v)
+        + conv(4, 4, 9, v)  # decoder 0
+        + conv(4, 3, 1, v)
+    )  # segmentation head
     # backward: a weight gradient for every convolution, an input gradient for all but the first
     assert training_step_flops(t, b, (16, 16)) == 3 * forward - first
 
 
-@pytest.mark.parametrize("topology, patch, tile_batch, shape, mirror, depth", [
-    (ISO3D, (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # z rows at 0 and 4: a batch stays in one row
-    (FIVE2D, (32, 32), 3, (2, 40, 36), (0, 1), 2),  # 16 (tile, variant) pairs a slice: a batch spans 2 slices
-    (ISO3D, (16, 16, 16), 4, (16, 16, 16), (), 16),  # one tile: the batch shrinks to it
-    (resenc(ISO3D), (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # the residual encoder U-Net
-    (resenc(FIVE2D), (32, 32), 3, (2, 40, 36), (0, 1), 2),
-])
+@pytest.mark.parametrize(
+    "topology, patch, tile_batch, shape, mirror, depth",
+    [
+        (ISO3D, (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # z rows at 0 and 4: a batch stays in one row
+        (FIVE2D, (32, 32), 3, (2, 40, 36), (0, 1), 2),  # 16 (tile, variant) pairs a slice: a batch spans 2 slices
+        (ISO3D, (16, 16, 16), 4, (16, 16, 16), (), 16),  # one tile: the batch shrinks to it
+        (resenc(ISO3D), (16, 16, 16), 2, (20, 24, 18), (0,), 16),  # the residual encoder U-Net
+        (resenc(FIVE2D), (32, 32), 3, (2, 40, 36), (0, 1), 2),
+    ],
+)
 def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batch, shape, mirror, depth):
     predicted = inference_memory(topology, patch, tile_batch, shape, topology.num_outputs, "fp32", mirror)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
@@ -317,11 +355,14 @@ def test_the_plans_optimizer_is_the_one_simulated() -> None:
 
 
 @pytest.mark.parametrize(("regions", "dtype"), [(False, torch.float32), (True, torch.float32), (False, torch.float16)])
-@pytest.mark.parametrize("shape_original, shape_resampled, outputs", [
-    ((60, 120, 100), (30, 100, 90), 3),  # resampled up in every axis
-    ((40, 80, 80), (40, 160, 160), 5),  # down in-plane
-    ((50, 64, 64), (50, 64, 64), 2),  # unchanged
-])
+@pytest.mark.parametrize(
+    "shape_original, shape_resampled, outputs",
+    [
+        ((60, 120, 100), (30, 100, 90), 3),  # resampled up in every axis
+        ((40, 80, 80), (40, 160, 160), 5),  # down in-plane
+        ((50, 64, 64), (50, 64, 64), 2),  # unchanged
+    ],
+)
 def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled, outputs, regions, dtype):
     """export_bytes against tracemalloc's peak of the real export_segmentation (the probabilities, held by the
     caller, left out): an upper bound, and within 25%."""
@@ -333,16 +374,32 @@ def test_export_bytes_bounds_the_measured_export(shape_original, shape_resampled
 
     spacing = (2.0, 1.0, 1.0)
     target = tuple(s * o / r for s, o, r in zip(spacing, shape_original, shape_resampled))
-    geometry = Geometry(ndim=3, size_xyz=tuple(reversed(shape_original)), spacing_xyz=tuple(reversed(spacing)),
-                        origin_xyz=(0.0, 0.0, 0.0), direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
-    props = CaseProperties(case_id="x", geometry=geometry, spacing_mm=spacing, target_spacing_mm=target,
-                           shape_before_crop=shape_original, crop_bbox=tuple((0, s) for s in shape_original),
-                           shape_after_crop=shape_original, shape_after_resample=shape_resampled)
-    labels = {"background": 0, **{f"r{k}": list(range(k + 1, outputs + 1)) for k in range(outputs)}} if regions \
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=tuple(reversed(shape_original)),
+        spacing_xyz=tuple(reversed(spacing)),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+    )
+    props = CaseProperties(
+        case_id="x",
+        geometry=geometry,
+        spacing_mm=spacing,
+        target_spacing_mm=target,
+        shape_before_crop=shape_original,
+        crop_bbox=tuple((0, s) for s in shape_original),
+        shape_after_crop=shape_original,
+        shape_after_resample=shape_resampled,
+    )
+    labels = (
+        {"background": 0, **{f"r{k}": list(range(k + 1, outputs + 1)) for k in range(outputs)}}
+        if regions
         else {"background": 0, **{f"c{k}": k for k in range(1, outputs)}}
+    )
     scheme = LabelScheme.from_labels(labels, tuple(range(1, outputs + 1)) if regions else ())
-    probabilities = torch.rand((scheme.num_outputs, *shape_resampled),
-                               generator=torch.Generator().manual_seed(0)).to(dtype)
+    probabilities = torch.rand((scheme.num_outputs, *shape_resampled), generator=torch.Generator().manual_seed(0)).to(
+        dtype
+    )
     tracemalloc.start()
     export_segmentation(probabilities, props, scheme)
     measured = tracemalloc.get_traced_memory()[1]

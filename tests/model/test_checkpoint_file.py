@@ -27,13 +27,17 @@ def test_round_trip(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("mmap", [False, True])  # resume reads the file, predict maps it
-@pytest.mark.parametrize("damage, found", [
-    (lambda b: b"", "is empty"),
-    (lambda b: b[: len(b) // 2], "truncated or corrupt"),
-    (lambda b: b"not a checkpoint" * 10, "truncated or corrupt"),
-])
-def test_a_damaged_checkpoint_is_refused_naming_it_and_the_others(tmp_path: Path, damage, found: str,
-                                                                  mmap: bool) -> None:
+@pytest.mark.parametrize(
+    "damage, found",
+    [
+        (lambda b: b"", "is empty"),
+        (lambda b: b[: len(b) // 2], "truncated or corrupt"),
+        (lambda b: b"not a checkpoint" * 10, "truncated or corrupt"),
+    ],
+)
+def test_a_damaged_checkpoint_is_refused_naming_it_and_the_others(
+    tmp_path: Path, damage, found: str, mmap: bool
+) -> None:
     path = _fold(tmp_path)
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(InputError, match=found) as info:
@@ -91,8 +95,14 @@ def test_prediction_reads_a_checkpoint_s_weights_and_not_its_optimizer_state(tmp
 
     if peak_rss_bytes() is None:
         pytest.skip("no peak RSS on this system")
-    topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(32, 320, 320),
-                               kernel_sizes=((3, 3, 3),) * 3, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)))
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(32, 320, 320),
+        kernel_sizes=((3, 3, 3),) * 3,
+        strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)),
+    )
     plans = tiny_plans()
     config = replace(plans.configuration("3d_fullres"), network=topology)
     plans = replace(plans, configurations={"3d_fullres": config})
@@ -101,8 +111,20 @@ def test_prediction_reads_a_checkpoint_s_weights_and_not_its_optimizer_state(tmp
     network_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     optimizer = {f"{k}.{i}": torch.ones_like(t) for k, t in weights.items() for i in range(4)}
     write_checkpoint_file(tmp_path / "checkpoint_final.pt", {"network": weights, "optimizer": optimizer})
-    rise = int(subprocess.run([sys.executable, "-c", _LOAD_IN_A_FRESH_PROCESS, str(tmp_path / "plans.json"),
-                               str(tmp_path / "checkpoint_final.pt")], capture_output=True, text=True, timeout=300,
-                              check=True).stdout.split()[-1])
+    rise = int(
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _LOAD_IN_A_FRESH_PROCESS,
+                str(tmp_path / "plans.json"),
+                str(tmp_path / "checkpoint_final.pt"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout.split()[-1]
+    )
     assert network_bytes > 50 * MiB
     assert rise < 2.5 * network_bytes, (rise / MiB, network_bytes / MiB)  # a read: 6x (network twice + 4x state)

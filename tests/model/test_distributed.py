@@ -36,8 +36,14 @@ from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
 
 # 4 stages: 3 deep-supervision outputs, weights (2/3, 1/3, 0): two Dice terms and an unused head
-DS_TOPOLOGY = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(2, 4, 4, 4),
-                              kernel_sizes=((3, 3, 3),) * 4, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2), (1, 2, 2)))
+DS_TOPOLOGY = NetworkTopology(
+    dim=3,
+    in_channels=1,
+    num_outputs=3,
+    features_per_stage=(2, 4, 4, 4),
+    kernel_sizes=((3, 3, 3),) * 4,
+    strides=((1, 1, 1), (2, 2, 2), (2, 2, 2), (1, 2, 2)),
+)
 GLOBAL_BATCH = 4
 TINY = dict(epochs=2, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1, loader_workers=0)
 
@@ -51,15 +57,22 @@ def _free_port() -> int:
 
 
 def _gloo(rank: int, world: int, port: int) -> DistributedContext:
-    return DistributedContext(rank=rank, world_size=world, local_rank=rank, local_world_size=world, backend="gloo",
-                              init_method=f"tcp://127.0.0.1:{port}")
+    return DistributedContext(
+        rank=rank,
+        world_size=world,
+        local_rank=rank,
+        local_world_size=world,
+        backend="gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+    )
 
 
 def _run_ranks(fn, world: int, *args, timeout_s: float = 120.0) -> None:
     """``fn(rank, world, port, *args)`` in ``world`` spawned processes, each ended as a torchrun rank of
     ``autoseg train`` ends (``end_rank_process``); fails (not hangs) on a deadlock."""
-    context = mp.start_processes(_rank_then_end, args=(fn, world, _free_port(), *args), nprocs=world, join=False,
-                                 start_method="spawn")
+    context = mp.start_processes(
+        _rank_then_end, args=(fn, world, _free_port(), *args), nprocs=world, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -97,8 +110,9 @@ def _one_step(distributed: DistributedContext, reduce_dice: bool = True, ignore:
     plans = tiny_plans()
     if ignore:
         plans = dataclasses.replace(plans, labels={**plans.labels, "ignore": 3})
-    config = plans.configuration(CONFIG).with_(network=DS_TOPOLOGY, batch_size=GLOBAL_BATCH // world,
-                                               accumulation_steps=1, checkpointing=False)
+    config = plans.configuration(CONFIG).with_(
+        network=DS_TOPOLOGY, batch_size=GLOBAL_BATCH // world, accumulation_steps=1, checkpointing=False
+    )
     torch.manual_seed(0)
     step = build_step(config.network, plans.label_scheme, accumulation_steps=config.accumulation_steps)
     distribute(step, distributed)
@@ -109,16 +123,25 @@ def _one_step(distributed: DistributedContext, reduce_dice: bool = True, ignore:
     named = dict(step.network.named_parameters())
     before = {n: p.detach().clone() for n, p in named.items()}
     loss, _ = step(iter([{"data": data[share], "target": target[share]}]))
-    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in named.items() if p.grad is not None},
-            "updates": {n: p.detach() - before[n] for n, p in named.items()}}
+    return {
+        "loss": loss.item(),
+        "grads": {n: p.grad.clone() for n, p in named.items() if p.grad is not None},
+        "updates": {n: p.detach() - before[n] for n, p in named.items()},
+    }
 
 
 def _step_worker(rank: int, world: int, port: int, out: Path) -> None:
     torch.set_num_threads(1)
     distributed = _gloo(rank, world, port)
     with process_group(distributed):
-        torch.save({"summed": _one_step(distributed), "local": _one_step(distributed, reduce_dice=False),
-                    "ignore": _one_step(distributed, ignore=True)}, out / f"rank{rank}.pt")
+        torch.save(
+            {
+                "summed": _one_step(distributed),
+                "local": _one_step(distributed, reduce_dice=False),
+                "ignore": _one_step(distributed, ignore=True),
+            },
+            out / f"rank{rank}.pt",
+        )
 
 
 def _max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -169,8 +192,14 @@ def _oom_worker(rank: int, world: int, port: int, root: Path) -> None:
     logging.getLogger("autoseg.train.trainer").addHandler(handler)
     distributed = _gloo(rank, world, port)
     with process_group(distributed):
-        train(Workspace.at(root), CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=1), progress=False,
-              distributed=distributed)
+        train(
+            Workspace.at(root),
+            CONFIG,
+            0,
+            RunConfig(**TINY, inject_oom_at_step=1),
+            progress=False,
+            distributed=distributed,
+        )
     (root / f"warnings_rank{rank}.json").write_text(json.dumps(warnings))
 
 
@@ -224,9 +253,30 @@ def test_two_ranks_resume_bit_for_bit(workspace: Workspace) -> None:
 
 @pytest.mark.slow
 def test_cli_gpus_2_on_cpu_trains_and_only_rank_0_writes(workspace: Workspace) -> None:
-    command = [sys.executable, "-m", "autoseg", "-q", "train", "fold", "0", "-w", str(workspace.root), "--gpus", "2",
-               "--device", "cpu", "--epochs", "2", "--iterations-per-epoch", "2", "--val-iterations", "1",
-               "--no-validation", "--loader-workers", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "autoseg",
+        "-q",
+        "train",
+        "fold",
+        "0",
+        "-w",
+        str(workspace.root),
+        "--gpus",
+        "2",
+        "--device",
+        "cpu",
+        "--epochs",
+        "2",
+        "--iterations-per-epoch",
+        "2",
+        "--val-iterations",
+        "1",
+        "--no-validation",
+        "--loader-workers",
+        "0",
+    ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]  # no rank aborted in gloo's teardown (end_rank_process)
@@ -235,9 +285,15 @@ def test_cli_gpus_2_on_cpu_trains_and_only_rank_0_writes(workspace: Workspace) -
     assert done.stdout.count("processes: 2 (gloo)") == 1  # printed by rank 0 only
 
     fold = workspace.results(CONFIG, 0)
-    assert sorted(p.name for p in fold.iterdir()) == ["checkpoint_best.pt", "checkpoint_final.pt",
-                                                       "checkpoint_latest.pt", "metrics.jsonl", "progress.png",
-                                                       "run.json", "train.log"]
+    assert sorted(p.name for p in fold.iterdir()) == [
+        "checkpoint_best.pt",
+        "checkpoint_final.pt",
+        "checkpoint_latest.pt",
+        "metrics.jsonl",
+        "progress.png",
+        "run.json",
+        "train.log",
+    ]
     rows = [json.loads(line) for line in (fold / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [0, 1]
     log_text = (fold / "train.log").read_text()
@@ -254,15 +310,18 @@ def test_cli_gpus_2_on_cpu_trains_and_only_rank_0_writes(workspace: Workspace) -
 # ---------------------------------------------------------------- pure helpers
 
 
-@pytest.mark.parametrize(("batch", "accumulation", "world", "expected"), [
-    (2, 1, 1, (2, 1)),  # one process: the plan
-    (2, 1, 2, (1, 1)),  # nnU-Net's usual plan on 2 GPUs: one sample each, global batch 2 kept
-    (2, 4, 2, (2, 2)),  # accumulation split over ranks
-    (3, 2, 3, (2, 1)),  # 6 samples over 3 ranks: 2 each, a micro-batch of 2 <= 3
-    (2, 3, 2, (1, 3)),  # 6 over 2: 3 each; the largest micro-batch <= 2 dividing 3 is 1
-    (5, 1, 2, (3, 1)),  # 5 does not split: 3 each, global batch 6
-    (2, 1, 4, (1, 1)),  # more ranks than samples: one each, global batch 4
-])
+@pytest.mark.parametrize(
+    ("batch", "accumulation", "world", "expected"),
+    [
+        (2, 1, 1, (2, 1)),  # one process: the plan
+        (2, 1, 2, (1, 1)),  # nnU-Net's usual plan on 2 GPUs: one sample each, global batch 2 kept
+        (2, 4, 2, (2, 2)),  # accumulation split over ranks
+        (3, 2, 3, (2, 1)),  # 6 samples over 3 ranks: 2 each, a micro-batch of 2 <= 3
+        (2, 3, 2, (1, 3)),  # 6 over 2: 3 each; the largest micro-batch <= 2 dividing 3 is 1
+        (5, 1, 2, (3, 1)),  # 5 does not split: 3 each, global batch 6
+        (2, 1, 4, (1, 1)),  # more ranks than samples: one each, global batch 4
+    ],
+)
 def test_rank_batch(batch: int, accumulation: int, world: int, expected: tuple[int, int]) -> None:
     micro, steps = rank_batch(batch, accumulation, world)
     assert (micro, steps) == expected
@@ -298,5 +357,17 @@ def test_single_process_ranks_do_nothing() -> None:
 def test_torchrun_command() -> None:
     command = torchrun_command(2, ["train", "fold", "0", "--device", "cpu"])
     assert command[0] == sys.executable
-    assert command[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "autoseg",
-                           "train", "fold", "0", "--device", "cpu"]
+    assert command[1:] == [
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "autoseg",
+        "train",
+        "fold",
+        "0",
+        "--device",
+        "cpu",
+    ]

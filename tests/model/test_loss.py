@@ -174,8 +174,11 @@ def test_ignore_equals_leaving_the_voxels_out(scheme: LabelScheme) -> None:
     target = torch.tensor([[[0, 1, 2, 3, 2, 3, 1, 0]]])
     logits = torch.randn(1, scheme.num_outputs, 8, generator=torch.Generator().manual_seed(6))
     kept = (target[0, 0] != 3).nonzero()[:, 0]
-    without = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2]) \
-        if scheme.has_regions else LabelScheme.plain(3)
+    without = (
+        LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2])
+        if scheme.has_regions
+        else LabelScheme.plain(3)
+    )
     expected = training_loss(without, 1).base_loss(logits[:, :, kept], target[:, :, kept])
     assert training_loss(scheme, 1).base_loss(logits, target).item() == pytest.approx(expected.item(), abs=1e-6)
 

@@ -17,19 +17,31 @@ from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology, resenc_blocks_per_stage
 
 
-def topology(dim: int = 3, features: tuple[int, ...] = (4, 8, 16), deep_supervision: bool = True,
-             strides: tuple[tuple[int, ...], ...] | None = None,
-             kernel_sizes: tuple[tuple[int, ...], ...] | None = None, conv_per_stage: int = 2,
-             in_channels: int = 2, num_outputs: int = 3, architecture: str = PLAIN_UNET) -> NetworkTopology:
+def topology(
+    dim: int = 3,
+    features: tuple[int, ...] = (4, 8, 16),
+    deep_supervision: bool = True,
+    strides: tuple[tuple[int, ...], ...] | None = None,
+    kernel_sizes: tuple[tuple[int, ...], ...] | None = None,
+    conv_per_stage: int = 2,
+    in_channels: int = 2,
+    num_outputs: int = 3,
+    architecture: str = PLAIN_UNET,
+) -> NetworkTopology:
     """A small topology of ``architecture`` (a residual encoder gets nnU-Net's block counts and ``conv_per_stage``
     decoder convs)."""
     n = len(features)
     blocks = resenc_blocks_per_stage(n) if architecture == RESIDUAL_ENCODER_UNET else ()
     return NetworkTopology(
-        dim=dim, in_channels=in_channels, num_outputs=num_outputs, features_per_stage=features,
+        dim=dim,
+        in_channels=in_channels,
+        num_outputs=num_outputs,
+        features_per_stage=features,
         kernel_sizes=kernel_sizes or ((3,) * dim,) * n,
         strides=strides or ((1,) * dim,) + ((2,) * dim,) * (n - 1),
-        conv_per_stage=conv_per_stage, deep_supervision=deep_supervision, architecture=architecture,
+        conv_per_stage=conv_per_stage,
+        deep_supervision=deep_supervision,
+        architecture=architecture,
         blocks_per_stage=blocks,
     )
 
@@ -64,8 +76,9 @@ def test_forward_backward_with_deep_supervision(dim: int, patch: tuple[int, ...]
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("dim,patch", CASES)
-def test_forward_without_deep_supervision_returns_one_tensor(dim: int, patch: tuple[int, ...],
-                                                             architecture: str) -> None:
+def test_forward_without_deep_supervision_returns_one_tensor(
+    dim: int, patch: tuple[int, ...], architecture: str
+) -> None:
     net = build_network(topology(dim, deep_supervision=False, architecture=architecture))
     out = net(torch.randn(1, 2, *patch))
     assert isinstance(out, torch.Tensor)
@@ -90,12 +103,18 @@ def test_deep_supervision_can_be_toggled_after_construction(architecture: str) -
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_anisotropic_strides_and_kernels_give_every_stage_its_resolution(architecture: str) -> None:
-    topo = topology(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)), kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)),
-                    architecture=architecture)
+    topo = topology(
+        3,
+        strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)),
+        kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)),
+        architecture=architecture,
+    )
     net = build_network(topo)
     sizes = []
-    handles = [stage.register_forward_hook(lambda m, i, o: sizes.append((o.shape[1], tuple(o.shape[2:]))))
-               for stage in net.encoder]
+    handles = [
+        stage.register_forward_hook(lambda m, i, o: sizes.append((o.shape[1], tuple(o.shape[2:]))))
+        for stage in net.encoder
+    ]
     out = net(torch.randn(1, 2, 6, 16, 12))
     for h in handles:
         h.remove()
@@ -105,8 +124,9 @@ def test_anisotropic_strides_and_kernels_give_every_stage_its_resolution(archite
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("dim,shape,patch", [(3, (2, 9, 13, 18), (8, 8, 8)), (2, (2, 3, 13, 18), (8, 8))])
-def test_sliding_window_runs_the_network_in_eval_mode(dim: int, shape: tuple[int, ...], patch: tuple[int, ...],
-                                                      architecture: str) -> None:
+def test_sliding_window_runs_the_network_in_eval_mode(
+    dim: int, shape: tuple[int, ...], patch: tuple[int, ...], architecture: str
+) -> None:
     """Eval mode, no grad: a volume not a multiple of the patch is predicted tile by tile into probabilities that
     sum to one, and a tile equals the network's own full-resolution output there."""
     torch.manual_seed(0)
@@ -125,8 +145,7 @@ def test_sliding_window_runs_the_network_in_eval_mode(dim: int, shape: tuple[int
 
 
 def test_plain_anisotropic_layout() -> None:
-    topo = topology(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)),
-                    kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)))
+    topo = topology(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)), kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)))
     assert topo.patch_divisor() == (2, 4, 4)
     net = build_network(topo)
     out = net(torch.randn(1, 2, 6, 16, 12))
@@ -192,7 +211,8 @@ def test_checkpointing_stores_fewer_activations_and_is_off_outside_training(arch
 @pytest.mark.parametrize("deep_supervision", [False, True])
 @pytest.mark.parametrize("autocast", [False, True])
 def test_inference_forward_releases_maps_early_and_gives_the_same_logits(
-        architecture: str, deep_supervision: bool, autocast: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    architecture: str, deep_supervision: bool, autocast: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without autograd the decoder releases each map as soon as it is read (``DecoderStage.forward_releasing``):
     the logits of the autograd forward (bf16 autocast included: the concatenation takes torch.cat's dtype), with
     at least two full-resolution maps fewer alive than ``DecoderStage.forward`` holds without autograd."""
@@ -200,8 +220,9 @@ def test_inference_forward_releases_maps_early_and_gives_the_same_logits(
     from autoseg.model.blocks import DecoderStage
 
     torch.manual_seed(0)
-    net = build_network(topology(3, features=(8, 16, 32), deep_supervision=deep_supervision,
-                                 architecture=architecture)).eval()
+    net = build_network(
+        topology(3, features=(8, 16, 32), deep_supervision=deep_supervision, architecture=architecture)
+    ).eval()
     x = torch.randn(1, 2, 16, 24, 24)
 
     def run(grad: bool) -> tuple[list[torch.Tensor], int]:
@@ -212,8 +233,9 @@ def test_inference_forward_releases_maps_early_and_gives_the_same_logits(
 
     reference, _ = run(grad=True)
     released, peak = run(grad=False)
-    monkeypatch.setattr(DecoderStage, "forward_releasing",
-                        lambda self, maps, slab_bytes=None: self(maps.pop(), maps.pop()))
+    monkeypatch.setattr(
+        DecoderStage, "forward_releasing", lambda self, maps, slab_bytes=None: self(maps.pop(), maps.pop())
+    )
     held, held_peak = run(grad=False)
     for a, b, c in zip(reference, released, held, strict=True):
         assert a.dtype == b.dtype == c.dtype
@@ -228,8 +250,15 @@ def parameter_count(net: nn.Module) -> int:
 
 
 def test_parameter_count_matches_hand_count() -> None:
-    topo = NetworkTopology(dim=2, in_channels=1, num_outputs=2, features_per_stage=(2, 4),
-                           kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2)), conv_per_stage=1)
+    topo = NetworkTopology(
+        dim=2,
+        in_channels=1,
+        num_outputs=2,
+        features_per_stage=(2, 4),
+        kernel_sizes=((3, 3), (3, 3)),
+        strides=((1, 1), (2, 2)),
+        conv_per_stage=1,
+    )
     # encoder 0: conv 1->2 (2*1*9 + 2) + norm (2 + 2) = 24;  encoder 1: conv 2->4 (4*2*9 + 4) + norm 8 = 84
     # decoder 0: transposed 4->2 k2 (4*2*4 + 2) = 34, conv 4->2 (2*4*9 + 2) = 74, norm 4;  seg head 2->2 = 6
     assert parameter_count(build_network(topo)) == 24 + 84 + (34 + 74 + 4) + 6
@@ -268,17 +297,26 @@ def test_unknown_architecture_is_a_clear_error() -> None:
         build_network(replace(topology(2), architecture="resunet"))
 
 
-@pytest.mark.parametrize("changes,message", [
-    ({"strides": ((2, 2), (2, 2), (2, 2))}, r"strides\[0\] is \(2, 2\).*all ones"),
-    ({"strides": ((1, 1), (2, 2))}, r"3 stages but kernel_sizes has 3 and strides 2"),
-    ({"kernel_sizes": ((3, 3), (3,), (3, 3))}, r"kernel_sizes\[1\] is \(3,\); expected 2"),
-    ({"kernel_sizes": ((3, 3), (2, 2), (3, 3))}, r"kernel_sizes\[1\].*must be odd"),
-    ({"dim": 4}, r"dim is 4"),
-    ({"conv_per_stage": 0}, r"conv_per_stage is 0"),
-])
+@pytest.mark.parametrize(
+    "changes,message",
+    [
+        ({"strides": ((2, 2), (2, 2), (2, 2))}, r"strides\[0\] is \(2, 2\).*all ones"),
+        ({"strides": ((1, 1), (2, 2))}, r"3 stages but kernel_sizes has 3 and strides 2"),
+        ({"kernel_sizes": ((3, 3), (3,), (3, 3))}, r"kernel_sizes\[1\] is \(3,\); expected 2"),
+        ({"kernel_sizes": ((3, 3), (2, 2), (3, 3))}, r"kernel_sizes\[1\].*must be odd"),
+        ({"dim": 4}, r"dim is 4"),
+        ({"conv_per_stage": 0}, r"conv_per_stage is 0"),
+    ],
+)
 def test_invalid_topology_is_rejected_with_the_field_to_fix(changes: dict, message: str) -> None:
-    fields = dict(dim=2, in_channels=1, num_outputs=2, features_per_stage=(4, 8, 16),
-                  kernel_sizes=((3, 3),) * 3, strides=((1, 1), (2, 2), (2, 2)))
+    fields = dict(
+        dim=2,
+        in_channels=1,
+        num_outputs=2,
+        features_per_stage=(4, 8, 16),
+        kernel_sizes=((3, 3),) * 3,
+        strides=((1, 1), (2, 2), (2, 2)),
+    )
     with pytest.raises(ValueError, match=message):
         build_network(NetworkTopology(**{**fields, **changes}))
 

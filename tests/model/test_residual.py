@@ -15,15 +15,28 @@ from autoseg.model.residual import ResidualBlock, ResidualEncoderUNet
 from autoseg.model.topology import RESIDUAL_ENCODER_UNET, NetworkTopology, resenc_blocks_per_stage
 
 
-def resenc(dim: int = 3, features: tuple[int, ...] = (4, 8, 16, 16), strides: tuple[tuple[int, ...], ...] | None = None,
-           kernels: tuple[tuple[int, ...], ...] | None = None, blocks: tuple[int, ...] | None = None,
-           in_channels: int = 2, num_outputs: int = 3, decoder_convs: int = 1) -> NetworkTopology:
+def resenc(
+    dim: int = 3,
+    features: tuple[int, ...] = (4, 8, 16, 16),
+    strides: tuple[tuple[int, ...], ...] | None = None,
+    kernels: tuple[tuple[int, ...], ...] | None = None,
+    blocks: tuple[int, ...] | None = None,
+    in_channels: int = 2,
+    num_outputs: int = 3,
+    decoder_convs: int = 1,
+) -> NetworkTopology:
     n = len(features)
-    return NetworkTopology(dim=dim, in_channels=in_channels, num_outputs=num_outputs, features_per_stage=features,
-                           kernel_sizes=kernels or ((3,) * dim,) * n,
-                           strides=strides or ((1,) * dim,) + ((2,) * dim,) * (n - 1),
-                           conv_per_stage=decoder_convs, architecture=RESIDUAL_ENCODER_UNET,
-                           blocks_per_stage=resenc_blocks_per_stage(n) if blocks is None else blocks)
+    return NetworkTopology(
+        dim=dim,
+        in_channels=in_channels,
+        num_outputs=num_outputs,
+        features_per_stage=features,
+        kernel_sizes=kernels or ((3,) * dim,) * n,
+        strides=strides or ((1,) * dim,) + ((2,) * dim,) * (n - 1),
+        conv_per_stage=decoder_convs,
+        architecture=RESIDUAL_ENCODER_UNET,
+        blocks_per_stage=resenc_blocks_per_stage(n) if blocks is None else blocks,
+    )
 
 
 def test_block_counts_are_nnunets_resenc_capped_at_the_stages() -> None:
@@ -80,11 +93,16 @@ def test_parameter_count_matches_hand_count() -> None:
     assert count == 24 + 2 * 42 + (84 + 156 + 20) + (34 + 74 + 4) + 6
 
 
-@pytest.mark.parametrize("topo, patch", [
-    (resenc(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)), kernels=((1, 3, 3),) + ((3, 3, 3),) * 3),
-     (8, 16, 16)),
-    (resenc(2, features=(4, 8, 16, 16, 16), in_channels=3, num_outputs=5, decoder_convs=2), (32, 48)),
-])
+@pytest.mark.parametrize(
+    "topo, patch",
+    [
+        (
+            resenc(3, strides=((1, 1, 1), (1, 2, 2), (2, 2, 2), (2, 2, 2)), kernels=((1, 3, 3),) + ((3, 3, 3),) * 3),
+            (8, 16, 16),
+        ),
+        (resenc(2, features=(4, 8, 16, 16, 16), in_channels=3, num_outputs=5, decoder_convs=2), (32, 48)),
+    ],
+)
 def test_forward_conv_flops_are_the_convolutions_torch_runs(topo: NetworkTopology, patch: tuple[int, ...]) -> None:
     from autoseg.plan.patch_search import step_flops
 
@@ -96,13 +114,22 @@ def test_forward_conv_flops_are_the_convolutions_torch_runs(topo: NetworkTopolog
     assert step_flops(topo, patch, 2) == 3 * 2 * forward_conv_flops(topo, patch)
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"blocks_per_stage": (1, 3)}, r"blocks_per_stage is \[1, 3\]; a residual_encoder_unet needs one count >= 1 "
-                                   r"per stage \(4\), e\.g\. nnU-Net's \[1, 3, 4, 6\]"),
-    ({"blocks_per_stage": (1, 0, 4, 6)}, r"blocks_per_stage is \[1, 0, 4, 6\]"),
-    ({"architecture": "plain_unet"}, r"blocks_per_stage is \[1, 3, 4, 6\] but architecture 'plain_unet' has no "
-                                     r"residual blocks; set it to \[\]"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"blocks_per_stage": (1, 3)},
+            r"blocks_per_stage is \[1, 3\]; a residual_encoder_unet needs one count >= 1 "
+            r"per stage \(4\), e\.g\. nnU-Net's \[1, 3, 4, 6\]",
+        ),
+        ({"blocks_per_stage": (1, 0, 4, 6)}, r"blocks_per_stage is \[1, 0, 4, 6\]"),
+        (
+            {"architecture": "plain_unet"},
+            r"blocks_per_stage is \[1, 3, 4, 6\] but architecture 'plain_unet' has no "
+            r"residual blocks; set it to \[\]",
+        ),
+    ],
+)
 def test_invalid_blocks_are_rejected_with_the_field_to_fix(changes: dict, message: str) -> None:
     from dataclasses import replace
 

@@ -20,14 +20,17 @@ from autoseg.model.slabs import (
 from autoseg.model.topology import NetworkTopology
 
 
-@pytest.mark.parametrize(("conv", "shape"), [
-    (nn.Conv3d(6, 4, 3, padding=1), (1, 6, 10, 13, 7)),
-    (nn.Conv3d(6, 4, (1, 3, 3), padding=(0, 1, 1)), (2, 6, 5, 9, 12)),
-    (nn.Conv3d(4, 8, 3, stride=2, padding=1), (1, 4, 9, 16, 11)),  # strided, odd sizes
-    (nn.Conv3d(4, 8, 1), (1, 4, 6, 17, 5)),  # a segmentation head
-    (nn.Conv2d(3, 5, 3, padding=1), (2, 3, 19, 8)),
-    (nn.Conv2d(3, 5, 5, padding=2, dilation=1, stride=(1, 2)), (1, 3, 21, 14)),
-])
+@pytest.mark.parametrize(
+    ("conv", "shape"),
+    [
+        (nn.Conv3d(6, 4, 3, padding=1), (1, 6, 10, 13, 7)),
+        (nn.Conv3d(6, 4, (1, 3, 3), padding=(0, 1, 1)), (2, 6, 5, 9, 12)),
+        (nn.Conv3d(4, 8, 3, stride=2, padding=1), (1, 4, 9, 16, 11)),  # strided, odd sizes
+        (nn.Conv3d(4, 8, 1), (1, 4, 6, 17, 5)),  # a segmentation head
+        (nn.Conv2d(3, 5, 3, padding=1), (2, 3, 19, 8)),
+        (nn.Conv2d(3, 5, 5, padding=2, dilation=1, stride=(1, 2)), (1, 3, 21, 14)),
+    ],
+)
 @pytest.mark.parametrize("slabs", [2, 3, 50])
 def test_conv_in_slabs_is_the_whole_convolution(conv: nn.Module, shape: tuple[int, ...], slabs: int) -> None:
     torch.manual_seed(0)
@@ -48,13 +51,17 @@ def test_transposed_into_writes_the_upsampling_in_slabs(stride: tuple[int, ...])
     assert not merged[:, 4:].any()  # nothing written beside the view
 
 
-@pytest.mark.parametrize(("stride", "coarse_shape", "slab_bytes"), [
-    ((1, 2, 2), (1, 8, 3, 10, 6), 2000),  # slabs along y, a coarse row split between slabs
-    ((2, 2, 2), (2, 8, 4, 5, 9), 3000),  # two samples, slabs along x
-    ((1, 2, 2), (1, 8, 3, 10, 6), 10),  # a slab per output row
-])
+@pytest.mark.parametrize(
+    ("stride", "coarse_shape", "slab_bytes"),
+    [
+        ((1, 2, 2), (1, 8, 3, 10, 6), 2000),  # slabs along y, a coarse row split between slabs
+        ((2, 2, 2), (2, 8, 4, 5, 9), 3000),  # two samples, slabs along x
+        ((1, 2, 2), (1, 8, 3, 10, 6), 10),  # a slab per output row
+    ],
+)
 def test_a_decoder_stages_first_convolution_in_slabs_never_builds_the_concatenation(
-        stride: tuple[int, ...], coarse_shape: tuple[int, ...], slab_bytes: int) -> None:
+    stride: tuple[int, ...], coarse_shape: tuple[int, ...], slab_bytes: int
+) -> None:
     """``conv_of_upsampled_and_skip`` gives ``conv(cat(upsample(coarse), skip))`` while no tensor of the
     concatenation's size is ever allocated (StorageTracker sees every allocation)."""
     torch.manual_seed(0)
@@ -104,9 +111,16 @@ def test_network_in_slabs_on_cpu_gives_the_same_logits_and_holds_less(monkeypatc
     on CUDA (by name: no device needed) nothing is slabbed."""
     monkeypatch.setattr("autoseg.model.slabs.SLAB_BYTES", 2**20)  # maps of 4 MiB: 4-8 slabs
     torch.manual_seed(0)
-    topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64),
-                               kernel_sizes=((3, 3, 3),) * 3, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)),
-                               conv_per_stage=2, deep_supervision=False)
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(16, 32, 64),
+        kernel_sizes=((3, 3, 3),) * 3,
+        strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)),
+        conv_per_stage=2,
+        deep_supervision=False,
+    )
     net = build_network(topology).eval()
     x = torch.randn(1, 1, 16, 64, 64)  # full-resolution maps: 16 x 16 x 64 x 64 x 4 B = 4 MiB
     whole_peak, whole = _peak_and_logits(net, x, None)

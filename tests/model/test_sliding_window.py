@@ -317,8 +317,9 @@ def test_buffer_estimate_by_hand() -> None:
     assert sizes_2d["weight_map"] == 1 * 8 * 20 * 4
     # a long image: the accumulator holds the z-slices of one batch (tiles at z 0, 2: 2 + 4 slices), not 40;
     # the output is float16 when asked
-    long = inference_buffer_bytes((40, 8, 8), (4, 8, 8), num_outputs=3, tile_batch_size=2, in_channels=1,
-                                  output_dtype="float16")
+    long = inference_buffer_bytes(
+        (40, 8, 8), (4, 8, 8), num_outputs=3, tile_batch_size=2, in_channels=1, output_dtype="float16"
+    )
     assert long["accumulator"] == 3 * 6 * 64 * 4 and long["weight_map"] == 6 * 64 * 4
     assert long["output"] == 3 * 40 * 64 * 2 and long["padded_input"] == 0  # no padding: the input itself is read
     on_cuda = inference_buffer_bytes((40, 8, 8), (4, 8, 8), 3, 2, 1, device="cuda", output_dtype=None)
@@ -354,8 +355,7 @@ def test_buffer_estimate_matches_the_tensors_allocated(
     net = _pointwise_net(len(patch), in_channels=shape[0], num_outputs=4)
     sliding_window_predict(net, _random_image(shape), patch, num_outputs=4, tile_batch_size=batch)
 
-    expected = inference_buffer_bytes(shape[1:], patch, num_outputs=4, tile_batch_size=batch,
-                                      in_channels=shape[0])
+    expected = inference_buffer_bytes(shape[1:], patch, num_outputs=4, tile_batch_size=batch, in_channels=shape[0])
     assert expected.pop("total") == sum(expected.values())
     assert seen == expected
 
@@ -367,8 +367,16 @@ def test_a_float16_accumulator_keeps_every_voxel_and_stays_finite(logits: list[f
     beyond float16's range would sum to inf; the mean gives each voxel its logits' softmax."""
     data = _random_image((1, 12, 20, 20))
     expected = torch.softmax(torch.tensor(logits).clamp(-65504, 65504), 0)
-    probs = sliding_window_predict(_ConstantLogits(logits), data, (8, 8, 8), num_outputs=3, mirror_axes=(0, 1, 2),
-                                   tta=2, tile_batch_size=3, accumulator_dtype="float16")
+    probs = sliding_window_predict(
+        _ConstantLogits(logits),
+        data,
+        (8, 8, 8),
+        num_outputs=3,
+        mirror_axes=(0, 1, 2),
+        tta=2,
+        tile_batch_size=3,
+        accumulator_dtype="float16",
+    )
     assert torch.isfinite(probs).all()
     torch.testing.assert_close(probs, expected[:, None, None, None].expand_as(probs), atol=2e-3, rtol=0)
 
@@ -383,16 +391,20 @@ def test_buffer_estimate_counts_a_float16_accumulator_at_half_the_bytes(monkeypa
         return buffers
 
     monkeypatch.setattr(inference, "allocate_buffers", record_allocation)
-    sliding_window_predict(_pointwise_net(3, in_channels=1, num_outputs=4), _random_image((1, 9, 8, 8)), (4, 8, 8),
-                           num_outputs=4, accumulator_dtype="float16")
+    sliding_window_predict(
+        _pointwise_net(3, in_channels=1, num_outputs=4),
+        _random_image((1, 9, 8, 8)),
+        (4, 8, 8),
+        num_outputs=4,
+        accumulator_dtype="float16",
+    )
     sizes = inference_buffer_bytes((9, 8, 8), (4, 8, 8), 4, 1, 1, accumulator_dtype="float16")
     assert seen["accumulator"] == sizes["accumulator"] == 4 * 4 * 64 * 2  # K x 4 slices x 8 x 8, float16
 
 
 def test_sigmoid_activation_for_regions() -> None:
     data = _random_image((1, 5, 6, 7))
-    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2,
-                                   activation="sigmoid")
+    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="sigmoid")
     expected = torch.sigmoid(torch.tensor([1.0, -2.0]))  # per channel: need not sum to 1
     torch.testing.assert_close(probs, expected[:, None, None, None].expand(2, 5, 6, 7), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="activation must be one of"):
@@ -412,9 +424,10 @@ def test_mirror_variants_order_and_tta_count() -> None:
         mirror_variants((0, 1, 2), tta=9)
 
 
-@pytest.mark.parametrize(("text", "axes", "count"),
-                         [("all", 3, 8), ("ALL", 2, 4), ("none", 3, 1), ("0", 3, 1), ("1", 3, 1), ("5", 3, 5),
-                          ("8", 3, 8), ("all", 0, 1)])
+@pytest.mark.parametrize(
+    ("text", "axes", "count"),
+    [("all", 3, 8), ("ALL", 2, 4), ("none", 3, 1), ("0", 3, 1), ("1", 3, 1), ("5", 3, 5), ("8", 3, 8), ("all", 0, 1)],
+)
 def test_parse_tta(text: str, axes: int, count: int) -> None:
     assert parse_tta(text, axes) == count
 
@@ -454,8 +467,9 @@ def test_accumulator_on_the_host_gives_the_same_probabilities() -> None:
     net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
     data = _random_image((1, 7, 9, 9))
     here = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
-    host = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3,
-                                  accumulator_device="cpu")
+    host = sliding_window_predict(
+        net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3, accumulator_device="cpu"
+    )
     torch.testing.assert_close(host, here, atol=0, rtol=0)
 
 
@@ -465,6 +479,14 @@ def test_tiles_on_cuda_accumulator_on_the_host() -> None:
     net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
     data = _random_image((1, 7, 9, 9))
     cpu = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
-    mixed = sliding_window_predict(net.cuda(), data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1),
-                                   tile_batch_size=3, device="cuda", accumulator_device="cpu")
+    mixed = sliding_window_predict(
+        net.cuda(),
+        data,
+        (4, 4, 4),
+        num_outputs=3,
+        mirror_axes=(0, 1),
+        tile_batch_size=3,
+        device="cuda",
+        accumulator_device="cpu",
+    )
     torch.testing.assert_close(mixed, cpu, atol=1e-5, rtol=1e-5)

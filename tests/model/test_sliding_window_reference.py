@@ -19,8 +19,14 @@ def _random_image(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 
 def _small_unet(dim: int) -> nn.Module:
-    topology = NetworkTopology(dim=dim, in_channels=2, num_outputs=3, features_per_stage=(4, 8),
-                               kernel_sizes=((3,) * dim,) * 2, strides=((1,) * dim, (2,) * dim))
+    topology = NetworkTopology(
+        dim=dim,
+        in_channels=2,
+        num_outputs=3,
+        features_per_stage=(4, 8),
+        kernel_sizes=((3,) * dim,) * 2,
+        strides=((1,) * dim, (2,) * dim),
+    )
     torch.manual_seed(3)
     return build_network(topology).eval()
 
@@ -42,16 +48,18 @@ def test_agrees_with_the_plain_reference(dim: int, shape: tuple[int, ...], patch
 
 
 @pytest.mark.parametrize(("dim", "shape", "patch"), [(3, (2, 17, 29, 31), (8, 16, 16)), (2, (2, 3, 40, 37), (16, 16))])
-def test_a_float16_accumulator_agrees_with_the_plain_reference(dim: int, shape: tuple[int, ...],
-                                                               patch: tuple[int, ...]) -> None:
+def test_a_float16_accumulator_agrees_with_the_plain_reference(
+    dim: int, shape: tuple[int, ...], patch: tuple[int, ...]
+) -> None:
     """The float16 accumulator (predict's default): labels of the float32 reference except at most 0.1% of voxels
     (where the top two classes nearly tie), probabilities within float16's precision."""
     net = _small_unet(dim)
     data = _random_image(shape, seed=dim + 7)
     axes = tuple(range(dim))
     expected = reference_predict(net, data, patch, 3, axes, 4)
-    probs = sliding_window_predict(net, data, patch, 3, mirror_axes=axes, tta=4, tile_batch_size=3,
-                                   accumulator_dtype="float16").numpy()
+    probs = sliding_window_predict(
+        net, data, patch, 3, mirror_axes=axes, tta=4, tile_batch_size=3, accumulator_dtype="float16"
+    ).numpy()
     differ = probs.argmax(0) != expected.argmax(0)
     assert differ.mean() <= 0.001
     top2 = np.sort(expected, axis=0)[-2:]

@@ -19,11 +19,14 @@ def test_the_patch_steps_half_itself_and_a_larger_tile_keeps_half_a_patch_of_ove
         overlap_step_fractions((16, 40), (16, 40, 40))
 
 
-@pytest.mark.parametrize(("image", "patch", "tile"), [
-    ((40, 100, 100), (16, 40, 40), (32, 80, 80)),
-    ((17, 47, 47), (16, 40, 40), (20, 48, 48)),  # the demo: one tile instead of 8
-    ((30, 104, 90), (16, 40, 40), (16, 48, 56)),  # 104 - 48 = 2 steps of exactly 28 (a float lands at 27.99...)
-])
+@pytest.mark.parametrize(
+    ("image", "patch", "tile"),
+    [
+        ((40, 100, 100), (16, 40, 40), (32, 80, 80)),
+        ((17, 47, 47), (16, 40, 40), (20, 48, 48)),  # the demo: one tile instead of 8
+        ((30, 104, 90), (16, 40, 40), (16, 48, 56)),  # 104 - 48 = 2 steps of exactly 28 (a float lands at 27.99...)
+    ],
+)
 def test_a_larger_tile_needs_fewer_tiles_and_overlaps_by_at_least_half_a_patch(image, patch, tile) -> None:
     steps = overlap_step_fractions(tile, patch)
     larger, patches = tile_layout(image, tile, steps), tile_layout(image, patch, 0.5)
@@ -33,8 +36,9 @@ def test_a_larger_tile_needs_fewer_tiles_and_overlaps_by_at_least_half_a_patch(i
         assert all(0 < b - a <= t - p // 2 for a, b in zip(starts, starts[1:]))  # overlap >= half a patch
         # no more tiles than that overlap needs: one fewer would have to step further than t - p / 2
         assert size == t if len(starts) == 1 else size - t > (len(starts) - 2) * (t - p / 2)
-    assert tile_layout((30, 104, 90), (16, 48, 56), overlap_step_fractions((16, 48, 56), (16, 40, 40))
-                       ).axis_starts[1] == (0, 28, 56)
+    assert tile_layout((30, 104, 90), (16, 48, 56), overlap_step_fractions((16, 48, 56), (16, 40, 40))).axis_starts[
+        1
+    ] == (0, 28, 56)
 
 
 def test_per_axis_steps_are_checked() -> None:
@@ -46,10 +50,12 @@ def test_per_axis_steps_are_checked() -> None:
 
 def test_per_axis_steps_of_one_half_predict_exactly_as_the_scalar_step() -> None:
     torch.manual_seed(0)
-    network = torch.nn.Sequential(torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4),
-                                  torch.nn.Conv3d(4, 3, 3, padding=1))
+    network = torch.nn.Sequential(
+        torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4), torch.nn.Conv3d(4, 3, 3, padding=1)
+    )
     data = np.random.default_rng(0).standard_normal((1, 12, 30, 26)).astype(np.float32)
     scalar = sliding_window_predict(network, data, (8, 16, 16), 3, step_fraction=0.5)
-    per_axis = sliding_window_predict(network, data, (8, 16, 16), 3,
-                                      step_fraction=overlap_step_fractions((8, 16, 16), (8, 16, 16)))
+    per_axis = sliding_window_predict(
+        network, data, (8, 16, 16), 3, step_fraction=overlap_step_fractions((8, 16, 16), (8, 16, 16))
+    )
     assert torch.equal(scalar, per_axis)

@@ -38,8 +38,15 @@ def test_candidates_run_from_the_median_image_down_to_the_patch() -> None:
 
 
 def _peak(config, tile) -> int:
-    mem = inference_memory(config.network, tile, 1, config.median_shape_zyx, 3, mirror_axes=(0, 1, 2),
-                           accumulator_dtype=PREDICTION_ACCUMULATOR)  # as the planner counts it
+    mem = inference_memory(
+        config.network,
+        tile,
+        1,
+        config.median_shape_zyx,
+        3,
+        mirror_axes=(0, 1, 2),
+        accumulator_dtype=PREDICTION_ACCUMULATOR,
+    )  # as the planner counts it
     return predict_device_peak(mem, "cpu")["total"]
 
 
@@ -64,15 +71,26 @@ def test_the_inference_budget_share_is_the_predictors() -> None:
 @pytest.mark.slow
 def test_a_cpu_plan_records_a_valid_tile_covering_the_median_image() -> None:
     """Images of 20x52x52 at 1 mm: the plan's tile covers them (one tile per case), a multiple of the strides."""
-    cases = tuple(CaseFingerprint(f"c{i}", (1.0, 1.0, 1.0), (20, 52, 52), (20, 52, 52), (40000, 500, 500))
-                  for i in range(10))
-    fp = Fingerprint("Dataset005_Tile", ("MRI",), {"background": 0, "a": 1, "b": 2}, ".nii.gz", 3, cases,
-                     (IntensityProperties(0.0, 1.0, -1.0, 1.0),), 1.0)
-    plans = plan(fp, Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB, device="cpu",
-                            cpu_flops_per_second=2e9, cpu_count=2))
+    cases = tuple(
+        CaseFingerprint(f"c{i}", (1.0, 1.0, 1.0), (20, 52, 52), (20, 52, 52), (40000, 500, 500)) for i in range(10)
+    )
+    fp = Fingerprint(
+        "Dataset005_Tile",
+        ("MRI",),
+        {"background": 0, "a": 1, "b": 2},
+        ".nii.gz",
+        3,
+        cases,
+        (IntensityProperties(0.0, 1.0, -1.0, 1.0),),
+        1.0,
+    )
+    plans = plan(
+        fp,
+        Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB, device="cpu", cpu_flops_per_second=2e9, cpu_count=2),
+    )
     plans.check()
     for config in plans.configurations.values():
-        tile, patch, median = config.inference_patch_size, config.patch_size, config.median_shape_zyx[-config.dim:]
+        tile, patch, median = config.inference_patch_size, config.patch_size, config.median_shape_zyx[-config.dim :]
         assert all(t % d == 0 and t >= p for t, p, d in zip(tile, patch, config.network.patch_divisor()))
         assert all(t >= min(m, MAX_TILE_MULTIPLE * p) for t, m, p in zip(tile, median, patch)), (tile, median)
         assert tile == tile_candidates(patch, config.network.patch_divisor(), median)[0]

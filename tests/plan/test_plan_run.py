@@ -71,8 +71,9 @@ def test_a_plans_json_edited_by_hand_is_kept_even_with_overwrite(ws: Workspace, 
     assert make_plan(tiny_dataset, ws, _budget(8), progress=False).plans == planned.plans  # still seen as edited
 
 
-def test_check_dataset_refuses_a_changed_dataset_and_lists_the_changes(ws: Workspace, tiny_dataset: Path,
-                                                                       tmp_path: Path) -> None:
+def test_check_dataset_refuses_a_changed_dataset_and_lists_the_changes(
+    ws: Workspace, tiny_dataset: Path, tmp_path: Path
+) -> None:
     assert check_dataset(Workspace.at(tmp_path / "new"), tiny_dataset, dataset_source(tiny_dataset)) == []
     copy = shutil.copytree(tiny_dataset, tmp_path / "copy", copy_function=shutil.copyfile)
     assert check_dataset(ws, copy, dataset_source(copy)) == []  # the same files elsewhere: the same dataset
@@ -87,8 +88,9 @@ def test_check_dataset_refuses_a_changed_dataset_and_lists_the_changes(ws: Works
     assert changes == ["imagesTr/demo_003_0000.nii.gz: removed", "labelsTr/demo_003.nii.gz: removed"]
 
 
-def test_replanning_an_unchanged_dataset_reuses_its_fingerprint(ws: Workspace, tiny_dataset: Path, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_replanning_an_unchanged_dataset_reuses_its_fingerprint(
+    ws: Workspace, tiny_dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Another budget on the same dataset reads fingerprint.json instead of fingerprinting again; a changed dataset
     (a copy with one label file edited) is fingerprinted again, and so is a workspace whose fingerprint.json
     cannot be read."""
@@ -134,8 +136,21 @@ def kept_plan(tiny_dataset: Path, tmp_path_factory) -> KeptPlan:
     from autoseg.memory.fit import training_memory_model
 
     root = tmp_path_factory.mktemp("kept_plan")
-    command = ["--quiet", "plan", str(tiny_dataset), "-w", str(root / "ws"), "--device", "cpu", "--ram", "8GiB",
-               "--gpu-memory", "8GiB", "--cpu-flops", "1e10"]  # every figure given: nothing asks torch
+    command = [
+        "--quiet",
+        "plan",
+        str(tiny_dataset),
+        "-w",
+        str(root / "ws"),
+        "--device",
+        "cpu",
+        "--ram",
+        "8GiB",
+        "--gpu-memory",
+        "8GiB",
+        "--cpu-flops",
+        "1e10",
+    ]  # every figure given: nothing asks torch
     training_memory_model.cache_clear()  # as in a new process: earlier tests' fitted models would simulate nothing
     inference._simulate_cached.cache_clear()
     with pytest.MonkeyPatch.context() as mp:
@@ -145,7 +160,8 @@ def kept_plan(tiny_dataset: Path, tmp_path_factory) -> KeptPlan:
 
 
 def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
-        kept_plan: KeptPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    kept_plan: KeptPlan, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`autoseg plan` keeps its training-step and tile simulations in the machine cache; a second plan (after the
     in-process caches are cleared, as in a new process) runs none and writes the same plans.json. Outside a
     command nothing is kept."""
@@ -188,10 +204,14 @@ def test_a_replan_with_every_simulation_kept_does_not_import_torch(kept_plan: Ke
     ws = shutil.copytree(kept_plan.workspace, tmp_path / "ws")
     (ws / "plans.json").unlink()
     command = [str(ws) if a == str(kept_plan.workspace) else a for a in kept_plan.command]
-    env = {**os.environ, "AUTOSEG_CACHE_DIR": str(kept_plan.cache),
-           "PYTHONPATH": os.pathsep.join([str(Path(autoseg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", REPLAN_IN_A_NEW_PROCESS, *command], env=env, capture_output=True,
-                          text=True, timeout=120)
+    env = {
+        **os.environ,
+        "AUTOSEG_CACHE_DIR": str(kept_plan.cache),
+        "PYTHONPATH": os.pathsep.join([str(Path(autoseg.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", REPLAN_IN_A_NEW_PROCESS, *command], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"code": 0, "torch": False}, done.stderr
@@ -199,7 +219,8 @@ def test_a_replan_with_every_simulation_kept_does_not_import_torch(kept_plan: Ke
 
 
 def test_a_small_dataset_is_fingerprinted_in_this_process_a_large_one_in_workers(
-        tiny_dataset: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny_dataset: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Worker processes take about a second to start: a dataset read in less (under IN_PROCESS_FINGERPRINT_VOXELS)
     is fingerprinted in this process; a larger one in as many workers as the RAM budget and the CPUs allow."""
     dataset = load_dataset(tiny_dataset)
@@ -208,4 +229,3 @@ def test_a_small_dataset_is_fingerprinted_in_this_process_a_large_one_in_workers
     monkeypatch.setattr(run, "IN_PROCESS_FINGERPRINT_VOXELS", 1)  # every dataset is a large one
     assert run.fingerprint_processes(dataset, budget) == 2
     assert run.fingerprint_processes(dataset, replace(budget, host_ram_bytes=1)) == 1  # no RAM for a second one
-

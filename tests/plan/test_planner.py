@@ -70,8 +70,9 @@ def test_target_spacing_keeps_median_when_spacing_is_not_anisotropic() -> None:
 
 def test_thick_slice_axis_is_not_pooled_until_its_spacing_catches_up() -> None:
     # spacing (5, 1, 1): in-plane pooled twice (1 -> 2 -> 4 mm) before z (5 mm <= 2 x 4 mm) is pooled
-    topo, patch = topology_for((20, 160, 160), (5.0, 1.0, 1.0), in_channels=1, num_outputs=3,
-                               base_features=32, max_features=320)
+    topo, patch = topology_for(
+        (20, 160, 160), (5.0, 1.0, 1.0), in_channels=1, num_outputs=3, base_features=32, max_features=320
+    )
     assert topo.strides == ((1, 1, 1), (1, 2, 2), (1, 2, 2), (2, 2, 2), (2, 2, 2), (1, 2, 2))
     # kernel 1 along z while z is > 2x the finest spacing (stages 0 and 1), 3 once it is within 2x
     assert topo.kernel_sizes == ((1, 3, 3), (1, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3), (3, 3, 3))
@@ -118,32 +119,44 @@ def _fingerprint_3d(channel: str = "CT") -> Fingerprint:
     cases = []
     for i in range(20):
         shape = (int(rng.integers(80, 120)), int(rng.integers(380, 420)), int(rng.integers(380, 420)))
-        cases.append(CaseFingerprint(
-            case_id=f"case_{i:03d}", spacing_mm=(float(rng.uniform(2.5, 3.5)), 0.8, 0.8), shape_zyx=shape,
-            cropped_shape_zyx=(shape[0] - 10, shape[1] - 60, shape[2] - 60), class_voxels=(1000, 100, 10)))
+        cases.append(
+            CaseFingerprint(
+                case_id=f"case_{i:03d}",
+                spacing_mm=(float(rng.uniform(2.5, 3.5)), 0.8, 0.8),
+                shape_zyx=shape,
+                cropped_shape_zyx=(shape[0] - 10, shape[1] - 60, shape[2] - 60),
+                class_voxels=(1000, 100, 10),
+            )
+        )
     return Fingerprint(
-        dataset_name="Dataset009_Synthetic", channel_names=(channel,),
-        labels={"background": 0, "liver": 1, "tumour": 2}, file_ending=".nii.gz", image_dim=3,
+        dataset_name="Dataset009_Synthetic",
+        channel_names=(channel,),
+        labels={"background": 0, "liver": 1, "tumour": 2},
+        file_ending=".nii.gz",
+        image_dim=3,
         cases=tuple(cases),
-        foreground_intensity=(IntensityProperties(mean=60.0, std=40.0, percentile_00_5=-100.0,
-                                                  percentile_99_5=250.0),),
-        median_relative_crop_volume=0.7)
+        foreground_intensity=(IntensityProperties(mean=60.0, std=40.0, percentile_00_5=-100.0, percentile_99_5=250.0),),
+        median_relative_crop_volume=0.7,
+    )
 
 
 def _fingerprint_2d() -> Fingerprint:
     """10 single-slice two-channel images (z lifted to 1 with spacing 999)."""
-    cases = tuple(CaseFingerprint(f"img_{i}", (999.0, 0.5, 0.5), (1, 256, 256), (1, 200 + i, 210), (900, 100))
-                  for i in range(10))
+    cases = tuple(
+        CaseFingerprint(f"img_{i}", (999.0, 0.5, 0.5), (1, 256, 256), (1, 200 + i, 210), (900, 100)) for i in range(10)
+    )
     props = IntensityProperties(0.0, 1.0, -1.0, 1.0)
-    return Fingerprint("Dataset010_Flat", ("MRI", "CT"), {"background": 0, "cell": 1}, ".png", 2, cases,
-                       (props, props), 0.9)
+    return Fingerprint(
+        "Dataset010_Flat", ("MRI", "CT"), {"background": 0, "cell": 1}, ".png", 2, cases, (props, props), 0.9
+    )
 
 
 def _rough_plan(gib: float, fp: Fingerprint | None = None, **budget) -> Plans:
     """A plan with the first-order memory estimate instead of simulations (milliseconds, same search)."""
     budget.setdefault("cpu_count", 8)
-    return plan(fp or _fingerprint_3d(), Budget(gpu_memory_bytes=int(gib * GiB), **budget),
-                peak_fn=rough_training_peak_bytes)
+    return plan(
+        fp or _fingerprint_3d(), Budget(gpu_memory_bytes=int(gib * GiB), **budget), peak_fn=rough_training_peak_bytes
+    )
 
 
 def _fill_exempt(cfg: ConfigurationPlan) -> bool:
@@ -155,7 +168,7 @@ def _check_fill(cfg: ConfigurationPlan, budget_bytes: float) -> None:
     peak = cfg.memory["predicted_peak_bytes"]
     assert peak <= budget_bytes * (1 - Budget().safety_margin), (cfg.name, peak / GiB)
     if _fill_exempt(cfg):
-        median = cfg.median_shape_zyx[-cfg.dim:]
+        median = cfg.median_shape_zyx[-cfg.dim :]
         assert all(p >= m for p, m in zip(cfg.patch_size, median)), (cfg.name, cfg.patch_size, median)
         assert any("exempt" in n for n in cfg.notes)
     else:
@@ -171,8 +184,9 @@ def rough_plans() -> dict[int, Plans]:
 
 def test_3d_dataset_gets_3d_fullres_and_2d(rough_plans: dict[int, Plans]) -> None:
     for plans in rough_plans.values():
-        assert {"3d_fullres", "2d"} <= set(plans.configurations) <= {"3d_fullres", "3d_lowres", "3d_cascade_fullres",
-                                                                      "2d"}
+        assert (
+            {"3d_fullres", "2d"} <= set(plans.configurations) <= {"3d_fullres", "3d_lowres", "3d_cascade_fullres", "2d"}
+        )
         full, flat = plans.configuration("3d_fullres"), plans.configuration("2d")
         assert full.dim == 3 and len(full.patch_size) == 3
         assert flat.dim == 2 and len(flat.patch_size) == 2
@@ -189,7 +203,8 @@ def test_every_budget_is_filled_or_exempt(rough_plans: dict[int, Plans]) -> None
             _check_fill(cfg, gib * GiB)
             # the recorded peak is the one of the planned topology, batch, patch and settings
             assert cfg.memory["predicted_peak_bytes"] == rough_training_peak_bytes(
-                cfg.network, cfg.batch_size, cfg.patch_size, cfg.precision, cfg.checkpointing, cfg.accumulation_steps)
+                cfg.network, cfg.batch_size, cfg.patch_size, cfg.precision, cfg.checkpointing, cfg.accumulation_steps
+            )
 
 
 def test_effective_batch_is_at_least_two(rough_plans: dict[int, Plans]) -> None:
@@ -212,8 +227,10 @@ def test_small_budget_checkpoints_then_accumulates() -> None:
 
 def test_larger_budget_never_gives_less_voxels_per_step(rough_plans: dict[int, Plans]) -> None:
     for name in ("3d_fullres", "2d"):
-        voxels = [math.prod(p.configuration(name).patch_size) * p.configuration(name).batch_size
-                  for _, p in sorted(rough_plans.items())]
+        voxels = [
+            math.prod(p.configuration(name).patch_size) * p.configuration(name).batch_size
+            for _, p in sorted(rough_plans.items())
+        ]
         assert voxels == sorted(voxels), (name, voxels)
         assert voxels[0] < voxels[-1]
     full_80 = rough_plans[80].configuration("3d_fullres")
@@ -246,13 +263,28 @@ def test_the_cascade_is_planned_with_lowres_and_takes_its_one_hot_prediction(rou
         full, cascade = plans.configuration("3d_fullres"), plans.configuration("3d_cascade_fullres")
         assert cascade.network.in_channels == 1 + (3 - 1)  # one image channel, labels background + 2 classes
         assert cascade.network.num_outputs == full.network.num_outputs
-        assert (cascade.spacing_mm, cascade.patch_size, cascade.batch_size) == (full.spacing_mm, full.patch_size,
-                                                                                 full.batch_size)
+        assert (cascade.spacing_mm, cascade.patch_size, cascade.batch_size) == (
+            full.spacing_mm,
+            full.patch_size,
+            full.batch_size,
+        )
         assert (cascade.previous_stage, cascade.preprocessed_as, cascade.data_configuration) == (
-            "3d_lowres", "3d_fullres", "3d_fullres")
-        assert cascade.memory["predicted_peak_bytes"] == rough_training_peak_bytes(
-            cascade.network, cascade.batch_size, cascade.patch_size, cascade.precision, cascade.checkpointing,
-            cascade.accumulation_steps) > full.memory["predicted_peak_bytes"]
+            "3d_lowres",
+            "3d_fullres",
+            "3d_fullres",
+        )
+        assert (
+            cascade.memory["predicted_peak_bytes"]
+            == rough_training_peak_bytes(
+                cascade.network,
+                cascade.batch_size,
+                cascade.patch_size,
+                cascade.precision,
+                cascade.checkpointing,
+                cascade.accumulation_steps,
+            )
+            > full.memory["predicted_peak_bytes"]
+        )
         assert plans.input_channels(cascade) == 3 and plans.input_channels(full) == 1
 
 
@@ -320,16 +352,19 @@ def test_a_cpu_plan_counts_feature_map_elements_at_their_own_rate() -> None:
     FLOPs plus its feature maps' elements, each at its rate; the patch shrinks to keep the target, and the plan
     records both rates."""
     flops_only = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_seconds_per_iteration=1.0)
-    plans = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_elements_per_second=40e6,
-                        cpu_seconds_per_iteration=1.0)
+    plans = _rough_plan(
+        8, device="cpu", cpu_flops_per_second=10e9, cpu_elements_per_second=40e6, cpu_seconds_per_iteration=1.0
+    )
     assert (plans.cpu_flops_per_second, plans.cpu_elements_per_second) == (10e9, 40e6)
+
     def elements(cfg: ConfigurationPlan) -> float:
         return step_elements(cfg.network, tuple(cfg.patch_size), cfg.batch_size) * cfg.accumulation_steps
 
     for cfg in plans.configurations.values():
         assert elements(cfg) / 40e6 > 0.1 * cfg.predicted_seconds_per_iteration  # the term matters at these rates
-        assert cfg.predicted_seconds_per_iteration == pytest.approx(cfg.flops_per_iteration / 10e9 +
-                                                                    elements(cfg) / 40e6)
+        assert cfg.predicted_seconds_per_iteration == pytest.approx(
+            cfg.flops_per_iteration / 10e9 + elements(cfg) / 40e6
+        )
         assert cfg.predicted_seconds_per_iteration <= 1.0
     # the plan of the FLOPs alone would be too slow at these rates
     full = flops_only.configuration("3d_fullres")
@@ -349,7 +384,8 @@ def test_a_cpu_plan_counts_the_pages_its_large_feature_maps_map_afresh() -> None
         mapped = mapped_bytes(*shape) * cfg.accumulation_steps
         mapped_configs += mapped > 0
         assert cfg.predicted_seconds_per_iteration == pytest.approx(
-            cfg.flops_per_iteration / 1e12 + step_elements(*shape) * cfg.accumulation_steps / 1e9 + mapped / 2e9)
+            cfg.flops_per_iteration / 1e12 + step_elements(*shape) * cfg.accumulation_steps / 1e9 + mapped / 2e9
+        )
         assert cfg.predicted_seconds_per_iteration <= 2.0
     assert mapped_configs > 0
 
@@ -413,8 +449,10 @@ def test_processes_and_workers_follow_ram_and_cpu_count() -> None:
         assert 0 < cfg.loader_workers < 63
     capped = _rough_plan(8, host_ram_bytes=512 * GiB, cpu_count=4)
     assert capped.preprocessing_processes == 4
-    assert all(c.loader_workers == 3 and c.loader_queue_depth == 2  # one core feeds the GPU
-               for c in capped.configurations.values())
+    assert all(
+        c.loader_workers == 3 and c.loader_queue_depth == 2  # one core feeds the GPU
+        for c in capped.configurations.values()
+    )
 
 
 def test_queue_depth_drops_to_one_where_that_fits_more_workers() -> None:
@@ -446,12 +484,20 @@ def test_budget_errors_name_what_to_change() -> None:
 
 def _check_model_memory(cfg: ConfigurationPlan) -> None:
     """The recorded peak and terms are the memory model's for the planned step."""
-    peak = predicted_training_bytes(cfg.network, cfg.batch_size, cfg.patch_size, cfg.precision, cfg.checkpointing,
-                                    device=cfg.device, accumulation_steps=cfg.accumulation_steps)
+    peak = predicted_training_bytes(
+        cfg.network,
+        cfg.batch_size,
+        cfg.patch_size,
+        cfg.precision,
+        cfg.checkpointing,
+        device=cfg.device,
+        accumulation_steps=cfg.accumulation_steps,
+    )
     mem = cfg.memory
     assert mem["predicted_peak_bytes"] == peak
-    step = training_memory_model(cfg.network, cfg.precision, cfg.checkpointing, "sgd",
-                                 cfg.accumulation_steps).predict(cfg.batch_size, cfg.patch_size)
+    step = training_memory_model(cfg.network, cfg.precision, cfg.checkpointing, "sgd", cfg.accumulation_steps).predict(
+        cfg.batch_size, cfg.patch_size
+    )
     device_terms = {k: v for k, v in predict_device_peak(step, cfg.device).items() if k != "total"}
     assert sum(mem[k] for k in device_terms) == peak
     tensor_terms = ("parameters", "gradients", "optimizer_state", "batch", "activations")
@@ -464,8 +510,9 @@ def test_model_backed_configuration_records_the_models_terms() -> None:
     from autoseg.plan.planner import configuration
 
     space = SearchSpace((1.0, 1.0, 1.0), (16, 24, 24), 1, 2, dataset_voxels=40 * 16 * 24 * 24)
-    cfg = configuration("3d_fullres", (1.0, 1.0, 1.0), (16, 24, 24), space,
-                        Budget(gpu_memory_bytes=2 * GiB, cpu_count=2))
+    cfg = configuration(
+        "3d_fullres", (1.0, 1.0, 1.0), (16, 24, 24), space, Budget(gpu_memory_bytes=2 * GiB, cpu_count=2)
+    )
     assert cfg.patch_size == (16, 24, 24) and cfg.network.num_stages == 3
     assert cfg.limited_by == "batch_cap" and cfg.batch_size == 2  # 5% of 40 cases is 2 of them
     _check_model_memory(cfg)
@@ -475,11 +522,13 @@ def test_model_backed_configuration_records_the_models_terms() -> None:
 @pytest.mark.slow
 def test_model_backed_plan_of_a_small_dataset() -> None:
     """Hippocampus-sized images: the patch covers them at every budget, the batch fills the rest."""
-    cases = tuple(CaseFingerprint(f"c{i}", (1.0, 1.0, 1.0), (36, 50, 35), (36, 50, 35), (900, 50, 50))
-                  for i in range(40))
+    cases = tuple(
+        CaseFingerprint(f"c{i}", (1.0, 1.0, 1.0), (36, 50, 35), (36, 50, 35), (900, 50, 50)) for i in range(40)
+    )
     props = IntensityProperties(0.0, 1.0, -1.0, 1.0)
-    fp = Fingerprint("Dataset004_Small", ("MRI",), {"background": 0, "a": 1, "b": 2}, ".nii.gz", 3, cases,
-                     (props,), 1.0)
+    fp = Fingerprint(
+        "Dataset004_Small", ("MRI",), {"background": 0, "a": 1, "b": 2}, ".nii.gz", 3, cases, (props,), 1.0
+    )
     plans = plan(fp, Budget(gpu_memory_bytes=4 * GiB, cpu_count=4))
     full = plans.configuration("3d_fullres")
     assert full.patch_size == (40, 56, 40) and full.limited_by in ("median_shape", "batch_cap")
@@ -537,8 +586,10 @@ def test_resenc_budget_plans_residual_encoders_with_nnunets_block_counts(tmp_pat
     plans.to_json(tmp_path / "plans.json")
     assert Plans.from_json(tmp_path / "plans.json") == plans
     plain = _rough_plan(8, fp)
-    assert all(c.network.architecture == "plain_unet" and c.network.blocks_per_stage == ()
-               for c in plain.configurations.values())
+    assert all(
+        c.network.architecture == "plain_unet" and c.network.blocks_per_stage == ()
+        for c in plain.configurations.values()
+    )
     with pytest.raises(ValueError, match=r"Budget.architecture 'resunet'.*--architecture unet\|resenc"):
         Budget(architecture="resunet")
 
@@ -554,8 +605,10 @@ def test_model_backed_resenc_configuration_fits_the_budget_by_its_own_simulated_
 
     space = SearchSpace((1.0, 1.0, 1.0), (32, 48, 48), 1, 2, dataset_voxels=1000 * 32 * 48 * 48)
     budget = Budget(gpu_memory_bytes=int(0.9 * GiB), cpu_count=2)
-    cfgs = {arch: configuration("3d_fullres", (1.0, 1.0, 1.0), (32, 48, 48), space, replace(budget, architecture=arch))
-            for arch in ("plain_unet", "residual_encoder_unet")}
+    cfgs = {
+        arch: configuration("3d_fullres", (1.0, 1.0, 1.0), (32, 48, 48), space, replace(budget, architecture=arch))
+        for arch in ("plain_unet", "residual_encoder_unet")
+    }
     resenc = cfgs["residual_encoder_unet"]
     assert resenc.network.architecture == "residual_encoder_unet"
     _check_model_memory(resenc)

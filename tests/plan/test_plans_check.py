@@ -29,8 +29,10 @@ EDITS = {
     "patch_2d_for_3d": (lambda p, c: c.update(patch_size=[16, 16]), "patch_size (16, 16)"),
     "patch_not_divisible": (lambda p, c: c.update(patch_size=[8, 15, 16]), "multiple of (2, 2, 2)"),
     "precision": (lambda p, c: c.update(precision="fp8"), "precision 'fp8'"),
-    "one_stage": (lambda p, c: c["network"].update(features_per_stage=[8], kernel_sizes=[[3, 3, 3]],
-                                                   strides=[[1, 1, 1]]), "features_per_stage has 1 stage"),
+    "one_stage": (
+        lambda p, c: c["network"].update(features_per_stage=[8], kernel_sizes=[[3, 3, 3]], strides=[[1, 1, 1]]),
+        "features_per_stage has 1 stage",
+    ),
     "even_kernel": (lambda p, c: c["network"]["kernel_sizes"].__setitem__(1, [3, 2, 3]), "kernel_sizes[1]"),
     "outputs": (lambda p, c: c["network"].update(num_outputs=5), "num_outputs 5"),
     "in_channels": (lambda p, c: c["network"].update(in_channels=2), "in_channels 2"),

@@ -28,13 +28,20 @@ def references() -> dict[str, ReferenceDataset]:
 
 
 def test_reference_fingerprints_cite_a_source_for_every_figure(references: dict[str, ReferenceDataset]) -> None:
-    assert {"Task01_BrainTumour", "Task03_Liver", "Task04_Hippocampus", "Task05_Prostate",
-            "Task07_Pancreas"} <= set(references)
+    assert {"Task01_BrainTumour", "Task03_Liver", "Task04_Hippocampus", "Task05_Prostate", "Task07_Pancreas"} <= set(
+        references
+    )
     for name, ref in references.items():
         assert ref.dataset_name == name
         cited = " ".join(ref.source)
-        for figure in ("median_shape_zyx", "median_spacing_mm", "num_training_cases", "labels", "channel_names",
-                       "foreground_intensity"):
+        for figure in (
+            "median_shape_zyx",
+            "median_spacing_mm",
+            "num_training_cases",
+            "labels",
+            "channel_names",
+            "foreground_intensity",
+        ):
             assert figure in cited, (name, figure)
         assert len(ref.foreground_intensity) == len(ref.channel_names)
         assert sorted(ref.labels.values()) == list(range(len(ref.labels)))
@@ -91,7 +98,8 @@ def test_check_mode_reports_a_missing_or_changed_plan(tmp_path: Path, capsys: py
     path = tmp_path / "derived" / "Tiny_8GiB.json"
     plans = Plans.from_json(path)
     full = plans.configuration("3d_fullres")
-    changed = replace(plans, configurations={**plans.configurations,
-                                             "3d_fullres": full.with_(batch_size=full.batch_size + 1)})
+    changed = replace(
+        plans, configurations={**plans.configurations, "3d_fullres": full.with_(batch_size=full.batch_size + 1)}
+    )
     changed.to_json(path)
     assert main(["--check", "--root", str(tmp_path), "--budgets", "8"]) == 1

@@ -96,11 +96,19 @@ def test_two_calibration_steps_give_both_rates() -> None:
     """Steps timed as a machine of 300 GFLOP/s and 200 M elements/s would run them (idle cores): both rates come
     back, and they predict each step's seconds."""
     machine = StepRates(300e9, 200e6)
-    steps = [_timed(i, _times(1, 1.8 * _seconds(i, machine), 1.8 * _seconds(i, machine)),
-                    _times(2, _seconds(i, machine), 1.9 * _seconds(i, machine))) for i in (0, 1)]
+    steps = [
+        _timed(
+            i,
+            _times(1, 1.8 * _seconds(i, machine), 1.8 * _seconds(i, machine)),
+            _times(2, _seconds(i, machine), 1.9 * _seconds(i, machine)),
+        )
+        for i in (0, 1)
+    ]
     measured = cpu_rates_from_times(steps, (2.8e9, True))
-    assert measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6,
-                              "mapped_bytes_per_second": 2.8e9} and measured.keep
+    assert (
+        measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6, "mapped_bytes_per_second": 2.8e9}
+        and measured.keep
+    )
     assert measured.details["2d_all_threads_wall_seconds"] == pytest.approx(_seconds(1, machine))
 
 
@@ -116,8 +124,10 @@ def test_a_2d_plan_is_not_predicted_at_the_3d_step_s_flop_rate() -> None:
 
 def test_an_unsteady_mapping_rate_drops_its_term() -> None:
     """A fresh block filled no slower than a kept one (noise): no mapping rate, rather than an absurd one."""
-    steps = [_timed(i, _times(1, _seconds(i, StepRates(300e9, 200e6)), _seconds(i, StepRates(300e9, 200e6))), None)
-             for i in (0, 1)]
+    steps = [
+        _timed(i, _times(1, _seconds(i, StepRates(300e9, 200e6)), _seconds(i, StepRates(300e9, 200e6))), None)
+        for i in (0, 1)
+    ]
     assert cpu_rates_from_times(steps, (6.7e13, False)).value["mapped_bytes_per_second"] is None
 
 
@@ -127,16 +137,26 @@ def test_timings_that_leave_no_positive_element_rate_fall_back_to_the_flops_alon
     flops_3d = conv_flops(topology, patch, batch)
     topology, patch, batch = CALIBRATION_STEPS[1]
     seconds_2d = 0.9 * conv_flops(topology, patch, batch) / 1e11
-    measured = cpu_rates_from_times([_timed(0, _times(1, flops_3d / 1e11, flops_3d / 1e11), None),
-                                     _timed(1, _times(1, seconds_2d, seconds_2d), None)])
-    assert measured.value == {"flops_per_second": 1e11, "elements_per_second": None,
-                              "mapped_bytes_per_second": None} and measured.keep  # no mapping rate given
+    measured = cpu_rates_from_times(
+        [
+            _timed(0, _times(1, flops_3d / 1e11, flops_3d / 1e11), None),
+            _timed(1, _times(1, seconds_2d, seconds_2d), None),
+        ]
+    )
+    assert (
+        measured.value == {"flops_per_second": 1e11, "elements_per_second": None, "mapped_bytes_per_second": None}
+        and measured.keep
+    )  # no mapping rate given
 
 
-@pytest.mark.parametrize("one, every, why", [
-    (_times(1, 1.5, 0.5), _times(2, 1.2, 0.7), "one thread got 33% of a CPU"),
-    (_times(1, 0.5, 0.5), _times(2, 0.6, 0.7), "2 threads ran no faster than one (0.600 vs 0.500 s)"),
-], ids=["core_shared", "threads_no_faster"])
+@pytest.mark.parametrize(
+    "one, every, why",
+    [
+        (_times(1, 1.5, 0.5), _times(2, 1.2, 0.7), "one thread got 33% of a CPU"),
+        (_times(1, 0.5, 0.5), _times(2, 0.6, 0.7), "2 threads ran no faster than one (0.600 vs 0.500 s)"),
+    ],
+    ids=["core_shared", "threads_no_faster"],
+)
 def test_busy_cores_give_one_thread_s_cpu_seconds_not_cached(one: StepTimes, every: StepTimes, why: str) -> None:
     """Another process on the cores while the 2D step ran: its seconds fall back to one thread's CPU seconds (which
     the load does not change) and the rates are not cached, so that an idle run measures the faster figures later."""
@@ -159,7 +179,8 @@ def test_small_noise_gives_the_same_figures() -> None:
 
 
 def test_calibration_times_each_step_with_one_thread_and_every_cpu_best_of_repeats(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Each calibration step runs once to warm up and ``repeats`` times timed, with 1 thread and with every CPU;
     the best run counts (a slow run does not lower the figures); the caller's threads are restored."""
     machine = StepRates(300e9, 200e6)
@@ -171,20 +192,51 @@ def test_calibration_times_each_step_with_one_thread_and_every_cpu_best_of_repea
     assert torch.get_num_threads() == before
     assert [args for args, _ in fake.closure_args] == [tuple(step) for step in CALIBRATION_STEPS]
     assert fake.step_calls == 16  # per step and thread count: one warm-up, then 3 timed
-    assert measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6,
-                              "mapped_bytes_per_second": 2.8e9} and measured.keep
+    assert (
+        measured.value == {"flops_per_second": 300e9, "elements_per_second": 200e6, "mapped_bytes_per_second": 2.8e9}
+        and measured.keep
+    )
     assert measured.details["3d_one_thread_wall_seconds"] == pytest.approx(4 * best[0])
 
 
 def _topologies() -> dict[str, tuple[NetworkTopology, tuple[int, ...], int]]:
     return {
-        "3d": (NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(4, 8),
-                               kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (2, 2, 2))), (8, 16, 16), 2),
-        "3d_anisotropic": (NetworkTopology(dim=3, in_channels=2, num_outputs=4, features_per_stage=(4, 8, 16),
-                                           kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)),
-                                           strides=((1, 1, 1), (1, 2, 2), (2, 2, 2))), (8, 16, 16), 1),
-        "2d": (NetworkTopology(dim=2, in_channels=1, num_outputs=2, features_per_stage=(4, 8, 16),
-                               kernel_sizes=((3, 3), (3, 3), (3, 3)), strides=((1, 1), (2, 2), (2, 2))), (32, 32), 2),
+        "3d": (
+            NetworkTopology(
+                dim=3,
+                in_channels=1,
+                num_outputs=3,
+                features_per_stage=(4, 8),
+                kernel_sizes=((3, 3, 3), (3, 3, 3)),
+                strides=((1, 1, 1), (2, 2, 2)),
+            ),
+            (8, 16, 16),
+            2,
+        ),
+        "3d_anisotropic": (
+            NetworkTopology(
+                dim=3,
+                in_channels=2,
+                num_outputs=4,
+                features_per_stage=(4, 8, 16),
+                kernel_sizes=((1, 3, 3), (3, 3, 3), (3, 3, 3)),
+                strides=((1, 1, 1), (1, 2, 2), (2, 2, 2)),
+            ),
+            (8, 16, 16),
+            1,
+        ),
+        "2d": (
+            NetworkTopology(
+                dim=2,
+                in_channels=1,
+                num_outputs=2,
+                features_per_stage=(4, 8, 16),
+                kernel_sizes=((3, 3), (3, 3), (3, 3)),
+                strides=((1, 1), (2, 2), (2, 2)),
+            ),
+            (32, 32),
+            2,
+        ),
     }
 
 
@@ -218,8 +270,11 @@ def test_feature_map_elements_are_the_outputs_of_the_convolutions_torch_runs(nam
     assert step_elements(topology, patch_size, batch_size) == sum(outputs)
 
 
-@pytest.mark.parametrize("dim, threshold_of_stage_0", [(3, 0.75), (3, 1.5), (2, 0.75), (2, 1.5), (3, 2.5)],
-                         ids=["3d_stage_0_mapped", "3d_concat_only", "2d_stage_0_mapped", "2d_concat_only", "3d_none"])
+@pytest.mark.parametrize(
+    "dim, threshold_of_stage_0",
+    [(3, 0.75), (3, 1.5), (2, 0.75), (2, 1.5), (3, 2.5)],
+    ids=["3d_stage_0_mapped", "3d_concat_only", "2d_stage_0_mapped", "2d_concat_only", "3d_none"],
+)
 def test_mapped_bytes_are_the_step_s_blocks_over_the_mmap_threshold(dim: int, threshold_of_stage_0: float) -> None:
     """The bytes a real training step allocates in blocks of at least the mmap threshold (counted by StorageTracker;
     glibc maps those afresh on every step), within 5%: the threshold set relative to stage 0's feature map (here
@@ -228,8 +283,14 @@ def test_mapped_bytes_are_the_step_s_blocks_over_the_mmap_threshold(dim: int, th
     from autoseg.memory.tracker import StorageTracker
 
     kernel, stride = (3,) * dim, (2,) * dim
-    topology = NetworkTopology(dim=dim, in_channels=1, num_outputs=3, features_per_stage=(16, 32, 64),
-                               kernel_sizes=(kernel,) * 3, strides=((1,) * dim, stride, stride))
+    topology = NetworkTopology(
+        dim=dim,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(16, 32, 64),
+        kernel_sizes=(kernel,) * 3,
+        strides=((1,) * dim, stride, stride),
+    )
     patch, batch = ((8, 32, 32) if dim == 3 else (64, 64)), 2
     threshold = int(threshold_of_stage_0 * 16 * math.prod(patch) * batch * 4)
     step = autoseg.plan.throughput.training_step_closure(topology, patch, batch)

@@ -50,8 +50,11 @@ def _write(path: Path, members: dict[str, bytes], *, resign: bool = False) -> Pa
     """A zip of ``members``; ``resign``: the manifest's sizes and sha256 sums made to match (a crafted archive)."""
     if resign:
         manifest = json.loads(members[MANIFEST])
-        manifest["members"] = [{"name": n, "size_bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
-                               for n, b in members.items() if n != MANIFEST]
+        manifest["members"] = [
+            {"name": n, "size_bytes": len(b), "sha256": hashlib.sha256(b).hexdigest()}
+            for n, b in members.items()
+            if n != MANIFEST
+        ]
         members = {**members, MANIFEST: json.dumps(manifest).encode()}
     with zipfile.ZipFile(path, "w") as zf:
         for name, data in members.items():
@@ -73,8 +76,9 @@ def test_export_holds_what_prediction_needs_and_a_manifest(workspace: Workspace,
         assert (m["size_bytes"], m["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
 
 
-def test_export_is_reproducible_and_chooses_folds_and_checkpoint(workspace: Workspace, archive: Path,
-                                                                 tmp_path: Path) -> None:
+def test_export_is_reproducible_and_chooses_folds_and_checkpoint(
+    workspace: Workspace, archive: Path, tmp_path: Path
+) -> None:
     again = tmp_path / "again.zip"
     export_model(workspace, again)
     assert again.read_bytes() == archive.read_bytes()  # the same model, the same bytes: fixed member dates
@@ -86,8 +90,9 @@ def test_export_is_reproducible_and_chooses_folds_and_checkpoint(workspace: Work
     assert sorted(p.name for p in tmp_path.iterdir()) == ["again.zip", "best.zip"]  # no temporary left
 
 
-def test_export_refuses_an_untrained_fold_or_unplanned_workspace_and_writes_nothing(workspace: Workspace,
-                                                                                    tmp_path: Path) -> None:
+def test_export_refuses_an_untrained_fold_or_unplanned_workspace_and_writes_nothing(
+    workspace: Workspace, tmp_path: Path
+) -> None:
     out = tmp_path / "model.zip"
     with pytest.raises(InputError, match=r"fold\(s\) 3 of 3d_fullres: no checkpoint_final.pt.*trained: 0 1"):
         export_model(workspace, out, folds=["0", "3"])
@@ -123,19 +128,29 @@ def test_open_unpacks_a_checked_workspace_and_removes_it(workspace: Workspace, a
     assert not root.exists()
 
 
-@pytest.mark.parametrize("change, named", [
-    (lambda m: {**m, "../evil.json": b"{}"}, "'../evil.json' has an unsafe path"),
-    (lambda m: {**m, "/etc/evil": b"x"}, "'/etc/evil' has an unsafe path"),
-    (lambda m: {k: v for k, v in m.items() if k != MANIFEST}, f"member {MANIFEST} is missing"),
-    (lambda m: {**m, "extra.txt": b"x"}, r"member\(s\) extra.txt not in the manifest"),
-    (lambda m: {k: v for k, v in m.items() if k != "fingerprint.json"}, r"member\(s\) fingerprint.json of the manif"),
-    (lambda m: {**m, "plans.json": m["plans.json"].replace(b"3d_fullres", b"3d_fullrez")},
-     "member plans.json: sha256 [0-9a-f]+ differs from the manifest's"),
-    (lambda m: {**m, "plans.json": m["plans.json"] + b" "}, "member plans.json is 4.* bytes, its manifest says"),
-    (lambda m: {**m, MANIFEST: m[MANIFEST].replace(b'"schema_version": 2', b'"schema_version": 7')},
-     f"member {MANIFEST}: archive format version 7 is not the one this autoseg"),
-    (lambda m: {**m, MANIFEST: b"{not json"}, f"member {MANIFEST} is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda m: {**m, "../evil.json": b"{}"}, "'../evil.json' has an unsafe path"),
+        (lambda m: {**m, "/etc/evil": b"x"}, "'/etc/evil' has an unsafe path"),
+        (lambda m: {k: v for k, v in m.items() if k != MANIFEST}, f"member {MANIFEST} is missing"),
+        (lambda m: {**m, "extra.txt": b"x"}, r"member\(s\) extra.txt not in the manifest"),
+        (
+            lambda m: {k: v for k, v in m.items() if k != "fingerprint.json"},
+            r"member\(s\) fingerprint.json of the manif",
+        ),
+        (
+            lambda m: {**m, "plans.json": m["plans.json"].replace(b"3d_fullres", b"3d_fullrez")},
+            "member plans.json: sha256 [0-9a-f]+ differs from the manifest's",
+        ),
+        (lambda m: {**m, "plans.json": m["plans.json"] + b" "}, "member plans.json is 4.* bytes, its manifest says"),
+        (
+            lambda m: {**m, MANIFEST: m[MANIFEST].replace(b'"schema_version": 2', b'"schema_version": 7')},
+            f"member {MANIFEST}: archive format version 7 is not the one this autoseg",
+        ),
+        (lambda m: {**m, MANIFEST: b"{not json"}, f"member {MANIFEST} is not valid JSON"),
+    ],
+)
 def test_open_refuses_an_altered_archive(archive: Path, tmp_path: Path, change, named: str) -> None:
     bad = _write(tmp_path / "bad.zip", change(_members(archive)))
     with pytest.raises(InputError, match=f"{bad}: .*{named}"):
@@ -203,10 +218,19 @@ def test_export_of_find_best_choice_carries_inference_json(workspace: Workspace,
     ws = Workspace.at(tmp_path / "ws")
     shutil.copytree(workspace.root, ws.root)
     names = Plans.from_json(ws.plans_path).label_scheme.names
-    InferenceChoice(configurations=(CONFIG,), folds=(0, 1), checkpoint="final",
-                    postprocessing=Postprocessing(True, (names[0],)), cv_dice=0.9, cv_dice_postprocessed=0.91,
-                    class_dice={}, class_dice_postprocessed={}, steps=(), candidates={}, num_cases=5,
-                    ).to_json(ws.inference_path)
+    InferenceChoice(
+        configurations=(CONFIG,),
+        folds=(0, 1),
+        checkpoint="final",
+        postprocessing=Postprocessing(True, (names[0],)),
+        cv_dice=0.9,
+        cv_dice_postprocessed=0.91,
+        class_dice={},
+        class_dice_postprocessed={},
+        steps=(),
+        candidates={},
+        num_cases=5,
+    ).to_json(ws.inference_path)
     manifest = export_model(ws, tmp_path / "chosen.zip", folds=["1"])
     assert manifest.follows_choice and manifest.folds == (1,)
     assert manifest.postprocessing == f"largest component of all foreground, then largest component of {names[0]}"

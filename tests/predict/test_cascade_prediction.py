@@ -19,10 +19,15 @@ def _cascade_plans():
     plans = tiny_plans(spacing_mm=(2.0, 2.0, 2.0))
     full = plans.configuration("3d_fullres")
     low = full.with_(name="3d_lowres", spacing_mm=(4.0, 4.0, 4.0))
-    cascade = full.with_(name="3d_cascade_fullres", previous_stage="3d_lowres", preprocessed_as="3d_fullres",
-                         network=dataclasses.replace(tiny_topology(3), in_channels=3))
-    plans = dataclasses.replace(plans, configurations={"3d_fullres": full, "3d_lowres": low,
-                                                       "3d_cascade_fullres": cascade})
+    cascade = full.with_(
+        name="3d_cascade_fullres",
+        previous_stage="3d_lowres",
+        preprocessed_as="3d_fullres",
+        network=dataclasses.replace(tiny_topology(3), in_channels=3),
+    )
+    plans = dataclasses.replace(
+        plans, configurations={"3d_fullres": full, "3d_lowres": low, "3d_cascade_fullres": cascade}
+    )
     plans.check()
     return plans, cascade
 
@@ -30,8 +35,13 @@ def _cascade_plans():
 def test_the_input_is_the_image_then_the_one_hot_of_the_previous_labels_on_its_grid() -> None:
     plans, cascade = _cascade_plans()
     image, labels = box_case()
-    geometry = Geometry(ndim=3, size_xyz=image.shape[::-1], spacing_xyz=(1.0, 1.0, 1.0), origin_xyz=(0.0,) * 3,
-                        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=image.shape[::-1],
+        spacing_xyz=(1.0, 1.0, 1.0),
+        origin_xyz=(0.0,) * 3,
+        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+    )
     data, _, props = preprocess_case(image[None].copy(), None, geometry, plans, cascade, "box")
     out = cascade_input(data, labels, props, plans, cascade)
     assert out.shape == (3, *data.shape[1:]) and out.dtype == np.float32

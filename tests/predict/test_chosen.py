@@ -38,19 +38,33 @@ def two_configs(prepared: Path, tmp_path_factory) -> Path:
     root = Path(shutil.copytree(prepared, tmp_path_factory.mktemp("chosen") / "ws"))
     ws = Workspace.at(root)
     plans = Plans.from_json(ws.plans_path)
-    set_configuration(ws, "2d", network=NetworkTopology(
-        dim=2, in_channels=1, num_outputs=plans.label_scheme.num_outputs, features_per_stage=(4, 8),
-        kernel_sizes=((3, 3), (3, 3)), strides=((1, 1), (2, 2))), patch_size=(16, 16), batch_size=2,
-        accumulation_steps=1, checkpointing=False)
+    set_configuration(
+        ws,
+        "2d",
+        network=NetworkTopology(
+            dim=2,
+            in_channels=1,
+            num_outputs=plans.label_scheme.num_outputs,
+            features_per_stage=(4, 8),
+            kernel_sizes=((3, 3), (3, 3)),
+            strides=((1, 1), (2, 2)),
+        ),
+        patch_size=(16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+        checkpointing=False,
+    )
     preprocess_workspace(ws, ["2d"], processes=1, progress=False)
     for config in ("3d_fullres", "2d"):
-        train(ws, config, 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, cpu_threads=1),
-              progress=False)
+        train(
+            ws, config, 0, RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, cpu_threads=1), progress=False
+        )
     return root
 
 
-def test_find_best_chooses_from_real_validation_outputs_and_predict_follows(two_configs: Path, inputs: Path,
-                                                                            tmp_path: Path) -> None:
+def test_find_best_chooses_from_real_validation_outputs_and_predict_follows(
+    two_configs: Path, inputs: Path, tmp_path: Path
+) -> None:
     """The loop from training to prediction: the folds' own final validation outputs feed find-best, whose
     inference.json predict follows (the chosen candidate's label maps, postprocessed as chosen)."""
     from autoseg.selection.run import find_best
@@ -64,21 +78,47 @@ def test_find_best_chooses_from_real_validation_outputs_and_predict_follows(two_
 
 
 def _choice(configurations: tuple[str, ...], postprocessing: Postprocessing = Postprocessing()) -> InferenceChoice:
-    return InferenceChoice(configurations=configurations, folds=(0,), checkpoint="final",
-                           postprocessing=postprocessing, cv_dice=0.5, cv_dice_postprocessed=0.5, class_dice={},
-                           class_dice_postprocessed={}, steps=(), candidates={}, num_cases=1)
+    return InferenceChoice(
+        configurations=configurations,
+        folds=(0,),
+        checkpoint="final",
+        postprocessing=postprocessing,
+        cv_dice=0.5,
+        cv_dice_postprocessed=0.5,
+        class_dice={},
+        class_dice_postprocessed={},
+        steps=(),
+        candidates={},
+        num_cases=1,
+    )
 
 
-def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(two_configs: Path, inputs: Path,
-                                                                       tmp_path: Path) -> None:
+def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(
+    two_configs: Path, inputs: Path, tmp_path: Path
+) -> None:
     ws = Workspace.at(two_configs)
     scheme = Plans.from_json(ws.plans_path).label_scheme
     for config in ("2d", "3d_fullres"):  # each alone, with its probabilities
-        predict(ws, inputs, tmp_path / config, config_name=config, folds=(0,), progress=False,
-                options=PredictOptions(save_probabilities=True), **WINDOW)
+        predict(
+            ws,
+            inputs,
+            tmp_path / config,
+            config_name=config,
+            folds=(0,),
+            progress=False,
+            options=PredictOptions(save_probabilities=True),
+            **WINDOW,
+        )
     out = tmp_path / "ensemble"
-    written = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, progress=False,
-                             options=PredictOptions(save_probabilities=True), **WINDOW)
+    written = predict_chosen(
+        ws,
+        _choice(("2d", "3d_fullres")),
+        inputs,
+        out,
+        progress=False,
+        options=PredictOptions(save_probabilities=True),
+        **WINDOW,
+    )
     assert sorted(p.name for p in written) == sorted(p.name for p in (tmp_path / "3d_fullres").glob("*.nii.gz"))
     assert not (out / SCRATCH).exists()  # the configurations' own outputs are removed
     for path in written:
@@ -91,14 +131,16 @@ def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(two_configs
         assert read_image(tmp_path / "3d_fullres" / path.name)[1] == read_image(path)[1]  # the image's geometry
 
 
-def test_the_chosen_postprocessing_is_applied_to_each_label_map(two_configs: Path, inputs: Path,
-                                                                tmp_path: Path) -> None:
+def test_the_chosen_postprocessing_is_applied_to_each_label_map(
+    two_configs: Path, inputs: Path, tmp_path: Path
+) -> None:
     ws = Workspace.at(two_configs)
     scheme = Plans.from_json(ws.plans_path).label_scheme
     plain = predict(ws, inputs, tmp_path / "plain", config_name="3d_fullres", folds=(0,), progress=False, **WINDOW)
     postprocessing = Postprocessing(largest_foreground_component=True)
-    chosen = predict_chosen(ws, _choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen",
-                            progress=False, **WINDOW)
+    chosen = predict_chosen(
+        ws, _choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen", progress=False, **WINDOW
+    )
     changed = 0
     for a, b in zip(sorted(plain), sorted(chosen)):
         expected = apply_postprocessing(read_image(a, None)[0], postprocessing, scheme)
@@ -108,7 +150,8 @@ def test_the_chosen_postprocessing_is_applied_to_each_label_map(two_configs: Pat
 
 
 def test_cli_predict_follows_inference_json_from_the_workspace_or_a_model_archive(
-        two_configs: Path, inputs: Path, tmp_path: Path, capsys) -> None:
+    two_configs: Path, inputs: Path, tmp_path: Path, capsys
+) -> None:
     """predict -w follows inference.json (an ensemble with postprocessing); export-model packs that choice and
     predict -m on the archive writes the same label maps; -c predicts one configuration without it."""
     ws = Workspace.at(Path(shutil.copytree(two_configs, tmp_path / "ws")))
@@ -138,6 +181,13 @@ def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, input
     others = [p for p in first if p != kept]
     for p in others:
         p.unlink()
-    again = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, progress=False,
-                           options=PredictOptions(skip_existing=True), **WINDOW)
+    again = predict_chosen(
+        ws,
+        _choice(("2d", "3d_fullres")),
+        inputs,
+        out,
+        progress=False,
+        options=PredictOptions(skip_existing=True),
+        **WINDOW,
+    )
     assert sorted(again) == sorted(others) and kept.stat().st_mtime_ns == stamp

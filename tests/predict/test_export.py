@@ -16,18 +16,34 @@ from autoseg.predict.export import SlabExport, export_segmentation
 from autoseg.preprocess.store import CaseProperties
 
 
-def _case(original: tuple[int, int, int], resampled: tuple[int, int, int], spacing: tuple[float, float, float],
-          crop: tuple[tuple[int, int], ...] | None = None) -> CaseProperties:
+def _case(
+    original: tuple[int, int, int],
+    resampled: tuple[int, int, int],
+    spacing: tuple[float, float, float],
+    crop: tuple[tuple[int, int], ...] | None = None,
+) -> CaseProperties:
     """A case whose cropped original grid ``original`` was resampled to ``resampled`` (spacing of ``original``:
     ``spacing``); ``crop``: where the crop sits in a larger uncropped image (None: the crop is the image)."""
     crop = crop or tuple((0, n) for n in original)
     full = tuple(b + 3 if a else b for a, b in crop) if any(a for a, _ in crop) else original
     target = tuple(s * o / r for s, o, r in zip(spacing, original, resampled))
-    geometry = Geometry(ndim=3, size_xyz=tuple(reversed(full)), spacing_xyz=tuple(reversed(spacing)),
-                        origin_xyz=(0.0, 0.0, 0.0), direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0))
-    return CaseProperties(case_id="x", geometry=geometry, spacing_mm=spacing, target_spacing_mm=target,
-                          shape_before_crop=full, crop_bbox=crop, shape_after_crop=original,
-                          shape_after_resample=resampled)
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=tuple(reversed(full)),
+        spacing_xyz=tuple(reversed(spacing)),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0),
+    )
+    return CaseProperties(
+        case_id="x",
+        geometry=geometry,
+        spacing_mm=spacing,
+        target_spacing_mm=target,
+        shape_before_crop=full,
+        crop_bbox=crop,
+        shape_after_crop=original,
+        shape_after_resample=resampled,
+    )
 
 
 def _probabilities(k: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -41,25 +57,29 @@ def _in_slabs(export: SlabExport, probabilities: torch.Tensor, depths: list[int]
         if z >= probabilities.shape[1]:
             break
         d = depths[i % len(depths)]
-        export.add(z, min(z + d, probabilities.shape[1]), probabilities[:, z:z + d].clone())
+        export.add(z, min(z + d, probabilities.shape[1]), probabilities[:, z : z + d].clone())
         z += d
     return export.labels()
 
 
-@pytest.mark.parametrize(("original", "resampled", "spacing"), [
-    ((13, 20, 18), (31, 16, 22), (3.0, 1.0, 1.0)),  # anisotropic: nearest along z, upsampled along z
-    ((31, 20, 18), (13, 24, 20), (3.0, 1.0, 1.0)),  # anisotropic, downsampled along z
-    ((17, 20, 18), (23, 16, 22), (1.2, 1.0, 1.0)),  # isotropic: linear along z, across slab borders
-    ((23, 20, 18), (9, 20, 18), (1.2, 1.0, 1.0)),  # isotropic, z only
-    ((12, 20, 18), (12, 20, 18), (1.0, 1.0, 1.0)),  # unchanged
-])
+@pytest.mark.parametrize(
+    ("original", "resampled", "spacing"),
+    [
+        ((13, 20, 18), (31, 16, 22), (3.0, 1.0, 1.0)),  # anisotropic: nearest along z, upsampled along z
+        ((31, 20, 18), (13, 24, 20), (3.0, 1.0, 1.0)),  # anisotropic, downsampled along z
+        ((17, 20, 18), (23, 16, 22), (1.2, 1.0, 1.0)),  # isotropic: linear along z, across slab borders
+        ((23, 20, 18), (9, 20, 18), (1.2, 1.0, 1.0)),  # isotropic, z only
+        ((12, 20, 18), (12, 20, 18), (1.0, 1.0, 1.0)),  # unchanged
+    ],
+)
 @pytest.mark.parametrize("regions", [False, True])
 def test_slabs_give_the_labels_of_the_whole_export(original, resampled, spacing, regions) -> None:
     """Any slab sizes (1 slice, odd sizes, the whole image at once) give exactly the labels of exporting the
     whole probabilities (the same taps), uncropped into the original image."""
     props = _case(original, resampled, spacing, crop=((2, 2 + original[0]), (1, 1 + original[1]), (0, original[2])))
-    scheme = LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": 2}, (1, 2)) if regions \
-        else LabelScheme.plain(4)
+    scheme = (
+        LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": 2}, (1, 2)) if regions else LabelScheme.plain(4)
+    )
     probabilities = _probabilities(scheme.num_outputs, resampled)
     whole = export_segmentation(probabilities, props, scheme)
     assert whole.shape == props.shape_before_crop and np.count_nonzero(whole[:2]) == 0  # zeros outside the crop
@@ -80,21 +100,25 @@ def test_slab_export_refuses_slabs_out_of_order_and_labels_before_the_end() -> N
         export.labels()
 
 
-@pytest.mark.parametrize(("original", "resampled", "spacing", "depth"), [
-    ((60, 120, 100), (30, 100, 90), (3.0, 1.0, 1.0), 8),  # up in every axis
-    ((40, 80, 80), (40, 160, 160), (1.0, 1.0, 1.0), 12),  # down in-plane
-    ((50, 64, 64), (50, 64, 64), (1.0, 1.0, 1.0), 10),  # unchanged
-])
+@pytest.mark.parametrize(
+    ("original", "resampled", "spacing", "depth"),
+    [
+        ((60, 120, 100), (30, 100, 90), (3.0, 1.0, 1.0), 8),  # up in every axis
+        ((40, 80, 80), (40, 160, 160), (1.0, 1.0, 1.0), 12),  # down in-plane
+        ((50, 64, 64), (50, 64, 64), (1.0, 1.0, 1.0), 10),  # unchanged
+    ],
+)
 @pytest.mark.parametrize("regions", [False, True])
 def test_slab_export_bytes_bounds_the_measured_slab_export(original, resampled, spacing, depth, regions) -> None:
     """slab_export_bytes against tracemalloc's peak of a real SlabExport fed slabs of ``depth`` slices (the slabs
     themselves, held by the sliding window, left out): an upper bound, and within 25%; well below exporting the
     whole float16 probabilities."""
     props = _case(original, resampled, spacing)
-    scheme = LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": 2}, (1, 2)) if regions \
-        else LabelScheme.plain(5)
+    scheme = (
+        LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": 2}, (1, 2)) if regions else LabelScheme.plain(5)
+    )
     probabilities = _probabilities(scheme.num_outputs, resampled)
-    slabs = [probabilities[:, z:z + depth].clone() for z in range(0, resampled[0], depth)]
+    slabs = [probabilities[:, z : z + depth].clone() for z in range(0, resampled[0], depth)]
     tracemalloc.start()
     export = SlabExport(props, scheme, resampled)
     for i, slab in enumerate(slabs):

@@ -99,8 +99,14 @@ def test_an_export_error_stops_the_run(behind: int) -> None:
 
 
 def _bytes(**kw: int) -> dict[str, int]:
-    return {"runtime": 400 * MiB, "preprocess": 300 * MiB, "input": 100 * MiB, "predict": 200 * MiB,
-            "export": 500 * MiB, **kw}
+    return {
+        "runtime": 400 * MiB,
+        "preprocess": 300 * MiB,
+        "input": 100 * MiB,
+        "predict": 200 * MiB,
+        "export": 500 * MiB,
+        **kw,
+    }
 
 
 def test_workers_are_what_the_budget_holds_beside_the_prediction() -> None:
@@ -159,11 +165,14 @@ def test_predicted_peak_holds_against_the_process_rss_of_the_real_pipeline() -> 
         assert held >= pipeline_peak_bytes({"runtime": 0, **sizes}, 0, 0) * 0.85, (ahead, behind, held / MiB)
 
 
-@pytest.mark.parametrize(("shape", "after", "channels"), [
-    ((40, 120, 100), (20, 100, 90), 1),  # resampled down
-    ((30, 80, 80), (30, 160, 160), 2),  # up in-plane, two channels
-    ((30, 60, 60), (30, 60, 60), 1),  # unchanged
-])
+@pytest.mark.parametrize(
+    ("shape", "after", "channels"),
+    [
+        ((40, 120, 100), (20, 100, 90), 1),  # resampled down
+        ((30, 80, 80), (30, 160, 160), 2),  # up in-plane, two channels
+        ((30, 60, 60), (30, 60, 60), 1),  # unchanged
+    ],
+)
 def test_prediction_preprocess_bytes_bounds_the_real_preprocessing(tmp_path, shape, after, channels) -> None:
     """prediction_preprocess_bytes against tracemalloc's peak of the real load_case + preprocess_case of a file
     (the result included, as the pipeline holds it): an upper bound, and within 30%."""
@@ -174,8 +183,13 @@ def test_prediction_preprocess_bytes_bounds_the_real_preprocessing(tmp_path, sha
     from autoseg.predict.predictor import prepare_case
 
     spacing = (2.0, 1.0, 1.0)
-    geometry = Geometry(ndim=3, size_xyz=tuple(reversed(shape)), spacing_xyz=tuple(reversed(spacing)),
-                        origin_xyz=(0.0,) * 3, direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0))
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=tuple(reversed(shape)),
+        spacing_xyz=tuple(reversed(spacing)),
+        origin_xyz=(0.0,) * 3,
+        direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0),
+    )
     rng = np.random.default_rng(0)
     paths = []
     for c in range(channels):
@@ -183,9 +197,13 @@ def test_prediction_preprocess_bytes_bounds_the_real_preprocessing(tmp_path, sha
         write_image(paths[-1], rng.uniform(1, 2, shape).astype(np.float32), geometry)
     target = tuple(s * n / m for s, n, m in zip(spacing, shape, after, strict=True))
     plans = tiny_plans(spacing_mm=target)
-    plans = dataclasses.replace(plans, channel_names=("MRI",) * channels, normalization=("zscore",) * channels,
-                                use_nonzero_mask=(True,) * channels,
-                                intensity_properties=plans.intensity_properties * channels)
+    plans = dataclasses.replace(
+        plans,
+        channel_names=("MRI",) * channels,
+        normalization=("zscore",) * channels,
+        use_nonzero_mask=(True,) * channels,
+        intensity_properties=plans.intensity_properties * channels,
+    )
     config = plans.configuration("3d_fullres")
     tracemalloc.start()
     data, props = prepare_case(Case("x", tuple(paths), None), plans, config)

@@ -94,8 +94,12 @@ def test_probabilities_become_labels_by_exports_rule() -> None:
 
 def test_probabilities_of_other_labels_are_refused(tmp_path) -> None:
     path = tmp_path / "case.npz"
-    np.savez(path, probabilities=np.zeros((2, 1, 2, 2), dtype=np.float16), names=np.array(["background", "x"]),
-             activation=np.array("softmax"))
+    np.savez(
+        path,
+        probabilities=np.zeros((2, 1, 2, 2), dtype=np.float16),
+        names=np.array(["background", "x"]),
+        activation=np.array("softmax"),
+    )
     with pytest.raises(InputError, match=r"case.npz: holds softmax outputs \['background', 'x'\], but the labels"):
         read_probabilities(path, PLAIN)
     path.write_bytes(b"not a zip")
@@ -103,8 +107,9 @@ def test_probabilities_of_other_labels_are_refused(tmp_path) -> None:
         read_probabilities(path, PLAIN)
 
 
-@pytest.mark.parametrize("postprocessing", [Postprocessing(largest_foreground_component=True),
-                                            Postprocessing(True, ("organ", "lesion"))])
+@pytest.mark.parametrize(
+    "postprocessing", [Postprocessing(largest_foreground_component=True), Postprocessing(True, ("organ", "lesion"))]
+)
 def test_postprocessing_memory_estimate_holds_against_tracemalloc(postprocessing: Postprocessing) -> None:
     """largest_component_bytes is what apply_postprocessing holds beside its input (the copy, masks, the int32
     component map, a chunk of the count): at or above the tracemalloc peak, by at most 10%. Breaks when a step

@@ -83,10 +83,16 @@ def _use_box_network(monkeypatch: pytest.MonkeyPatch, image: np.ndarray) -> None
     monkeypatch.setattr(networks, "load_trained_network", lambda path, config, device: network)
 
 
-def _write_box(path: Path, image: np.ndarray, spacing_zyx: tuple[float, ...], origin_xyz: tuple[float, ...],
-               direction: np.ndarray) -> None:
-    geometry = Geometry(ndim=3, size_xyz=image.shape[::-1], spacing_xyz=tuple(spacing_zyx[::-1]),
-                        origin_xyz=origin_xyz, direction=tuple(float(v) for v in direction.ravel()))
+def _write_box(
+    path: Path, image: np.ndarray, spacing_zyx: tuple[float, ...], origin_xyz: tuple[float, ...], direction: np.ndarray
+) -> None:
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=image.shape[::-1],
+        spacing_xyz=tuple(spacing_zyx[::-1]),
+        origin_xyz=origin_xyz,
+        direction=tuple(float(v) for v in direction.ravel()),
+    )
     write_image(path, image, geometry)
 
 
@@ -103,17 +109,22 @@ def _box_inputs(trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 @pytest.mark.parametrize("config_name", ["3d_fullres", "2d"])
 def test_prediction_has_the_input_geometry_and_the_objects_at_their_voxels(
-        trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_name: str) -> None:
+    trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, config_name: str
+) -> None:
     """Known objects, cropped, resampled 2x finer (the plan's spacing is half the input's), predicted and
     written back: every voxel has its label in the input's own grid, whatever the origin, direction and format."""
     workspace, image, expected, spacing, inputs = _box_inputs(trained_workspace, tmp_path, monkeypatch)
     _write_box(inputs / "plain_0000.nii.gz", image, spacing, (0.0, 0.0, 0.0), np.eye(3))
     _write_box(inputs / "rotated_0000.nii.gz", image, spacing, (12.5, -40.25, 310.0), _rotation_xyz((10, -20, 30)))
     _write_box(inputs / "nrrdcase_0000.nrrd", image, spacing, (-3.0, 7.5, -1.25), _rotation_xyz((0, 90, 45)))
-    written = predict(workspace, inputs, tmp_path / "out", config_name=config_name, folds=(0,), mirror=False,
-                      progress=False)
-    assert sorted(p.name for p in written) == sorted(p.name for p in (tmp_path / "out").iterdir()) == \
-        ["nrrdcase.nrrd", "plain.nii.gz", "rotated.nii.gz"]
+    written = predict(
+        workspace, inputs, tmp_path / "out", config_name=config_name, folds=(0,), mirror=False, progress=False
+    )
+    assert (
+        sorted(p.name for p in written)
+        == sorted(p.name for p in (tmp_path / "out").iterdir())
+        == ["nrrdcase.nrrd", "plain.nii.gz", "rotated.nii.gz"]
+    )
     for out in written:
         _assert_same_header(out, inputs / out.name.replace(".n", "_0000.n", 1))
         labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out)))
@@ -121,7 +132,8 @@ def test_prediction_has_the_input_geometry_and_the_objects_at_their_voxels(
 
 
 def test_objects_land_on_their_voxels_after_non_integer_resampling(
-        trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Input spacing 1.2 to 1.5x the plan's: a voxel may change label only where the expected label map
     changes within one voxel (partial volume at the box faces); everywhere else it is exact."""
     workspace, plans, _ = trained_workspace
@@ -129,8 +141,9 @@ def test_objects_land_on_their_voxels_after_non_integer_resampling(
     _use_box_network(monkeypatch, image)
     spacing = tuple(f * s for f, s in zip((1.2, 1.5, 1.3), plans.configuration("3d_fullres").spacing_mm, strict=True))
     _write_box(tmp_path / "box_0000.nii.gz", image, spacing, (1.0, 2.0, 3.0), np.eye(3))
-    (out,) = predict(workspace, tmp_path / "box_0000.nii.gz", tmp_path / "out", folds=(0,), mirror=False,
-                     progress=False)
+    (out,) = predict(
+        workspace, tmp_path / "box_0000.nii.gz", tmp_path / "out", folds=(0,), mirror=False, progress=False
+    )
     labels = sitk.GetArrayFromImage(sitk.ReadImage(str(out)))
     near_a_face = maximum_filter(expected, size=3) != minimum_filter(expected, size=3)
     assert labels.shape == expected.shape
@@ -140,7 +153,8 @@ def test_objects_land_on_their_voxels_after_non_integer_resampling(
 
 
 def test_prediction_shares_one_malloc_arena_before_its_pipeline_starts(
-        trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trained_workspace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The read-ahead and export threads allocate from glibc's main arena (``use_one_malloc_arena``, measured
     180-270 MiB less peak RSS on the typical benchmark case): the setting comes before the pipeline's threads."""
     workspace, image, _, spacing, inputs = _box_inputs(trained_workspace, tmp_path, monkeypatch)
@@ -156,8 +170,7 @@ def test_prediction_shares_one_malloc_arena_before_its_pipeline_starts(
 
 def test_rotated_input_keeps_its_non_identity_direction(trained_workspace, tmp_path: Path) -> None:
     workspace, _, inputs = trained_workspace
-    (out,) = predict(workspace, inputs / "rotated_0000.nii.gz", tmp_path, folds=(0,), mirror=False,
-                     progress=False)
+    (out,) = predict(workspace, inputs / "rotated_0000.nii.gz", tmp_path, folds=(0,), mirror=False, progress=False)
     assert out.name == "rotated.nii.gz"
     direction = np.array(sitk.ReadImage(str(out)).GetDirection()).reshape(3, 3)
     np.testing.assert_allclose(direction, _rotation_xyz((10.0, -20.0, 30.0)), atol=1e-5)
@@ -173,12 +186,23 @@ def test_missing_checkpoint_says_to_train(trained_workspace, tmp_path: Path) -> 
 def _export_case() -> CaseProperties:
     """Original (6, 10, 12) volume, spacing (2, 1, 1) mm; crop z 1:5, y 2:8, x 3:11 -> (4, 6, 8);
     resampled in-plane to 0.5 mm -> (4, 12, 16)."""
-    geometry = Geometry(ndim=3, size_xyz=(12, 10, 6), spacing_xyz=(1.0, 1.0, 2.0), origin_xyz=(0.0, 0.0, 0.0),
-                        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
-    return CaseProperties(case_id="hand", geometry=geometry, spacing_mm=(2.0, 1.0, 1.0),
-                          target_spacing_mm=(2.0, 0.5, 0.5), shape_before_crop=(6, 10, 12),
-                          crop_bbox=((1, 5), (2, 8), (3, 11)), shape_after_crop=(4, 6, 8),
-                          shape_after_resample=(4, 12, 16))
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=(12, 10, 6),
+        spacing_xyz=(1.0, 1.0, 2.0),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+    )
+    return CaseProperties(
+        case_id="hand",
+        geometry=geometry,
+        spacing_mm=(2.0, 1.0, 1.0),
+        target_spacing_mm=(2.0, 0.5, 0.5),
+        shape_before_crop=(6, 10, 12),
+        crop_bbox=((1, 5), (2, 8), (3, 11)),
+        shape_after_crop=(4, 6, 8),
+        shape_after_resample=(4, 12, 16),
+    )
 
 
 def test_export_puts_the_most_probable_class_back_in_original_space() -> None:
@@ -219,13 +243,17 @@ def test_probability_file_holds_each_resampled_output_in_the_original_grid(tmp_p
     from autoseg.dataset.cropping import uncrop
     from autoseg.dataset.labels import LabelScheme
 
-    scheme = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2]) if regions else \
-        LabelScheme.from_labels({"background": 0, "organ": 1, "lesion": 2})
+    scheme = (
+        LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": 2}, [1, 2])
+        if regions
+        else LabelScheme.from_labels({"background": 0, "organ": 1, "lesion": 2})
+    )
     props = _export_case()
     probabilities = torch.rand((scheme.num_outputs, 4, 12, 16), generator=torch.Generator().manual_seed(0))
     seen: list[np.ndarray] = []
     path = tmp_path / "hand.npz"
     with ProbabilityFile.open(path, props, scheme) as file:
+
         def record(k: int, resampled: np.ndarray) -> None:
             seen.append(resampled.copy())
             file.write_output(k, resampled)
@@ -254,10 +282,13 @@ def test_probability_file_is_dropped_when_the_export_fails(tmp_path: Path) -> No
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize(("spacing", "target", "folds"), [
-    ((4.0, 1.0, 1.0), (3.0, 0.7, 0.7), 1),  # anisotropic target: linear in-plane, nearest across slices
-    ((1.4, 1.0, 1.0), (1.0, 0.7, 0.7), 2),  # isotropic: trilinear
-])
+@pytest.mark.parametrize(
+    ("spacing", "target", "folds"),
+    [
+        ((4.0, 1.0, 1.0), (3.0, 0.7, 0.7), 1),  # anisotropic target: linear in-plane, nearest across slices
+        ((1.4, 1.0, 1.0), (1.0, 0.7, 0.7), 2),  # isotropic: trilinear
+    ],
+)
 def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, folds) -> None:
     """predict_image (batches of (tile, variant) pairs through every fold, an accumulator sliding along z, each
     finished slab exported at once, one class at a time, by separable interpolation) against the plain reference
@@ -278,10 +309,26 @@ def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, f
         networks.append(build_network(config.network).eval())
     rng = np.random.default_rng(0)
     image = (100 + 40 * gaussian_filter(rng.standard_normal((1, 14, 30, 26)), (0, 1.5, 2, 2))).astype(np.float32)
-    geometry = Geometry(ndim=3, size_xyz=(26, 30, 14), spacing_xyz=tuple(reversed(spacing)),
-                        origin_xyz=(0.0, 0.0, 0.0), direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0))
-    labels, _ = predictor.predict_image(image.copy(), geometry, "x", networks, plans, config, mirror=True,
-                                        tile_batch_size=None, device="cpu", tta="4", tile="patch")
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=(26, 30, 14),
+        spacing_xyz=tuple(reversed(spacing)),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0),
+    )
+    labels, _ = predictor.predict_image(
+        image.copy(),
+        geometry,
+        "x",
+        networks,
+        plans,
+        config,
+        mirror=True,
+        tile_batch_size=None,
+        device="cpu",
+        tta="4",
+        tile="patch",
+    )
     data, _, props = preprocess_case(image.copy(), None, geometry, plans, config, "x")
     probabilities = reference_predict(networks, data, config.patch_size, 3, (0, 1, 2), 4)
     expected = reference_labels(probabilities, props)
@@ -293,7 +340,8 @@ def test_labels_agree_with_the_plain_reference_of_every_stage(spacing, target, f
 
 
 def test_a_planned_tile_larger_than_the_patch_predicts_a_voxelwise_network_exactly_as_the_patch(
-        trained_workspace, caplog: pytest.LogCaptureFixture) -> None:
+    trained_workspace, caplog: pytest.LogCaptureFixture
+) -> None:
     """Where a voxel's logits do not depend on its neighbours (``box_network``), the planned tile (up to two patches
     per axis, no larger than the image, half-patch overlap) gives the patch tile's labels voxel for voxel: fewer
     tiles, same tiling arithmetic. ``--verbose`` names this image's tile and the number of tiles."""
@@ -302,15 +350,31 @@ def test_a_planned_tile_larger_than_the_patch_predicts_a_voxelwise_network_exact
     config = plans.configuration("3d_fullres")
     config = config.with_(inference_patch_size=tuple(2 * p for p in config.patch_size))
     spacing = tuple(2 * s for s in config.spacing_mm)
-    geometry = Geometry(ndim=3, size_xyz=image.shape[::-1], spacing_xyz=spacing[::-1], origin_xyz=(0.0, 0.0, 0.0),
-                        direction=tuple(float(v) for v in np.eye(3).ravel()))
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=image.shape[::-1],
+        spacing_xyz=spacing[::-1],
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=tuple(float(v) for v in np.eye(3).ravel()),
+    )
     network = box_network(image)
     labels = {}
     with caplog.at_level("INFO", logger="autoseg"):
         for tile in ("planned", "patch"):
-            labels[tile], _ = predictor.predict_image(image[None], geometry, "box", [network], plans, config,
-                                                      mirror=True, tta="2", tile_batch_size=None, device="cpu",
-                                                      verbose=True, tile=tile)
+            labels[tile], _ = predictor.predict_image(
+                image[None],
+                geometry,
+                "box",
+                [network],
+                plans,
+                config,
+                mirror=True,
+                tta="2",
+                tile_batch_size=None,
+                device="cpu",
+                verbose=True,
+                tile=tile,
+            )
     np.testing.assert_array_equal(labels["planned"], labels["patch"])
     np.testing.assert_array_equal(labels["planned"], expected)
     logged = re.findall(r"input (\S+): tile (\S+) \((planned|patch)\), (\d+) tile\(s\)", caplog.text)
@@ -318,8 +382,10 @@ def test_a_planned_tile_larger_than_the_patch_predicts_a_voxelwise_network_exact
     image = tuple(int(v) for v in shape.split("x"))
     assert planned == "x".join(map(str, tile_for_image(config, image))) != patch  # no larger than the image
     assert patch == "x".join(map(str, config.patch_size)) and int(planned_count) < int(patch_count)
-    windows = [predictor.inference_plan(config, image, 3, "cpu", "fp32", (0, 1, 2), 2, 0.5, None, tile)
-               for tile in ("planned", "patch")]
+    windows = [
+        predictor.inference_plan(config, image, 3, "cpu", "fp32", (0, 1, 2), 2, 0.5, None, tile)
+        for tile in ("planned", "patch")
+    ]
     assert windows[0].peak_bytes > windows[1].peak_bytes  # the memory plan is the planned tile's
 
 
@@ -336,16 +402,33 @@ def test_a_planned_tile_agrees_with_the_patch_on_a_tiny_trained_model(prepared: 
     from autoseg.train.trainer import train
 
     workspace = Workspace.at(shutil.copytree(prepared, tmp_path / "ws"))
-    train(workspace, "3d_fullres", 0, RunConfig(epochs=1, iterations_per_epoch=40, val_iterations=1, validate=False,
-                                                cpu_threads=1), progress=False)
+    train(
+        workspace,
+        "3d_fullres",
+        0,
+        RunConfig(epochs=1, iterations_per_epoch=40, val_iterations=1, validate=False, cpu_threads=1),
+        progress=False,
+    )
     plans = Plans.from_json(workspace.plans_path)
     config = plans.configuration("3d_fullres").with_(inference_patch_size=(12, 24, 24))
     network = networks.load_trained_network(workspace.checkpoint("3d_fullres", 0, "final"), config, "cpu")
     for case in list_prediction_inputs(workspace.dataset_root() / "imagesTs", 1).cases:
         data, _, geometry = load_case(case)
-        planned, patch = (predictor.predict_image(data, geometry, case.case_id, [network], plans, config, mirror=False,
-                                                  tile_batch_size=None, device="cpu", tile=tile)[0]
-                          for tile in ("planned", "patch"))
+        planned, patch = (
+            predictor.predict_image(
+                data,
+                geometry,
+                case.case_id,
+                [network],
+                plans,
+                config,
+                mirror=False,
+                tile_batch_size=None,
+                device="cpu",
+                tile=tile,
+            )[0]
+            for tile in ("planned", "patch")
+        )
         assert (planned == patch).mean() >= 0.99, case.case_id
         differ = planned != patch
         boundary = maximum_filter(patch, size=3) != minimum_filter(patch, size=3)

@@ -97,8 +97,15 @@ def test_shape_errors():
 
 @pytest.mark.parametrize(
     ("channel_name", "scheme"),
-    [("CT", "ct"), ("ct", "ct"), ("noNorm", "none"), ("rescale_to_0_1", "rescale"), ("T2", "zscore"),
-     ("FLAIR", "zscore"), ("CTA", "zscore")],
+    [
+        ("CT", "ct"),
+        ("ct", "ct"),
+        ("noNorm", "none"),
+        ("rescale_to_0_1", "rescale"),
+        ("T2", "zscore"),
+        ("FLAIR", "zscore"),
+        ("CTA", "zscore"),
+    ],
 )
 def test_scheme_for_channel(channel_name, scheme):
     assert scheme_for_channel(channel_name) == scheme

@@ -40,9 +40,16 @@ def random_case(shape_zyx: tuple[int, ...] = (9, 11, 11), seed: int = 0) -> tupl
 
 
 def params(angles=(0.0, 0.0, 0.0), scale=1.0, in_plane=False, elastic=0.0, order_seg=1) -> SpatialParams:
-    return SpatialParams(seed=7, in_plane_only=in_plane, rotation_rad_zyx=angles, scale=scale,
-                         elastic=elastic > 0, elastic_magnitude_vox=elastic, elastic_grid_vox=4.0,
-                         order_seg=order_seg)
+    return SpatialParams(
+        seed=7,
+        in_plane_only=in_plane,
+        rotation_rad_zyx=angles,
+        scale=scale,
+        elastic=elastic > 0,
+        elastic_magnitude_vox=elastic,
+        elastic_grid_vox=4.0,
+        order_seg=order_seg,
+    )
 
 
 def test_identity_reproduces_the_case() -> None:
@@ -57,8 +64,7 @@ def test_identity_reproduces_the_case() -> None:
 @pytest.mark.parametrize("order_seg", [0, 1])
 def test_a_quarter_turn_about_z_is_rot90(in_plane: bool, order_seg: int) -> None:
     data, seg = random_case()
-    out_data, out_seg = augment_case(data, seg, params((math.pi / 2, 0, 0), in_plane=in_plane,
-                                                        order_seg=order_seg))
+    out_data, out_seg = augment_case(data, seg, params((math.pi / 2, 0, 0), in_plane=in_plane, order_seg=order_seg))
     np.testing.assert_allclose(out_data, np.rot90(data, -1, axes=(2, 3)), atol=1e-5)
     np.testing.assert_array_equal(out_seg, np.rot90(seg, -1, axes=(2, 3)))
 
@@ -71,8 +77,9 @@ def test_rotation_and_scale_match_scipy_affine_transform() -> None:
     centre = (np.array(data.shape[1:]) - 1) / 2
     offset = centre - matrix @ centre
     for c in range(2):  # scipy: float64 throughout
-        reference = ndimage.affine_transform(data[c].astype(np.float64), matrix, offset, order=3,
-                                             mode="constant", cval=0.0)
+        reference = ndimage.affine_transform(
+            data[c].astype(np.float64), matrix, offset, order=3, mode="constant", cval=0.0
+        )
         np.testing.assert_allclose(out_data[c], reference, atol=2e-5)
     nearest = augment_case(data, seg, dataclasses.replace(p, order_seg=0))[1]
     reference_seg = ndimage.affine_transform(seg[0], matrix, offset, order=0, mode="constant", cval=-1)
@@ -125,8 +132,14 @@ def test_augment_case_bytes_bounds_the_measured_peak(in_plane: bool) -> None:
 def with_copies(tiny_dataset: Path, tmp_path_factory) -> tuple[Path, list[str]]:
     dataset = load_dataset(tiny_dataset)
     dataset = dataclasses.replace(dataset, cases=dataset.cases[:2])
-    out = preprocess(dataset, tiny_plans(), "3d_fullres", tmp_path_factory.mktemp("copies") / "3d_fullres",
-                     progress=False, precompute=PrecomputeConfig(num_copies=2, p_elastic=0.5))
+    out = preprocess(
+        dataset,
+        tiny_plans(),
+        "3d_fullres",
+        tmp_path_factory.mktemp("copies") / "3d_fullres",
+        progress=False,
+        precompute=PrecomputeConfig(num_copies=2, p_elastic=0.5),
+    )
     return out, [c.case_id for c in dataset.cases]
 
 
@@ -162,8 +175,7 @@ def test_a_case_without_the_requested_copies_is_redone(tiny_dataset: Path, tmp_p
     out = preprocess(dataset, plans, "3d_fullres", tmp_path / "out", progress=False)
     assert not case_files(out, case_id, copy=0).data.exists()
     with caplog.at_level(logging.INFO, logger="autoseg"):
-        preprocess(dataset, plans, "3d_fullres", out, progress=False,
-                   precompute=PrecomputeConfig(num_copies=1))
+        preprocess(dataset, plans, "3d_fullres", out, progress=False, precompute=PrecomputeConfig(num_copies=1))
     props = read_properties(out, case_id)
     assert len(props.augmentations) == 1 and not props.augmentations[0].params.in_plane_only  # isotropic
     copy_bytes = sum(p.stat().st_size for p in case_files(out, case_id, copy=0))
@@ -192,7 +204,7 @@ def test_the_loader_samples_the_case_and_its_copies(with_copies) -> None:
             source = np.load(case_files(out, case_id, copy).data)
             z, y, x = batch["origins"][i]
             if min(z, y, x) >= 0 and z + 4 <= source.shape[1]:  # a box inside the image: equal voxels
-                np.testing.assert_array_equal(batch["data"][i], source[:, z:z + 4, y:y + 8, x:x + 8])
+                np.testing.assert_array_equal(batch["data"][i], source[:, z : z + 4, y : y + 8, x : x + 8])
     assert seen == {-1, 0, 1}
     validation = dataclasses.replace(config, augment=False)  # validation patches: the cases themselves
     validation_batch = PatchSampler(out, case_ids, validation, np.random.default_rng(0)).sample_batch()

@@ -64,8 +64,13 @@ def test_a_case_s_predicted_peak_counts_its_crop_as_measured() -> None:
     seg[0, 15:25, 48:80, 48:80] = 1
     plans = tiny_plans(spacing_mm=(2.0, 0.6, 0.6))
     config = plans.configuration("3d_fullres")
-    geometry = Geometry(ndim=3, size_xyz=shape[::-1], spacing_xyz=(0.8, 0.8, 2.5), origin_xyz=(0.0, 0.0, 0.0),
-                        direction=tuple(np.eye(3).ravel()))
+    geometry = Geometry(
+        ndim=3,
+        size_xyz=shape[::-1],
+        spacing_xyz=(0.8, 0.8, 2.5),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=tuple(np.eye(3).ravel()),
+    )
     tracemalloc.start()
     try:
         preprocess_case(data, seg, geometry, plans, config, "case")
@@ -90,8 +95,9 @@ def test_process_count_follows_the_fingerprint_and_budget(tiny_dataset: Path, tm
     fp = fingerprint(load_dataset(tiny_dataset), progress=False)
     fp.to_json(workspace.fingerprint_path)
     config = tiny_plans().configuration("3d_fullres")
-    largest = max(case_peak_bytes(c.shape_zyx, c.spacing_mm, config, 1, 3, cropped_zyx=c.cropped_shape_zyx)
-                  for c in fp.cases)
+    largest = max(
+        case_peak_bytes(c.shape_zyx, c.spacing_mm, config, 1, 3, cropped_zyx=c.cropped_shape_zyx) for c in fp.cases
+    )
     held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # what this process holds is reserved
     budget = held + 2 * largest + largest // 2  # room for 2.5 workers beside this process
     with caplog.at_level(logging.INFO, logger="autoseg"):
@@ -106,8 +112,15 @@ def test_process_count_follows_the_fingerprint_and_budget(tiny_dataset: Path, tm
 def test_a_killed_worker_fails_the_run_at_once_naming_the_case(dataset: RawDataset, tmp_path: Path) -> None:
     t0 = time.perf_counter()
     with pytest.raises(WorkerDiedError) as error:
-        preprocess(dataset, tiny_plans(host_ram_bytes=3 * GiB), "3d_fullres", tmp_path / "out", processes=2,
-                   progress=False, case_runner=die_on_victim)
+        preprocess(
+            dataset,
+            tiny_plans(host_ram_bytes=3 * GiB),
+            "3d_fullres",
+            tmp_path / "out",
+            processes=2,
+            progress=False,
+            case_runner=die_on_victim,
+        )
     assert time.perf_counter() - t0 < 30  # no hang: BrokenProcessPool is noticed within a second
     message = str(error.value)
     assert f"{VICTIM} (predicted peak " in message and "MiB, killed by signal 9)" in message
@@ -137,8 +150,9 @@ def test_a_run_killed_midway_then_rerun_writes_what_an_uninterrupted_run_writes(
     reference = preprocess(dataset, plans, "3d_fullres", tmp_path / "reference", progress=False)
 
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(_KILLABLE_RUN), str(raw),
-                             str(tmp_path / "plans.json"), str(out)])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(_KILLABLE_RUN), str(raw), str(tmp_path / "plans.json"), str(out)]
+    )
     deadline = time.monotonic() + 60
     while not list_complete_cases(out) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -151,8 +165,7 @@ def test_a_run_killed_midway_then_rerun_writes_what_an_uninterrupted_run_writes(
     assert _files(out) == _files(reference)  # byte-equal arrays and JSON; no temporary files left
 
 
-def test_rerun_removes_temporaries_and_redoes_a_half_written_case(dataset: RawDataset,
-                                                                  tmp_path: Path) -> None:
+def test_rerun_removes_temporaries_and_redoes_a_half_written_case(dataset: RawDataset, tmp_path: Path) -> None:
     small = dataclasses.replace(dataset, cases=dataset.cases[:2])
     out = preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False)
     reference = _files(out)
@@ -166,8 +179,9 @@ def test_rerun_removes_temporaries_and_redoes_a_half_written_case(dataset: RawDa
 
 def test_report_holds_predicted_and_measured_peaks(dataset: RawDataset, tmp_path: Path) -> None:
     small = dataclasses.replace(dataset, cases=dataset.cases[:2])
-    preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False,
-               report_path=tmp_path / "report.json")
+    preprocess(
+        small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False, report_path=tmp_path / "report.json"
+    )
     report = read_json(tmp_path / "report.json")
     assert [c["case_id"] for c in report["cases"]] == [c.case_id for c in small.cases]
     for case in report["cases"]:

@@ -67,7 +67,7 @@ def test_a_random_patch_reads_only_its_own_pages(large_case: Path) -> None:
     batch = sampler.sample_batch()
 
     z, y, x = batch["origins"][0]
-    expected = np.load(data_path, mmap_mode="r")[:, z:z + 16, y:y + 32, x:x + 32]
+    expected = np.load(data_path, mmap_mode="r")[:, z : z + 16, y : y + 32, x : x + 32]
     np.testing.assert_array_equal(batch["data"][0], expected)
     # The patch is 16 slices x 32 rows of 128 bytes (64 KiB); each slice's rows lie in 8 pages: 128 of the
     # file's 4097 pages (3.1 %), plus the header's. (Without MADV_RANDOM the kernel's read-ahead around each

@@ -67,8 +67,9 @@ def test_case_properties_describe_the_transform(planned, preprocessed_3d: Path) 
         assert props.target_spacing_mm == pytest.approx(config.spacing_mm)
         assert tuple(b - a for a, b in props.crop_bbox) == props.shape_after_crop
         assert all(c < s for c, s in zip(props.shape_after_crop, props.shape_before_crop))
-        assert props.shape_after_resample == compute_new_shape(props.shape_after_crop, props.spacing_mm,
-                                                               props.target_spacing_mm)
+        assert props.shape_after_resample == compute_new_shape(
+            props.shape_after_crop, props.spacing_mm, props.target_spacing_mm
+        )
 
 
 def test_class_counts_and_locations_match_the_segmentation(planned, preprocessed_3d: Path) -> None:
@@ -101,8 +102,7 @@ def _mtimes(folder: Path) -> dict[str, int]:
     return {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
 
 
-def test_rerun_skips_complete_cases_and_redoes_incomplete_ones(planned, preprocessed_3d: Path,
-                                                               tmp_path: Path) -> None:
+def test_rerun_skips_complete_cases_and_redoes_incomplete_ones(planned, preprocessed_3d: Path, tmp_path: Path) -> None:
     workspace, plans = planned
     dataset = load_dataset(workspace.dataset_root())
     out = tmp_path / "3d_fullres"

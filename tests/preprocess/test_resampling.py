@@ -26,8 +26,15 @@ def sitk_resample(volume: np.ndarray, spacing_mm, new_shape_zyx, interpolator) -
     new_spacing = [s * n / m for s, n, m in zip(spacing_mm, volume.shape, new_shape_zyx, strict=True)]
     origin = [(t - s) / 2 for t, s in zip(new_spacing, spacing_mm, strict=True)]
     out = sitk.Resample(
-        image, [int(n) for n in reversed(new_shape_zyx)], sitk.Transform(), interpolator,
-        list(reversed(origin)), list(reversed(new_spacing)), image.GetDirection(), 0.0, sitk.sitkFloat32,
+        image,
+        [int(n) for n in reversed(new_shape_zyx)],
+        sitk.Transform(),
+        interpolator,
+        list(reversed(origin)),
+        list(reversed(new_spacing)),
+        image.GetDirection(),
+        0.0,
+        sitk.sitkFloat32,
     )
     return sitk.GetArrayFromImage(out)
 
@@ -169,8 +176,9 @@ def random_labels(shape, values, seed: int) -> np.ndarray:
     return np.kron(coarse, np.ones((2, 2, 2), dtype=np.int8))[None]
 
 
-@pytest.mark.parametrize(("order", "order_z", "spacing"), [(0, 0, (1, 1, 1)), (1, 0, (1, 1, 1)),
-                                                           (3, 0, (1, 1, 1)), (3, 1, (4.0, 1, 1))])
+@pytest.mark.parametrize(
+    ("order", "order_z", "spacing"), [(0, 0, (1, 1, 1)), (1, 0, (1, 1, 1)), (3, 0, (1, 1, 1)), (3, 1, (4.0, 1, 1))]
+)
 def test_segmentation_resampling_never_creates_labels(order, order_z, spacing):
     values = (-1, 0, 2, 5)
     seg = random_labels((8, 12, 10), values, seed=order)
@@ -210,8 +218,9 @@ def test_segmentation_nearest_is_exact_for_integer_upsampling_and_float_input_fa
         resample_segmentation(seg.astype(np.float32), (8, 12, 12), (1, 1, 1))
 
 
-@pytest.mark.parametrize(("spacing", "order", "num_labels"), [((1, 1, 1), 1, 3), ((4.0, 1, 1), 1, 4),
-                                                               ((1, 1, 1), 3, 2)])
+@pytest.mark.parametrize(
+    ("spacing", "order", "num_labels"), [((1, 1, 1), 1, 3), ((4.0, 1, 1), 1, 4), ((1, 1, 1), 3, 2)]
+)
 def test_segmentation_peak_bytes_bounds_the_measured_peak(spacing, order, num_labels):
     shape, new_shape = (12, 40, 40), (30, 50, 50)
     seg = random_labels(shape, tuple(range(-1, num_labels - 1)), seed=0)
@@ -227,12 +236,15 @@ def test_segmentation_peak_bytes_bounds_the_measured_peak(spacing, order, num_la
     assert measured <= estimate <= 1.2 * measured
 
 
-@pytest.mark.parametrize(("shape", "new_shape", "spacing", "order_z"), [
-    ((12, 40, 40), (30, 50, 50), (1.0, 1.0, 1.0), 0),
-    ((10, 31, 29), (7, 45, 18), (4.0, 1.0, 1.0), 0),
-    ((10, 31, 29), (25, 20, 33), (4.0, 1.0, 1.0), 1),
-    ((9, 20, 22), (9, 33, 11), (1.0, 1.0, 5.0), 0),
-])
+@pytest.mark.parametrize(
+    ("shape", "new_shape", "spacing", "order_z"),
+    [
+        ((12, 40, 40), (30, 50, 50), (1.0, 1.0, 1.0), 0),
+        ((10, 31, 29), (7, 45, 18), (4.0, 1.0, 1.0), 0),
+        ((10, 31, 29), (25, 20, 33), (4.0, 1.0, 1.0), 1),
+        ((9, 20, 22), (9, 33, 11), (1.0, 1.0, 5.0), 0),
+    ],
+)
 def test_fast_linear_segmentation_resampling_equals_argmax_of_resampled_masks(shape, new_shape, spacing, order_z):
     """The separable, boxed path gives what resampling every label's mask and taking the largest response
     (ties to the smaller label) gives."""
@@ -241,8 +253,9 @@ def test_fast_linear_segmentation_resampling_equals_argmax_of_resampled_masks(sh
     seg[0, : shape[0] // 2] = 0  # a dominant label and small, boxed ones
     seg[0, :, rng.integers(shape[1]), :] = 2
     labels = sorted(int(v) for v in np.unique(seg))
-    responses = np.stack([resample_channel((seg[0] == v).astype(np.float32), new_shape, spacing, 1, order_z)
-                          for v in labels])
+    responses = np.stack(
+        [resample_channel((seg[0] == v).astype(np.float32), new_shape, spacing, 1, order_z) for v in labels]
+    )
     expected = np.asarray(labels, seg.dtype)[np.argmax(responses, axis=0)]
     out = resample_segmentation(seg, new_shape, spacing, order=1, order_z=order_z)
     near_tie = np.sort(responses, axis=0)[-1] - np.sort(responses, axis=0)[-2] < 1e-5

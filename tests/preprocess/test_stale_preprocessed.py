@@ -40,8 +40,9 @@ def ws(prepared: Path, tmp_path: Path) -> Workspace:
 
 def _stale(ws: Workspace, plans: Plans | None = None, unknown_is_stale: bool = False):
     dataset = load_dataset(ws.dataset_root())
-    return stale_preprocessed(ws, plans or Plans.from_json(ws.plans_path), dataset, dataset_source(dataset.root),
-                              [CONFIG], unknown_is_stale)
+    return stale_preprocessed(
+        ws, plans or Plans.from_json(ws.plans_path), dataset, dataset_source(dataset.root), [CONFIG], unknown_is_stale
+    )
 
 
 def _edit_plan(ws: Workspace, **changes) -> Plans:
@@ -65,16 +66,24 @@ def test_only_the_plan_fields_preprocessing_reads_count() -> None:
     plans = tiny_plans()
     fields = preprocessing_fields(plans, CONFIG)
     config = plans.configurations[CONFIG]
-    unread = replace(plans, host_ram_bytes=1, configurations={CONFIG: config.with_(batch_size=7, patch_size=(16,) * 3)},
-                     intensity_properties=(IntensityProperties(0.0, 1.0, -5.0, 5.0),))  # z-score reads none
+    unread = replace(
+        plans,
+        host_ram_bytes=1,
+        configurations={CONFIG: config.with_(batch_size=7, patch_size=(16,) * 3)},
+        intensity_properties=(IntensityProperties(0.0, 1.0, -5.0, 5.0),),
+    )  # z-score reads none
     assert preprocessing_fields(unread, CONFIG) == fields
-    for changed in (replace(plans, configurations={CONFIG: config.with_(spacing_mm=(3.0, 1.0, 1.0))}),
-                    replace(plans, normalization=("ct",)), replace(plans, use_nonzero_mask=(False,)),
-                    replace(plans, labels={"background": 0, "organ": 1})):
+    for changed in (
+        replace(plans, configurations={CONFIG: config.with_(spacing_mm=(3.0, 1.0, 1.0))}),
+        replace(plans, normalization=("ct",)),
+        replace(plans, use_nonzero_mask=(False,)),
+        replace(plans, labels={"background": 0, "organ": 1}),
+    ):
         assert preprocessing_fields(changed, CONFIG) != fields
     ct = replace(plans, normalization=("ct",))
-    assert preprocessing_fields(replace(ct, intensity_properties=unread.intensity_properties), CONFIG) != \
-        preprocessing_fields(ct, CONFIG)  # CT normalization reads them
+    assert preprocessing_fields(
+        replace(ct, intensity_properties=unread.intensity_properties), CONFIG
+    ) != preprocessing_fields(ct, CONFIG)  # CT normalization reads them
 
 
 def test_another_plan_makes_every_case_stale_and_training_refuses(ws: Workspace) -> None:
@@ -116,8 +125,10 @@ def test_preprocess_workspace_refuses_stale_cases_then_redoes_them_with_overwrit
     preprocess_workspace(ws, [CONFIG], processes=1, progress=False, overwrite=True)
     assert read_source(folder).plan_fields["spacing_mm"] == [2.0, 1.0, 1.0]
     assert json.loads((folder / "demo_000.json").read_text())["target_spacing_mm"] == [2.0, 1.0, 1.0]
-    assert snapshot(ws.root)[f"preprocessed/{CONFIG}/demo_000_data.npy"] != \
-        before[f"preprocessed/{CONFIG}/demo_000_data.npy"]
+    assert (
+        snapshot(ws.root)[f"preprocessed/{CONFIG}/demo_000_data.npy"]
+        != before[f"preprocessed/{CONFIG}/demo_000_data.npy"]
+    )
     assert _stale(ws) == []
 
 
@@ -130,5 +141,6 @@ def test_delete_case_removes_the_case_and_its_copies_only(tmp_path: Path) -> Non
     assert stored_case_ids(tmp_path) == ["c1", "c10"]
     delete_case(tmp_path, "c1")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [p.name for copy in (-1, 0, 1) for p in case_files(tmp_path, "c10", copy)] + ["c10.json"])
+        [p.name for copy in (-1, 0, 1) for p in case_files(tmp_path, "c10", copy)] + ["c10.json"]
+    )
     assert stored_case_ids(tmp_path) == ["c10"]

@@ -63,8 +63,15 @@ def test_files_have_the_documented_names_and_npy_bytes(tmp_path: Path) -> None:
     arrays, _ = _write_with_copies(tmp_path, "c1", num_copies=1)
     data, seg, locations = arrays[0]
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["c1.json", "c1_aug0_data.npy", "c1_aug0_locations.npy", "c1_aug0_seg.npy",
-                     "c1_data.npy", "c1_locations.npy", "c1_seg.npy"]
+    assert names == [
+        "c1.json",
+        "c1_aug0_data.npy",
+        "c1_aug0_locations.npy",
+        "c1_aug0_seg.npy",
+        "c1_data.npy",
+        "c1_locations.npy",
+        "c1_seg.npy",
+    ]
     assert (tmp_path / "c1_data.npy").read_bytes() == _npy_bytes(data)
     assert (tmp_path / "c1_seg.npy").read_bytes() == _npy_bytes(seg)
     rows = [(c, *v) for c in (1, 2) for v in locations[str(c)]]  # by class, then in the order given

@@ -35,14 +35,21 @@ A_MISSES = (slice(1, 3), slice(5, 7), slice(6, 7))  # lesion voxels A calls back
 B_MISSES = (1, 1, slice(1, 4))  # organ voxels B calls background
 
 EXPECTED = {  # (organ, lesion) Dice by construction
-    "A": (36 / 37, 10 / 14), "B": (30 / 34, 1.0), "A+B": (36 / 37, 1.0),
+    "A": (36 / 37, 10 / 14),
+    "B": (30 / 34, 1.0),
+    "A+B": (36 / 37, 1.0),
 }
 
 
 def geometry() -> Geometry:
     z, y, x = SHAPE
-    return Geometry(ndim=3, size_xyz=(x, y, z), spacing_xyz=(1.0, 1.0, 1.0), origin_xyz=(0.0, 0.0, 0.0),
-                    direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0))
+    return Geometry(
+        ndim=3,
+        size_xyz=(x, y, z),
+        spacing_xyz=(1.0, 1.0, 1.0),
+        origin_xyz=(0.0, 0.0, 0.0),
+        direction=(1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0),
+    )
 
 
 def reference() -> np.ndarray:
@@ -71,8 +78,12 @@ def write_dataset(root: Path) -> Path:
     for case in CASES:
         write_image(root / "imagesTr" / f"{case}_0000.nii.gz", np.ones(SHAPE, dtype=np.float32), geometry())
         write_image(root / "labelsTr" / f"{case}.nii.gz", reference(), geometry())
-    meta = {"channel_names": {"0": "MRI"}, "labels": {"background": 0, "organ": 1, "lesion": 2},
-            "numTraining": len(CASES), "file_ending": ".nii.gz"}
+    meta = {
+        "channel_names": {"0": "MRI"},
+        "labels": {"background": 0, "organ": 1, "lesion": 2},
+        "numTraining": len(CASES),
+        "file_ending": ".nii.gz",
+    }
     (root / "dataset.json").write_text(json.dumps(meta))
     return root
 
@@ -86,13 +97,16 @@ def write_fold(ws: Workspace, config: str, fold: int) -> None:
     p = probabilities(config)
     for case in FOLDS[fold]:
         write_image(out / "validation" / f"{case}.nii.gz", np.argmax(p, axis=0).astype(np.uint8), geometry())
-        np.savez(out / "validation" / f"{case}.npz", probabilities=p.astype(np.float16),
-                 names=np.array(["background", "organ", "lesion"]), activation=np.array("softmax"))
+        np.savez(
+            out / "validation" / f"{case}.npz",
+            probabilities=p.astype(np.float16),
+            names=np.array(["background", "organ", "lesion"]),
+            activation=np.array("softmax"),
+        )
     (out / "validation" / "summary.json").write_text("{}")
 
 
-def make_workspace(tmp_path: Path, configs: tuple[str, ...] = ("A", "B"), folds: tuple[int, ...] = (0, 1)
-                   ) -> Workspace:
+def make_workspace(tmp_path: Path, configs: tuple[str, ...] = ("A", "B"), folds: tuple[int, ...] = (0, 1)) -> Workspace:
     dataset = write_dataset(tmp_path / "Dataset001_Fake")
     ws = Workspace.at(tmp_path / "ws")
     ws.root.mkdir()
@@ -100,8 +114,9 @@ def make_workspace(tmp_path: Path, configs: tuple[str, ...] = ("A", "B"), folds:
     plans = tiny_plans()
     config = plans.configurations["3d_fullres"]
     dataclasses.replace(plans, configurations={c: config.with_(name=c) for c in configs}).to_json(ws.plans_path)
-    Splits(seed=0, folds=tuple(FoldSplit(train=tuple(c for c in CASES if c not in val), val=val)
-                               for val in FOLDS)).to_json(ws.splits_path)
+    Splits(
+        seed=0, folds=tuple(FoldSplit(train=tuple(c for c in CASES if c not in val), val=val) for val in FOLDS)
+    ).to_json(ws.splits_path)
     for c in configs:
         for f in folds:
             write_fold(ws, c, f)

@@ -78,8 +78,11 @@ def test_a_missing_fold_is_named_with_the_command_that_trains_it(tmp_path) -> No
 def test_a_fold_without_its_probabilities_is_named(tmp_path) -> None:
     ws = make_workspace(tmp_path)
     (ws.results("A", 0) / "validation" / f"{FOLDS[0][1]}.npz").unlink()
-    with pytest.raises(InputError, match=rf"A fold 0: its final validation is incomplete .*missing {FOLDS[0][1]}.npz"
-                                         r"\); run `autoseg train fold 0 -c A -w \S+ --resume`"):
+    with pytest.raises(
+        InputError,
+        match=rf"A fold 0: its final validation is incomplete .*missing {FOLDS[0][1]}.npz"
+        r"\); run `autoseg train fold 0 -c A -w \S+ --resume`",
+    ):
         find_best(ws)
 
 
@@ -118,8 +121,12 @@ def test_an_ensembles_host_memory_is_what_its_estimate_says(tmp_path) -> None:
     rng = np.random.default_rng(0)
     for config in ("A", "B"):
         p = rng.random(big, dtype=np.float32)
-        np.savez(cv.probabilities(config, cv.cases[0]), probabilities=(p / p.sum(0)).astype(np.float16),
-                 names=np.array(["background", "organ", "lesion"]), activation=np.array("softmax"))
+        np.savez(
+            cv.probabilities(config, cv.cases[0]),
+            probabilities=(p / p.sum(0)).astype(np.float16),
+            names=np.array(["background", "organ", "lesion"]),
+            activation=np.array("softmax"),
+        )
     tracemalloc.start()
     labels = candidate_labels(cv, Candidate(("A", "B")), cv.cases[0])
     peak = tracemalloc.get_traced_memory()[1]

@@ -37,11 +37,20 @@ def with_cascade(root: Path) -> Plans:
     plans = Plans.from_json(ws.plans_path)
     full = plans.configuration("3d_fullres")
     low_spacing = tuple(2 * s for s in full.spacing_mm)
-    low = full.with_(name="3d_lowres", spacing_mm=low_spacing, patch_size=(4, 8, 8), inference_patch_size=(4, 8, 8),
-                     median_shape_zyx=tuple(max(1, m // 2) for m in full.median_shape_zyx))
+    low = full.with_(
+        name="3d_lowres",
+        spacing_mm=low_spacing,
+        patch_size=(4, 8, 8),
+        inference_patch_size=(4, 8, 8),
+        median_shape_zyx=tuple(max(1, m // 2) for m in full.median_shape_zyx),
+    )
     extra = len(plans.label_scheme.predicted_values)
-    cascade = full.with_(name=CASCADE, previous_stage="3d_lowres", preprocessed_as="3d_fullres",
-                         network=dataclasses.replace(tiny_topology(plans.num_label_values), in_channels=1 + extra))
+    cascade = full.with_(
+        name=CASCADE,
+        previous_stage="3d_lowres",
+        preprocessed_as="3d_fullres",
+        network=dataclasses.replace(tiny_topology(plans.num_label_values), in_channels=1 + extra),
+    )
     plans = dataclasses.replace(plans, configurations={**plans.configurations, "3d_lowres": low, CASCADE: cascade})
     plans.to_json(ws.plans_path)
     preprocess_workspace(ws, ["3d_lowres", CASCADE], processes=1, progress=False)
@@ -57,8 +66,9 @@ def cascade_ws(prepared: Path, tmp_path_factory) -> Path:
     ws = Workspace.at(root)
     cases = list_cases(ws.preprocessed("3d_fullres"))
     halves = (tuple(cases[::2]), tuple(cases[1::2]))
-    Splits(seed=0, folds=(FoldSplit(train=halves[1], val=halves[0]),
-                          FoldSplit(train=halves[0], val=halves[1]))).to_json(ws.splits_path)
+    Splits(
+        seed=0, folds=(FoldSplit(train=halves[1], val=halves[0]), FoldSplit(train=halves[0], val=halves[1]))
+    ).to_json(ws.splits_path)
     train(ws, "3d_lowres", 0, RUN, progress=False)
     return root
 
@@ -69,18 +79,23 @@ def test_the_cascade_reads_3d_fullres_data_and_nothing_is_preprocessed_for_it(ca
     assert Plans.from_json(ws.plans_path).input_channels(Plans.from_json(ws.plans_path).configuration(CASCADE)) == 3
 
 
-def test_the_cascade_refuses_to_train_until_every_lowres_fold_of_its_cases_is_trained(cascade_ws: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_the_cascade_refuses_to_train_until_every_lowres_fold_of_its_cases_is_trained(
+    cascade_ws: Path, tmp_path: Path
+) -> None:
     ws = Workspace.at(Path(shutil.copytree(cascade_ws, tmp_path / "ws")))
-    with pytest.raises(InputError, match=r"3d_lowres fold\(s\) 1 not trained: run `autoseg train fold 1 -c "
-                                         r"3d_lowres -w .*`") as e:
+    with pytest.raises(
+        InputError,
+        match=r"3d_lowres fold\(s\) 1 not trained: run `autoseg train fold 1 -c "
+        r"3d_lowres -w .*`",
+    ) as e:
         train(ws, CASCADE, 0, RUN, progress=False)
     assert "fold 0" not in str(e.value).split("missing:")[1]  # trained: not named
     assert not (ws.root / "results" / CASCADE).exists()  # refused before anything was written
 
 
-def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages(cascade_ws: Path, inputs: Path,
-                                                                               tmp_path: Path) -> None:
+def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages(
+    cascade_ws: Path, inputs: Path, tmp_path: Path
+) -> None:
     ws = Workspace.at(Path(shutil.copytree(cascade_ws, tmp_path / "ws")))
     plans = Plans.from_json(ws.plans_path)
     train(ws, "3d_lowres", 1, RUN, progress=False)
@@ -94,8 +109,9 @@ def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages
         assert source == ws.results("3d_lowres", fold) / "validation" / f"{case_id}.nii.gz"
         expected = labels_on_grid(read_image(source, dtype=None)[0], read_properties(data, case_id))
         assert np.array_equal(open_previous_stage(ws.preprocessed(CASCADE), case_id), expected)
-    written = predict(ws, inputs, tmp_path / "pred", config_name=CASCADE, folds=(0,),
-                      device="cpu", mirror=False, progress=False)
+    written = predict(
+        ws, inputs, tmp_path / "pred", config_name=CASCADE, folds=(0,), device="cpu", mirror=False, progress=False
+    )
     for path in written:
         image = inputs / path.name.replace(".nii.gz", "_0000.nii.gz")
         assert read_geometry(path) == read_geometry(image)

@@ -49,8 +49,15 @@ def _plans(**changes) -> Plans:
     return dataclasses.replace(plans, configurations={CONFIG: config})
 
 
-@pytest.mark.parametrize("changes", [{}, {"checkpointing": True}, {"accumulation_steps": 2},
-                                     {"batch_size": 1, "checkpointing": True, "accumulation_steps": 2}])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"checkpointing": True},
+        {"accumulation_steps": 2},
+        {"batch_size": 1, "checkpointing": True, "accumulation_steps": 2},
+    ],
+)
 def test_cpu_check_tracks_the_simulated_tensor_peak_of_a_real_step(changes: dict) -> None:
     check = check_plan(_plans(**changes), CONFIG, torch.device("cpu"), steps=CHECK_STEPS)
     tensors, rss, model = check.rows
@@ -80,15 +87,27 @@ def test_cpu_peak_rss_of_a_fresh_process_counts_what_glibcs_heap_keeps(tmp_path:
     glibc's heap layout differs from one fresh process to the next (the same steps, seeds and thread count), so
     the peak RSS does too: 10 runs measured -9.5%..+3.3% of the prediction (median -5.2%), +20..+38% without the
     term; the median of three runs is held to the tolerance."""
-    topology = NetworkTopology(dim=3, in_channels=1, num_outputs=3, features_per_stage=(16, 32),
-                               kernel_sizes=((3, 3, 3), (3, 3, 3)), strides=((1, 1, 1), (1, 2, 2)))
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=3,
+        features_per_stage=(16, 32),
+        kernel_sizes=((3, 3, 3), (3, 3, 3)),
+        strides=((1, 1, 1), (1, 2, 2)),
+    )
     plans = _plans(network=topology, patch_size=(24, 64, 64), inference_patch_size=(24, 64, 64))
     plans.to_json(tmp_path / "plans.json")
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | {"OMP_NUM_THREADS": "2"}
     rows = []
     for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", _CHECK_IN_A_FRESH_PROCESS, str(tmp_path / "plans.json")],
-                              capture_output=True, text=True, env=env, timeout=300, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", _CHECK_IN_A_FRESH_PROCESS, str(tmp_path / "plans.json")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+            check=True,
+        )
         check = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(next(row for row in check["rows"] if row["name"] == "peak RSS"))
     median = sorted(rows, key=lambda row: row["error"])[1]
@@ -128,14 +147,24 @@ def _cuda_check(scale: dict[str, float]) -> tuple[memory_check.MemoryCheck, Fake
     config, scheme = plans.configuration(CONFIG), plans.label_scheme
     terms = predict_step(config, "cuda", OPTIMIZERS["sgd"], scheme).device_terms
     reserved = terms["tensors"] + terms["allocator_rounding"] + terms["fragmentation"] + terms["conv_workspace"]
-    cuda = FakeCuda(int(terms["tensors"] * scale.get("allocated", 1.0)), int(reserved * scale.get("reserved", 1.0)),
-                    int(terms["total"] * scale.get("device used", 1.0)))
+    cuda = FakeCuda(
+        int(terms["tensors"] * scale.get("allocated", 1.0)),
+        int(reserved * scale.get("reserved", 1.0)),
+        int(terms["total"] * scale.get("device used", 1.0)),
+    )
     step = configured_step(config, torch.device("cpu"), OPTIMIZERS["sgd"], scheme)
-    batches = iter([{"data": torch.randn(2, 1, 8, 16, 16), "target": torch.zeros(2, 1, 8, 16, 16, dtype=torch.int8)}
-                    ] * 3)
+    batches = iter(
+        [{"data": torch.randn(2, 1, 8, 16, 16), "target": torch.zeros(2, 1, 8, 16, 16, dtype=torch.int8)}] * 3
+    )
     results: list = []
-    observer = MemoryObserver(config, torch.device("cuda"), OPTIMIZERS["sgd"], scheme, results.append,
-                              probe=CudaProbe(torch.device("cuda"), cuda))
+    observer = MemoryObserver(
+        config,
+        torch.device("cuda"),
+        OPTIMIZERS["sgd"],
+        scheme,
+        results.append,
+        probe=CudaProbe(torch.device("cuda"), cuda),
+    )
     for _ in range(3):
         observer.step(step, batches)
     (check,) = results  # once, after the first CHECK_STEPS steps
@@ -163,8 +192,13 @@ def test_a_cpu_peak_rss_gap_within_the_heap_s_spread_between_processes_is_not_of
     assert not row(519, RSS_SLACK_BYTES).off() and row(519, 0).off()
     assert row(560, RSS_SLACK_BYTES).off() and row(360, RSS_SLACK_BYTES).off()
     assert not row(500, 0).off()  # 8.7%: within the tolerance either way
-    configuration = {"batch_size": 1, "accumulation_steps": 1, "patch_size": (8, 8, 8), "precision": "fp32",
-                     "checkpointing": False}
+    configuration = {
+        "batch_size": 1,
+        "accumulation_steps": 1,
+        "patch_size": (8, 8, 8),
+        "precision": "fp32",
+        "checkpointing": False,
+    }
     rows = (row(519, RSS_SLACK_BYTES), row(500, RSS_SLACK_BYTES), row(560, RSS_SLACK_BYTES))
     table = MemoryCheck("cpu", configuration, 3, rows).table()
     assert [line.split()[7] for line in table.splitlines()[3:6]] == ["yes", "yes", "NO"]
@@ -201,7 +235,7 @@ def test_check_memory_exits_non_zero_and_says_what_is_off(tmp_path: Path, capsys
     captured = capsys.readouterr()
     assert code == EXIT_MEMORY_MISMATCH == 3
     assert "off by more than 10% on this cpu: peak RSS: measured 64.00 GiB" in captured.err
-    record = json.loads(captured.out[captured.out.index("{"):])
+    record = json.loads(captured.out[captured.out.index("{") :])
     assert record["ok"] is False and record["steps"] == 3
 
 
@@ -224,13 +258,21 @@ def test_training_records_the_check_in_run_json_the_checkpoint_and_the_log(works
     fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     (check,) = json.loads((fold / "run.json").read_text())["memory_checks"]  # once: the first steps
     assert check["ok"] and check["device"] == "cpu" and check["steps"] == CHECK_STEPS == 3
-    assert check["configuration"] == {"batch_size": 2, "accumulation_steps": 1, "patch_size": [8, 16, 16],
-                                      "checkpointing": True, "precision": "fp32", "optimizer": "sgd"}
+    assert check["configuration"] == {
+        "batch_size": 2,
+        "accumulation_steps": 1,
+        "patch_size": [8, 16, 16],
+        "checkpointing": True,
+        "precision": "fp32",
+        "optimizer": "sgd",
+    }
     tensors = check["rows"][0]
     assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= TENSOR_SLACK_BYTES
     assert load_checkpoint(fold / "checkpoint_final.pt")["memory_checks"] == [check]
-    assert "memory check on cpu (3 steps, batch 2 x 1, patch 8x16x16, fp32, checkpointing)" in \
-        (fold / "train.log").read_text()
+    assert (
+        "memory check on cpu (3 steps, batch 2 x 1, patch 8x16x16, fp32, checkpointing)"
+        in (fold / "train.log").read_text()
+    )
 
 
 def test_training_warns_when_the_model_is_off_and_goes_on(workspace: Workspace, monkeypatch) -> None:

@@ -30,12 +30,24 @@ TTA, VARIANTS = "4", 4
 
 
 def _budget(budget_s: float, cases: dict = CASES, ipe: int = 250, val_iterations: int = 50) -> TimeBudget:
-    return TimeBudget(budget_s, 0.0, 1000, ipe, val_iterations, micro_batches=1, batch_size=2, patch_size=PATCH,
-                      validation_cases=cases, tta=TTA, tta_variants=VARIANTS)
+    return TimeBudget(
+        budget_s,
+        0.0,
+        1000,
+        ipe,
+        val_iterations,
+        micro_batches=1,
+        batch_size=2,
+        patch_size=PATCH,
+        validation_cases=cases,
+        tta=TTA,
+        tta_variants=VARIANTS,
+    )
 
 
-def _simulate(budget: TimeBudget, step_seconds: Callable[[float, int], float], setup_s: float = 5.0,
-              overhead_s: float = 0.4) -> tuple[float, list[int]]:
+def _simulate(
+    budget: TimeBudget, step_seconds: Callable[[float, int], float], setup_s: float = 5.0, overhead_s: float = 0.4
+) -> tuple[float, list[int]]:
     """Run ``budget``'s plan on a simulated clock: ``step_seconds(now, step index)`` per iteration; per epoch the
     pseudo-Dice (``val_iterations`` forwards, a third of a step each) and ``overhead_s`` (checkpoints, plot).
     Returns (the time the final validation ends, the iterations each epoch ran)."""
@@ -98,9 +110,17 @@ def test_a_run_that_speeds_up_is_lengthened() -> None:
     assert last.epochs * last.iterations_per_epoch > first.epochs * first.iterations_per_epoch
 
 
-@pytest.mark.parametrize(("budget_s", "seconds", "ipe"), [
-    (60.0, 0.05, 250), (300.0, 0.3, 250), (720.0, 1.0, 250), (3600.0, 1.7, 250), (7200.0, 0.4, 250), (900.0, 3.0, 50),
-])
+@pytest.mark.parametrize(
+    ("budget_s", "seconds", "ipe"),
+    [
+        (60.0, 0.05, 250),
+        (300.0, 0.3, 250),
+        (720.0, 1.0, 250),
+        (3600.0, 1.7, 250),
+        (7200.0, 0.4, 250),
+        (900.0, 3.0, 50),
+    ],
+)
 def test_simulated_runs_use_85_to_105_percent_of_the_budget(budget_s: float, seconds: float, ipe: int) -> None:
     budget = _budget(budget_s, ipe=ipe)
     end, ran = _simulate(budget, _warm_then(seconds, warmup_s=3 * seconds))

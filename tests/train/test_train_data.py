@@ -46,8 +46,15 @@ def precomputed(tiny_dataset: Path, tmp_path_factory) -> Workspace:
     workspace = Workspace.at(tmp_path_factory.mktemp("train_data") / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, [CONFIG], processes=1, progress=False, precompute_augmentations=1)
-    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
-                      batch_size=2, accumulation_steps=1, checkpointing=False)
+    set_configuration(
+        workspace,
+        CONFIG,
+        network=tiny_topology(plans.num_label_values),
+        patch_size=(8, 16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+        checkpointing=False,
+    )
     return workspace
 
 
@@ -65,21 +72,24 @@ def test_precomputed_copies_counts_the_fewest(precomputed: Workspace) -> None:
 
 def test_training_samples_precomputed_copies_in_a_worker_process(precomputed: Workspace, caplog) -> None:
     caplog.set_level(logging.INFO, logger="autoseg.train.trainer")
-    run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1,
-                    loader_workers=1)
+    run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1, loader_workers=1)
     fold = train(precomputed, CONFIG, 0, run, progress=False)
     record = json.loads((fold / "run.json").read_text())
     assert record["data"] == {"loader_workers": 1, "use_precomputed": True}
     assert "1 loader worker(s) x 2 queued batches; spatial augmentation precomputed copies (1 per case)" in caplog.text
 
 
-def test_planned_workers_shrink_to_the_shared_memory(precomputed: Workspace, caplog,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_planned_workers_shrink_to_the_shared_memory(
+    precomputed: Workspace, caplog, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The plan's 2 workers, but /dev/shm (Docker's 64 MiB, say) holds the slots of one: train with one."""
     set_configuration(precomputed, CONFIG, loader_workers=2, loader_queue_depth=2)
     one_worker = 3 * output_batch_bytes((8, 16, 16), 2, 1)  # queue depth 2 + 1 slots
-    monkeypatch.setattr(batch_loader.shutil, "disk_usage",
-                        lambda folder: shutil._ntuple_diskusage(2**30, 2**30 - one_worker - 1, one_worker + 1))
+    monkeypatch.setattr(
+        batch_loader.shutil,
+        "disk_usage",
+        lambda folder: shutil._ntuple_diskusage(2**30, 2**30 - one_worker - 1, one_worker + 1),
+    )
     caplog.set_level(logging.INFO, logger="autoseg.train.trainer")
     try:
         run = RunConfig(epochs=1, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
@@ -94,9 +104,16 @@ def test_use_precomputed_without_copies_names_the_flag(tiny_dataset: Path, tmp_p
     workspace = Workspace.at(tmp_path / "ws")
     plans = plan_dataset(tiny_dataset, workspace, Budget(gpu_memory_bytes=8 * GiB, device="cpu"), progress=False)
     preprocess_workspace(workspace, [CONFIG], processes=1, progress=False)
-    set_configuration(workspace, CONFIG, network=tiny_topology(plans.num_label_values), patch_size=(8, 16, 16),
-                      batch_size=2, accumulation_steps=1)
-    run = RunConfig(epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1,
-                    use_precomputed=True)
+    set_configuration(
+        workspace,
+        CONFIG,
+        network=tiny_topology(plans.num_label_values),
+        patch_size=(8, 16, 16),
+        batch_size=2,
+        accumulation_steps=1,
+    )
+    run = RunConfig(
+        epochs=1, iterations_per_epoch=1, val_iterations=1, validate=False, cpu_threads=1, use_precomputed=True
+    )
     with pytest.raises(ValueError, match="--precompute-augmentations"):
         train(workspace, CONFIG, 0, run, progress=False)

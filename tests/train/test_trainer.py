@@ -105,9 +105,12 @@ def test_out_of_memory_degradation_after_resume_is_kept(workspace: Workspace) ->
 def test_degradation_takes_the_option_with_the_lower_predicted_peak(prepared: Path) -> None:
     config = Plans.from_json(Workspace.at(prepared).plans_path).configuration(CONFIG).with_(checkpointing=False)
     chosen, record = choose_degradation(config, torch.device("cpu"))
-    halved, checkpointed = (predict_device_peak(simulate_training_step(
-        config.network, b, config.patch_size, checkpointing=c, accumulation_steps=a), "cpu")["total"]
-        for b, c, a in [(1, False, 2), (2, True, 1)])
+    halved, checkpointed = (
+        predict_device_peak(
+            simulate_training_step(config.network, b, config.patch_size, checkpointing=c, accumulation_steps=a), "cpu"
+        )["total"]
+        for b, c, a in [(1, False, 2), (2, True, 1)]
+    )
     assert halved != checkpointed
     expected = "halve_micro_batch" if halved < checkpointed else "activation_checkpointing"
     assert record["action"] == expected
@@ -121,8 +124,9 @@ def test_nothing_left_to_degrade_explains_what_to_change(prepared: Path) -> None
         choose_degradation(config.with_(batch_size=1, checkpointing=True), torch.device("cpu"))
 
 
-@pytest.mark.parametrize(("text", "seconds"), [("2h", 7200), ("30m", 1800), ("90s", 90), ("1h30m", 5400),
-                                               ("1.5h", 5400), ("45", 45)])
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("2h", 7200), ("30m", 1800), ("90s", 90), ("1h30m", 5400), ("1.5h", 5400), ("45", 45)]
+)
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == seconds
 
@@ -136,7 +140,7 @@ def test_parse_duration_rejects(text: str) -> None:
 def test_final_validation_estimate_and_poly_lr() -> None:
     # 2 x 3 x 3 tiles, 8 mirror variants, a third of 0.3 s per sample, x1.5
     assert final_validation_seconds([(12, 28, 28)], (8, 16, 16), 0.3, 8) == pytest.approx(1.5 * 2 * 3 * 3 * 8 * 0.1)
-    assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5 ** 0.9) and poly_lr(0.01, 10, 10) == 0.0
+    assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5**0.9) and poly_lr(0.01, 10, 10) == 0.0
 
 
 def _simulated_steps(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> SimpleNamespace:
@@ -163,8 +167,10 @@ def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, mon
     run = RunConfig(**{**TINY, "epochs": 1000, "iterations_per_epoch": 50}, time_budget_s=120.0)
     fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
     run_json = json.loads((fold / "run.json").read_text())
-    decisions = [(d["source"], d["epochs"], d["iterations_per_epoch"], d["elapsed_seconds"],
-                  d["seconds_per_iteration"]) for d in run_json["time_budget"]]
+    decisions = [
+        (d["source"], d["epochs"], d["iterations_per_epoch"], d["elapsed_seconds"], d["seconds_per_iteration"])
+        for d in run_json["time_budget"]
+    ]
     # after 5 iterations (7.8 s): 1 s per iteration (the warm-up left out), 1 / 3 + 0.3 s per epoch besides;
     # 95% of 120 s is 114 s: 106.2 s left + the 5 iterations done need ceil(111.2 / 50.63) = 3 epochs, each
     # shortened to floor(111.2 / 3 - 0.63) = 36 iterations. Later checks find it on time: no new decision.
@@ -182,8 +188,9 @@ def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, mon
     assert rows[-1]["predicted_run_seconds"] == pytest.approx(rows[-1]["elapsed_seconds"]) == pytest.approx(110.8)
 
 
-def test_time_budget_reduces_the_final_validation_and_it_is_honoured(workspace: Workspace,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
+    workspace: Workspace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Steps of 3 s simulated make the final validation of fold "all" (5 cases, 4 mirror variants on CPU) cost more
     than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
     from autoseg.train import validation
@@ -201,7 +208,7 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(workspace: 
     final = json.loads((fold / "run.json").read_text())["final_validation"]
     all_cases = sorted(fold_cases(workspace, CONFIG, "all")[1])
     assert final["tta"] == "none" and final["reduced_by_time_budget"]
-    assert 1 <= len(final["cases"]) < len(all_cases) and final["cases"] == all_cases[:len(final["cases"])]
+    assert 1 <= len(final["cases"]) < len(all_cases) and final["cases"] == all_cases[: len(final["cases"])]
     assert seen == [(c, "none") for c in final["cases"]]
     assert sorted(p.stem for p in (fold / "validation").glob("*.npz")) == final["cases"]
     decision = json.loads((fold / "run.json").read_text())["time_budget"][-1]
@@ -234,7 +241,8 @@ def test_pseudo_dice_counts_per_class_and_region_skip_ignore() -> None:
 
 
 def test_a_preprocessed_case_with_missing_arrays_stops_training_instead_of_leaving_the_folds(
-        workspace: Workspace) -> None:
+    workspace: Workspace,
+) -> None:
     folder = workspace.preprocessed(CONFIG)
     case_id = sorted(p.stem for p in folder.glob("*.json"))[0]
     (folder / f"{case_id}_seg.npy").unlink()
