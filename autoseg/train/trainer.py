@@ -52,7 +52,7 @@ from autoseg.train.fold_data import fold_cases, prepare_previous_stage
 from autoseg.train.memory_check import MemoryCheck, MemoryObserver, configured_step, log_check
 from autoseg.train.patch_validation import validate_patches
 from autoseg.train.run_config import RunConfig
-from autoseg.train.schedule import TimeBudget, poly_lr
+from autoseg.train.schedule import BudgetedRun, TimeBudget, poly_lr
 
 __all__ = ["train"]
 
@@ -384,19 +384,18 @@ def _time_budget(job: _Job, config: ConfigurationPlan) -> TimeBudget:
     run, folder = job.run, job.data_folder
     cases = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if run.validate else {}
     tta = default_tta(run.device)
-    return TimeBudget(
-        run.time_budget_s,
-        job.started,
+    budgeted = BudgetedRun(
         run.epochs,
         run.iterations_per_epoch,
         run.val_iterations,
         config.accumulation_steps,
         config.batch_size,
-        config.patch_size,
+        tuple(config.patch_size),
         cases,
         tta,
         parse_tta(tta, config.dim),
     )
+    return TimeBudget(run.time_budget_s, job.started, budgeted)
 
 
 def _planned(ctx: _Context) -> float | None:
