@@ -5,8 +5,9 @@ progress.png (``curves``) and the final validation of the fold's cases (``valida
 
 Owns: ``trainer``, ``folds`` (several folds in turn, resumable as a whole), ``run_config``, ``checkpoint``,
 ``degrade``, ``memory_check`` (the memory model checked against the first real steps, and ``autoseg
-check-memory``), ``schedule``, ``data_pipeline`` (loader workers, precomputed copies), ``patch_validation``,
-``curves``, ``validation``, ``fold_data`` (a fold's cases and, for the cascade, each case's out-of-fold previous-stage
-label map).
+check-memory``), ``memory_probes`` (what that check measures, on CPU and CUDA), ``memory_report`` (its rows,
+verdict, log line and table), ``schedule``, ``data_pipeline`` (loader workers, precomputed copies),
+``patch_validation``, ``curves``, ``validation``, ``fold_data`` (a fold's cases and, for the cascade, each case's
+out-of-fold previous-stage label map).
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.
 """

@@ -49,7 +49,8 @@ from autoseg.train.curves import record_epoch, run_times
 from autoseg.train.data_pipeline import choose_data_pipeline
 from autoseg.train.degrade import apply_degradations, choose_degradation, log_degradation
 from autoseg.train.fold_data import fold_cases, prepare_previous_stage
-from autoseg.train.memory_check import MemoryCheck, MemoryObserver, configured_step, log_check
+from autoseg.train.memory_check import MemoryObserver, configured_step
+from autoseg.train.memory_report import MemoryCheck, log_check
 from autoseg.train.patch_validation import validate_patches
 from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import BudgetedRun, TimeBudget, poly_lr

@@ -21,18 +21,18 @@ from autoseg.core.workspace import Workspace
 from autoseg.model.optimizer import OPTIMIZERS
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.plans import Plans
-from autoseg.train import memory_check
+from autoseg.train import memory_check, memory_probes
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.memory_check import (
     CHECK_STEPS,
     EXIT_MEMORY_MISMATCH,
-    TOLERANCE,
-    CudaProbe,
     MemoryObserver,
     check_plan,
     configured_step,
     predict_step,
 )
+from autoseg.train.memory_probes import CudaProbe
+from autoseg.train.memory_report import RSS_SLACK_BYTES, TOLERANCE, MemoryCheck, MemoryRow
 from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
 
@@ -140,7 +140,7 @@ class FakeCuda:
         return self.total - self.used, self.total
 
 
-def _cuda_check(scale: dict[str, float]) -> tuple[memory_check.MemoryCheck, FakeCuda]:
+def _cuda_check(scale: dict[str, float]) -> tuple[MemoryCheck, FakeCuda]:
     """The CUDA branch on a CPU step: the prediction for cuda, the measurement from a ``FakeCuda`` that answers the
     predicted figures times ``scale`` (per row name)."""
     plans = _plans()
@@ -183,7 +183,6 @@ def test_cuda_check_compares_allocator_statistics_with_the_predicted_terms() -> 
 def test_a_cpu_peak_rss_gap_within_the_heap_s_spread_between_processes_is_not_off() -> None:
     """A tiny step on a large process: 13% over the prediction but 59 MiB, under the 64 MiB the same steps' peak RSS
     spreads between fresh processes, is no mismatch; 100 MiB over is, as is any row without the slack."""
-    from autoseg.train.memory_check import RSS_SLACK_BYTES, MemoryCheck, MemoryRow
 
     def row(measured_mib: int, slack: int) -> MemoryRow:
         return MemoryRow("peak RSS", measured_mib * MiB, 460 * MiB, "VmHWM", "model", slack_bytes=slack)
@@ -230,7 +229,7 @@ def test_check_memory_prints_the_table_and_exits_zero_within_ten_percent(tmp_pat
 
 
 def test_check_memory_exits_non_zero_and_says_what_is_off(tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(memory_check, "peak_rss_bytes", lambda: 64 * GiB)  # an injected mismatch
+    monkeypatch.setattr(memory_probes, "peak_rss_bytes", lambda: 64 * GiB)  # an injected mismatch
     code = main(["-q", "check-memory", "-w", str(_workspace(tmp_path)), "--device", "cpu", "--json"])
     captured = capsys.readouterr()
     assert code == EXIT_MEMORY_MISMATCH == 3
@@ -276,7 +275,7 @@ def test_training_records_the_check_in_run_json_the_checkpoint_and_the_log(works
 
 
 def test_training_warns_when_the_model_is_off_and_goes_on(workspace: Workspace, monkeypatch) -> None:
-    monkeypatch.setattr(memory_check, "peak_rss_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(memory_probes, "peak_rss_bytes", lambda: 64 * GiB)
     fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     (check,) = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert check["ok"] is False
