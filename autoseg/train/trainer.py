@@ -162,7 +162,6 @@ class _Context:
     degradations: list[dict[str, Any]] = field(default_factory=list)
     budget: TimeBudget | None = None
     budget_decisions: list[dict[str, Any]] = field(default_factory=list)
-    oom_injected: bool = False
     loader_workers: int = 0
     use_precomputed: bool = False
     memory: MemoryObserver | None = None  # runs the steps; checks the memory model over the first ones
@@ -325,8 +324,6 @@ def _train(ctx: _Context) -> Path:
             _follow_plan(ctx, ctx.budget.epoch_done(job.clock()))
         ctx.save("latest", epoch)
         epoch += 1
-        if run.stop_after_epochs is not None and epoch - ctx.first_epoch >= run.stop_after_epochs:
-            return ctx.job.out  # testing aid: as if killed after the checkpoint
     ctx.save("final", ctx.epochs - 1)
     if not ctx.ranks.is_main:
         return ctx.job.out  # rank 0 writes run.json and runs the final validation alone
@@ -431,8 +428,6 @@ def _run_epoch(ctx: _Context, epoch: int, t0: float) -> dict[str, Any] | None:
             lr = poly_lr(run.optimizer.initial_lr, done, planned)  # over the steps of the plan in force
             for group in step.optimizer.param_groups:
                 group["lr"] = lr
-            if run.inject_oom_at_step == done and not ctx.oom_injected:
-                step.inject_oom, ctx.oom_injected = ctx.ranks.is_main, True  # rank 0 only: the others follow
             (loss, waited), train_loader = _step_or_degrade(ctx, train_loader, epoch, it)
             loss = loss.item()  # syncs with the device, once per step
             losses.append(loss)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from factories import set_configuration, tiny_plans
+from train_faults import killed_after_epochs, out_of_memory_at_step
 
 from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import (
@@ -191,15 +193,9 @@ def _oom_worker(rank: int, world: int, port: int, root: Path) -> None:
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("autoseg.train.trainer").addHandler(handler)
     distributed = _gloo(rank, world, port)
-    with process_group(distributed):
-        train(
-            Workspace.at(root),
-            CONFIG,
-            0,
-            RunConfig(**TINY, inject_oom_at_step=1),
-            progress=False,
-            distributed=distributed,
-        )
+    fault = out_of_memory_at_step(1) if rank == 0 else contextlib.nullcontext()  # rank 1 learns it from rank 0
+    with process_group(distributed), fault:
+        train(Workspace.at(root), CONFIG, 0, RunConfig(**TINY), progress=False, distributed=distributed)
     (root / f"warnings_rank{rank}.json").write_text(json.dumps(warnings))
 
 
@@ -236,9 +232,11 @@ def _resume_worker(rank: int, world: int, port: int, root: Path) -> None:
         dist.barrier()  # rank 0 has written everything
         if rank == 0:
             fold.rename(fold.with_name("reference"))
-        for run in (RunConfig(**TINY, stop_after_epochs=1), RunConfig(**TINY, resume=True)):
-            dist.barrier()  # the checkpoint to resume from is written
-            train(workspace, CONFIG, 0, run, progress=False, distributed=distributed)
+        dist.barrier()
+        with killed_after_epochs(1):  # both ranks, after epoch 0's checkpoint
+            train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False, distributed=distributed)
+        dist.barrier()  # the checkpoint to resume from is written
+        train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False, distributed=distributed)
 
 
 @pytest.mark.slow

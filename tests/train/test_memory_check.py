@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import tiny_plans
+from train_faults import killed_after_epochs, out_of_memory_at_step
 
 from autoseg.cli.main import main
 from autoseg.core.units import GiB, MiB
@@ -285,7 +286,8 @@ def test_training_warns_when_the_model_is_off_and_goes_on(workspace: Workspace, 
 
 
 def test_a_degradation_in_the_first_steps_checks_the_degraded_configuration(workspace: Workspace) -> None:
-    fold = train(workspace, CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=1), progress=False)
+    with out_of_memory_at_step(1):
+        fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     (check,) = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert (check["configuration"]["batch_size"], check["configuration"]["accumulation_steps"]) == (1, 2)
     tensors = check["rows"][0]
@@ -294,7 +296,8 @@ def test_a_degradation_in_the_first_steps_checks_the_degraded_configuration(work
 
 def test_a_resumed_run_checks_again_and_keeps_the_earlier_check(workspace: Workspace) -> None:
     run = {**TINY, "epochs": 2, "iterations_per_epoch": CHECK_STEPS}  # each process runs its CHECK_STEPS
-    train(workspace, CONFIG, 0, RunConfig(**run, stop_after_epochs=1), progress=False)
+    with killed_after_epochs(1):
+        train(workspace, CONFIG, 0, RunConfig(**run), progress=False)
     fold = train(workspace, CONFIG, 0, RunConfig(**run, resume=True), progress=False)
     checks = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert len(checks) == 2 and all(c["ok"] for c in checks)

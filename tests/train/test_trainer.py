@@ -9,6 +9,7 @@ import pytest
 import torch
 from factories import set_configuration
 from torch._subclasses.fake_tensor import is_fake
+from train_faults import killed_after_epochs, out_of_memory_at_step
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
@@ -46,7 +47,8 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace: Workspa
     reference = fold.with_name("reference")
     fold.rename(reference)
 
-    train(workspace, CONFIG, 0, RunConfig(**TINY, stop_after_epochs=2), progress=False)  # "killed" after epoch 1
+    with killed_after_epochs(2):
+        train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     assert not (fold / "checkpoint_final.pt").exists()
     assert load_checkpoint(fold / "checkpoint_latest.pt")["epoch"] == 1
     with open(fold / "metrics.jsonl", "a") as f:  # killed after the epoch-2 row, before its checkpoint
@@ -74,14 +76,16 @@ def test_resume_without_checkpoint_names_the_file(workspace: Workspace) -> None:
 
 
 def test_resume_refuses_a_changed_plan(workspace: Workspace) -> None:
-    train(workspace, CONFIG, 0, RunConfig(**TINY, stop_after_epochs=1), progress=False)
+    with killed_after_epochs(1):
+        train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     _set_plan(workspace, batch_size=3)
     with pytest.raises(ValueError, match=r"differs .*batch_size: 2 -> 3"):
         train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
 
 
 def test_out_of_memory_halves_the_micro_batch_and_is_recorded(workspace: Workspace) -> None:
-    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 2}, inject_oom_at_step=1), progress=False)
+    with out_of_memory_at_step(1):
+        fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 2}), progress=False)
     run = json.loads((fold / "run.json").read_text())
     (record,) = run["degradations"]
     assert record["action"] == "halve_micro_batch" and (record["epoch"], record["iteration"]) == (0, 1)
@@ -95,7 +99,8 @@ def test_out_of_memory_halves_the_micro_batch_and_is_recorded(workspace: Workspa
 
 
 def test_out_of_memory_degradation_after_resume_is_kept(workspace: Workspace) -> None:
-    train(workspace, CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=0, stop_after_epochs=1), progress=False)
+    with out_of_memory_at_step(0), killed_after_epochs(1):
+        train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     fold = train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
     run = json.loads((fold / "run.json").read_text())
     assert len(run["degradations"]) == 1
