@@ -12,7 +12,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from autoseg.model.step import TrainStep
-from autoseg.train.trainer import _Context as TrainingRun
+from autoseg.train.run_state import TrainingRun
 
 
 class Killed(BaseException):
@@ -25,10 +25,10 @@ def killed_after_epochs(epochs: int) -> Iterator[None]:
     starts at), on every rank: as a process killed then, it writes nothing more. The block must raise ``Killed``."""
     real_save, saved = TrainingRun.save, itertools.count(1)
 
-    def save_then_die(self: TrainingRun, which: str, epoch: int) -> None:
-        real_save(self, which, epoch)
+    def save_then_die(self: TrainingRun, which: str) -> None:
+        real_save(self, which)
         if which == "latest" and next(saved) == epochs:
-            raise Killed(f"after epoch {epoch}")
+            raise Killed(f"after epoch {self.progress.epoch}")
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TrainingRun, "save", save_then_die)

@@ -3,7 +3,8 @@
 Every training run (``trainer``) and ``autoseg check-memory`` (``check_plan``: a plan's configuration on synthetic
 batches, no training) watch their first ``CHECK_STEPS`` optimizer steps with a ``MemoryObserver`` and compare what
 they measured with the memory model's prediction for the configuration that ran (``compare``, the one comparison;
-docs/memory.md has the table). The modules around this one:
+docs/memory.md has the table). The observer runs those steps only: the trainer calls the step itself after the
+check has reported, so the rest of a run never passes through it. The modules around this one:
 
 - ``memory_probes``: what is measured. CUDA (``CudaProbe``; peak statistics reset before the first step):
   ``torch.cuda.max_memory_allocated`` against the simulated tensor peak; ``max_memory_reserved`` against tensors +
@@ -172,11 +173,12 @@ def compare(
 
 @dataclass
 class MemoryObserver:
-    """Runs a configuration's steps (``observer.step(train_step, batches)`` instead of ``train_step(batches)``) and,
-    after the first ``steps`` of them, compares their memory with the prediction and hands ``on_result`` the
-    ``MemoryCheck``; later steps run unobserved. A new configuration (a degradation) needs a new observer. The
-    prediction is simulated when the observer is made (one ``simulate_training_step``), so the time budget's
-    first timed iterations do not include it; the RSS baseline is measured after it."""
+    """Runs a configuration's first ``steps`` steps (``observer.step(train_step, batches)`` instead of
+    ``train_step(batches)``), then compares their memory with the prediction, keeps the ``MemoryCheck`` in
+    ``result`` and hands it to ``on_result``. The steps after those are the caller's (``watching`` is then False):
+    the observer refuses them. A new configuration (a degradation) needs a new observer. The prediction is
+    simulated when the observer is made (one ``simulate_training_step``), so the time budget's first timed
+    iterations do not include it; the RSS baseline is measured after it."""
 
     config: ConfigurationPlan
     device: torch.device
@@ -195,9 +197,14 @@ class MemoryObserver:
         if self.prediction is None:  # before the steps: neither their timing nor their memory includes it
             self.prediction = predict_step(self.config, self.device.type, self.optimizer, self.scheme)
 
+    @property
+    def watching(self) -> bool:
+        """Whether the check still needs steps."""
+        return self.done < self.steps
+
     def step(self, step: TrainStep, batches: Iterator) -> Any:
-        if self.done >= self.steps:
-            return step(batches)
+        if not self.watching:
+            raise RuntimeError(f"the memory check ran its {self.steps} steps; run the training step itself")
         if self.done == 0:
             self.probe.start(step)
         out = self.probe.run(step, batches, self.done)

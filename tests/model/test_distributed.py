@@ -216,7 +216,7 @@ def test_out_of_memory_on_one_rank_degrades_every_rank(workspace: Workspace) -> 
     tensors = check["rows"][0]  # the all-reduce averages the gradients in place: nothing the simulation lacks
     assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= 64, tensors
     assert [json.loads(line)["epoch"] for line in (fold / "metrics.jsonl").read_text().splitlines()] == [0, 1]
-    assert load_checkpoint(fold / "checkpoint_final.pt")["world_size"] == 2
+    assert load_checkpoint(fold / "checkpoint_final.pt").progress.world_size == 2
 
     with pytest.raises(ValueError, match=r"trained on 2 process\(es\), this run has 1.*--gpus 2"):
         train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
@@ -244,9 +244,9 @@ def test_two_ranks_resume_bit_for_bit(workspace: Workspace) -> None:
     _run_ranks(_resume_worker, 2, workspace.root)
     fold = workspace.results(CONFIG, 0)
     expected, got = (load_checkpoint(p / "checkpoint_final.pt") for p in (fold.with_name("reference"), fold))
-    for name, tensor in expected["network"].items():
-        assert torch.equal(tensor, got["network"][name]), name
-    assert [r["train_loss"] for r in got["metrics"]] == [r["train_loss"] for r in expected["metrics"]]
+    for name, tensor in expected.network.items():
+        assert torch.equal(tensor, got.network[name]), name
+    assert [r["train_loss"] for r in got.progress.metrics] == [r["train_loss"] for r in expected.progress.metrics]
 
 
 @pytest.mark.slow
@@ -301,8 +301,8 @@ def test_cli_gpus_2_on_cpu_trains_and_only_rank_0_writes(workspace: Workspace) -
     assert run["distributed"] == {"world_size": 2, "global_batch": 2}
     assert run["effective_configuration"]["batch_size"] == 1  # the planned micro-batch of 2, split over 2 ranks
     for name in ("checkpoint_latest.pt", "checkpoint_final.pt"):
-        state = load_checkpoint(fold / name)
-        assert state["world_size"] == 2 and state["epoch"] == 1
+        progress = load_checkpoint(fold / name).progress
+        assert progress.world_size == 2 and progress.epoch == 1
 
 
 # ---------------------------------------------------------------- pure helpers

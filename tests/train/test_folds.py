@@ -32,7 +32,7 @@ def test_folds_are_trained_in_turn_and_a_resumed_command_goes_on_where_it_stoppe
         train_folds(workspace, CONFIG, [1], RunConfig(**TINY), progress=False)
     assert fold_finished(workspace, CONFIG, 0, validate=False) and not fold_finished(workspace, CONFIG, 1, False)
     finished_0 = (workspace.results(CONFIG, 0) / "checkpoint_final.pt").stat().st_mtime_ns
-    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "latest"))["epoch"] == 0
+    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "latest")).progress.epoch == 0
 
     calls: list[tuple[int | str, bool]] = []
     real_train = folds_module.train
@@ -48,7 +48,7 @@ def test_folds_are_trained_in_turn_and_a_resumed_command_goes_on_where_it_stoppe
     assert outs == [workspace.results(CONFIG, f) for f in (0, 1, 2)]
     assert all(fold_finished(workspace, CONFIG, f, validate=False) for f in (0, 1, 2))
     assert (workspace.results(CONFIG, 0) / "checkpoint_final.pt").stat().st_mtime_ns == finished_0  # not retrained
-    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "final"))["epoch"] == 1
+    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "final")).progress.epoch == 1
 
 
 def test_a_validating_run_counts_a_fold_finished_only_with_its_validation_summary(workspace: Workspace) -> None:

@@ -268,7 +268,7 @@ def test_training_records_the_check_in_run_json_the_checkpoint_and_the_log(works
     }
     tensors = check["rows"][0]
     assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= TENSOR_SLACK_BYTES
-    assert load_checkpoint(fold / "checkpoint_final.pt")["memory_checks"] == [check]
+    assert load_checkpoint(fold / "checkpoint_final.pt").progress.memory_checks == (check,)
     assert (
         "memory check on cpu (3 steps, batch 2 x 1, patch 8x16x16, fp32, checkpointing)"
         in (fold / "train.log").read_text()
