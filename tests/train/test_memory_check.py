@@ -39,8 +39,8 @@ from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
 TINY = dict(epochs=2, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
-# the real step's tracked peak was 4 B below the simulated one on every tiny configuration (784 B on the demo's
-# 3d_fullres plan: small tensors a first step keeps, not yet traced); 64 B is 0.003% of these 1.6-2.2 MiB peaks
+# the real step's tracked peak is a few bytes below the simulated one (small tensors a first step keeps, not yet
+# traced; docs/memory.md has the figures); 64 B is 0.003% of these 1.6-2.2 MiB peaks
 TENSOR_SLACK_BYTES = 64
 
 
