@@ -48,7 +48,6 @@ class TrainStep:
     amp_dtype: torch.dtype | None  # autocast dtype, None for fp32
     accumulation_steps: int
     grad_clip: float
-    inject_oom: bool = False  # testing aid: the next micro-batch raises torch.OutOfMemoryError
     ranks: Ranks | None = None  # the collectives of a distributed run (None: a single process)
     trace: Callable[[str], None] | None = None
 
@@ -103,9 +102,6 @@ class TrainStep:
                 self._phase("loss")
                 loss = compute_loss(output, y, self.loss_fn) / self.accumulation_steps
                 del output  # the logits live on only through the loss's graph
-            if self.inject_oom:
-                self.inject_oom = False
-                raise torch.OutOfMemoryError("CUDA out of memory (injected by RunConfig.inject_oom_at_step)")
             self._phase("backward")
             self.scaler.scale(loss).backward()
             loss = loss.detach()

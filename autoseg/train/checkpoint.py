@@ -1,31 +1,45 @@
 """Training checkpoints: everything a run needs to continue bit for bit, loadable with ``weights_only=True``.
 
-A checkpoint holds the network, optimizer and grad-scaler state dicts, the schedule position (``epoch``:
-the last finished epoch; ``schedule``: total epochs and iterations per epoch), the EMA and best pseudo-Dice,
-the metrics so far (JSON text), the degradations made after out-of-memory errors (per-rank micro-batches),
-the memory checks of the run so far (``autoseg.train.memory_check``, JSON text), the number of processes
-(``world_size``), the plan configuration it was trained with (JSON text) and the
-state of every random generator the trainer touches (torch CPU and CUDA, numpy's global and Python's
-``random``). The data loaders need no state: the trainer re-creates them at every epoch from
-``loader_seed(run seed, epoch, degradations, rank)``, so a resumed run draws the same batches.
-Only tensors, numbers, strings, lists and dicts are stored, so ``torch.load(weights_only=True)`` reads it;
-the file itself (version, atomic write, a corrupt file refused by name) is ``autoseg.model.checkpoint_file``'s.
+A checkpoint holds the network, optimizer and grad-scaler state dicts, the configuration's name and the plan
+configuration it was trained with (JSON text, before degradations: what a resumed run's plan must match), and the
+run's ``TrainingProgress`` (``autoseg.train.progress``, JSON text): the last finished epoch, the schedule, the
+metrics, EMA and best pseudo-Dice, the degradations (per-rank micro-batches), the time budget's decisions, the
+memory checks, the number of processes and the state of every random generator the trainer touches. The data
+loaders need no state: the trainer re-creates them at every epoch from ``loader_seed(run seed, epoch,
+degradations, rank)``, so a resumed run draws the same batches. Only tensors, numbers, strings, lists and dicts are
+stored, so ``torch.load(weights_only=True)`` reads it; the file itself (version, atomic write, a corrupt file
+refused by name) is ``autoseg.model.checkpoint_file``'s.
 """
 
 from __future__ import annotations
 
 import json
-import random
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from autoseg.core.artifacts import to_dict
+from autoseg.core.artifacts import ArtifactError, to_dict
 from autoseg.core.errors import InputError
 from autoseg.model.checkpoint_file import read_checkpoint_file, write_checkpoint_file
+from autoseg.model.step import TrainStep
 from autoseg.plan.plans import INFERENCE_ONLY_KEYS, ConfigurationPlan, upgrade_network_payload
+from autoseg.train.progress import PROGRESS_KEY, RngStates, TrainingProgress
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint as read back (``load_checkpoint``): the state dicts, what it was trained with, its progress."""
+
+    path: Path
+    network: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    grad_scaler: dict[str, Any]
+    config_name: str
+    plan_configuration: str  # plan_configuration_json of the configuration as planned
+    progress: TrainingProgress  # with the generators' states (``rng``)
 
 
 def loader_seed(run_seed: int, epoch: int, stream: int, generation: int = 0, rank: int = 0) -> int:
@@ -41,80 +55,54 @@ def plan_configuration_json(config: ConfigurationPlan) -> str:
     return json.dumps(to_dict(config), sort_keys=True)
 
 
-def rng_states() -> dict[str, Any]:
-    """The state of every global generator, as tensors and plain lists."""
-    np_state = np.random.get_state()
-    py_state = random.getstate()
-    return {
-        "torch": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "python": [py_state[0], list(py_state[1]), py_state[2]],
-    }
-
-
-def restore_rng_states(states: dict[str, Any]) -> None:
-    torch.set_rng_state(states["torch"])
-    if states["torch_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["torch_cuda"])
-    name, keys, pos, has_gauss, cached = states["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    version, internal, gauss = states["python"]
-    random.setstate((version, tuple(internal), gauss))
-
-
 def save_checkpoint(
-    path: Path,
-    network: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: torch.amp.GradScaler,
-    config: ConfigurationPlan,
-    config_name: str,
-    progress: dict[str, Any],
+    path: Path, step: TrainStep, config: ConfigurationPlan, config_name: str, progress: TrainingProgress
 ) -> None:
-    """Write atomically (temp file, then rename). ``config``: the plan's configuration as planned (before
-    degradations); ``progress``: epoch, schedule, ema / best_ema, metrics, degradations, time_budget."""
+    """Write atomically (temp file, then rename) the step's network, optimizer and grad scaler, ``config`` (the plan's
+    configuration as planned, before degradations) and ``progress`` with the generators' states of this moment."""
     state = {
-        "network": network.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "grad_scaler": scaler.state_dict(),
+        "network": step.network.state_dict(),
+        "optimizer": step.optimizer.state_dict(),
+        "grad_scaler": step.scaler.state_dict(),
         "config": config_name,
         "plan_configuration": plan_configuration_json(config),
-        "epoch": int(progress["epoch"]),
-        "schedule": dict(progress["schedule"]),
-        "ema_dice": -1.0 if progress["ema"] is None else float(progress["ema"]),
-        "best_ema_dice": float(progress["best_ema"]),
-        "metrics_json": json.dumps(progress["metrics"]),
-        "degradations_json": json.dumps(progress["degradations"]),
-        "time_budget_json": json.dumps(progress.get("time_budget")),
-        "world_size": int(progress.get("world_size", 1)),
-        "memory_checks_json": json.dumps(progress.get("memory_checks", [])),
-        "rng": rng_states(),
+        PROGRESS_KEY: replace(progress, rng=RngStates.capture()).to_text(),
     }
     write_checkpoint_file(path, state)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``); JSON fields decoded."""
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint written by ``save_checkpoint`` (``weights_only=True``), or by a trainer that kept the
+    progress under separate keys (``TrainingProgress.from_checkpoint``)."""
     if not path.is_file():
         raise InputError(f"{path} not found: nothing to resume; start the fold without --resume")
     state = read_checkpoint_file(
         path, f"copy one of them onto {path.name} to resume from it, or train the fold again without --resume"
     )
-    state["metrics"] = json.loads(state.pop("metrics_json"))
-    state["degradations"] = json.loads(state.pop("degradations_json"))
-    state["time_budget"] = json.loads(state.pop("time_budget_json"))
-    state["ema"] = None if state["ema_dice"] < 0 else state["ema_dice"]
-    state.setdefault("world_size", 1)  # written before distributed training
-    state["memory_checks"] = json.loads(state.pop("memory_checks_json", "[]"))  # written before memory checks
-    return state
+    progress = TrainingProgress.from_checkpoint(state, path)
+    if progress.rng is None:
+        raise ArtifactError(
+            f"{path}: its training progress has no random generator states, so a resumed run could not draw what "
+            "the interrupted one would have; resume from another checkpoint of the fold, or train it again without "
+            "--resume"
+        )
+    return Checkpoint(
+        path,
+        state["network"],
+        state["optimizer"],
+        state["grad_scaler"],
+        state["config"],
+        state["plan_configuration"],
+        progress,
+    )
 
 
-def check_same_plan(state: dict[str, Any], config: ConfigurationPlan, config_name: str, path: Path) -> None:
+def check_same_plan(checkpoint: Checkpoint, config: ConfigurationPlan, config_name: str) -> None:
     """Raise ``ValueError`` naming the fields where plans.json's configuration differs from the checkpoint's."""
-    if state["config"] != config_name:
-        raise InputError(f"{path} belongs to configuration {state['config']!r}, not {config_name!r}")
-    saved, now = json.loads(state["plan_configuration"]), json.loads(plan_configuration_json(config))
+    path = checkpoint.path
+    if checkpoint.config_name != config_name:
+        raise InputError(f"{path} belongs to configuration {checkpoint.config_name!r}, not {config_name!r}")
+    saved, now = json.loads(checkpoint.plan_configuration), json.loads(plan_configuration_json(config))
     upgrade_network_payload(saved.get("network", {}))  # a checkpoint written before plans schema 3
     for key in INFERENCE_ONLY_KEYS:  # training does not read them (and checkpoints before plans schema 4 lack them)
         saved.pop(key, None)

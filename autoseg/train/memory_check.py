@@ -1,22 +1,29 @@
 """Does the memory model hold on this machine? The first real training steps, measured against the prediction.
 
-Every training run (``trainer``) and ``autoseg check-memory`` (a plan's configuration on synthetic batches) watch
-their first ``CHECK_STEPS`` optimizer steps with a ``MemoryObserver`` and compare them with the memory model's
-prediction for the configuration that ran (``compare``, the one comparison; docs/memory.md has the table):
+Every training run (``trainer``) and ``autoseg check-memory`` (``check_plan``: a plan's configuration on synthetic
+batches, no training) watch their first ``CHECK_STEPS`` optimizer steps with a ``MemoryObserver`` and compare what
+they measured with the memory model's prediction for the configuration that ran (``compare``, the one comparison;
+docs/memory.md has the table). The observer runs those steps only: the trainer calls the step itself after the
+check has reported, so the rest of a run never passes through it. The modules around this one:
 
-- CUDA (``CudaProbe``, peak statistics reset first): ``max_memory_allocated`` against the simulated tensor peak;
-  ``max_memory_reserved`` against tensors + the modelled allocator rounding, fragmentation and convolution
-  workspace; the device's used memory (``mem_get_info``) against the whole prediction, the CUDA context included.
-- CPU (``CpuProbe``): step ``TRACKED_STEP`` (the first that starts with optimizer state, as the simulated step)
-  runs under ``StorageTracker``, the state and its batches counted as they enter: its tensor peak against the
-  simulated one (4 B to 0.001% below it so far). The peak RSS over the other steps (VmHWM; not the tracked step's
-  Python records) against the RSS before the first step (measured) + what the simulated step adds to its tensors +
-  what glibc's heap keeps beyond them (``fragmentation``). The whole-process model row (+ ``CPU_RUNTIME_BYTES``)
-  is shown, not checked: a training process holds more than the step.
+- ``memory_probes``: what is measured. CUDA (``CudaProbe``; peak statistics reset before the first step):
+  ``torch.cuda.max_memory_allocated`` against the simulated tensor peak; ``max_memory_reserved`` against tensors +
+  the modelled allocator rounding, fragmentation and convolution workspace; the device's used memory after the
+  steps (``mem_get_info``: total - free, so other processes on the GPU count too) against the whole prediction, the
+  CUDA context included. CPU (``CpuProbe``): step ``TRACKED_STEP``'s tracked tensor peak against the simulated one;
+  the process's peak RSS over the other steps against the RSS measured before the first step (a measured
+  baseline: interpreter, libraries, data, the tensors already alive) + what the simulated step adds to those
+  tensors + what glibc's heap keeps beyond them (``fragmentation``). A third row, peak RSS against the
+  whole-process model (+ ``CPU_RUNTIME_BYTES``), is shown but not checked: a training process holds more than the
+  step (its loader, the dataset's mapped pages).
+- ``memory_report``: the rows, the verdict and how they read (the run's log line, ``check-memory``'s table).
 
-A row off by more than ``TOLERANCE`` of its prediction (the CPU peak RSS row: and by more than ``RSS_SLACK_BYTES``)
-fails the check: training logs a warning and goes on, ``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``.
-The prediction is simulated before the measured steps (``predict_step``): their timing and RSS baseline exclude it.
+A row whose measurement differs from its prediction by more than ``TOLERANCE`` (of the prediction; the CPU peak
+RSS row: and by more than ``RSS_SLACK_BYTES``) makes the check fail: training logs a warning and goes on,
+``autoseg check-memory`` exits with ``EXIT_MEMORY_MISMATCH``. The prediction is simulated before the measured
+steps (``predict_step``: one ``simulate_training_step`` for the configuration that runs), so the steps' timing (the
+time budget's first iterations) does not include it, and the RSS baseline, measured after it, holds whatever the
+simulation left behind.
 """
 
 from __future__ import annotations
@@ -25,188 +32,42 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
-from autoseg.core.resources import available_ram_bytes, peak_rss_bytes, process_rss_bytes, reset_peak_rss
-from autoseg.core.units import MiB, format_bytes
+from autoseg.core.resources import available_ram_bytes
+from autoseg.core.units import format_bytes
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.step_record import TrainingMemory
-from autoseg.memory.tracker import StorageTracker
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.optimizer import OPTIMIZERS, OptimizerSettings
 from autoseg.model.step import TrainStep, build_step, synthetic_batches
 from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.train.memory_probes import TRACKED_STEP, CpuProbe, CudaProbe, Probe
+from autoseg.train.memory_report import RSS_SLACK_BYTES, TOLERANCE, MemoryCheck, MemoryRow
 
 __all__ = [
     "CHECK_STEPS",
     "EXIT_MEMORY_MISMATCH",
-    "TOLERANCE",
-    "CpuProbe",
-    "CudaProbe",
-    "MemoryCheck",
     "MemoryObserver",
-    "MemoryRow",
     "StepPrediction",
     "check_plan",
     "compare",
     "configured_step",
-    "log_check",
+    "optimizer_key",
     "predict_step",
 ]
 
-TOLERANCE = 0.10  # a row is off when |measured - predicted| > TOLERANCE x predicted
-RSS_SLACK_BYTES = 64 * MiB  # the CPU peak RSS row also by more than this: its spread between fresh processes
-CHECK_STEPS = 3  # steps watched: the 1st makes the optimizer state, the 2nd is tracked, the 3rd's peak RSS is checked
-TRACKED_STEP = 1  # on CPU, this step (0-based) runs under StorageTracker
+# optimizer steps watched: the first creates the optimizer state, the second is tracked (TRACKED_STEP), the peak
+# RSS is taken over the others (the third starts with optimizer state, as the simulated step does)
+CHECK_STEPS = 3
 EXIT_MEMORY_MISMATCH = 3  # autoseg check-memory: measured and predicted differ (1: failure, 2: bad input)
 
 log = logging.getLogger("autoseg.train.trainer")
-
-
-@dataclass(frozen=True)
-class MemoryRow:
-    """One comparison: ``measured`` bytes (``source``: how) against ``predicted`` bytes (``model``: which terms)."""
-
-    name: str
-    measured_bytes: int
-    predicted_bytes: int
-    source: str
-    model: str
-    checked: bool = True
-    slack_bytes: int = 0  # a gap of at most this many bytes is not off, whatever its share
-
-    @property
-    def error(self) -> float:
-        """(measured - predicted) / predicted."""
-        return (self.measured_bytes - self.predicted_bytes) / max(self.predicted_bytes, 1)
-
-    def off(self, tolerance: float = TOLERANCE) -> bool:
-        return (
-            self.checked
-            and abs(self.error) > tolerance
-            and abs(self.measured_bytes - self.predicted_bytes) > self.slack_bytes
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "measured_bytes": self.measured_bytes,
-            "predicted_bytes": self.predicted_bytes,
-            "error": self.error,
-            "checked": self.checked,
-            "slack_bytes": self.slack_bytes,
-            "source": self.source,
-            "model": self.model,
-        }
-
-
-@dataclass(frozen=True)
-class MemoryCheck:
-    """The result of a check: the configuration that ran, how many steps, one ``MemoryRow`` per comparison."""
-
-    device: str
-    configuration: dict[str, Any]  # batch_size, accumulation_steps, patch_size, precision, checkpointing, optimizer
-    steps: int
-    rows: tuple[MemoryRow, ...]
-    tolerance: float = TOLERANCE
-    notes: tuple[str, ...] = ()
-
-    @property
-    def off_rows(self) -> list[MemoryRow]:
-        return [r for r in self.rows if r.off(self.tolerance)]
-
-    @property
-    def ok(self) -> bool:
-        return not self.off_rows
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "device": self.device,
-            "configuration": self.configuration,
-            "steps": self.steps,
-            "tolerance": self.tolerance,
-            "ok": self.ok,
-            "rows": [r.to_dict() for r in self.rows],
-            "notes": list(self.notes),
-        }
-
-    def describe(self) -> str:
-        """One line: the configuration, each checked row as measured / predicted (error), the verdict."""
-        c = self.configuration
-        rows = ", ".join(
-            f"{r.name} {format_bytes(r.measured_bytes)} / {format_bytes(r.predicted_bytes)} ({r.error:+.1%})"
-            for r in self.rows
-            if r.checked
-        )
-        verdict = (
-            f"within {self.tolerance:.0%}"
-            if self.ok
-            else f"OFF by more than {self.tolerance:.0%}: {', '.join(r.name for r in self.off_rows)}"
-        )
-        return (
-            f"memory check on {self.device} ({self.steps} steps, batch {c['batch_size']} x "
-            f"{c['accumulation_steps']}, patch {'x'.join(map(str, c['patch_size']))}, {c['precision']}"
-            f"{', checkpointing' if c['checkpointing'] else ''}): measured / predicted {rows}; {verdict}"
-        )
-
-    def warning(self) -> str | None:
-        """What is off and what to do, or None when every checked row is within the tolerance."""
-        if self.ok:
-            return None
-        what = "; ".join(
-            f"{r.name}: measured {format_bytes(r.measured_bytes)}, predicted "
-            f"{format_bytes(r.predicted_bytes)} ({r.error:+.1%}; {r.model})"
-            for r in self.off_rows
-        )
-        return (
-            f"the memory model is off by more than {self.tolerance:.0%} on this {self.device}: {what}. Plans for "
-            "this machine may over- or under-fill it; please report this line (with `autoseg check-memory "
-            "--json`'s output) so the device terms in autoseg/memory/device.py can be calibrated"
-        )
-
-    def table(self) -> str:
-        """The comparison table of ``autoseg check-memory``."""
-        header = [
-            "term",
-            "measured",
-            "predicted",
-            "error",
-            f"within {self.tolerance:.0%}",
-            "measured by / predicted as",
-        ]
-        body = [
-            [
-                r.name,
-                format_bytes(r.measured_bytes),
-                format_bytes(r.predicted_bytes),
-                f"{r.error:+.2%}",
-                (
-                    "NO"
-                    if r.off(self.tolerance)
-                    else "yes"
-                    if abs(r.error) <= self.tolerance
-                    else f"yes (by < {format_bytes(r.slack_bytes)})"
-                )
-                if r.checked
-                else "(not checked)",
-                f"{r.source} / {r.model}",
-            ]
-            for r in self.rows
-        ]
-        widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
-        lines = [
-            "  ".join(
-                cell.rjust(w) if 0 < i < 5 else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths))
-            ).rstrip()
-            for row in [header, *body]
-        ]
-        lines.insert(1, "-" * len(lines[0]))
-        return "\n".join([self.describe(), *lines, *(f"note: {n}" for n in self.notes)])
 
 
 @dataclass(frozen=True)
@@ -217,20 +78,25 @@ class StepPrediction:
     device_terms: dict[str, int]  # predict_device_peak: tensors, the device's terms, total
 
 
+def optimizer_key(optimizer: OptimizerSettings) -> str:
+    """The ``OPTIMIZERS`` name of ``optimizer``'s kind: the simulation's optimizer state depends on the kind only
+    (SGD keeps a momentum buffer per parameter, AdamW two moments), not on its learning rate or decay."""
+    return next(key for key, settings in OPTIMIZERS.items() if settings.name == optimizer.name)
+
+
 def predict_step(
     config: ConfigurationPlan, device_type: str, optimizer: OptimizerSettings, scheme: LabelScheme
 ) -> StepPrediction:
     """One simulation of the step as it runs on ``device_type``: the configuration's batch, accumulation and
     checkpointing (after degradations, a rank's share), the precision it runs at there, the run's optimizer."""
     device = "cuda" if device_type == "cuda" else "cpu"
-    kind = next(key for key, settings in OPTIMIZERS.items() if settings.name == optimizer.name)  # state: by kind
     memory = simulate_training_step(
         config.network,
         config.batch_size,
         tuple(config.patch_size),
         precision=effective_precision(config.precision, device_type),
         checkpointing=config.checkpointing,
-        optimizer=kind,
+        optimizer=optimizer_key(optimizer),
         accumulation_steps=config.accumulation_steps,
         labels=scheme,
         device=device,
@@ -305,111 +171,14 @@ def compare(
     return MemoryCheck(device_type, configuration, steps, rows, TOLERANCE, notes)
 
 
-class Probe(Protocol):
-    """What a ``MemoryObserver`` measures with: ``start`` before the first step, ``run`` each step, ``finish``."""
-
-    def start(self, step: TrainStep) -> None: ...
-    def run(self, step: TrainStep, batches: Iterator, index: int) -> Any: ...
-    def finish(self) -> dict[str, int]: ...
-
-
-class CudaProbe:
-    """Peak statistics of the CUDA caching allocator and the device's used memory. ``cuda``: ``torch.cuda`` or a
-    stand-in with the same five functions (tests inject one; there is no GPU to test on)."""
-
-    def __init__(self, device: torch.device, cuda: Any = None) -> None:
-        self.device, self.cuda = device, torch.cuda if cuda is None else cuda
-
-    def start(self, step: TrainStep) -> None:
-        self.cuda.synchronize(self.device)
-        self.cuda.reset_peak_memory_stats(self.device)
-
-    def run(self, step: TrainStep, batches: Iterator, index: int) -> Any:
-        return step(batches)
-
-    def finish(self) -> dict[str, int]:
-        self.cuda.synchronize(self.device)  # the steps' kernels have run
-        free, total = self.cuda.mem_get_info(self.device)
-        return {
-            "max_memory_allocated": int(self.cuda.max_memory_allocated(self.device)),
-            "max_memory_reserved": int(self.cuda.max_memory_reserved(self.device)),
-            "device_used": int(total - free),
-            "device_total": int(total),
-        }
-
-
-class _Counted:
-    """The step's batches, each counted by ``tracker`` as it is handed over (the loader's own work runs untracked)."""
-
-    def __init__(self, batches: Iterator, tracker: StorageTracker) -> None:
-        self.batches, self.tracker = batches, tracker
-
-    def __iter__(self) -> _Counted:
-        return self
-
-    def __next__(self) -> dict[str, torch.Tensor]:
-        self.tracker.paused = True
-        try:
-            batch = next(self.batches)
-        finally:
-            self.tracker.paused = False
-        self.tracker.count(batch.values())
-        return batch
-
-
-class CpuProbe:
-    """Peak RSS over the steps and the tracked tensor peak of step ``TRACKED_STEP`` (see the module docstring).
-    ``peak_rss``: where the peak RSS is read (None: ``peak_rss_bytes``; tests inject a stand-in)."""
-
-    def __init__(self, peak_rss: Callable[[], int | None] | None = None) -> None:
-        self.peak_rss = peak_rss
-        self.measured: dict[str, int] = {}
-
-    def start(self, step: TrainStep) -> None:
-        self.measured["baseline_tensor_bytes"] = _storage_bytes(_state_tensors(step))
-        self.measured["baseline_rss"] = process_rss_bytes()
-        reset_peak_rss()
-
-    def run(self, step: TrainStep, batches: Iterator, index: int) -> Any:
-        if index != TRACKED_STEP:
-            return step(batches)
-        self.measured["peak_rss"] = self._read_peak()  # so far: the tracked step's Python records are no training's
-        tracker = StorageTracker(cpu_conv_scratch=True)  # as the CPU simulation; costs one step's Python dispatch
-        tracker.count(_state_tensors(step))
-        with tracker:
-            out = step(_Counted(batches, tracker))
-        self.measured["tracked_peak"] = tracker.peak_bytes
-        del tracker
-        reset_peak_rss()
-        return out
-
-    def finish(self) -> dict[str, int]:
-        self.measured["peak_rss"] = max(self.measured.get("peak_rss", 0), self._read_peak())
-        return dict(self.measured)
-
-    def _read_peak(self) -> int:
-        return int((self.peak_rss or peak_rss_bytes)() or process_rss_bytes())
-
-
-def _state_tensors(step: TrainStep) -> list[torch.Tensor]:
-    """What a step starts with: parameters, their gradients (from the previous step) and the optimizer state."""
-    params = list(step.network.parameters())
-    state = [v for s in step.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    return params + [p.grad for p in params if p.grad is not None] + state
-
-
-def _storage_bytes(tensors: list[torch.Tensor]) -> int:
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values())
-
-
 @dataclass
 class MemoryObserver:
-    """Runs a configuration's steps (``observer.step(train_step, batches)`` instead of ``train_step(batches)``) and,
-    after the first ``steps`` of them, compares their memory with the prediction and hands ``on_result`` the
-    ``MemoryCheck``; later steps run unobserved. A new configuration (a degradation) needs a new observer. The
-    prediction is simulated when the observer is made (one ``simulate_training_step``), so the time budget's
-    first timed iterations do not include it; the RSS baseline is measured after it."""
+    """Runs a configuration's first ``steps`` steps (``observer.step(train_step, batches)`` instead of
+    ``train_step(batches)``), then compares their memory with the prediction, keeps the ``MemoryCheck`` in
+    ``result`` and hands it to ``on_result``. The steps after those are the caller's (``watching`` is then False):
+    the observer refuses them. A new configuration (a degradation) needs a new observer. The prediction is
+    simulated when the observer is made (one ``simulate_training_step``), so the time budget's first timed
+    iterations do not include it; the RSS baseline is measured after it."""
 
     config: ConfigurationPlan
     device: torch.device
@@ -428,9 +197,14 @@ class MemoryObserver:
         if self.prediction is None:  # before the steps: neither their timing nor their memory includes it
             self.prediction = predict_step(self.config, self.device.type, self.optimizer, self.scheme)
 
+    @property
+    def watching(self) -> bool:
+        """Whether the check still needs steps."""
+        return self.done < self.steps
+
     def step(self, step: TrainStep, batches: Iterator) -> Any:
-        if self.done >= self.steps:
-            return step(batches)
+        if not self.watching:
+            raise RuntimeError(f"the memory check ran its {self.steps} steps; run the training step itself")
         if self.done == 0:
             self.probe.start(step)
         out = self.probe.run(step, batches, self.done)
@@ -539,11 +313,3 @@ def _refuse_if_too_large(
             f"Check it on the machine it was planned for ({config.device}: `autoseg check-memory "
             f"--device {config.device}`), or plan for this one"
         )
-
-
-def log_check(check: MemoryCheck, logger: logging.Logger = log) -> None:
-    """The run's log line; a warning when a row is off."""
-    warning = check.warning()
-    logger.info("%s", check.describe())
-    if warning is not None:
-        logger.warning("%s", warning)

@@ -20,9 +20,6 @@ class RunConfig:
     ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
     ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
     on the fly (None: yes when every training case has copies; True fails if a case has none).
-    Testing aids: ``stop_after_epochs`` returns after that many epochs of this call, as if the process were
-    killed after the epoch's checkpoint; ``inject_oom_at_step`` raises ``torch.OutOfMemoryError`` once in
-    the optimizer step of that (global, 0-based) index.
     """
 
     epochs: int = 1000
@@ -37,8 +34,6 @@ class RunConfig:
     resume: bool = False
     time_budget_s: float | None = None
     cpu_threads: int | None = None
-    stop_after_epochs: int | None = None  # testing aid
-    inject_oom_at_step: int | None = None  # testing aid
 
     def __post_init__(self) -> None:
         for name in ("epochs", "iterations_per_epoch", "val_iterations"):

@@ -158,38 +158,42 @@ class BudgetDecision:
         )
 
 
+@dataclass(frozen=True)
+class BudgetedRun:
+    """What a ``TimeBudget`` plans: the run's configured ``epochs`` (the plan before the first decision),
+    ``iterations_per_epoch`` (the most an epoch runs) and ``val_iterations`` (the pseudo-Dice's batches); its step,
+    ``micro_batches`` (accumulation steps) of ``batch_size`` on ``patch_size``; its final validation,
+    ``validation_cases`` (case id -> preprocessed (Z, Y, X); {} if there is none) with ``tta`` (the default
+    ``--tta``) and the mirror ``tta_variants`` that gives."""
+
+    epochs: int
+    iterations_per_epoch: int
+    val_iterations: int
+    micro_batches: int
+    batch_size: int
+    patch_size: tuple[int, ...]
+    validation_cases: Mapping[str, tuple[int, ...]]
+    tta: str
+    tta_variants: int
+
+
 class TimeBudget:
     """Plans epochs, iterations per epoch and the final validation so that the run ends within the budget.
 
     The trainer calls ``epoch_started``, ``iteration_done`` after every optimizer step and ``epoch_done``; each
     passes ``now`` from the run's clock, so tests drive it with fabricated times. ``started``: the clock when the
-    run started (setup counts against the budget). ``validation_cases``: case id -> preprocessed (Z, Y, X) of the
-    final validation ({} if there is none); ``tta``, ``tta_variants``: its default ``--tta`` and the variants
-    that gives. ``micro_batches``: accumulation steps; ``batch_size``: the micro-batch.
+    run started (setup counts against the budget). ``run``: what it plans (``BudgetedRun``).
     """
 
-    def __init__(
-        self,
-        budget_seconds: float,
-        started: float,
-        epochs: int,
-        iterations_per_epoch: int,
-        val_iterations: int,
-        micro_batches: int,
-        batch_size: int,
-        patch_size: Sequence[int],
-        validation_cases: Mapping[str, Sequence[int]],
-        tta: str,
-        tta_variants: int,
-    ) -> None:
+    def __init__(self, budget_seconds: float, started: float, run: BudgetedRun) -> None:
         self.budget_seconds, self.started = float(budget_seconds), started
-        self.plan = (epochs, iterations_per_epoch)  # in force: (epochs, iterations per epoch)
-        self.iterations_per_epoch, self.val_iterations = iterations_per_epoch, val_iterations
-        self.samples_per_iteration, self.micro_batches = micro_batches * batch_size, micro_batches
-        self.patch_size = tuple(patch_size)
-        self.validation_cases = {c: tuple(s) for c, s in validation_cases.items()}
-        self.tta, self.tta_variants = tta, tta_variants
-        self.validation = ValidationChoice(tta, tuple(sorted(self.validation_cases)), 0.0)
+        self.plan = (run.epochs, run.iterations_per_epoch)  # in force: (epochs, iterations per epoch)
+        self.iterations_per_epoch, self.val_iterations = run.iterations_per_epoch, run.val_iterations
+        self.samples_per_iteration, self.micro_batches = run.micro_batches * run.batch_size, run.micro_batches
+        self.patch_size = tuple(run.patch_size)
+        self.validation_cases = {c: tuple(s) for c, s in run.validation_cases.items()}
+        self.tta, self.tta_variants = run.tta, run.tta_variants
+        self.validation = ValidationChoice(run.tta, tuple(sorted(self.validation_cases)), 0.0)
         self.decisions: list[BudgetDecision] = []
         self._seconds: list[float] = []  # of every iteration, warm-up included
         self._overheads: list[float] = []  # of every finished epoch: its time besides its iterations

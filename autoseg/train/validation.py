@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -18,24 +17,21 @@ from autoseg.evaluate.metrics import EvaluationSummary, evaluate_pairs, format_t
 from autoseg.plan.plans import Plans
 from autoseg.predict.predictor import default_tta, predict_case
 from autoseg.train.fold_data import previous_stage_label_file
+from autoseg.train.run_record import FinalValidation
 from autoseg.train.schedule import TimeBudget
 
 log = logging.getLogger("autoseg.train.trainer")
 
 
-def final_validation_record(val_ids: list[str], device: str, budget: TimeBudget | None) -> dict[str, Any]:
-    """run.json's ``final_validation``: the cases and ``--tta`` it predicts (all cases, the device's default
-    ``--tta``), or under a time budget the budget's choice, its estimate and whether it was reduced."""
+def final_validation(val_ids: list[str], device: str, budget: TimeBudget | None) -> FinalValidation:
+    """The cases and ``--tta`` the final validation predicts (all cases, the device's default ``--tta``), or under a
+    time budget the budget's choice, its estimate and whether it was reduced."""
     tta = default_tta(device)
     if budget is None:
-        return {"cases": list(val_ids), "tta": tta, "reduced_by_time_budget": False}
+        return FinalValidation(tuple(val_ids), tta)
     choice = budget.validation
-    return {
-        "cases": list(choice.case_ids),
-        "tta": choice.tta,
-        "estimated_seconds": choice.seconds,
-        "reduced_by_time_budget": len(choice.case_ids) < len(val_ids) or choice.tta != tta,
-    }
+    reduced = len(choice.case_ids) < len(val_ids) or choice.tta != tta
+    return FinalValidation(choice.case_ids, choice.tta, choice.seconds, reduced)
 
 
 def validate_fold(
@@ -43,17 +39,17 @@ def validate_fold(
     plans: Plans,
     config_name: str,
     network: torch.nn.Module,
-    val_ids: list[str],
+    final: FinalValidation,
     out_dir: Path,
     device: str,
     progress: bool = True,
-    tta: str | None = None,
 ) -> EvaluationSummary:
-    """Sliding-window prediction (mirror variants: ``tta``, the ``--tta`` value; None: the device's default) of
-    each validation case into ``out_dir``: its label map and its
+    """Sliding-window prediction of ``final``'s cases (mirror variants: its ``tta``, the ``--tta`` value) into
+    ``out_dir``: each case's label map and its
     probabilities (``{case}.npz``, ``autoseg.predict.probabilities.ProbabilityFile``: what choosing between
     configurations, ensembles and postprocessing reads, with no second inference pass), then
     ``out_dir/summary.json`` against the raw labels."""
+    val_ids, tta = final.cases, final.tta
     dataset = load_dataset(workspace.dataset_root())
     config = plans.configuration(config_name)
     cases = [c for c in dataset.cases if c.case_id in set(val_ids)]

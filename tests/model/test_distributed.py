@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from factories import set_configuration, tiny_plans
+from train_faults import killed_after_epochs, out_of_memory_at_step
 
 from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import (
@@ -191,15 +193,9 @@ def _oom_worker(rank: int, world: int, port: int, root: Path) -> None:
     handler.emit = lambda record: warnings.append(record.getMessage())
     logging.getLogger("autoseg.train.trainer").addHandler(handler)
     distributed = _gloo(rank, world, port)
-    with process_group(distributed):
-        train(
-            Workspace.at(root),
-            CONFIG,
-            0,
-            RunConfig(**TINY, inject_oom_at_step=1),
-            progress=False,
-            distributed=distributed,
-        )
+    fault = out_of_memory_at_step(1) if rank == 0 else contextlib.nullcontext()  # rank 1 learns it from rank 0
+    with process_group(distributed), fault:
+        train(Workspace.at(root), CONFIG, 0, RunConfig(**TINY), progress=False, distributed=distributed)
     (root / f"warnings_rank{rank}.json").write_text(json.dumps(warnings))
 
 
@@ -220,7 +216,7 @@ def test_out_of_memory_on_one_rank_degrades_every_rank(workspace: Workspace) -> 
     tensors = check["rows"][0]  # the all-reduce averages the gradients in place: nothing the simulation lacks
     assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= 64, tensors
     assert [json.loads(line)["epoch"] for line in (fold / "metrics.jsonl").read_text().splitlines()] == [0, 1]
-    assert load_checkpoint(fold / "checkpoint_final.pt")["world_size"] == 2
+    assert load_checkpoint(fold / "checkpoint_final.pt").progress.world_size == 2
 
     with pytest.raises(ValueError, match=r"trained on 2 process\(es\), this run has 1.*--gpus 2"):
         train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
@@ -236,9 +232,11 @@ def _resume_worker(rank: int, world: int, port: int, root: Path) -> None:
         dist.barrier()  # rank 0 has written everything
         if rank == 0:
             fold.rename(fold.with_name("reference"))
-        for run in (RunConfig(**TINY, stop_after_epochs=1), RunConfig(**TINY, resume=True)):
-            dist.barrier()  # the checkpoint to resume from is written
-            train(workspace, CONFIG, 0, run, progress=False, distributed=distributed)
+        dist.barrier()
+        with killed_after_epochs(1):  # both ranks, after epoch 0's checkpoint
+            train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False, distributed=distributed)
+        dist.barrier()  # the checkpoint to resume from is written
+        train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False, distributed=distributed)
 
 
 @pytest.mark.slow
@@ -246,9 +244,9 @@ def test_two_ranks_resume_bit_for_bit(workspace: Workspace) -> None:
     _run_ranks(_resume_worker, 2, workspace.root)
     fold = workspace.results(CONFIG, 0)
     expected, got = (load_checkpoint(p / "checkpoint_final.pt") for p in (fold.with_name("reference"), fold))
-    for name, tensor in expected["network"].items():
-        assert torch.equal(tensor, got["network"][name]), name
-    assert [r["train_loss"] for r in got["metrics"]] == [r["train_loss"] for r in expected["metrics"]]
+    for name, tensor in expected.network.items():
+        assert torch.equal(tensor, got.network[name]), name
+    assert [r["train_loss"] for r in got.progress.metrics] == [r["train_loss"] for r in expected.progress.metrics]
 
 
 @pytest.mark.slow
@@ -303,8 +301,8 @@ def test_cli_gpus_2_on_cpu_trains_and_only_rank_0_writes(workspace: Workspace) -
     assert run["distributed"] == {"world_size": 2, "global_batch": 2}
     assert run["effective_configuration"]["batch_size"] == 1  # the planned micro-batch of 2, split over 2 ranks
     for name in ("checkpoint_latest.pt", "checkpoint_final.pt"):
-        state = load_checkpoint(fold / name)
-        assert state["world_size"] == 2 and state["epoch"] == 1
+        progress = load_checkpoint(fold / name).progress
+        assert progress.world_size == 2 and progress.epoch == 1
 
 
 # ---------------------------------------------------------------- pure helpers

@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from train_faults import killed_after_epochs
 
 from autoseg.core.workspace import Workspace
 from autoseg.train import folds as folds_module
@@ -27,10 +28,11 @@ def test_folds_are_trained_in_turn_and_a_resumed_command_goes_on_where_it_stoppe
     """Fold 0 finished, fold 1 stopped after its first epoch, fold 2 not begun: ``--resume`` skips fold 0, resumes
     fold 1 from its latest checkpoint and starts fold 2; every fold ends with its final checkpoint."""
     train_folds(workspace, CONFIG, [0], RunConfig(**TINY), progress=False)
-    train_folds(workspace, CONFIG, [1], RunConfig(**TINY, stop_after_epochs=1), progress=False)  # "killed"
+    with killed_after_epochs(1):
+        train_folds(workspace, CONFIG, [1], RunConfig(**TINY), progress=False)
     assert fold_finished(workspace, CONFIG, 0, validate=False) and not fold_finished(workspace, CONFIG, 1, False)
     finished_0 = (workspace.results(CONFIG, 0) / "checkpoint_final.pt").stat().st_mtime_ns
-    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "latest"))["epoch"] == 0
+    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "latest")).progress.epoch == 0
 
     calls: list[tuple[int | str, bool]] = []
     real_train = folds_module.train
@@ -46,7 +48,7 @@ def test_folds_are_trained_in_turn_and_a_resumed_command_goes_on_where_it_stoppe
     assert outs == [workspace.results(CONFIG, f) for f in (0, 1, 2)]
     assert all(fold_finished(workspace, CONFIG, f, validate=False) for f in (0, 1, 2))
     assert (workspace.results(CONFIG, 0) / "checkpoint_final.pt").stat().st_mtime_ns == finished_0  # not retrained
-    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "final"))["epoch"] == 1
+    assert load_checkpoint(workspace.checkpoint(CONFIG, 1, "final")).progress.epoch == 1
 
 
 def test_a_validating_run_counts_a_fold_finished_only_with_its_validation_summary(workspace: Workspace) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import tiny_plans
+from train_faults import killed_after_epochs, out_of_memory_at_step
 
 from autoseg.cli.main import main
 from autoseg.core.units import GiB, MiB
@@ -21,25 +22,25 @@ from autoseg.core.workspace import Workspace
 from autoseg.model.optimizer import OPTIMIZERS
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.plans import Plans
-from autoseg.train import memory_check
+from autoseg.train import memory_check, memory_probes
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.memory_check import (
     CHECK_STEPS,
     EXIT_MEMORY_MISMATCH,
-    TOLERANCE,
-    CudaProbe,
     MemoryObserver,
     check_plan,
     configured_step,
     predict_step,
 )
+from autoseg.train.memory_probes import CudaProbe
+from autoseg.train.memory_report import RSS_SLACK_BYTES, TOLERANCE, MemoryCheck, MemoryRow
 from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
 TINY = dict(epochs=2, iterations_per_epoch=2, val_iterations=1, validate=False, cpu_threads=1)
-# the real step's tracked peak was 4 B below the simulated one on every tiny configuration (784 B on the demo's
-# 3d_fullres plan: small tensors a first step keeps, not yet traced); 64 B is 0.003% of these 1.6-2.2 MiB peaks
+# the real step's tracked peak is a few bytes below the simulated one (small tensors a first step keeps, not yet
+# traced; docs/memory.md has the figures); 64 B is 0.003% of these 1.6-2.2 MiB peaks
 TENSOR_SLACK_BYTES = 64
 
 
@@ -140,7 +141,7 @@ class FakeCuda:
         return self.total - self.used, self.total
 
 
-def _cuda_check(scale: dict[str, float]) -> tuple[memory_check.MemoryCheck, FakeCuda]:
+def _cuda_check(scale: dict[str, float]) -> tuple[MemoryCheck, FakeCuda]:
     """The CUDA branch on a CPU step: the prediction for cuda, the measurement from a ``FakeCuda`` that answers the
     predicted figures times ``scale`` (per row name)."""
     plans = _plans()
@@ -183,7 +184,6 @@ def test_cuda_check_compares_allocator_statistics_with_the_predicted_terms() -> 
 def test_a_cpu_peak_rss_gap_within_the_heap_s_spread_between_processes_is_not_off() -> None:
     """A tiny step on a large process: 13% over the prediction but 59 MiB, under the 64 MiB the same steps' peak RSS
     spreads between fresh processes, is no mismatch; 100 MiB over is, as is any row without the slack."""
-    from autoseg.train.memory_check import RSS_SLACK_BYTES, MemoryCheck, MemoryRow
 
     def row(measured_mib: int, slack: int) -> MemoryRow:
         return MemoryRow("peak RSS", measured_mib * MiB, 460 * MiB, "VmHWM", "model", slack_bytes=slack)
@@ -230,7 +230,7 @@ def test_check_memory_prints_the_table_and_exits_zero_within_ten_percent(tmp_pat
 
 
 def test_check_memory_exits_non_zero_and_says_what_is_off(tmp_path: Path, capsys, monkeypatch) -> None:
-    monkeypatch.setattr(memory_check, "peak_rss_bytes", lambda: 64 * GiB)  # an injected mismatch
+    monkeypatch.setattr(memory_probes, "peak_rss_bytes", lambda: 64 * GiB)  # an injected mismatch
     code = main(["-q", "check-memory", "-w", str(_workspace(tmp_path)), "--device", "cpu", "--json"])
     captured = capsys.readouterr()
     assert code == EXIT_MEMORY_MISMATCH == 3
@@ -268,7 +268,7 @@ def test_training_records_the_check_in_run_json_the_checkpoint_and_the_log(works
     }
     tensors = check["rows"][0]
     assert abs(tensors["measured_bytes"] - tensors["predicted_bytes"]) <= TENSOR_SLACK_BYTES
-    assert load_checkpoint(fold / "checkpoint_final.pt")["memory_checks"] == [check]
+    assert load_checkpoint(fold / "checkpoint_final.pt").progress.memory_checks == (check,)
     assert (
         "memory check on cpu (3 steps, batch 2 x 1, patch 8x16x16, fp32, checkpointing)"
         in (fold / "train.log").read_text()
@@ -276,7 +276,7 @@ def test_training_records_the_check_in_run_json_the_checkpoint_and_the_log(works
 
 
 def test_training_warns_when_the_model_is_off_and_goes_on(workspace: Workspace, monkeypatch) -> None:
-    monkeypatch.setattr(memory_check, "peak_rss_bytes", lambda: 64 * GiB)
+    monkeypatch.setattr(memory_probes, "peak_rss_bytes", lambda: 64 * GiB)
     fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     (check,) = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert check["ok"] is False
@@ -286,7 +286,8 @@ def test_training_warns_when_the_model_is_off_and_goes_on(workspace: Workspace, 
 
 
 def test_a_degradation_in_the_first_steps_checks_the_degraded_configuration(workspace: Workspace) -> None:
-    fold = train(workspace, CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=1), progress=False)
+    with out_of_memory_at_step(1):
+        fold = train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     (check,) = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert (check["configuration"]["batch_size"], check["configuration"]["accumulation_steps"]) == (1, 2)
     tensors = check["rows"][0]
@@ -295,7 +296,8 @@ def test_a_degradation_in_the_first_steps_checks_the_degraded_configuration(work
 
 def test_a_resumed_run_checks_again_and_keeps_the_earlier_check(workspace: Workspace) -> None:
     run = {**TINY, "epochs": 2, "iterations_per_epoch": CHECK_STEPS}  # each process runs its CHECK_STEPS
-    train(workspace, CONFIG, 0, RunConfig(**run, stop_after_epochs=1), progress=False)
+    with killed_after_epochs(1):
+        train(workspace, CONFIG, 0, RunConfig(**run), progress=False)
     fold = train(workspace, CONFIG, 0, RunConfig(**run, resume=True), progress=False)
     checks = json.loads((fold / "run.json").read_text())["memory_checks"]
     assert len(checks) == 2 and all(c["ok"] for c in checks)

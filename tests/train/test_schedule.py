@@ -16,6 +16,7 @@ import pytest
 from autoseg.model.tiles import tile_layout
 from autoseg.train.schedule import (
     MIN_ITERATIONS_PER_EPOCH,
+    BudgetedRun,
     TimeBudget,
     choose_validation,
     final_validation_seconds,
@@ -30,9 +31,7 @@ TTA, VARIANTS = "4", 4
 
 
 def _budget(budget_s: float, cases: dict = CASES, ipe: int = 250, val_iterations: int = 50) -> TimeBudget:
-    return TimeBudget(
-        budget_s,
-        0.0,
+    run = BudgetedRun(
         1000,
         ipe,
         val_iterations,
@@ -43,6 +42,7 @@ def _budget(budget_s: float, cases: dict = CASES, ipe: int = 250, val_iterations
         tta=TTA,
         tta_variants=VARIANTS,
     )
+    return TimeBudget(budget_s, 0.0, run)
 
 
 def _simulate(

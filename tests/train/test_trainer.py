@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 import torch
 from factories import set_configuration
 from torch._subclasses.fake_tensor import is_fake
+from train_faults import killed_after_epochs, out_of_memory_at_step
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
@@ -19,6 +21,7 @@ from autoseg.plan.plans import Plans
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
 from autoseg.train.fold_data import fold_cases
+from autoseg.train.progress import Schedule
 from autoseg.train.run_config import RunConfig
 from autoseg.train.schedule import final_validation_seconds, parse_duration, poly_lr
 from autoseg.train.trainer import train
@@ -46,20 +49,21 @@ def test_resumed_run_is_bit_identical_to_an_uninterrupted_one(workspace: Workspa
     reference = fold.with_name("reference")
     fold.rename(reference)
 
-    train(workspace, CONFIG, 0, RunConfig(**TINY, stop_after_epochs=2), progress=False)  # "killed" after epoch 1
+    with killed_after_epochs(2):
+        train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     assert not (fold / "checkpoint_final.pt").exists()
-    assert load_checkpoint(fold / "checkpoint_latest.pt")["epoch"] == 1
+    assert load_checkpoint(fold / "checkpoint_latest.pt").progress.epoch == 1
     with open(fold / "metrics.jsonl", "a") as f:  # killed after the epoch-2 row, before its checkpoint
         f.write(json.dumps({"epoch": 2, "train_loss": 0.0}) + "\n")
     train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 50}, resume=True), progress=False)
 
     expected, got = (load_checkpoint(p / "checkpoint_final.pt") for p in (reference, fold))
-    assert expected["network"].keys() == got["network"].keys()
-    for name, tensor in expected["network"].items():
-        assert torch.equal(tensor, got["network"][name]), name
-    momentum = [s["momentum_buffer"] for s in expected["optimizer"]["state"].values()]
-    assert all(torch.equal(a, s["momentum_buffer"]) for a, s in zip(momentum, got["optimizer"]["state"].values()))
-    assert got["schedule"] == {"epochs": 3, "iterations_per_epoch": 2, "steps_done": 6}  # not epochs=50
+    assert expected.network.keys() == got.network.keys()
+    for name, tensor in expected.network.items():
+        assert torch.equal(tensor, got.network[name]), name
+    momentum = [s["momentum_buffer"] for s in expected.optimizer["state"].values()]
+    assert all(torch.equal(a, s["momentum_buffer"]) for a, s in zip(momentum, got.optimizer["state"].values()))
+    assert got.progress.schedule == Schedule(epochs=3, iterations_per_epoch=2, steps_done=6)  # not epochs=50
     rows, reference_rows = _rows(fold), _rows(reference)
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in reference_rows]
@@ -74,14 +78,16 @@ def test_resume_without_checkpoint_names_the_file(workspace: Workspace) -> None:
 
 
 def test_resume_refuses_a_changed_plan(workspace: Workspace) -> None:
-    train(workspace, CONFIG, 0, RunConfig(**TINY, stop_after_epochs=1), progress=False)
+    with killed_after_epochs(1):
+        train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     _set_plan(workspace, batch_size=3)
     with pytest.raises(ValueError, match=r"differs .*batch_size: 2 -> 3"):
         train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
 
 
 def test_out_of_memory_halves_the_micro_batch_and_is_recorded(workspace: Workspace) -> None:
-    fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 2}, inject_oom_at_step=1), progress=False)
+    with out_of_memory_at_step(1):
+        fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 2}), progress=False)
     run = json.loads((fold / "run.json").read_text())
     (record,) = run["degradations"]
     assert record["action"] == "halve_micro_batch" and (record["epoch"], record["iteration"]) == (0, 1)
@@ -91,11 +97,12 @@ def test_out_of_memory_halves_the_micro_batch_and_is_recorded(workspace: Workspa
     assert record["to"]["predicted_bytes"] < record["from"]["predicted_bytes"]
     assert run["effective_configuration"] == {"batch_size": 1, "accumulation_steps": 2, "checkpointing": True}
     assert [r["epoch"] for r in _rows(fold)] == [0, 1]  # training went on
-    assert load_checkpoint(fold / "checkpoint_final.pt")["degradations"] == [record]
+    assert load_checkpoint(fold / "checkpoint_final.pt").progress.degradations == (record,)
 
 
 def test_out_of_memory_degradation_after_resume_is_kept(workspace: Workspace) -> None:
-    train(workspace, CONFIG, 0, RunConfig(**TINY, inject_oom_at_step=0, stop_after_epochs=1), progress=False)
+    with out_of_memory_at_step(0), killed_after_epochs(1):
+        train(workspace, CONFIG, 0, RunConfig(**TINY), progress=False)
     fold = train(workspace, CONFIG, 0, RunConfig(**TINY, resume=True), progress=False)
     run = json.loads((fold / "run.json").read_text())
     assert len(run["degradations"]) == 1
@@ -181,7 +188,7 @@ def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, mon
     assert [r["epoch"] for r in rows] == [0, 1, 2]
     # each row's learning rate is its last step's, on the 108 steps of the plan in force
     assert [r["lr"] for r in rows] == pytest.approx([poly_lr(1e-2, s, 108) for s in (35, 71, 107)])
-    assert load_checkpoint(fold / "checkpoint_final.pt")["schedule"]["steps_done"] == 108
+    assert load_checkpoint(fold / "checkpoint_final.pt").progress.schedule.steps_done == 108
     # each epoch's line and row: the run's elapsed time, its end predicted from the epochs so far, the budget
     assert [r["planned_run_seconds"] for r in rows] == [120.0] * 3
     assert rows[0]["predicted_run_seconds"] == pytest.approx(rows[0]["elapsed_seconds"] + 2 * rows[0]["epoch_seconds"])
@@ -257,17 +264,16 @@ def test_a_checkpoint_written_before_plans_schema_3_still_resumes(workspace: Wor
     from autoseg.train.checkpoint import check_same_plan
 
     fold = train(workspace, CONFIG, 0, RunConfig(**{**TINY, "epochs": 1}), progress=False)
-    state = load_checkpoint(fold / "checkpoint_latest.pt")
-    saved = json.loads(state["plan_configuration"])
+    checkpoint = load_checkpoint(fold / "checkpoint_latest.pt")
+    saved = json.loads(checkpoint.plan_configuration)
     saved["network"]["num_classes"] = saved["network"].pop("num_outputs")
     del saved["network"]["architecture"]
     assert saved["network"].pop("blocks_per_stage") == []  # plans schema 5
     del saved["inference_patch_size"]
-    state["plan_configuration"] = json.dumps(saved)
+    old = dataclasses.replace(checkpoint, plan_configuration=json.dumps(saved))
     config = Plans.from_json(workspace.plans_path).configuration(CONFIG)
-    check_same_plan(state, config, CONFIG, fold / "checkpoint_latest.pt")  # no ValueError
-    check_same_plan(state, config.with_(inference_patch_size=(8, 24, 24)), CONFIG, fold / "checkpoint_latest.pt")
+    check_same_plan(old, config, CONFIG)  # no ValueError
+    check_same_plan(old, config.with_(inference_patch_size=(8, 24, 24)), CONFIG)
     saved["network"]["num_classes"] += 1
-    state["plan_configuration"] = json.dumps(saved)
     with pytest.raises(ValueError, match="differs"):
-        check_same_plan(state, config, CONFIG, fold / "checkpoint_latest.pt")
+        check_same_plan(dataclasses.replace(checkpoint, plan_configuration=json.dumps(saved)), config, CONFIG)
