@@ -387,10 +387,16 @@ def _family_on_grid(space: SearchSpace, div: tuple[int, ...], counts: list[int])
 
 def _last_fitting(patches: list[tuple[int, ...]], fits: Callable[[tuple[int, ...]], bool]) -> int:
     """Index of the last patch that fits, ``patches`` sorted by volume (fitting is monotone); -1 if none."""
-    lo, hi = -1, len(patches) - 1
+    return _last_true(-1, len(patches) - 1, lambda i: fits(patches[i]))
+
+
+def _last_true(lo: int, hi: int, holds: Callable[[int], bool]) -> int:
+    """THE bisection of the search: the largest ``n`` in ``(lo, hi]`` for which ``holds(n)``, ``lo`` if none.
+    ``holds`` is monotone (true up to some ``n``, false above it) and never asked at ``lo``: ``lo`` is the
+    caller's answer when nothing above it holds (-1: no patch; 2: the smallest batch, already checked)."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if fits(patches[mid]):
+        if holds(mid):
             lo = mid
         else:
             hi = mid - 1
@@ -437,11 +443,4 @@ def _shape_distance(space: SearchSpace, patch: tuple[int, ...]) -> float:
 
 def _largest_batch(space: SearchSpace, topology: NetworkTopology, patch: tuple[int, ...], cost: StepCost) -> int:
     """Largest batch in [2, max_batch] that fits (2 if even that does not: the caller checked it does)."""
-    lo, hi = 2, space.max_batch(patch)
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if cost.fits(topology, mid, patch):
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+    return _last_true(2, space.max_batch(patch), lambda batch: cost.fits(topology, batch, patch))
