@@ -43,19 +43,10 @@ from autoseg.model.topology import NetworkTopology
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import plan_inference_tile
-from autoseg.plan.patch_search import (
-    Candidate,
-    Limits,
-    PeakFn,
-    SearchSpace,
-    Setting,
-    StepCost,
-    canonical,
-    search,
-    step_flops,
-)
+from autoseg.plan.patch_search import SearchSpace, canonical, search
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.sizing import host_workers, loader_workers
+from autoseg.plan.step_cost import Candidate, Limits, PeakFn, Setting, StepCost, step_flops
 from autoseg.plan.throughput import StepRates, cuda_flops_per_second, gpu_spec
 from autoseg.plan.topology_rules import FEATURE_CAP, MIN_FEATURE_MAP
 

@@ -13,10 +13,10 @@ from autoseg.memory.fit import predicted_training_bytes, training_memory_model
 from autoseg.memory.host import worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
-from autoseg.plan.patch_search import rough_training_peak_bytes
 from autoseg.plan.planner import FILL_TARGET, MIN_PATCH_VOXELS, lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.plan.sizing import loader_workers
+from autoseg.plan.step_cost import rough_training_peak_bytes
 from autoseg.plan.throughput import mapped_bytes, step_elements
 from autoseg.plan.topology_rules import MAX_STAGES, topology_for
 from autoseg.plan.training_data import loader_config
