@@ -30,9 +30,9 @@ from autoseg.memory.training import simulate_training_step
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
 from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology
+from autoseg.plan.configuration import AMP_PRECISION
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import tile_for_image
-from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 

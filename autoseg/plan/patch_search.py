@@ -1,4 +1,4 @@
-"""Network, patch and batch search for one configuration (used by ``autoseg.plan.planner``).
+"""Network, patch and batch search for one configuration (used by ``autoseg.plan.configuration``).
 
 For fixed settings (base width, precision, activation checkpointing, micro-batch regime) the search picks
 the patch that covers the most of the median image, then the largest batch, whose training step fits:

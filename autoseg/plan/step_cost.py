@@ -1,5 +1,5 @@
 """The cost of one training step under one search setting (used by ``autoseg.plan.patch_search`` and
-``autoseg.plan.planner``).
+``autoseg.plan.configuration``).
 
 ``Setting`` is what stays fixed during one search (widths, precision, checkpointing, micro-batch regime);
 ``Limits`` what a step must fit (device bytes, seconds on CPU); ``StepCost`` predicts a step's device bytes
