@@ -41,7 +41,7 @@ from batchgenerators.transforms.color_transforms import BrightnessMultiplicative
 from scipy import ndimage
 
 from autoseg.data.augment_spatial import PatchSpatialTransform
-from autoseg.memory.host import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES
+from autoseg.memory.loader_worker import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES
 from autoseg.plan.training_data import LoaderConfig
 
 

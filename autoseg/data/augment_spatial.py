@@ -25,7 +25,7 @@ import torch
 from batchgenerators.transforms.abstract_transforms import AbstractTransform
 from scipy import ndimage
 
-from autoseg.memory.host import LABELS_PER_CALL
+from autoseg.memory.loader_worker import LABELS_PER_CALL
 from autoseg.plan.training_data import LoaderConfig, box_size
 from autoseg.preprocess.precompute import rotation_matrix
 

@@ -40,7 +40,7 @@ from autoseg.core.units import GiB, MiB
 from autoseg.core.workers import die_with_parent
 from autoseg.data.augment import Augmenter
 from autoseg.data.sampler import PatchSampler
-from autoseg.memory.host import output_batch_bytes, worker_bytes
+from autoseg.memory.loader_worker import output_batch_bytes, worker_bytes
 from autoseg.plan.training_data import LoaderConfig
 
 __all__ = ["BatchLoader", "workers_for_shared_memory"]

@@ -23,8 +23,9 @@ from dataclasses import asdict, dataclass
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
-from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
+from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes
 from autoseg.memory.inference import InferenceMemory, inference_memory
+from autoseg.memory.loader_worker import worker_bytes
 from autoseg.memory.step_record import TrainingMemory
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
@@ -152,7 +153,7 @@ class Explanation:
     preprocessing_processes: int
     loader_workers: int
     loader_queue_depth: int
-    loader_worker: dict[str, int]  # autoseg.memory.host.worker_bytes
+    loader_worker: dict[str, int]  # autoseg.memory.loader_worker.worker_bytes
     host_cases: tuple[HostCase, ...]
     what_ifs: tuple[WhatIf, ...]
     predicted_seconds_per_iteration: float | None = None  # the plan's, at the throughput below

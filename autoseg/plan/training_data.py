@@ -1,7 +1,7 @@
 """The training data a configuration's plan asks for: ``LoaderConfig`` (patch, micro-batch, foreground
 oversampling, nnU-Net's default augmentation ranges, dummy 2D, precomputed copies), ``loader_config`` of a
 ``ConfigurationPlan``, and ``enlarged_patch_size``: the largest box an augmented sample reads, which sizes
-the loader workers' host RAM (``autoseg.memory.host.worker_bytes``) before any data exists.
+the loader workers' host RAM (``autoseg.memory.loader_worker.worker_bytes``) before any data exists.
 
 - Dummy 2D: a 3D patch much thinner along z than in-plane (``max(patch) / patch[0] > DUMMY_2D_ANISOTROPY``,
   as nnU-Net decides it) is rotated and scaled in-plane only.

@@ -10,7 +10,7 @@ from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
-from autoseg.memory.host import worker_bytes
+from autoseg.memory.loader_worker import worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.configuration import FILL_TARGET, MIN_PATCH_VOXELS
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
