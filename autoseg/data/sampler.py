@@ -37,7 +37,8 @@ import numpy as np
 from autoseg.data.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
 from autoseg.dataset.labels import one_hot
 from autoseg.plan.training_data import LoaderConfig
-from autoseg.preprocess.store import StoredCase, open_case, open_previous_stage, prefetch_pages
+from autoseg.preprocess.mapped_npy import prefetch_pages
+from autoseg.preprocess.store import StoredCase, open_case, open_previous_stage
 
 __all__ = ["PatchSampler"]
 
