@@ -29,8 +29,8 @@ from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.plan.budget import Budget
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.run import PlannedWorkspace, check_dataset, load_fingerprint, make_plan, write_plan
+from autoseg.preprocess.parallel import PreprocessOptions, case_peak_bytes, preprocess
 from autoseg.preprocess.precompute import PrecomputeConfig
-from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
 from autoseg.preprocess.store import PreprocessedSource, delete_case, read_source, source_path, stored_case_ids
 
 log = logging.getLogger("autoseg")
@@ -104,17 +104,11 @@ def preprocess_workspace(
         out_dir = workspace.preprocessed(name)
         # before the cases: every case in the folder is made from what it says (stale ones were deleted)
         PreprocessedSource(preprocessing_fields(plans, name), digests).to_json(source_path(out_dir))
-        preprocess(
-            dataset,
-            plans,
-            name,
-            out_dir,
-            processes=n,
-            progress=progress,
-            precompute=precompute,
-            report_path=out_dir.with_name(f"{name}_report.json"),
-            cropped=cropped,
+        report_path = out_dir.with_name(f"{name}_report.json")
+        options = PreprocessOptions(
+            processes=n, progress=progress, precompute=precompute, report_path=report_path, cropped=cropped
         )
+        preprocess(dataset, plans, name, out_dir, options)
         log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
 
 
