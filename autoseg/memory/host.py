@@ -25,8 +25,8 @@ import numpy as np
 
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.core.units import GiB, KiB, MiB
-from autoseg.dataset.imageio import GZIP_READ_CHUNK_BYTES
 from autoseg.dataset.labels import LabelScheme
+from autoseg.dataset.nifti import GZIP_READ_CHUNK_BYTES
 
 # ``output_batch_bytes`` is loader_worker's; importable from here too for train.data_pipeline and
 # tests/train/test_train_data.py, which import it from here
