@@ -11,8 +11,7 @@ what-if rows (batch +1, batch 1, precision, checkpointing, the next patch size u
 peaks. ``format_explanation`` renders it as tables with sentences derived from the numbers;
 ``Explanation.to_dict`` is the same figures for ``--json``.
 
-Each what-if is one direct simulation (0.5-3 s for realistic networks, cached per process); explaining
-a 6-stage 3D configuration at 128^3 took 23 s on 2 busy CPU cores.
+Each what-if is one direct simulation (0.5-3 s for realistic networks, cached per process).
 """
 
 from __future__ import annotations

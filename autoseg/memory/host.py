@@ -7,8 +7,8 @@ not known (the crop, the exact path of a resampling) they take the larger case. 
 (``resampling_peak_bytes``, ``segmentation_resampling_peak_bytes``) follow ``autoseg.preprocess.resampling``.
 
 ``WORKER_RUNTIME_BYTES``: RSS of a fresh (spawned) Python process that imported autoseg.preprocess.preprocessor or
-autoseg.data.augment (numpy, scipy, SimpleITK, batchgenerators), measured at about 135-150 MiB. Part of it is
-shared libraries, so a sum over many workers over-counts somewhat. A training loader worker is forked from the
+autoseg.data.augment (numpy, scipy, SimpleITK, batchgenerators), as measured (docs/memory.md section 3). Part of it
+is shared libraries, so a sum over many workers over-counts somewhat. A training loader worker is forked from the
 trainer instead and shares its pages: its bytes are ``autoseg.memory.loader_worker``'s.
 
 The export's model (``export_bytes``, ``slab_export_bytes``) is held against the real export by
@@ -35,9 +35,9 @@ from autoseg.memory.loader_worker import output_batch_bytes  # noqa: F401
 WORKER_RUNTIME_BYTES = 150 * MiB
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 _F32 = 4  # bytes of a float32
-# What an export holds beyond its arrays (Python objects, numpy's small arrays; tracemalloc measured up to 43 KB)
+# What an export holds beyond its arrays (Python objects, numpy's small arrays): above what tracemalloc sees of them
 _EXPORT_OVERHEAD_BYTES = 64 * KiB
-# Small numpy arrays and Python objects scipy and we create per call (measured ~4 KiB with tracemalloc).
+# Small numpy arrays and Python objects scipy and we create per call: above what tracemalloc sees of them.
 _CALL_OVERHEAD_BYTES = 16 * KiB
 
 

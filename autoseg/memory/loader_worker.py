@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from autoseg.core.units import MiB
 from autoseg.memory.glibc_heap import GLIBC_MMAP_THRESHOLD_MAX
 
-# A loader worker is forked and shares the trainer's pages until it writes them. Measured (benchmarks/host_memory.py,
-# 2026-11-26, a stand-in trainer): 15 MiB of private pages after 30-200 batches; a forced full garbage collection
-# copied 60-91 MiB of inherited objects (rare in a worker). Twice the measured figure.
+# A loader worker is forked and shares the trainer's pages until it writes them: its own pages are few, and a full
+# garbage collection (rare in a worker) copies inherited objects. Twice the measured figure (docs/memory.md
+# section 3, benchmarks/host_memory.py).
 LOADER_WORKER_RUNTIME_BYTES = 32 * MiB
 _F32, _I64 = 4, 8  # bytes of a float32, an int64
 # autoseg.data.augment_spatial's label indicator planes interpolated per call with the image: (C + 2) x E float32
@@ -104,10 +104,9 @@ def heap_retention_bytes(
     Those of the read and spatial phases and those of the intensity phase are counted both: their sizes differ,
     so one phase's freed blocks rarely serve the other's.
 
-    Measured (benchmarks/host_memory.py, 2026-11-26): a worker's private memory with glibc's defaults minus with
-    ``MALLOC_MMAP_THRESHOLD_=131072`` (fixed: every such block mapped and returned when freed, but batches 45-86%
-    slower), at the largest read box: patch (56, 192, 192) dummy 2D 72-223 MiB over six runs (model 112),
-    (128, 128, 128) 2 channels 86-118 MiB (model 144), (512, 512) batch 12 42 MiB (model 30)."""
+    Held against a worker's private memory with glibc's defaults minus with ``MALLOC_MMAP_THRESHOLD_=131072`` (fixed:
+    every such block mapped and returned when freed, at slower batches), at the largest read box
+    (benchmarks/host_memory.py; docs/benchmarks.md, "Host RAM of a loader worker")."""
     buffers = _sample_buffers(patch_size, enlarged_patch_size, num_channels, seg_itemsize, dummy_2d)
     return sum(n for phase in ("read", "spatial", "intensity") for n in buffers[phase] if n < GLIBC_MMAP_THRESHOLD_MAX)
 
@@ -128,7 +127,7 @@ def batch_bytes(
     augmentation. E.g. patch (128, 128, 128), enlarged (302, 308, 302), B=2, C=1: about 0.62 GB; patch
     (512, 512) 2D, enlarged (1014, 1014), B=12, C=1: about 0.04 GB; dummy 2D (56, 192, 192), enlarged
     (56, 386, 376), B=2, C=1: about 0.21 GB; (160, 192, 160), enlarged (302, 340, 302), B=12, C=4: 2.6 GB
-    (it was 8.4 GB while the sampler read every sample's box before transforming any).
+    (one sample's box at a time: the sampler transforms each box before it reads the next).
     """
     terms = batch_bytes_terms(
         patch_size, enlarged_patch_size, batch_size, num_channels, seg_itemsize=seg_itemsize, dummy_2d=dummy_2d
@@ -175,7 +174,7 @@ def worker_bytes(
     matrices (``low_resolution_cache_bytes``). Not counted: the trainer's pages it shares, and the pages of the
     preprocessed cases it maps (page cache, shared by the workers and reclaimable). E.g. patch (56, 192, 192),
     read box (56, 380, 380), B=2, C=1, queue depth 2, dummy 2D: 32 + 200 + 112 + 3 x 19.7 + 10 MiB = 413 MiB
-    (measured 344-495 MiB over six runs, benchmarks/host_memory.py)."""
+    (held against measured workers: benchmarks/host_memory.py; docs/benchmarks.md, "Host RAM of a loader worker")."""
     if queue_depth < 1 or batch_size < 1 or num_channels < 1:
         raise ValueError(
             f"batch_size ({batch_size}), num_channels ({num_channels}) and queue_depth ({queue_depth}) must be >= 1"

@@ -36,7 +36,7 @@ class LoaderConfig:
     ``open_previous_stage``) one-hot encoded as the last ``len(previous_labels)`` data channels; they are rotated,
     scaled and mirrored with the image (interpolated as image channels) but no intensity transform touches them.
     ``order_data``: image interpolation of rotated/scaled samples, 1 linear (nnU-Net v2's SpatialTransform),
-    0 nearest, 3 cubic B-spline (nnU-Net v1; 3-10x slower); ``order_seg``: 1 per label linearly, then the
+    0 nearest, 3 cubic B-spline (nnU-Net v1; several times slower); ``order_seg``: 1 per label linearly, then the
     largest response; 0 nearest.
     """
 

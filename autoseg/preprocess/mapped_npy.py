@@ -17,10 +17,10 @@ def open_npy_for_patches(path: str | Path) -> np.ndarray:
     """A read-only memory map of the .npy file at ``path``, advised for random access.
 
     Slicing it reads only the pages of the slice. ``np.load(mmap_mode="r")`` maps the file too, but the
-    kernel then reads ahead around every page fault (``read_ahead_kb``: 8 MiB on the development VM),
-    which for a patch of 16 slices made one 64 KiB read pull 66 % of a 16 MiB case from disk;
-    ``MADV_RANDOM`` turns that off (3 %: the patch's own pages), and ``prefetch_pages`` requests a box's
-    pages together, so that they are read in parallel rather than one page fault at a time.
+    kernel then reads ahead around every page fault (``read_ahead_kb``), so one patch pulls much of its case
+    from disk; ``MADV_RANDOM`` turns that off (the patch's own pages are read), and ``prefetch_pages`` requests a
+    box's pages together, so that they are read in parallel rather than one page fault at a time
+    (docs/preprocessing.md, "What the loader changed").
     """
     with open(path, "rb") as f:
         version = np.lib.format.read_magic(f)
@@ -40,9 +40,8 @@ def prefetch_pages(array: np.ndarray, box: tuple[slice | int, ...]) -> None:
 
     ``array`` from ``open_npy_for_patches`` (C order); ``box``: an int or a step-1 slice per axis. Each run
     of the last two axes is one contiguous byte range. Without this, a box on a cold ``MADV_RANDOM`` map
-    is read one page fault at a time: 14 ms for a (1, 16, 40, 40) float32 box vs 1.7 ms with it, and
-    3.6 ms for ``np.load(mmap_mode="r")``, which reads 8 MiB around each fault (measured on the dev VM).
-    Does nothing for other arrays.
+    is read one page fault at a time, slower than with it and than ``np.load(mmap_mode="r")``, which reads
+    ahead around each fault (docs/preprocessing.md, "What the loader changed"). Does nothing for other arrays.
     """
     mapping = array.base
     if not (isinstance(mapping, mmap.mmap) and array.flags.c_contiguous and hasattr(mmap, "MADV_WILLNEED")):

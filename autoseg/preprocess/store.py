@@ -90,8 +90,8 @@ class AugmentedCopy:
 @dataclass(frozen=True)
 class CaseProperties(Artifact):
     """A preprocessed case's ``<case>.json``. Its foreground voxel samples are in ``<case>_locations.npy``
-    (int32 (N, 4) rows: class, z, y, x; ``locations_array``), not here: as JSON they took 530 KB and 0.1 s
-    per case to write, and 11-40 ms to parse at every training start."""
+    (int32 (N, 4) rows: class, z, y, x; ``locations_array``), not here: as JSON they are large, slow to write
+    and slow to parse at every training start (docs/benchmarks.md, "Training data pipeline")."""
 
     SCHEMA_VERSION = 2  # 2: class locations moved to <case>_locations.npy
     KIND = "case properties"
