@@ -37,21 +37,32 @@ log = logging.getLogger("autoseg")
 SHOWN_REASONS = 8
 
 
+@dataclass(frozen=True)
+class PreprocessRequest:
+    """What `autoseg plan_and_preprocess` preprocesses once the plan is written (``preprocess_workspace``'s
+    arguments): ``configs`` (None: every planned configuration), in ``processes`` processes (None: as many as
+    the plan's RAM budget holds), with ``precompute_augmentations`` augmented copies per case."""
+
+    configs: tuple[str, ...] | None = None
+    processes: int | None = None
+    precompute_augmentations: int = 0
+
+
+EVERY_CONFIGURATION = PreprocessRequest()
+
+
 def plan_and_preprocess(
     dataset: str | Path | RawDataset,
     workspace: Workspace,
     budget: Budget,
     *,
-    preprocess_configs: bool = True,
-    configs: list[str] | None = None,
-    processes: int | None = None,
+    preprocessing: PreprocessRequest | None = EVERY_CONFIGURATION,
     progress: bool = True,
-    precompute_augmentations: int = 0,
     overwrite: bool = False,
 ) -> Plans:
-    """`autoseg plan` (``preprocess_configs`` False) and `autoseg plan_and_preprocess`: plan, then refuse
-    (or with ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or
-    dataset, all before anything is written; then write the plan and preprocess."""
+    """`autoseg plan` (``preprocessing`` None) and `autoseg plan_and_preprocess`: plan, then refuse (or with
+    ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or dataset, all
+    before anything is written; then write the plan and preprocess what ``preprocessing`` asks for."""
     planned = make_plan(dataset, workspace, budget, progress, overwrite)
     stale = stale_preprocessed(
         workspace, planned.plans, planned.dataset, planned.source, unknown_is_stale=bool(planned.dataset_changes)
@@ -62,13 +73,13 @@ def plan_and_preprocess(
         _set_aside_results(workspace, planned, {s.config for s in stale})
         _delete_stale(stale)
     write_plan(workspace, planned)
-    if preprocess_configs:
+    if preprocessing is not None:
         preprocess_workspace(
             workspace,
-            configs,
-            processes,
+            None if preprocessing.configs is None else list(preprocessing.configs),
+            preprocessing.processes,
             progress=progress,
-            precompute_augmentations=precompute_augmentations,
+            precompute_augmentations=preprocessing.precompute_augmentations,
             overwrite=overwrite,
         )
     return planned.plans
