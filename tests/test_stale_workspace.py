@@ -18,7 +18,7 @@ from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.demo.data import make_demo_dataset
 from autoseg.plan.budget import Budget
 from autoseg.plan.run import file_hash
-from autoseg.preprocess.run import plan_and_preprocess
+from autoseg.preprocess.run import PreprocessRequest, plan_and_preprocess
 
 PLAN = ("--device", "cpu", "--cpu-flops", "1e10", "--ram", "8GiB")  # fixed budget: the same plan every run
 CONFIG = ("-c", "3d_fullres", "--processes", "1")
@@ -47,7 +47,8 @@ def made(tiny_dataset, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("stale")
     dataset = _copy(tiny_dataset, root / "Dataset001_Tiny")
     budget = Budget(gpu_memory_bytes=8 * GiB, host_ram_bytes=8 * GiB, device="cpu", cpu_flops_per_second=1e10)
-    plan_and_preprocess(dataset, Workspace.at(root / "ws"), budget, configs=["3d_fullres"], processes=1, progress=False)
+    request = PreprocessRequest(configs=("3d_fullres",), processes=1)
+    plan_and_preprocess(dataset, Workspace.at(root / "ws"), budget, preprocessing=request, progress=False)
     return dataset, root / "ws"
 
 

@@ -153,22 +153,17 @@ def report_error(prefix: str, error: Exception) -> int:
 def _plan(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
     from autoseg.dataset.raw import load_dataset
-    from autoseg.preprocess.run import plan_and_preprocess
+    from autoseg.preprocess.run import PreprocessRequest, plan_and_preprocess
 
     ws = Workspace.at(args.workspace)
     print(f"workspace: {ws.root}")
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
-    preprocess = args.command == "plan_and_preprocess"
+    preprocessing = None
+    if args.command == "plan_and_preprocess":
+        configs = None if args.configs is None else tuple(args.configs)
+        preprocessing = PreprocessRequest(configs, args.processes, args.precompute_augmentations)
     plan_and_preprocess(
-        dataset,
-        ws,
-        _budget(args),
-        preprocess_configs=preprocess,
-        progress=progress,
-        configs=args.configs if preprocess else None,
-        processes=args.processes if preprocess else None,
-        precompute_augmentations=args.precompute_augmentations if preprocess else 0,
-        overwrite=args.overwrite,
+        dataset, ws, _budget(args), preprocessing=preprocessing, progress=progress, overwrite=args.overwrite
     )
     return 0
 

@@ -9,8 +9,9 @@ ignored with a warning and rewritten.
 
 Threads: ``use_cpu_threads`` gives torch every CPU this process may use, with OpenMP threads that sleep while they
 wait (``OMP_WAIT_POLICY=PASSIVE``, set by ``passive_openmp_waiting`` before torch is imported). With libgomp's
-default spinning, 2 threads against one busy process on 2 cores made a U-Net training step 3-13x slower than one
-thread; sleeping threads ran it as fast as one thread there, and no timing probe is needed (docs/benchmarks.md).
+default spinning, threads competing with a busy process for the cores make a U-Net training step many times
+slower than one thread; sleeping threads run it as fast as one thread there, so no timing probe is needed
+(docs/benchmarks.md, "Training step speed on CPU").
 """
 
 from __future__ import annotations

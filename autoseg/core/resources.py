@@ -80,9 +80,9 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter: the most arenas malloc creates
 def use_one_malloc_arena() -> bool:
     """From now on, threads allocate from glibc's main arena instead of an arena of their own; True where this is
     glibc and it took the setting. Each arena keeps what its thread freed for that thread's reuse: prediction's
-    read-ahead and export threads (``autoseg.predict.pipeline``) held 180-270 MiB of the typical benchmark case's
-    1447-1535 MiB peak RSS that way (1261-1268 MiB with one arena or with no such threads, predicted 1239).
-    Threads that have allocated already keep their arena, so call it before starting them."""
+    read-ahead and export threads (``autoseg.predict.pipeline``) would hold a large share of a case's peak RSS that
+    way, beyond what the memory model predicts (docs/prediction.md, "Many cases"). Threads that have allocated
+    already keep their arena, so call it before starting them."""
     if not sys.platform.startswith("linux"):
         return False
     import ctypes

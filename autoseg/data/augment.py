@@ -41,14 +41,15 @@ from batchgenerators.transforms.color_transforms import BrightnessMultiplicative
 from scipy import ndimage
 
 from autoseg.data.augment_spatial import PatchSpatialTransform
-from autoseg.memory.host import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES
+from autoseg.memory.loader_worker import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES
 from autoseg.plan.training_data import LoaderConfig
 
 
 class SimulateLowResolution(AbstractTransform):
     """batchgenerators' SimulateLowResolutionTransform (per_channel, nearest downsampling, spline
     upsampling with mode 'edge', clipped to the downsampled range), with the same random draws, computed axis
-    by axis (``low_resolution``): 0.01-0.03 s instead of 0.5-0.9 s for a (56, 192, 192) channel."""
+    by axis (``low_resolution``): one matrix product per axis instead of a 3D spline zoom (docs/benchmarks.md,
+    "Training data pipeline")."""
 
     def __init__(
         self,
@@ -109,8 +110,8 @@ def _resize_matrix(n_in: int, n_out: int, order: int) -> np.ndarray:
 class GaussianNoise(AbstractTransform):
     """batchgenerators' GaussianNoiseTransform: with ``p_per_sample``, noise of a standard deviation drawn
     uniformly from ``std_range`` (with Python's ``random``, as it does). The noise is float32 from a torch
-    generator seeded off NumPy's global state (replayable): 17 ms for 2M voxels, float64 ``np.random.normal``
-    65 ms."""
+    generator seeded off NumPy's global state (replayable), cheaper than float64 ``np.random.normal``
+    (docs/benchmarks.md, "Training data pipeline")."""
 
     def __init__(self, std_range: tuple[float, float], p_per_sample: float) -> None:
         self.std_range, self.p_per_sample = std_range, p_per_sample
@@ -128,8 +129,8 @@ class GaussianNoise(AbstractTransform):
 class GaussianBlur(AbstractTransform):
     """batchgenerators' GaussianBlurTransform with a sigma per channel (the same draws: NumPy for the sample
     and channel, Python's ``random`` for sigma), as scipy's ``gaussian_filter`` (truncate 4, 'reflect'):
-    the first axis as a weighted sum of shifted contiguous slices instead of a strided 1D correlation
-    (9.5 vs 28 ms for a (56, 192, 192) channel; 31 vs 49 ms for the whole filter)."""
+    the first axis as a weighted sum of shifted contiguous slices instead of a strided 1D correlation (contiguous
+    reads are the cheaper pass over memory)."""
 
     def __init__(self, sigma_range: tuple[float, float], p_per_sample: float, p_per_channel: float) -> None:
         self.sigma_range, self.p_per_sample, self.p_per_channel = sigma_range, p_per_sample, p_per_channel
@@ -191,8 +192,8 @@ class Gamma(AbstractTransform):
 
 def _gamma_in_place(x: np.ndarray, gamma: float, invert: bool) -> None:
     """batchgenerators' ``augment_gamma`` (retain_stats) on a float32 channel, in place. x ** gamma as
-    exp(gamma * log(x)) with torch's log and exp (2.6 + 2.6 ms for 2M voxels; numpy's 5.4 + 5.3, np.power
-    20), and the final standard deviation as a dot product of the centred values (0.5 ms; ``std`` 2.7)."""
+    exp(gamma * log(x)) with torch's log and exp (faster than numpy's, and than ``np.power``), and the final
+    standard deviation as a dot product of the centred values (faster than ``std``)."""
     t = torch.from_numpy(x)
     if invert:
         t.neg_()
@@ -266,8 +267,8 @@ class Augmenter:
     Input: ``data`` float32 (B, C, *E), ``seg`` int8/int16 (B, 1, *E), E = the batch's read box, and
     ``transforms`` (one ``PatchTransform`` or None per sample). Output: ``data`` float32 (B, C, *patch) and
     ``target`` (B, 1, *patch) in the seg's dtype with -1 mapped to 0 (the loss casts it to int64 on the
-    device; an int64 target here made moving a batch out of a worker cost 70 instead of 45 ms of CPU for
-    (2, 1, 56, 192, 192)), written into ``out`` when given (e.g. a worker's shared-memory slot), mirrored on
+    device: an int64 target here would move 8 bytes a voxel out of the worker instead of 1), written into
+    ``out`` when given (e.g. a worker's shared-memory slot), mirrored on
     the way. The input arrays may be modified or released.
     """
 

@@ -11,7 +11,8 @@ test).
 
 Interpolation: images linearly (``order_data=1``, as nnU-Net v2's SpatialTransform; 0 nearest; 3 cubic
 B-spline, slower), labels per label linearly then the largest response (``order_seg=1``; 0 nearest).
-Orders 0 and 1 run as ``torch.nn.functional.grid_sample`` (about 8x faster than scipy's map_coordinates).
+Orders 0 and 1 run as ``torch.nn.functional.grid_sample``, faster than scipy's map_coordinates (docs/benchmarks.md,
+"Training data pipeline").
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from batchgenerators.transforms.abstract_transforms import AbstractTransform
 from scipy import ndimage
 
-from autoseg.memory.host import LABELS_PER_CALL
+from autoseg.memory.loader_worker import LABELS_PER_CALL
 from autoseg.plan.training_data import LoaderConfig, box_size
 from autoseg.preprocess.precompute import rotation_matrix
 
@@ -97,7 +98,7 @@ def spatial_transform(
 
     Linear image planes and up to ``LABELS_PER_CALL`` label indicators (-1 counted as 0, as the loss treats
     it) are interpolated in one ``grid_sample`` call, which computes the interpolation weights once for all
-    of them (3 x 56 planes of 192 x 192: 52 ms, one plane group at a time 75)."""
+    of them rather than once per plane group."""
     box = read_size(config.patch_size, transform, config.dummy_2d)
     start = [(e - b) // 2 for e, b in zip(data.shape[1:], box, strict=True)]
     crop = (slice(None), *(slice(s, s + b) for s, b in zip(start, box, strict=True)))

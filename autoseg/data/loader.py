@@ -8,9 +8,9 @@ dead worker).
 The hand-off: each worker owns ``queue_depth + 1`` batch-sized slots in shared memory, allocated once
 when the loader starts. It writes a finished batch into its next slot and sends only the slot's number;
 the trainer's process copies the slot into a tensor of its own (pinned on CUDA) and frees the slot. A fresh
-shared-memory batch per step, as torch's DataLoader makes by default, cost the worker ~18 ms of page
-faults per (2, 1, 56, 192, 192) batch on the 2-core VM, a third of the batch's CPU time with precomputed
-augmentations; the trainer's copy costs ~3 ms. A slot is written only after the trainer released it (one
+shared-memory batch per step, as torch's DataLoader makes by default, costs the worker page faults on every
+batch, a large share of its CPU time with precomputed augmentations; the trainer's copy costs far less
+(docs/benchmarks.md, "Training data pipeline"). A slot is written only after the trainer released it (one
 semaphore per slot), so a batch is never overwritten while it is read.
 
 Host memory: ``worker_bytes`` per worker (its own pages beside the trainer's it shares, one batch in flight, the
@@ -40,7 +40,7 @@ from autoseg.core.units import GiB, MiB
 from autoseg.core.workers import die_with_parent
 from autoseg.data.augment import Augmenter
 from autoseg.data.sampler import PatchSampler
-from autoseg.memory.host import output_batch_bytes, worker_bytes
+from autoseg.memory.loader_worker import output_batch_bytes, worker_bytes
 from autoseg.plan.training_data import LoaderConfig
 
 __all__ = ["BatchLoader", "workers_for_shared_memory"]
@@ -126,8 +126,8 @@ class _BatchStream(IterableDataset):
     ``slots`` (in a worker) it yields (worker_id, slot) after writing the batch into that slot, else the
     batch itself.
 
-    BLAS runs one thread while a batch is built (OpenBLAS threads spinning against another busy process
-    made a (56, 192, 192) float32 matrix product take 0.9 s instead of 0.01 s on the 2-core machine)."""
+    BLAS runs one thread while a batch is built: OpenBLAS threads spinning against another busy process make a
+    matrix product many times slower (docs/benchmarks.md, "Training data pipeline")."""
 
     def __init__(
         self,
@@ -159,7 +159,7 @@ class _BatchStream(IterableDataset):
             with threads.limit(limits=1):
                 batch, seed = sampler.sample_patches(patches), int(rng.integers(2**31))
                 if self.slots is None:  # torch-allocated (64-byte aligned): a batch wrapping numpy's buffers
-                    # (torch.from_numpy) made a CPU training step 2.5x slower (0.73 s vs 0.29 s, 2 x 16x40x40)
+                    # (torch.from_numpy) makes a CPU training step slower: docs/benchmarks.md, training step speed
                     out: Any = {
                         "data": torch.empty(patches["data"].shape),
                         "target": torch.from_numpy(patches["seg"]).new_empty(patches["seg"].shape),

@@ -21,7 +21,7 @@ and their spatial transforms, then a batch seed for the other transforms; so eve
 ``num_workers=1`` yield the same batches; with N workers the batches of streams 0..N-1 interleave in order.
 
 Host memory: one batch in flight (``batch_bytes``) per process that builds batches, plus the finished
-batches (``output_batch_bytes`` each) that wait for the trainer (``autoseg.memory.host.worker_bytes``).
+batches (``output_batch_bytes`` each) that wait for the trainer (``autoseg.memory.loader_worker.worker_bytes``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import numpy as np
 from autoseg.data.augment_spatial import PatchTransform, draw_patch_transform, read_size, spatial_transform
 from autoseg.dataset.labels import one_hot
 from autoseg.plan.training_data import LoaderConfig
-from autoseg.preprocess.store import StoredCase, open_case, open_previous_stage, prefetch_pages
+from autoseg.preprocess.mapped_npy import prefetch_pages
+from autoseg.preprocess.store import StoredCase, open_case, open_previous_stage
 
 __all__ = ["PatchSampler"]
 

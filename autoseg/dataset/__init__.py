@@ -3,6 +3,7 @@ regions), image reading and writing with their geometry, the integrity checks, a
 is cropped to.
 
 Owns: ``raw`` (``load_dataset``, ``check_integrity``), ``inputs`` (what ``predict -i`` names), ``labels``,
-``imageio``, ``dicom_file`` (a truncated DICOM slice found before the series is read), ``cropping``.
+``imageio``, ``nifti`` (a NIfTI file's truncation check and one-pass float read), ``dicom_file`` (a truncated
+DICOM slice found before the series is read), ``cropping``.
 Imports: ``autoseg.core``.
 """

@@ -2,7 +2,7 @@
 
 GDCM (SimpleITK's DICOM reader) leaves a file it cannot read out of the series it lists, and the series reader
 then reads the other slices as one volume with a slice missing, with only a warning ("non uniform sampling or
-missing slices"): measured with a 5-slice series whose middle file lost its last byte, read as 4 slices. So
+missing slices"): a 5-slice series whose middle file lost its last byte reads as 4 slices. So
 every DICOM file directly in the folder is walked here, element by element, before the series is read.
 
 The walk reads the 128-byte preamble and "DICM", the file meta group (explicit VR little endian) for the

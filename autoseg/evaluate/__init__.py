@@ -1,6 +1,7 @@
 """Evaluation (`autoseg evaluate`): Dice, IoU, HD95 and normalized surface Dice per class or region, the ignore
 label left out, summary.json.
 
-Owns: ``metrics`` (the counts, means, summary.json and table), ``surface`` (HD95 and NSD of one case).
+Owns: ``metrics`` (the counts, means, summary.json and table), ``files`` (the file pairs compared, their geometry
+check and label maps), ``surface`` (HD95 and NSD of one case).
 Imports: ``autoseg.dataset``, ``autoseg.core``; not ``autoseg.predict``.
 """

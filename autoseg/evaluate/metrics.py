@@ -18,7 +18,6 @@ the reverse) scores 0 (Dice, IoU, NSD), and HD95 the image diagonal (see ``surfa
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -28,14 +27,15 @@ from typing import Any
 import numpy as np
 
 from autoseg.core.artifacts import Artifact, to_dict, write_json
-from autoseg.core.errors import InputError
-from autoseg.dataset.imageio import Geometry, read_geometry, read_image
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
+from autoseg.evaluate.files import (
+    EvaluationError,
+    check_geometries,
+    labels_from_dataset_json,
+    match_files,
+    read_label_map,
+)
 from autoseg.evaluate.surface import DEFAULT_NSD_TOLERANCE_MM, NOT_COMPUTED, SurfaceMetrics, case_surface_metrics
-
-
-class EvaluationError(InputError):
-    """Predictions and references cannot be compared (missing files, different geometry, bad values)."""
 
 
 @dataclass(frozen=True)
@@ -116,9 +116,9 @@ def evaluate_folder(
     ``nsd_tolerance_mm``: the normalized surface Dice's tolerance; None skips the surface metrics (HD95, NSD).
     """
     pred_dir, gt_dir = Path(pred_dir), Path(gt_dir)
-    pairs = _match_files(pred_dir, gt_dir, file_ending)
+    pairs = match_files(pred_dir, gt_dir, file_ending)
     if labels is None:
-        labels = _labels_from_dataset_json(gt_dir)
+        labels = labels_from_dataset_json(gt_dir)
     return evaluate_pairs(
         pairs,
         labels,
@@ -140,7 +140,7 @@ def evaluate_pairs(
     nsd_tolerance_mm: float | None = DEFAULT_NSD_TOLERANCE_MM,
 ) -> EvaluationSummary:
     """Evaluate explicit (prediction, reference) file pairs; see ``evaluate_folder``."""
-    _check_geometries(pairs)
+    check_geometries(pairs)
     if nsd_tolerance_mm is not None and not (math.isfinite(nsd_tolerance_mm) and nsd_tolerance_mm > 0):
         raise EvaluationError(f"NSD tolerance {nsd_tolerance_mm} mm: give a finite number of mm above 0")
     ignore = labels.get(IGNORE) if labels is not None else None
@@ -212,82 +212,6 @@ def _fmt(value: float, digits: int = 4) -> str:
     return "n/a" if math.isnan(value) else f"{value:.{digits}f}"
 
 
-def _match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[Path, Path]]:
-    """(prediction, reference) pairs, one per reference file, in name order."""
-    for folder, what in ((gt_dir, "reference"), (pred_dir, "prediction")):
-        if not folder.is_dir():
-            raise EvaluationError(f"{folder}: {what} folder not found")
-    refs = sorted(p for p in gt_dir.iterdir() if p.name.endswith(file_ending) and not p.name.startswith("."))
-    if not refs:
-        raise EvaluationError(
-            f"{gt_dir}: no reference segmentations ending in {file_ending!r}; "
-            "pass file_ending to match the dataset's files"
-        )
-    missing = [r.name for r in refs if not (pred_dir / r.name).is_file()]
-    if missing:
-        raise EvaluationError(
-            f"{pred_dir}: no prediction for {len(missing)} of {len(refs)} reference "
-            f"file(s) in {gt_dir}: {_first_names(missing)}; predict these cases (same file "
-            "names) or remove their references"
-        )
-    # As nnU-Net (whose evaluation fails on a prediction without its reference): a mean over a subset of the
-    # predictions would be reported as the folder's score, so an unmatched prediction is an error too.
-    names = {r.name for r in refs}
-    unmatched = sorted(
-        p.name
-        for p in pred_dir.iterdir()
-        if p.name.endswith(file_ending) and not p.name.startswith(".") and p.name not in names
-    )
-    if unmatched:
-        raise EvaluationError(
-            f"{gt_dir}: no reference for {len(unmatched)} prediction(s) in {pred_dir}: "
-            f"{_first_names(unmatched)}; add their references (same file names) or move "
-            "these predictions out of the folder"
-        )
-    return [(pred_dir / r.name, r) for r in refs]
-
-
-def _first_names(names: list[str], shown: int = 10) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def _check_geometries(pairs: list[tuple[Path, Path]]) -> None:
-    """Compare headers only; list every mismatching pair in one error."""
-    problems = []
-    for pred_path, ref_path in pairs:
-        diff = read_geometry(pred_path).matches(read_geometry(ref_path))
-        if diff:
-            problems.append(f"prediction {pred_path} and reference {ref_path} differ in {diff}")
-    if problems:
-        raise EvaluationError(
-            f"{len(problems)} prediction(s) do not have their reference's geometry (write "
-            "predictions on the reference image grid):\n  " + "\n  ".join(problems)
-        )
-
-
-def read_label_map(path: Path, what: str) -> tuple[np.ndarray, Geometry]:
-    """A segmentation as int16 label values. Float files are accepted when every voxel holds an integer
-    (as SimpleITK writes a label map resampled in float); a fraction or NaN is refused, never rounded or
-    cast silently (a probability map or an image passed by mistake)."""
-    array, geometry = read_image(path, dtype=None)
-    if array.dtype.kind == "f":
-        fractional = ~np.isfinite(array) | (array != np.round(array))  # one bool per voxel
-        if fractional.any():
-            example = array[fractional].flat[0]
-            raise EvaluationError(
-                f"{path}: {what} holds {int(fractional.sum())} non-integer voxel(s) (e.g. "
-                f"{example:g}); a segmentation holds label values 0, 1, 2, ... (a probability "
-                "map or an image?)"
-            )
-    elif array.dtype.kind not in "iub":
-        raise EvaluationError(f"{path}: {what} has voxel type {array.dtype}; expected integer label values")
-    if array.size and (array.max() > np.iinfo(np.int16).max or array.min() < np.iinfo(np.int16).min):
-        raise EvaluationError(
-            f"{path}: {what} holds label value {array.max()}; label values up to {np.iinfo(np.int16).max} are supported"
-        )
-    return array.astype(np.int16, copy=False), geometry
-
-
 def case_dice(
     pred: np.ndarray, ref: np.ndarray, foreground: dict[str, LabelValue], ignore: int | None, where: str = ""
 ) -> dict[str, float]:
@@ -308,28 +232,6 @@ def mean_dice(cases: list[dict[str, float]]) -> tuple[dict[str, float], float]:
     names = list(cases[0]) if cases else []
     means = {name: _nanmean([c[name] for c in cases]) for name in names}
     return means, _nanmean(list(means.values()))
-
-
-def _labels_from_dataset_json(gt_dir: Path) -> dict[str, Any] | None:
-    for folder in (gt_dir, gt_dir.parent):
-        path = folder / "dataset.json"
-        if path.is_file():
-            try:
-                meta = json.loads(path.read_bytes().decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise EvaluationError(f"{path}: not UTF-8 JSON ({e}); fix it or pass labels explicitly") from e
-            labels = meta.get("labels") if isinstance(meta, dict) else None
-            ok = isinstance(labels, dict) and all(
-                isinstance(v, int) or (isinstance(v, list) and v and all(isinstance(x, int) for x in v))
-                for v in labels.values()
-            )
-            if not ok:
-                raise EvaluationError(
-                    f"{path}: 'labels' must map class names to integer values (or lists of "
-                    f"them for regions); found {labels!r}; pass labels explicitly"
-                )
-            return labels
-    return None
 
 
 def _confusion(pred: np.ndarray, ref: np.ndarray, pred_path: Path, ref_path: Path, ignore: int | None) -> np.ndarray:

@@ -7,7 +7,7 @@ weights them by area, so its values differ slightly):
 
 - the surface S(M) of a mask M is its boundary voxels: voxels of M with at least one face neighbour (6 in 3D,
   4 in 2D) outside M, the outside of the image counting as outside: ``M & ~binary_erosion(M)`` with scipy's
-  default structure and ``border_value=0`` (computed here with shifted slices, 2.7x faster, same voxels);
+  default structure and ``border_value=0`` (computed here with shifted slices: the same voxels, faster);
 - d(x, S) is the Euclidean distance in mm between the centre of voxel x and the nearest voxel centre of S, each
   axis scaled by its spacing (0 when x is itself in S);
 - HD95 = max(P95{d(p, S_ref) : p in S_pred}, P95{d(r, S_pred) : r in S_ref}): the larger of the two directed
@@ -27,9 +27,8 @@ per label value, one pass over each image for all classes). No margin is needed:
 are empty, which is what the erosion assumes at the box's faces, so the surfaces are those of the whole image.
 The distances come from a k-d tree (``scipy.spatial.cKDTree``) over the physical coordinates of the surface
 voxels: the exact Euclidean nearest neighbour, as a Euclidean distance transform gives, but with memory and time
-per surface voxel rather than per box voxel. For a body-sized class in a 300x512x512 image (a 59 M voxel box,
-0.43 M surface voxels per mask), both directions took 1.4-1.9 CPU s and 142 MiB, against 38 CPU s and 2.8 GiB with
-``distance_transform_edt(sampling=spacing)`` (``benchmarks/evaluate.py --compare-edt``; same distances).
+per surface voxel rather than per box voxel: far less than ``distance_transform_edt(sampling=spacing)`` for a
+body-sized class, with the same distances (docs/evaluation.md, "Cost"; ``benchmarks/evaluate.py --compare-edt``).
 ``surface_metrics_bytes`` estimates the peak; a small organ's box is a few MiB.
 """
 
@@ -52,9 +51,9 @@ from autoseg.dataset.labels import LabelValue
 DEFAULT_NSD_TOLERANCE_MM = 2.0
 
 # surface_metrics_bytes: bool bytes per box voxel (the two masks, their two surfaces, a comparison with the
-# ignore label; 5.4 measured with the first surface voxels' coordinates), and per surface voxel a float64
-# coordinate per axis plus the k-d tree's index (8), the query's distances and indices (16), the distances
-# kept (8) and the tree's nodes (~10 at leafsize 16; tracemalloc does not see them)
+# ignore label; tracemalloc sees a little more with the first surface voxels' coordinates), and per surface
+# voxel a float64 coordinate per axis plus the k-d tree's index (8), the query's distances and indices (16), the
+# distances kept (8) and the tree's nodes (~10 at leafsize 16; tracemalloc does not see them)
 _BOX_BYTES_PER_VOXEL = 5
 _SURFACE_BYTES_PER_VOXEL_PER_AXIS = 8
 _SURFACE_BYTES_PER_VOXEL = 8 + 16 + 8 + 10
@@ -85,7 +84,7 @@ def case_surface_metrics(
     """
     if pred.shape != ref.shape or len(spacing_mm) != pred.ndim:
         raise ValueError(f"prediction {pred.shape}, reference {ref.shape} and spacing {spacing_mm} disagree")
-    pred_boxes, ref_boxes = ndimage.find_objects(pred), ndimage.find_objects(ref)  # one pass each, ~0.3 s per 78 M
+    pred_boxes, ref_boxes = ndimage.find_objects(pred), ndimage.find_objects(ref)  # one pass over each image
     diagonal_mm = _diagonal_mm(pred.shape, spacing_mm)
     result = {}
     for name, value in classes.items():
@@ -134,7 +133,8 @@ def surface_distances(
 def surface_metrics_bytes(box_voxels: int, surface_voxels: int, ndim: int = 3) -> int:
     """Peak bytes held by the surface metrics of one class: bool masks over the bounding box of the two masks
     (``box_voxels``), then coordinates and a k-d tree per surface voxel (``surface_voxels``, both masks). An
-    upper bound: the two phases are added, though the second frees most of the first (within 1.5x measured)."""
+    upper bound: the two phases are added, though the second frees most of the first (held against tracemalloc in
+    tests/evaluate/test_surface.py)."""
     per_surface = _SURFACE_BYTES_PER_VOXEL_PER_AXIS * ndim + _SURFACE_BYTES_PER_VOXEL
     return _BOX_BYTES_PER_VOXEL * box_voxels + per_surface * surface_voxels
 
@@ -155,8 +155,8 @@ def _metrics(
 
 def _surface(mask: np.ndarray) -> np.ndarray:
     """Boundary voxels: in the mask, with a face neighbour outside it or outside the array. The same voxels as
-    ``mask & ~binary_erosion(mask)`` (face neighbours, ``border_value=0``) in 0.56 s instead of 1.5 s for a
-    59 M voxel box; holds one more bool array of the mask's shape."""
+    ``mask & ~binary_erosion(mask)`` (face neighbours, ``border_value=0``), in less time; holds one more bool array
+    of the mask's shape."""
     interior = mask.copy()
     for axis in range(mask.ndim):
         head = (slice(None),) * axis + (slice(1, None),)
@@ -174,7 +174,7 @@ def _nearest(points: np.ndarray, targets: np.ndarray) -> np.ndarray:
 
 
 def _mask(labels: np.ndarray, values: tuple[int, ...]) -> np.ndarray:
-    """Boolean mask of the union of ``values`` (``==`` per value: np.isin is 30x slower here)."""
+    """Boolean mask of the union of ``values`` (``==`` per value: np.isin is much slower here)."""
     return functools.reduce(np.logical_or, (labels == v for v in values))
 
 

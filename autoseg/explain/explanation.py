@@ -5,13 +5,13 @@ and returns an ``Explanation`` of plain numbers (bytes): the training step's pea
 gradients, optimizer state, the input batch, the activations each network stage saves for backward (with
 the stage's feature-map shape, so a reader sees why a stage is big), the transient rest, and the device's
 own terms (allocator rounding and fragmentation, convolution workspace, CUDA context); sliding-window
-inference on the median image; the host RAM of a preprocessing worker, a loader worker and an export; and
+inference on the median image and the host RAM of a preprocessing worker and an export
+(``autoseg.explain.inference_and_host``); a loader worker's host RAM; and
 what-if rows (batch +1, batch 1, precision, checkpointing, the next patch size up) with their predicted
 peaks. ``format_explanation`` renders it as tables with sentences derived from the numbers;
 ``Explanation.to_dict`` is the same figures for ``--json``.
 
-Each what-if is one direct simulation (0.5-3 s for realistic networks, cached per process); explaining
-a 6-stage 3D configuration at 128^3 took 23 s on 2 busy CPU cores.
+Each what-if is one direct simulation (0.5-3 s for realistic networks, cached per process).
 """
 
 from __future__ import annotations
@@ -22,17 +22,14 @@ from dataclasses import asdict, dataclass
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
+from autoseg.explain.inference_and_host import HostCase, host_cases, inference_terms
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
-from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
-from autoseg.memory.inference import InferenceMemory, inference_memory
+from autoseg.memory.loader_worker import worker_bytes
 from autoseg.memory.step_record import TrainingMemory
 from autoseg.memory.training import simulate_training_step
-from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
-from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology
+from autoseg.plan.configuration import AMP_PRECISION
 from autoseg.plan.fingerprint import Fingerprint
-from autoseg.plan.inference_tile import tile_for_image
-from autoseg.plan.planner import AMP_PRECISION
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 
@@ -76,17 +73,6 @@ class WhatIf:
     tensor_bytes: int
     total_bytes: int
     fits: bool
-
-
-@dataclass(frozen=True)
-class HostCase:
-    """Host RAM of one case: a preprocessing worker on it and the export of its prediction (bytes by term)."""
-
-    label: str
-    shape_zyx_before: tuple[int, int, int]
-    shape_zyx_after: tuple[int, int, int]
-    preprocess_worker: dict[str, int]
-    export: dict[str, int]
 
 
 @dataclass(frozen=True)
@@ -152,7 +138,7 @@ class Explanation:
     preprocessing_processes: int
     loader_workers: int
     loader_queue_depth: int
-    loader_worker: dict[str, int]  # autoseg.memory.host.worker_bytes
+    loader_worker: dict[str, int]  # autoseg.memory.loader_worker.worker_bytes
     host_cases: tuple[HostCase, ...]
     what_ifs: tuple[WhatIf, ...]
     predicted_seconds_per_iteration: float | None = None  # the plan's, at the throughput below
@@ -192,7 +178,7 @@ def explain(
     )
     step = _simulate(config, config.batch_size, tuple(config.patch_size), precision, config.checkpointing, device)
     terms = _training_terms(step, device)
-    inference_phase, inference_terms = _inference_terms(plans, config, device, precision)
+    inference_phase, inference = inference_terms(plans, config, device, precision)
     loader = loader_config(config, augment=True)  # the trainer's, on the fly
     return Explanation(
         config_name=config_name,
@@ -212,8 +198,8 @@ def explain(
         inference_image_shape_zyx=tuple(config.median_shape_zyx),
         inference_precision=precision,
         inference_phase=inference_phase,
-        inference_terms=inference_terms,
-        inference_total_bytes=sum(inference_terms.values()),
+        inference_terms=inference,
+        inference_total_bytes=sum(inference.values()),
         host_ram_bytes=int(plans.host_ram_bytes),
         preprocessing_processes=plans.preprocessing_processes,
         loader_workers=config.loader_workers,
@@ -226,7 +212,7 @@ def explain(
             config.loader_queue_depth,
             dummy_2d=loader.dummy_2d,
         ),
-        host_cases=_host_cases(plans, config, fingerprint),
+        host_cases=host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
         predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
         cpu_flops_per_second=plans.cpu_flops_per_second,
@@ -316,99 +302,6 @@ def _stages(config: ConfigurationPlan, step: TrainingMemory) -> tuple[StageMemor
         map_bytes = config.batch_size * features * math.prod(shape) * 4
         rows.append(StageMemory(name, features, shape, nbytes, nbytes / map_bytes if map_bytes else 0.0))
     return tuple(rows)
-
-
-def _inference_terms(
-    plans: Plans, config: ConfigurationPlan, device: str, precision: str
-) -> tuple[str, dict[str, int]]:
-    """Sliding-window prediction of the median image as ``autoseg.predict.predictor`` runs it (its planned tile,
-    ``tile_for_image``, overlapping by half a patch; tile batch 1, mirroring on every axis): the terms of the
-    phase holding the peak, then the device's terms."""
-    median = tuple(config.median_shape_zyx)
-    tile = tile_for_image(config, median)
-    mem = _inference_cached(
-        config.network,
-        tile,
-        overlap_step_fractions(tile, config.patch_size),
-        median,
-        plans.label_scheme.num_outputs,
-        precision,
-        device,
-    )
-    held = {
-        "parameters": mem.parameter_bytes,
-        "padded_input": mem.padded_input_bytes,
-        "accumulator": mem.accumulator_bytes,
-        "weight_map": mem.weight_map_bytes,
-        "gaussian": mem.gaussian_bytes,
-        "output": mem.output_bytes,
-    }
-    tiles = {**held, "tile_prediction": mem.tile_bytes}
-    finishing = {**held, "softmax_temp": mem.softmax_temp_bytes}
-    phase, terms = ("tiles", tiles) if sum(tiles.values()) >= sum(finishing.values()) else ("finishing", finishing)
-    device_terms = predict_device_peak(mem, device)
-    return phase, {**terms, **{k: v for k, v in device_terms.items() if k in DEVICE_TERMS}}
-
-
-@functools.lru_cache(maxsize=16)
-def _inference_cached(
-    topology: NetworkTopology,
-    tile_size: tuple[int, ...],
-    step_fraction: tuple[float, ...],
-    image_shape_zyx: tuple[int, ...],
-    num_outputs: int,
-    precision: str,
-    device: str,
-) -> InferenceMemory:
-    return inference_memory(
-        topology,
-        tile_size,
-        1,
-        image_shape_zyx,
-        num_outputs,
-        precision,
-        mirror_axes=tuple(range(topology.dim)),
-        step_fraction=step_fraction,
-        device=device,
-        output_dtype=None,  # predict exports each slab as it is finished (SlabExport)
-        accumulator_dtype=PREDICTION_ACCUMULATOR,
-    )
-
-
-def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:
-    channels = len(plans.channel_names)
-    if fp is None or not fp.cases:
-        shape = tuple(config.median_shape_zyx)
-        picks = [("median shape (plan; no fingerprint)", shape, shape)]
-    else:
-        shapes = [
-            (c.case_id, tuple(c.shape_zyx), config.resampled_shape(c.cropped_shape_zyx, c.spacing_mm)) for c in fp.cases
-        ]
-        by_size = sorted(shapes, key=lambda s: math.prod(s[2]))
-        median, largest = by_size[(len(by_size) - 1) // 2], by_size[-1]
-        picks = [(f"median case ({median[0]})", median[1], median[2])]
-        if largest is not median:
-            picks.append((f"largest case ({largest[0]})", largest[1], largest[2]))
-    return tuple(
-        HostCase(
-            label,
-            before,
-            after,
-            preprocess_worker_bytes(before, after, channels),
-            slab_export_bytes(before, after, plans.label_scheme, _slab_depth(config, after)),
-        )
-        for label, before, after in picks
-    )
-
-
-def _slab_depth(config: ConfigurationPlan, image_shape_zyx: tuple[int, ...]) -> int:
-    """The deepest slab the sliding window hands the export on this image (its planned tile, every mirror variant,
-    tile batch 1, the prediction's accumulator dtype, as ``_inference_terms``)."""
-    tile = tile_for_image(config, image_shape_zyx)
-    layout = tile_layout(image_shape_zyx, tile, overlap_step_fractions(tile, config.patch_size))
-    return finish_chunk_slices(
-        accumulator_depth(layout, 2**config.dim, 1), config.network.num_outputs, PREDICTION_ACCUMULATOR
-    )
 
 
 def next_patch_up(config: ConfigurationPlan) -> tuple[tuple[int, ...], int]:

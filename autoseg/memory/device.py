@@ -5,15 +5,15 @@ model (see docs and shared/notes/memory-simulation.md), to be calibrated on a re
 
 - ``allocator_rounding``: the caching allocator rounds every allocation up to 512 bytes; on average half a
   block per live allocation (about 0.001% of a U-Net's peak).
-- ``fragmentation``: reserved / allocated of the caching allocator, replayed on this kind of allocation
-  sequence, was 1.12-1.19; ``CUDA_FRAGMENTATION = 1.15`` of the (rounded) tensor bytes.
+- ``fragmentation``: reserved / allocated of the caching allocator, ``CUDA_FRAGMENTATION = 1.15`` of the (rounded)
+  tensor bytes: the middle of what a replay of this kind of allocation sequence gives (docs/memory.md section 3).
 - ``conv_workspace``: cuDNN's scratch space. Placeholder: the largest convolution output of the step in
   its compute dtype (the algorithms torch picks rarely ask for more than that).
 - ``cuda_context``: the CUDA context, cuBLAS/cuDNN handles and kernels, about 0.5 GiB.
 
 On CPU: tensors + ``fragmentation``, what glibc's heap keeps of freed tensors beyond the live ones at the peak
-(``autoseg.memory.glibc_heap``, replayed over the simulated step or tile: 0.1-0.7x the tensors a step adds) + the
-process's runtime (interpreter, torch libraries), about 150 MiB above the tensor peak as measured by RSS.
+(``autoseg.memory.glibc_heap``, replayed over the simulated step or tile) + the process's runtime (interpreter,
+torch libraries) above the tensor peak, ``CPU_RUNTIME_BYTES`` (its measurement: docs/memory.md section 3).
 """
 
 from __future__ import annotations

@@ -13,25 +13,22 @@ torch allocates a CPU tensor with ``posix_memalign(64, n)``. glibc (2.36, 64-bit
   largest freed feature map under 32 MiB, every smaller one is kept in the heap.
 
 Most fragments go back into a free neighbour at the next large ``malloc`` (fastbin consolidation), but the C++
-runtime's small objects (``operator new``: 540 k ``malloc`` calls over 3 steps of the demo's 3D step, for 1,450
-tensors) take some and hold them: in a replay of glibc (tcache and fastbins included) over that step's real
-``malloc`` trace (mtrace; its peak heap + mapped bytes came within 2-11% of the measured ones), 70% of the
-fragments were free again within one large ``malloc`` and 20% were held for more than a quarter of a step. A held
-fragment leaves the hole of its freed neighbour 96 bytes too small for a block of the same size, so the next such
-block goes elsewhere and the heap grows to 1.1-1.7x what the step's tensors add. (Best fit over the tensors alone,
-without held fragments, reuses nearly every hole: 1.04x, where the demo's step measured 1.6x.) The model holds
-every ``HELD_FRAGMENT_EVERY``-th fragment for one step's events and gives the others back at once.
+runtime's small objects (``operator new``, far more calls than tensors) take some and hold them. A held fragment
+leaves the hole of its freed neighbour 96 bytes too small for a block of the same size, so the next such block goes
+elsewhere and the heap grows beyond what the step's tensors add; best fit over the tensors alone, without held
+fragments, reuses nearly every hole. The model holds every ``HELD_FRAGMENT_EVERY``-th fragment for one step's events
+and gives the others back at once: the share a replay of glibc (tcache and fastbins included) over a real step's
+``malloc`` trace holds (docs/memory.md section 8, "Why the heap grows").
 
 At inference (``inference_mode``: no autograd nodes, the long-lived small objects of a training step) fewer
-fragments are held: one in ``INFERENCE_HELD_FRAGMENT_EVERY``, fitted to the peak RSS of real CPU tiles (8 tiles of 3
-networks: -8..+7% for tiles whose tensors exceed 250 MiB; one in 5 predicted -14..+58%, none held -6..-42%;
-docs/memory.md section 4).
+fragments are held: one in ``INFERENCE_HELD_FRAGMENT_EVERY``, fitted to the peak RSS of real CPU tiles
+(docs/memory.md section 4).
 
 ``heap_footprint`` replays a step's allocation trace ``HEAP_STEPS`` times (the thresholds and the held fragments
 carry over, as in training) and returns the peak of heap extent + mapped bytes above the step's start. It does not
 see the interpreter's and the C++ runtime's own allocations (in the measured RSS before the step) nor kernels'
-hidden buffers other than those the tracker models (``cpu_conv_scratch_bytes``). Pure Python, about 2.5 us per
-event: 10 ms for the demo's 1,465-event step replayed 3 times.
+hidden buffers other than those the tracker models (``cpu_conv_scratch_bytes``). Pure Python, a few microseconds
+per event.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ GLIBC_MMAP_THRESHOLD_MAX = 32 * MiB  # the largest dynamic mmap threshold on 64-
 GLIBC_MMAP_THRESHOLD_START = 128 * KiB  # M_MMAP_THRESHOLD and M_TRIM_THRESHOLD before any mapped block is freed
 TOP_PAD_BYTES = 128 * KiB  # M_TOP_PAD: what the heap grows by beyond a request
 TORCH_CPU_ALIGNMENT = 64  # c10's posix_memalign alignment for CPU tensors
-HELD_FRAGMENT_EVERY = 5  # one fragment in 5 is held by a small object for a step (20% measured, above)
+HELD_FRAGMENT_EVERY = 5  # one fragment in 5 is held by a small object for a step (the replayed trace's share, above)
 INFERENCE_HELD_FRAGMENT_EVERY = 20  # under inference_mode (no autograd nodes): fitted to measured tiles, above
 HEAP_STEPS = 3  # steps replayed: the first raises the threshold, the next ones reach the steady state
 _MIN_CHUNK, _HEADER, _PAGE = 32, 8, 4096

@@ -37,13 +37,13 @@ def cpu_conv_scratch_bytes(
     x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool, backward: bool = False
 ) -> int:
     """The bytes a CPU convolution holds beyond its input and output while it runs (oneDNN's copies), as measured
-    on torch 2.13's CPU wheel (peak RSS above the output, ``tests/memory/test_conv_scratch.py``): a transposed
-    convolution twice its output (measured from 16 MiB outputs up; an 8 MiB one held only once); a 3D one with
-    at most ``IM2COL_MAX_CHANNELS`` input channels an im2col buffer (C_in x kernel volume x output voxels:
-    91 MiB for 4 -> 32 channels on 24x96x96); any other max(input, output) plus the output's channels rounded
-    up to ``CHANNEL_BLOCK`` (a 32 -> 2 head on a 36 MiB map: 36 + 16 MiB). ``backward`` (``out`` the forward's
-    output, i.e. the gradient's shape): the same im2col buffer, else input + output + that channel padding, a
-    transposed one's too (blocked copies of the input and the output's gradient; 6 shapes measured within 5%)."""
+    on torch 2.13's CPU wheel (peak RSS above the output, ``tests/memory/test_conv_scratch.py``; docs/memory.md
+    section 4): a transposed convolution twice its output (a small output is held only once); a 3D one with at
+    most ``IM2COL_MAX_CHANNELS`` input channels an im2col buffer (C_in x kernel volume x output voxels); any other
+    max(input, output) plus the output's channels rounded up to ``CHANNEL_BLOCK`` (a 32-channel map into a
+    2-channel head: the map + 16 channels of the head's output). ``backward`` (``out`` the forward's output, i.e.
+    the gradient's shape): the same im2col buffer, else input + output + that channel padding, a transposed one's
+    too (blocked copies of the input and the output's gradient)."""
     out_bytes, in_bytes = out.numel() * out.element_size(), x.numel() * x.element_size()
     per_channel = out_bytes // out.shape[1]
     if not transposed and x.ndim == 5 and x.shape[1] <= IM2COL_MAX_CHANNELS:

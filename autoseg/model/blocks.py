@@ -91,8 +91,8 @@ class DecoderStage(nn.Module):
         (``maps`` holds the only references), and the conv blocks' modules run one at a time, so one input and one
         output are alive. The stage's peak, in maps of its output: the concatenation (2), the coarse map and its
         upsampling (1) against ``forward``'s 6 (the concatenation, the conv stage's input held while its blocks
-        run, the skip, the upsampling, a conv block's input, output and norm): on a 48x192x160 tile of 32 features
-        1310 -> 651 MiB of tracked tensors (oneDNN's hidden convolution buffers come on top: docs/memory.md).
+        run, the skip, the upsampling, a conv block's input, output and norm); what that saves on a tile:
+        docs/memory.md section 4 (oneDNN's hidden convolution buffers come on top).
         ``slab_bytes``: convolutions larger than this run in slabs, the upsampling straight into the concatenation
         (``autoseg.model.slabs``)."""
         modules = list(_modules_in_order(self.convs))

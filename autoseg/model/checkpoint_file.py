@@ -30,8 +30,8 @@ def read_checkpoint_file(path: Path, fix: str, mmap: bool = False) -> dict[str, 
     """The dict ``write_checkpoint_file`` wrote, on the CPU. ``fix``: what the caller's user can do instead
     (e.g. "predict with --checkpoint best"), said after what is wrong and which other checkpoints exist.
     ``mmap``: map the file instead of reading it, so only the tensors the caller touches are read (prediction copies
-    the network's weights and never reads the optimizer state: the benchmark's 31 M-parameter network loads at a
-    peak 574 MiB RSS instead of 690, and the process holds 456 MiB after it instead of 479). The tensors are then
+    the network's weights and never reads the optimizer state, so its load peaks lower: docs/prediction.md, "Many
+    cases"). The tensors are then
     views of the file (copy-on-write): for callers that only copy them out (a file is replaced by rename, never
     rewritten in place, so the mapped pages stay valid)."""
     if path.is_file() and path.stat().st_size == 0:

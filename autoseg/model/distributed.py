@@ -189,8 +189,9 @@ def process_group(context: DistributedContext) -> Iterator[None]:
 def end_rank_process(code: int) -> NoReturn:
     """A torchrun rank's end once its work is written (files closed, loaders shut, the process group destroyed):
     exit without the interpreter's teardown. There, gloo's threads and the Python objects their finished work holds
-    abort the process now and then (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291
-    describes the same teardown), and torchrun reports a finished run as failed."""
+    abort the process now and then (SIGABRT, "terminate called without an active exception", seen in runs of
+    tests/model/test_distributed.py; pytorch/pytorch#179291 describes the same teardown), and torchrun reports a
+    finished run as failed."""
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()

@@ -16,7 +16,7 @@ class Budget:
     """What the plan must fit in. ``device`` is where training runs: "cuda" or "cpu".
 
     ``safety_margin``: the fraction of the memory budget kept free (5%): the device model's error
-    (fragmentation is modelled as 15% of the tensor bytes, measured 12-19%) and what the plan does not
+    (fragmentation is modelled as 15% of the tensor bytes: docs/memory.md section 3) and what the plan does not
     see (another process on the GPU, a display). A memory-limited plan's predicted peak then lies
     between ``FILL_TARGET`` (85%) and 95% of the budget. The memory budget is ``gpu_memory_bytes`` on
     CUDA and ``host_ram_bytes`` on CPU (the step's tensors live in host RAM there).

@@ -51,7 +51,7 @@ class ConfigurationPlan:
     limited_by: str = ""
     notes: tuple[str, ...] = ()
     # training-data worker processes (CUDA; 0 on CPU) and the finished batches each holds ahead, sized by
-    # the host RAM budget and the CPU count from one worker's bytes (autoseg.memory.host.worker_bytes)
+    # the host RAM budget and the CPU count from one worker's bytes (autoseg.memory.loader_worker.worker_bytes)
     loader_workers: int = 0
     loader_queue_depth: int = 2
     loader_worker_bytes: float = 0.0

@@ -260,9 +260,9 @@ def file_hash(path: Path) -> str:
     return hashlib.blake2b(Path(path).read_bytes(), digest_size=16).hexdigest()
 
 
-# A dataset of fewer voxels (cases x channels) is fingerprinted in this process: at the 14-25 ns a voxel measured
-# on the demo's .nii.gz cases (2026-11-26) they are read in about 0.5-1 s, while 2 spawned workers took 1.2 s to
-# start (each imports numpy, SimpleITK and scipy) before reading a case: the demo's 4.8 M voxels 0.13 s vs 1.2 s.
+# A dataset of fewer voxels (cases x channels) is fingerprinted in this process: it reads them in less time than
+# spawned workers take to start (each imports numpy, SimpleITK and scipy before reading a case). Measured:
+# docs/benchmarks.md, "Planning time".
 IN_PROCESS_FINGERPRINT_VOXELS = 30_000_000
 
 

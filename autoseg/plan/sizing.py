@@ -7,7 +7,8 @@ from __future__ import annotations
 import math
 
 from autoseg.core.resources import cpu_count, processes_for
-from autoseg.memory.host import TRAINER_HOST_BYTES, preprocess_worker_bytes, worker_bytes
+from autoseg.memory.host import TRAINER_HOST_BYTES, preprocess_worker_bytes
+from autoseg.memory.loader_worker import worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import ConfigurationPlan
@@ -43,7 +44,7 @@ def host_workers(
 
 def loader_workers(config: ConfigurationPlan, num_channels: int, budget: Budget) -> dict[str, float]:
     """``config``'s training-data workers, from the host RAM budget: HOST_RAM_FRACTION of the RAM minus the
-    training process (TRAINER_HOST_BYTES) over one worker's bytes (``autoseg.memory.host.worker_bytes``,
+    training process (TRAINER_HOST_BYTES) over one worker's bytes (``autoseg.memory.loader_worker.worker_bytes``,
     on-the-fly augmentation), between 0 and CPU count - 1 (one core feeds the GPU); none on CPU, where the
     training step takes the cores. Each queues LOADER_QUEUE_DEPTH batches, or 1 where that fits more
     workers."""

@@ -7,9 +7,9 @@ CPU: a step's seconds are its convolutions' FLOPs (``conv_flops``) at one rate, 
 ``autoseg.model.step``) of a small 3D and a small 2D U-Net on this machine and solves for the first two rates, and
 times fresh pages (``mapping_rate``) for the third; ``cpu_throughput`` keeps them per machine
 (``autoseg.core.machine.MachineCache``), so that later plans do not depend on the load while planning.
-Convolution FLOPs alone at one measured rate were within 5% for 3D plans and 24-52% short for a 2D one (a 2D
-step does less arithmetic per element); the two rates are within 20% for both on the plans measured in
-docs/benchmarks.md.
+Convolution FLOPs alone at one rate fit 3D steps but not 2D ones (a 2D step does less arithmetic per element),
+hence the element rate beside it; docs/benchmarks.md ("Seconds per training iteration") holds both against
+measured steps.
 
 CUDA:
 Peaks are the vendors' datasheet figures for dense math: ``tensor_tflops`` fp16/bf16 on tensor cores with
@@ -128,7 +128,7 @@ def step_elements(topology: NetworkTopology, patch_size: tuple[int, ...], batch_
 
 # bytes a training step allocates in tensors the size of a stage's feature map, per element of the outputs of the
 # stage's convolutions (``stage_elements``) and byte of element (conv, norm and activation outputs and their
-# gradients): 7.6-7.8 measured with StorageTracker on 3D and 2D steps of 64x96x96 to 512^2 x 8 (see ``mapped_bytes``)
+# gradients), as StorageTracker counts them on 3D and 2D steps (see ``mapped_bytes``; docs/benchmarks.md)
 STAGE_TENSORS_PER_ELEMENT = 7.7
 
 
@@ -295,9 +295,9 @@ class TimedStep:
 
     def seconds(self) -> float:
         """The step's seconds as robust to other processes as timing allows: one thread's CPU seconds do not grow
-        when another process takes turns on its core (measured 0.50-0.63 s a step idle and beside 1-2 busy
-        processes, while its wall seconds went from 0.53 to 3.6), so they bound it; every CPU's best wall seconds
-        are what an idle machine reaches (training uses every CPU). The shorter counts."""
+        when another process takes turns on its core while its wall seconds do (docs/benchmarks.md, "Training step
+        speed on CPU"), so they bound it; every CPU's best wall seconds are what an idle machine reaches (training
+        uses every CPU). The shorter counts."""
         return min(self.one.cpu_seconds, self.every.wall_seconds) if self.every is not None else self.one.cpu_seconds
 
     def busy(self) -> str:
@@ -356,7 +356,7 @@ def cpu_rates_from_times(steps: Sequence[TimedStep], mapping: tuple[float, bool]
 def calibrate_cpu_throughput(repeats: int = 5, max_threads: int | None = None) -> Measurement:
     """This machine's ``StepRates`` (``cpu_rates_from_times``) from the best of ``repeats`` runs of each calibration
     step (``CALIBRATION_STEPS``) with 1 thread and with every CPU (``max_threads``; default all), and the
-    ``mapping_rate``; about 4 s on 2 cores."""
+    ``mapping_rate``; a few seconds."""
     threads = max_threads or cpu_count()
     timed = []
     for topology, patch, batch in CALIBRATION_STEPS:

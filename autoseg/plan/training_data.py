@@ -1,7 +1,7 @@
 """The training data a configuration's plan asks for: ``LoaderConfig`` (patch, micro-batch, foreground
 oversampling, nnU-Net's default augmentation ranges, dummy 2D, precomputed copies), ``loader_config`` of a
 ``ConfigurationPlan``, and ``enlarged_patch_size``: the largest box an augmented sample reads, which sizes
-the loader workers' host RAM (``autoseg.memory.host.worker_bytes``) before any data exists.
+the loader workers' host RAM (``autoseg.memory.loader_worker.worker_bytes``) before any data exists.
 
 - Dummy 2D: a 3D patch much thinner along z than in-plane (``max(patch) / patch[0] > DUMMY_2D_ANISOTROPY``,
   as nnU-Net decides it) is rotated and scaled in-plane only.
@@ -36,7 +36,7 @@ class LoaderConfig:
     ``open_previous_stage``) one-hot encoded as the last ``len(previous_labels)`` data channels; they are rotated,
     scaled and mirrored with the image (interpolated as image channels) but no intensity transform touches them.
     ``order_data``: image interpolation of rotated/scaled samples, 1 linear (nnU-Net v2's SpatialTransform),
-    0 nearest, 3 cubic B-spline (nnU-Net v1; 3-10x slower); ``order_seg``: 1 per label linearly, then the
+    0 nearest, 3 cubic B-spline (nnU-Net v1; several times slower); ``order_seg``: 1 per label linearly, then the
     largest response; 0 nearest.
     """
 

@@ -1,55 +1,45 @@
 """Preprocessing: crop to nonzero, normalize, resample; one patch-readable array set per case.
 
 ``preprocess_case`` is shared by training preprocessing and prediction, so both see the same
-transform. ``preprocess`` runs it over a dataset in parallel processes and stores, per case
-(``autoseg.preprocess.store``, the owner of the files' names and layout), the float32 (C, Z, Y, X) data,
+transform. ``run_case`` preprocesses one training case and stores (``autoseg.preprocess.store``, the owner of
+the files' names and layout) the float32 (C, Z, Y, X) data,
 the label map (int8 (1, Z, Y, X), int16 beyond 127 classes; -1 outside the body), sampled foreground
 voxels per class, optionally K spatially augmented copies of all three (``autoseg.preprocess.precompute``),
-and the ``CaseProperties``.
+and the ``CaseProperties``; ``autoseg.preprocess.parallel.preprocess`` runs it over a dataset in parallel
+processes.
 
 Every file is written under a temporary name and renamed when complete, the properties last: a case
 without them is redone by the next run, temporary files a killed run left behind are removed, and since
 every case is a deterministic function of its input and the seed, a rerun after a kill writes what an
-uninterrupted run writes. A worker process that dies (the OS's out-of-memory killer) fails the run at
-once with the case(s) it held and their predicted memory (``autoseg.core.workers.WorkerDiedError``).
+uninterrupted run writes.
 """
 
 from __future__ import annotations
 
-import logging
-import math
 import time
 import zlib
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
-from autoseg.core.artifacts import remove_stale_temporaries, write_json
 from autoseg.core.errors import InputError
-from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss
+from autoseg.core.resources import peak_rss_bytes, reset_peak_rss
 from autoseg.core.spacing import out_of_plane_axis
-from autoseg.core.units import GiB, MiB
-from autoseg.core.workers import run_in_processes
 from autoseg.dataset.cropping import crop_to_nonzero
-from autoseg.dataset.imageio import Geometry, read_geometry
+from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.labels import LabelScheme, label_map_dtype
-from autoseg.dataset.raw import Case, RawDataset, load_case
-from autoseg.memory.host import WORKER_RUNTIME_BYTES, preprocess_worker_bytes
+from autoseg.dataset.raw import Case, load_case
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.normalization import normalize
 from autoseg.preprocess.precompute import (
     PrecomputeConfig,
     augment_case,
-    augment_case_bytes,
     draw_spatial_params,
 )
 from autoseg.preprocess.resampling import resample_image, resample_segmentation
-from autoseg.preprocess.store import AugmentedCopy, CaseProperties, CaseWriter, is_complete
+from autoseg.preprocess.store import AugmentedCopy, CaseProperties, CaseWriter
 
-log = logging.getLogger("autoseg")
 LOCATIONS_PER_CLASS = 10_000
 
 
@@ -151,32 +141,6 @@ def in_plane_only(config: ConfigurationPlan, target_spacing_mm: tuple[float, ...
     return config.dim == 2 or out_of_plane_axis(target_spacing_mm) == 0
 
 
-def case_peak_bytes(
-    shape_zyx: tuple[int, ...],
-    spacing_mm: tuple[float, float, float],
-    config: ConfigurationPlan,
-    num_channels: int,
-    num_label_values: int,
-    num_augmentations: int = 0,
-    runtime_bytes: int = WORKER_RUNTIME_BYTES,
-    cropped_zyx: tuple[int, ...] | None = None,
-) -> int:
-    """Predicted peak RAM of one worker on one case (``run_case``), from the image's shape and spacing and its crop
-    to the nonzero box (the fingerprint's ``cropped_shape_zyx``; None: the whole image, an upper bound).
-
-    With augmented copies the last phase holds the resampled case (float32 data, labels) plus
-    ``augment_case_bytes``. ``runtime_bytes``: the process before the case (``preprocess_worker_bytes``).
-    """
-    after = config.resampled_shape(cropped_zyx or shape_zyx, spacing_mm)
-    peak = preprocess_worker_bytes(shape_zyx, after, num_channels, runtime_bytes, cropped_zyx)["total"]
-    if num_augmentations > 0:
-        va = math.prod(after)
-        held = num_channels * va * 4 + va
-        augment = augment_case_bytes(after, num_channels, num_label_values + 1)  # + 1: the -1 label
-        peak = max(peak, runtime_bytes + held + augment)
-    return int(peak)
-
-
 @dataclass(frozen=True)
 class CaseTask:
     """What a worker needs to preprocess one case (picklable)."""
@@ -199,7 +163,7 @@ class CaseResult:
 
 
 def run_case(task: CaseTask) -> CaseResult:
-    """Preprocess one case and write its files (the JSON last). The default ``case_runner``."""
+    """Preprocess one case and write its files (the JSON last); ``autoseg.preprocess.parallel`` runs it per case."""
     t0 = time.perf_counter()
     reset_peak_rss()
     case, plans, out_dir = task.case, task.plans, task.out_dir
@@ -233,173 +197,3 @@ def run_case(task: CaseTask) -> CaseResult:
         writer.case_bytes + writer.copy_bytes,
         writer.copy_bytes,
     )
-
-
-CaseRunner = Callable[[CaseTask], CaseResult]
-PeaksOf = Callable[[set[str]], dict[str, int]]  # case ids -> predicted peak bytes
-
-
-def predicted_case_peaks(
-    cases: list[Case],
-    plans: Plans,
-    config: ConfigurationPlan,
-    num_augmentations: int = 0,
-    runtime_bytes: int = WORKER_RUNTIME_BYTES,
-    cropped: Mapping[str, tuple[int, ...]] | None = None,
-) -> dict[str, int]:
-    """``case_peak_bytes`` of each case, from the image headers (no voxel data read) and its crop in ``cropped``
-    (case id -> the fingerprint's ``cropped_shape_zyx``; a case not in it: the whole image), in a process that
-    holds ``runtime_bytes`` before it."""
-    peaks = {}
-    for case in cases:
-        geometry = read_geometry(case.image_paths[0])
-        peaks[case.case_id] = case_peak_bytes(
-            geometry.shape_zyx,
-            geometry.spacing_zyx,
-            config,
-            len(case.image_paths),
-            plans.num_label_values,
-            num_augmentations,
-            runtime_bytes,
-            (cropped or {}).get(case.case_id),
-        )
-    return peaks
-
-
-def preprocess(
-    dataset: RawDataset,
-    plans: Plans,
-    config_name: str,
-    out_dir: str | Path,
-    processes: int = 1,
-    seed: int = 0,
-    progress: bool = True,
-    precompute: PrecomputeConfig | None = None,
-    case_runner: CaseRunner = run_case,
-    report_path: str | Path | None = None,
-    cropped: Mapping[str, tuple[int, ...]] | None = None,
-) -> Path:
-    """Preprocess every training case of ``dataset`` for one configuration into ``out_dir``.
-
-    Complete cases are skipped, so a rerun after a crash finishes the job. ``processes`` > 1 runs cases
-    in that many spawned worker processes (``autoseg.preprocess.run`` sizes them with
-    ``autoseg.core.resources.processes_for``). ``precompute``: augmented copies per case. ``case_runner``
-    does one case (``run_case``; tests swap it). ``report_path``: a JSON of the per-case predicted and measured
-    peak memory, seconds and disk use; ``cropped``: the cases' crops for the predictions (``predicted_case_peaks``).
-    """
-    config = plans.configuration(config_name)
-    precompute = precompute or PrecomputeConfig()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stale = remove_stale_temporaries(out_dir)
-    if stale:
-        log.info("removed %d temporary file(s) of an interrupted run in %s", len(stale), out_dir)
-    todo = [c for c in dataset.cases if not is_complete(out_dir, c.case_id, precompute.num_copies)]
-    tasks = [CaseTask(c, plans, config, out_dir, seed, precompute) for c in todo]
-    in_process = processes <= 1 or len(tasks) <= 1
-    # in this process, each case's peak is on top of what the process holds now, not a fresh worker's runtime
-    runtime = process_rss_bytes() if in_process else WORKER_RUNTIME_BYTES
-
-    def peaks_of(case_ids: set[str]) -> dict[str, int]:  # only when reporting: case_peak_bytes imports torch
-        return predicted_case_peaks(
-            [c for c in todo if c.case_id in case_ids], plans, config, precompute.num_copies, runtime, cropped
-        )
-
-    bar = tqdm(
-        total=len(dataset.cases),
-        initial=len(dataset.cases) - len(todo),
-        desc=f"preprocess {config_name}",
-        unit="case",
-        disable=not progress,
-    )
-    t0 = time.perf_counter()
-    try:
-        if in_process:
-            results = []
-            for task in tasks:
-                results.append(case_runner(task))
-                bar.update()
-        else:
-            n = min(processes, len(tasks))
-            results = run_in_processes(
-                case_runner,
-                tasks,
-                [t.case.case_id for t in tasks],
-                n,
-                on_result=lambda _: bar.update(),
-                describe_death=lambda f: _describe_death(f, peaks_of, plans, n),
-            )
-    finally:
-        bar.close()
-    seconds = time.perf_counter() - t0
-    _report(results, peaks_of({r.case_id for r in results}), config_name, seconds, processes, report_path)
-    return out_dir
-
-
-def _describe_death(in_flight: dict[str, int | None], peaks_of: PeaksOf, plans: Plans, processes: int) -> str:
-    """The message for a dead worker: the case(s) it held, their predicted peaks, the RAM budget."""
-    peaks = peaks_of(set(in_flight))
-
-    def describe(case_id: str, code: int | None) -> str:
-        how = "" if code is None else (f", killed by signal {-code}" if code < 0 else f", exit code {code}")
-        return f"{case_id} (predicted peak {peaks.get(case_id, 0) / MiB:.0f} MiB{how})"
-
-    described = ", ".join(describe(c, code) for c, code in sorted(in_flight.items())) or "an unknown case"
-    return (
-        f"a preprocessing worker process died while working on {described}; usually the OS killed it "
-        f"for lack of memory. {processes} processes were running under a host RAM budget of "
-        f"{plans.host_ram_bytes / GiB:.1f} GiB. Rerun with fewer --processes (e.g. --processes 1) or "
-        "with more free memory; the cases completed so far are kept and skipped."
-    )
-
-
-def _report(
-    results: list[CaseResult],
-    peaks: dict[str, int],
-    config_name: str,
-    seconds: float,
-    processes: int,
-    report_path: str | Path | None,
-) -> None:
-    """Log the run's summary (and write the per-case report if asked)."""
-    if not results:
-        log.info("preprocess %s: every case already complete", config_name)
-        return
-    measured = [r for r in results if r.peak_rss_bytes]
-    worst = max(measured, key=lambda r: r.peak_rss_bytes or 0) if measured else None
-    disk = sum(r.disk_bytes for r in results)
-    augmented = sum(r.augmented_disk_bytes for r in results)
-    log.info(
-        "preprocess %s: %d case(s) in %.1f s (%.2f cases/s, %d process(es)); disk %.1f MiB "
-        "(augmented copies %.1f MiB); peak RAM per case predicted max %.0f MiB%s",
-        config_name,
-        len(results),
-        seconds,
-        len(results) / max(seconds, 1e-9),
-        processes,
-        disk / MiB,
-        augmented / MiB,
-        max(peaks.values(), default=0) / MiB,
-        f", measured max {worst.peak_rss_bytes / MiB:.0f} MiB ({worst.case_id})" if worst else "",
-    )
-    if report_path is not None:
-        write_json(
-            report_path,
-            {
-                "config": config_name,
-                "seconds": seconds,
-                "processes": processes,
-                "disk_bytes": disk,
-                "augmented_disk_bytes": augmented,
-                "cases": [
-                    {
-                        "case_id": r.case_id,
-                        "seconds": r.seconds,
-                        "disk_bytes": r.disk_bytes,
-                        "predicted_peak_bytes": peaks.get(r.case_id),
-                        "measured_peak_rss_bytes": r.peak_rss_bytes,
-                    }
-                    for r in results
-                ],
-            },
-        )

@@ -29,12 +29,26 @@ from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.plan.budget import Budget
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.run import PlannedWorkspace, check_dataset, load_fingerprint, make_plan, write_plan
+from autoseg.preprocess.parallel import PreprocessOptions, case_peak_bytes, preprocess
 from autoseg.preprocess.precompute import PrecomputeConfig
-from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
 from autoseg.preprocess.store import PreprocessedSource, delete_case, read_source, source_path, stored_case_ids
 
 log = logging.getLogger("autoseg")
 SHOWN_REASONS = 8
+
+
+@dataclass(frozen=True)
+class PreprocessRequest:
+    """What `autoseg plan_and_preprocess` preprocesses once the plan is written (``preprocess_workspace``'s
+    arguments): ``configs`` (None: every planned configuration), in ``processes`` processes (None: as many as
+    the plan's RAM budget holds), with ``precompute_augmentations`` augmented copies per case."""
+
+    configs: tuple[str, ...] | None = None
+    processes: int | None = None
+    precompute_augmentations: int = 0
+
+
+EVERY_CONFIGURATION = PreprocessRequest()
 
 
 def plan_and_preprocess(
@@ -42,16 +56,13 @@ def plan_and_preprocess(
     workspace: Workspace,
     budget: Budget,
     *,
-    preprocess_configs: bool = True,
-    configs: list[str] | None = None,
-    processes: int | None = None,
+    preprocessing: PreprocessRequest | None = EVERY_CONFIGURATION,
     progress: bool = True,
-    precompute_augmentations: int = 0,
     overwrite: bool = False,
 ) -> Plans:
-    """`autoseg plan` (``preprocess_configs`` False) and `autoseg plan_and_preprocess`: plan, then refuse
-    (or with ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or
-    dataset, all before anything is written; then write the plan and preprocess."""
+    """`autoseg plan` (``preprocessing`` None) and `autoseg plan_and_preprocess`: plan, then refuse (or with
+    ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or dataset, all
+    before anything is written; then write the plan and preprocess what ``preprocessing`` asks for."""
     planned = make_plan(dataset, workspace, budget, progress, overwrite)
     stale = stale_preprocessed(
         workspace, planned.plans, planned.dataset, planned.source, unknown_is_stale=bool(planned.dataset_changes)
@@ -62,13 +73,13 @@ def plan_and_preprocess(
         _set_aside_results(workspace, planned, {s.config for s in stale})
         _delete_stale(stale)
     write_plan(workspace, planned)
-    if preprocess_configs:
+    if preprocessing is not None:
         preprocess_workspace(
             workspace,
-            configs,
-            processes,
+            None if preprocessing.configs is None else list(preprocessing.configs),
+            preprocessing.processes,
             progress=progress,
-            precompute_augmentations=precompute_augmentations,
+            precompute_augmentations=preprocessing.precompute_augmentations,
             overwrite=overwrite,
         )
     return planned.plans
@@ -104,17 +115,11 @@ def preprocess_workspace(
         out_dir = workspace.preprocessed(name)
         # before the cases: every case in the folder is made from what it says (stale ones were deleted)
         PreprocessedSource(preprocessing_fields(plans, name), digests).to_json(source_path(out_dir))
-        preprocess(
-            dataset,
-            plans,
-            name,
-            out_dir,
-            processes=n,
-            progress=progress,
-            precompute=precompute,
-            report_path=out_dir.with_name(f"{name}_report.json"),
-            cropped=cropped,
+        report_path = out_dir.with_name(f"{name}_report.json")
+        options = PreprocessOptions(
+            processes=n, progress=progress, precompute=precompute, report_path=report_path, cropped=cropped
         )
+        preprocess(dataset, plans, name, out_dir, options)
         log.info("preprocessed %s into %s (%d process(es))", name, out_dir, n)
 
 

@@ -18,15 +18,12 @@ Beside the folder, ``preprocessed/<config>_source.json`` (``PreprocessedSource``
 made from: the plan's preprocessing fields and, per case, a digest of its raw files (``DatasetSource.digest_of``).
 
 Writing: ``CaseWriter`` (or ``write_case`` for a case without copies); every file under a temporary name,
-renamed when complete. Reading: ``open_case`` -> ``StoredCase`` (memory maps, locations, properties),
-``read_properties``, ``list_complete_cases``, ``is_complete``, ``precomputed_copies``.
+renamed when complete. Reading: ``open_case`` -> ``StoredCase`` (memory maps, ``autoseg.preprocess.mapped_npy``;
+locations, properties), ``read_properties``, ``list_complete_cases``, ``is_complete``, ``precomputed_copies``.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import mmap
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +37,10 @@ from autoseg.core.artifacts import Artifact, ArtifactError, atomic_save_npy
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.labels import label_map_dtype
+from autoseg.preprocess.mapped_npy import (
+    open_npy_for_patches,
+    prefetch_pages,  # noqa: F401  (importable from here for benchmarks/preprocess.py)
+)
 from autoseg.preprocess.precompute import SpatialParams
 
 AUGMENTED = re.compile(r"_aug\d+_data\.npy$")  # an augmented copy's data file, not a case's
@@ -60,10 +61,8 @@ __all__ = [
     "locations_array",
     "missing_files",
     "open_case",
-    "open_npy_for_patches",
     "open_previous_stage",
     "precomputed_copies",
-    "prefetch_pages",
     "properties_path",
     "read_previous_stage_source",
     "read_properties",
@@ -91,8 +90,8 @@ class AugmentedCopy:
 @dataclass(frozen=True)
 class CaseProperties(Artifact):
     """A preprocessed case's ``<case>.json``. Its foreground voxel samples are in ``<case>_locations.npy``
-    (int32 (N, 4) rows: class, z, y, x; ``locations_array``), not here: as JSON they took 530 KB and 0.1 s
-    per case to write, and 11-40 ms to parse at every training start."""
+    (int32 (N, 4) rows: class, z, y, x; ``locations_array``), not here: as JSON they are large, slow to write
+    and slow to parse at every training start (docs/benchmarks.md, "Training data pipeline")."""
 
     SCHEMA_VERSION = 2  # 2: class locations moved to <case>_locations.npy
     KIND = "case properties"
@@ -377,50 +376,3 @@ def open_case(folder: str | Path, case_id: str) -> StoredCase:
             "run preprocessing again (a case without <case>.json is incomplete)"
         )
     return StoredCase(Path(folder), case_id)
-
-
-def open_npy_for_patches(path: str | Path) -> np.ndarray:
-    """A read-only memory map of the .npy file at ``path``, advised for random access.
-
-    Slicing it reads only the pages of the slice. ``np.load(mmap_mode="r")`` maps the file too, but the
-    kernel then reads ahead around every page fault (``read_ahead_kb``: 8 MiB on the development VM),
-    which for a patch of 16 slices made one 64 KiB read pull 66 % of a 16 MiB case from disk;
-    ``MADV_RANDOM`` turns that off (3 %: the patch's own pages), and ``prefetch_pages`` requests a box's
-    pages together, so that they are read in parallel rather than one page fault at a time.
-    """
-    with open(path, "rb") as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        shape, fortran_order, dtype = read_header(f)
-        offset = f.tell()
-        if math.prod(shape) * dtype.itemsize == 0:
-            return np.zeros(shape, dtype)
-        mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    if hasattr(mapping, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-        mapping.madvise(mmap.MADV_RANDOM)
-    return np.ndarray(shape, dtype, buffer=mapping, offset=offset, order="F" if fortran_order else "C")
-
-
-def prefetch_pages(array: np.ndarray, box: tuple[slice | int, ...]) -> None:
-    """Ask the kernel to read the pages of ``array[box]`` now (``MADV_WILLNEED``, asynchronous).
-
-    ``array`` from ``open_npy_for_patches`` (C order); ``box``: an int or a step-1 slice per axis. Each run
-    of the last two axes is one contiguous byte range. Without this, a box on a cold ``MADV_RANDOM`` map
-    is read one page fault at a time: 14 ms for a (1, 16, 40, 40) float32 box vs 1.7 ms with it, and
-    3.6 ms for ``np.load(mmap_mode="r")``, which reads 8 MiB around each fault (measured on the dev VM).
-    Does nothing for other arrays.
-    """
-    mapping = array.base
-    if not (isinstance(mapping, mmap.mmap) and array.flags.c_contiguous and hasattr(mmap, "MADV_WILLNEED")):
-        return
-    bounds = [(b, b + 1) if isinstance(b, int) else b.indices(n)[:2] for b, n in zip(box, array.shape)]
-    if any(hi <= lo for lo, hi in bounds):
-        return
-    offset = array.ctypes.data - np.frombuffer(mapping, np.uint8, count=1).ctypes.data  # the .npy header
-    strides = array.strides
-    (y0, y1), (x0, x1) = bounds[-2:]
-    for lead in itertools.product(*(range(lo, hi) for lo, hi in bounds[:-2])):
-        first = offset + sum(i * st for i, st in zip(lead, strides)) + y0 * strides[-2] + x0 * strides[-1]
-        end = first + (y1 - 1 - y0) * strides[-2] + (x1 - x0) * strides[-1]
-        start = first - first % mmap.PAGESIZE
-        mapping.madvise(mmap.MADV_WILLNEED, start, end - start)

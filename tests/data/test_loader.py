@@ -16,7 +16,7 @@ import autoseg.data.loader as batch_loader_module
 import autoseg.data.sampler as loader_module
 from autoseg.core.errors import InputError
 from autoseg.data.loader import BatchLoader, _Slots, workers_for_shared_memory
-from autoseg.memory.host import LOADER_WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
+from autoseg.memory.loader_worker import LOADER_WORKER_RUNTIME_BYTES, batch_bytes, output_batch_bytes, worker_bytes
 from autoseg.plan.training_data import LoaderConfig
 from autoseg.preprocess.store import case_files
 

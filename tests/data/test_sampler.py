@@ -15,7 +15,7 @@ from autoseg.data.augment import Augmenter
 from autoseg.data.augment_spatial import PatchSpatialTransform, draw_patch_transform, read_size
 from autoseg.data.loader import BatchLoader
 from autoseg.data.sampler import PatchSampler
-from autoseg.memory.host import batch_bytes, batch_bytes_terms
+from autoseg.memory.loader_worker import batch_bytes, batch_bytes_terms
 from autoseg.plan.training_data import LoaderConfig, enlarged_patch_size
 from autoseg.preprocess.store import case_files, properties_path
 

@@ -1,4 +1,4 @@
-"""A loader worker's host RAM (``autoseg.memory.host.worker_bytes``) against the worker's own loop measured for
+"""A loader worker's host RAM (``autoseg.memory.loader_worker.worker_bytes``) against the worker's own loop measured for
 real, and the low-resolution caches (``low_resolution_cache_bytes``) against the caches filled."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from factories import case_properties
 
 from autoseg.data.augment import _nearest_indices, _resize_matrix, low_resolution
-from autoseg.memory.host import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES, low_resolution_cache_bytes
+from autoseg.memory.loader_worker import LOW_RESOLUTION_ZOOM, RESIZE_CACHE_ENTRIES, low_resolution_cache_bytes
 from autoseg.preprocess.preprocessor import LOCATIONS_PER_CLASS
 from autoseg.preprocess.store import write_case
 
@@ -47,7 +47,7 @@ def _measure_worker_loop(folder: str, batches: int) -> dict[str, int]:
     import autoseg.data.sampler as sampler_module
     from autoseg.data.augment_spatial import PatchTransform, read_size
     from autoseg.data.loader import _BatchStream, _Slots
-    from autoseg.memory.host import worker_bytes
+    from autoseg.memory.loader_worker import worker_bytes
     from autoseg.plan.training_data import LoaderConfig
 
     torch.set_num_threads(1)  # as _init_worker sets it

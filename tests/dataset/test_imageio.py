@@ -259,12 +259,12 @@ def test_float_nifti_reads_the_same_with_the_standard_zlib(tmp_path, monkeypatch
     """Where no isal wheel exists, the one-pass reader inflates with zlib: same voxels."""
     import zlib
 
-    import autoseg.dataset.imageio as imageio
+    import autoseg.dataset.nifti as nifti
 
     array = np.random.default_rng(1).normal(size=(4, 5, 6)).astype(np.float32)
     sitk.WriteImage(sitk.GetImageFromArray(array), str(tmp_path / "img.nii.gz"))
     fast = read_image(tmp_path / "img.nii.gz")[0]
-    monkeypatch.setattr(imageio, "inflate_lib", zlib)
+    monkeypatch.setattr(nifti, "inflate_lib", zlib)
     assert np.array_equal(read_image(tmp_path / "img.nii.gz")[0], fast) and np.array_equal(fast, array)
 
 

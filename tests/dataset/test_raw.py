@@ -228,8 +228,8 @@ def test_dataset_json_not_utf8_is_named(dataset_copy):
 
 @pytest.mark.parametrize("num_training", [None, 4])
 def test_image_without_label_is_refused_listing_it(dataset_copy, num_training):
-    """Whether or not numTraining is given (it used to be the only check), an image with no label in
-    labelsTr is named instead of being left out of training silently."""
+    """Whether or not numTraining is given (a count that matches does not prove every image has its label), an
+    image with no label in labelsTr is named instead of being left out of training silently."""
     meta = _meta(dataset_copy)
     meta.pop("numTraining")
     if num_training is not None:

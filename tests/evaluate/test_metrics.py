@@ -9,7 +9,8 @@ import pytest
 
 from autoseg.core.artifacts import to_dict
 from autoseg.dataset.imageio import Geometry, write_image
-from autoseg.evaluate.metrics import EvaluationError, EvaluationSummary, evaluate_folder, format_table
+from autoseg.evaluate.files import EvaluationError
+from autoseg.evaluate.metrics import EvaluationSummary, evaluate_folder, format_table
 
 SPACING_XYZ = (1.0, 2.0, 3.0)  # one voxel is 6 mm^3
 

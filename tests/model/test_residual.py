@@ -104,7 +104,7 @@ def test_parameter_count_matches_hand_count() -> None:
     ],
 )
 def test_forward_conv_flops_are_the_convolutions_torch_runs(topo: NetworkTopology, patch: tuple[int, ...]) -> None:
-    from autoseg.plan.patch_search import step_flops
+    from autoseg.plan.step_cost import step_flops
 
     net = build_network(topo)
     with FlopCounterMode(display=False) as counter:

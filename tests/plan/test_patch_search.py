@@ -5,15 +5,8 @@ import math
 import pytest
 
 from autoseg.core.units import GiB
-from autoseg.plan.patch_search import (
-    Limits,
-    SearchSpace,
-    Setting,
-    StepCost,
-    family_shape,
-    rough_training_peak_bytes,
-    search,
-)
+from autoseg.plan.patch_search import SearchSpace, family_shape, search
+from autoseg.plan.step_cost import Limits, Setting, StepCost, rough_training_peak_bytes
 from autoseg.plan.throughput import StepRates
 from autoseg.plan.topology_rules import pools_per_axis, topology_for
 

@@ -10,13 +10,14 @@ from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import predicted_training_bytes, training_memory_model
-from autoseg.memory.host import worker_bytes
+from autoseg.memory.loader_worker import worker_bytes
 from autoseg.plan.budget import Budget
+from autoseg.plan.configuration import FILL_TARGET, MIN_PATCH_VOXELS
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
-from autoseg.plan.patch_search import rough_training_peak_bytes
-from autoseg.plan.planner import FILL_TARGET, MIN_PATCH_VOXELS, lowres_spacing, plan, target_spacing
+from autoseg.plan.planner import lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.plan.sizing import loader_workers
+from autoseg.plan.step_cost import rough_training_peak_bytes
 from autoseg.plan.throughput import mapped_bytes, step_elements
 from autoseg.plan.topology_rules import MAX_STAGES, topology_for
 from autoseg.plan.training_data import loader_config
@@ -506,8 +507,8 @@ def _check_model_memory(cfg: ConfigurationPlan) -> None:
 
 def test_model_backed_configuration_records_the_models_terms() -> None:
     """A tiny 3D space (a 3-stage network: three quick simulations)."""
+    from autoseg.plan.configuration import configuration
     from autoseg.plan.patch_search import SearchSpace
-    from autoseg.plan.planner import configuration
 
     space = SearchSpace((1.0, 1.0, 1.0), (16, 24, 24), 1, 2, dataset_voxels=40 * 16 * 24 * 24)
     cfg = configuration(
@@ -600,8 +601,8 @@ def test_model_backed_resenc_configuration_fits_the_budget_by_its_own_simulated_
     a deeper encoder holds more activations, so the same space and budget get a smaller step (about a minute)."""
     from dataclasses import replace
 
+    from autoseg.plan.configuration import configuration
     from autoseg.plan.patch_search import SearchSpace
-    from autoseg.plan.planner import configuration
 
     space = SearchSpace((1.0, 1.0, 1.0), (32, 48, 48), 1, 2, dataset_voxels=1000 * 32 * 48 * 48)
     budget = Budget(gpu_memory_bytes=int(0.9 * GiB), cpu_count=2)

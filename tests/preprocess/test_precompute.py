@@ -20,6 +20,7 @@ from autoseg.data.loader import BatchLoader
 from autoseg.data.sampler import PatchSampler
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.training_data import LoaderConfig
+from autoseg.preprocess.parallel import PreprocessOptions, preprocess
 from autoseg.preprocess.precompute import (
     PrecomputeConfig,
     SpatialParams,
@@ -28,7 +29,6 @@ from autoseg.preprocess.precompute import (
     draw_spatial_params,
     rotation_matrix,
 )
-from autoseg.preprocess.preprocessor import preprocess
 from autoseg.preprocess.store import case_files, is_complete, open_case, read_properties
 
 
@@ -137,8 +137,7 @@ def with_copies(tiny_dataset: Path, tmp_path_factory) -> tuple[Path, list[str]]:
         tiny_plans(),
         "3d_fullres",
         tmp_path_factory.mktemp("copies") / "3d_fullres",
-        progress=False,
-        precompute=PrecomputeConfig(num_copies=2, p_elastic=0.5),
+        PreprocessOptions(progress=False, precompute=PrecomputeConfig(num_copies=2, p_elastic=0.5)),
     )
     return out, [c.case_id for c in dataset.cases]
 
@@ -172,10 +171,11 @@ def test_a_case_without_the_requested_copies_is_redone(tiny_dataset: Path, tmp_p
     dataset = load_dataset(tiny_dataset)
     dataset = dataclasses.replace(dataset, cases=dataset.cases[:1])
     case_id, plans = dataset.cases[0].case_id, tiny_plans(spacing_mm=(1.5, 1.5, 1.5))
-    out = preprocess(dataset, plans, "3d_fullres", tmp_path / "out", progress=False)
+    out = preprocess(dataset, plans, "3d_fullres", tmp_path / "out", PreprocessOptions(progress=False))
     assert not case_files(out, case_id, copy=0).data.exists()
     with caplog.at_level(logging.INFO, logger="autoseg"):
-        preprocess(dataset, plans, "3d_fullres", out, progress=False, precompute=PrecomputeConfig(num_copies=1))
+        options = PreprocessOptions(progress=False, precompute=PrecomputeConfig(num_copies=1))
+        preprocess(dataset, plans, "3d_fullres", out, options)
     props = read_properties(out, case_id)
     assert len(props.augmentations) == 1 and not props.augmentations[0].params.in_plane_only  # isotropic
     copy_bytes = sum(p.stat().st_size for p in case_files(out, case_id, copy=0))

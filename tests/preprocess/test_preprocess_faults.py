@@ -18,6 +18,7 @@ import pytest
 from factories import GiB, tiny_plans
 from killing_runner import VICTIM, die_on_victim
 
+import autoseg.preprocess.parallel
 from autoseg.core.artifacts import read_json
 from autoseg.core.resources import cpu_count
 from autoseg.core.spacing import compute_new_shape
@@ -27,7 +28,7 @@ from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.demo.data import make_demo_dataset
 from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.plan.fingerprint import fingerprint
-from autoseg.preprocess.preprocessor import case_peak_bytes, preprocess
+from autoseg.preprocess.parallel import PreprocessOptions, case_peak_bytes, preprocess
 from autoseg.preprocess.run import preprocessing_processes_for
 from autoseg.preprocess.store import case_files, is_complete, list_complete_cases, properties_path
 
@@ -109,7 +110,11 @@ def test_process_count_follows_the_fingerprint_and_budget(tiny_dataset: Path, tm
 
 
 @pytest.mark.slow  # ~3 s: two spawned workers import numpy, scipy and SimpleITK
-def test_a_killed_worker_fails_the_run_at_once_naming_the_case(dataset: RawDataset, tmp_path: Path) -> None:
+def test_a_killed_worker_fails_the_run_at_once_naming_the_case(
+    dataset: RawDataset, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the workers run die_on_victim for each case: spawned, they unpickle it from killing_runner
+    monkeypatch.setattr(autoseg.preprocess.parallel, "run_case", die_on_victim)
     t0 = time.perf_counter()
     with pytest.raises(WorkerDiedError) as error:
         preprocess(
@@ -117,9 +122,7 @@ def test_a_killed_worker_fails_the_run_at_once_naming_the_case(dataset: RawDatas
             tiny_plans(host_ram_bytes=3 * GiB),
             "3d_fullres",
             tmp_path / "out",
-            processes=2,
-            progress=False,
-            case_runner=die_on_victim,
+            PreprocessOptions(processes=2, progress=False),
         )
     assert time.perf_counter() - t0 < 30  # no hang: BrokenProcessPool is noticed within a second
     message = str(error.value)
@@ -133,8 +136,9 @@ _KILLABLE_RUN = """
 import sys
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.plans import Plans
-from autoseg.preprocess.preprocessor import preprocess
-preprocess(load_dataset(sys.argv[1]), Plans.from_json(sys.argv[2]), "3d_fullres", sys.argv[3], progress=False)
+from autoseg.preprocess.parallel import PreprocessOptions, preprocess
+quiet = PreprocessOptions(progress=False)
+preprocess(load_dataset(sys.argv[1]), Plans.from_json(sys.argv[2]), "3d_fullres", sys.argv[3], quiet)
 """
 
 
@@ -147,7 +151,7 @@ def test_a_run_killed_midway_then_rerun_writes_what_an_uninterrupted_run_writes(
     raw = make_demo_dataset(tmp_path / "raw", num_train=5, num_test=0, shape_zyx=(32, 80, 80), seed=5)
     dataset, plans = load_dataset(raw), tiny_plans()
     plans.to_json(tmp_path / "plans.json")
-    reference = preprocess(dataset, plans, "3d_fullres", tmp_path / "reference", progress=False)
+    reference = preprocess(dataset, plans, "3d_fullres", tmp_path / "reference", PreprocessOptions(progress=False))
 
     out = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -161,27 +165,26 @@ def test_a_run_killed_midway_then_rerun_writes_what_an_uninterrupted_run_writes(
     complete = [c.case_id for c in dataset.cases if is_complete(out, c.case_id)]
     assert 1 <= len(complete) < len(dataset.cases), "the kill should land after the first case"
 
-    preprocess(dataset, plans, "3d_fullres", out, progress=False)
+    preprocess(dataset, plans, "3d_fullres", out, PreprocessOptions(progress=False))
     assert _files(out) == _files(reference)  # byte-equal arrays and JSON; no temporary files left
 
 
 def test_rerun_removes_temporaries_and_redoes_a_half_written_case(dataset: RawDataset, tmp_path: Path) -> None:
     small = dataclasses.replace(dataset, cases=dataset.cases[:2])
-    out = preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False)
+    out = preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", PreprocessOptions(progress=False))
     reference = _files(out)
     victim = small.cases[1].case_id
     properties_path(out, victim).unlink()  # the kill came before the JSON ...
     np.save(case_files(out, victim).data, np.zeros(3))  # ... after a stale data file was in place
     (out / f".{victim}_seg.npy.k1ll3d.tmp.npy").write_bytes(b"half a file")  # and mid-write of another
-    preprocess(small, tiny_plans(), "3d_fullres", out, progress=False)
+    preprocess(small, tiny_plans(), "3d_fullres", out, PreprocessOptions(progress=False))
     assert _files(out) == reference
 
 
 def test_report_holds_predicted_and_measured_peaks(dataset: RawDataset, tmp_path: Path) -> None:
     small = dataclasses.replace(dataset, cases=dataset.cases[:2])
-    preprocess(
-        small, tiny_plans(), "3d_fullres", tmp_path / "out", progress=False, report_path=tmp_path / "report.json"
-    )
+    options = PreprocessOptions(progress=False, report_path=tmp_path / "report.json")
+    preprocess(small, tiny_plans(), "3d_fullres", tmp_path / "out", options)
     report = read_json(tmp_path / "report.json")
     assert [c["case_id"] for c in report["cases"]] == [c.case_id for c in small.cases]
     for case in report["cases"]:

@@ -71,7 +71,7 @@ def test_a_random_patch_reads_only_its_own_pages(large_case: Path) -> None:
     np.testing.assert_array_equal(batch["data"][0], expected)
     # The patch is 16 slices x 32 rows of 128 bytes (64 KiB); each slice's rows lie in 8 pages: 128 of the
     # file's 4097 pages (3.1 %), plus the header's. (Without MADV_RANDOM the kernel's read-ahead around each
-    # page fault, 8 MiB on the development VM, read 66 % of the file.)
+    # page fault, ``read_ahead_kb``, reads much of the file: docs/preprocessing.md.)
     assert 0 < resident_fraction(data_path) <= 0.04
     assert resident_fraction(seg_path) <= 0.06  # int8: 16 slices x 2-3 pages of 1025
 

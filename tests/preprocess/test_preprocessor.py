@@ -15,7 +15,7 @@ from autoseg.dataset.raw import load_dataset
 from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
-from autoseg.preprocess.preprocessor import preprocess
+from autoseg.preprocess.parallel import PreprocessOptions, preprocess
 from autoseg.preprocess.store import case_files, open_case, properties_path, read_properties
 
 
@@ -33,7 +33,9 @@ def planned(tiny_dataset: Path, tmp_path_factory) -> tuple[Workspace, Plans]:
 def preprocessed_3d(planned) -> Path:
     workspace, plans = planned
     dataset = load_dataset(workspace.dataset_root())
-    return preprocess(dataset, plans, "3d_fullres", workspace.preprocessed("3d_fullres"), progress=False)
+    return preprocess(
+        dataset, plans, "3d_fullres", workspace.preprocessed("3d_fullres"), PreprocessOptions(progress=False)
+    )
 
 
 def _case_ids(planned) -> list[str]:
@@ -108,14 +110,14 @@ def test_rerun_skips_complete_cases_and_redoes_incomplete_ones(planned, preproce
     out = tmp_path / "3d_fullres"
     shutil.copytree(preprocessed_3d, out)
     before = _mtimes(out)
-    preprocess(dataset, plans, "3d_fullres", out, progress=False)
+    preprocess(dataset, plans, "3d_fullres", out, PreprocessOptions(progress=False))
     assert _mtimes(out) == before
 
     victim = dataset.cases[1].case_id
     reference_props = read_properties(out, victim)
     reference = [np.load(p) for p in case_files(out, victim)]
     properties_path(out, victim).unlink()  # as if the run died before the case's JSON was written
-    preprocess(dataset, plans, "3d_fullres", out, progress=False)
+    preprocess(dataset, plans, "3d_fullres", out, PreprocessOptions(progress=False))
     after = _mtimes(out)
     changed = sorted(name for name in before if after[name] != before[name])
     assert changed == [f"{victim}.json", f"{victim}_data.npy", f"{victim}_locations.npy", f"{victim}_seg.npy"]
@@ -128,7 +130,7 @@ def test_2d_configuration_keeps_the_slices(planned, tmp_path: Path) -> None:
     workspace, plans = planned
     dataset = load_dataset(workspace.dataset_root())
     dataset = dataclasses.replace(dataset, cases=dataset.cases[:2])
-    out = preprocess(dataset, plans, "2d", tmp_path / "2d", progress=False)
+    out = preprocess(dataset, plans, "2d", tmp_path / "2d", PreprocessOptions(progress=False))
     in_plane = plans.configuration("2d").spacing_mm[1:]
     for case in dataset.cases:
         stored = open_case(out, case.case_id)
@@ -143,8 +145,8 @@ def test_two_processes_write_the_same_files_as_one(planned, tmp_path: Path) -> N
     workspace, plans = planned
     dataset = load_dataset(workspace.dataset_root())
     dataset = dataclasses.replace(dataset, cases=dataset.cases[:2])
-    one = preprocess(dataset, plans, "3d_fullres", tmp_path / "one", processes=1, progress=False)
-    two = preprocess(dataset, plans, "3d_fullres", tmp_path / "two", processes=2, progress=False)
+    one = preprocess(dataset, plans, "3d_fullres", tmp_path / "one", PreprocessOptions(processes=1, progress=False))
+    two = preprocess(dataset, plans, "3d_fullres", tmp_path / "two", PreprocessOptions(processes=2, progress=False))
     assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
     for path in one.iterdir():
         if path.suffix == ".npy":
