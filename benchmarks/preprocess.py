@@ -160,7 +160,7 @@ def _save_npy(a: np.ndarray, path: Path) -> None:
 
 
 def _read_like_the_loader(path: Path, box: tuple[slice, ...]) -> np.ndarray:
-    from autoseg.preprocess.store import open_npy_for_patches, prefetch_pages  # imported before the timing starts
+    from autoseg.preprocess.mapped_npy import open_npy_for_patches, prefetch_pages  # imported before the timing starts
 
     array = open_npy_for_patches(path)
     prefetch_pages(array, box)

@@ -28,10 +28,6 @@ from autoseg.core.units import GiB, KiB, MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.nifti import GZIP_READ_CHUNK_BYTES
 
-# ``output_batch_bytes`` is loader_worker's; importable from here too for train.data_pipeline and
-# tests/train/test_train_data.py, which import it from here
-from autoseg.memory.loader_worker import output_batch_bytes  # noqa: F401
-
 WORKER_RUNTIME_BYTES = 150 * MiB
 TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA libraries, pinned batches)
 _F32 = 4  # bytes of a float32

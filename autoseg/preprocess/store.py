@@ -37,10 +37,7 @@ from autoseg.core.artifacts import Artifact, ArtifactError, atomic_save_npy
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.labels import label_map_dtype
-from autoseg.preprocess.mapped_npy import (
-    open_npy_for_patches,
-    prefetch_pages,  # noqa: F401  (importable from here for benchmarks/preprocess.py)
-)
+from autoseg.preprocess.mapped_npy import open_npy_for_patches
 from autoseg.preprocess.precompute import SpatialParams
 
 AUGMENTED = re.compile(r"_aug\d+_data\.npy$")  # an augmented copy's data file, not a case's

@@ -24,7 +24,8 @@ import numpy as np
 from tqdm import tqdm
 
 from autoseg.core.errors import InputError
-from autoseg.evaluate.metrics import case_dice, mean_dice, read_label_map
+from autoseg.evaluate.files import read_label_map
+from autoseg.evaluate.metrics import case_dice, mean_dice
 from autoseg.predict.choice import PostprocessingStep, nan_to_none
 from autoseg.predict.postprocessing import FOREGROUND, Postprocessing, apply_postprocessing
 from autoseg.predict.probabilities import labels_from_probabilities, mean_probabilities

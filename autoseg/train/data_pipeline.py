@@ -10,7 +10,7 @@ import numpy as np
 from autoseg.core.errors import InputError
 from autoseg.data.loader import SHM_FOLDER, workers_for_shared_memory
 from autoseg.dataset.labels import label_map_dtype
-from autoseg.memory.host import output_batch_bytes
+from autoseg.memory.loader_worker import output_batch_bytes
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 from autoseg.preprocess.store import precomputed_copies

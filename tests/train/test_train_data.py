@@ -12,7 +12,7 @@ from factories import set_configuration, tiny_plans, tiny_topology
 import autoseg.data.loader as batch_loader
 from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
-from autoseg.memory.host import output_batch_bytes
+from autoseg.memory.loader_worker import output_batch_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.run import plan_dataset
 from autoseg.plan.training_data import loader_config, uses_dummy_2d
