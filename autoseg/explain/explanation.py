@@ -24,7 +24,7 @@ from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes, worker_bytes
-from autoseg.memory.inference import InferenceMemory, inference_memory
+from autoseg.memory.inference import InferenceMemory, InferenceSetting, inference_memory
 from autoseg.memory.step_record import TrainingMemory
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
@@ -360,19 +360,19 @@ def _inference_cached(
     precision: str,
     device: str,
 ) -> InferenceMemory:
-    return inference_memory(
+    setting = InferenceSetting(
         topology,
         tile_size,
-        1,
         image_shape_zyx,
         num_outputs,
-        precision,
+        device=device,
+        precision=precision,
         mirror_axes=tuple(range(topology.dim)),
         step_fraction=step_fraction,
-        device=device,
         output_dtype=None,  # predict exports each slab as it is finished (SlabExport)
         accumulator_dtype=PREDICTION_ACCUMULATOR,
     )
+    return inference_memory(setting, 1)
 
 
 def _host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:

@@ -19,7 +19,7 @@ import math
 
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.inference import inference_memory
+from autoseg.memory.inference import InferenceSetting, inference_memory
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.plan.plans import ConfigurationPlan
@@ -71,17 +71,17 @@ def plan_inference_tile(config: ConfigurationPlan, memory_bytes: int) -> tuple[i
     budget = inference_budget_share(config.device, memory_bytes)
     precision = effective_precision(config.precision, config.device)
     for tile in candidates:
-        mem = inference_memory(
+        setting = InferenceSetting(
             config.network,
             tile,
-            1,
             median,
             config.network.num_outputs,
-            precision,
-            mirror_axes=tuple(range(config.dim)),
             device=config.device,
+            precision=precision,
+            mirror_axes=tuple(range(config.dim)),
             accumulator_dtype=PREDICTION_ACCUMULATOR,
         )
+        mem = inference_memory(setting, 1)
         if predict_device_peak(mem, config.device)["total"] <= budget:
             return tile
     return tuple(config.patch_size)

@@ -31,7 +31,7 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
 from autoseg.memory.device import CPU_RUNTIME_BYTES
 from autoseg.memory.host import cascade_input_bytes, export_bytes, prediction_preprocess_bytes, slab_export_bytes
-from autoseg.memory.inference import InferencePlan
+from autoseg.memory.inference_plan import InferencePlan
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.postprocessing import largest_component_bytes
 
