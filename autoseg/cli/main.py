@@ -8,57 +8,29 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
-from autoseg.cli.parser import default_device, parse_args, resolve_device, without_gpus
+from autoseg.cli.flag_values import default_device, resolve_device
+from autoseg.cli.parser import parse_args, without_gpus
 from autoseg.core.errors import InputError
-from autoseg.core.machine import MachineCache, keep_simulations_in, passive_openmp_waiting
-from autoseg.core.units import GiB, MiB
+from autoseg.core.machine import keep_simulations_in, passive_openmp_waiting
+from autoseg.core.units import MiB
 
 
 def _budget(args: argparse.Namespace):
-    from autoseg.core.resources import available_ram_bytes, cuda_total_memory
-    from autoseg.model.topology import ARCHITECTURES
-    from autoseg.plan.budget import Budget
+    """The plan's budget from the flags, what they leave open measured (``measure_budget``); printed."""
+    from autoseg.cli.budget import BudgetFlags, describe_budget, measure_budget
 
-    device = args.device or default_device()
-    gpu = args.gpu_memory
-    if gpu is None:
-        gpu = cuda_total_memory()
-        if gpu is None:
-            gpu = 8 * GiB
-            print("note: no CUDA device found; planning for 8 GiB of GPU memory (set --gpu-memory to change)")
-    ram = args.ram or available_ram_bytes()
-    architecture = ARCHITECTURES[args.architecture]
-    budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device, architecture=architecture)
-    print(
-        f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
-        f"network {architecture}"
+    flags = BudgetFlags(
+        gpu_memory_bytes=args.gpu_memory,
+        ram_bytes=args.ram,
+        device=args.device or default_device(),
+        architecture=args.architecture,
+        cpu_flops=args.cpu_flops,
     )
-    if device == "cpu":
-        from autoseg.plan.throughput import StepRates, cpu_throughput
-
-        rates, source = (
-            (StepRates(args.cpu_flops), "--cpu-flops")
-            if args.cpu_flops
-            else cpu_throughput(MachineCache(cache_dir(os.environ)))
-        )
-        budget = replace(
-            budget,
-            cpu_flops_per_second=rates.flops_per_second,
-            cpu_elements_per_second=rates.elements_per_second,
-            cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
-        )
-        print(
-            f"CPU throughput {rates.describe()} ({source}); planning for "
-            f"{budget.cpu_seconds_per_iteration:g} s per iteration"
-        )
-    else:
-        from autoseg.plan.throughput import cuda_device_name
-
-        budget = replace(budget, gpu_name=cuda_device_name())
-    return budget
+    measured = measure_budget(flags, cache_dir(os.environ))
+    print("\n".join(describe_budget(measured)))
+    return measured.budget
 
 
 def cache_dir(environ: Mapping[str, str]) -> Path:
