@@ -10,7 +10,8 @@ from the host RAM), ``probabilities`` (``{case}.npz``: written, read back, made 
 ``postprocessing`` (the largest connected component kept, ``apply_postprocessing``), ``choice``
 (``inference.json``, what ``autoseg find-best`` chose), ``chosen`` (prediction as inference.json says: an
 ensemble of two configurations, the postprocessing), ``archive`` (a
-trained model as one zip: ``autoseg export-model``, ``predict -m``), ``networks`` (the folds' checkpoints loaded, as
+trained model as one zip: its format, ``autoseg export-model``), ``archive_reader`` (an archive checked and
+unpacked for ``predict -m``), ``networks`` (the folds' checkpoints loaded, as
 tile runners, and a configuration's ``Predictor``),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.

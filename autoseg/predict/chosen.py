@@ -65,16 +65,16 @@ def predict_chosen(
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     check_postprocessing(choice.postprocessing, plans.label_scheme)
     options = replace(options, postprocessing=choice.postprocessing)
-    folds = choice.folds if folds is None else folds
-    checkpoint = checkpoint or choice.checkpoint
+    # the choice as this prediction applies it: its folds and checkpoint unless others are given
+    choice = replace(choice, folds=choice.folds if folds is None else folds, checkpoint=checkpoint or choice.checkpoint)
     if not choice.is_ensemble:
         return predict(
             workspace,
             inputs,
             output_dir,
             config_name=choice.configurations[0],
-            folds=folds,
-            checkpoint=checkpoint,
+            folds=choice.folds,
+            checkpoint=choice.checkpoint,
             window=window,
             options=options,
         )
@@ -92,6 +92,30 @@ def predict_chosen(
     inner = replace(
         options, save_probabilities=True, skip_existing=True, done_cases=done, postprocessing=Postprocessing()
     )
+    failed = _predict_configurations(workspace, choice, inputs, scratch, window, inner)
+    cases = [
+        c
+        for c in found.cases
+        if c.case_id not in done
+        and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
+    ]
+    written = _combine(cases, choice, plans, scratch, output_dir, options)
+    if failed:
+        raise CasesFailedError("\n".join(failed))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return written
+
+
+def _predict_configurations(
+    workspace: Workspace,
+    choice: InferenceChoice,
+    inputs: str | Path,
+    scratch: Path,
+    window: WindowOptions,
+    options: PredictOptions,
+) -> list[str]:
+    """Each configuration of ``choice`` predicted with its folds and checkpoint into ``scratch/<config>``, one after
+    the other; the failures of bad input (``CasesFailedError``), one line per configuration."""
     failed: list[str] = []
     for config in choice.configurations:
         log.info(
@@ -107,24 +131,14 @@ def predict_chosen(
                 inputs,
                 scratch / config,
                 config_name=config,
-                folds=folds,
-                checkpoint=checkpoint,
+                folds=choice.folds,
+                checkpoint=choice.checkpoint,
                 window=window,
-                options=inner,
+                options=options,
             )
         except CasesFailedError as e:  # the other configuration still predicts every good case
             failed.append(f"{config}: {e}")
-    cases = [
-        c
-        for c in found.cases
-        if c.case_id not in done
-        and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
-    ]
-    written = _combine(cases, choice, plans, scratch, output_dir, options)
-    if failed:
-        raise CasesFailedError("\n".join(failed))
-    shutil.rmtree(scratch, ignore_errors=True)
-    return written
+    return failed
 
 
 def _combine(

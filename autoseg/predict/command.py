@@ -1,6 +1,6 @@
 """``autoseg predict`` as one call: ``predict_command`` takes the command's request (``PredictRequest``) and predicts
 from a workspace (``-w``) or a model archive (``-m``: checked, unpacked as a temporary workspace and removed
-afterwards, ``autoseg.predict.archive.open_model_archive``) through the same ``predict_in_workspace``: without a
+afterwards, ``autoseg.predict.archive_reader.open_model_archive``) through the same ``predict_in_workspace``: without a
 configuration asked, a workspace with ``inference.json`` is followed (``autoseg.predict.chosen``), else one
 configuration is predicted (``autoseg.predict.predictor.predict``).
 """
@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from autoseg.core.workspace import Workspace
-from autoseg.predict.archive import open_model_archive
+from autoseg.predict.archive_reader import open_model_archive
 from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.chosen import predict_chosen
 from autoseg.predict.predictor import PredictOptions, predict
