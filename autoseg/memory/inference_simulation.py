@@ -13,7 +13,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from autoseg.memory.glibc_heap import INFERENCE_HELD_FRAGMENT_EVERY, heap_footprint
-from autoseg.memory.inference import InferenceSetting
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
@@ -87,27 +86,25 @@ def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
     """A ``SlabSink`` that keeps nothing (the simulation's stand-in buffers have no output)."""
 
 
-def measure_inference_bytes(setting: InferenceSetting, data: np.ndarray, tile_batch_size: int = 1) -> int:
-    """Peak live tensor bytes of a real ``sliding_window_predict`` as ``setting`` says, on CPU (``setting.device`` is
-    not read) with a freshly built network, its parameters included, and each convolution's hidden buffers as
+def measure_inference_bytes(
+    topology: NetworkTopology, data: np.ndarray, window: SlidingWindow, precision: str = "fp32"
+) -> int:
+    """Peak live tensor bytes of a real ``sliding_window_predict`` with ``window`` on CPU, ``topology``'s network
+    freshly built and run in ``precision``, its parameters included, and each convolution's hidden buffers as
     ``cpu_conv_scratch_bytes`` models them (held against real convolutions in ``tests/memory/test_conv_scratch.py``),
-    for tests: hold ``inference_memory`` against it. ``data`` (C, Z, Y, X) float32 is not counted (the prediction
-    copies it into its padded input, which is). ``setting.output_dtype`` None: the slabs go to a sink that keeps
-    nothing. Leaves the caller's RNG alone.
+    for tests: hold ``inference_memory`` against it (``InferenceSetting.window`` gives the window it counts).
+    ``data`` (C, Z, Y, X) float32 is not counted (the prediction copies it into its padded input, which is).
+    ``window.output_dtype`` None: the slabs go to a sink that keeps nothing. Leaves the caller's RNG alone.
     """
     clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
     tracker = StorageTracker(cpu_conv_scratch=True)
     data_t = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
     with torch.random.fork_rng(devices=[]), tracker:
         tracker.exclude([data_t])
-        network = build_network(setting.topology)
-        runner = TorchTileRunner(network, torch.device("cpu"), setting.precision)
-        probabilities = sliding_window_predict(
-            [runner],
-            data_t,
-            setting.window(tile_batch_size),
-            on_slab=_discard if setting.output_dtype is None else None,
-        )
+        network = build_network(topology)
+        runner = TorchTileRunner(network, torch.device("cpu"), precision)
+        on_slab = _discard if window.output_dtype is None else None
+        probabilities = sliding_window_predict([runner], data_t, window, on_slab)
         del probabilities, network, runner
     clear_gaussian_cache()
     return tracker.peak_bytes

@@ -15,9 +15,10 @@ import pytest
 from autoseg.core.resources import peak_rss_bytes
 from autoseg.core.units import GiB, MiB
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
-from autoseg.memory.inference import InferenceSetting, inference_memory
+from autoseg.memory.inference import InferenceSetting, TileSimulation, inference_memory
 from autoseg.memory.inference_plan import CPU_MAX_TILE_BATCH, cpu_tile_batch_cap, plan_inference
 from autoseg.memory.inference_simulation import measure_inference_bytes
+from autoseg.model.tile_runner import TileBatchBytes
 from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 
@@ -77,7 +78,7 @@ def test_planned_peak_matches_the_real_sliding_window(
     assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == accumulator
     assert plan.tile_batch_size == (max_batch or CPU_MAX_TILE_BATCH)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(setting, data, plan.tile_batch_size)
+    measured = measure_inference_bytes(topology, data, setting.window(plan.tile_batch_size))
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES - plan.heap_retained_bytes  # the tensors
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
 
@@ -111,8 +112,8 @@ def test_a_cpu_tile_s_peak_rss_counts_what_glibcs_heap_keeps() -> None:
     """A fresh process (glibc's thresholds at their defaults, one arena, as ``autoseg predict``) predicting one
     image of one tile with the real sliding window: its peak RSS above its start is the predicted tensors plus
     glibc's heap (``heap_retained_bytes``, a replay of the tile's allocations) within 15%, the median of three runs
-    (3 runs measured 807-868 MiB, predicted 819). Without the heap term it is 19-25% under; with training's held
-    fragments (one in 5 instead of 20) 17-26% over."""
+    (the figures: docs/memory.md). Without the heap term it falls short of that; with training's held fragments
+    (one in 5 instead of 20) it overshoots."""
     if peak_rss_bytes() is None:
         pytest.skip("no peak RSS on this system")
     topology = NetworkTopology(
@@ -237,7 +238,7 @@ def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the
     )
     plan = plan_inference(setting, 4 * GiB)
     data = np.random.default_rng(1).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(setting, data, plan.tile_batch_size)
+    measured = measure_inference_bytes(topology, data, setting.window(plan.tile_batch_size))
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES - plan.heap_retained_bytes  # the tensors
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
     patch_plan = plan_inference(replace(setting, tile=patch, step_fraction=0.5), 4 * GiB)
@@ -246,7 +247,7 @@ def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the
 
 def test_cpu_batches_a_large_tile_less():
     """On CPU a batch stops paying beyond 4 tiles of 16x40x40 (docs/memory.md): a tile of that size batches 4, a
-    GPU-sized one 1 (it held 4x the activations for no speed: 5.7 GiB predicted on a 64x256x256 case)."""
+    GPU-sized one 1 (batched 4, it would hold 4x the activations for no speed)."""
     assert cpu_tile_batch_cap((16, 40, 40)) == CPU_MAX_TILE_BATCH
     assert cpu_tile_batch_cap((16, 80, 40)) == 2
     assert cpu_tile_batch_cap((48, 192, 160)) == 1
@@ -273,3 +274,29 @@ def test_tile_simulations_are_kept_between_runs(tmp_path, monkeypatch):
     monkeypatch.setattr(inference, "_SIMULATED_MODULES", inference._SIMULATED_MODULES[:-1])  # other code
     with pytest.raises(AssertionError, match="simulated again"):
         inference.simulate_tile_prediction(kept, (8, 16, 16), 2)
+
+
+class _Reported:
+    """A runner's working bytes as it reports them (another runtime's measured figures), and what it was asked."""
+
+    def __init__(self, figures: TileBatchBytes) -> None:
+        self.figures, self.asked = figures, []
+
+    def working_bytes(self, tile_batch_size: int, tile: tuple[int, ...]) -> TileBatchBytes:
+        self.asked.append((tile_batch_size, tile))
+        return self.figures
+
+
+def test_the_plan_asks_each_runner_for_its_working_bytes() -> None:
+    """The memory model takes a tile batch's bytes from the runners: every fold's weights are held, one forward pass
+    runs at a time; a runner that reports the simulation gives the simulated plan exactly."""
+    setting = InferenceSetting(TOPO3D, (8, 16, 16), (10, 20, 30), 3, mirror_axes=(0, 1, 2))
+    first, second = _Reported(TileBatchBytes(1000, 5000, 64, 10, 300)), _Reported(TileBatchBytes(2000, 7000, 32, 20, 0))
+    memory = inference_memory(setting, 2, runners=[first, second])
+    assert first.asked == second.asked == [(2, (8, 16, 16))]
+    assert (memory.parameter_bytes, memory.tile_bytes, memory.heap_retained_bytes) == (3000, 7000, 300)
+    assert (memory.largest_conv_output_bytes, memory.live_allocations_at_peak) == (64, 20)
+    simulated = TileSimulation.of(setting)
+    assert inference_memory(setting, 2, runners=[simulated]) == inference_memory(setting, 2)
+    one, two = (plan_inference(setting, 4 * GiB, runners=[simulated] * n) for n in (1, 2))
+    assert two.parameter_bytes == 2 * one.parameter_bytes and two.peak_bytes == one.peak_bytes + one.parameter_bytes
