@@ -17,8 +17,10 @@ from autoseg.model.tile_runner import WorkingBytesSource
 from autoseg.model.tiles import tile_layout
 from autoseg.model.tta import mirror_variants
 
-CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)
-# CPU: a batch gains nothing beyond about this many voxels (the measurement above: 4 tiles of 16x40x40); a larger
+# CPU: a forward pass of 2-4 tiles is much faster per tile than one of 1, one of 8 no faster than one of 4
+# (docs/memory.md)
+CPU_MAX_TILE_BATCH = 4
+# CPU: a batch gains nothing beyond about this many voxels (4 tiles of 16x40x40, where it was measured); a larger
 # tile is batched less (a 48x192x160 tile: 1), so its activations are not held 4 times for no speed
 CPU_BATCH_VOXELS = CPU_MAX_TILE_BATCH * 16 * 40 * 40
 

@@ -113,7 +113,7 @@ def _accumulate(
     A mean, not a sum: it stays at the logits' scale, so a float16 accumulator neither underflows where a tile's
     corner weighs exp(-24) of its centre nor overflows when hundreds of logits add up, and the finished slices
     need no division. Temporaries: a tile's ``g / W`` (patch fp32); float16, the region's K x patch fp32 copy
-    (updated there, then stored back: measured 7x faster than mixed-dtype arithmetic on the float16 region)."""
+    (updated there, then stored back: several times faster than mixed-dtype arithmetic on the float16 region)."""
     accumulator, gaussian = buffers.accumulator, buffers.gaussian
     # to the accumulator's device, once per batch (where it is the host: a B x K x patch copy there, one sync)
     logits = logits.to(accumulator.device)

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 # The output's dtypes: float16 halves the largest array prediction holds (K x the image) at 1e-3 precision.
 OUTPUT_DTYPES = {"float32": 4, "float16": 2}  # torch's dtype of that name -> bytes per element
-# The accumulator's dtypes. float16 halves the largest buffer of the sliding window (K x D x Yp x Xp: 624 -> 312 MiB
-# for 13 classes, 48 slices of 512 x 512), as nnU-Net's half-precision logits do; its 11-bit precision changed
-# the labels of at most 0.1% of voxels, at class boundaries (tests/model/test_sliding_window_reference.py).
+# The accumulator's dtypes. float16 halves the largest buffer of the sliding window (K x D x Yp x Xp, e.g. 13 classes
+# x 48 slices of 512 x 512), as nnU-Net's half-precision logits do; its 11-bit precision changes a label only where
+# the top two classes nearly tie (at most 0.1% of voxels: tests/model/test_sliding_window_reference.py).
 ACCUMULATOR_DTYPES = {"float32": 4, "float16": 2}  # torch's dtype of that name -> bytes per element
 PREDICTION_ACCUMULATOR = "float16"  # what prediction, validation and the planned inference tile use unless told
 FLOAT16_MAX = 65504.0  # float16's largest value: a float16 accumulator's mean logits are clamped to it
@@ -130,8 +130,7 @@ def allocate_buffers(
         padded_input = data  # read only: tiles are copied out of it
     else:
         # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
-        # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
-        # to a 128^3 patch 26.3 vs 27.0 ms, 1x60x400x480 to 512^2 31.4 vs 29.8 ms, 50 / 60 MiB live either way),
+        # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy in the same time and memory,
         # and it re-derives the placement that tile_layout owns.
         padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
         padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric

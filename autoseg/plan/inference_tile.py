@@ -10,7 +10,7 @@ predicts the sliding window on the median image, one tile per forward pass and t
 ``PREDICTION_ACCUMULATOR`` dtype) on the device, to fit the device's inference budget (``inference_budget_share``);
 where even the patch does not fit so, it is the patch. Per image, each axis then takes the size up to the planned
 one, never larger than the image, that predicts the fewest voxels (``tile_for_image``): a tile padded beyond the
-image lost Dice (docs/prediction.md).
+image loses Dice (docs/prediction.md).
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def tile_for_image(
     (``config.inference_tile()``), a multiple of the strides' product and no larger than the image, that predicts
     the fewest voxels along that axis (tiles x size, consecutive tiles overlapping by ``1 - step_fraction`` of a
     patch; a tie goes to the larger tile). Never larger than the image: the zero padding beyond it shifts instance
-    norm's statistics (the demo lost 0.013 mean Dice with tiles padded up to the median image, docs/prediction.md).
+    norm's statistics (tiles padded up to the median image lose Dice on the demo: docs/prediction.md).
     An image smaller than the patch is padded to the patch, as before.
 
     Example: patch 40, planned 80, divisor 8, an axis of 94: 40 -> 4 tiles (160 voxels), 64 -> 2 (128), 80 -> 2

@@ -380,7 +380,7 @@ def test_a_planned_tile_agrees_with_the_patch_on_a_tiny_trained_model(prepared: 
     """A real network normalizes each tile by its own statistics (instance norm), so a larger tile changes its
     logits: on the tiny dataset with a 2-stage network trained 40 iterations (8x16x16 patches), a planned tile of
     12x24x24 (per case 8x16x24 and 8x16x20: 2 and 4 tiles instead of 4 and 8) labels at least 99% of the voxels as
-    the patch does (measured 99.6% and 99.8%); what differs lies mostly at the organ's boundary, where this barely
+    the patch does; what differs lies mostly at the organ's boundary, where this barely
     trained model is unsure."""
     from autoseg.dataset.inputs import list_prediction_inputs
     from autoseg.dataset.raw import load_case
