@@ -9,7 +9,7 @@ Gaussian, the accumulator and the export, is the sliding window's and the same f
 as ``autoseg.model.torch_runner.TorchTileRunner``; another runtime (ONNX Runtime, OpenVINO) is another class with
 these members.
 
-``working_bytes(tile_batch_size, tile)`` is what the memory plan (``autoseg.memory.inference.plan_inference``) asks
+``working_bytes(tile_batch_size, tile)`` is what the memory plan (``autoseg.memory.inference_plan.plan_inference``) asks
 a runner for. ``model`` may not import ``memory``, so a runner does not compute it itself: whoever builds the
 runner hands it the figures' source (the torch runner: ``autoseg.memory.inference.TileSimulation``, a simulation of
 its tile batch, bound in ``autoseg.predict.networks.torch_runners``).

@@ -21,7 +21,7 @@ class SlidingWindow:
     ``2 ** len(mirror_axes)``): each variant is flipped, predicted and flipped back, and the logits averaged. One
     forward pass takes ``tile_batch_size`` (tile, variant) pairs, tile by tile (2 tiles x 4 variants in a batch of
     8). ``accumulator_device``: where the accumulator, weight map and Gaussian live (None: the runners' device;
-    ``autoseg.memory.inference.plan_inference`` chooses it and the batch). ``accumulator_dtype``: a key of
+    ``autoseg.memory.inference_plan.plan_inference`` chooses it and the batch). ``accumulator_dtype``: a key of
     ``ACCUMULATOR_DTYPES`` (each tile is added in fp32, the softmax runs in fp32). ``activation``: "softmax" over
     the outputs (classes) or "sigmoid" per output (regions). ``output_dtype``: the returned probabilities' (a key of
     ``OUTPUT_DTYPES``), or None: there is no output, each finished slab goes to the call's ``on_slab``.
