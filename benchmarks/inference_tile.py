@@ -40,19 +40,16 @@ from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import write_image
 from autoseg.dataset.inputs import list_prediction_inputs
 from autoseg.evaluate.metrics import evaluate_folder
-from autoseg.memory.inference import plan_inference
+from autoseg.memory.inference import InferenceSetting
+from autoseg.memory.inference_plan import plan_inference
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
-from autoseg.model.tta import parse_tta
+from autoseg.model.window import SlidingWindow
 from autoseg.plan.inference_tile import tile_for_image
 from autoseg.plan.plans import Plans
-from autoseg.predict.networks import load_trained_network
-from autoseg.predict.predictor import (
-    export_prediction,
-    inference_budget_bytes,
-    predict_probabilities,
-    prepare_case,
-)
+from autoseg.predict.case import export_prediction, inference_budget_bytes, predict_probabilities, prepare_case
+from autoseg.predict.networks import Predictor, load_trained_network
+from autoseg.predict.window import WindowOptions
 
 VARIANTS = ("patch", "planned", "planned-half-tile", "planned-padded")
 RAW_NAME = "Dataset900_Demo"
@@ -69,36 +66,32 @@ def _tile(config, variant: str, image_shape_zyx: tuple[int, ...]) -> tuple[tuple
     return tile, overlap_step_fractions(tile, config.patch_size)
 
 
-def _other_window(data, network, plans, config, tta: str, variant: str) -> torch.Tensor:
-    """``predict_probabilities`` with one network and the tile and steps of a variant that is not a product
-    setting."""
+def _other_window(data, predictor: Predictor, variant: str) -> torch.Tensor:
+    """``predict_probabilities`` with the tile and steps of a variant that is not a product setting."""
+    config, scheme = predictor.config, predictor.plans.label_scheme
     tile, steps = _tile(config, variant, data.shape[1:])
-    axes = tuple(range(config.dim))
-    variants = parse_tta(tta, config.dim)
-    scheme = plans.label_scheme
-    window = plan_inference(
+    axes, variants = predictor.window.mirror_axes(config), predictor.window.num_variants(config)
+    setting = InferenceSetting(
         config.network,
         tile,
         data.shape[1:],
         scheme.num_outputs,
-        inference_budget_bytes("cpu"),
-        "cpu",
-        "fp32",
-        axes,
-        variants,
-        steps,
+        mirror_axes=axes,
+        tta=variants,
+        step_fraction=steps,
+        accumulator_dtype="float16",
     )
-    return sliding_window_predict(
-        network,
-        data,
+    plan = plan_inference(setting, inference_budget_bytes("cpu"), runners=predictor.runners)
+    window = SlidingWindow(
         tile,
         scheme.num_outputs,
         step_fraction=steps,
         mirror_axes=axes,
         tta=variants,
-        tile_batch_size=window.tile_batch_size,
+        tile_batch_size=plan.tile_batch_size,
         activation="sigmoid" if scheme.has_regions else "softmax",
     )
+    return sliding_window_predict(predictor.runners, data, window)
 
 
 def make_workspace(root: Path, shape_zyx: tuple[int, int, int], epochs: int, iterations: int) -> None:
@@ -128,6 +121,34 @@ def make_workspace(root: Path, shape_zyx: tuple[int, int, int], epochs: int, ite
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    ws = Workspace.at(args.workspace)
+    if args.make and not ws.checkpoint(args.config, 0, "final").is_file():
+        make_workspace(ws.root, tuple(args.make), args.epochs, args.iterations)
+    images = args.images or ws.root / "raw" / RAW_NAME / "imagesTs"
+    labels_dir = args.labels or ws.root / "raw" / RAW_NAME / "labelsTs"
+    torch.set_num_threads(args.threads)
+    plans = Plans.from_json(ws.plans_path)
+    config = plans.configuration(args.config)
+    network = load_trained_network(ws.checkpoint(args.config, 0, "final"), config, "cpu")
+    cases = list_prediction_inputs(images, len(plans.channel_names), None, 3, None).cases
+    prepared = {c.case_id: prepare_case(c, plans, config) for c in cases}
+    out = Path(args.output)
+    first_id, (first, _) = next(iter(prepared.items()))  # warm up (threads, allocator), untimed
+    predict_probabilities(
+        first, first_id, Predictor.of([network], plans, config, WindowOptions(mirror=False, tile="patch"))
+    )
+    seconds = _timed(prepared, [network], plans, config, args, out)
+    rows = [
+        _row(prepared, config, variant, seconds[variant], evaluate_folder(out / variant, labels_dir))
+        for variant in args.variants
+    ]
+    _print_table(rows, prepared, config, args)
+    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-w", "--workspace", required=True, help="a workspace with fold 0 trained")
     parser.add_argument(
@@ -150,71 +171,49 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--tta", default="4", help="as autoseg predict --tta (default 4: the CPU default)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared machine)")
-    args = parser.parse_args(argv)
+    return parser
 
-    ws = Workspace.at(args.workspace)
-    if args.make and not ws.checkpoint(args.config, 0, "final").is_file():
-        make_workspace(ws.root, tuple(args.make), args.epochs, args.iterations)
-    images = args.images or ws.root / "raw" / RAW_NAME / "imagesTs"
-    labels_dir = args.labels or ws.root / "raw" / RAW_NAME / "labelsTs"
-    torch.set_num_threads(args.threads)
-    plans = Plans.from_json(ws.plans_path)
-    config = plans.configuration(args.config)
-    network = load_trained_network(ws.checkpoint(args.config, 0, "final"), config, "cpu")
-    cases = list_prediction_inputs(images, len(plans.channel_names), None, 3, None).cases
-    prepared = {c.case_id: prepare_case(c, plans, config) for c in cases}
-    out = Path(args.output)
+
+def _timed(prepared: dict, networks: list, plans: Plans, config, args: argparse.Namespace, out: Path) -> dict:
+    """Seconds per case of each variant per repeat (variants alternate within a repeat); the first repeat's label
+    maps are written to ``out/<variant>/``."""
     seconds: dict[str, list[float]] = {v: [] for v in args.variants}
-    first_id, (first, _) = next(iter(prepared.items()))  # warm up (threads, allocator), untimed
-    predict_probabilities(
-        first, first_id, [network], plans, config, mirror=False, tile_batch_size=None, device="cpu", tile="patch"
-    )
     for repeat in range(args.repeats):
         for variant in args.variants:
             folder = out / variant
             folder.mkdir(parents=True, exist_ok=True)
+            tile = "planned" if variant in ("planned-half-tile", "planned-padded") else variant
+            predictor = Predictor.of(networks, plans, config, WindowOptions(tta=args.tta, tile=tile))
             t_variant = 0.0
             for case_id, (data, props) in prepared.items():
                 t0 = time.perf_counter()
                 if variant in ("planned-half-tile", "planned-padded"):
-                    probabilities = _other_window(data, network, plans, config, args.tta, variant)
+                    probabilities = _other_window(data, predictor, variant)
                 else:
-                    probabilities = predict_probabilities(
-                        data,
-                        case_id,
-                        [network],
-                        plans,
-                        config,
-                        mirror=True,
-                        tile_batch_size=None,
-                        device="cpu",
-                        tta=args.tta,
-                        tile=variant,
-                    )
+                    probabilities = predict_probabilities(data, case_id, predictor)
                 t_variant += time.perf_counter() - t0
                 if repeat == 0:
                     labels = export_prediction(probabilities, props, plans.label_scheme)
                     write_image(folder / f"{case_id}{plans.file_ending}", labels, props.geometry)
             seconds[variant].append(t_variant / len(prepared))
             print(f"repeat {repeat} {variant}: {t_variant / len(prepared):.2f} s/case", flush=True)
-    rows = []
-    for variant in args.variants:
-        layouts = [tile_layout(d.shape[1:], *_tile(config, variant, d.shape[1:])) for d, _ in prepared.values()]
-        tiles = sorted({"x".join(map(str, layout.patch_size)) for layout in layouts})
-        summary = evaluate_folder(out / variant, labels_dir)
-        rows.append(
-            {
-                "variant": variant,
-                "tiles": tiles,
-                "tiles_per_case": statistics.mean(layout.num_tiles for layout in layouts),
-                "voxels_per_case": statistics.mean(
-                    layout.num_tiles * math.prod(layout.patch_size) for layout in layouts
-                ),
-                "seconds_per_case": seconds[variant],
-                "dice": {k: m.dice for k, m in summary.mean.items()},
-                "mean_foreground_dice": summary.mean_foreground_dice,
-            }
-        )
+    return seconds
+
+
+def _row(prepared: dict, config, variant: str, seconds: list[float], summary) -> dict:
+    layouts = [tile_layout(d.shape[1:], *_tile(config, variant, d.shape[1:])) for d, _ in prepared.values()]
+    return {
+        "variant": variant,
+        "tiles": sorted({"x".join(map(str, layout.patch_size)) for layout in layouts}),
+        "tiles_per_case": statistics.mean(layout.num_tiles for layout in layouts),
+        "voxels_per_case": statistics.mean(layout.num_tiles * math.prod(layout.patch_size) for layout in layouts),
+        "seconds_per_case": seconds,
+        "dice": {k: m.dice for k, m in summary.mean.items()},
+        "mean_foreground_dice": summary.mean_foreground_dice,
+    }
+
+
+def _print_table(rows: list[dict], prepared: dict, config, args: argparse.Namespace) -> None:
     shapes = sorted({"x".join(map(str, d.shape[1:])) for d, _ in prepared.values()})
     print(
         f"\n{len(prepared)} cases ({', '.join(shapes)}), patch {config.patch_size}, tta {args.tta}, "
@@ -230,8 +229,6 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['variant']} | {', '.join(r['tiles'])} | {r['tiles_per_case']:.1f} | "
             f"{r['voxels_per_case'] / 1e6:.2f} M | {secs} | {dice} | {r['mean_foreground_dice']:.4f} |"
         )
-    (out / "results.json").write_text(json.dumps(rows, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

@@ -194,8 +194,12 @@ def predict_autoseg(ws: Path, inputs: Path, out: Path, tta: bool, extra: list[st
 
 
 def predict_nnunet(
-    python: str, env: dict, model: Path, inputs: Path, out: Path, tta: bool, npp: int, nps: int, work: Path, name: str
+    nnunet: tuple[str, dict, Path], inputs: Path, out: Path, tta: bool, workers: tuple[int, int], work: Path, name: str
 ) -> dict:
+    """nnU-Net v2's predictor (``nnunet``: its python, environment and trained model) on ``inputs`` with ``workers``
+    (-npp, -nps) processes."""
+    python, env, model = nnunet
+    npp, nps = workers
     shutil.rmtree(out, ignore_errors=True)
     args = [
         "-i",
@@ -312,6 +316,67 @@ def print_checks(rows: list[dict], large_voxels: int, full_voxels: int) -> None:
 
 
 def main() -> None:
+    args = _parser().parse_args()
+    large_shape = tuple(args.large or (QUICK_LARGE if args.quick else FULL_LARGE))
+    typical = args.typical or (1 if args.quick else 3)
+    iterations = args.iterations
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    dataset = make_cases_dataset(work, args.cases, max(4, typical), tuple(args.shape))
+    large = make_large_case(work, large_shape)
+    ws = prepare_autoseg(dataset, work, args.autoseg_plan, args.epochs, iterations)
+    python = nnunet_python(args.nnunet_python)
+    nnunet = None if python is None else prepare_nnunet(python, dataset, work, args.epochs, iterations)
+    typical_folder = typical_inputs(dataset, work, typical)
+    voxels = {"typical": _voxels(typical_folder), "large": _voxels(large)}
+    cases = {
+        k: v for k, v in {"typical": (typical_folder, typical), "large": (large, 1)}.items() if args.only in (None, k)
+    }
+    print(
+        f"{len(ORGANS)} foreground classes; typical: {typical} held-out case(s), "
+        f"{voxels['typical'] / 1e6:.1f} M voxels in all; large: {'x'.join(map(str, large_shape))}; "
+        f"TTA {'all' if args.tta else 'none'}; nnU-Net -npp {args.npp} -nps {args.nps}; autoseg planned for "
+        f"{args.autoseg_plan}, both trained {args.epochs} x {iterations} iterations; {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
+    if python is None:
+        print("nnU-Net v2: not importable here; pass --nnunet-python PATH to compare")
+    model = None if nnunet is None else (python, nnunet[1], nnunet[0])
+    runs = _run_rounds(args, cases, ws, model, voxels, work)
+    rows = summarize(runs)
+    print(format_table(rows))
+    print_checks(rows, voxels["large"], FULL_LARGE[0] * FULL_LARGE[1] * FULL_LARGE[2])
+    print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine slow everything)")
+
+
+def _run_rounds(
+    args: argparse.Namespace,
+    cases: dict[str, tuple[Path, int]],
+    ws: Path,
+    nnunet: tuple[str, dict, Path] | None,
+    voxels: dict[str, int],
+    work: Path,
+) -> list[dict]:
+    """Every tool on every case, ``args.rounds`` times, the tools' order alternating by round."""
+    runs = []
+    for round_ in range(args.rounds):
+        for case, (inputs, count) in cases.items():
+            tools = ["autoseg"] + ([] if nnunet is None else ["nnU-Net v2"])
+            for tool in tools if round_ % 2 == 0 else tools[::-1]:
+                name = f"{'autoseg' if tool == 'autoseg' else 'nnunet'}_{case}_{round_}"
+                out = work / "out" / name
+                if tool == "autoseg":
+                    r = predict_autoseg(ws, inputs, out, args.tta, shlex.split(args.autoseg_args), work, name)
+                else:
+                    r = predict_nnunet(nnunet, inputs, out, args.tta, (args.npp, args.nps), work, name)
+                r.update(case=case, tool=tool, cases=count, voxels=voxels[case])
+                runs.append(r)
+                _print_run(round_, r)
+    return runs
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick",
@@ -364,52 +429,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="runs per tool and case, alternating; the median")
     parser.add_argument("--autoseg-args", default="", help='more flags for autoseg predict, e.g. "--tile-batch-size 1"')
     parser.add_argument("--nnunet-python", default=None, help="python of a venv with nnunetv2 installed")
-    args = parser.parse_args()
-    large_shape = tuple(args.large or (QUICK_LARGE if args.quick else FULL_LARGE))
-    typical = args.typical or (1 if args.quick else 3)
-    iterations = args.iterations
-
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    dataset = make_cases_dataset(work, args.cases, max(4, typical), tuple(args.shape))
-    large = make_large_case(work, large_shape)
-    ws = prepare_autoseg(dataset, work, args.autoseg_plan, args.epochs, iterations)
-    python = nnunet_python(args.nnunet_python)
-    nnunet = None if python is None else prepare_nnunet(python, dataset, work, args.epochs, iterations)
-    typical_folder = typical_inputs(dataset, work, typical)
-    voxels = {"typical": _voxels(typical_folder), "large": _voxels(large)}
-    cases = {
-        k: v for k, v in {"typical": (typical_folder, typical), "large": (large, 1)}.items() if args.only in (None, k)
-    }
-    print(
-        f"{len(ORGANS)} foreground classes; typical: {typical} held-out case(s), "
-        f"{voxels['typical'] / 1e6:.1f} M voxels in all; large: {'x'.join(map(str, large_shape))}; "
-        f"TTA {'all' if args.tta else 'none'}; nnU-Net -npp {args.npp} -nps {args.nps}; autoseg planned for "
-        f"{args.autoseg_plan}, both trained {args.epochs} x {iterations} iterations; {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}"
-    )
-    if python is None:
-        print("nnU-Net v2: not importable here; pass --nnunet-python PATH to compare")
-    runs = []
-    for round_ in range(args.rounds):
-        for case, (inputs, count) in cases.items():
-            tools = ["autoseg"] + ([] if nnunet is None else ["nnU-Net v2"])
-            for tool in tools if round_ % 2 == 0 else tools[::-1]:
-                name = f"{'autoseg' if tool == 'autoseg' else 'nnunet'}_{case}_{round_}"
-                out = work / "out" / name
-                if tool == "autoseg":
-                    r = predict_autoseg(ws, inputs, out, args.tta, shlex.split(args.autoseg_args), work, name)
-                else:
-                    r = predict_nnunet(
-                        python, nnunet[1], nnunet[0], inputs, out, args.tta, args.npp, args.nps, work, name
-                    )
-                r.update(case=case, tool=tool, cases=count, voxels=voxels[case])
-                runs.append(r)
-                _print_run(round_, r)
-    rows = summarize(runs)
-    print(format_table(rows))
-    print_checks(rows, voxels["large"], FULL_LARGE[0] * FULL_LARGE[1] * FULL_LARGE[2])
-    print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine slow everything)")
+    return parser
 
 
 def _print_run(round_: int, r: dict) -> None:

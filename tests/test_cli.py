@@ -8,8 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from autoseg.cli.flag_values import parse_bytes
 from autoseg.cli.main import main
-from autoseg.cli.parser import build_parser, parse_args, parse_bytes, parse_fold
+from autoseg.cli.parser import build_parser, parse_args, parse_fold
 from autoseg.core.units import GiB
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.preprocess.store import list_complete_cases

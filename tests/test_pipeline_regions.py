@@ -17,7 +17,7 @@ from autoseg.evaluate.metrics import evaluate_folder
 from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import plan_dataset
-from autoseg.predict.predictor import predict
+from autoseg.predict.predictor import PredictOptions, predict
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.preprocess.store import case_files, list_complete_cases
 from autoseg.train.run_config import RunConfig
@@ -84,7 +84,8 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
             assert saved["probabilities"].shape == (2, *label_map.shape) and str(saved["activation"]) == "sigmoid"
 
     out = tmp_path / "pred"
-    written = predict(ws, raw / "imagesTs", out, config_name="3d_fullres", folds=(0,), device="cpu", progress=False)
+    quiet = PredictOptions(progress=False)
+    written = predict(ws, raw / "imagesTs", out, config_name="3d_fullres", folds=(0,), options=quiet)
     assert len(written) == 2
     for path in written:
         pred = sitk.ReadImage(str(path))

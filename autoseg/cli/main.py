@@ -8,57 +8,29 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
-from autoseg.cli.parser import default_device, parse_args, resolve_device, without_gpus
+from autoseg.cli.flag_values import default_device, resolve_device
+from autoseg.cli.parser import parse_args, without_gpus
 from autoseg.core.errors import InputError
-from autoseg.core.machine import MachineCache, keep_simulations_in, passive_openmp_waiting
-from autoseg.core.units import GiB, MiB
+from autoseg.core.machine import keep_simulations_in, passive_openmp_waiting
+from autoseg.core.units import MiB
 
 
 def _budget(args: argparse.Namespace):
-    from autoseg.core.resources import available_ram_bytes, cuda_total_memory
-    from autoseg.model.topology import ARCHITECTURES
-    from autoseg.plan.budget import Budget
+    """The plan's budget from the flags, what they leave open measured (``measure_budget``); printed."""
+    from autoseg.cli.budget import BudgetFlags, describe_budget, measure_budget
 
-    device = args.device or default_device()
-    gpu = args.gpu_memory
-    if gpu is None:
-        gpu = cuda_total_memory()
-        if gpu is None:
-            gpu = 8 * GiB
-            print("note: no CUDA device found; planning for 8 GiB of GPU memory (set --gpu-memory to change)")
-    ram = args.ram or available_ram_bytes()
-    architecture = ARCHITECTURES[args.architecture]
-    budget = Budget(gpu_memory_bytes=gpu, host_ram_bytes=ram, device=device, architecture=architecture)
-    print(
-        f"budget: GPU memory {gpu / GiB:.1f} GiB, host RAM {ram / GiB:.1f} GiB, training device {device}, "
-        f"network {architecture}"
+    flags = BudgetFlags(
+        gpu_memory_bytes=args.gpu_memory,
+        ram_bytes=args.ram,
+        device=args.device or default_device(),
+        architecture=args.architecture,
+        cpu_flops=args.cpu_flops,
     )
-    if device == "cpu":
-        from autoseg.plan.throughput import StepRates, cpu_throughput
-
-        rates, source = (
-            (StepRates(args.cpu_flops), "--cpu-flops")
-            if args.cpu_flops
-            else cpu_throughput(MachineCache(cache_dir(os.environ)))
-        )
-        budget = replace(
-            budget,
-            cpu_flops_per_second=rates.flops_per_second,
-            cpu_elements_per_second=rates.elements_per_second,
-            cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
-        )
-        print(
-            f"CPU throughput {rates.describe()} ({source}); planning for "
-            f"{budget.cpu_seconds_per_iteration:g} s per iteration"
-        )
-    else:
-        from autoseg.plan.throughput import cuda_device_name
-
-        budget = replace(budget, gpu_name=cuda_device_name())
-    return budget
+    measured = measure_budget(flags, cache_dir(os.environ))
+    print("\n".join(describe_budget(measured)))
+    return measured.budget
 
 
 def cache_dir(environ: Mapping[str, str]) -> Path:
@@ -206,79 +178,41 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
 
 
 def _predict(args: argparse.Namespace, progress: bool) -> int:
-    if args.model is not None:  # a model archive: checked, unpacked as a temporary workspace, removed afterwards
-        from autoseg.predict.archive import open_model_archive
+    from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
+    from autoseg.predict.command import PredictRequest, predict_command
+    from autoseg.predict.predictor import PredictOptions
+    from autoseg.predict.window import WindowOptions
 
-        with open_model_archive(args.model, load_checkpoints=False) as model:  # predict loads them: read once
-            config, folds = model.select(args.config, args.folds)
-            return _predict(
-                argparse.Namespace(
-                    **{
-                        **vars(args),
-                        "model": None,
-                        "workspace": str(model.workspace.root),
-                        "config": config,
-                        "folds": folds,
-                        "checkpoint": model.manifest.checkpoint,
-                    }
-                ),
-                progress,
-            )
-    from autoseg.core.workspace import Workspace
-    from autoseg.predict.choice import InferenceChoice
-    from autoseg.predict.chosen import predict_chosen
-    from autoseg.predict.predictor import PredictOptions, predict
-
-    ws = Workspace.at(args.workspace or ".")
-    folds = None if args.folds is None else tuple(int(f) if f.isdigit() else f for f in args.folds)
+    window = WindowOptions(
+        device=resolve_device(args.device),
+        tta=args.tta,
+        mirror=not args.no_mirror,
+        tile=args.tile,
+        tile_batch_size=args.tile_batch_size,
+        accumulator=PREDICTION_ACCUMULATOR if args.accumulator is None else args.accumulator,
+        verbose=args.verbose,
+    )
     options = PredictOptions(
         save_probabilities=args.save_probabilities,
         skip_existing=args.skip_existing,
         fail_fast=args.fail_fast,
         series=args.series,
-        verbose=args.verbose,
         preprocess_workers=args.preprocess_workers,
         export_workers=args.export_workers,
+        progress=progress,
     )
-    window = {
-        "mirror": not args.no_mirror,
-        "tile_batch_size": args.tile_batch_size,
-        "tta": args.tta,
-        "tile": args.tile,
-        "device": resolve_device(args.device),
-    }
-    if args.accumulator is not None:  # else predict's default (PREDICTION_ACCUMULATOR)
-        window["accumulator"] = args.accumulator
-    if args.config is None and ws.inference_path.is_file():  # autoseg find-best's choice
-        choice = InferenceChoice.from_json(ws.inference_path)
-        print(
-            f"following {ws.inference_path}: {' + '.join(choice.configurations)}, fold(s) "
-            f"{' '.join(map(str, folds or choice.folds))}, postprocessing: {choice.postprocessing.describe()} "
-            "(-c CONFIG predicts one configuration without it)"
-        )
-        written = predict_chosen(
-            ws,
-            choice,
-            args.input,
-            args.output,
-            folds=folds,
-            checkpoint=args.checkpoint,
-            options=options,
-            progress=progress,
-            **window,
-        )
-    else:
-        written = predict(
-            ws,
-            args.input,
-            args.output,
-            config_name=args.config or _default_config(ws),
-            folds=folds,
-            checkpoint=args.checkpoint or "final",
-            progress=progress,
-            options=options,
-            **window,
-        )
+    request = PredictRequest(
+        args.input,
+        args.output,
+        workspace=args.workspace or ".",
+        model=args.model,
+        config_name=args.config,
+        folds=None if args.folds is None else tuple(args.folds),
+        checkpoint=args.checkpoint,
+        window=window,
+        options=options,
+    )
+    written = predict_command(request)  # -w or -m: the same prediction
     print(f"wrote {len(written)} segmentation(s) to {Path(args.output).resolve()}")
     return 0
 

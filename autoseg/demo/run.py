@@ -18,7 +18,8 @@ from autoseg.demo.data import make_demo_dataset
 from autoseg.evaluate.metrics import evaluate_folder, format_table
 from autoseg.plan.budget import Budget
 from autoseg.plan.run import plan_dataset
-from autoseg.predict.predictor import predict
+from autoseg.predict.predictor import PredictOptions, predict
+from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
@@ -68,7 +69,15 @@ def run_demo(
     )
     train(ws, "3d_fullres", 0, run, progress=progress)
     pred_dir = ws.root / "predictions"
-    predict(ws, raw / "imagesTs", pred_dir, config_name="3d_fullres", folds=(0,), device="cpu", progress=progress)
+    predict(
+        ws,
+        raw / "imagesTs",
+        pred_dir,
+        config_name="3d_fullres",
+        folds=(0,),
+        window=WindowOptions(device="cpu"),
+        options=PredictOptions(progress=progress),
+    )
     summary = evaluate_folder(pred_dir, raw / "labelsTs", output_json=pred_dir / "summary.json")
     seconds = time.perf_counter() - t0
     print(format_table(summary))

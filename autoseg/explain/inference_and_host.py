@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from autoseg.memory.device import DEVICE_TERMS, predict_device_peak
 from autoseg.memory.host import preprocess_worker_bytes, slab_export_bytes
-from autoseg.memory.inference import InferenceMemory, inference_memory
+from autoseg.memory.inference import InferenceMemory, InferenceSetting, inference_memory
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR, finish_chunk_slices
 from autoseg.model.tiles import accumulator_depth, overlap_step_fractions, tile_layout
 from autoseg.model.topology import NetworkTopology
@@ -71,19 +71,19 @@ def _inference_cached(
     precision: str,
     device: str,
 ) -> InferenceMemory:
-    return inference_memory(
+    setting = InferenceSetting(
         topology,
         tile_size,
-        1,
         image_shape_zyx,
         num_outputs,
-        precision,
+        device=device,
+        precision=precision,
         mirror_axes=tuple(range(topology.dim)),
         step_fraction=step_fraction,
-        device=device,
         output_dtype=None,  # predict exports each slab as it is finished (SlabExport)
         accumulator_dtype=PREDICTION_ACCUMULATOR,
     )
+    return inference_memory(setting, 1)
 
 
 def host_cases(plans: Plans, config: ConfigurationPlan, fp: Fingerprint | None) -> tuple[HostCase, ...]:

@@ -2,16 +2,19 @@
 
 Two phases hold memory on the device:
 
-- tiles: the network's parameters, the call's buffers (padded input, the logit accumulator and weight map
+- tiles: the runners' parameters, the call's buffers (padded input, the logit accumulator and weight map
   over a z-window of the image, Gaussian, the output; ``autoseg.model.tile_buffers.inference_buffer_bytes``)
-  and one forward pass. The latter is simulated: the inference code's own ``run_tile_batch`` (the batch of
-  flipped tiles, the network's activations and logits under ``inference_mode``, a tile's logits flipped back)
-  runs under ``FakeTensorMode`` with a ``StorageTracker`` (``autoseg.memory.inference_simulation``, imported
-  only when a tile is simulated: this module itself needs no torch).
+  and one forward pass: what each runner reports for a tile batch (``working_bytes``,
+  ``autoseg.model.tile_runner``). A torch network's is simulated: the inference code's own ``run_tile_batch``
+  (the batch of flipped tiles, the network's activations and logits under ``inference_mode``, a tile's logits
+  flipped back) runs under ``FakeTensorMode`` with a ``StorageTracker`` (``TileSimulation``;
+  ``autoseg.memory.inference_simulation``, imported only when a tile is simulated: this module itself needs no
+  torch).
 - finishing: after a batch, the finished z-slices' softmax: the buffers and one (window x Yp x Xp) fp32 map.
 
-``plan_inference`` turns these into choices made before a case starts: the largest tile batch within a
-memory budget and where the accumulator lives (the device, or the host when it does not fit beside a tile).
+``autoseg.memory.inference_plan.plan_inference`` turns these into choices made before a case starts: the largest
+tile batch within a memory budget and where the accumulator lives (the device, or the host when it does not fit
+beside a tile).
 
 The output (``(K, Z, Y, X)`` probabilities on the host, float16 in prediction) is handed to the export
 (``autoseg.memory.host.export_bytes``).
@@ -22,22 +25,55 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from autoseg.core.errors import InputError
 from autoseg.core.machine import MachineCache, kept_simulations, simulation_key
 from autoseg.core.precision import check_precision, element_bytes
-from autoseg.core.units import MiB
-from autoseg.memory.device import predict_device_peak
-from autoseg.model.tile_buffers import (
-    PREDICTION_ACCUMULATOR,
-    finish_chunk_slices,
-    finish_temp_bytes,
-    inference_buffer_bytes,
-)
+from autoseg.model.tile_buffers import finish_temp_bytes, inference_buffer_bytes
+from autoseg.model.tile_runner import TileBatchBytes, WorkingBytesSource
 from autoseg.model.tiles import accumulator_depth, tile_layout
 from autoseg.model.topology import NetworkTopology
 from autoseg.model.tta import mirror_variants
+from autoseg.model.window import SlidingWindow
+
+
+@dataclass(frozen=True)
+class InferenceSetting:
+    """One ``sliding_window_predict`` as the memory model counts it: ``topology``'s network (its inputs, outputs and
+    dimension) with ``tile`` over a preprocessed image of ``image_shape_zyx`` on ``device`` ("cpu" or "cuda").
+
+    ``tile`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's. ``precision``:
+    the compute precision (a key of ``PRECISIONS``). ``mirror_axes``, ``tta``, ``step_fraction``,
+    ``accumulator_dtype``: as the ``SlidingWindow`` that runs. ``output_dtype``: the probabilities'
+    (``sliding_window_predict``; None: no output, the slabs go to a sink that the caller counts). The tile batch and
+    the accumulator's place are what ``plan_inference`` chooses: ``inference_memory`` takes them apart.
+    """
+
+    topology: NetworkTopology
+    tile: tuple[int, ...]
+    image_shape_zyx: tuple[int, int, int]
+    num_outputs: int
+    device: str = "cpu"
+    precision: str = "fp32"
+    mirror_axes: tuple[int, ...] = ()
+    tta: int | None = None
+    step_fraction: float | tuple[float, ...] = 0.5
+    output_dtype: str | None = "float32"
+    accumulator_dtype: str = "float32"
+
+    def window(self, tile_batch_size: int) -> SlidingWindow:
+        """The ``SlidingWindow`` whose buffers are counted (``inference_buffer_bytes``)."""
+        return SlidingWindow(
+            tuple(self.tile),
+            self.num_outputs,
+            self.step_fraction,
+            tuple(self.mirror_axes),
+            self.tta,
+            tile_batch_size,
+            accumulator_dtype=self.accumulator_dtype,
+            output_dtype=self.output_dtype,
+        )
 
 
 @dataclass(frozen=True)
@@ -80,47 +116,71 @@ class InferenceMemory:
         }
 
 
+@dataclass(frozen=True)
+class TileSimulation:
+    """A torch network's working bytes for a tile batch as the sliding window runs it: the torch runner's
+    ``working_bytes`` (``autoseg.model.torch_runner.TorchTileRunner``), and the memory model's where no runner exists
+    yet (the planner, ``autoseg explain``). ``topology``'s network in ``precision`` on ``device``, its batch items
+    the first ``tta`` mirror variants of ``mirror_axes``, added to an ``accumulator_dtype`` accumulator.
+    ``cache``: keep the simulations between runs (None: the command's, ``kept_simulations``)."""
+
+    topology: NetworkTopology
+    precision: str = "fp32"
+    mirror_axes: tuple[int, ...] = ()
+    tta: int | None = None
+    accumulator_dtype: str = "float32"
+    device: str = "cpu"
+    cache: MachineCache | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, setting: InferenceSetting) -> TileSimulation:
+        """The simulation of ``setting``'s network as its sliding window runs it."""
+        return cls(
+            setting.topology,
+            setting.precision,
+            tuple(setting.mirror_axes),
+            setting.tta,
+            setting.accumulator_dtype,
+            setting.device,
+        )
+
+    def working_bytes(self, tile_batch_size: int, tile: tuple[int, ...]) -> TileBatchBytes:
+        return simulate_tile_prediction(self, tile, tile_batch_size)
+
+
 def simulate_tile_prediction(
-    topology: NetworkTopology,
-    patch_size: tuple[int, ...],
-    tile_batch_size: int,
-    precision: str = "fp32",
-    mirror_axes: Sequence[int] = (),
-    tta: int | None = None,
-    cache: MachineCache | None = None,
-    accumulator_dtype: str = "float32",
-    device: str = "cpu",
-) -> tuple[int, int, int, int, int]:
+    simulation: TileSimulation, patch_size: tuple[int, ...], tile_batch_size: int
+) -> TileBatchBytes:
     """Simulate one forward pass of ``sliding_window_predict``: its own ``run_tile_batch`` on
-    ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them. Returns
-    (parameter bytes, peak bytes beyond the parameters and the call's buffers, largest convolution output
-    bytes, live allocations at the peak, buffers included, and on CPU what glibc's heap holds beyond the
-    tensors at that peak). Cached: the answer does not depend on the image;
-    with ``cache`` also between runs (keyed by the simulated code and torch's version): the simulation, and
-    importing the fake-tensor machinery for it, cost a prediction 1-4 s of its start.
+    ``tile_batch_size`` (tile, mirror variant) pairs, tile by tile as the real loop draws them, as ``simulation``
+    says. Returns the parameter bytes, the peak bytes beyond the parameters and the call's buffers, the largest
+    convolution output bytes, the live allocations at the peak, buffers included, and on CPU what glibc's heap
+    holds beyond the tensors at that peak (``TileBatchBytes``). Cached: the answer does not depend on the image;
+    with a ``MachineCache`` also between runs (keyed by the simulated code and torch's version): the simulation,
+    and importing the fake-tensor machinery for it, are a large part of a prediction's start.
 
     fp16 runs as bf16 (same bytes): the inference code turns fp16 autocast off on CPU devices. ``device`` "cpu":
     the network runs its large convolutions in slabs as ``sliding_window_predict`` does there
     (``autoseg.model.slabs``), and each convolution's hidden buffers count (``cpu_conv_scratch_bytes``).
     """
-    check_precision(precision)  # an unknown name says what to use
-    device = device.split(":")[0]  # "cuda:1" -> "cuda"
+    check_precision(simulation.precision)  # an unknown name says what to use
+    device = simulation.device.split(":")[0]  # "cuda:1" -> "cuda"
     args = (
-        topology,
+        simulation.topology,
         tuple(int(p) for p in patch_size),
         int(tile_batch_size),
-        "bf16" if precision == "fp16" else precision,
-        tuple(int(a) for a in mirror_axes),
-        tta,
-        accumulator_dtype,
+        "bf16" if simulation.precision == "fp16" else simulation.precision,
+        tuple(int(a) for a in simulation.mirror_axes),
+        simulation.tta,
+        simulation.accumulator_dtype,
         device,
     )
-    cache = cache or kept_simulations()  # the planner's inference tile: the command's cache
+    cache = simulation.cache or kept_simulations()  # the planner's inference tile: the command's cache
     if cache is None:
-        return _simulate_cached(*args)
+        return TileBatchBytes(*_simulate_cached(*args))
     key = {
         **simulation_key(_SIMULATED_MODULES),
-        "topology": asdict(topology),
+        "topology": asdict(simulation.topology),
         "tile": args[1],
         "tile_batch": args[2],
         "precision": args[3],
@@ -130,7 +190,7 @@ def simulate_tile_prediction(
         "device": args[7],
     }
     value, _ = cache.kept("inference_simulation", key, lambda: list(_simulate_cached(*args)), SIMULATIONS_KEPT)
-    return tuple(int(v) for v in value)  # type: ignore[return-value]
+    return TileBatchBytes(*(int(v) for v in value))
 
 
 SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between runs
@@ -140,7 +200,20 @@ SIMULATIONS_KEPT = 256  # simulated (network, tile, batch, ...) kept between run
 # the simulation and this module): a kept simulation is reused only while these files are unchanged
 _SIMULATED_MODULES = tuple(
     f"autoseg.model.{m}"
-    for m in ("blocks", "network", "residual", "sliding_window", "slabs", "tile_buffers", "tiles", "tta", "topology")
+    for m in (
+        "blocks",
+        "network",
+        "residual",
+        "sliding_window",
+        "slabs",
+        "tile_buffers",
+        "tile_runner",
+        "tiles",
+        "torch_runner",
+        "tta",
+        "topology",
+        "window",
+    )
 ) + (
     "autoseg.core.precision",
     "autoseg.memory.tracker",
@@ -169,239 +242,93 @@ def _simulate_cached(
 
 
 def inference_memory(
-    topology: NetworkTopology,
-    patch_size: tuple[int, ...],
+    setting: InferenceSetting,
     tile_batch_size: int,
-    image_shape_zyx: tuple[int, int, int],
-    num_outputs: int,
-    precision: str = "fp32",
-    mirror_axes: Sequence[int] = (),
-    step_fraction: float | Sequence[float] = 0.5,
-    tta: int | None = None,
     accumulator_on_device: bool = True,
-    device: str = "cpu",
-    output_dtype: str | None = "float32",
-    num_networks: int = 1,
-    cache: MachineCache | None = None,
-    accumulator_dtype: str = "float32",
+    runners: Sequence[WorkingBytesSource] | None = None,
 ) -> InferenceMemory:
-    """Device bytes of ``sliding_window_predict`` on one preprocessed image of ``image_shape_zyx``.
+    """Device bytes of ``sliding_window_predict`` as ``setting`` says, with ``tile_batch_size`` (tile, mirror
+    variant) pairs per forward pass (at most the number of pairs).
 
-    ``patch_size`` (z, y, x) for a 3D or (y, x) for a 2D network; ``num_outputs`` must be the network's.
-    The tile batch is at most the number of (tile, mirror variant) pairs. ``accumulator_on_device`` False:
-    the accumulator, weight map, Gaussian and softmax live on the host (``host_accumulator_bytes``) and
-    the device holds the parameters, the padded input and the tile batch. ``device``: "cpu" or "cuda" (where
-    the output counts); ``output_dtype``: the probabilities' (``sliding_window_predict``; None: no output, the
-    slabs go to a sink that the caller counts). ``num_networks``: the folds predicted together (each one's
-    parameters are held; one forward pass runs at a time). ``cache``: keep the simulation between runs
-    (``simulate_tile_prediction``). ``accumulator_dtype``: a key of ``ACCUMULATOR_DTYPES``.
+    ``accumulator_on_device`` False: the accumulator, weight map, Gaussian and softmax live on the host
+    (``host_accumulator_bytes``) and the device holds the parameters, the padded input and the tile batch.
+    ``runners``: the folds predicted together, each asked for its ``working_bytes`` (each one's parameters are held;
+    one forward pass runs at a time); None: one network, simulated (``TileSimulation.of(setting)``).
     """
-    if num_outputs != topology.num_outputs:
+    topology = setting.topology
+    if setting.num_outputs != topology.num_outputs:
         raise InputError(
-            f"num_outputs {num_outputs} differs from the network's {topology.num_outputs}; "
+            f"num_outputs {setting.num_outputs} differs from the network's {topology.num_outputs}; "
             "pass the plan's number of classes (labels in dataset.json)"
         )
-    if len(patch_size) != topology.dim:
-        raise InputError(f"patch_size {tuple(patch_size)} has {len(patch_size)} sizes; the network is {topology.dim}D")
-    variants = len(mirror_variants(mirror_axes, tta))
-    layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
+    if len(setting.tile) != topology.dim:
+        raise InputError(
+            f"patch_size {tuple(setting.tile)} has {len(setting.tile)} sizes; the network is {topology.dim}D"
+        )
+    variants = len(mirror_variants(setting.mirror_axes, setting.tta))
+    layout = tile_layout(setting.image_shape_zyx, setting.tile, setting.step_fraction)
     batch = min(tile_batch_size, layout.num_tiles * variants)
-    params, tile, conv, count, retained = simulate_tile_prediction(
-        topology, tuple(patch_size), batch, precision, mirror_axes, tta, cache, accumulator_dtype, device
-    )
-    params *= num_networks
+    tiles = _ensemble([r.working_bytes(batch, tuple(setting.tile)) for r in runners or (TileSimulation.of(setting),)])
     buffers = inference_buffer_bytes(
-        image_shape_zyx,
-        patch_size,
-        num_outputs,
-        batch,
-        topology.in_channels,
-        num_variants=variants,
-        output_dtype=output_dtype,
-        step_fraction=step_fraction,
-        device=device,
-        accumulator_dtype=accumulator_dtype,
+        setting.image_shape_zyx, setting.window(batch), topology.in_channels, device=setting.device
     )
     depth = accumulator_depth(layout, variants, batch)
-    temp = finish_temp_bytes(depth, math.prod(layout.padded_shape_zyx[1:]), num_outputs, accumulator_dtype)
+    temp = finish_temp_bytes(
+        depth, math.prod(layout.padded_shape_zyx[1:]), setting.num_outputs, setting.accumulator_dtype
+    )
+    return _placed(setting, tiles, buffers, temp, batch, depth, accumulator_on_device)
+
+
+def _ensemble(figures: list[TileBatchBytes]) -> TileBatchBytes:
+    """The folds' tile batches together: every fold's weights are held, one forward pass runs at a time."""
+    return TileBatchBytes(
+        parameter_bytes=sum(f.parameter_bytes for f in figures),
+        tile_bytes=max(f.tile_bytes for f in figures),
+        largest_conv_output_bytes=max(f.largest_conv_output_bytes for f in figures),
+        live_allocations_at_peak=max(f.live_allocations_at_peak for f in figures),
+        heap_retained_bytes=max(f.heap_retained_bytes for f in figures),
+    )
+
+
+def _placed(
+    setting: InferenceSetting,
+    tiles: TileBatchBytes,
+    buffers: dict[str, int],
+    temp: int,
+    batch: int,
+    depth: int,
+    accumulator_on_device: bool,
+) -> InferenceMemory:
+    """``inference_memory`` once the accumulator is placed: what the device holds in each phase (``temp``: finishing
+    a slab, ``finish_temp_bytes``), and the host. ``depth``: the accumulator's z-slices."""
     held = buffers["accumulator"] + buffers["weight_map"] + buffers["gaussian"]  # on the accumulator's device
     # on the host when the accumulator is there: the batch's logits copied over and one tile's flipped back
     # (and, adding a tile: its share g / W, and for float16 the region's fp32 copy)
-    patch_voxels = math.prod(patch_size)
+    patch_voxels, num_outputs = math.prod(setting.tile), setting.num_outputs
     logit_copies = (
-        (batch + 1) * num_outputs * patch_voxels * element_bytes(precision)
+        (batch + 1) * num_outputs * patch_voxels * element_bytes(setting.precision)
         + patch_voxels * 4
-        + (num_outputs * patch_voxels * 4 if accumulator_dtype == "float16" else 0)
+        + (num_outputs * patch_voxels * 4 if setting.accumulator_dtype == "float16" else 0)
     )
-    output_here = buffers["output"] if device == "cpu" else 0  # the output lives on the host
-    host = (buffers["output"] if device != "cpu" else 0) + (0 if accumulator_on_device else held + logit_copies)
-    on_device = (held if accumulator_on_device else 0) + params + buffers["padded_input"] + output_here
-    tiles = on_device + tile
+    cpu = setting.device == "cpu"
+    output_here = buffers["output"] if cpu else 0  # the output lives on the host
+    host = (0 if cpu else buffers["output"]) + (0 if accumulator_on_device else held + logit_copies)
+    on_device = (held if accumulator_on_device else 0) + tiles.parameter_bytes + buffers["padded_input"] + output_here
     finishing = on_device + (temp if accumulator_on_device else 0)  # after a batch: its tiles are freed
     return InferenceMemory(
-        parameter_bytes=params,
-        tile_bytes=tile,
+        parameter_bytes=tiles.parameter_bytes,
+        tile_bytes=tiles.tile_bytes,
         padded_input_bytes=buffers["padded_input"],
         accumulator_bytes=buffers["accumulator"] if accumulator_on_device else 0,
         weight_map_bytes=buffers["weight_map"] if accumulator_on_device else 0,
         gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
         softmax_temp_bytes=temp if accumulator_on_device else 0,
         output_bytes=output_here,
-        peak_bytes=max(tiles, finishing),
-        largest_conv_output_bytes=conv,
-        live_allocations_at_peak=count,
+        peak_bytes=max(on_device + tiles.tile_bytes, finishing),
+        largest_conv_output_bytes=tiles.largest_conv_output_bytes,
+        live_allocations_at_peak=tiles.live_allocations_at_peak,
         tile_batch_size=batch,
         accumulator_depth=depth,
         host_accumulator_bytes=host,
-        heap_retained_bytes=retained,
-    )
-
-
-CPU_MAX_TILE_BATCH = 4  # CPU: batch 2-4 is 3x faster per tile than 1, 8 no faster than 4 (docs/memory.md)
-# CPU: a batch gains nothing beyond about this many voxels (the measurement above: 4 tiles of 16x40x40); a larger
-# tile is batched less (a 48x192x160 tile: 1), so its activations are not held 4 times for no speed
-CPU_BATCH_VOXELS = CPU_MAX_TILE_BATCH * 16 * 40 * 40
-
-
-def cpu_tile_batch_cap(tile_size: Sequence[int]) -> int:
-    """The most (tile, variant) pairs one forward pass takes on CPU: ``CPU_MAX_TILE_BATCH`` tiles at most,
-    ``CPU_BATCH_VOXELS`` voxels at most, at least 1."""
-    return max(1, min(CPU_MAX_TILE_BATCH, CPU_BATCH_VOXELS // math.prod(int(t) for t in tile_size)))
-
-
-CUDA_TILES_PER_BATCH = 2  # CUDA: up to every mirror variant of this many tiles in one forward pass
-
-
-@dataclass(frozen=True)
-class InferencePlan:
-    """How ``sliding_window_predict`` runs on one image, chosen before it starts (``plan_inference``).
-
-    ``choices``: every (tile batch, accumulator device, predicted peak bytes) considered, the chosen first.
-    ``peak_bytes``: the compute device's predicted peak (``predict_device_peak`` total: on CPU the tensors, what
-    glibc's heap holds beyond them, ``heap_retained_bytes``, and the runtime), of which ``parameter_bytes`` are
-    the networks' parameters. ``fits``: False when even one tile with the accumulator on the host exceeds the
-    budget.
-    """
-
-    tile_batch_size: int
-    accumulator_device: str  # "cuda" or "cpu"
-    accumulator_dtype: str  # a key of ACCUMULATOR_DTYPES: the caller's (prediction: PREDICTION_ACCUMULATOR)
-    num_variants: int  # mirror variants per tile
-    slab_depth: int  # the most z-slices one finished slab holds (``finish_chunk_slices`` of the accumulator's depth)
-    peak_bytes: int
-    parameter_bytes: int
-    host_accumulator_bytes: int
-    budget_bytes: int
-    fits: bool
-    heap_retained_bytes: int
-    choices: tuple[tuple[int, str, int], ...]
-
-    def describe(self) -> str:
-        """One line for ``--verbose``."""
-        return (
-            f"tile batch {self.tile_batch_size} ({self.num_variants} mirror variant(s) per tile), "
-            f"accumulator {self.accumulator_dtype} on {self.accumulator_device}; predicted peak "
-            f"{self.peak_bytes / MiB:.0f} MiB of {self.budget_bytes / MiB:.0f} MiB"
-            + (f" (glibc's heap {self.heap_retained_bytes / MiB:.0f} MiB)" if self.heap_retained_bytes else "")
-            + ("" if self.fits else " (does not fit: expect out-of-memory)")
-        )
-
-
-def plan_inference(
-    topology: NetworkTopology,
-    patch_size: tuple[int, ...],
-    image_shape_zyx: tuple[int, int, int],
-    num_outputs: int,
-    budget_bytes: int,
-    device: str = "cpu",
-    precision: str = "fp32",
-    mirror_axes: Sequence[int] = (),
-    tta: int | None = None,
-    step_fraction: float | Sequence[float] = 0.5,
-    max_tile_batch: int | None = None,
-    output_dtype: str | None = "float32",
-    num_networks: int = 1,
-    cache: MachineCache | None = None,
-    accumulator_dtype: str = PREDICTION_ACCUMULATOR,
-) -> InferencePlan:
-    """The largest tile batch, and where the accumulator lives, such that ``sliding_window_predict`` on an
-    image of ``image_shape_zyx`` stays within ``budget_bytes`` of ``device`` ("cuda": its memory; "cpu":
-    the host-RAM share for prediction). The accumulator stays on the device if it fits beside a tile batch
-    of one, else (CUDA only) it moves to the host. The batch is capped at ``max_tile_batch`` (None:
-    ``cpu_tile_batch_cap`` on CPU, ``CUDA_TILES_PER_BATCH`` x the mirror variants on CUDA) and at the
-    number of (tile, variant) pairs. Device memory is nearly affine in the batch (the accumulator's z-window
-    grows with the z-span of a batch): two simulations (batch 1, 2) estimate the batch, a third checks it and
-    the batch shrinks until it fits. ``output_dtype``, ``num_networks``, ``cache``, ``accumulator_dtype``: as
-    ``inference_memory``.
-    """
-    num_variants = len(mirror_variants(mirror_axes, tta))
-    num_items = tile_layout(image_shape_zyx, patch_size, step_fraction).num_tiles * num_variants
-    cap = max_tile_batch or (cpu_tile_batch_cap(patch_size) if device == "cpu" else CUDA_TILES_PER_BATCH * num_variants)
-    cap = max(1, min(cap, num_items))
-
-    def peak(batch: int, on_device: bool) -> tuple[InferenceMemory, int]:
-        mem = inference_memory(
-            topology,
-            patch_size,
-            batch,
-            image_shape_zyx,
-            num_outputs,
-            precision,
-            mirror_axes,
-            step_fraction,
-            tta,
-            on_device,
-            device,
-            output_dtype,
-            num_networks,
-            cache,
-            accumulator_dtype,
-        )
-        return mem, predict_device_peak(mem, device)["total"]
-
-    placements = (True,) if device == "cpu" else (True, False)
-    choices: list[tuple[int, str, int, InferenceMemory]] = []
-    for on_device in placements:
-        acc_device = device if on_device else "cpu"
-        mem1, one = peak(1, on_device)
-        choices.append((1, acc_device, one, mem1))
-        if one > budget_bytes:
-            continue
-        per_item = peak(2, on_device)[1] - one if cap > 1 else 0
-        batch = cap if per_item <= 0 else max(1, min(cap, 1 + (budget_bytes - one) // per_item))
-        while batch > 1:
-            mem, total = peak(batch, on_device)
-            choices.append((batch, acc_device, total, mem))
-            if total <= budget_bytes:
-                break
-            batch -= 1
-        best = max((c for c in choices if c[1] == acc_device and c[2] <= budget_bytes), key=lambda c: c[0])
-        return _inference_plan(best, choices, num_variants, budget_bytes, True, accumulator_dtype, num_outputs)
-    return _inference_plan(choices[-1], choices, num_variants, budget_bytes, False, accumulator_dtype, num_outputs)
-
-
-def _inference_plan(
-    best: tuple[int, str, int, InferenceMemory],
-    choices: list,
-    num_variants: int,
-    budget_bytes: int,
-    fits: bool,
-    accumulator_dtype: str,
-    num_outputs: int,
-) -> InferencePlan:
-    batch, acc_device, total, mem = best
-    others = tuple((b, d, t) for b, d, t, _ in choices if (b, d) != (batch, acc_device))
-    return InferencePlan(
-        tile_batch_size=batch,
-        accumulator_device=acc_device,
-        accumulator_dtype=accumulator_dtype,
-        num_variants=num_variants,
-        peak_bytes=total,
-        parameter_bytes=mem.parameter_bytes,
-        slab_depth=finish_chunk_slices(mem.accumulator_depth, num_outputs, accumulator_dtype),
-        host_accumulator_bytes=mem.host_accumulator_bytes,
-        budget_bytes=budget_bytes,
-        fits=fits,
-        heap_retained_bytes=mem.heap_retained_bytes,
-        choices=((batch, acc_device, total), *others),
+        heap_retained_bytes=tiles.heap_retained_bytes,
     )

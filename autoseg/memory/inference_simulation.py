@@ -8,8 +8,6 @@ only when a tile must be simulated, so a plan whose tile simulations are all kep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -17,12 +15,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from autoseg.memory.glibc_heap import INFERENCE_HELD_FRAGMENT_EVERY, heap_footprint
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
-from autoseg.model.slabs import slabs_on
 from autoseg.model.sliding_window import run_tile_batch, sliding_window_predict
 from autoseg.model.tile_buffers import allocate_buffers
 from autoseg.model.tiles import clear_gaussian_cache, patch_as_zyx, tile_layout
 from autoseg.model.topology import NetworkTopology
+from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.model.tta import mirror_variants
+from autoseg.model.window import SlidingWindow
 
 
 def simulate_tile_batch(
@@ -51,21 +50,19 @@ def simulate_tile_batch(
         network.eval()
         params = sum(p.numel() * p.element_size() for p in network.parameters())
         image = torch.zeros((topology.in_channels, *one_tile.padded_shape_zyx))
-        buffers = allocate_buffers(
-            image,
-            one_tile,
+        window = SlidingWindow(
+            tuple(patch_size),
             topology.num_outputs,
-            False,
-            cpu,
-            cpu,  # no real Gaussian
-            on_slab=_discard,
+            accumulator_device="cpu",
             accumulator_dtype=accumulator_dtype,
+            use_gaussian=False,  # no real Gaussian
         )
+        buffers = allocate_buffers(image, one_tile, window, cpu, on_slab=_discard)
         del image
         items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
+        runner = TorchTileRunner(network, torch.device(device), precision)  # large convolutions in slabs on "cpu"
         tracker.mark("tiles")
-        with slabs_on([network], device):
-            run_tile_batch([network], buffers, items, variants, topology.num_outputs, precision)
+        run_tile_batch([runner], buffers, items, variants, topology.num_outputs)
         tracker.mark("end")
         del buffers
     start, stop = tracker.index_of("tiles"), tracker.index_of("end")
@@ -90,22 +87,14 @@ def _discard(z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
 
 
 def measure_inference_bytes(
-    topology: NetworkTopology,
-    data: np.ndarray,
-    patch_size: tuple[int, ...],
-    tile_batch_size: int = 1,
-    precision: str = "fp32",
-    mirror_axes: Sequence[int] = (),
-    tta: int | None = None,
-    output_dtype: str | None = "float32",
-    step_fraction: float | Sequence[float] = 0.5,
-    accumulator_dtype: str = "float32",
+    topology: NetworkTopology, data: np.ndarray, window: SlidingWindow, precision: str = "fp32"
 ) -> int:
-    """Peak live tensor bytes of a real ``sliding_window_predict`` on CPU with a freshly built network, its
-    parameters included, and each convolution's hidden buffers as ``cpu_conv_scratch_bytes`` models them (held
-    against real convolutions in ``tests/memory/test_conv_scratch.py``), for tests: hold ``inference_memory``
-    against it. ``data`` (C, Z, Y, X) float32 is not counted (the prediction copies it into its padded input,
-    which is). ``output_dtype`` None: the slabs go to a sink that keeps nothing. Leaves the caller's RNG alone.
+    """Peak live tensor bytes of a real ``sliding_window_predict`` with ``window`` on CPU, ``topology``'s network
+    freshly built and run in ``precision``, its parameters included, and each convolution's hidden buffers as
+    ``cpu_conv_scratch_bytes`` models them (held against real convolutions in ``tests/memory/test_conv_scratch.py``),
+    for tests: hold ``inference_memory`` against it (``InferenceSetting.window`` gives the window it counts).
+    ``data`` (C, Z, Y, X) float32 is not counted (the prediction copies it into its padded input, which is).
+    ``window.output_dtype`` None: the slabs go to a sink that keeps nothing. Leaves the caller's RNG alone.
     """
     clear_gaussian_cache()  # the Gaussian is cached across calls; count its creation here
     tracker = StorageTracker(cpu_conv_scratch=True)
@@ -113,20 +102,9 @@ def measure_inference_bytes(
     with torch.random.fork_rng(devices=[]), tracker:
         tracker.exclude([data_t])
         network = build_network(topology)
-        probabilities = sliding_window_predict(
-            network,
-            data_t,
-            patch_size,
-            topology.num_outputs,
-            mirror_axes=tuple(mirror_axes),
-            tta=tta,
-            step_fraction=step_fraction,
-            tile_batch_size=tile_batch_size,
-            precision=precision,
-            output_dtype=output_dtype or "float32",
-            accumulator_dtype=accumulator_dtype,
-            on_slab=_discard if output_dtype is None else None,
-        )
-        del probabilities, network
+        runner = TorchTileRunner(network, torch.device("cpu"), precision)
+        on_slab = _discard if window.output_dtype is None else None
+        probabilities = sliding_window_predict([runner], data_t, window, on_slab)
+        del probabilities, network, runner
     clear_gaussian_cache()
     return tracker.peak_bytes

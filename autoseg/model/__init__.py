@@ -7,9 +7,12 @@ forward (tile layout, tile batches), the collectives of a multi-process run and 
 Owns: ``topology`` (the architectures a plan may name, ``validate_topology``), ``network`` (the registry),
 ``blocks`` (the conv block, decoder stage and U-Net skeleton every architecture shares), ``residual`` (the
 residual encoder U-Net), ``flops`` (its convolutions' FLOPs from the topology), ``loss``, ``optimizer`` (the
-optimizers by name), ``step``, ``sliding_window``, ``tiles`` (tile layout, Gaussian, the accumulator window),
-``tile_buffers`` (one sliding window's buffers and their bytes), ``tta`` (mirror variants, ``--tta``),
+optimizers by name), ``step``, ``sliding_window``, ``window`` (one sliding window's settings, ``SlidingWindow``),
+``tile_runner`` (``TileRunner``: what runs a tile batch, and its working bytes), ``torch_runner`` (a torch module as
+one), ``tiles`` (tile layout, Gaussian, the accumulator window), ``tile_buffers`` (one sliding window's buffers and
+their bytes), ``tta`` (mirror variants, ``--tta``),
 ``slabs`` (large convolutions in slabs at inference on the CPU), ``distributed``, ``checkpoint_file``.
-Imports: ``autoseg.core``, ``autoseg.dataset``. ``topology``, ``flops``, ``optimizer``, ``tiles``, ``tile_buffers``
-and ``tta`` import torch only inside the functions that make tensors: the planner sizes a plan without it.
+Imports: ``autoseg.core``, ``autoseg.dataset``. ``topology``, ``flops``, ``optimizer``, ``tiles``, ``tile_buffers``,
+``tile_runner``, ``window`` and ``tta`` import torch only inside the functions that make tensors: the planner sizes a
+plan without it.
 """

@@ -2,19 +2,19 @@
 
 A CPU convolution holds buffers the dispatcher never sees: oneDNN reorders its input (or computes its output) in a
 blocked layout, about max(input, output) bytes for a convolution and twice the output for a transposed one
-(measured on torch 2.13's CPU wheel: ``autoseg.memory.tracker.cpu_conv_scratch_bytes`` models them). On a
-48x192x160 tile the full-resolution decoder convolution (64 -> 32 channels) hid 360 MiB, a third of the tile's real
-peak. ``run_module`` runs a convolution whose input or output exceeds ``slab_bytes`` as slabs of output rows along
-its largest spatial axis: each slab's input rows (with the kernel's halo, zero-padded at the ends as the
+(torch's CPU wheel: ``autoseg.memory.tracker.cpu_conv_scratch_bytes`` models them). On a 48x192x160 tile the
+full-resolution decoder convolution (64 to 32 channels) hides 360 MiB, a third of the tile's real peak
+(docs/memory.md). ``run_module`` runs a convolution whose input or output exceeds ``slab_bytes`` as slabs of output
+rows along its largest spatial axis: each slab's input rows (with the kernel's halo, zero-padded at the ends as the
 convolution's own padding would be) are copied out, convolved without padding on that axis and copied into one
 preallocated output. The result is the same up to float32 rounding (bitwise for most shapes; oneDNN may sum a
-slab's shape in another order: a 32 -> 16 convolution differed by 4e-6, tests/model/test_slabs.py); what is held
+slab's shape in another order: a few 1e-6 on a 32-to-16 convolution, tests/model/test_slabs.py); what is held
 beyond the input and output is a slab's input, output and hidden buffer. ``transposed_into`` does the same for a
 transposed convolution whose kernel equals its stride (the decoder's upsampling), writing straight into the
 caller's buffer (the decoder's concatenation), so the whole upsampled map never exists on its own.
 
-Only without autograd (inference), and only where the caller asks: ``UNet.slab_bytes`` is set by
-``sliding_window_predict`` for CPU devices (``slab_bytes_for``); on CUDA the convolutions run whole.
+Only without autograd (inference), and only where the caller asks: ``UNet.slab_bytes`` is set by the torch tile
+runner (``autoseg.model.torch_runner``) for CPU devices (``slab_bytes_for``); on CUDA the convolutions run whole.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from torch import nn
 
 from autoseg.core.units import MiB
 
-SLAB_BYTES = 32 * MiB  # a slab's input or output at most; measured on a 64 -> 32 channel 48x192x160 convolution:
-# 546 -> 249 MiB held above its start (bitwise the same output), and 1.3x its time (the halo and the copies)
+# A slab's input or output at most: a large convolution then holds about half of what it holds whole, bitwise the
+# same output, for some more time (the halo and the copies; docs/memory.md)
+SLAB_BYTES = 32 * MiB
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}

@@ -14,15 +14,17 @@ from typing import TYPE_CHECKING
 
 from autoseg.core.precision import element_bytes
 from autoseg.model.tiles import TileLayout, accumulator_depth, gaussian_importance_map, tile_layout
+from autoseg.model.tta import mirror_variants
+from autoseg.model.window import SlidingWindow
 
 if TYPE_CHECKING:
     import torch
 
 # The output's dtypes: float16 halves the largest array prediction holds (K x the image) at 1e-3 precision.
 OUTPUT_DTYPES = {"float32": 4, "float16": 2}  # torch's dtype of that name -> bytes per element
-# The accumulator's dtypes. float16 halves the largest buffer of the sliding window (K x D x Yp x Xp: 624 -> 312 MiB
-# for 13 classes, 48 slices of 512 x 512), as nnU-Net's half-precision logits do; its 11-bit precision changed
-# the labels of at most 0.1% of voxels, at class boundaries (tests/model/test_sliding_window_reference.py).
+# The accumulator's dtypes. float16 halves the largest buffer of the sliding window (K x D x Yp x Xp, e.g. 13 classes
+# x 48 slices of 512 x 512), as nnU-Net's half-precision logits do; its 11-bit precision changes a label only where
+# the top two classes nearly tie (at most 0.1% of voxels: tests/model/test_sliding_window_reference.py).
 ACCUMULATOR_DTYPES = {"float32": 4, "float16": 2}  # torch's dtype of that name -> bytes per element
 PREDICTION_ACCUMULATOR = "float16"  # what prediction, validation and the planned inference tile use unless told
 FLOAT16_MAX = 65504.0  # float16's largest value: a float16 accumulator's mean logits are clamped to it
@@ -47,42 +49,39 @@ def finish_temp_bytes(depth: int, plane_voxels: int, num_outputs: int, accumulat
 
 def inference_buffer_bytes(
     image_shape_zyx: Sequence[int],
-    patch_size: Sequence[int],
-    num_outputs: int,
-    tile_batch_size: int,
+    window: SlidingWindow,
     in_channels: int,
     precision: str = "fp32",
-    num_variants: int = 1,
-    output_dtype: str | None = "float32",
-    step_fraction: float | Sequence[float] = 0.5,
     device: str = "cpu",
-    accumulator_dtype: str = "float32",
 ) -> dict[str, int]:
-    """Bytes held by ``sliding_window_predict``'s buffers (fp32; the accumulator in ``accumulator_dtype``, the
-    logits in ``precision``'s compute dtype), network activations excluded.
+    """Bytes held by the buffers of ``sliding_window_predict`` with ``window`` on an image of ``image_shape_zyx``
+    (fp32; the accumulator in ``window.accumulator_dtype``, the logits in ``precision``'s compute dtype), network
+    activations excluded.
 
     Keys: ``padded_input`` (C x Zp x Yp x Xp; 0 on CPU when the image needs no padding: the input itself is read),
     ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``), ``weight_map`` (D x Yp x Xp), ``gaussian``
-    (patch), ``output`` (K x Z x Y x X in ``output_dtype``, on the host; 0 for None: the slabs go to ``on_slab``),
-    ``tile_batch`` (B x C x patch), ``tile_logits`` (B x K x patch), and ``total``. ``Zp, Yp, Xp`` is the image
-    padded to at least the patch. Not counted: transient copies (a flipped tile, a tile's logits flipped back)
-    and finishing a slab's slices (``finish_temp_bytes``).
+    (tile), ``output`` (K x Z x Y x X in ``window.output_dtype``, on the host; 0 for None: the slabs go to
+    ``on_slab``), ``tile_batch`` (B x C x tile), ``tile_logits`` (B x K x tile), and ``total``. ``Zp, Yp, Xp`` is
+    the image padded to at least the tile. Not counted: transient copies (a flipped tile, a tile's logits flipped
+    back) and finishing a slab's slices (``finish_temp_bytes``).
     """
-    layout = tile_layout(image_shape_zyx, patch_size, step_fraction)
+    layout = tile_layout(image_shape_zyx, window.tile, window.step_fraction)
     reads_input = device == "cpu" and not layout.pads
     _, yp, xp = layout.padded_shape_zyx
-    window = accumulator_depth(layout, num_variants, tile_batch_size) * yp * xp
-    patch_voxels = math.prod(patch_size)
+    num_variants = len(mirror_variants(window.mirror_axes, window.tta))
+    window_voxels = accumulator_depth(layout, num_variants, window.tile_batch_size) * yp * xp
+    tile_voxels = math.prod(window.tile)
+    num_outputs, batch = window.num_outputs, window.tile_batch_size
     sizes = {
         "padded_input": 0 if reads_input else in_channels * math.prod(layout.padded_shape_zyx) * _FP32_BYTES,
-        "accumulator": num_outputs * window * ACCUMULATOR_DTYPES[accumulator_dtype],
-        "weight_map": window * _FP32_BYTES,
-        "gaussian": patch_voxels * _FP32_BYTES,
+        "accumulator": num_outputs * window_voxels * ACCUMULATOR_DTYPES[window.accumulator_dtype],
+        "weight_map": window_voxels * _FP32_BYTES,
+        "gaussian": tile_voxels * _FP32_BYTES,
         "output": 0
-        if output_dtype is None
-        else num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[output_dtype],
-        "tile_batch": tile_batch_size * in_channels * patch_voxels * _FP32_BYTES,
-        "tile_logits": tile_batch_size * num_outputs * patch_voxels * element_bytes(precision),
+        if window.output_dtype is None
+        else num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[window.output_dtype],
+        "tile_batch": batch * in_channels * tile_voxels * _FP32_BYTES,
+        "tile_logits": batch * num_outputs * tile_voxels * element_bytes(precision),
     }
     sizes["total"] = sum(sizes.values())
     return sizes
@@ -113,44 +112,43 @@ class TileBuffers:
 def allocate_buffers(
     data: torch.Tensor,
     layout: TileLayout,
-    num_outputs: int,
-    use_gaussian: bool,
+    window: SlidingWindow,
     device: torch.device,
-    accumulator_device: torch.device,
     depth: int | None = None,
-    output_dtype: str = "float32",
     on_slab: SlabSink | None = None,
-    accumulator_dtype: str = "float32",
 ) -> TileBuffers:
-    """Allocate the buffers; ``data`` (C, Z, Y, X) is copied into the centre of the padded input (on CPU, an
-    image that needs no padding is read where it is). ``depth``: the accumulator's z-slices
-    (``accumulator_depth``; None: all). ``on_slab`` None: an ``output_dtype`` output receives the slabs.
-    ``accumulator_dtype``: a key of ``ACCUMULATOR_DTYPES``."""
+    """Allocate the buffers of ``window`` on ``layout``; ``data`` (C, Z, Y, X) is copied into the centre of the
+    padded input on ``device`` (on CPU, an image that needs no padding is read where it is). ``depth``: the
+    accumulator's z-slices (``accumulator_depth``; None: all). ``on_slab`` None: a ``window.output_dtype`` output
+    receives the slabs. The accumulator, weight map and Gaussian go to ``window.accumulator_device`` (None:
+    ``device``)."""
     import torch
 
-    padded_zyx, patch_size = layout.padded_shape_zyx, layout.patch_size
+    padded_zyx, tile = layout.padded_shape_zyx, layout.patch_size
+    acc_device = device if window.accumulator_device is None else torch.device(window.accumulator_device)
     if device.type == "cpu" and not layout.pads and data.device.type == "cpu":
         padded_input = data  # read only: tiles are copied out of it
     else:
         # C x Zp x Yp x Xp fp32, allocated on the device and filled there: one host -> device copy of the image.
-        # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy (CPU, measured: 1x96x320x320
-        # to a 128^3 patch 26.3 vs 27.0 ms, 1x60x400x480 to 512^2 31.4 vs 29.8 ms, 50 / 60 MiB live either way),
+        # Not acvl_utils' pad_nd_image: it is torch's F.pad, the same zero-fill + copy in the same time and memory,
         # and it re-derives the placement that tile_layout owns.
         padded_input = torch.zeros((data.shape[0], *padded_zyx), dtype=torch.float32, device=device)
         padded_input[(slice(None), *layout.image_region)].copy_(data)  # constant-0 padding, symmetric
     # K x D x Yp x Xp: the z-slices tiles still add to
-    window = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
+    shape = (padded_zyx[0] if depth is None else depth, *padded_zyx[1:])
     accumulator = torch.zeros(
-        (num_outputs, *window), dtype=getattr(torch, accumulator_dtype), device=accumulator_device
+        (window.num_outputs, *shape), dtype=getattr(torch, window.accumulator_dtype), device=acc_device
     )
-    weight_map = torch.zeros(window, dtype=torch.float32, device=accumulator_device)  # D x Yp x Xp fp32
-    if use_gaussian:
-        gaussian = gaussian_importance_map(patch_size, dtype=torch.float32, device=accumulator_device)
+    weight_map = torch.zeros(shape, dtype=torch.float32, device=acc_device)  # D x Yp x Xp fp32
+    if window.use_gaussian:
+        gaussian = gaussian_importance_map(tile, dtype=torch.float32, device=acc_device)
     else:
-        gaussian = torch.ones(patch_size, dtype=torch.float32, device=accumulator_device)
+        gaussian = torch.ones(tile, dtype=torch.float32, device=acc_device)
     output = None
     if on_slab is None:  # K x Z x Y x X on the host: each finished slab's probabilities, in output_dtype
-        output = torch.empty((num_outputs, *layout.image_shape_zyx), dtype=getattr(torch, output_dtype))
+        output = torch.empty(
+            (window.num_outputs, *layout.image_shape_zyx), dtype=getattr(torch, window.output_dtype or "float32")
+        )
         on_slab = partial(_write_slab, output)
     return TileBuffers(padded_input, accumulator, weight_map, gaussian, on_slab, output)
 

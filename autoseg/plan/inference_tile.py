@@ -10,7 +10,7 @@ predicts the sliding window on the median image, one tile per forward pass and t
 ``PREDICTION_ACCUMULATOR`` dtype) on the device, to fit the device's inference budget (``inference_budget_share``);
 where even the patch does not fit so, it is the patch. Per image, each axis then takes the size up to the planned
 one, never larger than the image, that predicts the fewest voxels (``tile_for_image``): a tile padded beyond the
-image lost Dice (docs/prediction.md).
+image loses Dice (docs/prediction.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import math
 
 from autoseg.core.precision import effective_precision
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.inference import inference_memory
+from autoseg.memory.inference import InferenceSetting, inference_memory
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
 from autoseg.plan.plans import ConfigurationPlan
@@ -71,17 +71,17 @@ def plan_inference_tile(config: ConfigurationPlan, memory_bytes: int) -> tuple[i
     budget = inference_budget_share(config.device, memory_bytes)
     precision = effective_precision(config.precision, config.device)
     for tile in candidates:
-        mem = inference_memory(
+        setting = InferenceSetting(
             config.network,
             tile,
-            1,
             median,
             config.network.num_outputs,
-            precision,
-            mirror_axes=tuple(range(config.dim)),
             device=config.device,
+            precision=precision,
+            mirror_axes=tuple(range(config.dim)),
             accumulator_dtype=PREDICTION_ACCUMULATOR,
         )
+        mem = inference_memory(setting, 1)
         if predict_device_peak(mem, config.device)["total"] <= budget:
             return tile
     return tuple(config.patch_size)
@@ -95,7 +95,7 @@ def tile_for_image(
     (``config.inference_tile()``), a multiple of the strides' product and no larger than the image, that predicts
     the fewest voxels along that axis (tiles x size, consecutive tiles overlapping by ``1 - step_fraction`` of a
     patch; a tie goes to the larger tile). Never larger than the image: the zero padding beyond it shifts instance
-    norm's statistics (the demo lost 0.013 mean Dice with tiles padded up to the median image, docs/prediction.md).
+    norm's statistics (tiles padded up to the median image lose Dice on the demo: docs/prediction.md).
     An image smaller than the patch is padded to the patch, as before.
 
     Example: patch 40, planned 80, divisor 8, an axis of 94: 40 -> 4 tiles (160 voxels), 64 -> 2 (128), 80 -> 2

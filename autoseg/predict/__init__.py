@@ -2,13 +2,17 @@
 ``autoseg.model.sliding_window`` over the trained folds, and the segmentation exported in the input's exact
 geometry.
 
-Owns: ``predictor`` (one case's three stages, and ``predict`` over many), ``export`` (probabilities back to the
+Owns: ``predictor`` (``predict``: the loop over a command's cases), ``case`` (one case's three stages),
+``window`` (``WindowOptions``: the sliding window's settings, made once per command), ``command`` (``autoseg
+predict``'s request, from a workspace or a model archive), ``export`` (probabilities back to the
 input's grid as a label map, slab by slab), ``pipeline`` (cases read ahead and written behind on threads, sized
 from the host RAM), ``probabilities`` (``{case}.npz``: written, read back, made a label map),
 ``postprocessing`` (the largest connected component kept, ``apply_postprocessing``), ``choice``
 (``inference.json``, what ``autoseg find-best`` chose), ``chosen`` (prediction as inference.json says: an
 ensemble of two configurations, the postprocessing), ``archive`` (a
-trained model as one zip: ``autoseg export-model``, ``predict -m``), ``networks`` (the folds' checkpoints loaded),
+trained model as one zip: its format, ``autoseg export-model``), ``archive_reader`` (an archive checked and
+unpacked for ``predict -m``), ``networks`` (the folds' checkpoints loaded, as
+tile runners, and a configuration's ``Predictor``),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """

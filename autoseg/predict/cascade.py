@@ -21,14 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.labels import one_hot
 from autoseg.dataset.raw import Case, load_case
 from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.predict.networks import load_networks
+from autoseg.predict.networks import Predictor, load_networks
 from autoseg.preprocess.preprocessor import labels_on_grid, preprocess_case
 from autoseg.preprocess.store import CaseProperties
 
@@ -63,28 +62,34 @@ class CascadeCase:
 
 @dataclass(frozen=True)
 class CascadePrediction:
-    """The previous stage of a cascade stage's prediction: its plan, its networks (one per fold) and ``labels``,
-    ``autoseg.predict.predictor.predict_labels`` with the sliding window's options bound: (preprocessed image, its
-    properties, case id, networks, plans, configuration) -> the label map (Z, Y, X) in the image's grid."""
+    """The previous stage of a cascade stage's prediction: its ``Predictor`` (its plan, its folds' runners, the
+    command's window options) and ``labels``, ``autoseg.predict.case.predict_labels``: (preprocessed image, its
+    properties, case id, predictor) -> the label map (Z, Y, X) in the image's grid."""
 
-    plans: Plans
     config: ConfigurationPlan  # the cascade stage
-    stage: ConfigurationPlan  # its previous stage
-    networks: list[torch.nn.Module]
+    previous: Predictor  # its previous stage
     labels: Callable[..., np.ndarray]
+
+    @property
+    def plans(self) -> Plans:
+        return self.previous.plans
+
+    @property
+    def stage(self) -> ConfigurationPlan:
+        return self.previous.config
 
     @classmethod
     def load(
         cls,
         workspace: Workspace,
-        plans: Plans,
-        config: ConfigurationPlan,
+        cascade: Predictor,
         folds: tuple[int, ...],
         checkpoint: str,
-        device: str,
         labels: Callable[..., np.ndarray],
     ) -> CascadePrediction:
-        """The previous stage's networks of ``folds``; refused, naming them, when one is not trained."""
+        """The previous stage's networks of ``folds`` for ``cascade``'s stage, with its window options; refused,
+        naming them, when one is not trained."""
+        config, plans, window = cascade.config, cascade.plans, cascade.window
         stage = plans.configuration(config.previous_stage)
         missing = [f for f in folds if not workspace.checkpoint(stage.name, f, checkpoint).is_file()]
         if missing:
@@ -95,7 +100,8 @@ class CascadePrediction:
                 f"(`autoseg train fold {listed} -c {stage.name} -w {workspace.root}`) or predict with "
                 "--folds naming folds both stages have"
             )
-        return cls(plans, config, stage, load_networks(workspace, stage, folds, checkpoint, device), labels)
+        networks = load_networks(workspace, stage, folds, checkpoint, window.device)
+        return cls(config, Predictor.of(networks, plans, stage, window), labels)
 
     def prepare(self, case: Case) -> tuple[CascadeCase, CaseProperties]:
         """Read ``case`` and preprocess it for both stages (``preprocess_case`` copies what it crops: the image as
@@ -110,9 +116,7 @@ class CascadePrediction:
         preceded by the previous stage's label map and ``cascade_input``."""
 
         def run(prepared: CascadeCase, props: CaseProperties, case_id: str, *outputs: Any) -> Callable[[], None]:
-            labels = self.labels(
-                prepared.previous_image, prepared.previous_props, case_id, self.networks, self.plans, self.stage
-            )
+            labels = self.labels(prepared.previous_image, prepared.previous_props, case_id, self.previous)
             return segment(
                 cascade_input(prepared.image, labels, props, self.plans, self.config), props, case_id, *outputs
             )

@@ -26,7 +26,7 @@ from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_geometry
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
-from autoseg.predict.postprocessing import check_postprocessing, largest_component_bytes
+from autoseg.predict.postprocessing import Postprocessing, check_postprocessing, largest_component_bytes
 from autoseg.predict.predictor import (
     CasesFailedError,
     PredictOptions,
@@ -41,6 +41,7 @@ from autoseg.predict.probabilities import (
     mean_probabilities,
     write_probabilities,
 )
+from autoseg.predict.window import WindowOptions
 
 log = logging.getLogger("autoseg")
 
@@ -55,29 +56,27 @@ def predict_chosen(
     *,
     folds: tuple[int, ...] | None = None,
     checkpoint: str | None = None,
+    window: WindowOptions = WindowOptions(),
     options: PredictOptions = PredictOptions(),
-    progress: bool = True,
-    **window,
 ) -> list[Path]:
     """Segment every case of ``inputs`` as ``choice`` says, into ``output_dir``; the label maps written.
-    ``folds`` / ``checkpoint`` None: the choice's. ``window``: ``predict``'s other options (device, tta, tile, ...),
-    the same for each configuration."""
+    ``folds`` / ``checkpoint`` None: the choice's. ``window``: how the sliding window runs, the same for each
+    configuration. The choice's postprocessing replaces ``options.postprocessing``."""
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     check_postprocessing(choice.postprocessing, plans.label_scheme)
-    folds = choice.folds if folds is None else folds
-    checkpoint = checkpoint or choice.checkpoint
+    options = replace(options, postprocessing=choice.postprocessing)
+    # the choice as this prediction applies it: its folds and checkpoint unless others are given
+    choice = replace(choice, folds=choice.folds if folds is None else folds, checkpoint=checkpoint or choice.checkpoint)
     if not choice.is_ensemble:
         return predict(
             workspace,
             inputs,
             output_dir,
             config_name=choice.configurations[0],
-            folds=folds,
-            checkpoint=checkpoint,
+            folds=choice.folds,
+            checkpoint=choice.checkpoint,
+            window=window,
             options=options,
-            progress=progress,
-            postprocessing=choice.postprocessing,
-            **window,
         )
     output_dir = check_writable_folder(output_dir, "-o/--output")
     scratch = output_dir / SCRATCH
@@ -89,7 +88,34 @@ def predict_chosen(
     )
     if not options.skip_existing:
         shutil.rmtree(scratch, ignore_errors=True)  # another model's outputs may be there
-    inner = replace(options, save_probabilities=True, skip_existing=True, done_cases=done)
+    # the configurations' own predictions: probabilities, not postprocessed (the mean's label map is)
+    inner = replace(
+        options, save_probabilities=True, skip_existing=True, done_cases=done, postprocessing=Postprocessing()
+    )
+    failed = _predict_configurations(workspace, choice, inputs, scratch, window, inner)
+    cases = [
+        c
+        for c in found.cases
+        if c.case_id not in done
+        and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
+    ]
+    written = _combine(cases, choice, plans, scratch, output_dir, options)
+    if failed:
+        raise CasesFailedError("\n".join(failed))
+    shutil.rmtree(scratch, ignore_errors=True)
+    return written
+
+
+def _predict_configurations(
+    workspace: Workspace,
+    choice: InferenceChoice,
+    inputs: str | Path,
+    scratch: Path,
+    window: WindowOptions,
+    options: PredictOptions,
+) -> list[str]:
+    """Each configuration of ``choice`` predicted with its folds and checkpoint into ``scratch/<config>``, one after
+    the other; the failures of bad input (``CasesFailedError``), one line per configuration."""
     failed: list[str] = []
     for config in choice.configurations:
         log.info(
@@ -105,25 +131,14 @@ def predict_chosen(
                 inputs,
                 scratch / config,
                 config_name=config,
-                folds=folds,
-                checkpoint=checkpoint,
-                options=inner,
-                progress=progress,
-                **window,
+                folds=choice.folds,
+                checkpoint=choice.checkpoint,
+                window=window,
+                options=options,
             )
         except CasesFailedError as e:  # the other configuration still predicts every good case
             failed.append(f"{config}: {e}")
-    cases = [
-        c
-        for c in found.cases
-        if c.case_id not in done
-        and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
-    ]
-    written = _combine(cases, choice, plans, scratch, output_dir, options.save_probabilities, progress)
-    if failed:
-        raise CasesFailedError("\n".join(failed))
-    shutil.rmtree(scratch, ignore_errors=True)
-    return written
+    return failed
 
 
 def _combine(
@@ -132,14 +147,13 @@ def _combine(
     plans: Plans,
     scratch: Path,
     output_dir: Path,
-    save_probabilities: bool,
-    progress: bool,
+    options: PredictOptions,
 ) -> list[Path]:
     """Each case: the mean of its configurations' probabilities, the label map, postprocessing, written (with the
     mean as ``{case}.npz`` when asked); then its scratch files removed."""
     scheme, written = plans.label_scheme, []
-    for case in tqdm(cases, desc="ensemble", unit="case", disable=not progress):
-        labels_path, *probabilities_path = case_outputs(case, output_dir, save_probabilities)
+    for case in tqdm(cases, desc="ensemble", unit="case", disable=not options.progress):
+        labels_path, *probabilities_path = case_outputs(case, output_dir, options.save_probabilities)
         first = case_outputs(case, scratch / choice.configurations[0], True)[0]  # its geometry: the image's
         geometry = read_geometry(first)
         num_voxels = math.prod(geometry.shape_zyx)

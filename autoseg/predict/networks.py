@@ -1,16 +1,24 @@
-"""The trained networks a prediction runs: each fold's checkpoint loaded into the planned network."""
+"""The trained networks a prediction runs: each fold's checkpoint loaded into the planned network, run as tile
+runners (``torch_runners``: ``autoseg.model.torch_runner.TorchTileRunner``, their working bytes the memory model's
+simulation of their tile batch), and a ``Predictor``: one configuration's runners with its plan and the command's
+window options, what every case-level function of ``autoseg.predict.case`` takes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
+from autoseg.memory.inference import TileSimulation
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
-from autoseg.plan.plans import ConfigurationPlan
+from autoseg.model.tile_runner import TileRunner
+from autoseg.model.torch_runner import TorchTileRunner
+from autoseg.plan.plans import ConfigurationPlan, Plans
+from autoseg.predict.window import WindowOptions
 
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
@@ -42,3 +50,40 @@ def load_networks(
 ) -> list[torch.nn.Module]:
     """``config``'s network of each of ``folds`` (``results/<config>/fold_<k>/checkpoint_<checkpoint>.pt``)."""
     return [load_trained_network(workspace.checkpoint(config.name, f, checkpoint), config, device) for f in folds]
+
+
+def torch_runners(
+    networks: list[torch.nn.Module], config: ConfigurationPlan, window: WindowOptions
+) -> tuple[TorchTileRunner, ...]:
+    """``networks`` (``config``'s folds, on ``window.device``) as tile runners in the plan's precision; each reports
+    the memory model's simulation of its tile batch as the sliding window runs it (``TileSimulation``: ``config``'s
+    network, ``window``'s mirror variants and accumulator) when the memory plan asks for its working bytes."""
+    precision = window.precision(config)
+    simulation = TileSimulation(
+        config.network,
+        precision,
+        window.mirror_axes(config),
+        window.num_variants(config),
+        window.accumulator,
+        window.device,
+    )
+    device = torch.device(window.device)
+    return tuple(TorchTileRunner(n, device, precision, simulation) for n in networks)
+
+
+@dataclass(frozen=True)
+class Predictor:
+    """One configuration's folds ready to predict: their tile runners (one ensemble: each tile runs through every
+    fold and their logits are averaged), the plan, the configuration and the command's window options."""
+
+    runners: tuple[TileRunner, ...]
+    plans: Plans
+    config: ConfigurationPlan
+    window: WindowOptions
+
+    @classmethod
+    def of(
+        cls, networks: list[torch.nn.Module], plans: Plans, config: ConfigurationPlan, window: WindowOptions
+    ) -> Predictor:
+        """``networks`` (``config``'s folds, on ``window.device``) as torch runners (``torch_runners``)."""
+        return cls(torch_runners(networks, config, window), plans, config, window)

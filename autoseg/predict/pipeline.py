@@ -26,12 +26,12 @@ import numpy as np
 
 from autoseg.core.resources import available_ram_bytes, cpu_count, process_rss_bytes, processes_for
 from autoseg.core.units import MiB
-from autoseg.dataset.imageio import read_geometry
+from autoseg.dataset.imageio import Geometry, read_geometry
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
 from autoseg.memory.device import CPU_RUNTIME_BYTES
 from autoseg.memory.host import cascade_input_bytes, export_bytes, prediction_preprocess_bytes, slab_export_bytes
-from autoseg.memory.inference import InferencePlan
+from autoseg.memory.inference_plan import InferencePlan
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.postprocessing import largest_component_bytes
 
@@ -200,34 +200,16 @@ def case_memory(
     largest = max(geometries, key=lambda g: math.prod(g.shape_zyx))
     shape, spacing = largest.shape_zyx, largest.spacing_zyx
     after = config.resampled_shape(shape, spacing)
-    channels, scheme = len(plans.channel_names), plans.label_scheme
-    preprocess = prediction_preprocess_bytes(shape, after, channels, spacing)
+    scheme = plans.label_scheme
+    preprocess = prediction_preprocess_bytes(shape, after, len(plans.channel_names), spacing)
     plan = window(after)
     on_host = _window_host_bytes(plan)
     slabs = _slab_bytes(shape, after, scheme, plan) if probability_bytes is None else 0
     previous_predict = 0
     if previous is not None:
-        stage, stage_window = previous
-        low_after = stage.resampled_shape(shape, spacing)
-        low = prediction_preprocess_bytes(shape, low_after, channels, spacing)
-        low_plan = stage_window(low_after)
-        values = plans.previous_stage_values(config)
-        cascade = cascade_input_bytes(
-            shape, after, channels, len(values), spacing, np.dtype(scheme.export_dtype()).itemsize
-        )
-        # the previous stage's window and slab export, then the input built, each beside both preprocessed images
-        previous_predict = _window_host_bytes(low_plan) + _slab_bytes(shape, low_after, scheme, low_plan)
-        previous_predict = max(previous_predict, cascade["total"])
-        on_host += cascade["input"]  # the cascade's window reads the (C + K)-channel input beside the image
-        preprocess = {
-            "total": max(low["total"], low["result"] + preprocess["total"]),
-            "result": preprocess["result"] + low["result"],
-        }
-    itemsize = np.dtype(scheme.export_dtype()).itemsize
-    labels = math.prod(shape) * itemsize
-    write = 2 * labels  # the label map and SimpleITK's copy of it
-    if postprocessed:  # the label map beside the postprocessing, then the written copy beside both
-        write = labels + max(largest_component_bytes(math.prod(shape), itemsize), write)
+        preprocess, previous_predict, cascade_input = _with_previous_stage(previous, plans, config, largest, preprocess)
+        on_host += cascade_input  # the cascade's window reads the (C + K)-channel input beside the image
+    write = _write_bytes(shape, np.dtype(scheme.export_dtype()).itemsize, postprocessed)
     if probability_bytes is None:
         return {
             "runtime": runtime,
@@ -243,6 +225,45 @@ def case_memory(
         "predict": max(on_host, previous_predict),
         "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write),
     }
+
+
+def _with_previous_stage(
+    previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]],
+    plans: Plans,
+    config: ConfigurationPlan,
+    largest: Geometry,
+    preprocess: dict[str, int],
+) -> tuple[dict[str, int], int, int]:
+    """A cascade stage's case (``case_memory``'s ``previous``): ``preprocess`` (the cascade's own) with the previous
+    stage's preprocessing beside it, what the previous stage's window and slab export (then the input built) hold
+    beside both preprocessed images, and the (C + K)-channel input's bytes (``cascade_input_bytes``)."""
+    stage, stage_window = previous
+    shape, spacing, scheme = largest.shape_zyx, largest.spacing_zyx, plans.label_scheme
+    after, low_after = config.resampled_shape(shape, spacing), stage.resampled_shape(shape, spacing)
+    low = prediction_preprocess_bytes(shape, low_after, len(plans.channel_names), spacing)
+    low_plan = stage_window(low_after)
+    values = plans.previous_stage_values(config)
+    cascade = cascade_input_bytes(
+        shape, after, len(plans.channel_names), len(values), spacing, np.dtype(scheme.export_dtype()).itemsize
+    )
+    # the previous stage's window and slab export, then the input built, each beside both preprocessed images
+    previous_predict = _window_host_bytes(low_plan) + _slab_bytes(shape, low_after, scheme, low_plan)
+    previous_predict = max(previous_predict, cascade["total"])
+    preprocess = {
+        "total": max(low["total"], low["result"] + preprocess["total"]),
+        "result": preprocess["result"] + low["result"],
+    }
+    return preprocess, previous_predict, cascade["input"]
+
+
+def _write_bytes(shape_zyx: tuple[int, ...], itemsize: int, postprocessed: bool) -> int:
+    """What writing a label map of ``shape_zyx`` (``itemsize`` bytes a voxel) holds: the label map and SimpleITK's
+    copy of it; postprocessed, the label map beside the postprocessing, then the written copy beside both."""
+    labels = math.prod(shape_zyx) * itemsize
+    write = 2 * labels  # the label map and SimpleITK's copy of it
+    if postprocessed:  # the label map beside the postprocessing, then the written copy beside both
+        write = labels + max(largest_component_bytes(math.prod(shape_zyx), itemsize), write)
+    return write
 
 
 def _window_host_bytes(plan: InferencePlan) -> int:

@@ -20,7 +20,7 @@ from autoseg.preprocess.store import CaseProperties
 
 PROBABILITY_DTYPE = np.float16  # 2 bytes a voxel per output; 1e-3 relative precision, ample for averaging folds
 # read_probabilities' bytes beyond the array, whatever its size: numpy reads a zip member in 256 KiB chunks, beside
-# zipfile's inflate buffers (measured 0.51-0.55 MiB for 0.1-4.7 MiB arrays)
+# zipfile's inflate buffers (about half a MiB whatever the array's size, measured)
 READ_BUFFER_BYTES = 768 * KiB
 
 

@@ -15,7 +15,9 @@ from autoseg.dataset.imageio import read_image, write_image
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.metrics import EvaluationSummary, evaluate_pairs, format_table
 from autoseg.plan.plans import Plans
-from autoseg.predict.predictor import default_tta, predict_case
+from autoseg.predict.case import predict_case
+from autoseg.predict.networks import Predictor
+from autoseg.predict.window import WindowOptions, default_tta
 from autoseg.train.fold_data import previous_stage_label_file
 from autoseg.train.run_record import FinalValidation
 from autoseg.train.schedule import TimeBudget
@@ -54,6 +56,7 @@ def validate_fold(
     config = plans.configuration(config_name)
     cases = [c for c in dataset.cases if c.case_id in set(val_ids)]
     network.eval()
+    predictor = Predictor.of([network], plans, config, WindowOptions(device=device, tta=tta))
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
         previous = (
@@ -62,16 +65,7 @@ def validate_fold(
             else None
         )
         labels, props = predict_case(
-            case,
-            [network],
-            plans,
-            config,
-            mirror=True,
-            tile_batch_size=None,
-            device=device,
-            probabilities_path=out_dir / f"{case.case_id}.npz",
-            tta=tta,
-            previous=previous,
+            case, predictor, probabilities_path=out_dir / f"{case.case_id}.npz", previous=previous
         )
         out = out_dir / f"{case.case_id}{dataset.file_ending}"
         write_image(out, labels, props.geometry)

@@ -13,7 +13,7 @@ from autoseg.core.units import GiB
 from autoseg.explain.explanation import Explanation, explain, next_patch_up
 from autoseg.explain.format import format_bytes, format_explanation
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.inference import inference_memory
+from autoseg.memory.inference import InferenceSetting, inference_memory
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
@@ -121,18 +121,18 @@ def test_fits_and_headroom_follow_the_budget() -> None:
 
 def test_inference_terms_sum_to_the_device_peak(explanation: Explanation) -> None:
     e = explanation
-    mem = inference_memory(
+    setting = InferenceSetting(
         TOPOLOGY,
         (16, 16, 16),
-        1,
         (20, 24, 40),
         3,
+        "cuda",
         "fp32",
         mirror_axes=(0, 1, 2),
-        device="cuda",
         output_dtype=None,
         accumulator_dtype="float16",
     )
+    mem = inference_memory(setting, 1)
     assert sum(e.inference_terms.values()) == e.inference_total_bytes
     assert e.inference_total_bytes == predict_device_peak(mem, "cuda")["total"]
     assert e.inference_terms["accumulator"] == 3 * 16 * 24 * 40 * 2  # K x a patch-deep z-window x float16

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -14,13 +15,10 @@ import pytest
 from autoseg.core.resources import peak_rss_bytes
 from autoseg.core.units import GiB, MiB
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
-from autoseg.memory.inference import (
-    CPU_MAX_TILE_BATCH,
-    cpu_tile_batch_cap,
-    inference_memory,
-    plan_inference,
-)
+from autoseg.memory.inference import InferenceSetting, TileSimulation, inference_memory
+from autoseg.memory.inference_plan import CPU_MAX_TILE_BATCH, cpu_tile_batch_cap, plan_inference
 from autoseg.memory.inference_simulation import measure_inference_bytes
+from autoseg.model.tile_runner import TileBatchBytes
 from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
 
@@ -65,25 +63,22 @@ TOPO2D = NetworkTopology(
 def test_planned_peak_matches_the_real_sliding_window(
     topology, patch, shape, axes, tta, max_batch, output, accumulator
 ):
-    plan = plan_inference(
+    setting = InferenceSetting(
         topology,
         patch,
         shape,
         topology.num_outputs,
-        4 * GiB,
         "cpu",
         mirror_axes=axes,
         tta=tta,
-        max_tile_batch=max_batch,
         output_dtype=output,
         accumulator_dtype=accumulator,
     )
+    plan = plan_inference(setting, 4 * GiB, max_tile_batch=max_batch)
     assert plan.fits and plan.accumulator_device == "cpu" and plan.accumulator_dtype == accumulator
     assert plan.tile_batch_size == (max_batch or CPU_MAX_TILE_BATCH)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(
-        topology, data, patch, plan.tile_batch_size, "fp32", axes, tta, output, accumulator_dtype=accumulator
-    )
+    measured = measure_inference_bytes(topology, data, setting.window(plan.tile_batch_size))
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES - plan.heap_retained_bytes  # the tensors
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
 
@@ -94,17 +89,20 @@ import numpy as np
 from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss, use_one_malloc_arena
 if not use_one_malloc_arena():  # as predict does, before anything allocates
     sys.exit(print(-1))  # not glibc: its heap is not what the model replays
+import torch
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.topology import NetworkTopology
+from autoseg.model.torch_runner import TorchTileRunner
+from autoseg.model.window import SlidingWindow
 topology, tile = eval(sys.argv[1]), eval(sys.argv[2])
 network = build_network(topology).eval()
 data = np.random.default_rng(0).standard_normal((topology.in_channels, *tile)).astype(np.float32)
+window = SlidingWindow(tile, topology.num_outputs, accumulator_dtype="float16", output_dtype="float16")
 reset_peak_rss()
 start = process_rss_bytes()
 for _ in range(2):  # as predict, tile after tile: the peak of the process, not of one call
-    sliding_window_predict(network, data, tile, topology.num_outputs, accumulator_dtype="float16",
-                           output_dtype="float16", on_slab=lambda *slab: None)
+    sliding_window_predict([TorchTileRunner(network, torch.device("cpu"))], data, window, on_slab=lambda *slab: None)
 print(peak_rss_bytes() - start)
 """
 
@@ -114,8 +112,8 @@ def test_a_cpu_tile_s_peak_rss_counts_what_glibcs_heap_keeps() -> None:
     """A fresh process (glibc's thresholds at their defaults, one arena, as ``autoseg predict``) predicting one
     image of one tile with the real sliding window: its peak RSS above its start is the predicted tensors plus
     glibc's heap (``heap_retained_bytes``, a replay of the tile's allocations) within 15%, the median of three runs
-    (3 runs measured 807-868 MiB, predicted 819). Without the heap term it is 19-25% under; with training's held
-    fragments (one in 5 instead of 20) 17-26% over."""
+    (the figures: docs/memory.md). Without the heap term it falls short of that; with training's held fragments
+    (one in 5 instead of 20) it overshoots."""
     if peak_rss_bytes() is None:
         pytest.skip("no peak RSS on this system")
     topology = NetworkTopology(
@@ -144,7 +142,10 @@ def test_a_cpu_tile_s_peak_rss_counts_what_glibcs_heap_keeps() -> None:
     if runs[0] < 0:
         pytest.skip("not glibc's malloc")
     memory = inference_memory(
-        topology, tile, 1, tile, topology.num_outputs, output_dtype=None, accumulator_dtype="float16", device="cpu"
+        InferenceSetting(
+            topology, tile, tile, topology.num_outputs, "cpu", output_dtype=None, accumulator_dtype="float16"
+        ),
+        1,
     )
     tensors = memory.peak_bytes - memory.parameter_bytes  # the parameters were alive at the start
     predicted = tensors + memory.heap_retained_bytes
@@ -153,34 +154,27 @@ def test_a_cpu_tile_s_peak_rss_counts_what_glibcs_heap_keeps() -> None:
 
 
 def test_largest_batch_within_the_budget():
-    args = (TOPO3D, (8, 16, 16), 3, (10, 20, 30), 3, "fp32", (0, 1, 2))
-    peaks = {b: predict_device_peak(inference_memory(*args[:2], b, *args[3:]), "cpu")["total"] for b in (3, 4)}
+    setting = InferenceSetting(TOPO3D, (8, 16, 16), (10, 20, 30), 3, precision="fp32", mirror_axes=(0, 1, 2))
+    peaks = {b: predict_device_peak(inference_memory(setting, b), "cpu")["total"] for b in (3, 4)}
     assert peaks[4] > peaks[3]
-    plan = plan_inference(
-        TOPO3D,
-        (8, 16, 16),
-        (10, 20, 30),
-        3,
-        peaks[3],
-        "cpu",
-        mirror_axes=(0, 1, 2),
-        max_tile_batch=16,
-        accumulator_dtype="float32",
-    )
+    plan = plan_inference(setting, peaks[3], max_tile_batch=16)
     assert plan.tile_batch_size == 3 and plan.peak_bytes == peaks[3] and plan.fits
     assert plan.choices[0] == (3, "cpu", peaks[3])
     assert all(total > peaks[3] for batch, _, total in plan.choices if batch > 3)
     # the cap: never more pairs than the image has (one tile, no TTA -> 1)
-    one = plan_inference(TOPO3D, (8, 16, 16), (8, 16, 16), 3, 4 * GiB, "cpu", max_tile_batch=16)
+    one = plan_inference(
+        InferenceSetting(TOPO3D, (8, 16, 16), (8, 16, 16), 3, "cpu", accumulator_dtype="float16"),
+        4 * GiB,
+        max_tile_batch=16,
+    )
     assert one.tile_batch_size == 1
 
 
 def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     shape, patch = (40, 96, 96), (8, 16, 16)
-    on_device = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), device="cuda")
-    on_host = inference_memory(
-        TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), accumulator_on_device=False, device="cuda"
-    )
+    on_cuda = InferenceSetting(TOPO3D, patch, shape, 3, "cuda", mirror_axes=(0, 1, 2))
+    on_device = inference_memory(on_cuda, 1)
+    on_host = inference_memory(on_cuda, 1, accumulator_on_device=False)
     window = 8 * 96 * 96 * 4  # one batch's z-slices (a patch deep), not the 40 of the image
     held = 3 * window + window + math.prod(patch) * 4  # accumulator, weight map, Gaussian
     output = 3 * math.prod(shape) * 4  # the image's probabilities: on the host
@@ -190,26 +184,29 @@ def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     assert on_device.host_accumulator_bytes == output
     # + the logits, one tile's flipped back and its share g / W
     assert on_host.host_accumulator_bytes == output + held + (2 * 3 + 1) * math.prod(patch) * 4
-    on_cpu = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2))
+    on_cpu = inference_memory(InferenceSetting(TOPO3D, patch, shape, 3, mirror_axes=(0, 1, 2)), 1)
     # on CUDA a copy of the image; on CPU the image itself is read (no padding), and the output is beside it
     assert on_device.padded_input_bytes == TOPO3D.in_channels * math.prod(shape) * 4 and on_cpu.padded_input_bytes == 0
     assert on_cpu.output_bytes == output and on_cpu.host_accumulator_bytes == 0
     # on CPU a tile also holds each convolution's hidden buffers (cpu_conv_scratch_bytes): here more than finishing
     assert on_cpu.tile_bytes > on_device.tile_bytes and on_cpu.tile_bytes > on_cpu.softmax_temp_bytes
     assert on_cpu.peak_bytes == (on_cpu.parameter_bytes + on_cpu.output_bytes + held + on_cpu.tile_bytes)
-    streamed = inference_memory(TOPO3D, patch, 1, shape, 3, mirror_axes=(0, 1, 2), output_dtype=None)
+    streamed = inference_memory(InferenceSetting(TOPO3D, patch, shape, 3, mirror_axes=(0, 1, 2), output_dtype=None), 1)
     assert on_cpu.peak_bytes - streamed.peak_bytes == output and streamed.accumulator_depth == 8
     budget = predict_device_peak(on_device, "cuda")["total"] - 1  # the accumulator no longer fits beside a tile
-    plan = plan_inference(TOPO3D, patch, shape, 3, budget, "cuda", mirror_axes=(0, 1, 2), accumulator_dtype="float32")
+    plan = plan_inference(on_cuda, budget)
     assert plan.accumulator_device == "cpu" and plan.fits and plan.tile_batch_size >= 1
     assert plan.peak_bytes <= budget and plan.host_accumulator_bytes > 0
     assert "accumulator float32 on cpu" in plan.describe()
-    roomy = plan_inference(TOPO3D, patch, shape, 3, 8 * GiB, "cuda", mirror_axes=(0, 1, 2))
+    roomy = plan_inference(replace(on_cuda, accumulator_dtype="float16"), 8 * GiB)
     assert roomy.accumulator_device == "cuda" and roomy.tile_batch_size == 16  # 2 tiles x 8 variants
 
 
 def test_nothing_fits_says_so():
-    plan = plan_inference(TOPO3D, (8, 16, 16), (10, 20, 30), 3, 1000, "cuda", mirror_axes=(0, 1, 2))
+    setting = InferenceSetting(
+        TOPO3D, (8, 16, 16), (10, 20, 30), 3, "cuda", mirror_axes=(0, 1, 2), accumulator_dtype="float16"
+    )
+    plan = plan_inference(setting, 1000)
     assert not plan.fits and plan.tile_batch_size == 1 and plan.accumulator_device == "cpu"
     assert "does not fit" in plan.describe()
 
@@ -228,34 +225,33 @@ def test_planned_peak_matches_the_real_sliding_window_for_a_tile_larger_than_the
     """The planned inference tile (``autoseg.plan.inference_tile``) at its half-patch overlap steps, as predict runs
     it: the memory model holds within 1% there too."""
     steps = overlap_step_fractions(tile, patch)
-    plan = plan_inference(
-        topology, tile, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta, step_fraction=steps
-    )
-    data = np.random.default_rng(1).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(
+    setting = InferenceSetting(
         topology,
-        data,
         tile,
-        plan.tile_batch_size,
-        "fp32",
-        axes,
-        tta,
+        shape,
+        topology.num_outputs,
+        "cpu",
+        mirror_axes=axes,
+        tta=tta,
         step_fraction=steps,
-        accumulator_dtype=plan.accumulator_dtype,
+        accumulator_dtype="float16",
     )
+    plan = plan_inference(setting, 4 * GiB)
+    data = np.random.default_rng(1).standard_normal((topology.in_channels, *shape)).astype(np.float32)
+    measured = measure_inference_bytes(topology, data, setting.window(plan.tile_batch_size))
     predicted = plan.peak_bytes - CPU_RUNTIME_BYTES - plan.heap_retained_bytes  # the tensors
     assert abs(predicted - measured) / measured < 0.01, (plan, measured)
-    patch_plan = plan_inference(topology, patch, shape, topology.num_outputs, 4 * GiB, "cpu", mirror_axes=axes, tta=tta)
+    patch_plan = plan_inference(replace(setting, tile=patch, step_fraction=0.5), 4 * GiB)
     assert plan.peak_bytes > patch_plan.peak_bytes  # the larger tile's activations are counted, not the patch's
 
 
 def test_cpu_batches_a_large_tile_less():
     """On CPU a batch stops paying beyond 4 tiles of 16x40x40 (docs/memory.md): a tile of that size batches 4, a
-    GPU-sized one 1 (it held 4x the activations for no speed: 5.7 GiB predicted on a 64x256x256 case)."""
+    GPU-sized one 1 (batched 4, it would hold 4x the activations for no speed)."""
     assert cpu_tile_batch_cap((16, 40, 40)) == CPU_MAX_TILE_BATCH
     assert cpu_tile_batch_cap((16, 80, 40)) == 2
     assert cpu_tile_batch_cap((48, 192, 160)) == 1
-    big = plan_inference(TOPO3D, (32, 64, 64), (40, 80, 80), 3, 4 * GiB, "cpu")
+    big = plan_inference(InferenceSetting(TOPO3D, (32, 64, 64), (40, 80, 80), 3, accumulator_dtype="float16"), 4 * GiB)
     assert big.tile_batch_size == 1
 
 
@@ -265,16 +261,42 @@ def test_tile_simulations_are_kept_between_runs(tmp_path, monkeypatch):
     from autoseg.core.machine import MachineCache
     from autoseg.memory import inference
 
-    cache = MachineCache(tmp_path)
-    first = inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache)
-    assert first == inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2))
+    kept = inference.TileSimulation(TOPO3D, mirror_axes=(0, 1, 2), cache=MachineCache(tmp_path))
+    first = inference.simulate_tile_prediction(kept, (8, 16, 16), 2)
+    assert first == inference.simulate_tile_prediction(replace(kept, cache=None), (8, 16, 16), 2)
     assert (tmp_path / "inference_simulation.json").is_file()
 
     def no_simulation(*args):
         raise AssertionError("simulated again")
 
     monkeypatch.setattr(inference, "_simulate_cached", no_simulation)
-    assert inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache) == first
+    assert inference.simulate_tile_prediction(kept, (8, 16, 16), 2) == first
     monkeypatch.setattr(inference, "_SIMULATED_MODULES", inference._SIMULATED_MODULES[:-1])  # other code
     with pytest.raises(AssertionError, match="simulated again"):
-        inference.simulate_tile_prediction(TOPO3D, (8, 16, 16), 2, mirror_axes=(0, 1, 2), cache=cache)
+        inference.simulate_tile_prediction(kept, (8, 16, 16), 2)
+
+
+class _Reported:
+    """A runner's working bytes as it reports them (another runtime's measured figures), and what it was asked."""
+
+    def __init__(self, figures: TileBatchBytes) -> None:
+        self.figures, self.asked = figures, []
+
+    def working_bytes(self, tile_batch_size: int, tile: tuple[int, ...]) -> TileBatchBytes:
+        self.asked.append((tile_batch_size, tile))
+        return self.figures
+
+
+def test_the_plan_asks_each_runner_for_its_working_bytes() -> None:
+    """The memory model takes a tile batch's bytes from the runners: every fold's weights are held, one forward pass
+    runs at a time; a runner that reports the simulation gives the simulated plan exactly."""
+    setting = InferenceSetting(TOPO3D, (8, 16, 16), (10, 20, 30), 3, mirror_axes=(0, 1, 2))
+    first, second = _Reported(TileBatchBytes(1000, 5000, 64, 10, 300)), _Reported(TileBatchBytes(2000, 7000, 32, 20, 0))
+    memory = inference_memory(setting, 2, runners=[first, second])
+    assert first.asked == second.asked == [(2, (8, 16, 16))]
+    assert (memory.parameter_bytes, memory.tile_bytes, memory.heap_retained_bytes) == (3000, 7000, 300)
+    assert (memory.largest_conv_output_bytes, memory.live_allocations_at_peak) == (64, 20)
+    simulated = TileSimulation.of(setting)
+    assert inference_memory(setting, 2, runners=[simulated]) == inference_memory(setting, 2)
+    one, two = (plan_inference(setting, 4 * GiB, runners=[simulated] * n) for n in (1, 2))
+    assert two.parameter_bytes == 2 * one.parameter_bytes and two.peak_bytes == one.peak_bytes + one.parameter_bytes

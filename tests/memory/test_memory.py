@@ -14,7 +14,7 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import CPU_RUNTIME_BYTES, CUDA_CONTEXT_BYTES, predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel, predicted_training_bytes
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes
-from autoseg.memory.inference import inference_memory
+from autoseg.memory.inference import InferenceSetting, inference_memory
 from autoseg.memory.inference_simulation import measure_inference_bytes
 from autoseg.memory.training import measure_training_step, simulate_training_step
 from autoseg.memory.training_simulation import training_step_flops
@@ -273,9 +273,10 @@ def test_flops_match_the_convolutions():
     ],
 )
 def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batch, shape, mirror, depth):
-    predicted = inference_memory(topology, patch, tile_batch, shape, topology.num_outputs, "fp32", mirror)
+    setting = InferenceSetting(topology, patch, shape, topology.num_outputs, precision="fp32", mirror_axes=mirror)
+    predicted = inference_memory(setting, tile_batch)
     data = np.random.default_rng(0).standard_normal((topology.in_channels, *shape)).astype(np.float32)
-    measured = measure_inference_bytes(topology, data, patch, tile_batch, "fp32", mirror)
+    measured = measure_inference_bytes(topology, data, setting.window(tile_batch))
     assert abs(predicted.peak_bytes - measured) / measured < 0.01, (predicted.breakdown(), measured)
     padded = [max(s, p) for s, p in zip(shape, (1, *patch)[-3:])]
     # the accumulator: the z-slices one tile batch writes
@@ -284,7 +285,7 @@ def test_inference_memory_matches_real_sliding_window(topology, patch, tile_batc
 
 def test_inference_memory_checks_num_classes():
     with pytest.raises(ValueError, match="num_outputs 5 differs from the network's 3"):
-        inference_memory(ISO3D, (16, 16, 16), 1, (16, 16, 16), 5)
+        inference_memory(InferenceSetting(ISO3D, (16, 16, 16), (16, 16, 16), 5), 1)
 
 
 def test_export_streams_classes():

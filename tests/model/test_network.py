@@ -15,6 +15,8 @@ from torch import nn
 from autoseg.model.network import NETWORKS, build_network
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.topology import PLAIN_UNET, RESIDUAL_ENCODER_UNET, NetworkTopology, resenc_blocks_per_stage
+from autoseg.model.torch_runner import TorchTileRunner
+from autoseg.model.window import SlidingWindow
 
 
 def topology(
@@ -132,10 +134,14 @@ def test_sliding_window_runs_the_network_in_eval_mode(
     torch.manual_seed(0)
     net = build_network(topology(dim, features=(4, 8), architecture=architecture)).eval()
     data = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
-    probs = sliding_window_predict(net, data, patch, 3, mirror_axes=tuple(range(dim)), tile_batch_size=2)
+    runners = [TorchTileRunner(net, torch.device("cpu"))]
+    window = SlidingWindow(tuple(patch), 3, mirror_axes=tuple(range(dim)), tile_batch_size=2)
+    probs = sliding_window_predict(runners, data, window)
     assert probs.shape == (3, *shape[1:]) and torch.isfinite(probs).all()
     assert torch.allclose(probs.sum(0), torch.ones(shape[1:]), atol=1e-5)
-    whole = sliding_window_predict(net, data[:, :, :8, :8] if dim == 2 else data[:, :8, :8, :8], patch, 3)
+    whole = sliding_window_predict(
+        runners, data[:, :, :8, :8] if dim == 2 else data[:, :8, :8, :8], SlidingWindow(tuple(patch), 3)
+    )
     tile = torch.from_numpy(data[:, :, :8, :8] if dim == 2 else data[None, :, :8, :8, :8])
     with torch.no_grad():
         logits = net(tile.permute(1, 0, 2, 3) if dim == 2 else tile)[0]

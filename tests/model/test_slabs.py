@@ -106,8 +106,8 @@ def _peak_and_logits(net: nn.Module, x: torch.Tensor, device: str | None) -> tup
 
 
 def test_network_in_slabs_on_cpu_gives_the_same_logits_and_holds_less(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole U-Net with slabs (as ``sliding_window_predict`` runs it on the CPU): the same logits up to float32
-    rounding (a 32 -> 16 convolution's slabs sum in another order: 4e-6 apart); the slab size restored afterwards;
+    """The whole U-Net with slabs (as the torch tile runner runs it on the CPU): the same logits up to float32
+    rounding (a 32-to-16 convolution's slabs sum in another order: a few 1e-6 apart); the slab size restored afterwards;
     on CUDA (by name: no device needed) nothing is slabbed."""
     monkeypatch.setattr("autoseg.model.slabs.SLAB_BYTES", 2**20)  # maps of 4 MiB: 4-8 slabs
     torch.manual_seed(0)

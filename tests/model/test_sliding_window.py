@@ -12,7 +12,17 @@ from autoseg.model import sliding_window as inference
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.tile_buffers import inference_buffer_bytes
 from autoseg.model.tiles import TileLayout, gaussian_importance_map, tile_layout
+from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.model.tta import mirror_variants, parse_tta
+from autoseg.model.window import SlidingWindow
+
+
+def _predict(networks, data, tile, num_outputs, precision="fp32", device="cpu", on_slab=None, **settings):
+    """``sliding_window_predict`` with ``networks`` (one or a list) as torch runners on ``device`` and the
+    ``SlidingWindow`` of ``tile``, ``num_outputs`` and ``settings``."""
+    networks = networks if isinstance(networks, (list, tuple)) else [networks]
+    runners = [TorchTileRunner(n, torch.device(device), precision) for n in networks]
+    return sliding_window_predict(runners, data, SlidingWindow(tuple(tile), num_outputs, **settings), on_slab)
 
 
 def _pointwise_net(dim: int, in_channels: int, num_outputs: int, seed: int = 0) -> nn.Module:
@@ -149,7 +159,7 @@ def test_tile_layout_errors() -> None:
 
 def test_constant_logits_give_exact_softmax_everywhere() -> None:
     data = _random_image((1, 7, 9, 10))
-    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0, 0.5]), data, (4, 4, 4), num_outputs=3)
+    probs = _predict(_ConstantLogits([1.0, -2.0, 0.5]), data, (4, 4, 4), num_outputs=3)
     assert probs.shape == (3, 7, 9, 10) and probs.dtype == torch.float32 and probs.device.type == "cpu"
     expected = torch.softmax(torch.tensor([1.0, -2.0, 0.5]), dim=0)
     torch.testing.assert_close(probs, expected[:, None, None, None].expand(3, 7, 9, 10), atol=1e-6, rtol=0)
@@ -158,7 +168,7 @@ def test_constant_logits_give_exact_softmax_everywhere() -> None:
 def test_pointwise_network_equals_whole_image_prediction() -> None:
     data = _random_image((2, 9, 11, 10))
     net = _pointwise_net(3, in_channels=2, num_outputs=3)
-    probs = sliding_window_predict(net, data, (4, 6, 4), num_outputs=3)
+    probs = _predict(net, data, (4, 6, 4), num_outputs=3)
     torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
     assert not probs.is_inference()  # the caller may edit it in place
     probs[0] *= 0
@@ -167,7 +177,7 @@ def test_pointwise_network_equals_whole_image_prediction() -> None:
 def test_image_smaller_than_patch_is_padded_and_cropped_back() -> None:
     data = _random_image((1, 3, 5, 12))  # smaller than the patch along z and y, larger along x
     net = _pointwise_net(3, in_channels=1, num_outputs=2)
-    probs = sliding_window_predict(net, data, (4, 8, 8), num_outputs=2)
+    probs = _predict(net, data, (4, 8, 8), num_outputs=2)
     assert probs.shape == (2, 3, 5, 12)
     torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
 
@@ -175,7 +185,7 @@ def test_image_smaller_than_patch_is_padded_and_cropped_back() -> None:
 def test_padding_is_symmetric_and_zero() -> None:
     # (2, 3, 4) in a (4, 6, 4) patch: one tile, padded by 1 before along z (2 = 1 + 1) and y (3 = 1 + 2).
     data = np.ones((1, 2, 3, 4), dtype=np.float32)
-    probs = sliding_window_predict(_PositionLogits((1.0, 0.1, 0.01)), data, (4, 6, 4), num_outputs=2)
+    probs = _predict(_PositionLogits((1.0, 0.1, 0.01)), data, (4, 6, 4), num_outputs=2)
     z, y, x = torch.meshgrid(torch.arange(2.0), torch.arange(3.0), torch.arange(4.0), indexing="ij")
     logit = (z + 1) + 0.1 * (y + 1) + 0.01 * x
     torch.testing.assert_close(probs[0], torch.sigmoid(logit))  # softmax([l, 0])[0] = sigmoid(l)
@@ -186,7 +196,7 @@ def test_padding_is_symmetric_and_zero() -> None:
     with torch.no_grad():
         net[1].weight.copy_(torch.tensor([1.0, 0.0]).reshape(2, 1, 1, 1, 1))
         net[1].bias.zero_()
-    probs = sliding_window_predict(net, data, (4, 6, 4), num_outputs=2)
+    probs = _predict(net, data, (4, 6, 4), num_outputs=2)
     counts = nn.functional.conv3d(torch.from_numpy(data)[None], torch.ones(1, 1, 3, 3, 3), padding=1)[0, 0]
     assert counts[0, 0, 0] == 8 and counts[1, 1, 1] == 18
     torch.testing.assert_close(probs[0], torch.sigmoid(counts))
@@ -197,9 +207,9 @@ def test_mirroring_a_pointwise_network_changes_nothing_and_runs_every_flip() -> 
     net = _pointwise_net(3, in_channels=1, num_outputs=2)
     calls = []
     net.register_forward_hook(lambda module, args, out: calls.append(args[0].shape[0]))
-    plain = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2)
+    plain = _predict(net, data, (4, 4, 4), num_outputs=2)
     tiles = len(calls)
-    mirrored = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(0, 1, 2))
+    mirrored = _predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(0, 1, 2))
     assert len(calls) - tiles == 8 * tiles
     torch.testing.assert_close(mirrored, plain, atol=1e-5, rtol=1e-5)
 
@@ -209,9 +219,9 @@ def test_mirroring_flips_the_prediction_back() -> None:
     # (z + (3 - z)) / 2 = 1.5 at every voxel, which only holds if each output is flipped back.
     data = np.zeros((1, 4, 4, 4), dtype=np.float32)
     z_ramp = _PositionLogits((1.0, 0.0, 0.0))
-    plain = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2)
+    plain = _predict(z_ramp, data, (4, 4, 4), num_outputs=2)
     assert not torch.allclose(plain[:, 0], plain[:, 3])
-    mirrored = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(0,))
+    mirrored = _predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(0,))
     expected = torch.softmax(torch.tensor([1.5, 0.0]), dim=0)
     torch.testing.assert_close(mirrored, expected[:, None, None, None].expand(2, 4, 4, 4))
 
@@ -221,10 +231,10 @@ def test_tile_batching_equals_unbatched_with_a_spatial_network() -> None:
     torch.manual_seed(0)
     net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
     data = _random_image((1, 7, 9, 9))
-    one = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,))
-    three = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,), tile_batch_size=3)
+    one = _predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,))
+    three = _predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,), tile_batch_size=3)
     torch.testing.assert_close(three, one, atol=1e-5, rtol=1e-5)
-    flat = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,), use_gaussian=False)
+    flat = _predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(1,), use_gaussian=False)
     assert not torch.allclose(flat, one, atol=1e-4)  # the weighting does change a border-sensitive net
 
 
@@ -232,8 +242,8 @@ def test_network_is_run_in_eval_mode_and_its_mode_is_restored() -> None:
     net = nn.Sequential(nn.Dropout3d(p=0.5), _pointwise_net(3, 1, 2))
     net.train()
     data = _random_image((1, 4, 6, 6))
-    first = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2)
-    second = sliding_window_predict(net, data, (4, 4, 4), num_outputs=2)
+    first = _predict(net, data, (4, 4, 4), num_outputs=2)
+    second = _predict(net, data, (4, 4, 4), num_outputs=2)
     torch.testing.assert_close(first, second)
     assert net.training
 
@@ -241,9 +251,9 @@ def test_network_is_run_in_eval_mode_and_its_mode_is_restored() -> None:
 def test_bf16_is_close_to_fp32_and_fp16_on_cpu_falls_back_to_fp32() -> None:
     data = _random_image((1, 5, 6, 7))
     net = _pointwise_net(3, 1, 3)
-    fp32 = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3)
-    bf16 = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, precision="bf16")
-    fp16 = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, precision="fp16")
+    fp32 = _predict(net, data, (4, 4, 4), num_outputs=3)
+    bf16 = _predict(net, data, (4, 4, 4), num_outputs=3, precision="bf16")
+    fp16 = _predict(net, data, (4, 4, 4), num_outputs=3, precision="fp16")
     assert bf16.dtype == torch.float32
     assert (bf16 - fp32).abs().max() < 3e-2 and not torch.equal(bf16, fp32)
     torch.testing.assert_close(fp16, fp32, atol=0, rtol=0)
@@ -251,7 +261,7 @@ def test_bf16_is_close_to_fp32_and_fp16_on_cpu_falls_back_to_fp32() -> None:
 
 def test_progress_bar_counts_tiles(capsys: pytest.CaptureFixture[str]) -> None:
     data = _random_image((1, 4, 6, 6))
-    sliding_window_predict(_pointwise_net(3, 1, 2), data, (4, 4, 4), num_outputs=2, progress=True)
+    _predict(_pointwise_net(3, 1, 2), data, (4, 4, 4), num_outputs=2, progress=True)
     assert "4/4" in capsys.readouterr().err  # 1 x 2 x 2 tiles
 
 
@@ -263,7 +273,7 @@ def test_2d_network_predicts_slice_by_slice() -> None:
     net = _pointwise_net(2, in_channels=2, num_outputs=3)
     batch_sizes = []
     net.register_forward_hook(lambda module, args, out: batch_sizes.append(tuple(args[0].shape)))
-    probs = sliding_window_predict(net, data, (4, 8), num_outputs=3, tile_batch_size=4, mirror_axes=(0, 1))
+    probs = _predict(net, data, (4, 8), num_outputs=3, tile_batch_size=4, mirror_axes=(0, 1))
     assert probs.shape == (3, 5, 9, 6)
     torch.testing.assert_close(probs, _pointwise_reference(data, net), atol=1e-5, rtol=1e-5)
     # 5 slices x 4 tiles along y (ceil(5 / 2) + 1) x 1 along x = 20 tiles: 5 batches of 4, 4 flips each
@@ -274,10 +284,10 @@ def test_2d_constant_logits_and_tile_batching() -> None:
     torch.manual_seed(0)
     net = nn.Conv2d(1, 2, kernel_size=3, padding=1)
     data = _random_image((1, 3, 10, 7))
-    one = sliding_window_predict(net, data, (4, 4), num_outputs=2)
-    five = sliding_window_predict(net, data, (4, 4), num_outputs=2, tile_batch_size=5)
+    one = _predict(net, data, (4, 4), num_outputs=2)
+    five = _predict(net, data, (4, 4), num_outputs=2, tile_batch_size=5)
     torch.testing.assert_close(five, one, atol=1e-5, rtol=1e-5)
-    const = sliding_window_predict(_ConstantLogits([0.0, 2.0]), data, (4, 4), num_outputs=2)
+    const = _predict(_ConstantLogits([0.0, 2.0]), data, (4, 4), num_outputs=2)
     expected = torch.softmax(torch.tensor([0.0, 2.0]), dim=0)
     torch.testing.assert_close(const, expected[:, None, None, None].expand(2, 3, 10, 7), atol=1e-6, rtol=0)
 
@@ -289,15 +299,15 @@ def test_errors_say_what_to_change() -> None:
     net = _pointwise_net(3, 1, 2)
     data = _random_image((1, 4, 4, 4))
     with pytest.raises(ValueError, match=r"\(C, Z, Y, X\); got shape \(4, 4, 4\)"):
-        sliding_window_predict(net, data[0], (4, 4, 4), num_outputs=2)
+        _predict(net, data[0], (4, 4, 4), num_outputs=2)
     with pytest.raises(ValueError, match="mirror_axes"):
-        sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(3,))
+        _predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(3,))
     with pytest.raises(ValueError, match="precision"):
-        sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, precision="fp8")
+        _predict(net, data, (4, 4, 4), num_outputs=2, precision="fp8")
     with pytest.raises(ValueError, match="3 values .* or 2 values"):
-        sliding_window_predict(net, data, (4,), num_outputs=2)
+        _predict(net, data, (4,), num_outputs=2)
     with pytest.raises(ValueError, match=r"expected \(1, 5, 4, 4, 4\)\. Check num_outputs"):
-        sliding_window_predict(net, data, (4, 4, 4), num_outputs=5)
+        _predict(net, data, (4, 4, 4), num_outputs=5)
 
 
 # ---------------------------------------------------------------- buffer estimate vs allocation
@@ -305,7 +315,7 @@ def test_errors_say_what_to_change() -> None:
 
 def test_buffer_estimate_by_hand() -> None:
     # image (3, 5, 20) padded to (4, 8, 20) by a (4, 8, 8) patch: 640 voxels; K = 3, C = 2, B = 2
-    sizes = inference_buffer_bytes((3, 5, 20), (4, 8, 8), num_outputs=3, tile_batch_size=2, in_channels=2)
+    sizes = inference_buffer_bytes((3, 5, 20), SlidingWindow((4, 8, 8), 3, tile_batch_size=2), in_channels=2)
     assert sizes["accumulator"] == 3 * 640 * 4
     assert sizes["weight_map"] == 640 * 4
     assert sizes["padded_input"] == 2 * 640 * 4
@@ -313,16 +323,16 @@ def test_buffer_estimate_by_hand() -> None:
     assert sizes["output"] == 3 * 300 * 4  # the unpadded image, float32
     assert sizes["total"] == sum(v for k, v in sizes.items() if k != "total")
     # 2D patch: z is never padded; a batch of 2 (of the 4 tiles of a slice) writes one slice
-    sizes_2d = inference_buffer_bytes((3, 5, 20), (8, 8), num_outputs=3, tile_batch_size=2, in_channels=2)
+    sizes_2d = inference_buffer_bytes((3, 5, 20), SlidingWindow((8, 8), 3, tile_batch_size=2), in_channels=2)
     assert sizes_2d["weight_map"] == 1 * 8 * 20 * 4
     # a long image: the accumulator holds the z-slices of one batch (tiles at z 0, 2: 2 + 4 slices), not 40;
     # the output is float16 when asked
-    long = inference_buffer_bytes(
-        (40, 8, 8), (4, 8, 8), num_outputs=3, tile_batch_size=2, in_channels=1, output_dtype="float16"
-    )
+    long = inference_buffer_bytes((40, 8, 8), SlidingWindow((4, 8, 8), 3, tile_batch_size=2, output_dtype="float16"), 1)
     assert long["accumulator"] == 3 * 6 * 64 * 4 and long["weight_map"] == 6 * 64 * 4
     assert long["output"] == 3 * 40 * 64 * 2 and long["padded_input"] == 0  # no padding: the input itself is read
-    on_cuda = inference_buffer_bytes((40, 8, 8), (4, 8, 8), 3, 2, 1, device="cuda", output_dtype=None)
+    on_cuda = inference_buffer_bytes(
+        (40, 8, 8), SlidingWindow((4, 8, 8), 3, tile_batch_size=2, output_dtype=None), 1, device="cuda"
+    )
     assert on_cuda["padded_input"] == 40 * 64 * 4 and on_cuda["output"] == 0  # copied to the device; slabs to a sink
 
 
@@ -353,9 +363,9 @@ def test_buffer_estimate_matches_the_tensors_allocated(
     monkeypatch.setattr(inference, "allocate_buffers", record_allocation)
     monkeypatch.setattr(inference, "predict_tile_batch", record_batch)
     net = _pointwise_net(len(patch), in_channels=shape[0], num_outputs=4)
-    sliding_window_predict(net, _random_image(shape), patch, num_outputs=4, tile_batch_size=batch)
+    _predict(net, _random_image(shape), patch, num_outputs=4, tile_batch_size=batch)
 
-    expected = inference_buffer_bytes(shape[1:], patch, num_outputs=4, tile_batch_size=batch, in_channels=shape[0])
+    expected = inference_buffer_bytes(shape[1:], SlidingWindow(patch, 4, tile_batch_size=batch), in_channels=shape[0])
     assert expected.pop("total") == sum(expected.values())
     assert seen == expected
 
@@ -367,7 +377,7 @@ def test_a_float16_accumulator_keeps_every_voxel_and_stays_finite(logits: list[f
     beyond float16's range would sum to inf; the mean gives each voxel its logits' softmax."""
     data = _random_image((1, 12, 20, 20))
     expected = torch.softmax(torch.tensor(logits).clamp(-65504, 65504), 0)
-    probs = sliding_window_predict(
+    probs = _predict(
         _ConstantLogits(logits),
         data,
         (8, 8, 8),
@@ -391,24 +401,24 @@ def test_buffer_estimate_counts_a_float16_accumulator_at_half_the_bytes(monkeypa
         return buffers
 
     monkeypatch.setattr(inference, "allocate_buffers", record_allocation)
-    sliding_window_predict(
+    _predict(
         _pointwise_net(3, in_channels=1, num_outputs=4),
         _random_image((1, 9, 8, 8)),
         (4, 8, 8),
         num_outputs=4,
         accumulator_dtype="float16",
     )
-    sizes = inference_buffer_bytes((9, 8, 8), (4, 8, 8), 4, 1, 1, accumulator_dtype="float16")
+    sizes = inference_buffer_bytes((9, 8, 8), SlidingWindow((4, 8, 8), 4, accumulator_dtype="float16"), 1)
     assert seen["accumulator"] == sizes["accumulator"] == 4 * 4 * 64 * 2  # K x 4 slices x 8 x 8, float16
 
 
 def test_sigmoid_activation_for_regions() -> None:
     data = _random_image((1, 5, 6, 7))
-    probs = sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="sigmoid")
+    probs = _predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="sigmoid")
     expected = torch.sigmoid(torch.tensor([1.0, -2.0]))  # per channel: need not sum to 1
     torch.testing.assert_close(probs, expected[:, None, None, None].expand(2, 5, 6, 7), atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match="activation must be one of"):
-        sliding_window_predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="relu")
+        _predict(_ConstantLogits([1.0, -2.0]), data, (4, 4, 4), num_outputs=2, activation="relu")
 
 
 # ---------------------------------------------------------------- mirror variants, --tta, batched variants
@@ -443,10 +453,10 @@ def test_one_forward_pass_takes_tiles_and_mirror_variants_together() -> None:
     sizes: list[int] = []
     net.register_forward_hook(lambda module, args, out: sizes.append(args[0].shape[0]))
     data = _random_image((1, 4, 4, 10))  # (4, 4, 4) patch: 4 tiles along x
-    sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 2), tile_batch_size=8)
+    _predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 2), tile_batch_size=8)
     assert sizes == [8, 8]  # 4 tiles x 4 variants in 2 passes, not 4 x 4 passes of one tile
     sizes.clear()
-    sliding_window_predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 2), tta=3, tile_batch_size=5)
+    _predict(net, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 2), tta=3, tile_batch_size=5)
     assert sizes == [5, 5, 2]  # 4 tiles x 3 variants
 
 
@@ -455,8 +465,8 @@ def test_tta_uses_the_first_variants_only() -> None:
     # identity and the y-flip (no effect on a z-ramp), tta=3 adds the z-flip: mean (2z + 3 - z) / 3.
     data = np.zeros((1, 4, 4, 4), dtype=np.float32)
     z_ramp = _PositionLogits((1.0, 0.0, 0.0))
-    two = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 0), tta=2)
-    three = sliding_window_predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 0), tta=3)
+    two = _predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 0), tta=2)
+    three = _predict(z_ramp, data, (4, 4, 4), num_outputs=2, mirror_axes=(1, 0), tta=3)
     z = torch.arange(4.0)[:, None, None].expand(4, 4, 4)
     torch.testing.assert_close(two[0], torch.sigmoid(z))
     torch.testing.assert_close(three[0], torch.sigmoid((z + 3) / 3))
@@ -466,8 +476,8 @@ def test_accumulator_on_the_host_gives_the_same_probabilities() -> None:
     torch.manual_seed(0)
     net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
     data = _random_image((1, 7, 9, 9))
-    here = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
-    host = sliding_window_predict(
+    here = _predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
+    host = _predict(
         net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3, accumulator_device="cpu"
     )
     torch.testing.assert_close(host, here, atol=0, rtol=0)
@@ -478,8 +488,8 @@ def test_tiles_on_cuda_accumulator_on_the_host() -> None:
     torch.manual_seed(0)
     net = nn.Conv3d(1, 3, kernel_size=3, padding=1)
     data = _random_image((1, 7, 9, 9))
-    cpu = sliding_window_predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
-    mixed = sliding_window_predict(
+    cpu = _predict(net, data, (4, 4, 4), num_outputs=3, mirror_axes=(0, 1), tile_batch_size=3)
+    mixed = _predict(
         net.cuda(),
         data,
         (4, 4, 4),

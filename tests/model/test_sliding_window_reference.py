@@ -12,6 +12,16 @@ from torch import nn
 from autoseg.model.network import build_network
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.topology import NetworkTopology
+from autoseg.model.torch_runner import TorchTileRunner
+from autoseg.model.window import SlidingWindow
+
+
+def _predict(networks, data, tile, num_outputs, precision="fp32", device="cpu", on_slab=None, **settings):
+    """``sliding_window_predict`` with ``networks`` (one or a list) as torch runners on ``device`` and the
+    ``SlidingWindow`` of ``tile``, ``num_outputs`` and ``settings``."""
+    networks = networks if isinstance(networks, (list, tuple)) else [networks]
+    runners = [TorchTileRunner(n, torch.device(device), precision) for n in networks]
+    return sliding_window_predict(runners, data, SlidingWindow(tuple(tile), num_outputs, **settings), on_slab)
 
 
 def _random_image(shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
@@ -40,7 +50,7 @@ def test_agrees_with_the_plain_reference(dim: int, shape: tuple[int, ...], patch
         expected = reference_predict(net, data, patch, 3, axes, tta)
         labels = expected.argmax(0)
         for batch in batches:
-            probs = sliding_window_predict(net, data, patch, 3, mirror_axes=axes, tta=tta, tile_batch_size=batch)
+            probs = _predict(net, data, patch, 3, mirror_axes=axes, tta=tta, tile_batch_size=batch)
             assert probs.shape == expected.shape
             differ = (probs.numpy().argmax(0) != labels).mean()
             assert differ <= 0.001, (tta, batch, differ)
@@ -57,7 +67,7 @@ def test_a_float16_accumulator_agrees_with_the_plain_reference(
     data = _random_image(shape, seed=dim + 7)
     axes = tuple(range(dim))
     expected = reference_predict(net, data, patch, 3, axes, 4)
-    probs = sliding_window_predict(
+    probs = _predict(
         net, data, patch, 3, mirror_axes=axes, tta=4, tile_batch_size=3, accumulator_dtype="float16"
     ).numpy()
     differ = probs.argmax(0) != expected.argmax(0)
@@ -76,11 +86,11 @@ def test_folds_are_one_ensemble_of_mean_logits() -> None:
     for p in second.parameters():
         p.data.add_(0.5 * torch.randn_like(p))
     kwargs = {"mirror_axes": (0, 1, 2), "tta": 2, "tile_batch_size": 3}
-    both = sliding_window_predict([first, second], data, (8, 8, 8), 3, **kwargs).numpy()
+    both = _predict([first, second], data, (8, 8, 8), 3, **kwargs).numpy()
     expected = reference_predict([first, second], data, (8, 8, 8), 3, (0, 1, 2), 2)
     np.testing.assert_allclose(both, expected, atol=1e-4)
-    a = sliding_window_predict(first, data, (8, 8, 8), 3, **kwargs).numpy()
-    b = sliding_window_predict(second, data, (8, 8, 8), 3, **kwargs).numpy()
+    a = _predict(first, data, (8, 8, 8), 3, **kwargs).numpy()
+    b = _predict(second, data, (8, 8, 8), 3, **kwargs).numpy()
     assert np.abs(both - (a + b) / 2).max() > 1e-3  # mean logits, not mean probabilities: the test tells them apart
 
 
@@ -89,14 +99,14 @@ def test_slabs_go_to_the_sink_in_order_and_equal_the_output() -> None:
     output is returned."""
     data = _random_image((2, 21, 13, 18), seed=6)
     net = _small_unet(3)
-    expected = sliding_window_predict(net, data, (8, 8, 8), 3, tile_batch_size=2)
+    expected = _predict(net, data, (8, 8, 8), 3, tile_batch_size=2)
     got, ranges = torch.zeros_like(expected), []
 
     def sink(z0: int, z1: int, probabilities: torch.Tensor) -> None:
         ranges.append((z0, z1))
         got[:, z0:z1] = probabilities
 
-    assert sliding_window_predict(net, data, (8, 8, 8), 3, tile_batch_size=2, on_slab=sink) is None
+    assert _predict(net, data, (8, 8, 8), 3, tile_batch_size=2, on_slab=sink) is None
     assert ranges[0][0] == 0 and ranges[-1][1] == 21 and len(ranges) > 2
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
     torch.testing.assert_close(got, expected)

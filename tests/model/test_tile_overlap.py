@@ -9,6 +9,16 @@ import torch
 
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
+from autoseg.model.torch_runner import TorchTileRunner
+from autoseg.model.window import SlidingWindow
+
+
+def _predict(networks, data, tile, num_outputs, precision="fp32", device="cpu", on_slab=None, **settings):
+    """``sliding_window_predict`` with ``networks`` (one or a list) as torch runners on ``device`` and the
+    ``SlidingWindow`` of ``tile``, ``num_outputs`` and ``settings``."""
+    networks = networks if isinstance(networks, (list, tuple)) else [networks]
+    runners = [TorchTileRunner(n, torch.device(device), precision) for n in networks]
+    return sliding_window_predict(runners, data, SlidingWindow(tuple(tile), num_outputs, **settings), on_slab)
 
 
 def test_the_patch_steps_half_itself_and_a_larger_tile_keeps_half_a_patch_of_overlap() -> None:
@@ -54,8 +64,6 @@ def test_per_axis_steps_of_one_half_predict_exactly_as_the_scalar_step() -> None
         torch.nn.Conv3d(1, 4, 3, padding=1), torch.nn.InstanceNorm3d(4), torch.nn.Conv3d(4, 3, 3, padding=1)
     )
     data = np.random.default_rng(0).standard_normal((1, 12, 30, 26)).astype(np.float32)
-    scalar = sliding_window_predict(network, data, (8, 16, 16), 3, step_fraction=0.5)
-    per_axis = sliding_window_predict(
-        network, data, (8, 16, 16), 3, step_fraction=overlap_step_fractions((8, 16, 16), (8, 16, 16))
-    )
+    scalar = _predict(network, data, (8, 16, 16), 3, step_fraction=0.5)
+    per_axis = _predict(network, data, (8, 16, 16), 3, step_fraction=overlap_step_fractions((8, 16, 16), (8, 16, 16)))
     assert torch.equal(scalar, per_axis)

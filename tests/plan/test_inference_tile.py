@@ -10,7 +10,7 @@ from factories import tiny_plans
 
 from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.inference import inference_memory
+from autoseg.memory.inference import InferenceSetting, inference_memory
 from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
@@ -38,15 +38,15 @@ def test_candidates_run_from_the_median_image_down_to_the_patch() -> None:
 
 
 def _peak(config, tile) -> int:
-    mem = inference_memory(
+    setting = InferenceSetting(
         config.network,
         tile,
-        1,
         config.median_shape_zyx,
         3,
         mirror_axes=(0, 1, 2),
         accumulator_dtype=PREDICTION_ACCUMULATOR,
-    )  # as the planner counts it
+    )
+    mem = inference_memory(setting, 1)  # as the planner counts it
     return predict_device_peak(mem, "cpu")["total"]
 
 

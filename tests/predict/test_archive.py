@@ -16,7 +16,8 @@ from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import write_checkpoint_file
 from autoseg.model.network import build_network
 from autoseg.plan.plans import Plans
-from autoseg.predict.archive import MANIFEST, export_model, open_model_archive
+from autoseg.predict.archive import MANIFEST, export_model
+from autoseg.predict.archive_reader import open_model_archive
 
 CONFIG = "3d_fullres"
 

@@ -21,11 +21,13 @@ from autoseg.predict.chosen import SCRATCH, predict_chosen
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing
 from autoseg.predict.predictor import PredictOptions, predict
 from autoseg.predict.probabilities import labels_from_probabilities, mean_probabilities, read_probabilities
+from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.run import preprocess_workspace
 
 pytestmark = pytest.mark.slow  # two configurations trained once per module (~10 s)
 
-WINDOW = {"device": "cpu", "mirror": False}
+WINDOW = WindowOptions(device="cpu", mirror=False)
+QUIET = PredictOptions(progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +75,7 @@ def test_find_best_chooses_from_real_validation_outputs_and_predict_follows(
     result = find_best(ws, folds=(0,))
     assert set(result.choice.candidates) == {"2d", "3d_fullres", "3d_fullres+2d"}  # pairs in plans.json order
     assert InferenceChoice.from_json(ws.inference_path) == result.choice and result.choice.num_cases == 1
-    written = predict_chosen(ws, result.choice, inputs, tmp_path / "out", progress=False, **WINDOW)
+    written = predict_chosen(ws, result.choice, inputs, tmp_path / "out", window=WINDOW, options=QUIET)
     assert len(written) == 2 and all(p.is_file() for p in written)
 
 
@@ -105,9 +107,8 @@ def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(
             tmp_path / config,
             config_name=config,
             folds=(0,),
-            progress=False,
-            options=PredictOptions(save_probabilities=True),
-            **WINDOW,
+            window=WINDOW,
+            options=PredictOptions(save_probabilities=True, progress=False),
         )
     out = tmp_path / "ensemble"
     written = predict_chosen(
@@ -115,9 +116,8 @@ def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(
         _choice(("2d", "3d_fullres")),
         inputs,
         out,
-        progress=False,
-        options=PredictOptions(save_probabilities=True),
-        **WINDOW,
+        window=WINDOW,
+        options=PredictOptions(save_probabilities=True, progress=False),
     )
     assert sorted(p.name for p in written) == sorted(p.name for p in (tmp_path / "3d_fullres").glob("*.nii.gz"))
     assert not (out / SCRATCH).exists()  # the configurations' own outputs are removed
@@ -136,10 +136,10 @@ def test_the_chosen_postprocessing_is_applied_to_each_label_map(
 ) -> None:
     ws = Workspace.at(two_configs)
     scheme = Plans.from_json(ws.plans_path).label_scheme
-    plain = predict(ws, inputs, tmp_path / "plain", config_name="3d_fullres", folds=(0,), progress=False, **WINDOW)
+    plain = predict(ws, inputs, tmp_path / "plain", config_name="3d_fullres", folds=(0,), window=WINDOW, options=QUIET)
     postprocessing = Postprocessing(largest_foreground_component=True)
     chosen = predict_chosen(
-        ws, _choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen", progress=False, **WINDOW
+        ws, _choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen", window=WINDOW, options=QUIET
     )
     changed = 0
     for a, b in zip(sorted(plain), sorted(chosen)):
@@ -174,7 +174,7 @@ def test_cli_predict_follows_inference_json_from_the_workspace_or_a_model_archiv
 def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, inputs: Path, tmp_path: Path) -> None:
     ws = Workspace.at(two_configs)
     out = tmp_path / "out"
-    first = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, progress=False, **WINDOW)
+    first = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, window=WINDOW, options=QUIET)
     kept = first[0]
     kept.write_bytes(kept.read_bytes())  # a marker: rewriting would change its mtime
     stamp = kept.stat().st_mtime_ns
@@ -186,8 +186,7 @@ def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, input
         _choice(("2d", "3d_fullres")),
         inputs,
         out,
-        progress=False,
-        options=PredictOptions(skip_existing=True),
-        **WINDOW,
+        window=WINDOW,
+        options=PredictOptions(skip_existing=True, progress=False),
     )
     assert sorted(again) == sorted(others) and kept.stat().st_mtime_ns == stamp

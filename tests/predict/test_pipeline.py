@@ -180,7 +180,7 @@ def test_prediction_preprocess_bytes_bounds_the_real_preprocessing(tmp_path, sha
 
     from autoseg.dataset.imageio import Geometry, write_image
     from autoseg.dataset.raw import Case
-    from autoseg.predict.predictor import prepare_case
+    from autoseg.predict.case import prepare_case
 
     spacing = (2.0, 1.0, 1.0)
     geometry = Geometry(

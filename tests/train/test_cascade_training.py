@@ -18,7 +18,8 @@ from autoseg.core.workspace import FoldSplit, Splits, Workspace
 from autoseg.dataset.imageio import read_geometry, read_image
 from autoseg.plan.plans import Plans
 from autoseg.predict.archive import export_model
-from autoseg.predict.predictor import predict
+from autoseg.predict.predictor import PredictOptions, predict
+from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.preprocessor import labels_on_grid
 from autoseg.preprocess.run import preprocess_workspace
 from autoseg.preprocess.store import list_cases, open_previous_stage, read_properties
@@ -110,7 +111,13 @@ def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages
         expected = labels_on_grid(read_image(source, dtype=None)[0], read_properties(data, case_id))
         assert np.array_equal(open_previous_stage(ws.preprocessed(CASCADE), case_id), expected)
     written = predict(
-        ws, inputs, tmp_path / "pred", config_name=CASCADE, folds=(0,), device="cpu", mirror=False, progress=False
+        ws,
+        inputs,
+        tmp_path / "pred",
+        config_name=CASCADE,
+        folds=(0,),
+        window=WindowOptions(device="cpu", mirror=False),
+        options=PredictOptions(progress=False),
     )
     for path in written:
         image = inputs / path.name.replace(".nii.gz", "_0000.nii.gz")

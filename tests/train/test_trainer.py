@@ -205,9 +205,9 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     clock = _simulated_steps(monkeypatch, [3.0])
     real_predict, seen = validation.predict_case, []
 
-    def spy(case, *args, **kwargs):
-        seen.append((case.case_id, kwargs["tta"]))
-        return real_predict(case, *args, **kwargs)
+    def spy(case, predictor, *args, **kwargs):
+        seen.append((case.case_id, predictor.window.tta))
+        return real_predict(case, predictor, *args, **kwargs)
 
     monkeypatch.setattr(validation, "predict_case", spy)
     run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)

@@ -1,0 +1,146 @@
+"""The flags of ``autoseg plan``, ``plan_and_preprocess`` and ``train``."""
+
+from __future__ import annotations
+
+import argparse
+
+from autoseg.cli.flag_values import SEED, add_workspace, duration_value, int_at_least, parse_bytes, positive_float
+from autoseg.model.topology import ARCHITECTURES
+
+
+def _add_budget(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpu-memory",
+        type=parse_bytes,
+        default=None,
+        help="GPU memory to plan for (e.g. 8GiB, 24GiB, 80GB); default: the CUDA device's, else 8 GiB",
+    )
+    p.add_argument("--ram", type=parse_bytes, default=None, help="host RAM budget; default: available memory")
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default=None,
+        help="device training will run on (default: cuda if present, else cpu)",
+    )
+    p.add_argument(
+        "--cpu-flops",
+        type=positive_float,
+        default=None,
+        help="CPU training throughput in convolution FLOP/s for --device cpu, the step's seconds counted "
+        "from its convolutions alone (default: measured once, then cached: a FLOP rate and a "
+        "feature-map element rate, see docs/benchmarks.md)",
+    )
+
+
+def add_plan_commands(sub: argparse._SubParsersAction) -> None:
+    for name in ("plan", "plan_and_preprocess"):
+        p = sub.add_parser(name, help="fingerprint and plan" + (" and preprocess" if "pre" in name else ""))
+        p.add_argument("dataset", help="raw dataset folder (nnU-Net layout: dataset.json, imagesTr/, labelsTr/)")
+        add_workspace(p)
+        _add_budget(p)
+        p.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="when the workspace was made from another dataset, this one changed, or plans.json "
+            "differs from what the preprocessed data was made with: plan again and redo the stale "
+            "preprocessed cases (a plans.json edited by hand is kept; delete it to plan anew); "
+            "trained folds of a changed plan or dataset are moved to results/<config>.stale-<n>, "
+            "never deleted. Without it such a workspace is refused",
+        )
+        p.add_argument(
+            "--architecture",
+            choices=sorted(ARCHITECTURES),
+            default="unet",
+            help="the network every configuration is planned with: unet (plain conv U-Net, nnU-Net's "
+            "default) or resenc (residual encoder U-Net, nnU-Net's ResEnc: residual blocks "
+            "1, 3, 4, 6, 6, 6 per encoder stage); default: unet",
+        )
+        if name == "plan_and_preprocess":
+            p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
+            p.add_argument(
+                "--processes",
+                type=int_at_least(1),
+                default=None,
+                help="preprocessing processes (default: as many as the RAM budget fits, at most the CPUs)",
+            )
+            p.add_argument(
+                "--precompute-augmentations",
+                type=int_at_least(0),
+                default=0,
+                metavar="K",
+                help="write K spatially augmented copies per case (rotation, scaling, elastic), so "
+                "training can skip the spatial transform (default: 0)",
+            )
+
+
+def add_train_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train folds: `autoseg train fold 0`, `fold 0 1 2 3 4` (one after the other) or `fold all`"
+    )
+    p.add_argument("fold", nargs="+", help="'fold 0', '0', 'fold 0 1 2 3 4' or 'all'")
+    add_workspace(p)
+    p.add_argument(
+        "-c", "--config", default=None, help="configuration (default: 3d_fullres if planned, else the first)"
+    )
+    p.add_argument("--epochs", type=int_at_least(1), default=None, help="default: 1000")
+    p.add_argument("--iterations-per-epoch", type=int_at_least(1), default=None, help="default: 250")
+    p.add_argument(
+        "--val-iterations",
+        type=int_at_least(1),
+        default=None,
+        help="validation patches per epoch for the pseudo-Dice (default: 50)",
+    )
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None)
+    p.add_argument("--seed", type=SEED, default=0)
+    _add_run_flags(p)
+
+
+def _add_run_flags(p: argparse.ArgumentParser) -> None:
+    """How a training run goes beyond its length: validation, resume, time budget, workers, precomputed
+    augmentations and GPUs (``autoseg.train.run_config.RunConfig``)."""
+    p.add_argument("--no-validation", action="store_true", help="skip predicting the validation cases at the end")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue each fold from its checkpoint_latest.pt (the plan must be unchanged); a fold that "
+        "finished is skipped, one without a checkpoint starts from its first epoch",
+    )
+    p.add_argument(
+        "--time-budget",
+        type=duration_value,
+        default=None,
+        metavar="DURATION",
+        help="end training (and the final validation) within this time, e.g. 2h, 30m, 90s: epochs, "
+        "iterations per epoch and the final validation's mirroring and cases are chosen from the "
+        "measured speed and re-estimated as it runs (train.log, run.json)",
+    )
+    p.add_argument(
+        "--loader-workers",
+        type=int_at_least(0),
+        default=None,
+        metavar="N",
+        help="processes building training batches (default: the plan's, sized by its host RAM budget)",
+    )
+    pre = p.add_mutually_exclusive_group()
+    pre.add_argument(
+        "--use-precomputed",
+        dest="use_precomputed",
+        action="store_true",
+        default=None,
+        help="sample the precomputed augmented copies (default: when every case has them)",
+    )
+    pre.add_argument(
+        "--no-precomputed",
+        dest="use_precomputed",
+        action="store_false",
+        help="rotate and scale on the fly even if precomputed copies exist",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="train on N GPUs of this node: runs this command under torchrun, one process per GPU "
+        "(with --device cpu: N CPU processes). Several nodes: start `torchrun ... -m autoseg train "
+        "...` on each yourself",
+    )
