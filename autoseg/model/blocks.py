@@ -152,7 +152,7 @@ class UNet(nn.Module):
       ``checkpointing``: recompute each encoder and decoder stage in backward instead of storing its
         activations (only in training mode with grads enabled; outputs are unchanged).
       ``slab_bytes``: without autograd, convolutions larger than this run in slabs (``autoseg.model.slabs``; set
-        by ``sliding_window_predict`` on the CPU). None: whole.
+        by ``autoseg.model.torch_runner.TorchTileRunner`` on the CPU). None: whole.
     """
 
     def __init__(self, topology: NetworkTopology, checkpointing: bool = False) -> None:

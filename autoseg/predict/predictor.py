@@ -50,7 +50,7 @@ from autoseg.predict.case import (
 from autoseg.predict.networks import Predictor, load_networks
 from autoseg.predict.pipeline import Pipeline, PipelinePlan, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
-from autoseg.predict.window import WindowOptions, default_tta  # noqa: F401 (default_tta: autoseg.train imports it)
+from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
 
 log = logging.getLogger("autoseg")

@@ -113,62 +113,72 @@ def compare(
     notes: tuple[str, ...] = (),
 ) -> MemoryCheck:
     """THE comparison of a measurement (``CudaProbe.finish`` or ``CpuProbe.finish``) with a prediction."""
-    terms, tensors = prediction.device_terms, prediction.device_terms["tensors"]
-    if device_type == "cuda":
-        cached = tensors + terms["allocator_rounding"] + terms["fragmentation"] + terms["conv_workspace"]
-        rows = (
-            MemoryRow(
-                "allocated",
-                measured["max_memory_allocated"],
-                tensors,
-                "torch.cuda.max_memory_allocated",
-                "simulated tensor peak",
-            ),
-            MemoryRow(
-                "reserved",
-                measured["max_memory_reserved"],
-                cached,
-                "torch.cuda.max_memory_reserved",
-                "tensors + allocator rounding, fragmentation, conv workspace",
-            ),
-            MemoryRow(
-                "device used",
-                measured["device_used"],
-                terms["total"],
-                "mem_get_info: total - free",
-                "the above + CUDA context",
-            ),
-        )
-    else:
-        added, heap = tensors - measured["baseline_tensor_bytes"], terms["fragmentation"]
-        rows = (
-            MemoryRow(
-                "tensors",
-                measured["tracked_peak"],
-                tensors,
-                f"StorageTracker, step {TRACKED_STEP}",
-                "simulated tensor peak",
-            ),
-            MemoryRow(
-                "peak RSS",
-                measured["peak_rss"],
-                measured["baseline_rss"] + added + heap,
-                "VmHWM over the untracked steps",
-                f"RSS before them ({format_bytes(measured['baseline_rss'])}, measured) + "
-                f"what the step adds to its tensors ({format_bytes(added)}, simulated) + what glibc's heap "
-                f"keeps beyond them ({format_bytes(heap)}, modelled)",
-                slack_bytes=RSS_SLACK_BYTES,
-            ),
-            MemoryRow(
-                "peak RSS (model)",
-                measured["peak_rss"],
-                terms["total"],
-                "VmHWM over the untracked steps",
-                "tensors + fragmentation + CPU_RUNTIME_BYTES",
-                checked=False,
-            ),
-        )
+    rows = _cuda_rows(prediction, measured) if device_type == "cuda" else _cpu_rows(prediction, measured)
     return MemoryCheck(device_type, configuration, steps, rows, TOLERANCE, notes)
+
+
+def _cuda_rows(prediction: StepPrediction, measured: dict[str, int]) -> tuple[MemoryRow, ...]:
+    """The caching allocator's peaks and the device's used memory against the predicted device terms."""
+    terms, tensors = prediction.device_terms, prediction.device_terms["tensors"]
+    cached = tensors + terms["allocator_rounding"] + terms["fragmentation"] + terms["conv_workspace"]
+    return (
+        MemoryRow(
+            "allocated",
+            measured["max_memory_allocated"],
+            tensors,
+            "torch.cuda.max_memory_allocated",
+            "simulated tensor peak",
+        ),
+        MemoryRow(
+            "reserved",
+            measured["max_memory_reserved"],
+            cached,
+            "torch.cuda.max_memory_reserved",
+            "tensors + allocator rounding, fragmentation, conv workspace",
+        ),
+        MemoryRow(
+            "device used",
+            measured["device_used"],
+            terms["total"],
+            "mem_get_info: total - free",
+            "the above + CUDA context",
+        ),
+    )
+
+
+def _cpu_rows(prediction: StepPrediction, measured: dict[str, int]) -> tuple[MemoryRow, ...]:
+    """The tracked tensor peak and the process's peak RSS against the prediction: the RSS row adds what the step
+    adds to its tensors and glibc's kept heap to the RSS measured before the step (checked); the model's own
+    total is shown beside it, not checked."""
+    terms, tensors = prediction.device_terms, prediction.device_terms["tensors"]
+    added, heap = tensors - measured["baseline_tensor_bytes"], terms["fragmentation"]
+    return (
+        MemoryRow(
+            "tensors",
+            measured["tracked_peak"],
+            tensors,
+            f"StorageTracker, step {TRACKED_STEP}",
+            "simulated tensor peak",
+        ),
+        MemoryRow(
+            "peak RSS",
+            measured["peak_rss"],
+            measured["baseline_rss"] + added + heap,
+            "VmHWM over the untracked steps",
+            f"RSS before them ({format_bytes(measured['baseline_rss'])}, measured) + "
+            f"what the step adds to its tensors ({format_bytes(added)}, simulated) + what glibc's heap "
+            f"keeps beyond them ({format_bytes(heap)}, modelled)",
+            slack_bytes=RSS_SLACK_BYTES,
+        ),
+        MemoryRow(
+            "peak RSS (model)",
+            measured["peak_rss"],
+            terms["total"],
+            "VmHWM over the untracked steps",
+            "tensors + fragmentation + CPU_RUNTIME_BYTES",
+            checked=False,
+        ),
+    )
 
 
 @dataclass

@@ -237,9 +237,9 @@ def _finish(training: TrainingRun) -> Path:
 
 def _time_budget(job: FoldJob, config: ConfigurationPlan) -> TimeBudget:
     """The run's ``TimeBudget``: its final validation is the fold's validation cases with the device's default
-    ``--tta`` (``autoseg.predict.predictor.default_tta``) until the budget reduces it."""
+    ``--tta`` (``autoseg.predict.window.default_tta``) until the budget reduces it."""
     from autoseg.model.tta import parse_tta
-    from autoseg.predict.predictor import default_tta
+    from autoseg.predict.window import default_tta
 
     run, folder = job.run, job.data_folder
     cases = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if run.validate else {}
