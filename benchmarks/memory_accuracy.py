@@ -19,6 +19,7 @@ import torch
 from autoseg.core.units import MiB
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.fit import TrainingMemoryModel
+from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import measure_training_step, simulate_training_step
 from autoseg.model.topology import ARCHITECTURES, NetworkTopology, preset_fields
 
@@ -85,14 +86,14 @@ def main() -> None:
         topology = replace(topology, **preset_fields(architecture, topology.num_stages))
         name += "" if args.architecture == "unet" else f" {args.architecture}"
         t0 = time.perf_counter()
-        predicted = simulate_training_step(topology, batch, patch, **kwargs)
+        predicted = simulate_training_step(StepConfig(topology, batch, patch, **kwargs))
         t1 = time.perf_counter()
         model = TrainingMemoryModel(topology, **kwargs)
         model.peak_bytes(batch, patch)  # fits (2-3 simulations)
         t2 = time.perf_counter()
         fitted = model.peak_bytes(batch, patch)
         t3 = time.perf_counter()
-        measured = measure_training_step(topology, batch, patch, **kwargs)
+        measured = measure_training_step(StepConfig(topology, batch, patch, **kwargs))
         t4 = time.perf_counter()
         cuda = predict_device_peak(predicted, "cuda")["total"]
         error = 100 * (predicted.peak_bytes - measured) / measured

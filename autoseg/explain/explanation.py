@@ -25,7 +25,7 @@ from autoseg.core.precision import effective_precision
 from autoseg.explain.inference_and_host import HostCase, host_cases, inference_terms
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.loader_worker import worker_bytes
-from autoseg.memory.step_record import TrainingMemory
+from autoseg.memory.step_record import StepConfig, TrainingMemory
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.configuration import AMP_PRECISION
@@ -247,13 +247,15 @@ def _simulate_cached(
 ) -> TrainingMemory:
     """The simulation is deterministic: explaining again (another budget) reuses it."""
     return simulate_training_step(
-        topology,
-        batch_size,
-        patch_size,
-        precision=precision,
-        checkpointing=checkpointing,
-        accumulation_steps=accumulation_steps,
-        device=device,
+        StepConfig(
+            topology,
+            batch_size,
+            patch_size,
+            precision=precision,
+            checkpointing=checkpointing,
+            accumulation_steps=accumulation_steps,
+            device=device,
+        )
     )
 
 

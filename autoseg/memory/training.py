@@ -26,9 +26,7 @@ import hashlib
 import json
 
 from autoseg.core.machine import kept_simulations, simulation_key
-from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.step_record import StepConfig, StepRecord, TrainingMemory
-from autoseg.model.topology import NetworkTopology
 
 # the code a simulated step runs: a change to any of these files simulates again
 SIMULATED_MODULES = tuple(
@@ -65,48 +63,21 @@ def _record_training_step(cfg: StepConfig, fake: bool) -> StepRecord:
     return record_step(cfg, fake)
 
 
-def simulate_training_step(
-    topology: NetworkTopology,
-    batch_size: int,
-    patch_size: tuple[int, ...],
-    *,
-    precision: str = "fp32",
-    checkpointing: bool = False,
-    optimizer: str = "sgd",
-    accumulation_steps: int = 1,
-    labels: LabelScheme | None = None,
-    device: str = "cpu",
-) -> TrainingMemory:
+def simulate_training_step(step: StepConfig) -> TrainingMemory:
     """Peak live tensor bytes of one training step, predicted without allocating (FakeTensorMode).
 
-    ``patch_size``: ``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``. ``labels``: the
-    plan's ``LabelScheme`` (regions and the ignore label change the loss); None: plain classes (one region
-    for a single-output network). ``device`` "cpu": each convolution's hidden oneDNN buffers count as alive
-    while it runs (``StepConfig.device``). About 0.1-1 s, independent of the patch size.
+    ``step``: the network, batch, patch (``(z, y, x)`` or ``(y, x)``, multiples of ``topology.patch_divisor()``),
+    precision, checkpointing, optimizer, accumulation, labels (the plan's ``LabelScheme``: regions and the ignore
+    label change the loss; None: plain classes, one region for a single-output network) and device ("cpu": each
+    convolution's hidden oneDNN buffers count as alive while it runs). About 0.1-1 s, independent of the patch size.
     """
-    cfg = StepConfig(
-        topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer, accumulation_steps, labels, device
-    )
-    return record_training_step(cfg, fake=True).peak()
+    return record_training_step(step, fake=True).peak()
 
 
-def measure_training_step(
-    topology: NetworkTopology,
-    batch_size: int,
-    patch_size: tuple[int, ...],
-    precision: str = "fp32",
-    checkpointing: bool = False,
-    optimizer: str = "sgd",
-    accumulation_steps: int = 1,
-    labels: LabelScheme | None = None,
-    device: str = "cpu",
-) -> int:
-    """The same step run for real on CPU tensors, tracked the same way (``device`` as modelled: "cpu" counts the
-    convolutions' hidden buffers): peak live tensor bytes.
+def measure_training_step(step: StepConfig) -> int:
+    """The same step run for real on CPU tensors, tracked the same way (``step.device`` as modelled: "cpu" counts
+    the convolutions' hidden buffers): peak live tensor bytes.
 
     Allocates and computes for real: keep the sizes small. The caller's RNG state is left untouched.
     """
-    cfg = StepConfig(
-        topology, batch_size, tuple(patch_size), precision, checkpointing, optimizer, accumulation_steps, labels, device
-    )
-    return int(record_training_step(cfg, fake=False).timeline.sum(axis=1).max())
+    return int(record_training_step(step, fake=False).timeline.sum(axis=1).max())

@@ -18,6 +18,7 @@ import torch
 from autoseg.core.precision import effective_precision
 from autoseg.core.units import GiB
 from autoseg.memory.device import predict_device_peak
+from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
 from autoseg.plan.plans import ConfigurationPlan
 
@@ -35,13 +36,15 @@ def _smaller_micro_batch(batch_size: int) -> int | None:
 def _predicted(config: ConfigurationPlan, device: str) -> int:
     """Predicted device bytes of one step (one simulation; cheaper here than fitting a memory model)."""
     memory = simulate_training_step(
-        config.network,
-        config.batch_size,
-        tuple(config.patch_size),
-        precision=effective_precision(config.precision, device),
-        checkpointing=config.checkpointing,
-        accumulation_steps=config.accumulation_steps,
-        device="cuda" if device == "cuda" else "cpu",
+        StepConfig(
+            config.network,
+            config.batch_size,
+            tuple(config.patch_size),
+            precision=effective_precision(config.precision, device),
+            checkpointing=config.checkpointing,
+            accumulation_steps=config.accumulation_steps,
+            device="cuda" if device == "cuda" else "cpu",
+        )
     )
     return predict_device_peak(memory, "cuda" if device == "cuda" else "cpu")["total"]
 

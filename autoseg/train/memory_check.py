@@ -42,7 +42,7 @@ from autoseg.core.resources import available_ram_bytes
 from autoseg.core.units import format_bytes
 from autoseg.dataset.labels import LabelScheme
 from autoseg.memory.device import predict_device_peak
-from autoseg.memory.step_record import TrainingMemory
+from autoseg.memory.step_record import StepConfig, TrainingMemory
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.optimizer import OPTIMIZERS, OptimizerSettings
 from autoseg.model.step import TrainStep, build_step, synthetic_batches
@@ -91,15 +91,17 @@ def predict_step(
     checkpointing (after degradations, a rank's share), the precision it runs at there, the run's optimizer."""
     device = "cuda" if device_type == "cuda" else "cpu"
     memory = simulate_training_step(
-        config.network,
-        config.batch_size,
-        tuple(config.patch_size),
-        precision=effective_precision(config.precision, device_type),
-        checkpointing=config.checkpointing,
-        optimizer=optimizer_key(optimizer),
-        accumulation_steps=config.accumulation_steps,
-        labels=scheme,
-        device=device,
+        StepConfig(
+            config.network,
+            config.batch_size,
+            tuple(config.patch_size),
+            precision=effective_precision(config.precision, device_type),
+            checkpointing=config.checkpointing,
+            optimizer=optimizer_key(optimizer),
+            accumulation_steps=config.accumulation_steps,
+            labels=scheme,
+            device=device,
+        )
     )
     return StepPrediction(memory, predict_device_peak(memory, device))
 

@@ -14,6 +14,7 @@ from autoseg.explain.explanation import Explanation, explain, next_patch_up
 from autoseg.explain.format import format_bytes, format_explanation
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.inference import InferenceSetting, inference_memory
+from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
@@ -68,7 +69,7 @@ def what_if(e: Explanation, change_prefix: str):
 def test_training_terms_sum_to_the_simulated_device_peak(explanation: Explanation) -> None:
     e = explanation
     assert sum(e.training_terms.values()) == e.training_total_bytes
-    step = simulate_training_step(TOPOLOGY, 2, (16, 16, 16), device="cuda")
+    step = simulate_training_step(StepConfig(TOPOLOGY, 2, (16, 16, 16), device="cuda"))
     assert e.training_total_bytes == predict_device_peak(step, "cuda")["total"]
     assert e.training_terms["parameters"] == step.parameter_bytes
     assert e.training_terms["saved_activations"] + e.training_terms["transient_activations"] == step.activation_bytes
@@ -264,7 +265,7 @@ def test_the_network_line_names_the_architecture_and_its_blocks(explanation: Exp
     )
     plans = replace(plans, configurations={"3d_fullres": plans.configurations["3d_fullres"].with_(network=network)})
     resenc = explain(plans, "3d_fullres")
-    step = simulate_training_step(network, 2, (16, 16, 16))
+    step = simulate_training_step(StepConfig(network, 2, (16, 16, 16)))
     assert resenc.training_terms["parameters"] == step.parameter_bytes > explanation.training_terms["parameters"]
     assert (
         "network: residual_encoder_unet, 3 stages of 8-16-32 features; encoder: stem + 1-3-4 residual blocks per "

@@ -16,6 +16,7 @@ from autoseg.memory.fit import TrainingMemoryModel, predicted_training_bytes
 from autoseg.memory.host import export_bytes, preprocess_worker_bytes
 from autoseg.memory.inference import InferenceSetting, inference_memory
 from autoseg.memory.inference_simulation import measure_inference_bytes
+from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import measure_training_step, simulate_training_step
 from autoseg.memory.training_simulation import training_step_flops
 from autoseg.model.network import build_network
@@ -92,8 +93,8 @@ CONFIGS = [
 
 @pytest.mark.parametrize("name, topology, batch, patch, kwargs", CONFIGS, ids=[c[0] for c in CONFIGS])
 def test_simulated_peak_matches_real_cpu_step(name, topology, batch, patch, kwargs):
-    predicted = simulate_training_step(topology, batch, patch, **kwargs)
-    measured = measure_training_step(topology, batch, patch, **kwargs)
+    predicted = simulate_training_step(StepConfig(topology, batch, patch, **kwargs))
+    measured = measure_training_step(StepConfig(topology, batch, patch, **kwargs))
     # The acceptance bound is 5%; on torch 2.13 the two agree to the byte, so hold them to 1%.
     assert abs(predicted.peak_bytes - measured) / measured < 0.01, (predicted.peak_bytes, measured)
 
@@ -119,8 +120,8 @@ RESENC_CONFIGS = [
 def test_residual_encoder_simulated_peak_is_the_measured_one_to_the_byte(name, topology, batch, patch, kwargs):
     """The planner sizes a ResEnc plan by simulating its real step: the simulation equals the same step run on CPU
     tensors to the byte (2D and 3D, fp32, bf16 and fp16 autocast, checkpointing, regions, accumulation)."""
-    predicted = simulate_training_step(topology, batch, patch, **kwargs)
-    measured = measure_training_step(topology, batch, patch, **kwargs)
+    predicted = simulate_training_step(StepConfig(topology, batch, patch, **kwargs))
+    measured = measure_training_step(StepConfig(topology, batch, patch, **kwargs))
     assert predicted.peak_bytes == measured
     assert predicted.parameter_bytes == 4 * sum(p.numel() for p in build_network(topology).parameters())
 
@@ -130,13 +131,13 @@ def test_residual_encoder_fitted_model_is_the_direct_simulation():
     gives the direct simulation of a third patch to the byte, breakdown and stages included."""
     t = resenc(topo(2, (4, 8, 16), [(1, 1), (2, 2), (2, 2)]))
     model = TrainingMemoryModel(t)
-    direct = simulate_training_step(t, 2, (40, 56))
+    direct = simulate_training_step(StepConfig(t, 2, (40, 56)))
     assert model.predict(2, (40, 56)) == direct
     assert model.simulations == 3
 
 
 def test_breakdown_sums_to_total_and_counts_parameters():
-    m = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    m = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16)))
     parts = m.breakdown()
     assert sum(v for k, v in parts.items() if k != "total") == parts["total"] == m.peak_bytes
     assert m.parameter_bytes == 4 * sum(p.numel() for p in build_network(ISO3D).parameters())
@@ -148,20 +149,20 @@ def test_breakdown_sums_to_total_and_counts_parameters():
 
 def test_stage_bytes_are_what_backward_keeps():
     feature_map = 2 * 4 * 16**3 * 4  # B x F0 x V x fp32
-    plain = simulate_training_step(ISO3D, 2, (16, 16, 16)).stage_activation_bytes
+    plain = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16))).stage_activation_bytes
     # conv output + normalized output (LeakyReLU in place) per block, 2 blocks, plus per-channel statistics
     assert 4 * feature_map <= plain["encoder.0"] < 4.01 * feature_map
     assert plain["seg_heads.0"] == 2 * 3 * 16**3 * 4  # the full-resolution logits
     assert set(plain) >= {"encoder.3", "decoder.0", "decoder.2", "seg_heads.2"}
-    checkpointed = simulate_training_step(ISO3D, 2, (16, 16, 16), checkpointing=True).stage_activation_bytes
+    checkpointed = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16), checkpointing=True)).stage_activation_bytes
     assert checkpointed["encoder.0"] == feature_map  # only the stage's output is kept
 
 
 def test_checkpointing_and_bf16_lower_the_activation_peak():
     t = topo(3, (8, 16, 32, 64), [(1, 1, 1)] + [(2, 2, 2)] * 3)  # tensors only: no CPU convolution scratch
-    fp32 = simulate_training_step(t, 2, (32, 32, 32), device="cuda")
-    checkpointed = simulate_training_step(t, 2, (32, 32, 32), checkpointing=True, device="cuda")
-    bf16 = simulate_training_step(t, 2, (32, 32, 32), precision="bf16", device="cuda")
+    fp32 = simulate_training_step(StepConfig(t, 2, (32, 32, 32), device="cuda"))
+    checkpointed = simulate_training_step(StepConfig(t, 2, (32, 32, 32), checkpointing=True, device="cuda"))
+    bf16 = simulate_training_step(StepConfig(t, 2, (32, 32, 32), precision="bf16", device="cuda"))
     assert checkpointed.activation_bytes < 0.85 * fp32.activation_bytes
     assert bf16.activation_bytes < 0.7 * fp32.activation_bytes
     assert checkpointed.parameter_bytes == bf16.parameter_bytes == fp32.parameter_bytes  # fp32 master weights
@@ -171,7 +172,7 @@ def test_checkpointing_and_bf16_lower_the_activation_peak():
 def test_linear_model_matches_direct_simulation_batch_one():
     two_stages = topo(2, (4, 8), [(1, 1), (2, 2)])
     model = TrainingMemoryModel(two_stages)
-    direct = simulate_training_step(two_stages, 1, (40, 72))
+    direct = simulate_training_step(StepConfig(two_stages, 1, (40, 72)))
     assert model.predict(1, (40, 72)) == direct  # every field, breakdown and stages included
     assert model.peak_bytes(1, (40, 72)) == direct.peak_bytes
     assert model.simulations == 2 and model.fallback == {True: False}
@@ -184,20 +185,22 @@ def test_linear_model_matches_direct_simulation(topology, kwargs):
     div = topology.patch_divisor()
     for batch, scale in [(2, (5, 3, 2)), (4, (2, 2, 7)), (3, (6, 6, 6)), (1, (3, 4, 5))]:
         patch = tuple(d * s for d, s in zip(div, scale))
-        direct = simulate_training_step(topology, batch, patch, **kwargs)
+        direct = simulate_training_step(StepConfig(topology, batch, patch, **kwargs))
         predicted = model.predict(batch, patch)
         assert abs(predicted.peak_bytes - direct.peak_bytes) <= 1e-3 * direct.peak_bytes
         assert predicted.breakdown() == direct.breakdown()
         assert predicted.stage_activation_bytes == direct.stage_activation_bytes
         assert model.peak_bytes(batch, patch) == direct.peak_bytes
     assert model.simulations == 5  # 2 for batch 1, 3 for batch >= 2; the queries cost none
-    expected = predict_device_peak(simulate_training_step(topology, 2, patch, **kwargs, device="cuda"))["total"]
+    expected = predict_device_peak(simulate_training_step(StepConfig(topology, 2, patch, **kwargs, device="cuda")))[
+        "total"
+    ]
     if not kwargs:  # predicted_training_bytes: a CUDA device by default
         assert predicted_training_bytes(topology, 2, patch) == expected
 
 
 def test_device_terms():
-    m = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    m = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16)))
     cuda = predict_device_peak(m, "cuda")
     assert cuda["tensors"] == m.peak_bytes
     assert cuda["allocator_rounding"] == m.live_allocations_at_peak * 256 > 0
@@ -231,12 +234,12 @@ def test_device_terms():
 def test_bad_arguments_say_what_to_change(args, message):
     topology, batch, patch, kwargs = args
     with pytest.raises(ValueError, match=message):
-        simulate_training_step(topology, batch, patch, **kwargs)
+        simulate_training_step(StepConfig(topology, batch, patch, **kwargs))
 
 
 def test_measurement_leaves_the_global_rng_alone():
     state = torch.get_rng_state()
-    measure_training_step(FOUR2D_NO_DS, 1, (32, 32))
+    measure_training_step(StepConfig(FOUR2D_NO_DS, 1, (32, 32)))
     assert torch.equal(state, torch.get_rng_state())
 
 
@@ -318,7 +321,7 @@ def test_simulation_of_a_realistic_network_is_fast_and_large():
 
     t = topo(3, (32, 64, 128, 256, 320, 320), [(1, 1, 1)] + [(2, 2, 2)] * 5, num_outputs=3)
     start = time.perf_counter()
-    m = simulate_training_step(t, 2, (128, 128, 128))
+    m = simulate_training_step(StepConfig(t, 2, (128, 128, 128)))
     assert time.perf_counter() - start < 30
     assert 8000 * MiB < m.peak_bytes < 10000 * MiB
 
@@ -329,7 +332,7 @@ def test_a_change_to_the_trainers_step_shows_up_in_simulation_and_measurement(mo
     and the simulation still equals the measurement of the changed step."""
     import autoseg.model.step as step_module
 
-    before = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    before = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16)))
     kept: list[torch.Tensor] = []
     compute_loss = step_module.compute_loss
 
@@ -338,9 +341,9 @@ def test_a_change_to_the_trainers_step_shows_up_in_simulation_and_measurement(mo
         return compute_loss(output, target, loss_fn)
 
     monkeypatch.setattr(step_module, "compute_loss", loss_keeping_the_logits)
-    after = simulate_training_step(ISO3D, 2, (16, 16, 16))
+    after = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16)))
     kept.clear()
-    measured = measure_training_step(ISO3D, 2, (16, 16, 16))
+    measured = measure_training_step(StepConfig(ISO3D, 2, (16, 16, 16)))
     kept.clear()
     assert after.peak_bytes - before.peak_bytes == 2 * 3 * 16**3 * 4
     assert after.peak_bytes == measured
@@ -348,8 +351,8 @@ def test_a_change_to_the_trainers_step_shows_up_in_simulation_and_measurement(mo
 
 def test_the_plans_optimizer_is_the_one_simulated() -> None:
     """SGD momentum: one buffer per parameter; AdamW: two moments and a step counter per parameter tensor."""
-    sgd = simulate_training_step(ISO3D, 2, (16, 16, 16))
-    adam = simulate_training_step(ISO3D, 2, (16, 16, 16), optimizer="adam")
+    sgd = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16)))
+    adam = simulate_training_step(StepConfig(ISO3D, 2, (16, 16, 16), optimizer="adam"))
     tensors = len(list(build_network(ISO3D).parameters()))
     assert sgd.optimizer_state_bytes == sgd.parameter_bytes
     assert adam.optimizer_state_bytes == 2 * adam.parameter_bytes + 4 * tensors

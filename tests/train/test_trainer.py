@@ -15,6 +15,7 @@ from train_faults import killed_after_epochs, out_of_memory_at_step
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.memory.device import predict_device_peak
+from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.step import TrainStep
 from autoseg.plan.plans import Plans
@@ -114,7 +115,10 @@ def test_degradation_takes_the_option_with_the_lower_predicted_peak(prepared: Pa
     chosen, record = choose_degradation(config, torch.device("cpu"))
     halved, checkpointed = (
         predict_device_peak(
-            simulate_training_step(config.network, b, config.patch_size, checkpointing=c, accumulation_steps=a), "cpu"
+            simulate_training_step(
+                StepConfig(config.network, b, config.patch_size, checkpointing=c, accumulation_steps=a)
+            ),
+            "cpu",
         )["total"]
         for b, c, a in [(1, False, 2), (2, True, 1)]
     )
