@@ -61,3 +61,42 @@ def test_the_tree_is_lint_clean_and_formatted(check: list[str]) -> None:
     hand-wrapped signature or an unused import fails the suite instead of a review."""
     result = subprocess.run([sys.executable, "-m", "ruff", *check, "."], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, f"ruff {' '.join(check)} .:\n{result.stdout[-3000:]}{result.stderr[-1000:]}"
+
+
+# Functions allowed more than 8 parameters, each with its reason (qualified name: reason).
+MANY_PARAMETERS: dict[str, str] = {}
+
+
+def _parameter_counts() -> dict[str, int]:
+    counts = {}
+    for path in sorted([*PACKAGE.rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            for child in ast.iter_child_nodes(node):
+                child.parent = node  # type: ignore[attr-defined]
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args
+                names = [a.arg for a in (*args.posonlyargs, *args.args, *args.kwonlyargs)]
+                names += [a.arg for a in (args.vararg, args.kwarg) if a is not None]
+                if isinstance(getattr(node, "parent", None), ast.ClassDef) and names[:1] in (["self"], ["cls"]):
+                    names = names[1:]
+                owner = getattr(node, "parent", None)
+                qualified = (
+                    f"{module}.{owner.name}.{node.name}" if isinstance(owner, ast.ClassDef) else f"{module}.{node.name}"
+                )
+                counts[qualified] = len(names)
+    return counts
+
+
+def test_no_function_takes_more_than_8_parameters() -> None:
+    """At most 8 parameters in autoseg/ and benchmarks/ (``*args`` and ``**kwargs`` count, ``self``/``cls`` do not; dataclass constructors are
+    generated, so they are not counted): settings that travel together are one typed options object. The
+    exceptions are named in MANY_PARAMETERS with their reason, and an exception that no longer needs it is
+    removed from the list."""
+    counts = _parameter_counts()
+    over = {name: n for name, n in counts.items() if n > 8 and name not in MANY_PARAMETERS}
+    assert over == {}, f"more than 8 parameters (split along a seam, e.g. an options object): {over}"
+    stale = [name for name in MANY_PARAMETERS if counts.get(name, 0) <= 8]
+    assert stale == [], f"MANY_PARAMETERS names functions that no longer need it: {stale}"
