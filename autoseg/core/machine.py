@@ -245,9 +245,9 @@ def use_cpu_threads(requested: int | None, what: str, environ: Mapping[str, str]
     policy = (os.environ if environ is None else environ).get("OMP_WAIT_POLICY", "")  # as libgomp read it
     if threads > 1 and policy.upper() != WAIT_POLICY:
         log.warning(
-            "CPU threads for %s: %d (%s); OMP_WAIT_POLICY is %r, not PASSIVE: spinning OpenMP threads ran "
-            "3-13x slower than one thread when another process kept a core busy. The autoseg command sets "
-            "it; from Python, set OMP_WAIT_POLICY=PASSIVE before importing torch",
+            "CPU threads for %s: %d (%s); OMP_WAIT_POLICY is %r, not PASSIVE: spinning OpenMP threads run "
+            "several times slower than one thread while another process keeps a core busy (docs/benchmarks.md). "
+            "The autoseg command sets it; from Python, set OMP_WAIT_POLICY=PASSIVE before importing torch",
             what,
             threads,
             source,
