@@ -91,10 +91,10 @@ def _parameter_counts() -> dict[str, int]:
 
 
 def test_no_function_takes_more_than_8_parameters() -> None:
-    """At most 8 parameters in autoseg/ and benchmarks/ (``*args`` and ``**kwargs`` count, ``self``/``cls`` do not; dataclass constructors are
-    generated, so they are not counted): settings that travel together are one typed options object. The
-    exceptions are named in MANY_PARAMETERS with their reason, and an exception that no longer needs it is
-    removed from the list."""
+    """At most 8 parameters in autoseg/ and benchmarks/ (``*args`` and ``**kwargs`` count, ``self``/``cls`` do not;
+    dataclass constructors are generated, so they are not counted): settings that travel together are one typed
+    options object. The exceptions are named in MANY_PARAMETERS with their reason, and an exception that no longer
+    needs it is removed from the list."""
     counts = _parameter_counts()
     over = {name: n for name, n in counts.items() if n > 8 and name not in MANY_PARAMETERS}
     assert over == {}, f"more than 8 parameters (split along a seam, e.g. an options object): {over}"

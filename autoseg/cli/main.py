@@ -268,18 +268,12 @@ def _explain(args: argparse.Namespace, progress: bool) -> int:
     import json
 
     from autoseg.core.workspace import Workspace
-    from autoseg.explain.explanation import explain
+    from autoseg.explain.explanation import explain_plans_file
     from autoseg.explain.format import format_explanation
-    from autoseg.plan.fingerprint import Fingerprint
-    from autoseg.plan.plans import Plans
 
     ws = Workspace.at(args.workspace or ".")
     plans_path = Path(args.plans) if args.plans else ws.require(ws.plans_path, "plan")
-    plans = Plans.from_json(plans_path)
-    config = args.config or plans.default_configuration()
-    fp_path = Workspace.at(plans_path.parent).fingerprint_path  # a workspace keeps it beside plans.json
-    fingerprint = Fingerprint.from_json(fp_path) if fp_path.is_file() else None
-    explanation = explain(plans, config, device=args.device, fingerprint=fingerprint)
+    explanation = explain_plans_file(plans_path, args.config, args.device)
     text = json.dumps(explanation.to_dict(), indent=2) if args.json else format_explanation(explanation)
     print(text.rstrip("\n"))
     return 0

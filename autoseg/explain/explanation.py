@@ -19,9 +19,11 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import effective_precision
+from autoseg.core.workspace import Workspace
 from autoseg.explain.inference_and_host import HostCase, host_cases, inference_terms
 from autoseg.memory.device import DEVICE_TERMS, DEVICES, predict_device_peak
 from autoseg.memory.loader_worker import worker_bytes
@@ -160,6 +162,15 @@ class Explanation:
             "headroom_bytes": self.headroom_bytes,
             "fits": self.headroom_bytes >= 0,
         }
+
+
+def explain_plans_file(plans_path: Path, config_name: str | None, device: str | None) -> Explanation:
+    """``explain`` of a plans.json (``config_name`` None: its default configuration), with the dataset's
+    fingerprint.json when it lies beside it, as in a workspace."""
+    plans = Plans.from_json(plans_path)
+    fingerprint_path = Workspace.at(plans_path.parent).fingerprint_path
+    fingerprint = Fingerprint.from_json(fingerprint_path) if fingerprint_path.is_file() else None
+    return explain(plans, config_name or plans.default_configuration(), device=device, fingerprint=fingerprint)
 
 
 def explain(
