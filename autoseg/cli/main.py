@@ -240,7 +240,7 @@ def _evaluate(args: argparse.Namespace, progress: bool) -> int:
     surface = {"nsd_tolerance_mm": None} if args.no_surface else {}
     if args.nsd_tolerance is not None:
         surface = {"nsd_tolerance_mm": args.nsd_tolerance}
-    summary = evaluate_folder(args.pred_dir, args.gt_dir, output_json=out, **surface)
+    summary = evaluate_folder(args.pred_dir, args.gt_dir, file_ending=args.file_ending, output_json=out, **surface)
     print(format_table(summary))
     print(f"summary: {out}")
     return 0

@@ -18,6 +18,13 @@ def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("pred_dir")
     p.add_argument("gt_dir")
     p.add_argument("-o", "--output", default=None, help="summary.json path (default: PRED_DIR/summary.json)")
+    p.add_argument(
+        "--file-ending",
+        default=None,
+        metavar="ENDING",
+        help="the segmentations' file ending: .nii.gz, .nii, .nrrd, .mha or .mhd (default: the one format of the "
+        "files in GT_DIR)",
+    )
     surface = p.add_mutually_exclusive_group()
     surface.add_argument(
         "--nsd-tolerance",

@@ -13,24 +13,45 @@ from typing import Any
 import numpy as np
 
 from autoseg.core.errors import InputError
-from autoseg.dataset.imageio import Geometry, read_geometry, read_image
+from autoseg.dataset.imageio import SUPPORTED_ENDINGS, Geometry, read_geometry, read_image, supported_ending
 
 
 class EvaluationError(InputError):
     """Predictions and references cannot be compared (missing files, different geometry, bad values)."""
 
 
+def reference_ending(gt_dir: Path) -> str:
+    """The one image ending (``SUPPORTED_ENDINGS``) of the reference segmentations in ``gt_dir``; refused when the
+    folder holds none, or several (then ``--file-ending`` chooses)."""
+    if not gt_dir.is_dir():
+        raise EvaluationError(f"{gt_dir}: reference folder not found")
+    found = sorted({e for p in gt_dir.iterdir() if not p.name.startswith(".") and (e := supported_ending(p.name))})
+    if not found:
+        raise EvaluationError(
+            f"{gt_dir}: no reference segmentations in a format autoseg reads ({', '.join(SUPPORTED_ENDINGS)})"
+        )
+    if len(found) > 1:
+        raise EvaluationError(
+            f"{gt_dir}: reference segmentations in {len(found)} formats ({', '.join(found)}); choose one with "
+            "--file-ending"
+        )
+    return found[0]
+
+
 def match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[Path, Path]]:
-    """(prediction, reference) pairs, one per reference file, in name order."""
+    """(prediction, reference) pairs, one per reference file ``{case}{file_ending}``, in name order. A prediction
+    of a reference's case in another format is refused naming both (a label map is compared with its own format's
+    reference, never matched by its case name alone)."""
     for folder, what in ((gt_dir, "reference"), (pred_dir, "prediction")):
         if not folder.is_dir():
             raise EvaluationError(f"{folder}: {what} folder not found")
     refs = sorted(p for p in gt_dir.iterdir() if p.name.endswith(file_ending) and not p.name.startswith("."))
     if not refs:
         raise EvaluationError(
-            f"{gt_dir}: no reference segmentations ending in {file_ending!r}; "
-            "pass file_ending to match the dataset's files"
+            f"{gt_dir}: no reference segmentations ending in {file_ending!r}; give the references' ending with "
+            "--file-ending"
         )
+    _refuse_other_endings(pred_dir, refs, file_ending)
     missing = [r.name for r in refs if not (pred_dir / r.name).is_file()]
     if missing:
         raise EvaluationError(
@@ -53,6 +74,22 @@ def match_files(pred_dir: Path, gt_dir: Path, file_ending: str) -> list[tuple[Pa
             "these predictions out of the folder"
         )
     return [(pred_dir / r.name, r) for r in refs]
+
+
+def _refuse_other_endings(pred_dir: Path, refs: list[Path], file_ending: str) -> None:
+    """A prediction of a reference's case that ends otherwise (``case.nrrd`` beside the reference ``case.nii.gz``)."""
+    cases = {r.name[: -len(file_ending)]: r for r in refs}
+    for p in sorted(pred_dir.iterdir()):
+        ending = supported_ending(p.name)
+        if ending is None or ending == file_ending or p.name.startswith("."):
+            continue
+        reference = cases.get(p.name[: -len(ending)])
+        if reference is not None:
+            raise EvaluationError(
+                f"{p}: a prediction ending in {ending!r}, but its reference {reference} ends in {file_ending!r}; "
+                "evaluate predictions and references of the same format (predict writes the input images' format: "
+                "convert one side, or give the predictions' ending with --file-ending if their references have it)"
+            )
 
 
 def _first_names(names: list[str], shown: int = 10) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from autoseg.core.artifacts import Artifact, to_dict, write_json
+from autoseg.dataset.imageio import SUPPORTED_ENDINGS
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
 from autoseg.evaluate.files import (
     EvaluationError,
@@ -34,6 +35,7 @@ from autoseg.evaluate.files import (
     labels_from_dataset_json,
     match_files,
     read_label_map,
+    reference_ending,
 )
 from autoseg.evaluate.surface import DEFAULT_NSD_TOLERANCE_MM, NOT_COMPUTED, SurfaceMetrics, case_surface_metrics
 
@@ -102,11 +104,12 @@ def evaluate_folder(
     pred_dir: str | Path,
     gt_dir: str | Path,
     labels: dict[str, Any] | None = None,
-    file_ending: str = ".nii.gz",
+    file_ending: str | None = None,
     output_json: str | Path | None = None,
     nsd_tolerance_mm: float | None = DEFAULT_NSD_TOLERANCE_MM,
 ) -> EvaluationSummary:
-    """Evaluate every reference ``gt_dir/{case}{file_ending}`` against ``pred_dir/{case}{file_ending}``.
+    """Evaluate every reference ``gt_dir/{case}{file_ending}`` against ``pred_dir/{case}{file_ending}``
+    (``file_ending`` None: the one format of the references, ``reference_ending``).
 
     ``labels`` maps class names to label values as in dataset.json (background, value 0, is skipped; a list
     of values is a region; ``"ignore"`` names the ignore label). When None, they come
@@ -116,6 +119,9 @@ def evaluate_folder(
     ``nsd_tolerance_mm``: the normalized surface Dice's tolerance; None skips the surface metrics (HD95, NSD).
     """
     pred_dir, gt_dir = Path(pred_dir), Path(gt_dir)
+    if file_ending is not None and file_ending not in SUPPORTED_ENDINGS:
+        raise EvaluationError(f"--file-ending {file_ending!r}: use one of {', '.join(SUPPORTED_ENDINGS)}")
+    file_ending = file_ending or reference_ending(gt_dir)
     pairs = match_files(pred_dir, gt_dir, file_ending)
     if labels is None:
         labels = labels_from_dataset_json(gt_dir)
