@@ -3,8 +3,9 @@ the run resumable as a whole.
 
 With ``--resume`` each fold goes on from where an interrupted command left it: a fold that finished (its
 ``run.json`` written and, when the run validates, its ``validation/summary.json``) is skipped, one with a
-``checkpoint_latest.pt`` resumes from it, one without starts from its first epoch. Without ``--resume`` every fold
-starts from its first epoch, as one fold does. ``--time-budget`` applies to each fold.
+``checkpoint_latest.pt`` resumes from it, one without starts from its first epoch. When no fold asked for has
+either, there is nothing to resume: refused naming the missing checkpoint, not started over. Without ``--resume``
+every fold starts from its first epoch, as one fold does. ``--time-budget`` applies to each fold.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
+from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext
 from autoseg.train.run_config import RunConfig
@@ -39,6 +41,8 @@ def train_folds(
 ) -> list[Path]:
     """Train ``folds`` one after the other (``train``); returns their results folders, finished ones included.
     ``run.resume``: skip finished folds, resume the others from their latest checkpoint where they have one."""
+    if run.resume:
+        _check_something_to_resume(workspace, config_name, folds, run.validate)
     done = []
     for i, fold in enumerate(folds):
         out = workspace.results(config_name, fold)
@@ -54,3 +58,23 @@ def train_folds(
             train(workspace, config_name, fold, replace(run, resume=resume), progress=progress, distributed=distributed)
         )
     return done
+
+
+def _check_something_to_resume(
+    workspace: Workspace, config_name: str, folds: Sequence[int | str], validate: bool
+) -> None:
+    """``--resume`` where no fold asked for has a checkpoint or finished: an error naming the missing checkpoint
+    (a typo in the workspace, the configuration or the fold would otherwise train from scratch and exit 0)."""
+    started = [
+        f
+        for f in folds
+        if fold_finished(workspace, config_name, f, validate)
+        or workspace.checkpoint(config_name, f, "latest").is_file()
+    ]
+    if not started:
+        missing = workspace.checkpoint(config_name, folds[0], "latest")
+        others = f" (nor for fold(s) {' '.join(map(str, folds[1:]))})" if len(folds) > 1 else ""
+        raise InputError(
+            f"--resume: {missing} not found{others}: nothing of configuration {config_name} to resume in "
+            f"{workspace.root}; train without --resume to start, or check -w, --config and the fold"
+        )

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from train_faults import killed_after_epochs
 
+from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.train import folds as folds_module
 from autoseg.train.checkpoint import load_checkpoint
@@ -60,3 +61,16 @@ def test_a_validating_run_counts_a_fold_finished_only_with_its_validation_summar
     (out / "validation").mkdir()
     (out / "validation" / "summary.json").write_text("{}")
     assert fold_finished(workspace, CONFIG, 3, validate=True)
+
+
+def test_resume_with_nothing_to_resume_is_refused_naming_the_checkpoint(workspace: Workspace) -> None:
+    """``train fold 0 1 --resume`` in a workspace where neither fold began: an error naming fold 0's missing
+    checkpoint and fold 1, and nothing trained or written (not a fresh run that exits 0)."""
+    results = workspace.root / "results"
+    before = sorted(results.rglob("*")) if results.exists() else []
+    with pytest.raises(InputError) as info:
+        train_folds(workspace, CONFIG, [0, 1], RunConfig(**TINY, resume=True), progress=False)
+    message = str(info.value)
+    assert str(workspace.checkpoint(CONFIG, 0, "latest")) in message and "fold(s) 1" in message
+    assert "without --resume" in message
+    assert (sorted(results.rglob("*")) if results.exists() else []) == before
