@@ -8,6 +8,7 @@ autoseg works on arrays in (z, y, x) order; SimpleITK reports spacing and origin
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -173,6 +174,7 @@ def read_dicom_series(
     if not files:
         raise InputError(f"{folder}: no DICOM series {series_uid}")
     check_dicom_series(folder, series_uid)  # GDCM lists a series without the slice files it cannot read
+    check_slice_spacing(folder, series_uid, files)
     reader = sitk.ImageSeriesReader()
     reader.SetFileNames(files)
     try:
@@ -183,6 +185,47 @@ def read_dicom_series(
             "of it is damaged or truncated"
         ) from e
     return _array_and_geometry(image, f"{folder} (DICOM series {series_uid})", dtype)
+
+
+SLICE_SPACING_TOLERANCE = 0.01  # of the series' median spacing: the reader assumes one spacing for every slice
+
+
+def check_slice_spacing(folder: str | Path, series_uid: str, files: Sequence[str]) -> None:
+    """Refuse a series whose slices (``files``, in GDCM's order along the slice normal) are not evenly spaced: a
+    gap deviating from the median spacing by more than ``SLICE_SPACING_TOLERANCE`` of it, a missing slice among
+    them. SimpleITK reads such a series with one spacing and only a warning, which puts every slice after the gap
+    in the wrong place."""
+    if len(files) < 3:
+        return
+    positions = np.array([_position_along_normal(f) for f in files])
+    gaps = np.diff(positions)
+    spacing = float(np.median(gaps))
+    off = np.abs(gaps - spacing) > SLICE_SPACING_TOLERANCE * abs(spacing)
+    if spacing == 0 or off.any():
+        i = int(np.argmax(off)) if spacing else 0
+        missing = round(gaps[i] / spacing) - 1 if spacing else 0
+        hint = f" ({missing} slice(s) missing?)" if missing >= 1 else ""
+        raise InputError(
+            f"{folder}: DICOM series {series_uid}: its slices are not evenly spaced: {Path(files[i]).name} and "
+            f"{Path(files[i + 1]).name} lie {abs(gaps[i]):.4g} mm apart, the series' other slices "
+            f"{abs(spacing):.4g} mm{hint}; read as one volume, every slice after the gap would be misplaced. "
+            "Export the complete series again, or convert it with a tool that resamples uneven slices (e.g. "
+            "dcm2niix) and predict the NIfTI file"
+        )
+
+
+def _position_along_normal(path: str) -> float:
+    """A slice file's Image Position (Patient) projected on its slice normal (from Image Orientation), in mm."""
+    reader = sitk.ImageFileReader()
+    reader.SetFileName(path)
+    reader.ReadImageInformation()
+    try:
+        position = [float(v) for v in reader.GetMetaData("0020|0032").split("\\")]
+        orientation = [float(v) for v in reader.GetMetaData("0020|0037").split("\\")]
+    except (RuntimeError, ValueError) as e:
+        raise InputError(f"{path}: no readable Image Position / Orientation (Patient) ({_first_line(e)})") from e
+    normal = np.cross(orientation[:3], orientation[3:6])
+    return float(np.dot(position, normal))
 
 
 def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> None:

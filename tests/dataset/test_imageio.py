@@ -305,3 +305,37 @@ def test_a_dicom_series_with_a_truncated_slice_is_refused_naming_it(tmp_path):
     with pytest.raises(InputError, match=rf"DICOM series 1.2.3.1: {cut}: truncated: element \(7FE0,0010\)"):
         read_dicom_series(tmp_path, "1.2.3.1")
     np.testing.assert_array_equal(read_dicom_series(tmp_path, "1.2.3.2")[0], voxels[:3])  # the other one is whole
+
+
+def test_a_dicom_series_with_a_missing_slice_is_refused_naming_the_gap(tmp_path):
+    """Slice 2 of 6 gone: SimpleITK would read 5 slices at one spacing (warning only), every slice after the gap
+    2.5 mm off; the series is refused naming the two slices around the gap, its width and the usual spacing."""
+    voxels = np.random.default_rng(0).integers(-1000, 2000, (6, 7, 6)).astype(np.int16)
+    write_dicom_series(tmp_path, voxels, "1.2.3.1", spacing_xyz=(0.8, 0.9, 2.5))
+    (tmp_path / "1.2.3.1-002.dcm").unlink()
+    with pytest.raises(InputError) as info:
+        read_dicom_series(tmp_path, "1.2.3.1")
+    message = str(info.value)
+    assert "1.2.3.1-001.dcm and 1.2.3.1-003.dcm lie 5 mm apart" in message and "other slices 2.5 mm" in message
+    assert "1 slice(s) missing" in message and "DICOM series 1.2.3.1" in message
+
+
+def test_a_dicom_series_with_a_slice_off_by_more_than_1_percent_is_refused(tmp_path):
+    """One slice written 0.1 mm (4% of the 2.5 mm spacing) away from its place: refused; 0.01 mm (0.4%) passes."""
+    voxels = np.random.default_rng(0).integers(-1000, 2000, (5, 7, 6)).astype(np.int16)
+    for shift, refused in ((0.1, True), (0.01, False)):
+        folder = tmp_path / str(shift)
+        write_dicom_series(folder, voxels, "1.2.3.1", spacing_xyz=(0.8, 0.9, 2.5))
+        moved = folder / "1.2.3.1-002.dcm"
+        image = sitk.ReadImage(str(moved))
+        x, y, z = (float(v) for v in image.GetMetaData("0020|0032").split("\\"))
+        image.SetMetaData("0020|0032", f"{x}\\{y}\\{z + shift}")
+        writer = sitk.ImageFileWriter()
+        writer.KeepOriginalImageUIDOn()
+        writer.SetFileName(str(moved))
+        writer.Execute(image)
+        if refused:
+            with pytest.raises(InputError, match="not evenly spaced"):
+                read_dicom_series(folder, "1.2.3.1")
+        else:
+            assert read_dicom_series(folder, "1.2.3.1")[0].shape == (5, 7, 6)
