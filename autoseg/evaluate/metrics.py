@@ -151,6 +151,8 @@ def evaluate_pairs(
         raise EvaluationError(f"NSD tolerance {nsd_tolerance_mm} mm: give a finite number of mm above 0")
     ignore = labels.get(IGNORE) if labels is not None else None
     scored = [_score_case(pred_path, ref_path, labels, ignore, nsd_tolerance_mm) for pred_path, ref_path in pairs]
+    if labels is not None:
+        _refuse_undeclared_predictions(pairs, [confusion for confusion, _, _ in scored], labels)
     if labels is None:  # name classes by the values found
         found = sorted({v for c, _, _ in scored for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
         labels = {str(v): v for v in found}
@@ -254,6 +256,23 @@ def _confusion(pred: np.ndarray, ref: np.ndarray, pred_path: Path, ref_path: Pat
     if ignore is not None and ignore < size:
         confusion[ignore] = 0
     return confusion
+
+
+def _refuse_undeclared_predictions(
+    pairs: list[tuple[Path, Path]], confusions: list[np.ndarray], labels: dict[str, Any]
+) -> None:
+    """A prediction holding a label value that ``labels`` (dataset.json's) does not declare is an error naming the
+    case and the value: scored, its voxels would count as background without a word."""
+    declared = {0} | {
+        int(v) for value in labels.values() for v in (value if isinstance(value, (list, tuple)) else (value,))
+    }
+    for (pred_path, _), confusion in zip(pairs, confusions, strict=True):
+        undeclared = sorted(set(np.flatnonzero(confusion.sum(axis=0)).tolist()) - declared)
+        if undeclared:
+            raise EvaluationError(
+                f"{pred_path}: holds label value(s) {undeclared}, which the labels do not declare (values "
+                f"{sorted(declared)}); evaluate against the dataset the model was trained for, or give its labels"
+            )
 
 
 def _counts(confusion: np.ndarray, value: LabelValue) -> tuple[int, int, int]:

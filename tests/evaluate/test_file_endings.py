@@ -55,3 +55,14 @@ def test_an_unknown_file_ending_is_refused_naming_the_flag(tmp_path: Path, capsy
     pred, gt = _case(tmp_path, ".nrrd", ".nrrd")
     assert_refused(run_cli(capsys, "evaluate", pred, gt, "--file-ending", ".png"), 2, "--file-ending", ".png")
     assert not (pred / "summary.json").exists()
+
+
+def test_a_predicted_value_the_labels_do_not_declare_is_refused_naming_case_and_value(tmp_path: Path) -> None:
+    """dataset.json declares 0 and 1; a prediction holding 3 is an error naming its file and the value, not voxels
+    scored as background; nothing is written."""
+    pred, gt = _case(tmp_path, ".nii.gz", ".nii.gz")
+    (tmp_path / "dataset.json").write_text('{"labels": {"background": 0, "organ": 1}}')
+    _write(pred / "a.nii.gz", np.array([[[1, 1, 3, 0], [1, 0, 0, 0]]], dtype=np.uint8))
+    with pytest.raises(EvaluationError, match=r"a\.nii\.gz: holds label value\(s\) \[3\], which the labels do not"):
+        evaluate_folder(pred, gt, output_json=pred / "summary.json")
+    assert not (pred / "summary.json").exists()
