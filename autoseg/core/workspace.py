@@ -232,6 +232,7 @@ def load_or_create_splits(workspace: Workspace, case_ids: list[str], seed: int =
         splits = Splits.from_json(workspace.splits_path)
         known = {c for f in splits.folds for c in f.val}
         if known == set(case_ids):
+            _check_split_cases(workspace.splits_path, splits, known)
             return splits
         raise ArtifactError(
             f"{workspace.splits_path}: its cases differ from the preprocessed ones "
@@ -240,3 +241,18 @@ def load_or_create_splits(workspace: Workspace, case_ids: list[str], seed: int =
     splits = make_splits(case_ids, seed=seed)
     splits.to_json(workspace.splits_path)
     return splits
+
+
+def _check_split_cases(path: Path, splits: Splits, case_ids: set[str]) -> None:
+    """Every id of every fold (training and validation) is one of ``case_ids``, the preprocessed cases: an id is
+    used as a file name, so one that is not a case (a path that climbs out of the workspace, a typo) is refused
+    naming the file, the fold and the id, never read from wherever it points."""
+    for k, fold in enumerate(splits.folds):
+        for role, ids in (("train", fold.train), ("val", fold.val)):
+            strangers = [c for c in ids if c not in case_ids]
+            if strangers:
+                raise ArtifactError(
+                    f"{path}: fold {k}'s {role} holds {strangers[0]!r}, which is not a preprocessed case of this "
+                    f"workspace{f' ({len(strangers)} such ids)' if len(strangers) > 1 else ''}; fix the id, or delete "
+                    "the file to make new splits"
+                )

@@ -173,3 +173,20 @@ def test_set_aside_renames_to_the_first_free_stale_name_and_keeps_the_contents(t
     results.mkdir()
     assert ws.set_aside(results) is None and not results.exists()  # an empty folder is just removed
     assert ws.set_aside(tmp_path / "nothing") is None
+
+
+def test_a_split_naming_a_case_that_is_not_preprocessed_is_refused_naming_file_fold_and_id(tmp_path: Path) -> None:
+    """A training id of splits.json is used as a file name: one that climbs out of the workspace (or any id that
+    is not a preprocessed case) is refused naming splits.json, the fold and the id, not read from where it points."""
+    workspace = Workspace.at(tmp_path)
+    splits = load_or_create_splits(workspace, CASES)
+    first = splits.folds[0]
+    tampered = Splits(
+        splits.seed, (type(first)((*first.train, "../../elsewhere/case_00"), first.val), *splits.folds[1:])
+    )
+    tampered.to_json(workspace.splits_path)
+    with pytest.raises(ArtifactError) as info:
+        load_or_create_splits(workspace, CASES)
+    message = str(info.value)
+    assert str(workspace.splits_path) in message and "fold 0's train" in message
+    assert "'../../elsewhere/case_00'" in message and "not a preprocessed case" in message
