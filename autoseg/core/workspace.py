@@ -211,7 +211,10 @@ class Workspace:
         return path
 
 
-def make_splits(case_ids: list[str], num_folds: int = 5, seed: int = 12345) -> Splits:
+NUM_FOLDS = 5  # the cross-validation's folds (fewer when there are fewer cases)
+
+
+def make_splits(case_ids: list[str], num_folds: int = NUM_FOLDS, seed: int = 12345) -> Splits:
     """Seeded k-fold split of the sorted case ids (each case in exactly one validation fold)."""
     ids = sorted(case_ids)
     if len(ids) < 2:

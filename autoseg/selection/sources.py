@@ -10,10 +10,11 @@ from pathlib import Path
 
 from autoseg.core.artifacts import ArtifactError
 from autoseg.core.errors import InputError
-from autoseg.core.workspace import Splits, Workspace
+from autoseg.core.workspace import NUM_FOLDS, Splits, Workspace
 from autoseg.dataset.labels import IGNORE, LabelScheme, LabelValue, foreground_entries
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.plans import Plans
+from autoseg.preprocess.store import list_cases
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def _configurations(workspace: Workspace, plans: Plans, configs: list[str] | Non
         if not configs:
             raise InputError(
                 f"{workspace.root}: no configuration has trained folds (results/<config>/ not found); "
-                f"train one first: `autoseg train fold 0 1 2 3 4 -c {plans.default_configuration()} "
-                f"-w {workspace.root}`"
+                f"train one first: `autoseg train fold {' '.join(map(str, _every_fold(workspace, plans)))} "
+                f"-c {plans.default_configuration()} -w {workspace.root}`"
             )
         return configs
     unknown = [c for c in configs if c not in plans.configurations]
@@ -154,3 +155,13 @@ def _missing_outputs(cv: CrossValidation, config: str, fold: int) -> str:
     for case in (c for c in cv.cases if c.fold == fold):
         missing += [p.name for p in (cv.label_map(config, case), cv.probabilities(config, case)) if not p.is_file()]
     return ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+
+
+def _every_fold(workspace: Workspace, plans: Plans) -> range:
+    """The folds a cross-validation of this workspace has: splits.json's, or before it exists the ones training
+    will make (``make_splits``: five, or one per case below five preprocessed cases)."""
+    if workspace.splits_path.is_file():
+        return range(len(Splits.from_json(workspace.splits_path).folds))
+    data = workspace.preprocessed(plans.configuration(plans.default_configuration()).data_configuration)
+    cases = len(list_cases(data)) if data.is_dir() else 0
+    return range(min(NUM_FOLDS, cases) if cases >= 2 else NUM_FOLDS)

@@ -134,3 +134,23 @@ def test_an_ensembles_host_memory_is_what_its_estimate_says(tmp_path) -> None:
     estimate = ensemble_case_bytes(big[0], math.prod(big[1:]))
     assert labels.shape == big[1:] and labels.shape != SHAPE
     assert 0.6 * estimate <= peak <= 1.1 * estimate, (peak, estimate)
+
+
+def test_find_best_without_trained_folds_advises_the_folds_splits_json_holds(prepared, tmp_path) -> None:
+    """splits.json holds four folds: the advice names folds 0 1 2 3 (not 0-4, which would fail at fold 4), and the
+    advised command parses with the CLI's own parser."""
+    import re
+    import shlex
+
+    from autoseg.cli.parser import parse_args
+    from autoseg.core.workspace import Workspace, make_splits
+    from autoseg.preprocess.store import list_cases
+
+    workspace = Workspace.at(shutil.copytree(prepared, tmp_path / "ws"))
+    cases = list_cases(workspace.preprocessed("3d_fullres"))
+    make_splits(cases, num_folds=4).to_json(workspace.splits_path)
+    with pytest.raises(InputError) as info:
+        find_best(workspace, progress=False)
+    (advice,) = re.findall(r"`autoseg ([^`]+)`", str(info.value))
+    args = parse_args(shlex.split(advice))
+    assert args.command == "train" and list(args.folds) == [0, 1, 2, 3] and args.config == "3d_fullres"
