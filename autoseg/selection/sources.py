@@ -10,7 +10,7 @@ from pathlib import Path
 
 from autoseg.core.artifacts import ArtifactError
 from autoseg.core.errors import InputError
-from autoseg.core.workspace import NUM_FOLDS, Splits, Workspace
+from autoseg.core.workspace import NUM_FOLDS, Splits, Workspace, make_splits
 from autoseg.dataset.labels import IGNORE, LabelScheme, LabelValue, foreground_entries
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.plans import Plans
@@ -163,5 +163,5 @@ def _every_fold(workspace: Workspace, plans: Plans) -> range:
     if workspace.splits_path.is_file():
         return range(len(Splits.from_json(workspace.splits_path).folds))
     data = workspace.preprocessed(plans.configuration(plans.default_configuration()).data_configuration)
-    cases = len(list_cases(data)) if data.is_dir() else 0
-    return range(min(NUM_FOLDS, cases) if cases >= 2 else NUM_FOLDS)
+    cases = list_cases(data) if data.is_dir() else []
+    return range(len(make_splits(cases).folds) if len(cases) >= 2 else NUM_FOLDS)  # make_splits refuses below 2
