@@ -97,6 +97,15 @@ def trained(prepared: Path, tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def cascade_ws(prepared: Path, tmp_path_factory) -> Path:
+    """The prepared workspace with the cascade planned, two folds (splits.json written by hand), 3d_lowres fold 0
+    trained and validated (``cascade_workspace``). Read-only: tests that write copy it."""
+    from cascade_workspace import make_cascade_workspace
+
+    return make_cascade_workspace(prepared, tmp_path_factory.mktemp("cascade") / "ws")
+
+
 @pytest.fixture()
 def inputs(tiny_dataset: Path, tmp_path: Path) -> Path:
     """A writable folder of the tiny dataset's test images (demo_005, demo_006) in the inference layout."""

@@ -184,7 +184,7 @@ class Workspace:
         if not self.info_path.is_file():
             raise ArtifactError(
                 f"{self.root}: not an autoseg workspace (no workspace.json); run "
-                f"`autoseg plan_and_preprocess DATASET -w {self.root}` first"
+                f"`{self.advice('plan_and_preprocess')}` first"
             )
         return WorkspaceInfo.from_json(self.info_path)
 
@@ -206,9 +206,19 @@ class Workspace:
         return target
 
     def require(self, path: Path, produced_by: str) -> Path:
+        """``path``, or an ``ArtifactError`` advising the command that writes it (``advice(produced_by)``)."""
         if not path.exists():
-            raise ArtifactError(f"{path} not found; run `autoseg {produced_by} -w {self.root}` first")
+            raise ArtifactError(f"{path} not found; run `{self.advice(produced_by)}` first")
         return path
+
+    def advice(self, command: str) -> str:
+        """``autoseg COMMAND`` as a user runs it on this workspace: a planning command (``plan``,
+        ``plan_and_preprocess``) takes the dataset this workspace was made from (``DATASET`` before there is
+        one) as its first argument; ``-w`` comes last."""
+        name, *rest = command.split()
+        if name in ("plan", "plan_and_preprocess"):
+            rest.insert(0, str(self.dataset_root()) if self.info_path.is_file() else "DATASET")
+        return " ".join(["autoseg", name, *rest, "-w", str(self.root)])
 
 
 NUM_FOLDS = 5  # the cross-validation's folds (fewer when there are fewer cases)

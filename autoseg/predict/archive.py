@@ -140,7 +140,7 @@ def _chosen_folds(
         if not chosen:
             raise InputError(
                 f"{results}: no trained fold with checkpoint_{checkpoint}.pt to export; train one "
-                f"first (`autoseg train fold 0 -w {workspace.root}`) or choose --checkpoint"
+                f"first (`{workspace.advice(f'train fold 0 -c {config_name}')}`) or choose --checkpoint"
             )
         return chosen
     chosen = tuple(dict.fromkeys(int(f) if str(f).isdigit() else str(f) for f in folds))
@@ -149,7 +149,7 @@ def _chosen_folds(
         raise InputError(
             f"fold(s) {' '.join(map(str, untrained))} of {config_name}: no "
             f"checkpoint_{checkpoint}.pt under {results}; train them first "
-            f"(`autoseg train fold {untrained[0]} -w {workspace.root}`), or leave them out of --folds "
+            f"(`{workspace.advice(f'train fold {untrained[0]} -c {config_name}')}`), or leave them out of --folds "
             f"(trained: {' '.join(map(str, workspace.trained_folds(config_name, checkpoint))) or 'none'})"
         )
     return chosen

@@ -23,7 +23,7 @@ from autoseg.predict.window import WindowOptions
 
 def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
     if not checkpoint_path.is_file():
-        raise InputError(f"{checkpoint_path} not found; train this fold first (`autoseg train fold N`)")
+        raise InputError(f"{checkpoint_path} not found; train this fold first, or predict with --folds naming others")
     state = read_checkpoint_file(
         checkpoint_path,
         "predict with --checkpoint naming another one (best, final, latest), or train this fold again",
@@ -48,7 +48,14 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
 def load_networks(
     workspace: Workspace, config: ConfigurationPlan, folds: tuple[int, ...], checkpoint: str, device: str
 ) -> list[torch.nn.Module]:
-    """``config``'s network of each of ``folds`` (``results/<config>/fold_<k>/checkpoint_<checkpoint>.pt``)."""
+    """``config``'s network of each of ``folds`` (``results/<config>/fold_<k>/checkpoint_<checkpoint>.pt``); a fold
+    without that checkpoint is refused, advising the command that trains it."""
+    for fold in folds:
+        if not (path := workspace.checkpoint(config.name, fold, checkpoint)).is_file():
+            raise InputError(
+                f"{path} not found; train this fold first (`{workspace.advice(f'train fold {fold} -c {config.name}')}`)"
+                " or predict with --folds naming trained ones"
+            )
     return [load_trained_network(workspace.checkpoint(config.name, f, checkpoint), config, device) for f in folds]
 
 

@@ -132,7 +132,7 @@ def _trained_folds(workspace: Workspace, config_name: str, checkpoint: str) -> t
     if not folds:
         raise InputError(
             f"{workspace.root / 'results' / config_name}: no trained fold with "
-            f"checkpoint_{checkpoint}.pt; run `autoseg train fold 0` first"
+            f"checkpoint_{checkpoint}.pt; run `{workspace.advice(f'train fold 0 -c {config_name}')}` first"
         )
     return folds
 

@@ -43,12 +43,12 @@ def fold_cases(workspace: Workspace, data_config: str, fold: int | str) -> tuple
     folder = workspace.require(workspace.preprocessed(data_config), "plan_and_preprocess")
     case_ids = list_cases(folder)
     if not case_ids:
-        raise InputError(f"{folder}: no preprocessed cases; run `autoseg plan_and_preprocess` first")
+        raise InputError(f"{folder}: no preprocessed cases; run `{workspace.advice('plan_and_preprocess')}` first")
     for case_id in case_ids:  # a case never silently leaves the folds
         if missing := missing_files(folder, case_id):
             raise InputError(
                 f"{folder}: case {case_id!r} is missing {', '.join(p.name for p in missing)}; "
-                "run `autoseg plan_and_preprocess` again (it redoes incomplete cases)"
+                f"run `{workspace.advice('plan_and_preprocess')}` again (it redoes incomplete cases)"
             )
     splits = load_or_create_splits(workspace, case_ids)
     if fold == "all":

@@ -322,6 +322,6 @@ def _refuse_if_too_large(
         raise InputError(
             f"configuration {config_name!r} (patch {'x'.join(map(str, config.patch_size))}, batch "
             f"{config.batch_size}) is predicted to need {format_bytes(need)} on {device.type}; {where}. "
-            f"Check it on the machine it was planned for ({config.device}: `autoseg check-memory "
-            f"--device {config.device}`), or plan for this one"
+            f"Check it on the machine it was planned for ({config.device}: `autoseg check-memory -c {config_name} "
+            f"--device {config.device} -w WORKSPACE`, WORKSPACE a copy of this workspace there), or plan for this one"
         )
