@@ -130,6 +130,7 @@ def report_error(prefix: str, error: Exception) -> int:
 
 
 def _plan(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.lock import refuse_while_held
     from autoseg.core.workspace import Workspace
     from autoseg.dataset.raw import load_dataset
     from autoseg.preprocess.run import PreprocessRequest, plan_and_preprocess
@@ -137,6 +138,8 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     ws = Workspace.at(args.workspace)
     print(f"workspace: {ws.root}")
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
+    # another writer of the plan is refused before the budget is measured (plan_and_preprocess then holds the lock)
+    refuse_while_held(ws.plan_lock, ws.root, f"`autoseg {args.command}` writes it too")
     preprocessing = None
     if args.command == "plan_and_preprocess":
         configs = None if args.configs is None else tuple(args.configs)

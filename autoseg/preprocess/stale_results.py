@@ -37,11 +37,16 @@ def _trained_on(config: ConfigurationPlan) -> dict[str, Any]:
     return {k: v for k, v in to_dict(config).items() if k not in MACHINE_FIELDS}
 
 
+def _files_changed(planned: PlannedWorkspace) -> bool:
+    """Whether the dataset's case files changed (not only dataset.json): every trained fold was trained on them."""
+    return any(not c.startswith("dataset.json") for c in planned.dataset_changes)
+
+
 def stale_results(planned: PlannedWorkspace, stale_configs: set[str]) -> list[str]:
     """The configurations whose trained folds ``planned`` makes stale: every one when the dataset's case files changed,
     else those whose plan changed or whose preprocessed data is stale (``stale_configs``), and the cascade stages
     that read them."""
-    files_changed = any(not c.startswith("dataset.json") for c in planned.dataset_changes)
+    files_changed = _files_changed(planned)
     previous = planned.previous_plans.configurations if planned.previous_plans and planned.write_plans else {}
     configs = planned.plans.configurations
     changed = {
@@ -64,7 +69,7 @@ def set_aside_results(workspace: Workspace, planned: PlannedWorkspace, configs: 
         for name in configs
         for path in workspace.fold_locks(name)
     ]
-    files_changed = any(not c.startswith("dataset.json") for c in planned.dataset_changes)
+    trained_on = "dataset" if _files_changed(planned) else "plan"
     with hold_all(locks):
         for name in configs:
             moved = workspace.set_aside(workspace.results(name, 0).parent)
@@ -73,7 +78,7 @@ def set_aside_results(workspace: Workspace, planned: PlannedWorkspace, configs: 
                     "--overwrite: %s was trained on the %s before this change; moved to %s (autoseg no "
                     "longer uses it; delete it when you no longer need it)",
                     moved.with_name(name),
-                    "dataset" if files_changed else "plan",
+                    trained_on,
                     moved,
                 )
     if workspace.splits_path.is_file():
