@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -52,7 +53,9 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
     ``--gpus``) under torchrun, N processes on this node; its exit code. None for N = 1: this process trains."""
     import torch
 
+    from autoseg.core.workspace import Workspace
     from autoseg.model.distributed import run_torchrun
+    from autoseg.train.folds import fold_locks
 
     n = args.gpus
     if "WORLD_SIZE" in os.environ:
@@ -68,6 +71,9 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
             )
     if n == 1:
         return None
+    ws = Workspace.at(args.workspace)
+    with fold_locks(ws, args.config or _default_config(ws), args.folds, args.command_line):
+        pass  # refused here, at once, while another command holds them; rank 0 takes them for every rank
     return run_torchrun(n, without_gpus(argv))
 
 
@@ -75,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     passive_openmp_waiting(os.environ)  # before torch is imported: idle OpenMP threads sleep instead of spinning
     args = parse_args(argv)
+    args.command_line = shlex.join(["autoseg", *argv])  # what a lock this command holds names (autoseg.core.lock)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
     progress = not args.quiet and sys.stderr.isatty()
     try:
@@ -123,6 +130,7 @@ def report_error(prefix: str, error: Exception) -> int:
 
 
 def _plan(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.core.lock import refuse_while_held
     from autoseg.core.workspace import Workspace
     from autoseg.dataset.raw import load_dataset
     from autoseg.preprocess.run import PreprocessRequest, plan_and_preprocess
@@ -130,12 +138,20 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     ws = Workspace.at(args.workspace)
     print(f"workspace: {ws.root}")
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
+    # another writer of the plan is refused before the budget is measured (plan_and_preprocess then holds the lock)
+    refuse_while_held(ws.plan_lock, ws.root, f"`autoseg {args.command}` writes it too")
     preprocessing = None
     if args.command == "plan_and_preprocess":
         configs = None if args.configs is None else tuple(args.configs)
         preprocessing = PreprocessRequest(configs, args.processes, args.precompute_augmentations)
     plan_and_preprocess(
-        dataset, ws, _budget(args), preprocessing=preprocessing, progress=progress, overwrite=args.overwrite
+        dataset,
+        ws,
+        _budget(args),
+        preprocessing=preprocessing,
+        progress=progress,
+        overwrite=args.overwrite,
+        command=args.command_line,
     )
     return 0
 
@@ -171,7 +187,7 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         logging.getLogger().setLevel(logging.WARNING)
         progress = False
     with process_group(distributed):
-        train_folds(ws, config, args.folds, run, progress=progress, distributed=distributed)
+        train_folds(ws, config, args.folds, run, progress=progress, distributed=distributed, command=args.command_line)
     if distributed.is_distributed:
         end_rank_process(0)  # not through the interpreter's teardown, where gloo aborts now and then
     return 0
@@ -254,7 +270,11 @@ def _find_best(args: argparse.Namespace, progress: bool) -> int:
     ws = Workspace.at(args.workspace)
     print(f"workspace: {ws.root}")
     result = find_best(
-        ws, configs=args.configs, folds=None if args.folds is None else tuple(args.folds), progress=progress
+        ws,
+        configs=args.configs,
+        folds=None if args.folds is None else tuple(args.folds),
+        progress=progress,
+        command=args.command_line,
     )
     print(result.markdown.split("\nPredict with it:")[0].rstrip())
     print(

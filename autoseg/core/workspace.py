@@ -5,6 +5,7 @@
     workspace.json  fingerprint.json  plans.json  splits.json
     preprocessed/<config>/   results/<config>/fold_<k>/
     inference.json  find_best.json  find_best.md      (autoseg find-best)
+    .locks/                  the lock of each part being written (``autoseg.core.lock``)
 
 ``workspace.json`` (``WorkspaceInfo``) records which dataset the workspace was made from: its folder and
 its ``DatasetSource``, the content of dataset.json and, per file of imagesTr/ and labelsTr/, its name, size
@@ -14,6 +15,7 @@ dataset (``cp -r``) is the same dataset, a file replaced or truncated in place i
 
 from __future__ import annotations
 
+import glob
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +176,30 @@ class Workspace:
     def checkpoint(self, config: str, fold: int | str, which: str) -> Path:
         """A fold's ``checkpoint_{which}.pt``: ``latest`` (each epoch), ``best`` (pseudo-Dice EMA), ``final``."""
         return self.results(config, fold) / f"checkpoint_{which}.pt"
+
+    @property
+    def locks_dir(self) -> Path:
+        """``.locks/``: one lock file per part a command is writing (``autoseg.core.lock``); empty at rest."""
+        return self.root / ".locks"
+
+    @property
+    def plan_lock(self) -> Path:
+        """Held by `plan` / `plan_and_preprocess`: workspace.json, fingerprint.json, plans.json, splits.json and
+        preprocessed/."""
+        return self.locks_dir / "plan.lock"
+
+    def fold_lock(self, config: str, fold: int | str) -> Path:
+        """Held by `train` while it writes ``results/<config>/fold_<fold>/``."""
+        return self.locks_dir / f"results.{config}.fold_{fold}.lock"
+
+    def fold_locks(self, config: str) -> list[Path]:
+        """The lock files of ``config``'s folds there are now (held, or left by a process that is gone)."""
+        return sorted(self.locks_dir.glob(f"results.{glob.escape(config)}.fold_*.lock"))
+
+    @property
+    def inference_lock(self) -> Path:
+        """Held by `find-best` while it writes inference.json, find_best.json and find_best.md."""
+        return self.locks_dir / "inference.lock"
 
     def trained_folds(self, config: str, which: str = "final") -> tuple[int, ...]:
         """The numbered folds of ``config`` that have ``checkpoint_{which}.pt``, in order."""

@@ -32,6 +32,7 @@ from pathlib import Path
 import autoseg
 from autoseg.core.artifacts import Artifact, atomic_path, remove_stale_temporaries, to_dict
 from autoseg.core.errors import InputError
+from autoseg.core.lock import refuse_while_held
 from autoseg.core.workspace import Workspace
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
@@ -80,7 +81,11 @@ def export_model(
     workspace, that choice (its configurations, folds and checkpoint unless given, postprocessing); else
     ``config_name`` (default: the plan's default) without postprocessing, ``folds`` (default: every fold trained
     with ``checkpoint_<checkpoint>.pt``, final by default). Returns its manifest. Refuses (``InputError``) an
-    unplanned workspace, a fold not trained, a checkpoint that does not load."""
+    unplanned workspace, a fold not trained, a checkpoint that does not load, and a workspace whose plan and folds
+    `plan_and_preprocess --overwrite` is replacing."""
+    refuse_while_held(
+        workspace.plan_lock, workspace.root, "`autoseg export-model` reads the plan and the trained folds", True
+    )
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     workspace.require(workspace.fingerprint_path, "plan_and_preprocess")
     choice = (

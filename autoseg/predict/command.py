@@ -10,12 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from autoseg.core.lock import refuse_while_held
 from autoseg.core.workspace import Workspace
 from autoseg.predict.archive_reader import open_model_archive
 from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.chosen import predict_chosen
 from autoseg.predict.predictor import PredictOptions, predict
 from autoseg.predict.window import WindowOptions
+
+READS = "`autoseg predict -w` reads the plan and the trained folds (`-m MODEL.zip` reads an exported model instead)"
 
 
 @dataclass(frozen=True)
@@ -39,9 +42,12 @@ class PredictRequest:
 def predict_command(request: PredictRequest) -> list[Path]:
     """The label maps ``autoseg predict`` writes for ``request``: from its model archive (its configuration, the
     requested folds if it holds them, its checkpoint; ``OpenedModel.select``) or from its workspace, each through
-    ``predict_in_workspace``."""
+    ``predict_in_workspace``. A workspace whose plan and folds `plan_and_preprocess --overwrite` is replacing is
+    refused naming it (``autoseg.core.lock``): each file is replaced whole, but not all of them at once."""
     if request.model is None:
-        return predict_in_workspace(Workspace.at(request.workspace), request)
+        workspace = Workspace.at(request.workspace)
+        refuse_while_held(workspace.plan_lock, workspace.root, READS, only_replacing=True)
+        return predict_in_workspace(workspace, request)
     with open_model_archive(request.model, load_checkpoints=False) as model:  # predict loads them: read once
         config, folds = model.select(request.config_name, None if request.folds is None else list(request.folds))
         archived = replace(

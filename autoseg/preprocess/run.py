@@ -22,15 +22,17 @@ from typing import Any
 
 from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
+from autoseg.core.lock import hold, this_process
 from autoseg.core.resources import cpu_count, processes_for
 from autoseg.core.units import GiB, KiB, MiB
-from autoseg.core.workspace import DatasetSource, Splits, Workspace, dataset_source
+from autoseg.core.workspace import DatasetSource, Workspace, dataset_source
 from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.plan.budget import Budget
-from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.plan.run import PlannedWorkspace, check_dataset, load_fingerprint, make_plan, write_plan
+from autoseg.plan.plans import Plans
+from autoseg.plan.run import check_dataset, load_fingerprint, make_plan, write_plan
 from autoseg.preprocess.parallel import PreprocessOptions, case_peak_bytes, preprocess
 from autoseg.preprocess.precompute import PrecomputeConfig
+from autoseg.preprocess.stale_results import set_aside_results, stale_results
 from autoseg.preprocess.store import PreprocessedSource, delete_case, read_source, source_path, stored_case_ids
 
 log = logging.getLogger("autoseg")
@@ -49,6 +51,7 @@ class PreprocessRequest:
 
 
 EVERY_CONFIGURATION = PreprocessRequest()
+PLAN_PART = "the plan and preprocessed data"  # what the plan lock's record says its holder writes
 
 
 def plan_and_preprocess(
@@ -59,30 +62,34 @@ def plan_and_preprocess(
     preprocessing: PreprocessRequest | None = EVERY_CONFIGURATION,
     progress: bool = True,
     overwrite: bool = False,
+    command: str = "",
 ) -> Plans:
     """`autoseg plan` (``preprocessing`` None) and `autoseg plan_and_preprocess`: plan, then refuse (or with
     ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or dataset, all
-    before anything is written; then write the plan and preprocess what ``preprocessing`` asks for."""
-    planned = make_plan(dataset, workspace, budget, progress, overwrite)
-    stale = stale_preprocessed(
-        workspace, planned.plans, planned.dataset, planned.source, unknown_is_stale=bool(planned.dataset_changes)
-    )
-    if stale and not overwrite:
-        raise InputError(_stale_message(workspace, planned.dataset.root, stale))
-    if overwrite:
-        _set_aside_results(workspace, planned, {s.config for s in stale})
-        _delete_stale(stale)
-    write_plan(workspace, planned)
-    if preprocessing is not None:
-        preprocess_workspace(
-            workspace,
-            None if preprocessing.configs is None else list(preprocessing.configs),
-            preprocessing.processes,
-            progress=progress,
-            precompute_augmentations=preprocessing.precompute_augmentations,
-            overwrite=overwrite,
+    before anything is written; then write the plan and preprocess what ``preprocessing`` asks for. Holds the
+    workspace's plan lock throughout (``command``: what the lock names, "" this process's command line): another
+    writer of the plan is refused, and so is a fold that must be set aside while it is being trained."""
+    with hold(workspace.plan_lock, this_process(PLAN_PART, command, replacing=overwrite)):
+        planned = make_plan(dataset, workspace, budget, progress, overwrite)
+        stale = stale_preprocessed(
+            workspace, planned.plans, planned.dataset, planned.source, unknown_is_stale=bool(planned.dataset_changes)
         )
-    return planned.plans
+        if stale and not overwrite:
+            raise InputError(_stale_message(workspace, planned.dataset.root, stale))
+        if overwrite:
+            set_aside_results(workspace, planned, stale_results(planned, {s.config for s in stale}), command)
+            _delete_stale(stale)
+        write_plan(workspace, planned)
+        if preprocessing is not None:
+            preprocess_workspace(
+                workspace,
+                None if preprocessing.configs is None else list(preprocessing.configs),
+                preprocessing.processes,
+                progress=progress,
+                precompute_augmentations=preprocessing.precompute_augmentations,
+                overwrite=overwrite,
+            )
+        return planned.plans
 
 
 def preprocess_workspace(
@@ -268,59 +275,6 @@ def _delete_stale(stale: list[StalePreprocessed]) -> None:
         )
         for case_id in s.cases:
             delete_case(s.folder, case_id)
-
-
-# a configuration's fields that describe the machine it runs on, not the network trained or its data: a plan
-# that differs only in these (another RAM budget) leaves trained folds as they are
-MACHINE_FIELDS = (
-    "memory",
-    "notes",
-    "limited_by",
-    "predicted_seconds_per_iteration",
-    "flops_per_iteration",
-    "loader_workers",
-    "loader_queue_depth",
-    "loader_worker_bytes",
-)
-
-
-def _trained_on(config: ConfigurationPlan) -> dict[str, Any]:
-    return {k: v for k, v in to_dict(config).items() if k not in MACHINE_FIELDS}
-
-
-def _set_aside_results(workspace: Workspace, planned: PlannedWorkspace, stale_configs: set[str]) -> None:
-    """Trained folds made from what --overwrite changes (the dataset's case files, a configuration's plan or
-    its preprocessed data) are moved to ``results/<config>.stale-<n>/``, never deleted; so is a splits.json
-    whose cases are no longer the dataset's."""
-    files_changed = any(not c.startswith("dataset.json") for c in planned.dataset_changes)
-    previous = planned.previous_plans.configurations if planned.previous_plans and planned.write_plans else {}
-    configs = planned.plans.configurations
-    changed = {
-        name
-        for name, config in configs.items()
-        if name in stale_configs or (name in previous and _trained_on(previous[name]) != _trained_on(config))
-    }
-    # a cascade stage was trained on its previous stage's predictions and on the data it reads: changed with them
-    changed |= {name for name, c in configs.items() if {c.previous_stage, c.preprocessed_as} & changed}
-    for name in sorted(configs):
-        if files_changed or name in changed:
-            moved = workspace.set_aside(workspace.results(name, 0).parent)
-            if moved is not None:
-                log.warning(
-                    "--overwrite: %s was trained on the %s before this change; moved to %s (autoseg no "
-                    "longer uses it; delete it when you no longer need it)",
-                    moved.with_name(name),
-                    "dataset" if files_changed else "plan",
-                    moved,
-                )
-    if workspace.splits_path.is_file():
-        splits = Splits.from_json(workspace.splits_path)
-        if {c for f in splits.folds for c in f.val} != {c.case_id for c in planned.dataset.cases}:
-            log.warning(
-                "--overwrite: %s splits other cases than the dataset has now; moved to %s",
-                workspace.splits_path,
-                workspace.set_aside(workspace.splits_path),
-            )
 
 
 def preprocessing_processes_for(

@@ -7,6 +7,7 @@ import logging
 from dataclasses import dataclass
 
 from autoseg.core.artifacts import atomic_write_text
+from autoseg.core.lock import hold, refuse_while_held, this_process
 from autoseg.core.workspace import Workspace
 from autoseg.predict.choice import InferenceChoice, nan_to_none
 from autoseg.selection.report import CandidateFigures, FindBestReport, format_markdown
@@ -30,13 +31,32 @@ class FindBestResult:
     markdown: str  # as written to find_best.md
 
 
+INFERENCE_PART = "inference.json, find_best.json and find_best.md"  # what the inference lock's holder writes
+
+
 def find_best(
-    workspace: Workspace, configs: list[str] | None = None, folds: tuple[int, ...] | None = None, progress: bool = False
+    workspace: Workspace,
+    configs: list[str] | None = None,
+    folds: tuple[int, ...] | None = None,
+    progress: bool = False,
+    command: str = "",
 ) -> FindBestResult:
     """Choose the configuration or ensemble of two with the highest cross-validation mean foreground Dice (ties:
     the first, single configurations before ensembles), then its postprocessing, over ``folds`` (None: every fold of
     splits.json); write ``inference.json``,
-    ``find_best.json`` and ``find_best.md`` into the workspace (each atomically, after every figure is known)."""
+    ``find_best.json`` and ``find_best.md`` into the workspace (each atomically, after every figure is known).
+    Holds the workspace's inference lock (``command``: what it names, "" this process's command line), and refuses
+    while `plan_and_preprocess --overwrite` replaces the plan and the folds it reads."""
+    with hold(workspace.inference_lock, this_process(INFERENCE_PART, command)):
+        refuse_while_held(
+            workspace.plan_lock, workspace.root, "`autoseg find-best` reads the plan and the trained folds", True
+        )
+        return _find_best(workspace, configs, folds, progress)
+
+
+def _find_best(
+    workspace: Workspace, configs: list[str] | None, folds: tuple[int, ...] | None, progress: bool
+) -> FindBestResult:
     cv = collect(workspace, configs, folds)
     cands = candidates(cv.configurations)
     log.info(

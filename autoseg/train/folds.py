@@ -6,16 +6,22 @@ With ``--resume`` each fold goes on from where an interrupted command left it: a
 ``checkpoint_latest.pt`` resumes from it, one without starts from its first epoch. When no fold asked for has
 either, there is nothing to resume: refused naming the missing checkpoint, not started over. Without ``--resume``
 every fold starts from its first epoch, as one fold does. ``--time-budget`` applies to each fold.
+
+The command holds the lock of every fold it trains for its lifetime (``fold_locks``; under torchrun rank 0 holds them
+for every rank): a second command training one of them is refused naming the first, and `plan_and_preprocess
+--overwrite` refuses to move them aside. It starts only while no command writes the plan or the preprocessed data.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 from autoseg.core.errors import InputError
+from autoseg.core.lock import hold_all, refuse_while_held, this_process
 from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext
 from autoseg.train.run_config import RunConfig
@@ -38,9 +44,40 @@ def train_folds(
     run: RunConfig,
     progress: bool = True,
     distributed: DistributedContext = SINGLE_PROCESS,
+    command: str = "",
 ) -> list[Path]:
-    """Train ``folds`` one after the other (``train``); returns their results folders, finished ones included.
+    """Train ``folds`` one after the other (``train``), holding their locks (``fold_locks``; ``command``: what the
+    locks name, "" this process's command line); returns their results folders, finished ones included.
     ``run.resume``: skip finished folds, resume the others from their latest checkpoint where they have one."""
+    with fold_locks(workspace, config_name, folds, command) if distributed.is_main else nullcontext():
+        return _train_in_turn(workspace, config_name, folds, run, progress, distributed)
+
+
+@contextmanager
+def fold_locks(workspace: Workspace, config_name: str, folds: Sequence[int | str], command: str) -> Iterator[None]:
+    """Hold the lock of each of ``folds`` for the block, then check that no command writes the plan or the
+    preprocessed data (taken in this order, a `plan_and_preprocess` starting at the same time either sees the fold
+    locks or is seen here). ``InputError`` naming the holder otherwise, before anything is written."""
+    locks = [
+        (workspace.fold_lock(config_name, f), this_process(f"results/{config_name}/fold_{f}", command)) for f in folds
+    ]
+    with hold_all(locks):
+        refuse_while_held(
+            workspace.plan_lock,
+            workspace.root,
+            f"`autoseg train` trains on them ({config_name}, fold(s) {' '.join(map(str, folds))})",
+        )
+        yield
+
+
+def _train_in_turn(
+    workspace: Workspace,
+    config_name: str,
+    folds: Sequence[int | str],
+    run: RunConfig,
+    progress: bool,
+    distributed: DistributedContext,
+) -> list[Path]:
     if run.resume:
         _check_something_to_resume(workspace, config_name, folds, run.validate)
     done = []
