@@ -139,7 +139,7 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     print(f"workspace: {ws.root}")
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
     # another writer of the plan is refused before the budget is measured (plan_and_preprocess then holds the lock)
-    refuse_while_held(ws.plan_lock, ws.root, f"`autoseg {args.command}` writes it too")
+    refuse_while_held(ws.plan_lock, ws.root, f"autoseg {args.command} writes it too")
     preprocessing = None
     if args.command == "plan_and_preprocess":
         configs = None if args.configs is None else tuple(args.configs)
