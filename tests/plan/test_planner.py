@@ -392,7 +392,14 @@ def test_a_cpu_plan_counts_the_pages_its_large_feature_maps_map_afresh() -> None
 
 
 def test_a_cuda_plan_records_no_cpu_throughput() -> None:
-    assert _rough_plan(8, device="cuda", cpu_flops_per_second=10e9).cpu_flops_per_second is None
+    cuda = _rough_plan(8, device="cuda", cpu_flops_per_second=10e9, cpu_rates_source="--cpu-flops")
+    assert cuda.cpu_flops_per_second is None and cuda.cpu_rates_source == ""
+
+
+def test_a_cpu_plan_records_where_its_rates_came_from() -> None:
+    source = "measured now, not cached: fallback to one thread's rates per CPU second (a floor ...)"
+    plans = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_rates_source=source)
+    assert plans.cpu_rates_source == source
 
 
 def test_cpu_width_drops_to_8_only_when_16_leaves_too_small_a_patch() -> None:
