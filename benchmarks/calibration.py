@@ -58,8 +58,9 @@ def two_channel_dataset(root: Path, cases: int, shape_zyx: tuple[int, int, int])
     return dataset
 
 
-def calibrate(runs: int, repeats: int, attempts: int) -> list[tuple[str, object, float]]:
-    """(condition, ``Measurement``, seconds) of ``runs`` calibrations in each of ``CONDITIONS``."""
+def calibrate(runs: int, repeats: int, attempts: int | None) -> list[tuple[str, object, float]]:
+    """(condition, ``Measurement``, seconds) of ``runs`` calibrations in each of ``CONDITIONS`` (``attempts`` each at
+    most; None: the calibration's own ``MAX_ATTEMPTS``)."""
     from autoseg.plan.calibration import calibrate_cpu_throughput
     from autoseg.plan.throughput import StepRates
 
@@ -75,7 +76,7 @@ def calibrate(runs: int, repeats: int, attempts: int) -> list[tuple[str, object,
                 results.append((condition, measured, seconds))
                 print(
                     f"{condition}, {run + 1}: {'kept' if measured.keep else 'not kept'} after "
-                    f"{measured.details.get('attempt', attempts):g} attempt(s), "
+                    f"{measured.details['attempt']:g} attempt(s), "
                     f"{StepRates(**measured.value).describe()} [{seconds:.0f} s]; load {os.getloadavg()[0]:.1f}"
                     + ("" if measured.keep else f"\n    {measured.why_not_kept}"),
                     flush=True,
@@ -133,7 +134,7 @@ def report(results, plans, timings) -> None:
             best, median = timings[(c.network, tuple(c.patch_size), c.batch_size, c.accumulation_steps)]
             predicted = c.predicted_seconds_per_iteration
             print(
-                f"| {condition} | {'yes' if measured.keep else 'no'} | {measured.details.get('attempt', '-')} | "
+                f"| {condition} | {'yes' if measured.keep else 'no'} | {measured.details['attempt']:g} | "
                 f"{StepRates(**measured.value).describe()} | {name} | {'x'.join(map(str, c.patch_size))} | "
                 f"{c.batch_size} x {c.accumulation_steps} | {predicted:.3f} | {best:.3f} / {median:.3f} | "
                 f"{100 * (median / predicted - 1):+.0f}% |"
@@ -171,7 +172,6 @@ def main() -> None:
 
     passive_openmp_waiting(os.environ)  # before torch is imported, as the autoseg command does
     from autoseg.dataset.raw import load_dataset
-    from autoseg.plan.calibration import MAX_ATTEMPTS
     from autoseg.plan.fingerprint import fingerprint
     from autoseg.plan.throughput import StepRates
 
@@ -181,7 +181,7 @@ def main() -> None:
         dataset = two_channel_dataset(root, args.cases, tuple(args.shape))
         fp = fingerprint(load_dataset(dataset), progress=False, processes=1)
         print(f"load average before: {os.getloadavg()[0]:.1f}", flush=True)
-        results = calibrate(args.runs, calibration_repeats, attempts or MAX_ATTEMPTS)
+        results = calibrate(args.runs, calibration_repeats, attempts)
         plans, by_rates, timings = [], {}, {}
         for _, measured, _ in results:
             key = tuple(measured.value.values())

@@ -278,16 +278,15 @@ def fallback_rates(attempt: Attempt, mapped: float | None) -> tuple[StepRates, s
 
 
 def calibrate_cpu_throughput(
-    repeats: int = 5, max_threads: int | None = None, attempts: int = MAX_ATTEMPTS
+    repeats: int = 5, max_threads: int | None = None, attempts: int | None = None
 ) -> Measurement:
     """This machine's ``StepRates`` (as a dict) from ``CALIBRATION_STEPS`` timed with 1 thread and every CPU
-    (``max_threads``; default all) and the ``mapping_rate`` (dropped when unsteady); up to ``attempts`` timings,
-    ``RETRY_PAUSE_SECONDS`` apart, until one is kept (``Attempt.refusal``). When none is, the ``fallback_rates``,
-    not to be cached, with a warning. 5-15 s an attempt on 2 cores."""
-    threads = max_threads or cpu_count()
+    (``max_threads``; default all) and the ``mapping_rate`` (dropped when unsteady); up to ``attempts`` timings
+    (default ``MAX_ATTEMPTS``), ``RETRY_PAUSE_SECONDS`` apart, until one is kept (``Attempt.refusal``). When none
+    is, the ``fallback_rates``, not to be cached, with a warning. 5-15 s an attempt on 2 cores."""
+    threads, attempts = max_threads or cpu_count(), attempts or MAX_ATTEMPTS
     rate, steady = mapping_rate()
     mapped = float(f"{rate:.2g}") if steady else None
-    reasons = []
     for number in range(1, attempts + 1):
         if number > 1:
             time.sleep(RETRY_PAUSE_SECONDS)
@@ -296,14 +295,15 @@ def calibrate_cpu_throughput(
         refusal = attempt.refusal(cpu_count())
         if not refusal:
             return Measurement(attempt.fit().rates(mapped).as_dict(), details=details)
-        reasons.append(f"attempt {number}: {refusal}")
         log.info("CPU calibration attempt %d of %d not kept: %s", number, attempts, refusal)
     rates, what = fallback_rates(attempt, mapped)
     why = (
-        f"fallback to {what}: no calibration kept in {attempts} attempts ({'; '.join(reasons)}); measured again "
-        "next time, --cpu-flops overrides"
+        f"fallback to {what}: no calibration kept in {attempts} attempt(s) (the last: {refusal}); measured again next "
+        "time, --cpu-flops overrides"
     )
-    log.warning("CPU throughput: %s; planning with %s", why, rates.describe())
+    log.warning(
+        "CPU throughput: none of %d calibration(s) kept; planning with %s, not cached", attempts, rates.describe()
+    )
     return Measurement(rates.as_dict(), keep=False, why_not_kept=why, details=details)
 
 

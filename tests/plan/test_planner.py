@@ -349,7 +349,7 @@ def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
 
 
 def test_a_cpu_plan_counts_feature_map_elements_at_their_own_rate() -> None:
-    """With an element rate (measured: ``plan.throughput.calibrate_cpu_throughput``) a planned step's seconds are its
+    """With an element rate (measured: ``plan.calibration.calibrate_cpu_throughput``) a planned step's seconds are its
     FLOPs plus its feature maps' elements, each at its rate; the patch shrinks to keep the target, and the plan
     records both rates."""
     flops_only = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_seconds_per_iteration=1.0)
