@@ -97,7 +97,10 @@ def make_plan(
     info = workspace.info() if workspace.info_path.is_file() else None
     edited = previous is not None and info is not None and info.plans_hash not in ("", file_hash(workspace.plans_path))
     if previous is None or (not edited and (overwrite or not plan_differences(previous, fresh))):
-        return PlannedWorkspace(dataset, source, fp, fresh, previous, True, tuple(changes), "")
+        # the same plan keeps its record of where its figures came from (the first measurement, not the cache's copy);
+        # --overwrite writes what a fresh workspace would hold
+        same = previous is not None and not overwrite and not plan_differences(previous, fresh)
+        return PlannedWorkspace(dataset, source, fp, previous if same else fresh, previous, True, tuple(changes), "")
     differences = plan_differences(previous, fresh)
     if edited:
         log.warning(
