@@ -4,7 +4,7 @@ Plans the demo dataset, and a demo dataset of larger images (``--large``), for t
 process) at several seconds-per-iteration targets, so the planner picks several patch sizes, networks and
 batches, in 3D and 2D; for each distinct configuration it prints the plan's ``predicted_seconds_per_iteration``
 (the step's FLOPs and feature-map elements at the CPU rates the plan used, ``plan.throughput.StepRates``) beside the
-measured seconds of THE training step (``autoseg.plan.throughput.training_step_closure``: forward, loss,
+measured seconds of THE training step (``autoseg.plan.calibration.training_step_closure``: forward, loss,
 backward, optimizer) with the plan's network, patch and micro-batch, times its accumulation steps: one warm-up,
 then the best and the median of ``--repeats`` runs with every CPU. The loader is not in it (on CPU the plan has
 no loader workers; the trainer's data wait is logged per epoch). Other processes on the machine inflate the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 def measure(config, repeats: int) -> tuple[float, float]:
     """(best, median) wall seconds of one iteration of ``config``: its micro-batch step times its accumulation."""
-    from autoseg.plan.throughput import training_step_closure
+    from autoseg.plan.calibration import training_step_closure
 
     step = training_step_closure(config.network, tuple(config.patch_size), config.batch_size)
     step()  # warm-up: allocations, oneDNN's kernel choice
@@ -75,9 +75,10 @@ def main() -> None:
     from autoseg.dataset.raw import load_dataset
     from autoseg.demo.data import make_demo_dataset
     from autoseg.plan.budget import Budget
+    from autoseg.plan.calibration import calibrate_cpu_throughput
     from autoseg.plan.fingerprint import fingerprint
     from autoseg.plan.planner import plan
-    from autoseg.plan.throughput import StepRates, calibrate_cpu_throughput
+    from autoseg.plan.throughput import StepRates
 
     use_cpu_threads(None, "the timed steps")
     rates = StepRates(args.cpu_flops) if args.cpu_flops else StepRates(**calibrate_cpu_throughput().value)

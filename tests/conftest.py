@@ -48,6 +48,18 @@ def _machine_cache(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_calibration_attempt():
+    """A CLI plan on CPU in a test calibrates for real when no rates are given: once, not ``MAX_ATTEMPTS`` times (the
+    tests' machine is seldom quiet, and the fallback plans as well for them); the retries have their own tests."""
+    import autoseg.plan.calibration
+
+    previous = autoseg.plan.calibration.MAX_ATTEMPTS
+    autoseg.plan.calibration.MAX_ATTEMPTS = 1
+    yield
+    autoseg.plan.calibration.MAX_ATTEMPTS = previous
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread():
     """Unit tests run tiny tensors: one thread is as fast, and OpenMP threads spinning against another busy
     process on a 2-core machine made small networks 10-17x slower (measured)."""

@@ -315,8 +315,9 @@ def test_cpu_plans_do_not_depend_on_the_load_while_planning(
     tiny_dataset: Path, tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The throughput measured on idle cores is cached per machine: a later plan made while the cores are busy (its
-    measurement would be 4x lower) reads it and is the same plan, which records the figure."""
-    import autoseg.plan.throughput
+    measurement would be 4x lower) reads it and is the same plan, which records the figure and where it came
+    from."""
+    import autoseg.plan.calibration
     from autoseg.core.machine import Measurement
 
     measurements = [
@@ -327,7 +328,7 @@ def test_cpu_plans_do_not_depend_on_the_load_while_planning(
             why_not_kept="the cores were busy",
         ),
     ]
-    monkeypatch.setattr(autoseg.plan.throughput, "calibrate_cpu_throughput", lambda: measurements.pop(0))
+    monkeypatch.setattr(autoseg.plan.calibration, "calibrate_cpu_throughput", lambda: measurements.pop(0))
     monkeypatch.setenv("AUTOSEG_CACHE_DIR", str(tmp_path / "cache"))
     budget = ("--device", "cpu", "--gpu-memory", "8GiB", "--ram", "4GiB")
     outputs = []
@@ -336,11 +337,13 @@ def test_cpu_plans_do_not_depend_on_the_load_while_planning(
         outputs.append(capsys.readouterr().out)
     rates = "CPU throughput 40.0 GFLOP/s, 300 M feature-map elements/s, 2.8 GiB/s of fresh pages"
     assert f"{rates} (measured now, cached in " in outputs[0]
-    assert f"{rates} (cached in {tmp_path / 'cache' / 'cpu_throughput.json'})" in outputs[1]
+    assert f"{rates} (cached in {tmp_path / 'cache' / 'cpu_throughput.json'}, measured 20" in outputs[1]
     assert len(measurements) == 1  # measured once
-    idle, busy = ((tmp_path / name / "plans.json").read_text() for name in ("idle", "busy"))
-    assert idle == busy and json.loads(idle)["cpu_flops_per_second"] == 40e9
-    recorded = json.loads(idle)
+    idle, busy = (json.loads((tmp_path / name / "plans.json").read_text()) for name in ("idle", "busy"))
+    assert idle.pop("cpu_rates_source").startswith("measured now, cached in ")
+    assert busy.pop("cpu_rates_source").startswith(f"cached in {tmp_path / 'cache' / 'cpu_throughput.json'}, measured")
+    assert idle == busy and idle["cpu_flops_per_second"] == 40e9
+    recorded = idle
     assert (recorded["cpu_elements_per_second"], recorded["cpu_mapped_bytes_per_second"]) == (300e6, 3e9)
 
 

@@ -35,14 +35,13 @@ class MeasuredBudget:
 
     budget: Budget
     gpu_memory_found: bool  # False: no CUDA device and no --gpu-memory: NO_CUDA_GPU_BYTES
-    rates_source: str | None = None  # CPU training: "--cpu-flops" or the machine cache's word on the measurement
-    rates_text: str | None = None  # CPU training: the rates, described
+    rates_text: str | None = None  # CPU training: the rates, described (where from: budget.cpu_rates_source)
 
 
 def measure_budget(flags: BudgetFlags, cache_dir: Path) -> MeasuredBudget:
     """The budget ``flags`` ask for, each value they leave open measured here: the CUDA device's memory (none:
     ``NO_CUDA_GPU_BYTES``), the host RAM available now, and for CPU training the CPU's throughput (measured once and
-    kept in ``cache_dir``, ``autoseg.plan.throughput.cpu_throughput``) or for CUDA training the GPU's name."""
+    kept in ``cache_dir``, ``autoseg.plan.calibration.cpu_throughput``) or for CUDA training the GPU's name."""
     gpu = flags.gpu_memory_bytes if flags.gpu_memory_bytes is not None else cuda_total_memory()
     found = gpu is not None
     architecture = ARCHITECTURES[flags.architecture]
@@ -56,7 +55,8 @@ def measure_budget(flags: BudgetFlags, cache_dir: Path) -> MeasuredBudget:
         from autoseg.plan.throughput import cuda_device_name
 
         return MeasuredBudget(replace(budget, gpu_name=cuda_device_name()), found)
-    from autoseg.plan.throughput import StepRates, cpu_throughput
+    from autoseg.plan.calibration import cpu_throughput
+    from autoseg.plan.throughput import StepRates
 
     rates, source = (
         (StepRates(flags.cpu_flops), "--cpu-flops") if flags.cpu_flops else cpu_throughput(MachineCache(cache_dir))
@@ -66,8 +66,9 @@ def measure_budget(flags: BudgetFlags, cache_dir: Path) -> MeasuredBudget:
         cpu_flops_per_second=rates.flops_per_second,
         cpu_elements_per_second=rates.elements_per_second,
         cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
+        cpu_rates_source=source,
     )
-    return MeasuredBudget(budget, found, source, rates.describe())
+    return MeasuredBudget(budget, found, rates.describe())
 
 
 def describe_budget(measured: MeasuredBudget) -> list[str]:
@@ -84,9 +85,9 @@ def describe_budget(measured: MeasuredBudget) -> list[str]:
         f"budget: GPU memory {budget.gpu_memory_bytes / GiB:.1f} GiB, host RAM {budget.host_ram_bytes / GiB:.1f} GiB, "
         f"training device {budget.device}, network {budget.architecture}"
     )
-    if measured.rates_source is not None:
+    if measured.rates_text is not None:
         lines.append(
-            f"CPU throughput {measured.rates_text} ({measured.rates_source}); planning for "
+            f"CPU throughput {measured.rates_text} ({budget.cpu_rates_source}); planning for "
             f"{budget.cpu_seconds_per_iteration:g} s per iteration"
         )
     return lines

@@ -4,7 +4,8 @@
 CLI resolves (``$AUTOSEG_CACHE_DIR``, else ``$XDG_CACHE_HOME/autoseg``, else ``~/.cache/autoseg``), one JSON file
 per measurement, each entry keyed by what changes the answer (``machine_key``: CPU model, the CPUs this process
 may run on, torch's version and OpenMP wait policy). The second run on the same machine reads the figure instead of
-timing it again, so it does not depend on how busy the machine is then. Writes are atomic; an unreadable file is
+timing it again, so it does not depend on how busy the machine is then; the entry records when it was measured,
+and the run that reads it says so. Writes are atomic; an unreadable file is
 ignored with a warning and rewritten.
 
 Threads: ``use_cpu_threads`` gives torch every CPU this process may use, with OpenMP threads that sleep while they
@@ -16,6 +17,7 @@ slower than one thread; sleeping threads run it as fast as one thread there, so 
 
 from __future__ import annotations
 
+import datetime
 import functools
 import hashlib
 import importlib.util
@@ -101,13 +103,15 @@ class MachineCache:
 
     def measured(self, name: str, key: Mapping[str, Any], measure: Callable[[], Measurement]) -> tuple[Any, str]:
         """The figure (a number, or a dict of them) cached under ``key``, else ``measure()``'s (cached when it may
-        be); returns (value, where it came from), e.g. "cached in PATH" or "measured now, cached in PATH"."""
+        be); returns (value, where it came from), e.g. "cached in PATH, measured 2026-11-27 09:30 UTC" or "measured
+        now, cached in PATH"."""
         path = self.path(name)
         entries = self._read(path)
         key_text = json.dumps(dict(key), sort_keys=True)
         cached = entries.get(key_text)
         if cached is not None:
-            return cached["value"], f"cached in {path}"
+            when = f", measured {cached['measured_at']}" if cached.get("measured_at") else ""
+            return cached["value"], f"cached in {path}{when}"
         found = measure()
         if path is None:
             return found.value, "measured now (no cache folder)"
@@ -141,9 +145,11 @@ class MachineCache:
         details: dict[str, float],
         max_entries: int,
     ) -> str:
-        """Put ``value`` first among ``entries`` and write the file (atomically); says where the value came from."""
+        """Put ``value`` first among ``entries``, dated now, and write the file (atomically); says where the value
+        came from."""
+        measured_at = utc_now_text()
         entries = {
-            key_text: {"value": value, "details": details},
+            key_text: {"value": value, "details": details, "measured_at": measured_at},
             **{k: v for k, v in entries.items() if k != key_text},
         }
         payload = {
@@ -166,8 +172,12 @@ class MachineCache:
             payload = json.loads(path.read_text())
             if payload.get("schema_version") != CACHE_VERSION:
                 raise ValueError(f"schema_version {payload.get('schema_version')!r}, expected {CACHE_VERSION}")
-            entries = {
-                json.dumps(e["key"], sort_keys=True): {"value": e["value"], "details": e["details"]}
+            entries = {  # "measured_at": absent from entries written before it was recorded
+                json.dumps(e["key"], sort_keys=True): {
+                    "value": e["value"],
+                    "details": e["details"],
+                    "measured_at": e.get("measured_at", ""),
+                }
                 for e in payload["entries"]
             }
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
@@ -178,6 +188,11 @@ class MachineCache:
             )
             return {}
         return entries
+
+
+def utc_now_text() -> str:
+    """Now, as a cache entry records when it was measured: e.g. "2026-11-27 09:30 UTC"."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
 _kept_simulations: Path | None = None

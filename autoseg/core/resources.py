@@ -1,5 +1,6 @@
 """What the machine offers and how work is spread over it: available host RAM (cgroup limits included), CUDA
-memory, CPU count; ``processes_for`` (process and worker counts from a RAM budget); glibc's arenas
+memory, CPU count and the CPU time every process has spent on this process's CPUs (``cpu_busy_seconds``);
+``processes_for`` (process and worker counts from a RAM budget); glibc's arenas
 (``use_one_malloc_arena``). Torch's CPU threads: ``autoseg.core.machine.use_cpu_threads``."""
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from autoseg.core.units import GiB, KiB
@@ -108,10 +110,37 @@ def available_ram_bytes() -> int:
 
 def cpu_count() -> int:
     """CPUs this process may run on (affinity mask), at least 1."""
+    return max(len(cpu_affinity()), 1)
+
+
+# /proc/stat's per-CPU columns of time spent working (user, nice, system, irq, softirq, steal: what a hypervisor
+# gave another guest); idle and iowait are not, guest time is already in user
+_BUSY_COLUMNS = (0, 1, 2, 5, 6, 7)
+
+
+def cpu_busy_seconds(cpus: Iterable[int] | None = None, stat_path: str = "/proc/stat") -> float | None:
+    """Seconds every process together has kept ``cpus`` (default: the ones this process may run on) busy since
+    boot (Linux /proc/stat); None where that file is unreadable. Two readings around a measurement minus this
+    process's own CPU seconds tell how much of the CPUs other processes took."""
+    wanted = set(cpu_affinity() if cpus is None else cpus)
     try:
-        return max(len(os.sched_getaffinity(0)), 1)
+        lines = Path(stat_path).read_text().splitlines()
+        ticks = sum(
+            sum(int(fields[1 + c]) for c in _BUSY_COLUMNS)
+            for fields in (line.split() for line in lines)
+            if fields and fields[0].startswith("cpu") and fields[0][3:].isdigit() and int(fields[0][3:]) in wanted
+        )
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no os.sysconf (Windows)
+        return None
+
+
+def cpu_affinity() -> list[int]:
+    """The CPUs this process may run on (its affinity mask; where there is none, every CPU)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
     except AttributeError:
-        return max(os.cpu_count() or 1, 1)
+        return list(range(os.cpu_count() or 1))
 
 
 # the device files of the GPU drivers torch's CUDA can run on (NVIDIA; AMD ROCm; WSL's GPU paravirtualization)

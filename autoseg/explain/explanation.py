@@ -147,6 +147,7 @@ class Explanation:
     cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput it was sized for
     cpu_elements_per_second: float | None = None  # ... and the element rate beside it (None: FLOPs alone)
     cpu_mapped_bytes_per_second: float | None = None  # ... and the rate of mapping fresh pages
+    cpu_rates_source: str = ""  # ... and where they came from (Plans.cpu_rates_source)
     network: NetworkSummary | None = None
 
     @property
@@ -229,6 +230,7 @@ def explain(
         cpu_flops_per_second=plans.cpu_flops_per_second,
         cpu_elements_per_second=plans.cpu_elements_per_second,
         cpu_mapped_bytes_per_second=plans.cpu_mapped_bytes_per_second,
+        cpu_rates_source=plans.cpu_rates_source,
         network=network_summary(config.network, step.parameter_bytes),
     )
 

@@ -102,8 +102,9 @@ def _time_line(e: Explanation) -> list[str]:
     source = (
         ""
         if e.cpu_flops_per_second is None
-        else " at the CPU throughput measured when planning, "
+        else " at the CPU throughput the plan was made for, "
         + StepRates(e.cpu_flops_per_second, e.cpu_elements_per_second, e.cpu_mapped_bytes_per_second).describe()
+        + (f" ({e.cpu_rates_source})" if e.cpu_rates_source else "")
     )
     return [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
 

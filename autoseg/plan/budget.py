@@ -24,7 +24,8 @@ class Budget:
     ``cpu_mapped_bytes_per_second``: on CPU compute, not memory, is the limit; a step's seconds are
     ``cpu_rates.seconds`` (``autoseg.plan.throughput.StepRates``: its convolution FLOPs, its feature-map elements
     and the bytes it maps afresh, each at its rate; a rate of None drops its term). The CLI measures them with
-    ``autoseg.plan.throughput.calibrate_cpu_throughput``.
+    ``autoseg.plan.calibration.cpu_throughput``; ``cpu_rates_source`` says where they came from (measured now, the
+    machine cache and its date, a fallback, --cpu-flops), for the plan to record.
     ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
     ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
     ``architecture``: the network every configuration is planned with (``NetworkTopology.architecture``).
@@ -38,6 +39,7 @@ class Budget:
     cpu_flops_per_second: float = 20e9
     cpu_elements_per_second: float | None = None
     cpu_mapped_bytes_per_second: float | None = None
+    cpu_rates_source: str = ""
     base_features: int | None = None  # None: 32 on CUDA; on CPU 16, or 8 if 16 leaves too small a patch
     precision: str | None = None  # None: fp16 (autocast) on CUDA, fp32 on CPU
     gpu_name: str | None = None

@@ -97,6 +97,7 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plan
         cpu_flops_per_second=budget.cpu_flops_per_second if budget.device == "cpu" else None,
         cpu_elements_per_second=budget.cpu_elements_per_second if budget.device == "cpu" else None,
         cpu_mapped_bytes_per_second=budget.cpu_mapped_bytes_per_second if budget.device == "cpu" else None,
+        cpu_rates_source=budget.cpu_rates_source if budget.device == "cpu" else "",
     )
 
 

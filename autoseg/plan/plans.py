@@ -18,6 +18,7 @@ from autoseg.model.topology import PLAIN_UNET, NetworkTopology, validate_topolog
 
 TILE_CHOICES = ("planned", "patch")  # ConfigurationPlan.inference_tile, autoseg predict --tile
 INFERENCE_ONLY_KEYS = ("inference_patch_size",)  # configuration keys training does not read (resume ignores them)
+PROVENANCE_KEYS = ("cpu_rates_source",)  # Plans keys that say where a figure came from, not what the plan decides
 
 
 @dataclass(frozen=True)
@@ -128,14 +129,20 @@ def _plans_5_to_6(payload: dict) -> dict:
     return payload
 
 
+def _plans_6_to_7(payload: dict) -> dict:
+    """Schema 7 adds ``cpu_rates_source``; an earlier plan does not say where its CPU rates came from ("")."""
+    return payload
+
+
 @dataclass(frozen=True)
 class Plans(Artifact):
     # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
-    # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade)
-    SCHEMA_VERSION = 6
-    # a workspace planned by an earlier version still trains, predicts (5 -> 6 changes no key: a schema 5 payload
-    # is a schema 6 one, so the upgrades to 5 end at 6 too)
-    UPGRADES = {2: _plans_2_to_5, 3: _plans_3_to_5, 4: _plans_4_to_5, 5: _plans_5_to_6}
+    # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade);
+    # 7: cpu_rates_source
+    SCHEMA_VERSION = 7
+    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> 7 change no key: a schema 5 or 6
+    # payload is a schema 7 one, so the upgrades to 5 end at 7 too)
+    UPGRADES = {2: _plans_2_to_5, 3: _plans_3_to_5, 4: _plans_4_to_5, 5: _plans_5_to_6, 6: _plans_6_to_7}
     KIND = "plans"
 
     dataset_name: str
@@ -154,6 +161,9 @@ class Plans(Artifact):
     cpu_flops_per_second: float | None = None  # CPU plans: the measured throughput the patches were sized for
     cpu_elements_per_second: float | None = None  # ... and its feature-map element rate (None: FLOPs alone)
     cpu_mapped_bytes_per_second: float | None = None  # ... and the rate it maps fresh pages at (None: not counted)
+    # CPU plans: where those rates came from: "measured now, ...", "cached in PATH, measured DATE", "... fallback to
+    # ..." (no calibration was kept), "--cpu-flops"; "" for CUDA plans and plans of schema 6 and earlier
+    cpu_rates_source: str = ""
 
     @property
     def label_scheme(self) -> LabelScheme:

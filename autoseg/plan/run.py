@@ -31,7 +31,7 @@ from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint, fingerprint
 from autoseg.plan.planner import plan
-from autoseg.plan.plans import Plans
+from autoseg.plan.plans import PROVENANCE_KEYS, Plans
 
 log = logging.getLogger("autoseg")
 SHOWN_CHANGES = 8  # lines of a change list in a message; the rest are counted
@@ -96,8 +96,11 @@ def make_plan(
     previous = _previous_plans(workspace, overwrite)
     info = workspace.info() if workspace.info_path.is_file() else None
     edited = previous is not None and info is not None and info.plans_hash not in ("", file_hash(workspace.plans_path))
-    if previous is None or (not edited and (overwrite or to_dict(previous) == to_dict(fresh))):
-        return PlannedWorkspace(dataset, source, fp, fresh, previous, True, tuple(changes), "")
+    if previous is None or (not edited and (overwrite or not plan_differences(previous, fresh))):
+        # the same plan keeps its record of where its figures came from (the first measurement, not the cache's copy);
+        # --overwrite writes what a fresh workspace would hold
+        same = previous is not None and not overwrite and not plan_differences(previous, fresh)
+        return PlannedWorkspace(dataset, source, fp, previous if same else fresh, previous, True, tuple(changes), "")
     differences = plan_differences(previous, fresh)
     if edited:
         log.warning(
@@ -236,12 +239,14 @@ def _listed(lines: list[str]) -> str:
 
 
 def plan_differences(before: Plans, after: Plans) -> list[str]:
-    """ "field: before -> after" for each field of the plans (each configuration's, by name) that differs."""
+    """ "field: before -> after" for each field of the plans (each configuration's, by name) that differs; where a
+    figure came from (``PROVENANCE_KEYS``) is no difference: a re-plan that reads the rates a first plan measured
+    plans the same."""
     old, new = to_dict(before), to_dict(after)
     lines = [
         f"{k}: {old.get(k)!r} -> {new.get(k)!r}"
         for k in sorted(old.keys() | new.keys())
-        if k != "configurations" and old.get(k) != new.get(k)
+        if k not in ("configurations", *PROVENANCE_KEYS) and old.get(k) != new.get(k)
     ]
     configs_old, configs_new = old.get("configurations", {}), new.get("configurations", {})
     for name in sorted(configs_old.keys() | configs_new.keys()):

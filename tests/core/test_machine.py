@@ -25,15 +25,28 @@ class _Measure:
         return self.measurements.pop(0)
 
 
-def test_a_figure_is_measured_once_then_read_from_the_cache(tmp_path: Path) -> None:
-    """However different a second measurement would be (a busy machine), the cached figure is used."""
+def test_a_figure_is_measured_once_then_read_from_the_cache_with_its_date(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However different a second measurement would be (a busy machine), the cached figure is used, and the source
+    says when it was measured."""
+    monkeypatch.setattr(autoseg.core.machine, "utc_now_text", lambda: "2026-11-27 09:30 UTC")
     cache, measure = MachineCache(tmp_path), _Measure(Measurement(5e9, details={"s": 0.5}), Measurement(1e9))
     path = tmp_path / "cpu_throughput.json"
     assert cache.measured("cpu_throughput", KEY, measure) == (5e9, f"measured now, cached in {path}")
-    assert cache.measured("cpu_throughput", dict(reversed(KEY.items())), measure) == (5e9, f"cached in {path}")
+    cached = (5e9, f"cached in {path}, measured 2026-11-27 09:30 UTC")
+    assert cache.measured("cpu_throughput", dict(reversed(KEY.items())), measure) == cached
     assert measure.calls == 1
     stored = json.loads(path.read_text())
-    assert stored["entries"] == [{"key": KEY, "value": 5e9, "details": {"s": 0.5}}]
+    assert stored["entries"] == [
+        {"key": KEY, "value": 5e9, "details": {"s": 0.5}, "measured_at": "2026-11-27 09:30 UTC"}
+    ]
+
+
+def test_an_entry_written_before_dates_were_recorded_is_read_without_one(tmp_path: Path) -> None:
+    path = tmp_path / "cpu_throughput.json"
+    path.write_text(json.dumps({"schema_version": 1, "entries": [{"key": KEY, "value": 5e9, "details": {}}]}))
+    assert MachineCache(tmp_path).measured("cpu_throughput", KEY, _Measure()) == (5e9, f"cached in {path}")
 
 
 def test_another_machine_key_measures_again_and_both_are_kept(tmp_path: Path) -> None:
@@ -72,7 +85,7 @@ def test_an_unreadable_cache_file_is_ignored_with_a_warning_and_rewritten(
     with caplog.at_level(logging.WARNING, logger="autoseg"):
         assert MachineCache(tmp_path).measured("cpu_throughput", KEY, _Measure(Measurement(5e9)))[0] == 5e9
     assert f"{path}: not a readable autoseg measurement cache" in caplog.text and "rewriting it" in caplog.text
-    assert MachineCache(tmp_path).measured("cpu_throughput", KEY, _Measure()) == (5e9, f"cached in {path}")
+    assert MachineCache(tmp_path).measured("cpu_throughput", KEY, _Measure())[1].startswith(f"cached in {path}, ")
 
 
 def test_no_folder_or_an_unwritable_one_still_gives_the_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,12 +1,14 @@
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from autoseg.core.resources import cuda_available, processes_for
+from autoseg.core.resources import cpu_busy_seconds, cuda_available, processes_for
 from autoseg.core.units import GiB
 
 
@@ -61,3 +63,20 @@ def test_one_malloc_arena_keeps_a_threads_allocations_in_the_main_arena() -> Non
 
     assert arenas("default") == 2
     assert arenas("one") == 1
+
+
+def test_cpu_busy_seconds_sum_the_working_columns_of_the_chosen_cpus(tmp_path: Path) -> None:
+    """/proc/stat's per-CPU lines: user, nice, system, irq, softirq and steal count, idle and iowait do not; only
+    the CPUs asked for (this process's may be a few of the machine's); an unreadable file gives None."""
+    stat = tmp_path / "stat"
+    stat.write_text(
+        "cpu  999 999 999 999 999 999 999 999 0 0\n"
+        "cpu0 100 10 20 5000 70 1 2 3 0 0\n"
+        "cpu1 200 20 40 9000 80 4 5 6 0 0\n"
+        "cpu2 400 40 80 1000 90 7 8 9 0 0\n"
+        "intr 12345 1 2 3\n"
+    )
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert cpu_busy_seconds([0, 2], str(stat)) == pytest.approx((136 + 544) / ticks)
+    assert cpu_busy_seconds([1], str(stat)) == pytest.approx(275 / ticks)
+    assert cpu_busy_seconds([0], str(tmp_path / "missing")) is None

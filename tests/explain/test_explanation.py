@@ -218,6 +218,13 @@ def test_cpu_device_uses_host_ram_and_fp32(explanation: Explanation) -> None:
     assert text.count("glibc's heap (freed blocks it keeps)") == 2 and "allocator fragmentation" not in text
 
 
+def test_the_time_line_says_where_a_cpu_plan_s_rates_came_from(explanation: Explanation) -> None:
+    source = "cached in /cache/cpu_throughput.json, measured 2026-11-27 09:30 UTC"
+    e = replace(explanation, predicted_seconds_per_iteration=0.9, cpu_flops_per_second=500e9, cpu_rates_source=source)
+    assert f"the CPU throughput the plan was made for, 500.0 GFLOP/s ({source})" in format_explanation(e)
+    assert "(" not in format_explanation(replace(e, cpu_rates_source="")).split("500.0 GFLOP/s")[1].split("\n")[0]
+
+
 def test_unknown_configuration_and_device_say_what_exists() -> None:
     with pytest.raises(InputError, match="3d_fullres"):
         explain(tiny_plans(), "2d")

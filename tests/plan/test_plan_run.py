@@ -59,6 +59,23 @@ def test_a_plan_that_would_differ_keeps_plans_json_unless_overwrite(ws: Workspac
     assert Plans.from_json(ws.plans_path).host_ram_bytes == 4 * GiB
 
 
+def test_a_replan_whose_rates_come_from_the_cache_plans_the_same(ws: Workspace, tiny_dataset: Path) -> None:
+    """Where the CPU rates came from (measured now, then the machine cache) is recorded, not planned with: a re-plan
+    with the same rates from elsewhere is the same plan (no "would plan differently"), and keeps its record of where
+    they first came from."""
+    cached = replace(_budget(8), cpu_rates_source="cached in /cache/cpu_throughput.json, measured 2026-11-27 09:30 UTC")
+    planned = make_plan(tiny_dataset, ws, cached, progress=False)
+    assert planned.write_plans and planned.plans == Plans.from_json(ws.plans_path)
+
+
+def test_a_schema_6_plan_reads_with_no_rates_source(ws: Workspace) -> None:
+    payload = json.loads(ws.plans_path.read_text())
+    del payload["cpu_rates_source"]
+    ws.plans_path.write_text(json.dumps({**payload, "schema_version": 6}))
+    plans = Plans.from_json(ws.plans_path)
+    assert plans.cpu_rates_source == "" and plans.cpu_flops_per_second == payload["cpu_flops_per_second"]
+
+
 def test_a_plans_json_edited_by_hand_is_kept_even_with_overwrite(ws: Workspace, tiny_dataset: Path) -> None:
     payload = json.loads(ws.plans_path.read_text())
     payload["configurations"]["3d_fullres"]["batch_size"] = 1

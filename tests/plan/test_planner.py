@@ -349,7 +349,7 @@ def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
 
 
 def test_a_cpu_plan_counts_feature_map_elements_at_their_own_rate() -> None:
-    """With an element rate (measured: ``plan.throughput.calibrate_cpu_throughput``) a planned step's seconds are its
+    """With an element rate (measured: ``plan.calibration.calibrate_cpu_throughput``) a planned step's seconds are its
     FLOPs plus its feature maps' elements, each at its rate; the patch shrinks to keep the target, and the plan
     records both rates."""
     flops_only = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_seconds_per_iteration=1.0)
@@ -392,7 +392,14 @@ def test_a_cpu_plan_counts_the_pages_its_large_feature_maps_map_afresh() -> None
 
 
 def test_a_cuda_plan_records_no_cpu_throughput() -> None:
-    assert _rough_plan(8, device="cuda", cpu_flops_per_second=10e9).cpu_flops_per_second is None
+    cuda = _rough_plan(8, device="cuda", cpu_flops_per_second=10e9, cpu_rates_source="--cpu-flops")
+    assert cuda.cpu_flops_per_second is None and cuda.cpu_rates_source == ""
+
+
+def test_a_cpu_plan_records_where_its_rates_came_from() -> None:
+    source = "measured now, not cached: fallback to one thread's rates per CPU second (a floor ...)"
+    plans = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_rates_source=source)
+    assert plans.cpu_rates_source == source
 
 
 def test_cpu_width_drops_to_8_only_when_16_leaves_too_small_a_patch() -> None:
