@@ -7,6 +7,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord, EffectiveConfiguration, RunRecord
 from autoseg.train.schedule import TimeBudget
+
+if TYPE_CHECKING:
+    from autoseg.train.prediction_rates import PredictionProbe
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -52,8 +56,8 @@ class FoldJob:
 
 @dataclass
 class TrainingRun:
-    """One run in progress. Set once by the trainer's setup: ``job``, ``step``, ``data``, ``budget``. Replaced as
-    the run goes on, and only these: ``config``, ``progress``, ``watch``."""
+    """One run in progress. Set once by the trainer's setup: ``job``, ``step``, ``data``, ``budget``, ``probe``.
+    Replaced as the run goes on, and only these: ``config``, ``progress``, ``watch``."""
 
     job: FoldJob
     step: TrainStep  # one for the run: its network, optimizer and grad scaler change in place at every step
@@ -62,6 +66,7 @@ class TrainingRun:
     config: ConfigurationPlan  # this rank's step: a degradation replaces it (accumulation, checkpointing)
     progress: TrainingProgress  # a frozen value: replaced after each epoch, budget plan, degradation, memory check
     watch: MemoryObserver | None = None  # the memory check of ``config``'s first steps; None once it reported
+    probe: PredictionProbe | None = None  # times the final validation's prediction for ``budget`` (rank 0)
 
     @property
     def ranks(self) -> Ranks:

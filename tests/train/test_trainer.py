@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,13 +20,14 @@ from autoseg.memory.device import predict_device_peak
 from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.step import TrainStep
+from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
 from autoseg.train.fold_data import fold_cases
 from autoseg.train.progress import Schedule
 from autoseg.train.run_config import RunConfig
-from autoseg.train.schedule import final_validation_seconds, parse_duration, poly_lr
+from autoseg.train.schedule import parse_duration, poly_lr
 from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
@@ -148,9 +151,7 @@ def test_parse_duration_rejects(text: str) -> None:
         parse_duration(text)
 
 
-def test_final_validation_estimate_and_poly_lr() -> None:
-    # 2 x 3 x 3 tiles, 8 mirror variants, a third of 0.3 s per sample, x1.5
-    assert final_validation_seconds([(12, 28, 28)], (8, 16, 16), 0.3, 8) == pytest.approx(1.5 * 2 * 3 * 3 * 8 * 0.1)
+def test_poly_lr() -> None:
     assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5**0.9) and poly_lr(0.01, 10, 10) == 0.0
 
 
@@ -168,6 +169,23 @@ def _simulated_steps(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> S
 
     monkeypatch.setattr(TrainStep, "__call__", timed_step)
     return clock
+
+
+def _simulated_passes(monkeypatch: pytest.MonkeyPatch, clock: SimpleNamespace, seconds: float) -> list[tuple]:
+    """Each forward pass of a tile batch through the torch runner advances ``clock`` by ``seconds``; returns the
+    shapes of the batches and whether the network was in training mode when called, in order."""
+    real_call, seen = TorchTileRunner.__call__, []
+
+    def timed_call(self, tile_batch):
+        if is_fake(tile_batch):  # the memory model's simulation of the tile batch
+            return real_call(self, tile_batch)
+        seen.append((tuple(tile_batch.shape), self.module.training))
+        out = real_call(self, tile_batch)
+        clock.now += seconds
+        return out
+
+    monkeypatch.setattr(TorchTileRunner, "__call__", timed_call)
+    return seen
 
 
 def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -202,15 +220,17 @@ def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, mon
 def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     workspace: Workspace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Steps of 3 s simulated make the final validation of fold "all" (5 cases, 4 mirror variants on CPU) cost more
-    than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
+    """Tile batches of 4 s simulated make the final validation of fold "all" (5 cases, 4 mirror variants on CPU) cost
+    more than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
     from autoseg.train import validation
 
     clock = _simulated_steps(monkeypatch, [3.0])
+    _simulated_passes(monkeypatch, clock, 4.0)
     real_predict, seen = validation.predict_case, []
 
     def spy(case, predictor, *args, **kwargs):
-        seen.append((case.case_id, predictor.window.tta))
+        if isinstance(predictor.runners[0], TorchTileRunner):  # not the timing of a case without the network
+            seen.append((case.case_id, predictor.window.tta))
         return real_predict(case, predictor, *args, **kwargs)
 
     monkeypatch.setattr(validation, "predict_case", spy)
@@ -224,6 +244,27 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     assert sorted(p.stem for p in (fold / "validation").glob("*.npz")) == final["cases"]
     decision = json.loads((fold / "run.json").read_text())["time_budget"][-1]
     assert decision["validation_cases"] == final["cases"] and decision["validation_tta"] == "none"
+
+
+def test_time_budget_estimates_the_final_validation_from_the_runs_own_prediction(
+    workspace: Workspace, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each tile batch through the run's network takes 2 s on the run's clock, and nothing else does: before the first
+    step the budget times one tile's 4 mirror variants (one batch of 4), so a pass costs 0.5 s per tile, and the final
+    validation takes what it estimated."""
+    clock = _simulated_steps(monkeypatch, [3.0])
+    passes = _simulated_passes(monkeypatch, clock, 2.0)
+    run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)
+    with caplog.at_level(logging.INFO, logger="autoseg.train.trainer"):
+        fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
+    assert passes[0] == ((4, 1, 8, 16, 16), True)  # before the first step: the network still in training mode
+    decision = json.loads((fold / "run.json").read_text())["time_budget"][0]
+    assert decision["window_seconds_per_voxel"] == pytest.approx(2.0 / (4 * 8 * 16 * 16))
+    assert decision["case_seconds_per_voxel"] == 0.0  # nothing but the passes takes time here
+    final = json.loads((fold / "run.json").read_text())["final_validation"]
+    assert final["tta"] == "4" and not final["reduced_by_time_budget"] and final["estimated_seconds"] > 0
+    took = re.search(r"final validation took ([0-9.]+) s \(estimated ([0-9.]+) s\)", caplog.text)
+    assert took is not None and float(took.group(1)) == pytest.approx(float(took.group(2)))
 
 
 def test_train_cli_reads_resume_and_time_budget() -> None:
