@@ -15,9 +15,8 @@ from autoseg.data.loader import BatchLoader
 from autoseg.train.curves import record_epoch, run_times
 from autoseg.train.degrade import choose_degradation, log_degradation
 from autoseg.train.patch_validation import validate_patches
-from autoseg.train.prediction_rates import time_prediction
 from autoseg.train.run_state import TrainingRun
-from autoseg.train.schedule import poly_lr
+from autoseg.train.schedule import poly_lr, time_prediction
 
 __all__ = ["run_epochs"]
 

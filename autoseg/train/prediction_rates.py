@@ -5,7 +5,7 @@
 - one (tile, mirror variant) pass: the sliding window (``predict_probabilities``) over one tile of a validation case
   (the median-sized one, cropped at its centre), every mirror variant of the device's default ``--tta``, through the
   run's network as a ``TorchTileRunner`` in eval mode: the forward passes in the planned tile batch, the flips and
-  the accumulation. Per voxel of the tile; a few forward passes, timed again at epoch ends (``prediction_due``).
+  the accumulation. Per voxel of the tile; a few forward passes, timed again at epoch ends (``time_prediction``).
 - the rest of a case: ``predict_validation_case`` of that case from its raw images with zero logits in place of
   the network (reading, preprocessing, the inference plan, the window's bookkeeping, writing the label map and the
   probabilities) and the evaluation of its reference against itself. Per preprocessed voxel; timed once.
@@ -34,7 +34,7 @@ from autoseg.predict.networks import Predictor
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import open_case
 from autoseg.train.run_state import FoldJob
-from autoseg.train.schedule import PredictionRates, TimeBudget, ValidationWork
+from autoseg.train.schedule import PredictionRates, ValidationWork
 from autoseg.train.validation import predict_validation_case
 
 
@@ -77,13 +77,17 @@ class PredictionProbe:
     validation case (``shapes``: id -> preprocessed (Z, Y, X)), as ``validate_fold`` runs it on ``job.run.device``."""
 
     def __init__(self, job: FoldJob, network: torch.nn.Module, shapes: Mapping[str, tuple[int, ...]]) -> None:
-        self.job, self.network = job, network
+        self.job = job
         self.case_id = sorted(shapes, key=lambda c: (math.prod(shapes[c]), c))[len(shapes) // 2]
         config, device = job.planned, job.run.device
         self.predictor = Predictor.of([network], job.plans, config, WindowOptions(device=device))
         self.variants = self.predictor.window.num_variants(config)
         self.crop = self._centre_tile(tuple(shapes[self.case_id]))
-        inference_plan(self.predictor, tuple(self.crop.shape[1:]))  # the memory simulation, kept: not timed
+        # not timed: the memory simulation (kept for the timed runs) and a network's first pass, which pays once
+        # what the final validation pays once too (oneDNN primitives, cuDNN's autotuning, the allocator growing)
+        inference_plan(self.predictor, tuple(self.crop.shape[1:]))
+        runner = self.predictor.runners[0]
+        runner(torch.from_numpy(self.crop[None]).to(runner.device))
         self.case_seconds_per_voxel: float | None = None
 
     def _centre_tile(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -125,10 +129,3 @@ class PredictionProbe:
             evaluate_pairs([(case.label_path, case.label_path)], dataset.labels, dataset.file_ending)
             seconds = clock() - t0
         return seconds / math.prod(open_case(job.data_folder, self.case_id).arrays()[0].shape[1:])
-
-
-def time_prediction(probe: PredictionProbe | None, budget: TimeBudget, clock: Callable[[], float]) -> None:
-    """Time the prediction with ``probe`` (None: this rank does not validate) where ``budget`` asks for it."""
-    if probe is not None and budget.prediction_due(clock()):
-        rates = probe.measure()
-        budget.prediction_measured(rates, clock())

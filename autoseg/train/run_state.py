@@ -7,7 +7,6 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,10 +22,7 @@ from autoseg.train.memory_report import MemoryCheck, log_check
 from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord, EffectiveConfiguration, RunRecord
-from autoseg.train.schedule import TimeBudget
-
-if TYPE_CHECKING:
-    from autoseg.train.prediction_rates import PredictionProbe
+from autoseg.train.schedule import PredictionTiming, TimeBudget
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -66,7 +62,7 @@ class TrainingRun:
     config: ConfigurationPlan  # this rank's step: a degradation replaces it (accumulation, checkpointing)
     progress: TrainingProgress  # a frozen value: replaced after each epoch, budget plan, degradation, memory check
     watch: MemoryObserver | None = None  # the memory check of ``config``'s first steps; None once it reported
-    probe: PredictionProbe | None = None  # times the final validation's prediction for ``budget`` (rank 0)
+    probe: PredictionTiming | None = None  # times the final validation's prediction for ``budget`` (rank 0)
 
     @property
     def ranks(self) -> Ranks:

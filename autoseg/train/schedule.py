@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -79,6 +80,19 @@ class PredictionRates:
     window_seconds_per_voxel: float
     case_seconds_per_voxel: float
     timing_seconds: float
+
+
+class PredictionTiming(Protocol):
+    """What times the final validation's prediction (``autoseg.train.prediction_rates.PredictionProbe``)."""
+
+    def measure(self) -> PredictionRates: ...
+
+
+def time_prediction(timing: PredictionTiming | None, budget: TimeBudget, clock: Callable[[], float]) -> None:
+    """Time the prediction with ``timing`` (None: this rank does not validate) where ``budget`` asks for it."""
+    if timing is not None and budget.prediction_due(clock()):
+        rates = timing.measure()
+        budget.prediction_measured(rates, clock())
 
 
 def final_validation_seconds(work: Sequence[ValidationWork], rates: PredictionRates, variants: int) -> float:

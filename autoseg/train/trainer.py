@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -51,10 +50,7 @@ from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord
 from autoseg.train.run_state import FoldJob, TrainingRun, make_step, observe_memory
-from autoseg.train.schedule import BudgetedRun, TimeBudget
-
-if TYPE_CHECKING:
-    from autoseg.train.prediction_rates import PredictionProbe
+from autoseg.train.schedule import BudgetedRun, PredictionTiming, TimeBudget, time_prediction
 
 __all__ = ["train"]
 
@@ -241,13 +237,13 @@ def _finish(training: TrainingRun) -> Path:
 
 def _time_budget(
     job: FoldJob, config: ConfigurationPlan, network: torch.nn.Module, distributed: DistributedContext
-) -> tuple[TimeBudget, PredictionProbe | None]:
+) -> tuple[TimeBudget, PredictionTiming | None]:
     """The run's ``TimeBudget`` and, on the rank that validates, the probe that times the final validation's
     prediction (timed here, before the first step). The final validation is the fold's validation cases with the
     device's default ``--tta`` (``autoseg.predict.window.default_tta``) until the budget reduces it."""
     from autoseg.model.tta import parse_tta
     from autoseg.predict.window import default_tta
-    from autoseg.train.prediction_rates import PredictionProbe, time_prediction, validation_work
+    from autoseg.train.prediction_rates import PredictionProbe, validation_work
 
     run, folder = job.run, job.data_folder
     validates = run.validate and distributed.is_main and job.val_ids

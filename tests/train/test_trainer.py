@@ -250,14 +250,15 @@ def test_time_budget_estimates_the_final_validation_from_the_runs_own_prediction
     workspace: Workspace, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Each tile batch through the run's network takes 2 s on the run's clock, and nothing else does: before the first
-    step the budget times one tile's 4 mirror variants (one batch of 4), so a pass costs 0.5 s per tile, and the final
-    validation takes what it estimated."""
+    step the budget times one tile's 4 mirror variants (one batch of 4, after an untimed first pass), so a pass costs
+    0.5 s per tile, and the final validation takes what it estimated."""
     clock = _simulated_steps(monkeypatch, [3.0])
     passes = _simulated_passes(monkeypatch, clock, 2.0)
     run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)
     with caplog.at_level(logging.INFO, logger="autoseg.train.trainer"):
         fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
-    assert passes[0] == ((4, 1, 8, 16, 16), True)  # before the first step: the network still in training mode
+    # before the first step (the network still in training mode): a first pass, then one tile's 4 mirror variants
+    assert passes[:2] == [((1, 1, 8, 16, 16), True), ((4, 1, 8, 16, 16), True)]
     decision = json.loads((fold / "run.json").read_text())["time_budget"][0]
     assert decision["window_seconds_per_voxel"] == pytest.approx(2.0 / (4 * 8 * 16 * 16))
     assert decision["case_seconds_per_voxel"] == 0.0  # nothing but the passes takes time here
