@@ -112,6 +112,8 @@ class PredictionProbe:
         passes = tile_layout(self.crop.shape[1:], tile, steps).num_tiles * self.variants
         if self.case_seconds_per_voxel is None:
             self.case_seconds_per_voxel = self._time_case(clock)
+        if self.predictor.runners[0].device.type == "cuda":
+            torch.cuda.empty_cache()  # the training's steps (and the memory check of the first) hold no tile blocks
         return PredictionRates(timing / (passes * math.prod(tile)), self.case_seconds_per_voxel, timing)
 
     def _time_case(self, clock: Callable[[], float]) -> float:

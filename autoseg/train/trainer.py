@@ -148,7 +148,9 @@ def _setup(job: FoldJob, resumed: Checkpoint | None, distributed: DistributedCon
     if resumed is None:
         if distributed.is_main:
             (job.out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
-        budget, probe = _time_budget(job, config, step.network, distributed) if run.time_budget_s else (None, None)
+        budget, probe = (None, None)
+        if run.time_budget_s is not None:
+            budget, probe = _time_budget(job, config, step.network, distributed)
         fresh = TrainingProgress.start(run.epochs, run.iterations_per_epoch, distributed.world_size)
         return TrainingRun(job, step, data, budget, config, fresh, watch, probe)
     training = TrainingRun(job, step, data, None, config, resumed.progress, watch)
@@ -246,7 +248,7 @@ def _time_budget(
     from autoseg.train.prediction_rates import PredictionProbe, validation_work
 
     run, folder = job.run, job.data_folder
-    validates = run.validate and distributed.is_main and job.val_ids
+    validates = run.validate and distributed.is_main and bool(job.val_ids)
     shapes = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if validates else {}
     tta = default_tta(run.device)
     budgeted = BudgetedRun(

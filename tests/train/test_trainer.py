@@ -6,20 +6,17 @@ import logging
 import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from factories import set_configuration
-from torch._subclasses.fake_tensor import is_fake
-from train_faults import killed_after_epochs, out_of_memory_at_step
+from train_faults import killed_after_epochs, out_of_memory_at_step, simulated_passes, simulated_steps
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
-from autoseg.model.step import TrainStep
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
 from autoseg.train.checkpoint import load_checkpoint
@@ -155,44 +152,11 @@ def test_poly_lr() -> None:
     assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5**0.9) and poly_lr(0.01, 10, 10) == 0.0
 
 
-def _simulated_steps(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> SimpleNamespace:
-    """A clock that only the training steps advance: ``seconds`` for the first steps, then the last one each."""
-    clock = SimpleNamespace(now=50.0)
-    real_step = TrainStep.__call__
-    steps = iter(seconds)
-
-    def timed_step(self, *args, **kwargs):
-        result = real_step(self, *args, **kwargs)
-        if not is_fake(next(self.network.parameters())):  # the memory check's simulation runs TrainStep too
-            clock.now += next(steps, seconds[-1])
-        return result
-
-    monkeypatch.setattr(TrainStep, "__call__", timed_step)
-    return clock
-
-
-def _simulated_passes(monkeypatch: pytest.MonkeyPatch, clock: SimpleNamespace, seconds: float) -> list[tuple]:
-    """Each forward pass of a tile batch through the torch runner advances ``clock`` by ``seconds``; returns the
-    shapes of the batches and whether the network was in training mode when called, in order."""
-    real_call, seen = TorchTileRunner.__call__, []
-
-    def timed_call(self, tile_batch):
-        if is_fake(tile_batch):  # the memory model's simulation of the tile batch
-            return real_call(self, tile_batch)
-        seen.append((tuple(tile_batch.shape), self.module.training))
-        out = real_call(self, tile_batch)
-        clock.now += seconds
-        return out
-
-    monkeypatch.setattr(TorchTileRunner, "__call__", timed_call)
-    return seen
-
-
 def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's clock is simulated: the training steps take 2.4 s twice (warm-up), then 1 s; nothing else takes
     time. Budget 120 s, 50 iterations and 1 validation iteration per epoch, no final validation; the plan below is
     worked out by hand."""
-    clock = _simulated_steps(monkeypatch, [2.4, 2.4, 1.0])
+    clock = simulated_steps(monkeypatch, [2.4, 2.4, 1.0])
     run = RunConfig(**{**TINY, "epochs": 1000, "iterations_per_epoch": 50}, time_budget_s=120.0)
     fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
     run_json = json.loads((fold / "run.json").read_text())
@@ -224,8 +188,8 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     more than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
     from autoseg.train import validation
 
-    clock = _simulated_steps(monkeypatch, [3.0])
-    _simulated_passes(monkeypatch, clock, 4.0)
+    clock = simulated_steps(monkeypatch, [3.0])
+    simulated_passes(monkeypatch, clock, 4.0)
     real_predict, seen = validation.predict_case, []
 
     def spy(case, predictor, *args, **kwargs):
@@ -252,8 +216,8 @@ def test_time_budget_estimates_the_final_validation_from_the_runs_own_prediction
     """Each tile batch through the run's network takes 2 s on the run's clock, and nothing else does: before the first
     step the budget times one tile's 4 mirror variants (one batch of 4, after an untimed first pass), so a pass costs
     0.5 s per tile, and the final validation takes what it estimated."""
-    clock = _simulated_steps(monkeypatch, [3.0])
-    passes = _simulated_passes(monkeypatch, clock, 2.0)
+    clock = simulated_steps(monkeypatch, [3.0])
+    passes = simulated_passes(monkeypatch, clock, 2.0)
     run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)
     with caplog.at_level(logging.INFO, logger="autoseg.train.trainer"):
         fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
