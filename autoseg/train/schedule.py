@@ -8,9 +8,9 @@ final validation's estimate (``final_validation_seconds``) comes from this run's
 ``TIMING_SHARE`` of the run (``prediction_due``); it reduces the validation when it would take more than
 ``VALIDATION_SHARE`` of the budget: no test-time mirroring first, then only the first validation cases (sorted ids).
 The rest goes to training: as many epochs as the configured iterations per epoch need, each shortened to fill the
-time (down to ``MIN_ITERATIONS_PER_EPOCH``). It re-estimates after the first steady
-iterations, every ``CHECK_EVERY`` iterations and after every epoch; a plan is kept while its predicted end
-stays within ``KEEP_BAND`` of the budget, otherwise a new one aims at ``TARGET_SHARE`` (shorter or longer).
+time (down to ``MIN_ITERATIONS_PER_EPOCH``). It re-estimates after the first steady iterations, every
+``CHECK_EVERY`` iterations and after every epoch; a plan is kept while its predicted end stays within ``KEEP_BAND``
+of the budget, otherwise a new one aims at ``TARGET_SHARE`` (shorter or longer).
 The learning rate follows the plan in force: ``poly_lr(steps done, steps done + steps still planned)``, so a
 new plan changes the curve's remaining length from the current step on, and the plan's last step runs near zero.
 """
@@ -177,7 +177,7 @@ class BudgetDecision:
     validation_tta: str
     validation_cases: tuple[str, ...]
     predicted_end_seconds: float
-    window_seconds_per_voxel: float  # the prediction rates the final validation's estimate came from (0: none)
+    window_seconds_per_voxel: float  # the prediction's rates the validation's estimate came from (0: no cases)
     case_seconds_per_voxel: float
 
     def to_dict(self) -> dict[str, object]:
@@ -191,9 +191,9 @@ class BudgetDecision:
             f"time budget {self.budget_seconds:.0f} s, {self.source} ({self.elapsed_seconds:.1f} s elapsed): "
             f"{self.seconds_per_iteration:.3f} s/iteration + {self.epoch_overhead_seconds:.1f} s per epoch "
             f"besides, final validation ~{self.final_validation_seconds:.1f} s (tta {self.validation_tta}, "
-            f"{len(self.validation_cases)} of {total_cases} cases; measured {1e9 * self.window_seconds_per_voxel:.0f} "
-            f"ns per tile voxel and pass, {1e9 * self.case_seconds_per_voxel:.0f} ns per case voxel) -> {self.epochs} "
-            "epoch(s) x "
+            f"{len(self.validation_cases)} of {total_cases} cases; measured "
+            f"{1e9 * self.window_seconds_per_voxel:.0f} ns per tile voxel and pass, "
+            f"{1e9 * self.case_seconds_per_voxel:.0f} ns per case voxel) -> {self.epochs} epoch(s) x "
             f"{self.iterations_per_epoch} iterations, ending at ~{self.predicted_end_seconds:.0f} s "
             f"({100 * self.predicted_end_seconds / self.budget_seconds:.0f}%)"
         )
