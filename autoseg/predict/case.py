@@ -32,6 +32,7 @@ from autoseg.predict.cascade import cascade_input
 from autoseg.predict.export import SlabExport, export_segmentation
 from autoseg.predict.networks import Predictor
 from autoseg.predict.probabilities import ProbabilityFile
+from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.store import CaseProperties
 
@@ -114,8 +115,7 @@ def _sliding_window(
     config, window, scheme = predictor.config, predictor.window, predictor.plans.label_scheme
     image_shape = tuple(data.shape[1:])
     plan = inference_plan(predictor, image_shape, streamed=on_slab is not None)
-    tile_size = tile_for_image(config, image_shape, window.tile, window.step_fraction)
-    steps = overlap_step_fractions(tile_size, config.patch_size, window.step_fraction)
+    tile_size, steps = window_tile(config, window, image_shape)
     (log.info if window.verbose else log.debug)(
         "case %s, input %s: tile %s (%s), %d tile(s) x %d fold(s); %s",
         case_id,
@@ -141,6 +141,16 @@ def _sliding_window(
     return sliding_window_predict(predictor.runners, data, sliding, on_slab)
 
 
+def window_tile(
+    config: ConfigurationPlan, window: WindowOptions, image_shape_zyx: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """The sliding window's tile over a preprocessed image of ``image_shape_zyx`` (``tile_for_image`` of
+    ``window.tile``) and its per-axis step fractions (``overlap_step_fractions``): with ``tile_layout`` they give
+    the tiles the window predicts."""
+    tile_size = tile_for_image(config, image_shape_zyx, window.tile, window.step_fraction)
+    return tile_size, overlap_step_fractions(tile_size, config.patch_size, window.step_fraction)
+
+
 def export_prediction(
     probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme, probabilities_path: Path | None = None
 ) -> np.ndarray:
@@ -159,7 +169,7 @@ def inference_plan(predictor: Predictor, image_shape_zyx: tuple[int, ...], strea
     that number. ``streamed``: the slabs go to a ``SlabExport`` (no output volume); else a float16 output. The
     tile simulations are kept between runs where the command keeps them (``kept_simulations``)."""
     config, window = predictor.config, predictor.window
-    tile_size = tile_for_image(config, tuple(image_shape_zyx), window.tile, window.step_fraction)
+    tile_size, steps = window_tile(config, window, tuple(image_shape_zyx))
     setting = InferenceSetting(
         config.network,
         tile_size,
@@ -169,7 +179,7 @@ def inference_plan(predictor: Predictor, image_shape_zyx: tuple[int, ...], strea
         precision=window.precision(config),
         mirror_axes=window.mirror_axes(config),
         tta=window.num_variants(config),
-        step_fraction=overlap_step_fractions(tile_size, config.patch_size, window.step_fraction),
+        step_fraction=steps,
         output_dtype=None if streamed else PROBABILITIES_DTYPE,
         accumulator_dtype=window.accumulator,
     )

@@ -8,8 +8,9 @@ Owns: ``trainer`` (setup, resume, the end of a run), ``run_state`` (what a run t
 ``epochs`` (the epoch loop), ``progress`` (``TrainingProgress``), ``run_record`` (run.json), ``folds`` (several folds
 in turn, resumable as a whole), ``run_config``, ``checkpoint``, ``degrade``, ``memory_check`` (the memory model
 checked against the first real steps, and ``autoseg check-memory``), ``memory_probes`` (what that check measures,
-on CPU and CUDA), ``memory_report`` (its rows, verdict, log line and table), ``schedule``, ``data_pipeline`` (loader
-workers, precomputed copies), ``patch_validation``, ``curves``, ``validation``, ``fold_data`` (a fold's cases and,
-for the cascade, each case's out-of-fold previous-stage label map).
+on CPU and CUDA), ``memory_report`` (its rows, verdict, log line and table), ``schedule``, ``prediction_rates`` (the
+final validation's prediction timed for the time budget), ``data_pipeline`` (loader workers, precomputed copies),
+``patch_validation``, ``curves``, ``validation``, ``fold_data`` (a fold's cases and, for the cascade, each case's
+out-of-fold previous-stage label map).
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.
 """

@@ -16,7 +16,7 @@ from autoseg.train.curves import record_epoch, run_times
 from autoseg.train.degrade import choose_degradation, log_degradation
 from autoseg.train.patch_validation import validate_patches
 from autoseg.train.run_state import TrainingRun
-from autoseg.train.schedule import poly_lr
+from autoseg.train.schedule import poly_lr, time_prediction
 
 __all__ = ["run_epochs"]
 
@@ -44,6 +44,7 @@ def run_epochs(run: TrainingRun) -> None:
             if run.progress.best_ema > before.best_ema:
                 run.save("best")
         if run.budget is not None:
+            time_prediction(run.probe, run.budget, job.clock)  # where due: counted in the epoch's time besides
             _follow_plan(run, run.budget.epoch_done(job.clock()))
         run.save("latest")
         epoch += 1

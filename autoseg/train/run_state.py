@@ -22,7 +22,7 @@ from autoseg.train.memory_report import MemoryCheck, log_check
 from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord, EffectiveConfiguration, RunRecord
-from autoseg.train.schedule import TimeBudget
+from autoseg.train.schedule import PredictionTiming, TimeBudget
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -52,8 +52,8 @@ class FoldJob:
 
 @dataclass
 class TrainingRun:
-    """One run in progress. Set once by the trainer's setup: ``job``, ``step``, ``data``, ``budget``. Replaced as
-    the run goes on, and only these: ``config``, ``progress``, ``watch``."""
+    """One run in progress. Set once by the trainer's setup: ``job``, ``step``, ``data``, ``budget``, ``probe``.
+    Replaced as the run goes on, and only these: ``config``, ``progress``, ``watch``."""
 
     job: FoldJob
     step: TrainStep  # one for the run: its network, optimizer and grad scaler change in place at every step
@@ -62,6 +62,7 @@ class TrainingRun:
     config: ConfigurationPlan  # this rank's step: a degradation replaces it (accumulation, checkpointing)
     progress: TrainingProgress  # a frozen value: replaced after each epoch, budget plan, degradation, memory check
     watch: MemoryObserver | None = None  # the memory check of ``config``'s first steps; None once it reported
+    probe: PredictionTiming | None = None  # times the final validation's prediction for ``budget`` (rank 0)
 
     @property
     def ranks(self) -> Ranks:

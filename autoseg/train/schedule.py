@@ -2,13 +2,15 @@
 
 ``TimeBudget`` owns every decision. It measures seconds per iteration after a warm-up (the first
 ``WARMUP_ITERATIONS`` are left out: loader start, first-call kernels) as the median of the recent ones, and the
-per-epoch cost beside the iterations (pseudo-Dice, checkpoints, plot, loader restart) from the epochs run. From
-these it estimates the final validation (``final_validation_seconds``) and reduces it when it would take more
-than ``VALIDATION_SHARE`` of the budget: no test-time mirroring first, then only the first validation cases
-(sorted ids). The rest goes to training: as many epochs as the configured iterations per epoch need, each
-shortened to fill the time (down to ``MIN_ITERATIONS_PER_EPOCH``). It re-estimates after the first steady
-iterations, every ``CHECK_EVERY`` iterations and after every epoch; a plan is kept while its predicted end
-stays within ``KEEP_BAND`` of the budget, otherwise a new one aims at ``TARGET_SHARE`` (shorter or longer).
+per-epoch cost beside the iterations (pseudo-Dice, checkpoints, plot, loader restart) from the epochs run. The
+final validation's estimate (``final_validation_seconds``) comes from this run's own prediction, timed by the trainer
+(``autoseg.train.prediction_rates``) before the first step and again at epoch ends while timing costs at most
+``TIMING_SHARE`` of the run (``prediction_due``); it reduces the validation when it would take more than
+``VALIDATION_SHARE`` of the budget: no test-time mirroring first, then only the first validation cases (sorted ids).
+The rest goes to training: as many epochs as the configured iterations per epoch need, each shortened to fill the
+time (down to ``MIN_ITERATIONS_PER_EPOCH``). It re-estimates after the first steady iterations, every
+``CHECK_EVERY`` iterations and after every epoch; a plan is kept while its predicted end stays within ``KEEP_BAND``
+of the budget, otherwise a new one aims at ``TARGET_SHARE`` (shorter or longer).
 The learning rate follows the plan in force: ``poly_lr(steps done, steps done + steps still planned)``, so a
 new plan changes the curve's remaining length from the current step on, and the plan's last step runs near zero.
 """
@@ -18,13 +20,13 @@ from __future__ import annotations
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from autoseg.core.errors import InputError
-from autoseg.model.tiles import tile_layout
 
 log = logging.getLogger("autoseg.train.trainer")
 _UNIT_SECONDS = {"h": 3600.0, "m": 60.0, "s": 1.0}
@@ -38,6 +40,7 @@ KEEP_BAND = (0.90, 0.98)  # ... and is kept while its predicted end stays in thi
 VALIDATION_SHARE = 0.25  # the final validation is reduced to fit in a quarter of the budget
 MIN_ITERATIONS_PER_EPOCH = 10  # iterations per epoch are shortened to fit, not below this
 EPOCH_OVERHEAD_SECONDS = 0.3  # first guess for checkpoint + progress plot per epoch; measured after epoch 0
+TIMING_SHARE = 0.05  # timing the final validation's prediction again takes at most 5% of the run
 
 
 def poly_lr(initial_lr: float, step: int, total_steps: int, exponent: float = 0.9) -> float:
@@ -57,14 +60,49 @@ def parse_duration(text: str) -> float:
     return seconds
 
 
-def final_validation_seconds(
-    case_shapes: Sequence[Sequence[int]], patch_size: Sequence[int], seconds_per_sample_step: float, variants: int
-) -> float:
-    """Estimated seconds to predict the validation cases (preprocessed shapes (Z, Y, X)): per tile a forward
-    pass costs about a third of a training step per sample (forward + backward ~ 3 forwards), times the
-    ``variants`` of test-time mirroring; x1.5 for preprocessing, resampling and export."""
-    tiles = sum(tile_layout(s, patch_size).num_tiles for s in case_shapes)
-    return 1.5 * tiles * variants * seconds_per_sample_step / 3.0
+@dataclass(frozen=True)
+class ValidationWork:
+    """One validation case's prediction (``autoseg.train.prediction_rates.validation_work``): its sliding window's
+    ``tiles`` of ``tile_voxels`` voxels each (one pass per mirror variant), and the voxels of its preprocessed image."""
+
+    tiles: int
+    tile_voxels: int
+    voxels: int
+
+
+@dataclass(frozen=True)
+class PredictionRates:
+    """This run's own prediction, timed (``autoseg.train.prediction_rates.PredictionProbe``): seconds per tile voxel
+    of one (tile, mirror variant) pass of the sliding window (the forward pass in the planned tile batch, the flips,
+    the accumulation), seconds per preprocessed voxel of the rest of a case (reading, preprocessing, export,
+    evaluation), and ``timing_seconds``: what timing the passes again costs."""
+
+    window_seconds_per_voxel: float
+    case_seconds_per_voxel: float
+    timing_seconds: float
+
+
+class PredictionTiming(Protocol):
+    """What times the final validation's prediction (``autoseg.train.prediction_rates.PredictionProbe``)."""
+
+    def measure(self) -> PredictionRates: ...
+
+
+def time_prediction(timing: PredictionTiming | None, budget: TimeBudget, clock: Callable[[], float]) -> None:
+    """Time the prediction with ``timing`` (None: this rank does not validate) where ``budget`` asks for it."""
+    if timing is not None and budget.prediction_due(clock()):
+        rates = timing.measure()
+        budget.prediction_measured(rates, clock())
+
+
+def final_validation_seconds(work: Sequence[ValidationWork], rates: PredictionRates, variants: int) -> float:
+    """Estimated seconds to predict and evaluate the validation cases ``work`` with ``variants`` mirror variants:
+    per case, its tiles x variants passes at the measured seconds per tile voxel, and its voxels at the measured
+    seconds per case voxel."""
+    return sum(
+        w.tiles * variants * w.tile_voxels * rates.window_seconds_per_voxel + w.voxels * rates.case_seconds_per_voxel
+        for w in work
+    )
 
 
 @dataclass(frozen=True)
@@ -77,19 +115,18 @@ class ValidationChoice:
 
 
 def choose_validation(
-    cases: Mapping[str, Sequence[int]],
-    patch_size: Sequence[int],
-    seconds_per_sample_step: float,
+    cases: Mapping[str, ValidationWork],
+    rates: PredictionRates,
     tta: str,
     variants: int,
     reserve_seconds: float,
 ) -> ValidationChoice:
-    """Every case of ``cases`` (id -> preprocessed (Z, Y, X)) with ``tta`` (``variants`` mirror variants) if that
-    fits ``reserve_seconds``; else without mirroring; else the first cases in sorted order that fit, at least one."""
+    """Every case of ``cases`` (id -> its work) with ``tta`` (``variants`` mirror variants) if that fits
+    ``reserve_seconds``; else without mirroring; else the first cases in sorted order that fit, at least one."""
     ids = sorted(cases)
 
     def cost(chosen: Sequence[str], v: int) -> float:
-        return final_validation_seconds([cases[c] for c in chosen], patch_size, seconds_per_sample_step, v)
+        return final_validation_seconds([cases[c] for c in chosen], rates, v)
 
     if cost(ids, variants) <= reserve_seconds:
         return ValidationChoice(tta, tuple(ids), cost(ids, variants))
@@ -140,6 +177,8 @@ class BudgetDecision:
     validation_tta: str
     validation_cases: tuple[str, ...]
     predicted_end_seconds: float
+    window_seconds_per_voxel: float  # the prediction's rates the validation's estimate came from (0: no cases)
+    case_seconds_per_voxel: float
 
     def to_dict(self) -> dict[str, object]:
         record = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -152,7 +191,9 @@ class BudgetDecision:
             f"time budget {self.budget_seconds:.0f} s, {self.source} ({self.elapsed_seconds:.1f} s elapsed): "
             f"{self.seconds_per_iteration:.3f} s/iteration + {self.epoch_overhead_seconds:.1f} s per epoch "
             f"besides, final validation ~{self.final_validation_seconds:.1f} s (tta {self.validation_tta}, "
-            f"{len(self.validation_cases)} of {total_cases} cases) -> {self.epochs} epoch(s) x "
+            f"{len(self.validation_cases)} of {total_cases} cases; measured "
+            f"{1e9 * self.window_seconds_per_voxel:.0f} ns per tile voxel and pass, "
+            f"{1e9 * self.case_seconds_per_voxel:.0f} ns per case voxel) -> {self.epochs} epoch(s) x "
             f"{self.iterations_per_epoch} iterations, ending at ~{self.predicted_end_seconds:.0f} s "
             f"({100 * self.predicted_end_seconds / self.budget_seconds:.0f}%)"
         )
@@ -161,18 +202,16 @@ class BudgetDecision:
 @dataclass(frozen=True)
 class BudgetedRun:
     """What a ``TimeBudget`` plans: the run's configured ``epochs`` (the plan before the first decision),
-    ``iterations_per_epoch`` (the most an epoch runs) and ``val_iterations`` (the pseudo-Dice's batches); its step,
-    ``micro_batches`` (accumulation steps) of ``batch_size`` on ``patch_size``; its final validation,
-    ``validation_cases`` (case id -> preprocessed (Z, Y, X); {} if there is none) with ``tta`` (the default
-    ``--tta``) and the mirror ``tta_variants`` that gives."""
+    ``iterations_per_epoch`` (the most an epoch runs) and ``val_iterations`` (the pseudo-Dice's batches); its step's
+    ``micro_batches`` (accumulation steps); its final validation, ``validation_cases`` (case id -> its work; {} if
+    there is none, or on a rank that does not validate) with ``tta`` (the default ``--tta``) and the mirror
+    ``tta_variants`` that gives."""
 
     epochs: int
     iterations_per_epoch: int
     val_iterations: int
     micro_batches: int
-    batch_size: int
-    patch_size: tuple[int, ...]
-    validation_cases: Mapping[str, tuple[int, ...]]
+    validation_cases: Mapping[str, ValidationWork]
     tta: str
     tta_variants: int
 
@@ -181,25 +220,39 @@ class TimeBudget:
     """Plans epochs, iterations per epoch and the final validation so that the run ends within the budget.
 
     The trainer calls ``epoch_started``, ``iteration_done`` after every optimizer step and ``epoch_done``; each
-    passes ``now`` from the run's clock, so tests drive it with fabricated times. ``started``: the clock when the
-    run started (setup counts against the budget). ``run``: what it plans (``BudgetedRun``).
+    passes ``now`` from the run's clock, so tests drive it with fabricated times. With validation cases, it gives
+    ``prediction_measured`` the prediction's rates before the first step, and again before an ``epoch_done`` where
+    ``prediction_due``. ``started``: the clock when the run started (setup counts against the budget). ``run``: what
+    it plans (``BudgetedRun``).
     """
 
     def __init__(self, budget_seconds: float, started: float, run: BudgetedRun) -> None:
         self.budget_seconds, self.started = float(budget_seconds), started
         self.plan = (run.epochs, run.iterations_per_epoch)  # in force: (epochs, iterations per epoch)
         self.iterations_per_epoch, self.val_iterations = run.iterations_per_epoch, run.val_iterations
-        self.samples_per_iteration, self.micro_batches = run.micro_batches * run.batch_size, run.micro_batches
-        self.patch_size = tuple(run.patch_size)
-        self.validation_cases = {c: tuple(s) for c, s in run.validation_cases.items()}
+        self.micro_batches = run.micro_batches
+        self.validation_cases = dict(run.validation_cases)
         self.tta, self.tta_variants = run.tta, run.tta_variants
         self.validation = ValidationChoice(run.tta, tuple(sorted(self.validation_cases)), 0.0)
+        self.prediction: PredictionRates | None = None  # the latest timing of this run's prediction
+        self._timed_at = started
         self.decisions: list[BudgetDecision] = []
         self._seconds: list[float] = []  # of every iteration, warm-up included
         self._overheads: list[float] = []  # of every finished epoch: its time besides its iterations
         self._epochs_done = self._in_epoch = 0
         self._epoch_steps_seconds = 0.0  # the epoch's iterations after its first
         self._epoch_started = self._last = self._epoch_ended = started
+
+    def prediction_due(self, now: float) -> bool:
+        """Whether to time the prediction (again): never timed yet, or the time since the last timing is at least
+        ``1 / TIMING_SHARE`` times what timing costs (a CPU shared with another process shows within a few epochs)."""
+        if not self.validation_cases:
+            return False
+        return self.prediction is None or now - self._timed_at >= self.prediction.timing_seconds / TIMING_SHARE
+
+    def prediction_measured(self, rates: PredictionRates, now: float) -> None:
+        """The final validation is estimated from ``rates`` (timed up to ``now``) from the next check on."""
+        self.prediction, self._timed_at = rates, now
 
     def epoch_started(self, now: float) -> None:
         """The time since the last ``epoch_done`` (the latest checkpoint) counts to that epoch's overhead."""
@@ -251,13 +304,11 @@ class TimeBudget:
         new plan aimed at ``TARGET_SHARE`` of the budget, recorded and logged."""
         s, elapsed = self.seconds_per_iteration(), now - self.started
         overhead = self.epoch_overhead_seconds(s)
+        rates = self.prediction or PredictionRates(0.0, 0.0, 0.0)
+        if self.validation_cases and self.prediction is None:
+            raise RuntimeError("the time budget needs the prediction's rates (prediction_measured) before its checks")
         validation = choose_validation(
-            self.validation_cases,
-            self.patch_size,
-            s / self.samples_per_iteration,
-            self.tta,
-            self.tta_variants,
-            VALIDATION_SHARE * self.budget_seconds,
+            self.validation_cases, rates, self.tta, self.tta_variants, VALIDATION_SHARE * self.budget_seconds
         )
         end = elapsed + self._remaining_seconds(self.plan, s, overhead) + validation.seconds
         same_validation = validation.case_ids == self.validation.case_ids and validation.tta == self.validation.tta
@@ -287,6 +338,8 @@ class TimeBudget:
             validation.tta,
             validation.case_ids,
             end,
+            rates.window_seconds_per_voxel,
+            rates.case_seconds_per_voxel,
         )
         self.decisions.append(decision)
         log.info(decision.describe(len(self.validation_cases)))

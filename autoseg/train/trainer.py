@@ -50,7 +50,7 @@ from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord
 from autoseg.train.run_state import FoldJob, TrainingRun, make_step, observe_memory
-from autoseg.train.schedule import BudgetedRun, TimeBudget
+from autoseg.train.schedule import BudgetedRun, PredictionTiming, TimeBudget, time_prediction
 
 __all__ = ["train"]
 
@@ -148,9 +148,11 @@ def _setup(job: FoldJob, resumed: Checkpoint | None, distributed: DistributedCon
     if resumed is None:
         if distributed.is_main:
             (job.out / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run
-        budget = _time_budget(job, config) if run.time_budget_s is not None else None
+        budget, probe = (None, None)
+        if run.time_budget_s is not None:
+            budget, probe = _time_budget(job, config, step.network, distributed)
         fresh = TrainingProgress.start(run.epochs, run.iterations_per_epoch, distributed.world_size)
-        return TrainingRun(job, step, data, budget, config, fresh, watch)
+        return TrainingRun(job, step, data, budget, config, fresh, watch, probe)
     training = TrainingRun(job, step, data, None, config, resumed.progress, watch)
     _resume(training, resumed)
     return training
@@ -235,24 +237,30 @@ def _finish(training: TrainingRun) -> Path:
     return job.out
 
 
-def _time_budget(job: FoldJob, config: ConfigurationPlan) -> TimeBudget:
-    """The run's ``TimeBudget``: its final validation is the fold's validation cases with the device's default
-    ``--tta`` (``autoseg.predict.window.default_tta``) until the budget reduces it."""
+def _time_budget(
+    job: FoldJob, config: ConfigurationPlan, network: torch.nn.Module, distributed: DistributedContext
+) -> tuple[TimeBudget, PredictionTiming | None]:
+    """The run's ``TimeBudget`` and, on the rank that validates, the probe that times the final validation's
+    prediction (timed here, before the first step). The final validation is the fold's validation cases with the
+    device's default ``--tta`` (``autoseg.predict.window.default_tta``) until the budget reduces it."""
     from autoseg.model.tta import parse_tta
     from autoseg.predict.window import default_tta
+    from autoseg.train.prediction_rates import PredictionProbe, validation_work
 
     run, folder = job.run, job.data_folder
-    cases = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if run.validate else {}
+    validates = run.validate and distributed.is_main and bool(job.val_ids)
+    shapes = {c: open_case(folder, c).arrays()[0].shape[1:] for c in job.val_ids} if validates else {}
     tta = default_tta(run.device)
     budgeted = BudgetedRun(
         run.epochs,
         run.iterations_per_epoch,
         run.val_iterations,
         config.accumulation_steps,
-        config.batch_size,
-        tuple(config.patch_size),
-        cases,
+        validation_work(job.planned, run.device, shapes),
         tta,
         parse_tta(tta, config.dim),
     )
-    return TimeBudget(run.time_budget_s, job.started, budgeted)
+    budget = TimeBudget(run.time_budget_s, job.started, budgeted)
+    probe = PredictionProbe(job, network, shapes) if shapes else None
+    time_prediction(probe, budget, job.clock)
+    return budget, probe

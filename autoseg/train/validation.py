@@ -12,7 +12,7 @@ from tqdm import tqdm
 
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_image, write_image
-from autoseg.dataset.raw import load_dataset
+from autoseg.dataset.raw import Case, load_dataset
 from autoseg.evaluate.metrics import EvaluationSummary, evaluate_pairs, format_table
 from autoseg.plan.plans import Plans
 from autoseg.predict.case import predict_case
@@ -59,16 +59,7 @@ def validate_fold(
     predictor = Predictor.of([network], plans, config, WindowOptions(device=device, tta=tta))
     pairs = []
     for case in tqdm(cases, desc="validation", unit="case", disable=not progress):
-        previous = (
-            read_image(previous_stage_label_file(workspace, plans, config_name, case.case_id), dtype=None)[0]
-            if config.previous_stage
-            else None
-        )
-        labels, props = predict_case(
-            case, predictor, probabilities_path=out_dir / f"{case.case_id}.npz", previous=previous
-        )
-        out = out_dir / f"{case.case_id}{dataset.file_ending}"
-        write_image(out, labels, props.geometry)
+        out = predict_validation_case(workspace, config_name, case, predictor, out_dir, dataset.file_ending)
         pairs.append((out, case.label_path))
     summary = evaluate_pairs(
         pairs,
@@ -80,3 +71,20 @@ def validate_fold(
     )
     log.info("validation of %d case(s):\n%s", len(cases), format_table(summary))
     return summary
+
+
+def predict_validation_case(
+    workspace: Workspace, config_name: str, case: Case, predictor: Predictor, out_dir: Path, file_ending: str
+) -> Path:
+    """``case``'s label map (``out_dir/{case}{file_ending}``, returned) and probabilities (``{case}.npz``); a cascade
+    stage's input takes the previous stage's label map of the case."""
+    plans = predictor.plans
+    previous = (
+        read_image(previous_stage_label_file(workspace, plans, config_name, case.case_id), dtype=None)[0]
+        if predictor.config.previous_stage
+        else None
+    )
+    labels, props = predict_case(case, predictor, probabilities_path=out_dir / f"{case.case_id}.npz", previous=previous)
+    out = out_dir / f"{case.case_id}{file_ending}"
+    write_image(out, labels, props.geometry)
+    return out

@@ -5,12 +5,15 @@ both stages; export-model packs both."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 from cascade_workspace import CASCADE, RUN
+from train_faults import simulated_passes, simulated_steps
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Splits, Workspace
@@ -79,3 +82,22 @@ def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages
     names = {m.name for m in manifest.members}
     assert {f"results/{c}/fold_0/checkpoint_final.pt" for c in (CASCADE, "3d_lowres")} <= names
     assert manifest.configurations == (CASCADE,)
+
+
+def test_a_cascade_stage_times_its_final_validation_with_its_previous_stage_channels(
+    cascade_ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a time budget the cascade stage's timing runs its network on the image and the one-hot previous-stage
+    channels (zero in the timed tile) and times a case with its previous-stage label map read, as its final
+    validation does."""
+    ws = Workspace.at(Path(shutil.copytree(cascade_ws, tmp_path / "ws")))
+    train(ws, "3d_lowres", 1, RUN, progress=False)
+    clock = simulated_steps(monkeypatch, [1.0])
+    passes = simulated_passes(monkeypatch, clock, 0.5)
+    run = dataclasses.replace(RUN, epochs=1000, iterations_per_epoch=10, validate=True, time_budget_s=40.0)
+    out = train(ws, CASCADE, 0, run, progress=False, clock=lambda: clock.now)
+    channels = Plans.from_json(ws.plans_path).input_channels(Plans.from_json(ws.plans_path).configuration(CASCADE))
+    assert passes[1][0][:2] == (4, channels)  # one tile's 4 mirror variants, every input channel
+    decision = json.loads((out / "run.json").read_text())["time_budget"][0]
+    assert decision["window_seconds_per_voxel"] > 0 and len(decision["validation_cases"]) >= 1
+    assert (out / "validation" / "summary.json").is_file()

@@ -1,9 +1,10 @@
 """The time budget plans from the times it is given: every test passes fabricated clock readings.
 
-The simulated runs drive ``TimeBudget`` the way the trainer does (``epoch_started``, ``iteration_done`` after every
-step, ``epoch_done``) and pay the final validation at the end with the cost model's figure at the rate of the
-moment: what they check is the control (warm-up, re-estimates, shortened epochs, a reduced validation), not the
-cost model's accuracy, which the benchmark measures (benchmarks/time_budget.py).
+The simulated runs drive ``TimeBudget`` the way the trainer does (the prediction timed before the first step and at
+epoch ends where ``prediction_due``, ``epoch_started``, ``iteration_done`` after every step, ``epoch_done``) and pay
+the final validation at the end at the prediction's rates of the moment: what they check is the control (warm-up,
+re-estimates, shortened epochs, a reduced validation), not the timing's accuracy, which the benchmark measures
+(benchmarks/time_budget.py).
 """
 
 from __future__ import annotations
@@ -13,21 +14,31 @@ from collections.abc import Callable
 
 import pytest
 
-from autoseg.model.tiles import tile_layout
 from autoseg.train.schedule import (
     MIN_ITERATIONS_PER_EPOCH,
+    TIMING_SHARE,
     BudgetedRun,
+    PredictionRates,
     TimeBudget,
+    ValidationWork,
     choose_validation,
     final_validation_seconds,
     plan_epochs,
 )
 
-PATCH = (32, 64, 64)
-# 8 validation cases of 5 x 5 x 5 = 125 tiles; at 1 s per iteration of 2 samples, 1.5 x 125 x 0.5 / 3 = 31.25 s
-# each without mirroring, 125 s with the CPU's 4 mirror variants: 1000 s in all, far over a quarter of 720 s
-CASES = {f"case_{i:02d}": (96, 192, 192) for i in range(8)}
+# 8 validation cases of 125 tiles of 32 x 64 x 64 (a 96 x 192 x 192 image). While a training step takes 1 s, a tile's
+# pass takes 0.24 s and the rest of a case 1.25 s: 31.25 s a case without mirroring, 121.25 s with the CPU's 4 mirror
+# variants, 970 s in all, far over a quarter of 720 s
+WORK = ValidationWork(tiles=125, tile_voxels=32 * 64 * 64, voxels=96 * 192 * 192)
+CASES = {f"case_{i:02d}": WORK for i in range(8)}
 TTA, VARIANTS = "4", 4
+
+
+def _rates(step_s: float, slower: float = 1.0) -> PredictionRates:
+    """The prediction's rates while a training step takes ``step_s`` (a pass 0.24 s, a case's rest 1.25 s at 1 s a
+    step), ``slower`` times slower; timing them is the passes of one tile."""
+    pass_s, rest_s = 0.24 * step_s * slower, 1.25 * step_s * slower
+    return PredictionRates(pass_s / WORK.tile_voxels, rest_s / WORK.voxels, VARIANTS * pass_s)
 
 
 def _budget(budget_s: float, cases: dict = CASES, ipe: int = 250, val_iterations: int = 50) -> TimeBudget:
@@ -36,8 +47,6 @@ def _budget(budget_s: float, cases: dict = CASES, ipe: int = 250, val_iterations
         ipe,
         val_iterations,
         micro_batches=1,
-        batch_size=2,
-        patch_size=PATCH,
         validation_cases=cases,
         tta=TTA,
         tta_variants=VARIANTS,
@@ -45,13 +54,27 @@ def _budget(budget_s: float, cases: dict = CASES, ipe: int = 250, val_iterations
     return TimeBudget(budget_s, 0.0, run)
 
 
+def _time_prediction(budget: TimeBudget, now: float, rates: PredictionRates) -> float:
+    """The trainer's ``time_prediction`` on the simulated clock: where due, the timing's seconds pass."""
+    if budget.prediction_due(now):
+        now += rates.timing_seconds
+        budget.prediction_measured(rates, now)
+    return now
+
+
 def _simulate(
-    budget: TimeBudget, step_seconds: Callable[[float, int], float], setup_s: float = 5.0, overhead_s: float = 0.4
+    budget: TimeBudget,
+    step_seconds: Callable[[float, int], float],
+    setup_s: float = 5.0,
+    overhead_s: float = 0.4,
+    slower: float = 1.0,
 ) -> tuple[float, list[int]]:
-    """Run ``budget``'s plan on a simulated clock: ``step_seconds(now, step index)`` per iteration; per epoch the
-    pseudo-Dice (``val_iterations`` forwards, a third of a step each) and ``overhead_s`` (checkpoints, plot).
-    Returns (the time the final validation ends, the iterations each epoch ran)."""
+    """Run ``budget``'s plan on a simulated clock: ``step_seconds(now, step index)`` per iteration, the prediction
+    at ``_rates`` of the step's time (``slower`` times slower); per epoch the pseudo-Dice (``val_iterations``
+    forwards, a third of a step each) and ``overhead_s`` (checkpoints, plot). Returns (the time the final
+    validation ends, the iterations each epoch ran)."""
     now, epoch, steps, ran = setup_s, 0, 0, []
+    now = _time_prediction(budget, now, _rates(step_seconds(now, 2), slower))
     epochs, ipe = budget.plan
     while epoch < epochs:
         budget.epoch_started(now)
@@ -63,13 +86,14 @@ def _simulate(
             epochs, ipe = plan or (epochs, ipe)
         ran.append(it)
         now += budget.val_iterations * step_seconds(now, steps) / 3 + overhead_s
+        now = _time_prediction(budget, now, _rates(step_seconds(now, steps), slower))
         epochs, ipe = budget.epoch_done(now)
         now += 0.1  # the latest checkpoint, after the decision
         epoch += 1
     choice = budget.validation
     variants = VARIANTS if choice.tta == TTA else 1
-    shapes = [budget.validation_cases[c] for c in choice.case_ids]
-    return now + final_validation_seconds(shapes, PATCH, step_seconds(now, steps) / 2, variants), ran
+    work = [budget.validation_cases[c] for c in choice.case_ids]
+    return now + final_validation_seconds(work, _rates(step_seconds(now, steps), slower), variants), ran
 
 
 def _warm_then(seconds: float, warmup_s: float = 2.4) -> Callable[[float, int], float]:
@@ -170,13 +194,74 @@ def test_plan_epochs_fills_the_time_with_shortened_epochs() -> None:
 
 
 def test_choose_validation_drops_mirroring_then_cases() -> None:
-    per_case = final_validation_seconds([(96, 192, 192)], PATCH, 0.5, 1)
-    assert tile_layout((96, 192, 192), PATCH).num_tiles == 125 and per_case == pytest.approx(31.25)
-    full = choose_validation(CASES, PATCH, 0.5, TTA, VARIANTS, 1000.0)
-    assert (full.tta, len(full.case_ids), full.seconds) == (TTA, 8, pytest.approx(1000.0))
-    no_tta = choose_validation(CASES, PATCH, 0.5, TTA, VARIANTS, 999.0)
+    rates = _rates(1.0)
+    assert final_validation_seconds([WORK], rates, 1) == pytest.approx(125 * 0.24 + 1.25)
+    assert final_validation_seconds([WORK], rates, VARIANTS) == pytest.approx(4 * 125 * 0.24 + 1.25)
+    full = choose_validation(CASES, rates, TTA, VARIANTS, 970.0)
+    assert (full.tta, len(full.case_ids), full.seconds) == (TTA, 8, pytest.approx(970.0))
+    no_tta = choose_validation(CASES, rates, TTA, VARIANTS, 969.0)
     assert (no_tta.tta, len(no_tta.case_ids), no_tta.seconds) == ("none", 8, pytest.approx(250.0))
-    subset = choose_validation(CASES, PATCH, 0.5, TTA, VARIANTS, 100.0)
+    subset = choose_validation(CASES, rates, TTA, VARIANTS, 100.0)
     assert (subset.tta, subset.case_ids) == ("none", ("case_00", "case_01", "case_02"))
-    assert choose_validation(CASES, PATCH, 0.5, TTA, VARIANTS, 1.0).case_ids == ("case_00",)  # at least one
-    assert choose_validation({}, PATCH, 0.5, TTA, VARIANTS, 0.0).case_ids == ()
+    assert choose_validation(CASES, rates, TTA, VARIANTS, 1.0).case_ids == ("case_00",)  # at least one
+    assert choose_validation({}, rates, TTA, VARIANTS, 0.0).case_ids == ()
+
+
+def test_the_estimate_follows_the_measured_prediction_rate_not_the_training_step() -> None:
+    """Two runs with the same 1 s steps: one whose prediction was timed at 0.15 of the other's seconds. The estimate
+    is the measured rates times each case's work: the fast one keeps every case and the mirroring (145.5 s within a
+    quarter of 720 s), the slow one drops the mirroring and cases (970 s)."""
+    fast, slow = _budget(720.0), _budget(720.0)
+    for budget, slower in ((fast, 0.15), (slow, 1.0)):
+        budget.prediction_measured(_rates(1.0, slower), 5.0)
+        budget.epoch_started(5.0)
+        for k in range(5):
+            budget.iteration_done(5.0 + 2.4 * min(k + 1, 2) + max(0, k - 1))
+    quick, measured = fast.decisions[0], slow.decisions[0]
+    assert quick.final_validation_seconds == pytest.approx(8 * (4 * 125 * 0.15 * 0.24 + 0.15 * 1.25)) == 145.5
+    assert (quick.validation_tta, len(quick.validation_cases)) == (TTA, 8)
+    assert measured.validation_tta == "none" and len(measured.validation_cases) == 5
+    assert quick.window_seconds_per_voxel == pytest.approx(0.15 * 0.24 / WORK.tile_voxels)
+    assert quick.case_seconds_per_voxel == pytest.approx(0.15 * 1.25 / WORK.voxels)
+
+
+def test_a_prediction_timed_slower_at_an_epoch_end_shrinks_the_validation() -> None:
+    """The training steps keep their speed, but the prediction is timed 3 times slower at the end of epoch 0 (another
+    process took the CPU during the timing): the next decision estimates from the new rates, 436.5 s with the
+    mirroring instead of 145.5 s, and drops the mirroring."""
+    budget = _budget(720.0, ipe=50)
+    budget.prediction_measured(_rates(1.0, 0.15), 5.0)
+    budget.epoch_started(5.0)
+    now = 5.0
+    for _ in range(50):
+        now += 1.0
+        budget.iteration_done(now)
+    before = budget.decisions[-1]
+    now += 30.0  # past 20 times the timing's 0.144 s: due
+    assert budget.prediction_due(now)
+    budget.prediction_measured(_rates(1.0, 0.45), now + 0.5)
+    budget.epoch_done(now + 0.5)
+    after = budget.decisions[-1]
+    assert after.source == "end of epoch 0"
+    assert after.window_seconds_per_voxel == pytest.approx(3 * before.window_seconds_per_voxel)
+    assert (before.validation_tta, after.validation_tta) == (TTA, "none")
+    assert after.final_validation_seconds == pytest.approx(8 * (125 * 0.45 * 0.24 + 0.45 * 1.25))
+
+
+def test_the_prediction_is_timed_again_when_timing_costs_at_most_its_share() -> None:
+    budget = _budget(720.0)
+    assert budget.prediction_due(0.0)  # never timed
+    rates = _rates(1.0)  # timing: 4 passes of 0.24 s
+    budget.prediction_measured(rates, 10.0)
+    due_after = rates.timing_seconds / TIMING_SHARE
+    assert not budget.prediction_due(10.0 + due_after - 0.01)
+    assert budget.prediction_due(10.0 + due_after)
+    assert not _budget(720.0, cases={}).prediction_due(0.0)  # no final validation: nothing to time
+
+
+def test_a_check_without_the_prediction_timed_is_refused() -> None:
+    budget = _budget(720.0)
+    budget.epoch_started(0.0)
+    with pytest.raises(RuntimeError, match="prediction_measured"):
+        for k in range(5):
+            budget.iteration_done(float(k + 1))

@@ -2,29 +2,29 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import re
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from factories import set_configuration
-from torch._subclasses.fake_tensor import is_fake
-from train_faults import killed_after_epochs, out_of_memory_at_step
+from train_faults import killed_after_epochs, out_of_memory_at_step, simulated_passes, simulated_steps
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.memory.device import predict_device_peak
 from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
-from autoseg.model.step import TrainStep
+from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
 from autoseg.train.fold_data import fold_cases
 from autoseg.train.progress import Schedule
 from autoseg.train.run_config import RunConfig
-from autoseg.train.schedule import final_validation_seconds, parse_duration, poly_lr
+from autoseg.train.schedule import parse_duration, poly_lr
 from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
@@ -148,33 +148,15 @@ def test_parse_duration_rejects(text: str) -> None:
         parse_duration(text)
 
 
-def test_final_validation_estimate_and_poly_lr() -> None:
-    # 2 x 3 x 3 tiles, 8 mirror variants, a third of 0.3 s per sample, x1.5
-    assert final_validation_seconds([(12, 28, 28)], (8, 16, 16), 0.3, 8) == pytest.approx(1.5 * 2 * 3 * 3 * 8 * 0.1)
+def test_poly_lr() -> None:
     assert poly_lr(0.01, 5, 10) == pytest.approx(0.01 * 0.5**0.9) and poly_lr(0.01, 10, 10) == 0.0
-
-
-def _simulated_steps(monkeypatch: pytest.MonkeyPatch, seconds: list[float]) -> SimpleNamespace:
-    """A clock that only the training steps advance: ``seconds`` for the first steps, then the last one each."""
-    clock = SimpleNamespace(now=50.0)
-    real_step = TrainStep.__call__
-    steps = iter(seconds)
-
-    def timed_step(self, *args, **kwargs):
-        result = real_step(self, *args, **kwargs)
-        if not is_fake(next(self.network.parameters())):  # the memory check's simulation runs TrainStep too
-            clock.now += next(steps, seconds[-1])
-        return result
-
-    monkeypatch.setattr(TrainStep, "__call__", timed_step)
-    return clock
 
 
 def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
     """The run's clock is simulated: the training steps take 2.4 s twice (warm-up), then 1 s; nothing else takes
     time. Budget 120 s, 50 iterations and 1 validation iteration per epoch, no final validation; the plan below is
     worked out by hand."""
-    clock = _simulated_steps(monkeypatch, [2.4, 2.4, 1.0])
+    clock = simulated_steps(monkeypatch, [2.4, 2.4, 1.0])
     run = RunConfig(**{**TINY, "epochs": 1000, "iterations_per_epoch": 50}, time_budget_s=120.0)
     fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
     run_json = json.loads((fold / "run.json").read_text())
@@ -202,15 +184,17 @@ def test_time_budget_shortens_epochs_on_the_runs_clock(workspace: Workspace, mon
 def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     workspace: Workspace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Steps of 3 s simulated make the final validation of fold "all" (5 cases, 4 mirror variants on CPU) cost more
-    than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
+    """Tile batches of 4 s simulated make the final validation of fold "all" (5 cases, 4 mirror variants on CPU) cost
+    more than a quarter of 100 s: it runs without mirroring on the first cases that fit, as run.json records."""
     from autoseg.train import validation
 
-    clock = _simulated_steps(monkeypatch, [3.0])
+    clock = simulated_steps(monkeypatch, [3.0])
+    simulated_passes(monkeypatch, clock, 4.0)
     real_predict, seen = validation.predict_case, []
 
     def spy(case, predictor, *args, **kwargs):
-        seen.append((case.case_id, predictor.window.tta))
+        if isinstance(predictor.runners[0], TorchTileRunner):  # not the timing of a case without the network
+            seen.append((case.case_id, predictor.window.tta))
         return real_predict(case, predictor, *args, **kwargs)
 
     monkeypatch.setattr(validation, "predict_case", spy)
@@ -224,6 +208,28 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     assert sorted(p.stem for p in (fold / "validation").glob("*.npz")) == final["cases"]
     decision = json.loads((fold / "run.json").read_text())["time_budget"][-1]
     assert decision["validation_cases"] == final["cases"] and decision["validation_tta"] == "none"
+
+
+def test_time_budget_estimates_the_final_validation_from_the_runs_own_prediction(
+    workspace: Workspace, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each tile batch through the run's network takes 2 s on the run's clock, and nothing else does: before the first
+    step the budget times one tile's 4 mirror variants (one batch of 4, after an untimed first pass), so a pass costs
+    0.5 s per tile, and the final validation takes what it estimated."""
+    clock = simulated_steps(monkeypatch, [3.0])
+    passes = simulated_passes(monkeypatch, clock, 2.0)
+    run = RunConfig(**{**TINY, "epochs": 1000, "validate": True}, time_budget_s=100.0)
+    with caplog.at_level(logging.INFO, logger="autoseg.train.trainer"):
+        fold = train(workspace, CONFIG, 0, run, progress=False, clock=lambda: clock.now)
+    # before the first step (the network still in training mode): a first pass, then one tile's 4 mirror variants
+    assert passes[:2] == [((1, 1, 8, 16, 16), True), ((4, 1, 8, 16, 16), True)]
+    decision = json.loads((fold / "run.json").read_text())["time_budget"][0]
+    assert decision["window_seconds_per_voxel"] == pytest.approx(2.0 / (4 * 8 * 16 * 16))
+    assert decision["case_seconds_per_voxel"] == 0.0  # nothing but the passes takes time here
+    final = json.loads((fold / "run.json").read_text())["final_validation"]
+    assert final["tta"] == "4" and not final["reduced_by_time_budget"] and final["estimated_seconds"] > 0
+    took = re.search(r"final validation took ([0-9.]+) s \(estimated ([0-9.]+) s\)", caplog.text)
+    assert took is not None and float(took.group(1)) == pytest.approx(float(took.group(2)))
 
 
 def test_train_cli_reads_resume_and_time_budget() -> None:
