@@ -144,7 +144,7 @@ def test_open_unpacks_a_checked_workspace_and_removes_it(workspace: Workspace, a
             lambda m: {**m, "plans.json": m["plans.json"].replace(b"3d_fullres", b"3d_fullrez")},
             "member plans.json: sha256 [0-9a-f]+ differs from the manifest's",
         ),
-        (lambda m: {**m, "plans.json": m["plans.json"] + b" "}, "member plans.json is 4.* bytes, its manifest says"),
+        (lambda m: {**m, "plans.json": m["plans.json"] + b" "}, "member plans.json is [0-9]+ bytes, its manifest says"),
         (
             lambda m: {**m, MANIFEST: m[MANIFEST].replace(b'"schema_version": 2', b'"schema_version": 7')},
             f"member {MANIFEST}: archive format version 7 is not the one this autoseg",
