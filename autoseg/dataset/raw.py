@@ -4,7 +4,8 @@ Layout::
 
     Dataset001_Name/
       dataset.json            channel_names, labels, numTraining, file_ending (regions_class_order for
-                              region-based labels; see ``autoseg.dataset.labels``)
+                              region-based labels; see ``autoseg.dataset.labels``; "dataset": the training
+                              cases listed, see ``autoseg.dataset.case_list``)
       imagesTr/{case}_{0000..}.{ending}
       labelsTr/{case}.{ending}
       imagesTs/ (optional)
@@ -13,6 +14,7 @@ Layout::
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.core.errors import InputError
+from autoseg.dataset.case_list import listed_cases, warn_unlisted
 from autoseg.dataset.imageio import (
     SUPPORTED_ENDINGS,
     Geometry,
@@ -28,6 +31,8 @@ from autoseg.dataset.imageio import (
     read_image,
 )
 from autoseg.dataset.labels import LabelError, LabelScheme, LabelValue
+
+log = logging.getLogger("autoseg")
 
 
 class DatasetError(InputError):
@@ -95,20 +100,8 @@ def load_dataset(root: str | Path) -> RawDataset:
     if ending not in SUPPORTED_ENDINGS:
         hint = f"; did you mean '.{ending}'?" if isinstance(ending, str) and f".{ending}" in SUPPORTED_ENDINGS else ""
         raise DatasetError(f"{meta_path}: file_ending {ending!r} is not one of {SUPPORTED_ENDINGS}{hint}")
-    cases = _list_cases(root, len(channel_names), ending)
-    if not cases:
-        raise DatasetError(f"{root / 'labelsTr'}: no label files ending in {ending}")
-    num_training = meta.get("numTraining")
-    if num_training is not None and (not isinstance(num_training, int) or isinstance(num_training, bool)):
-        raise DatasetError(
-            f"{meta_path}: numTraining must be an integer (the number of training cases); found "
-            f"{num_training!r}; write {len(cases)} or remove the key"
-        )
-    if num_training is not None and num_training != len(cases):
-        raise DatasetError(
-            f"{meta_path}: numTraining is {num_training} but labelsTr holds {len(cases)} cases; "
-            "fix numTraining or add the missing cases"
-        )
+    cases = _training_cases(meta, meta_path, len(channel_names), ending)
+    _check_num_training(meta, meta_path, len(cases))
     return RawDataset(
         root=root,
         name=root.name,
@@ -118,6 +111,46 @@ def load_dataset(root: str | Path) -> RawDataset:
         cases=tuple(cases),
         regions_class_order=scheme.regions_class_order,
     )
+
+
+def _training_cases(meta: dict, meta_path: Path, num_channels: int, ending: str) -> list[Case]:
+    """The cases dataset.json's ``"dataset"`` entry names (``autoseg.dataset.case_list``: inside imagesTr/ and
+    labelsTr/ only), else one per label in labelsTr."""
+    root = meta_path.parent
+    if "dataset" not in meta:
+        cases = _list_cases(root, num_channels, ending)
+        if not cases:
+            raise DatasetError(f"{root / 'labelsTr'}: no label files ending in {ending}")
+        return cases
+    cases = [Case(*listed) for listed in listed_cases(meta["dataset"], meta_path, num_channels, ending)]
+    warn_unlisted(meta_path, {p for c in cases for p in (*c.image_paths, c.label_path)}, ending)
+    return cases
+
+
+def _check_num_training(meta: dict, meta_path: Path, num_cases: int) -> None:
+    """numTraining, when given, is an integer equal to the cases found; without it a warning says what was counted
+    (nothing checks that every case the user meant is there)."""
+    counted = "cases its 'dataset' entry names" if "dataset" in meta else "labels in labelsTr"
+    num_training = meta.get("numTraining")
+    if num_training is None:
+        log.warning(
+            '%s has no numTraining: training on the %d %s (write "numTraining": %d to have the count checked)',
+            meta_path,
+            num_cases,
+            counted,
+            num_cases,
+        )
+        return
+    if not isinstance(num_training, int) or isinstance(num_training, bool):
+        raise DatasetError(
+            f"{meta_path}: numTraining must be an integer (the number of training cases); found "
+            f"{num_training!r}; write {num_cases} or remove the key"
+        )
+    if num_training != num_cases:
+        raise DatasetError(
+            f"{meta_path}: numTraining is {num_training} but there are {num_cases} {counted}; "
+            "fix numTraining or add the missing cases"
+        )
 
 
 def _read_meta(meta_path: Path) -> dict:
