@@ -10,7 +10,13 @@ from pathlib import Path
 
 from autoseg.core.errors import InputError
 from autoseg.dataset.dicom_file import check_dicom_series, incomplete_dicom_files
-from autoseg.dataset.imageio import SUPPORTED_ENDINGS, dicom_series, read_geometry, supported_ending
+from autoseg.dataset.imageio import (
+    SUPPORTED_ENDINGS,
+    dicom_series,
+    geometry_problem,
+    read_geometry,
+    supported_ending,
+)
 from autoseg.dataset.raw import Case, DatasetError, image_files_for
 
 
@@ -68,12 +74,19 @@ def list_prediction_inputs(
     if not found:
         return _dicom_inputs(path, num_channels, series, file_ending, image_dim)
     cases, problems = [], {}
-    for case_id, (ending, numbers) in sorted(found.items()):
+    for case_id, formats in sorted(found.items()):
+        ending, numbers = next(iter(formats.items()))
         files = image_files_for(path, case_id, num_channels, ending)
         cases.append(Case(case_id, files, None))
         extra = [str(image_files_for(path, case_id, n + 1, ending)[n]) for n in numbers if n >= num_channels]
         missing = [f.name for f in files if not f.is_file()]
-        if extra:
+        if len(formats) > 1:  # which one the user meant is theirs to say: both would write the one output
+            named = [str(image_files_for(path, case_id, n + 1, e)[n]) for e, ns in formats.items() for n in ns]
+            problems[case_id] = (
+                f"{' and '.join(named)}: case {case_id!r} is there in {len(formats)} formats "
+                f"({', '.join(formats)}) and has one output; move all but one format out of {path}"
+            )
+        elif extra:
             problems[case_id] = (
                 f"{', '.join(extra)}: the model takes {num_channels} channel(s) ({{case}}_0000 .. "
                 f"{{case}}_{num_channels - 1:04d}); remove the extra channel file(s) or use a "
@@ -85,17 +98,18 @@ def list_prediction_inputs(
     return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim)})
 
 
-def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, tuple[str, list[int]]]:
-    """Case id -> (file ending, channel numbers found) of the {case}_{0000..}.ext files in ``folder``."""
+def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, dict[str, list[int]]]:
+    """Case id -> file ending -> channel numbers found, of the {case}_{0000..}.ext files in ``folder`` (a case
+    normally has one ending)."""
     endings = (file_ending,) if file_ending else SUPPORTED_ENDINGS
-    found: dict[str, tuple[str, list[int]]] = {}
+    found: dict[str, dict[str, list[int]]] = {}
     for f in sorted(folder.iterdir()):
         ending = next((e for e in endings if f.name.endswith(e)), None)
         if ending is None or f.name.startswith("."):
             continue
         stem = f.name[: -len(ending)]
         if len(stem) > 5 and stem[-5] == "_" and stem[-4:].isdigit():
-            found.setdefault(stem[:-5], (ending, []))[1].append(int(stem[-4:]))
+            found.setdefault(stem[:-5], {}).setdefault(ending, []).append(int(stem[-4:]))
     return found
 
 
@@ -139,8 +153,9 @@ def _dicom_inputs(
 
 
 def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[str, str]:
-    """Headers only: every file complete (``read_geometry``), a case's channels on one grid, and the
-    images of dimension ``image_dim`` (None: not checked). Case id -> its problems."""
+    """Headers only: every file complete (``read_geometry``) and of a usable geometry (``geometry_problem``: voxels
+    on every axis, a positive spacing), a case's channels on one grid, and the images of dimension ``image_dim``
+    (None: not checked). Case id -> its problems."""
     problems = {}
     for case in cases:
         try:
@@ -149,9 +164,12 @@ def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[st
             problems[case.case_id] = str(e)
             continue
         found = [
+            f"{p}: {problem}" for p, geo in zip(case.image_paths, geometries) if (problem := geometry_problem(geo))
+        ]
+        found += [
             f"{p} and {case.image_paths[0].name} differ in {diff}"
             for p, geo in zip(case.image_paths[1:], geometries[1:], strict=True)
-            if (diff := geo.matches(geometries[0]))
+            if not found and (diff := geo.matches(geometries[0]))
         ]
         if image_dim is not None and geometries[0].ndim != image_dim:
             found.append(

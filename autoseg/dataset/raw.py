@@ -22,10 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.core.errors import InputError
+from autoseg.core.spacing import spacing_ratio_problem
 from autoseg.dataset.case_list import listed_cases, warn_unlisted
 from autoseg.dataset.imageio import (
     SUPPORTED_ENDINGS,
     Geometry,
+    geometry_problem,
     read_dicom_series,
     read_geometry,
     read_image,
@@ -240,25 +242,52 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
     the fingerprint, which reads every case anyway).
     """
     problems: list[str] = []
-    ndim: dict[str, int] = {}
+    geometries: dict[str, Geometry] = {}  # case id -> its label's, when every file of the case is usable
     for case in dataset.cases:
         missing = [str(p) for p in (*case.image_paths, case.label_path) if p is None or not p.is_file()]
         if missing:
             problems.append(f"case {case.case_id}: missing file(s) {missing}")
             continue
         try:
-            label_geo = read_geometry(case.label_path)
-            ndim[case.case_id] = label_geo.ndim
-            for p in case.image_paths:
-                diff = read_geometry(p).matches(label_geo)
-                if diff:
-                    problems.append(f"case {case.case_id}: {p.name} and label {case.label_path.name} differ in {diff}")
-            if read_voxels:
-                problems += load_training_case(case, dataset.label_values)[3]
+            label_geo, found = _header_problems(case)
+            if not found and read_voxels:
+                found = load_training_case(case, dataset.label_values)[3]
         except ValueError as e:
-            problems.append(f"case {case.case_id}: {e}")
-    problems += _dimension_problems(dataset, ndim)
+            label_geo, found = None, [f"case {case.case_id}: {e}"]
+        problems += found
+        if label_geo is not None and not geometry_problem(label_geo):
+            geometries[case.case_id] = label_geo
+    dimensions = _dimension_problems(dataset, {k: g.ndim for k, g in geometries.items()})
+    problems += dimensions or _spacing_outliers(dataset, geometries)  # a 2D case's z (999 mm) is no outlier of its own
     raise_problems(dataset, problems)
+
+
+def _header_problems(case: Case) -> tuple[Geometry, list[str]]:
+    """The label's geometry and what the headers of a case's files show (``read_geometry``, each read once): a
+    geometry no stage can use (``geometry_problem``), channels and label on different grids."""
+    label_geo = read_geometry(case.label_path)
+    found = [f"case {case.case_id}: {case.label_path}: {p}" for p in [geometry_problem(label_geo)] if p]
+    for path in case.image_paths:
+        geo = read_geometry(path)
+        if problem := geometry_problem(geo):
+            found.append(f"case {case.case_id}: {path}: {problem}")
+        elif diff := geo.matches(label_geo):
+            found.append(f"case {case.case_id}: {path.name} and label {case.label_path.name} differ in {diff}")
+    return label_geo, found
+
+
+def _spacing_outliers(dataset: RawDataset, geometries: dict[str, Geometry]) -> list[str]:
+    """Cases whose spacing is more than SPACING_RATIO_LIMIT x finer or coarser than the dataset's median on an
+    axis (``spacing_ratio_problem``), named by their label file."""
+    if not geometries:
+        return []
+    median = tuple(float(v) for v in np.median([g.spacing_zyx for g in geometries.values()], axis=0))
+    by_id = {c.case_id: c for c in dataset.cases}
+    return [
+        f"case {case_id}: {by_id[case_id].label_path} and its images: {problem}"
+        for case_id, geo in geometries.items()
+        if (problem := spacing_ratio_problem(geo.spacing_zyx, median, "the dataset's median"))
+    ]
 
 
 def _dimension_problems(dataset: RawDataset, ndim: dict[str, int]) -> list[str]:
