@@ -291,3 +291,16 @@ def test_bad_segmentations_are_refused_by_evaluate_without_a_summary(
     result = run_cli(capsys, "evaluate", pred, gt)
     assert_refused(result, 2, named, *([pred / "demo_001.nii.gz"] if name == "other-geometry" else []))
     assert snapshot(tmp_path) == before  # no summary.json
+
+
+@pytest.mark.slow  # the trained fixture
+def test_a_train_refused_while_setting_up_leaves_no_fold_folder_and_no_log(
+    trained: Path, tmp_path: Path, capsys
+) -> None:
+    """--use-precomputed without precomputed copies is refused once the run is being set up (the data pipeline):
+    train.log used to be open by then, and stayed behind in a new fold folder."""
+    ws = Path(shutil.copytree(trained, tmp_path / "ws"))
+    before = snapshot(ws)
+    result = run_cli(capsys, "train", "fold", "1", "-w", ws, "--use-precomputed", "--loader-workers", "0")
+    assert_refused(result, 2, ws / "preprocessed" / "3d_fullres", "--use-precomputed")
+    assert snapshot(ws) == before and not (ws / "results" / "3d_fullres" / "fold_1").exists()
