@@ -104,7 +104,8 @@ def predict(
     window.check(config)
     check_postprocessing(options.postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
-    predictor = Predictor.of(load_networks(workspace, config, folds, checkpoint, window.device), plans, config, window)
+    networks = load_networks(workspace, plans, config, folds, checkpoint, window.device)
+    predictor = Predictor.of(networks, plans, config, window)
     prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options)
     found = prediction_inputs(workspace, plans, inputs, options.series)
     if options.fail_fast:
