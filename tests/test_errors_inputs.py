@@ -211,6 +211,14 @@ def _negative_spacing_input(folder: Path) -> str:
     return str(mha)
 
 
+def _input_in_metres(folder: Path) -> str:
+    path = folder / "demo_900_0000.nii.gz"
+    image = sitk.ReadImage(str(path))
+    image.SetSpacing(tuple(s / 1000 for s in image.GetSpacing()))
+    sitk.WriteImage(image, str(path))
+    return str(path)
+
+
 PREDICT_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "trunc-input": ("truncated", _trunc_input),
     "2d-input-for-3d-model": ("dimension", _input_2d),
@@ -219,6 +227,7 @@ PREDICT_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "inf-nrrd": ("nan", _inf_input_nrrd),
     "one-case-two-formats": ("formats", _two_formats),
     "negative-spacing": ("geometry", _negative_spacing_input),
+    "spacing-in-metres": ("geometry", _input_in_metres),
 }
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoseg.core.errors import InputError
+from autoseg.core.spacing import spacing_ratio_problem
 from autoseg.dataset.dicom_file import check_dicom_series, incomplete_dicom_files
 from autoseg.dataset.imageio import (
     SUPPORTED_ENDINGS,
@@ -43,6 +44,7 @@ def list_prediction_inputs(
     file_ending: str | None = None,
     image_dim: int | None = None,
     series: str | None = None,
+    spacing_mm: tuple[float, float, float] | None = None,
 ) -> PredictionInputs:
     """Cases to predict from a folder ({case}_{0000..}.ext), a single image file (one channel) or a folder
     holding DICOM series (one channel; ``series``: the SeriesInstanceUID to take when it holds several).
@@ -50,7 +52,8 @@ def list_prediction_inputs(
     Raises DatasetError when nothing can be listed (no such path, no image, several DICOM series and no
     ``series``). What is wrong with one case is listed in ``problems`` (``prediction_problems``): a channel
     file the model does not take or that is missing, a truncated file, channels that differ in geometry, or
-    (``image_dim``: the dimension of the images the model was trained on) an image of another dimension."""
+    (``image_dim``: the dimension of the images the model was trained on) an image of another dimension, or
+    (``spacing_mm``: their median spacing, z, y, x) a spacing more than SPACING_RATIO_LIMIT x off it."""
     path = Path(path).expanduser()
     if series is not None and not (path.is_dir() and not _nnunet_images(path, file_ending)):
         raise DatasetError(f"--series {series}: {path} is not a folder of DICOM series; leave --series out")
@@ -67,7 +70,7 @@ def list_prediction_inputs(
         if case_id.endswith("_0000"):
             case_id = case_id[:-5]
         cases = [Case(case_id, (path,), None)]
-        return PredictionInputs(tuple(cases), prediction_problems(cases, image_dim))
+        return PredictionInputs(tuple(cases), prediction_problems(cases, image_dim, spacing_mm))
     if not path.is_dir():
         raise DatasetError(f"{path}: no such file or folder")
     found = _nnunet_images(path, file_ending)
@@ -95,7 +98,7 @@ def list_prediction_inputs(
         elif missing:
             problems[case_id] = f"{path}: case {case_id!r} lacks channel file(s) {missing}"
     checked = [c for c in cases if c.case_id not in problems]
-    return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim)})
+    return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim, spacing_mm)})
 
 
 def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, dict[str, list[int]]]:
@@ -152,10 +155,13 @@ def _dicom_inputs(
     return PredictionInputs((case,), problems)
 
 
-def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[str, str]:
+def prediction_problems(
+    cases: Sequence[Case], image_dim: int | None, spacing_mm: tuple[float, float, float] | None = None
+) -> dict[str, str]:
     """Headers only: every file complete (``read_geometry``) and of a usable geometry (``geometry_problem``: voxels
     on every axis, a positive spacing), a case's channels on one grid, and the images of dimension ``image_dim``
-    (None: not checked). Case id -> its problems."""
+    (None: not checked), of a spacing within SPACING_RATIO_LIMIT of ``spacing_mm`` (the images trained on; None: not
+    checked). Case id -> its problems."""
     problems = {}
     for case in cases:
         try:
@@ -176,6 +182,13 @@ def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[st
                 f"{case.image_paths[0]} is a {geometries[0].ndim}D image but the model was trained on "
                 f"{image_dim}D images"
             )
+        trained = "the median of the images the model was trained on"
+        if (
+            not found  # a 2D image's z (999 mm) says nothing more than its dimension
+            and spacing_mm
+            and (problem := spacing_ratio_problem(geometries[0].spacing_zyx, spacing_mm, trained))
+        ):
+            found.append(f"{case.image_paths[0]}: {problem}")
         if found:
             problems[case.case_id] = "; ".join(found)
     return problems

@@ -242,7 +242,7 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
     the fingerprint, which reads every case anyway).
     """
     problems: list[str] = []
-    geometries: dict[str, Geometry] = {}  # case id -> its label's, when every file of the case is usable
+    geometries: dict[str, Geometry] = {}  # case id -> its label's, when that header is usable
     for case in dataset.cases:
         missing = [str(p) for p in (*case.image_paths, case.label_path) if p is None or not p.is_file()]
         if missing:

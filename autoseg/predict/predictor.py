@@ -323,13 +323,11 @@ def _write_case(
 
 def prediction_inputs(workspace: Workspace, plans: Plans, inputs: str | Path, series: str | None) -> PredictionInputs:
     """The cases of ``inputs`` for this workspace's model, from their headers (``list_prediction_inputs``; the
-    image dimension checked against the images trained on)."""
-    image_dim = (
-        Fingerprint.from_json(workspace.fingerprint_path).image_dim  # the images trained on: 2 or 3
-        if workspace.fingerprint_path.is_file()
-        else None
-    )
-    return list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series)
+    image dimension and the spacing checked against the images trained on, ``fingerprint.json``)."""
+    trained = Fingerprint.from_json(workspace.fingerprint_path) if workspace.fingerprint_path.is_file() else None
+    image_dim = trained.image_dim if trained else None  # the images trained on: 2 or 3
+    spacing = tuple(float(s) for s in np.median(trained.spacings, axis=0)) if trained and trained.cases else None
+    return list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series, spacing)
 
 
 def case_outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:

@@ -43,3 +43,19 @@ def test_an_input_without_voxels_or_with_a_negative_spacing_is_a_problem_naming_
         f"{negative}: spacing (x,y,z) (-0.8, 0.8, 2.8) mm is not finite and positive"
     )
     assert problems["demo_006"].startswith(f"{empty}: size (x,y,z) (0, 27, 11) has an axis without voxels")
+
+
+def test_an_input_far_off_the_training_spacing_is_a_problem_naming_it(tiny_dataset, tmp_path):
+    folder = _folder(tiny_dataset, tmp_path)
+    path = folder / "demo_005_0000.nii.gz"
+    image = sitk.ReadImage(str(path))
+    trained_zyx = tuple(reversed(image.GetSpacing()))
+    image.SetSpacing(tuple(s / 1000 for s in image.GetSpacing()))  # written in metres
+    sitk.WriteImage(image, str(path))
+    problems = list_prediction_inputs(folder, num_channels=1, spacing_mm=trained_zyx).problems
+    assert list(problems) == ["demo_005"]
+    assert (
+        problems["demo_005"].startswith(f"{path}: spacing ")
+        and "0.001x the median of the images" in problems["demo_005"]
+    )
+    assert list_prediction_inputs(folder, num_channels=1).problems == {}  # no training spacing: not compared
