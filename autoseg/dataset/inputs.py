@@ -76,6 +76,16 @@ def list_prediction_inputs(
     found = _nnunet_images(path, file_ending)
     if not found:
         return _dicom_inputs(path, num_channels, series, file_ending, image_dim)
+    cases, problems = _folder_cases(path, found, num_channels)
+    checked = [c for c in cases if c.case_id not in problems]
+    return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim, spacing_mm)})
+
+
+def _folder_cases(
+    path: Path, found: dict[str, dict[str, list[int]]], num_channels: int
+) -> tuple[list[Case], dict[str, str]]:
+    """The cases of folder ``path`` (``_nnunet_images``' ``found``) and, by case id, what their file names show is
+    wrong: a case in two formats, a channel the model does not take, a channel missing."""
     cases, problems = [], {}
     for case_id, formats in sorted(found.items()):
         ending, numbers = next(iter(formats.items()))
@@ -97,8 +107,7 @@ def list_prediction_inputs(
             )
         elif missing:
             problems[case_id] = f"{path}: case {case_id!r} lacks channel file(s) {missing}"
-    checked = [c for c in cases if c.case_id not in problems]
-    return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim, spacing_mm)})
+    return cases, problems
 
 
 def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, dict[str, list[int]]]:
