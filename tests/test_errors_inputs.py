@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from cli_checks import assert_refused, run_cli, snapshot
+from image_headers import as_mha, set_mha_header
 
 CASE_IMAGE = "imagesTr/demo_000_0000.nii.gz"
 # A stated budget: plan_and_preprocess does not measure this machine (seconds) before checking the dataset.
@@ -82,6 +83,33 @@ def _all_background(root: Path) -> str:
     return str(root / "labelsTr")
 
 
+def _mha_header(root: Path, key: str, value: str) -> str:
+    """Every image of the dataset as .mha (``as_mha``), then ``key = value`` in the header of case demo_003's image
+    and label; returns the image."""
+    for f in list(root.rglob("*.nii.gz")):
+        as_mha(f)
+    _edit_meta(root, lambda m: {**m, "file_ending": ".mha"})
+    for rel in ("imagesTr/demo_003_0000.mha", "labelsTr/demo_003.mha"):
+        set_mha_header(root / rel, key, value)
+    return str(root / "imagesTr/demo_003_0000.mha")
+
+
+def _spacing(root: Path, spacing_xyz: tuple[float, float, float]) -> str:
+    for rel in ("imagesTr/demo_003_0000.nii.gz", CASE_LABEL.replace("000", "003")):
+        image = sitk.ReadImage(str(root / rel))
+        image.SetSpacing(spacing_xyz)
+        sitk.WriteImage(image, str(root / rel), useCompression=True)
+    return str(root / "labelsTr/demo_003.nii.gz")
+
+
+def _dataset_entry_outside(root: Path) -> str:
+    outside = root.parent / "elsewhere_0000.nii.gz"
+    shutil.copy(root / CASE_IMAGE, outside)
+    entry = {"demo_000": {"images": [str(outside)], "label": CASE_LABEL}}
+    _edit_meta(root, lambda m: {**m, "numTraining": 1, "dataset": entry})
+    return "'dataset' entry 'demo_000'"
+
+
 # Each breaks a copy of the dataset and returns the name the refusal must mention.
 DATASET_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "trunc-image-nii.gz": ("truncated", lambda d: (_truncate(d / CASE_IMAGE), str(d / CASE_IMAGE))[1]),
@@ -115,6 +143,12 @@ DATASET_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     ),
     "image-without-label": ("dataset.json", _no_label),
     "all-background": ("labels", _all_background),
+    "negative-spacing": ("geometry", lambda d: _mha_header(d, "ElementSpacing", "-0.8 0.8 2.8")),
+    "zero-spacing": ("geometry", lambda d: _mha_header(d, "ElementSpacing", "0 0.8 2.8")),
+    "zero-size-axis": ("geometry", lambda d: _mha_header(d, "DimSize", "0 27 11")),
+    "spacing-in-metres": ("geometry", lambda d: _spacing(d, (0.0009, 0.0009, 0.0028))),
+    "spacing-absurdly-large": ("geometry", lambda d: _spacing(d, (1e6, 1.0, 1.0))),
+    "dataset-entry-outside": ("dataset.json", _dataset_entry_outside),
 }
 
 
@@ -165,12 +199,35 @@ def _trunc_input(folder: Path) -> str:
     return str(path)
 
 
+def _two_formats(folder: Path) -> str:
+    path = folder / "demo_900_0000.nii.gz"
+    sitk.WriteImage(sitk.ReadImage(str(path)), str(folder / "demo_900_0000.nrrd"))
+    return f"{path} and {folder / 'demo_900_0000.nrrd'}"
+
+
+def _negative_spacing_input(folder: Path) -> str:
+    mha = as_mha(folder / "demo_900_0000.nii.gz")
+    set_mha_header(mha, "ElementSpacing", "0.8 -0.8 2.8")
+    return str(mha)
+
+
+def _input_in_metres(folder: Path) -> str:
+    path = folder / "demo_900_0000.nii.gz"
+    image = sitk.ReadImage(str(path))
+    image.SetSpacing(tuple(s / 1000 for s in image.GetSpacing()))
+    sitk.WriteImage(image, str(path))
+    return str(path)
+
+
 PREDICT_CASES: dict[str, tuple[str, Callable[[Path], str]]] = {
     "trunc-input": ("truncated", _trunc_input),
     "2d-input-for-3d-model": ("dimension", _input_2d),
     "extra-channel": ("channels", _extra_input_channel),
     "nan-nifti": ("nan", _nan_input),
     "inf-nrrd": ("nan", _inf_input_nrrd),
+    "one-case-two-formats": ("formats", _two_formats),
+    "negative-spacing": ("geometry", _negative_spacing_input),
+    "spacing-in-metres": ("geometry", _input_in_metres),
 }
 
 
@@ -243,3 +300,16 @@ def test_bad_segmentations_are_refused_by_evaluate_without_a_summary(
     result = run_cli(capsys, "evaluate", pred, gt)
     assert_refused(result, 2, named, *([pred / "demo_001.nii.gz"] if name == "other-geometry" else []))
     assert snapshot(tmp_path) == before  # no summary.json
+
+
+@pytest.mark.slow  # the trained fixture
+def test_a_train_refused_while_setting_up_leaves_no_fold_folder_and_no_log(
+    trained: Path, tmp_path: Path, capsys
+) -> None:
+    """--use-precomputed without precomputed copies is refused once the run is being set up (the data pipeline):
+    train.log used to be open by then, and stayed behind in a new fold folder."""
+    ws = Path(shutil.copytree(trained, tmp_path / "ws"))
+    before = snapshot(ws)
+    result = run_cli(capsys, "train", "fold", "1", "-w", ws, "--use-precomputed", "--loader-workers", "0")
+    assert_refused(result, 2, ws / "preprocessed" / "3d_fullres", "--use-precomputed")
+    assert snapshot(ws) == before and not (ws / "results" / "3d_fullres" / "fold_1").exists()

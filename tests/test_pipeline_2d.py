@@ -90,8 +90,8 @@ def _predict_known_boxes(ws: Path, tmp_path: Path, channels: int, monkeypatch: p
     image, expected = box_case(two_d=True)
     trained = []
 
-    def load_then_replace(path, config, device):  # the trained checkpoint must still load
-        trained.append(load_trained_network(path, config, device))
+    def load_then_replace(path, plans, config, device):  # the trained checkpoint must still load
+        trained.append(load_trained_network(path, plans, config, device))
         return box_network(image)
 
     monkeypatch.setattr(networks, "load_trained_network", load_then_replace)

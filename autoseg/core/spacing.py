@@ -41,3 +41,25 @@ def compute_new_shape(
         raise ValueError(f"spacings must be positive; got {tuple(spacing_mm)} -> {tuple(new_spacing_mm)}")
     axes = zip(shape_zyx, spacing_mm, new_spacing_mm, strict=True)
     return tuple(max(1, int(round(n * s / t))) for n, s, t in axes)  # type: ignore[return-value]
+
+
+# A case more than this many times finer or coarser than the spacing it is compared with (the dataset's median, or
+# the plan's target at prediction) on one axis is a header in other units (m, um) or an unset spacing, not a scan
+# of the same kind: resampled, it would hold that many times the voxels along the axis (a 1e6 mm header asked a
+# tiny case for ~10^8 voxels per row and was killed for memory) or collapse to one voxel.
+SPACING_RATIO_LIMIT = 100.0
+
+
+def spacing_ratio_problem(
+    spacing_mm: Sequence[float], reference_mm: Sequence[float | None], reference: str
+) -> str | None:
+    """Why ``spacing_mm`` (z, y, x) is too far from ``reference_mm`` (an axis None: not compared), named
+    ``reference`` in the text, e.g. "the dataset's median"; None when every axis is within SPACING_RATIO_LIMIT."""
+    names = "zyx"
+    for axis, (s, r) in enumerate(zip(spacing_mm, reference_mm)):
+        if r is not None and not (1 / SPACING_RATIO_LIMIT <= s / r <= SPACING_RATIO_LIMIT):
+            return (
+                f"spacing {s:.4g} mm along {names[axis]} is {s / r:.3g}x {reference} ({r:.4g} mm); more than "
+                f"{SPACING_RATIO_LIMIT:.0f}x off is a header in other units or an unset spacing: fix the file's spacing"
+            )
+    return None

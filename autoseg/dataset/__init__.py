@@ -2,8 +2,8 @@
 regions), image reading and writing with their geometry, the integrity checks, and the nonzero region a case
 is cropped to.
 
-Owns: ``raw`` (``load_dataset``, ``check_integrity``), ``inputs`` (what ``predict -i`` names), ``labels``,
-``imageio``, ``nifti`` (a NIfTI file's truncation check and one-pass float read), ``dicom_file`` (a truncated
-DICOM slice found before the series is read), ``cropping``.
+Owns: ``raw`` (``load_dataset``, ``check_integrity``), ``case_list`` (dataset.json's ``"dataset"`` entry),
+``inputs`` (what ``predict -i`` names), ``labels``, ``imageio``, ``nifti`` (a NIfTI file's truncation check and
+one-pass float read), ``dicom_file`` (a truncated DICOM slice found before the series is read), ``cropping``.
 Imports: ``autoseg.core``.
 """

@@ -70,6 +70,17 @@ class Geometry:
         return None
 
 
+def geometry_problem(geometry: Geometry) -> str | None:
+    """Why no stage can use an image of ``geometry``, or None: an axis of size 0 (no voxel to train on or predict),
+    a spacing that is not finite and positive (SimpleITK's header reports a negative one as written; a full read
+    takes its absolute value, so the header and the voxels would disagree)."""
+    if min(geometry.size_xyz) < 1:
+        return f"size (x,y,z) {geometry.size_xyz} has an axis without voxels"
+    if not all(np.isfinite(s) and s > 0 for s in geometry.spacing_xyz):
+        return f"spacing (x,y,z) {_fmt(geometry.spacing_xyz)} mm is not finite and positive on every axis"
+    return None
+
+
 def _fmt(values: tuple[float, ...]) -> str:
     return "(" + ", ".join(f"{v:.4g}" for v in values) + ")"
 

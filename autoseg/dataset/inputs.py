@@ -9,8 +9,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoseg.core.errors import InputError
+from autoseg.core.spacing import spacing_ratio_problem
 from autoseg.dataset.dicom_file import check_dicom_series, incomplete_dicom_files
-from autoseg.dataset.imageio import SUPPORTED_ENDINGS, dicom_series, read_geometry, supported_ending
+from autoseg.dataset.imageio import (
+    SUPPORTED_ENDINGS,
+    dicom_series,
+    geometry_problem,
+    read_geometry,
+    supported_ending,
+)
 from autoseg.dataset.raw import Case, DatasetError, image_files_for
 
 
@@ -37,6 +44,7 @@ def list_prediction_inputs(
     file_ending: str | None = None,
     image_dim: int | None = None,
     series: str | None = None,
+    spacing_mm: tuple[float, float, float] | None = None,
 ) -> PredictionInputs:
     """Cases to predict from a folder ({case}_{0000..}.ext), a single image file (one channel) or a folder
     holding DICOM series (one channel; ``series``: the SeriesInstanceUID to take when it holds several).
@@ -44,7 +52,8 @@ def list_prediction_inputs(
     Raises DatasetError when nothing can be listed (no such path, no image, several DICOM series and no
     ``series``). What is wrong with one case is listed in ``problems`` (``prediction_problems``): a channel
     file the model does not take or that is missing, a truncated file, channels that differ in geometry, or
-    (``image_dim``: the dimension of the images the model was trained on) an image of another dimension."""
+    (``image_dim``: the dimension of the images the model was trained on) an image of another dimension, or
+    (``spacing_mm``: their median spacing, z, y, x) a spacing more than SPACING_RATIO_LIMIT x off it."""
     path = Path(path).expanduser()
     if series is not None and not (path.is_dir() and not _nnunet_images(path, file_ending)):
         raise DatasetError(f"--series {series}: {path} is not a folder of DICOM series; leave --series out")
@@ -61,19 +70,36 @@ def list_prediction_inputs(
         if case_id.endswith("_0000"):
             case_id = case_id[:-5]
         cases = [Case(case_id, (path,), None)]
-        return PredictionInputs(tuple(cases), prediction_problems(cases, image_dim))
+        return PredictionInputs(tuple(cases), prediction_problems(cases, image_dim, spacing_mm))
     if not path.is_dir():
         raise DatasetError(f"{path}: no such file or folder")
     found = _nnunet_images(path, file_ending)
     if not found:
         return _dicom_inputs(path, num_channels, series, file_ending, image_dim)
+    cases, problems = _folder_cases(path, found, num_channels)
+    checked = [c for c in cases if c.case_id not in problems]
+    return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim, spacing_mm)})
+
+
+def _folder_cases(
+    path: Path, found: dict[str, dict[str, list[int]]], num_channels: int
+) -> tuple[list[Case], dict[str, str]]:
+    """The cases of folder ``path`` (``_nnunet_images``' ``found``) and, by case id, what their file names show is
+    wrong: a case in two formats, a channel the model does not take, a channel missing."""
     cases, problems = [], {}
-    for case_id, (ending, numbers) in sorted(found.items()):
+    for case_id, formats in sorted(found.items()):
+        ending, numbers = next(iter(formats.items()))
         files = image_files_for(path, case_id, num_channels, ending)
         cases.append(Case(case_id, files, None))
         extra = [str(image_files_for(path, case_id, n + 1, ending)[n]) for n in numbers if n >= num_channels]
         missing = [f.name for f in files if not f.is_file()]
-        if extra:
+        if len(formats) > 1:  # which one the user meant is theirs to say: both would write the one output
+            named = [str(image_files_for(path, case_id, n + 1, e)[n]) for e, ns in formats.items() for n in ns]
+            problems[case_id] = (
+                f"{' and '.join(named)}: case {case_id!r} is there in {len(formats)} formats "
+                f"({', '.join(formats)}) and has one output; move all but one format out of {path}"
+            )
+        elif extra:
             problems[case_id] = (
                 f"{', '.join(extra)}: the model takes {num_channels} channel(s) ({{case}}_0000 .. "
                 f"{{case}}_{num_channels - 1:04d}); remove the extra channel file(s) or use a "
@@ -81,21 +107,21 @@ def list_prediction_inputs(
             )
         elif missing:
             problems[case_id] = f"{path}: case {case_id!r} lacks channel file(s) {missing}"
-    checked = [c for c in cases if c.case_id not in problems]
-    return PredictionInputs(tuple(cases), {**problems, **prediction_problems(checked, image_dim)})
+    return cases, problems
 
 
-def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, tuple[str, list[int]]]:
-    """Case id -> (file ending, channel numbers found) of the {case}_{0000..}.ext files in ``folder``."""
+def _nnunet_images(folder: Path, file_ending: str | None) -> dict[str, dict[str, list[int]]]:
+    """Case id -> file ending -> channel numbers found, of the {case}_{0000..}.ext files in ``folder`` (a case
+    normally has one ending)."""
     endings = (file_ending,) if file_ending else SUPPORTED_ENDINGS
-    found: dict[str, tuple[str, list[int]]] = {}
+    found: dict[str, dict[str, list[int]]] = {}
     for f in sorted(folder.iterdir()):
         ending = next((e for e in endings if f.name.endswith(e)), None)
         if ending is None or f.name.startswith("."):
             continue
         stem = f.name[: -len(ending)]
         if len(stem) > 5 and stem[-5] == "_" and stem[-4:].isdigit():
-            found.setdefault(stem[:-5], (ending, []))[1].append(int(stem[-4:]))
+            found.setdefault(stem[:-5], {}).setdefault(ending, []).append(int(stem[-4:]))
     return found
 
 
@@ -138,9 +164,13 @@ def _dicom_inputs(
     return PredictionInputs((case,), problems)
 
 
-def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[str, str]:
-    """Headers only: every file complete (``read_geometry``), a case's channels on one grid, and the
-    images of dimension ``image_dim`` (None: not checked). Case id -> its problems."""
+def prediction_problems(
+    cases: Sequence[Case], image_dim: int | None, spacing_mm: tuple[float, float, float] | None = None
+) -> dict[str, str]:
+    """Headers only: every file complete (``read_geometry``) and of a usable geometry (``geometry_problem``: voxels
+    on every axis, a positive spacing), a case's channels on one grid, and the images of dimension ``image_dim``
+    (None: not checked), of a spacing within SPACING_RATIO_LIMIT of ``spacing_mm`` (the images trained on; None: not
+    checked). Case id -> its problems."""
     problems = {}
     for case in cases:
         try:
@@ -149,15 +179,25 @@ def prediction_problems(cases: Sequence[Case], image_dim: int | None) -> dict[st
             problems[case.case_id] = str(e)
             continue
         found = [
+            f"{p}: {problem}" for p, geo in zip(case.image_paths, geometries) if (problem := geometry_problem(geo))
+        ]
+        found += [
             f"{p} and {case.image_paths[0].name} differ in {diff}"
             for p, geo in zip(case.image_paths[1:], geometries[1:], strict=True)
-            if (diff := geo.matches(geometries[0]))
+            if not found and (diff := geo.matches(geometries[0]))
         ]
         if image_dim is not None and geometries[0].ndim != image_dim:
             found.append(
                 f"{case.image_paths[0]} is a {geometries[0].ndim}D image but the model was trained on "
                 f"{image_dim}D images"
             )
+        trained = "the median of the images the model was trained on"
+        if (
+            not found  # a 2D image's z (999 mm) says nothing more than its dimension
+            and spacing_mm
+            and (problem := spacing_ratio_problem(geometries[0].spacing_zyx, spacing_mm, trained))
+        ):
+            found.append(f"{case.image_paths[0]}: {problem}")
         if found:
             problems[case.case_id] = "; ".join(found)
     return problems

@@ -4,7 +4,8 @@ Layout::
 
     Dataset001_Name/
       dataset.json            channel_names, labels, numTraining, file_ending (regions_class_order for
-                              region-based labels; see ``autoseg.dataset.labels``)
+                              region-based labels; see ``autoseg.dataset.labels``; "dataset": the training
+                              cases listed, see ``autoseg.dataset.case_list``)
       imagesTr/{case}_{0000..}.{ending}
       labelsTr/{case}.{ending}
       imagesTs/ (optional)
@@ -13,6 +14,7 @@ Layout::
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,14 +22,19 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.core.errors import InputError
+from autoseg.core.spacing import spacing_ratio_problem
+from autoseg.dataset.case_list import listed_cases, warn_unlisted
 from autoseg.dataset.imageio import (
     SUPPORTED_ENDINGS,
     Geometry,
+    geometry_problem,
     read_dicom_series,
     read_geometry,
     read_image,
 )
 from autoseg.dataset.labels import LabelError, LabelScheme, LabelValue
+
+log = logging.getLogger("autoseg")
 
 
 class DatasetError(InputError):
@@ -95,20 +102,8 @@ def load_dataset(root: str | Path) -> RawDataset:
     if ending not in SUPPORTED_ENDINGS:
         hint = f"; did you mean '.{ending}'?" if isinstance(ending, str) and f".{ending}" in SUPPORTED_ENDINGS else ""
         raise DatasetError(f"{meta_path}: file_ending {ending!r} is not one of {SUPPORTED_ENDINGS}{hint}")
-    cases = _list_cases(root, len(channel_names), ending)
-    if not cases:
-        raise DatasetError(f"{root / 'labelsTr'}: no label files ending in {ending}")
-    num_training = meta.get("numTraining")
-    if num_training is not None and (not isinstance(num_training, int) or isinstance(num_training, bool)):
-        raise DatasetError(
-            f"{meta_path}: numTraining must be an integer (the number of training cases); found "
-            f"{num_training!r}; write {len(cases)} or remove the key"
-        )
-    if num_training is not None and num_training != len(cases):
-        raise DatasetError(
-            f"{meta_path}: numTraining is {num_training} but labelsTr holds {len(cases)} cases; "
-            "fix numTraining or add the missing cases"
-        )
+    cases = _training_cases(meta, meta_path, len(channel_names), ending)
+    _check_num_training(meta, meta_path, len(cases))
     return RawDataset(
         root=root,
         name=root.name,
@@ -118,6 +113,46 @@ def load_dataset(root: str | Path) -> RawDataset:
         cases=tuple(cases),
         regions_class_order=scheme.regions_class_order,
     )
+
+
+def _training_cases(meta: dict, meta_path: Path, num_channels: int, ending: str) -> list[Case]:
+    """The cases dataset.json's ``"dataset"`` entry names (``autoseg.dataset.case_list``: inside imagesTr/ and
+    labelsTr/ only), else one per label in labelsTr."""
+    root = meta_path.parent
+    if "dataset" not in meta:
+        cases = _list_cases(root, num_channels, ending)
+        if not cases:
+            raise DatasetError(f"{root / 'labelsTr'}: no label files ending in {ending}")
+        return cases
+    cases = [Case(*listed) for listed in listed_cases(meta["dataset"], meta_path, num_channels, ending)]
+    warn_unlisted(meta_path, {p for c in cases for p in (*c.image_paths, c.label_path)}, ending)
+    return cases
+
+
+def _check_num_training(meta: dict, meta_path: Path, num_cases: int) -> None:
+    """numTraining, when given, is an integer equal to the cases found; without it a warning says what was counted
+    (nothing checks that every case the user meant is there)."""
+    counted = "cases its 'dataset' entry names" if "dataset" in meta else "labels in labelsTr"
+    num_training = meta.get("numTraining")
+    if num_training is None:
+        log.warning(
+            '%s has no numTraining: training on the %d %s (write "numTraining": %d to have the count checked)',
+            meta_path,
+            num_cases,
+            counted,
+            num_cases,
+        )
+        return
+    if not isinstance(num_training, int) or isinstance(num_training, bool):
+        raise DatasetError(
+            f"{meta_path}: numTraining must be an integer (the number of training cases); found "
+            f"{num_training!r}; write {num_cases} or remove the key"
+        )
+    if num_training != num_cases:
+        raise DatasetError(
+            f"{meta_path}: numTraining is {num_training} but there are {num_cases} {counted}; "
+            "fix numTraining or add the missing cases"
+        )
 
 
 def _read_meta(meta_path: Path) -> dict:
@@ -207,25 +242,52 @@ def check_integrity(dataset: RawDataset, read_voxels: bool = True) -> None:
     the fingerprint, which reads every case anyway).
     """
     problems: list[str] = []
-    ndim: dict[str, int] = {}
+    geometries: dict[str, Geometry] = {}  # case id -> its label's, when that header is usable
     for case in dataset.cases:
         missing = [str(p) for p in (*case.image_paths, case.label_path) if p is None or not p.is_file()]
         if missing:
             problems.append(f"case {case.case_id}: missing file(s) {missing}")
             continue
         try:
-            label_geo = read_geometry(case.label_path)
-            ndim[case.case_id] = label_geo.ndim
-            for p in case.image_paths:
-                diff = read_geometry(p).matches(label_geo)
-                if diff:
-                    problems.append(f"case {case.case_id}: {p.name} and label {case.label_path.name} differ in {diff}")
-            if read_voxels:
-                problems += load_training_case(case, dataset.label_values)[3]
+            label_geo, found = _header_problems(case)
+            if not found and read_voxels:
+                found = load_training_case(case, dataset.label_values)[3]
         except ValueError as e:
-            problems.append(f"case {case.case_id}: {e}")
-    problems += _dimension_problems(dataset, ndim)
+            label_geo, found = None, [f"case {case.case_id}: {e}"]
+        problems += found
+        if label_geo is not None and not geometry_problem(label_geo):
+            geometries[case.case_id] = label_geo
+    dimensions = _dimension_problems(dataset, {k: g.ndim for k, g in geometries.items()})
+    problems += dimensions or _spacing_outliers(dataset, geometries)  # a 2D case's z (999 mm) is no outlier of its own
     raise_problems(dataset, problems)
+
+
+def _header_problems(case: Case) -> tuple[Geometry, list[str]]:
+    """The label's geometry and what the headers of a case's files show (``read_geometry``, each read once): a
+    geometry no stage can use (``geometry_problem``), channels and label on different grids."""
+    label_geo = read_geometry(case.label_path)
+    found = [f"case {case.case_id}: {case.label_path}: {p}" for p in [geometry_problem(label_geo)] if p]
+    for path in case.image_paths:
+        geo = read_geometry(path)
+        if problem := geometry_problem(geo):
+            found.append(f"case {case.case_id}: {path}: {problem}")
+        elif diff := geo.matches(label_geo):
+            found.append(f"case {case.case_id}: {path.name} and label {case.label_path.name} differ in {diff}")
+    return label_geo, found
+
+
+def _spacing_outliers(dataset: RawDataset, geometries: dict[str, Geometry]) -> list[str]:
+    """Cases whose spacing is more than SPACING_RATIO_LIMIT x finer or coarser than the dataset's median on an
+    axis (``spacing_ratio_problem``), named by their label file."""
+    if not geometries:
+        return []
+    median = tuple(float(v) for v in np.median([g.spacing_zyx for g in geometries.values()], axis=0))
+    by_id = {c.case_id: c for c in dataset.cases}
+    return [
+        f"case {case_id}: {by_id[case_id].label_path} and its images: {problem}"
+        for case_id, geo in geometries.items()
+        if (problem := spacing_ratio_problem(geo.spacing_zyx, median, "the dataset's median"))
+    ]
 
 
 def _dimension_problems(dataset: RawDataset, ndim: dict[str, int]) -> list[str]:

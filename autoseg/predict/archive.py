@@ -105,7 +105,7 @@ def export_model(
         config = plans.configuration(name)
         for fold in _chosen_folds(workspace, name, list(chosen), checkpoint):
             path = workspace.checkpoint(name, fold, checkpoint)
-            load_trained_network(path, config, "cpu")  # refuse to pack a checkpoint that does not load
+            load_trained_network(path, plans, config, "cpu")  # refuse to pack a checkpoint that does not load
             files[path.relative_to(workspace.root).as_posix()] = path
     if choice is not None:  # as predict -m will follow it: the archived folds and checkpoint
         archived = dataclasses.replace(choice, folds=chosen, checkpoint=checkpoint)

@@ -100,7 +100,7 @@ class CascadePrediction:
                 f"(`autoseg train fold {listed} -c {stage.name} -w {workspace.root}`) or predict with "
                 "--folds naming folds both stages have"
             )
-        networks = load_networks(workspace, stage, folds, checkpoint, window.device)
+        networks = load_networks(workspace, plans, stage, folds, checkpoint, window.device)
         return cls(config, Predictor.of(networks, plans, stage, window), labels)
 
     def prepare(self, case: Case) -> tuple[CascadeCase, CaseProperties]:

@@ -5,6 +5,8 @@ window options, what every case-level function of ``autoseg.predict.case`` takes
 
 from __future__ import annotations
 
+import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,9 +21,18 @@ from autoseg.model.tile_runner import TileRunner
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.window import WindowOptions
+from autoseg.preprocess.plan_fields import MODEL_INPUT_KEY, field_changes, model_input_fields
+
+log = logging.getLogger("autoseg")
+SHOWN_CHANGES = 6
 
 
-def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, device: str) -> torch.nn.Module:
+def load_trained_network(
+    checkpoint_path: Path, plans: Plans, config: ConfigurationPlan, device: str
+) -> torch.nn.Module:
+    """``config``'s network with the weights of ``checkpoint_path``, in eval mode on ``device``; refused when the
+    checkpoint is missing or unreadable, its weights do not fit, or it was trained with another plan
+    (``check_trained_with``)."""
     if not checkpoint_path.is_file():
         raise InputError(f"{checkpoint_path} not found; train this fold first, or predict with --folds naming others")
     state = read_checkpoint_file(
@@ -33,6 +44,7 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
         raise InputError(
             f"{checkpoint_path}: holds no network weights; train this fold again or predict with another --checkpoint"
         )
+    check_trained_with(state, plans, config, checkpoint_path)
     network = build_network(config.network)
     try:
         network.load_state_dict(state["network"])
@@ -45,8 +57,41 @@ def load_trained_network(checkpoint_path: Path, config: ConfigurationPlan, devic
     return network.to(device).eval()
 
 
+def check_trained_with(state: dict, plans: Plans, config: ConfigurationPlan, path: Path) -> None:
+    """Refuse, naming the fields, a checkpoint (``state``, read from ``path``) whose record of the plan it was trained
+    with (``model_input_fields``) differs from ``plans``: a hand-edited normalization, spacing or network would feed it
+    inputs it never learned from, and its outputs would no longer be the model's. A checkpoint written before the
+    record existed is predicted as before, with a warning that it cannot be checked."""
+    recorded = state.get(MODEL_INPUT_KEY)
+    if recorded is None:
+        log.warning(
+            "%s was written before autoseg recorded the plan a fold is trained with: plans.json's normalization, "
+            "spacing and network cannot be checked against it (a fold trained again is checked)",
+            path,
+        )
+        return
+    try:
+        trained_with = json.loads(recorded)
+    except (TypeError, ValueError) as e:
+        raise InputError(f"{path}: its record of the plan it was trained with is not JSON ({e}); train it again") from e
+    changes = field_changes(trained_with, model_input_fields(plans, config.name))
+    if changes:
+        raise InputError(
+            f"{path}: {path.parent.name.replace('_', ' ')} of {config.name} was trained with another plan than "
+            f"plans.json holds now ({'; '.join(changes[:SHOWN_CHANGES])}"
+            f"{f'; and {len(changes) - SHOWN_CHANGES} more' if len(changes) > SHOWN_CHANGES else ''}): its input would "
+            "not be what it learned from; restore these values in plans.json, or train the fold again with the plan as "
+            "it is"
+        )
+
+
 def load_networks(
-    workspace: Workspace, config: ConfigurationPlan, folds: tuple[int, ...], checkpoint: str, device: str
+    workspace: Workspace,
+    plans: Plans,
+    config: ConfigurationPlan,
+    folds: tuple[int, ...],
+    checkpoint: str,
+    device: str,
 ) -> list[torch.nn.Module]:
     """``config``'s network of each of ``folds`` (``results/<config>/fold_<k>/checkpoint_<checkpoint>.pt``); a fold
     without that checkpoint is refused, advising the command that trains it."""
@@ -56,7 +101,9 @@ def load_networks(
                 f"{path} not found; train this fold first (`{workspace.advice(f'train fold {fold} -c {config.name}')}`)"
                 " or predict with --folds naming trained ones"
             )
-    return [load_trained_network(workspace.checkpoint(config.name, f, checkpoint), config, device) for f in folds]
+    return [
+        load_trained_network(workspace.checkpoint(config.name, f, checkpoint), plans, config, device) for f in folds
+    ]
 
 
 def torch_runners(

@@ -104,7 +104,8 @@ def predict(
     window.check(config)
     check_postprocessing(options.postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
-    predictor = Predictor.of(load_networks(workspace, config, folds, checkpoint, window.device), plans, config, window)
+    networks = load_networks(workspace, plans, config, folds, checkpoint, window.device)
+    predictor = Predictor.of(networks, plans, config, window)
     prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options)
     found = prediction_inputs(workspace, plans, inputs, options.series)
     if options.fail_fast:
@@ -322,13 +323,11 @@ def _write_case(
 
 def prediction_inputs(workspace: Workspace, plans: Plans, inputs: str | Path, series: str | None) -> PredictionInputs:
     """The cases of ``inputs`` for this workspace's model, from their headers (``list_prediction_inputs``; the
-    image dimension checked against the images trained on)."""
-    image_dim = (
-        Fingerprint.from_json(workspace.fingerprint_path).image_dim  # the images trained on: 2 or 3
-        if workspace.fingerprint_path.is_file()
-        else None
-    )
-    return list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series)
+    image dimension and the spacing checked against the images trained on, ``fingerprint.json``)."""
+    trained = Fingerprint.from_json(workspace.fingerprint_path) if workspace.fingerprint_path.is_file() else None
+    image_dim = trained.image_dim if trained else None  # the images trained on: 2 or 3
+    spacing = tuple(float(s) for s in np.median(trained.spacings, axis=0)) if trained and trained.cases else None
+    return list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series, spacing)
 
 
 def case_outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:

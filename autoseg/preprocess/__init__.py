@@ -4,6 +4,6 @@ it reads arrays through); ``run.preprocess_workspace`` is `autoseg plan_and_prep
 
 Owns: ``normalization``, ``resampling``, ``precompute``, ``preprocessor`` (one case), ``parallel`` (every case of a
 configuration, in worker processes), ``store``, ``mapped_npy``, ``run``, ``stale_results`` (the trained folds
-``--overwrite`` sets aside).
+``--overwrite`` sets aside), ``plan_fields`` (the plan fields preprocessed data and trained networks depend on).
 Imports: ``autoseg.plan``, ``autoseg.memory``, ``autoseg.model``, ``autoseg.dataset``, ``autoseg.core``.
 """

@@ -13,14 +13,11 @@ same (``check_preprocessed``) before it starts.
 
 from __future__ import annotations
 
-import json
 import logging
 import resource
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-from autoseg.core.artifacts import to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.lock import hold, this_process
 from autoseg.core.resources import cpu_count, processes_for
@@ -31,6 +28,7 @@ from autoseg.plan.budget import Budget
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import check_dataset, load_fingerprint, make_plan, write_plan
 from autoseg.preprocess.parallel import PreprocessOptions, case_peak_bytes, preprocess
+from autoseg.preprocess.plan_fields import field_changes, preprocessing_fields
 from autoseg.preprocess.precompute import PrecomputeConfig
 from autoseg.preprocess.stale_results import set_aside_results, stale_results
 from autoseg.preprocess.store import PreprocessedSource, delete_case, read_source, source_path, stored_case_ids
@@ -137,25 +135,6 @@ def preprocessed_configurations(plans: Plans, configs: list[str] | None = None) 
     return [c for c in plans.configurations if c in wanted]
 
 
-def preprocessing_fields(plans: Plans, config_name: str) -> dict[str, Any]:
-    """The plan's fields that preprocessing a case for ``config_name`` reads (``preprocess_case``,
-    ``run_case``), as JSON values: the target spacing and dimensionality, normalization (with the intensity
-    properties of the channels normalized as CT, the only scheme that reads them) and the labels."""
-    config = plans.configuration(config_name)
-    fields = {
-        "spacing_mm": config.spacing_mm,
-        "dim": config.dim,
-        "normalization": plans.normalization,
-        "use_nonzero_mask": plans.use_nonzero_mask,
-        "intensity_properties": [
-            p if n == "ct" else None for n, p in zip(plans.normalization, plans.intensity_properties)
-        ],
-        "labels": plans.labels,
-        "regions_class_order": plans.regions_class_order,
-    }
-    return json.loads(json.dumps(to_dict(fields)))
-
-
 def case_digests(dataset: RawDataset, source: DatasetSource) -> dict[str, str]:
     """Case id -> the digest of its image and label files in ``source`` (``DatasetSource.digest_of``)."""
 
@@ -202,7 +181,7 @@ def stale_preprocessed(
         else:
             reasons = [
                 f"made with another plan: {c}"
-                for c in _field_changes(record.plan_fields, preprocessing_fields(plans, name))
+                for c in field_changes(record.plan_fields, preprocessing_fields(plans, name))
             ]
         if reasons:
             stale.append(StalePreprocessed(name, folder, tuple(reasons), tuple(stored)))
@@ -238,21 +217,13 @@ def check_preprocessed(workspace: Workspace, plans: Plans, config_name: str, nee
     if record is None:
         log.info("%s: no record of the plan it was preprocessed with (an older autoseg); taken as plans.json's", folder)
         return
-    changes = _field_changes(record.plan_fields, preprocessing_fields(plans, config_name))
+    changes = field_changes(record.plan_fields, preprocessing_fields(plans, config_name))
     if changes:
         raise InputError(
             f"{folder} was preprocessed with another plan than {workspace.plans_path} says "
             f"({'; '.join(changes[:SHOWN_REASONS])}); run `autoseg plan_and_preprocess {root} -w "
             f"{workspace.root} --overwrite` to preprocess it again with the plan as it is"
         )
-
-
-def _field_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    return [
-        f"{k}: {before.get(k)!r} -> {now.get(k)!r}"
-        for k in sorted(before.keys() | now.keys())
-        if before.get(k) != now.get(k)
-    ]
 
 
 def _stale_message(workspace: Workspace, root: Path, stale: list[StalePreprocessed]) -> str:

@@ -1,7 +1,9 @@
 """Training checkpoints: everything a run needs to continue bit for bit, loadable with ``weights_only=True``.
 
 A checkpoint holds the network, optimizer and grad-scaler state dicts, the configuration's name and the plan
-configuration it was trained with (JSON text, before degradations: what a resumed run's plan must match), and the
+configuration it was trained with (JSON text, before degradations: what a resumed run's plan must match), what its
+network's input depends on in the plan (``model_input``: ``autoseg.preprocess.plan_fields.model_input_fields``, JSON
+text; prediction refuses a plans.json that differs from it), and the
 run's ``TrainingProgress`` (``autoseg.train.progress``, JSON text): the last finished epoch, the schedule, the
 metrics, EMA and best pseudo-Dice, the degradations (per-rank micro-batches), the time budget's decisions, the
 memory checks, the number of processes and the state of every random generator the trainer touches. The data
@@ -26,6 +28,7 @@ from autoseg.core.errors import InputError
 from autoseg.model.checkpoint_file import read_checkpoint_file, write_checkpoint_file
 from autoseg.model.step import TrainStep
 from autoseg.plan.plans import INFERENCE_ONLY_KEYS, ConfigurationPlan, upgrade_network_payload
+from autoseg.preprocess.plan_fields import MODEL_INPUT_KEY
 from autoseg.train.progress import PROGRESS_KEY, RngStates, TrainingProgress
 
 
@@ -56,16 +59,23 @@ def plan_configuration_json(config: ConfigurationPlan) -> str:
 
 
 def save_checkpoint(
-    path: Path, step: TrainStep, config: ConfigurationPlan, config_name: str, progress: TrainingProgress
+    path: Path,
+    step: TrainStep,
+    config: ConfigurationPlan,
+    config_name: str,
+    progress: TrainingProgress,
+    model_input: dict[str, Any],
 ) -> None:
     """Write atomically (temp file, then rename) the step's network, optimizer and grad scaler, ``config`` (the plan's
-    configuration as planned, before degradations) and ``progress`` with the generators' states of this moment."""
+    configuration as planned, before degradations), ``model_input`` (``model_input_fields``: what prediction checks
+    plans.json against) and ``progress`` with the generators' states of this moment."""
     state = {
         "network": step.network.state_dict(),
         "optimizer": step.optimizer.state_dict(),
         "grad_scaler": step.scaler.state_dict(),
         "config": config_name,
         "plan_configuration": plan_configuration_json(config),
+        MODEL_INPUT_KEY: json.dumps(model_input, sort_keys=True),
         PROGRESS_KEY: replace(progress, rng=RngStates.capture()).to_text(),
     }
     write_checkpoint_file(path, state)

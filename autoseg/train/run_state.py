@@ -16,6 +16,7 @@ from autoseg.model.distributed import Ranks
 from autoseg.model.step import TrainStep
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
+from autoseg.preprocess.plan_fields import model_input_fields
 from autoseg.train.checkpoint import loader_seed, save_checkpoint
 from autoseg.train.memory_check import MemoryObserver, configured_step
 from autoseg.train.memory_report import MemoryCheck, log_check
@@ -95,7 +96,8 @@ class TrainingRun:
             return
         job = self.job
         path = job.workspace.checkpoint(job.config_name, job.fold, which)
-        save_checkpoint(path, self.step, job.planned, job.config_name, self.progress)
+        model_input = model_input_fields(job.plans, job.config_name)
+        save_checkpoint(path, self.step, job.planned, job.config_name, self.progress, model_input)
 
     def watch_memory(self) -> None:
         """Watch the first steps of the configuration in force (``observe_memory``)."""

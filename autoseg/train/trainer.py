@@ -27,6 +27,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from logging.handlers import MemoryHandler
 from pathlib import Path
 
 import torch
@@ -77,13 +78,10 @@ def train(
     previous = prepare_previous_stage(workspace, plans, config_name, sorted({*train_ids, *val_ids}))  # cascade
     out = workspace.results(config_name, fold)
     resumed = _checkpoint_to_resume(workspace, config, config_name, fold, distributed) if run.resume else None
-    out.mkdir(parents=True, exist_ok=True)
-    if distributed.is_main:
-        for stale in remove_stale_temporaries(out) + remove_stale_temporaries(out / "validation"):  # killed writes
-            log.info("removed %s, left by an interrupted run", stale)
-    handler = LogFile(out / "train.log") if distributed.is_main else logging.NullHandler()
-    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
-    log.addHandler(handler)
+    # the set-up's lines wait here for train.log: a set-up that is refused leaves no fold folder and no train.log
+    opening = MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1, flushOnClose=False)
+    log.addHandler(opening)
+    handlers: list[logging.Handler] = [opening]
     threads = torch.get_num_threads()
     try:
         job = FoldJob(
@@ -102,13 +100,31 @@ def train(
             previous,
         )
         training = _setup(job, resumed, distributed)
+        handlers.append(_open_log(out, distributed, opening))
+        opening.setTarget(handlers[-1])
+        opening.flush()  # the set-up's lines, with the times they were logged at
         _log_start(training)
         run_epochs(training)
         return _finish(training)
     finally:
         torch.set_num_threads(threads)
-        log.removeHandler(handler)
-        handler.close()
+        for handler in handlers:
+            log.removeHandler(handler)
+            handler.close()
+
+
+def _open_log(out: Path, distributed: DistributedContext, opening: MemoryHandler) -> logging.Handler:
+    """The fold's folder, cleared of what killed writes left, and its train.log (rank 0; the others log nowhere),
+    attached to the trainer's log in place of ``opening``, which holds the set-up's lines for it."""
+    out.mkdir(parents=True, exist_ok=True)
+    if distributed.is_main:
+        for stale in remove_stale_temporaries(out) + remove_stale_temporaries(out / "validation"):  # killed writes
+            log.info("removed %s, left by an interrupted run", stale)
+    handler = LogFile(out / "train.log") if distributed.is_main else logging.NullHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    log.removeHandler(opening)
+    log.addHandler(handler)
+    return handler
 
 
 def _checkpoint_to_resume(

@@ -32,7 +32,7 @@ def test_num_training_mismatch_names_the_file(dataset_copy):
     meta = json.loads((dataset_copy / "dataset.json").read_text())
     meta["numTraining"] = 7
     (dataset_copy / "dataset.json").write_text(json.dumps(meta))
-    with pytest.raises(DatasetError, match=r"dataset.json: numTraining is 7 but labelsTr holds 5"):
+    with pytest.raises(DatasetError, match=r"dataset.json: numTraining is 7 but there are 5 labels in labelsTr"):
         load_dataset(dataset_copy)
 
 

@@ -71,10 +71,11 @@ from pathlib import Path
 from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from autoseg.plan.plans import Plans
 from autoseg.predict.networks import load_trained_network
-config = Plans.from_json(sys.argv[1]).configuration("3d_fullres")
+plans = Plans.from_json(sys.argv[1])
+config = plans.configuration("3d_fullres")
 reset_peak_rss()
 start = process_rss_bytes()
-network = load_trained_network(Path(sys.argv[2]), config, "cpu")
+network = load_trained_network(Path(sys.argv[2]), plans, config, "cpu")
 print(peak_rss_bytes() - start)
 """
 

@@ -86,7 +86,7 @@ def _assert_same_header(output: Path, reference: Path) -> None:
 def _use_box_network(monkeypatch: pytest.MonkeyPatch, image: np.ndarray) -> None:
     """Every fold's network answers with ``box_case``'s labels in preprocessed space (``box_network``)."""
     network = box_network(image)
-    monkeypatch.setattr(networks, "load_trained_network", lambda path, config, device: network)
+    monkeypatch.setattr(networks, "load_trained_network", lambda path, plans, config, device: network)
 
 
 def _write_box(
@@ -397,7 +397,7 @@ def test_a_planned_tile_agrees_with_the_patch_on_a_tiny_trained_model(prepared: 
     )
     plans = Plans.from_json(workspace.plans_path)
     config = plans.configuration("3d_fullres").with_(inference_patch_size=(12, 24, 24))
-    network = networks.load_trained_network(workspace.checkpoint("3d_fullres", 0, "final"), config, "cpu")
+    network = networks.load_trained_network(workspace.checkpoint("3d_fullres", 0, "final"), plans, config, "cpu")
     for case in list_prediction_inputs(workspace.dataset_root() / "imagesTs", 1).cases:
         data, _, geometry = load_case(case)
         planned, patch = (

@@ -15,12 +15,8 @@ from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace, dataset_source
 from autoseg.dataset.raw import load_dataset
 from autoseg.plan.plans import IntensityProperties, Plans
-from autoseg.preprocess.run import (
-    check_preprocessed,
-    preprocess_workspace,
-    preprocessing_fields,
-    stale_preprocessed,
-)
+from autoseg.preprocess.plan_fields import preprocessing_fields
+from autoseg.preprocess.run import check_preprocessed, preprocess_workspace, stale_preprocessed
 from autoseg.preprocess.store import (
     PreprocessedSource,
     case_files,
