@@ -246,6 +246,10 @@ def _export_model(args: argparse.Namespace, progress: bool) -> int:
         f"{manifest.postprocessing}{' (inference.json)' if manifest.follows_choice else ''}; predict with "
         f"`autoseg predict -m {out} -i INPUT -o OUTPUT`"
     )
+    if manifest.graphs:
+        print(f"ONNX graphs: {len(manifest.graphs)}, each checked against torch on tiles of a training case")
+    else:
+        print('no ONNX graphs: the onnx extra is not installed (`pip install "autoseg[onnx]"` adds them)')
     return 0
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoseg.core.artifacts import WriteError, atomic_write_text
+from autoseg.core.artifacts import WriteError, atomic_path, atomic_write_text
 from autoseg.core.resources import cpu_count
 
 log = logging.getLogger("autoseg")
@@ -134,6 +134,26 @@ class MachineCache:
         if path is None:
             return value, "computed now (no cache folder)"
         return value, self._write(path, name, entries, key_text, value, {}, max_entries)
+
+    def kept_file(self, name: str, key: str, compute: Callable[[], bytes]) -> tuple[bytes, str]:
+        """Bytes worth keeping between runs (e.g. a network's ONNX graph, seconds to make) in the file
+        ``<folder>/<name>/<key>``, else ``compute()``'s, written there (atomically); returns (bytes, where they came
+        from). ``key`` names what the bytes depend on (e.g. a checkpoint's sha256 digest)."""
+        path = None if self.folder is None else self.folder / name / key
+        if path is not None and path.is_file():
+            try:
+                return path.read_bytes(), f"cached in {path}"
+            except OSError as e:
+                log.warning("%s: cannot be read (%s); making it again", path, e)
+        value = compute()
+        if path is None:
+            return value, "made now (no cache folder)"
+        try:
+            with atomic_path(path) as tmp:
+                tmp.write_bytes(value)
+        except (OSError, WriteError) as e:
+            return value, f"made now (could not cache it in {path}: {e})"
+        return value, f"made now, cached in {path}"
 
     @staticmethod
     def _write(

@@ -8,6 +8,8 @@
     results/<config>/fold_<k>/checkpoint_<which>.pt one per chosen fold (of each configuration, and of the
                                                     previous stage of a cascade stage: 3d_cascade_fullres packs
                                                     3d_lowres's same folds, which predict runs first)
+    results/<config>/fold_<k>/network.onnx          with the onnx extra: the checkpoint's network as an ONNX
+                                                    graph, checked against torch (``autoseg.predict.graphs``)
 
 The members keep their workspace paths, so an archive unpacked into a folder *is* a minimal workspace that
 ``autoseg.predict.predictor.predict`` reads. ``export_model`` writes it (temporary name, then rename);
@@ -17,6 +19,8 @@ The members keep their workspace paths, so an archive unpacked into a folder *is
 ensemble of two, its folds (or ``-f``'s, written into the archived inference.json) and its postprocessing; ``predict
 -m`` then follows it as ``predict -w`` does (``autoseg.predict.chosen``). With ``-c``, or without inference.json,
 one configuration without postprocessing. Archives of format 1 (one configuration, no inference.json) are read.
+Graphs are members like any other (listed with size and sha256), so archives with and without them share format 2;
+an archive without graphs predicts with torch.
 """
 
 from __future__ import annotations
@@ -32,10 +36,13 @@ from pathlib import Path
 import autoseg
 from autoseg.core.artifacts import Artifact, atomic_path, remove_stale_temporaries, to_dict
 from autoseg.core.errors import InputError
+from autoseg.core.extras import installed
 from autoseg.core.lock import refuse_while_held
 from autoseg.core.workspace import Workspace
+from autoseg.model.onnx_graph import available_runtime
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
+from autoseg.predict.graphs import GRAPH_FILE, check_tiles, checked_graph, graph_member
 from autoseg.predict.networks import load_trained_network
 
 MANIFEST = "autoseg_model.json"
@@ -62,6 +69,11 @@ class ModelManifest(Artifact):
     checkpoint: str  # "final" or "best": the members are checkpoint_<checkpoint>.pt
     members: tuple[ArchiveMember, ...]  # every member but the manifest itself
     postprocessing: str = "none"  # what predict -m does to each label map (inference.json's, described)
+
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """The members that are ONNX graphs (``results/<config>/fold_<k>/network.onnx``): none without the extra."""
+        return tuple(m.name for m in self.members if m.name.endswith("/" + GRAPH_FILE))
 
     @property
     def follows_choice(self) -> bool:
@@ -101,12 +113,7 @@ def export_model(
         "plans.json": workspace.plans_path,
         "fingerprint.json": workspace.fingerprint_path,
     }
-    for name in with_previous_stages(plans, configurations):
-        config = plans.configuration(name)
-        for fold in _chosen_folds(workspace, name, list(chosen), checkpoint):
-            path = workspace.checkpoint(name, fold, checkpoint)
-            load_trained_network(path, plans, config, "cpu")  # refuse to pack a checkpoint that does not load
-            files[path.relative_to(workspace.root).as_posix()] = path
+    files |= _network_files(workspace, plans, with_previous_stages(plans, configurations), chosen, checkpoint)
     if choice is not None:  # as predict -m will follow it: the archived folds and checkpoint
         archived = dataclasses.replace(choice, folds=chosen, checkpoint=checkpoint)
         files["inference.json"] = (
@@ -127,6 +134,32 @@ def export_model(
         payload = {"schema_version": ModelManifest.SCHEMA_VERSION, **to_dict(manifest)}
         zf.writestr(_member_info(MANIFEST), json.dumps(payload, indent=2) + "\n")
     return manifest
+
+
+def with_graphs() -> bool:
+    """Whether ``export_model`` puts ONNX graphs in the archive: the onnx extra (onnx, and ONNX Runtime or OpenVINO
+    to check them with) is installed."""
+    return installed("onnx") and available_runtime() is not None
+
+
+def _network_files(
+    workspace: Workspace, plans: Plans, names: list[str], folds: tuple[int | str, ...], checkpoint: str
+) -> dict[str, Path | bytes]:
+    """The members of the folds' networks of configurations ``names``: each checkpoint (refused unless it loads)
+    and, with the onnx extra (``with_graphs``), its checked ONNX graph beside it."""
+    files: dict[str, Path | bytes] = {}
+    for name in names:
+        config = plans.configuration(name)
+        tiles = check_tiles(workspace, config) if with_graphs() else None
+        for fold in _chosen_folds(workspace, name, list(folds), checkpoint):
+            path = workspace.checkpoint(name, fold, checkpoint)
+            member = path.relative_to(workspace.root).as_posix()
+            files[member] = path
+            if tiles is None:
+                load_trained_network(path, plans, config, "cpu")  # refuse to pack a checkpoint that does not load
+            else:  # loads it too, then exports and checks its graph
+                files[graph_member(member)] = checked_graph(path, plans, config, tiles, f"fold {fold} of {name}")
+    return files
 
 
 def with_previous_stages(plans: Plans, configurations: tuple[str, ...]) -> list[str]:

@@ -1,7 +1,8 @@
 """Reading a model archive (``autoseg.predict.archive``): ``open_model_archive`` checks it before anything is used:
 member names (no absolute path, no ``..``), the manifest's format version, every member's size and sha256, the plan,
-and each checkpoint loaded with ``torch.load(weights_only=True)`` into the planned network (or, for ``predict -m``,
-where predict loads it anyway); then unpacks it into a temporary folder that is removed afterwards (``OpenedModel``).
+each checkpoint loaded with ``torch.load(weights_only=True)`` into the planned network (or, for ``predict -m``,
+where predict loads it anyway), and each ONNX graph's input and output (names, channels; with the onnx extra: without
+it no runtime runs them); then unpacks it into a temporary folder that is removed afterwards (``OpenedModel``).
 A damaged or altered archive raises ``InputError`` naming the archive and the member.
 
 The temporary folder is ``autoseg-model-<pid>-<random>`` in the system's temporary folder (``TMPDIR``). A killed
@@ -29,13 +30,16 @@ from pathlib import Path, PurePosixPath
 
 import autoseg
 from autoseg.core.errors import InputError
+from autoseg.core.extras import installed
 from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import read_checkpoint_file
 from autoseg.model.network import build_network
+from autoseg.model.onnx_graph import check_io
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
 from autoseg.predict.archive import CHUNK_BYTES, MANIFEST, ArchiveMember, ModelManifest, with_previous_stages
 from autoseg.predict.choice import InferenceChoice
+from autoseg.predict.graphs import graph_member
 
 MODEL_FOLDER_PREFIX = "autoseg-model-"  # + "<pid>-<random>": the unpacked archive in the temporary folder
 
@@ -262,6 +266,14 @@ def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:
                 name = path.relative_to(ws.root).as_posix()
                 if not path.is_file():
                     raise InputError(f"is missing, though the manifest lists fold {fold}")
+                graph = graph_member(name)
+                if graph in manifest.graphs and installed("onnx"):  # without onnx no runtime can run it
+                    name = graph
+                    net = config.network
+                    check_io(
+                        (ws.root / graph).read_bytes(), net.in_channels, net.num_outputs, net.dim, str(ws.root / graph)
+                    )
+                    name = path.relative_to(ws.root).as_posix()
                 if not load_checkpoints:
                     continue
                 state = read_checkpoint_file(path, "export the model again", mmap=True)

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
+import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,8 +18,9 @@ from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import write_checkpoint_file
 from autoseg.model.network import build_network
+from autoseg.model.onnx_graph import available_runtime, export_graph, run_graph
 from autoseg.plan.plans import Plans
-from autoseg.predict.archive import MANIFEST, export_model
+from autoseg.predict.archive import MANIFEST, export_model, with_graphs
 from autoseg.predict.archive_reader import open_model_archive
 
 CONFIG = "3d_fullres"
@@ -66,14 +70,15 @@ def _write(path: Path, members: dict[str, bytes], *, resign: bool = False) -> Pa
 def test_export_holds_what_prediction_needs_and_a_manifest(workspace: Workspace, archive: Path) -> None:
     members = _members(archive)
     checkpoints = [f"results/{CONFIG}/fold_{k}/checkpoint_final.pt" for k in (0, 1)]
-    assert sorted(members) == sorted([MANIFEST, "plans.json", "fingerprint.json", *checkpoints])
+    graphs = [f"results/{CONFIG}/fold_{k}/network.onnx" for k in (0, 1)] if with_graphs() else []
+    assert sorted(members) == sorted([MANIFEST, "plans.json", "fingerprint.json", *checkpoints, *graphs])
     manifest = json.loads(members[MANIFEST])
     assert manifest["schema_version"] == 2 and manifest["autoseg_version"] == autoseg.__version__
     assert (manifest["configurations"], manifest["folds"], manifest["checkpoint"]) == ([CONFIG], [0, 1], "final")
     assert manifest["postprocessing"] == "none"
     for m in manifest["members"]:
         data = members[m["name"]]
-        assert data == (workspace.root / m["name"]).read_bytes()
+        assert m["name"] in graphs or data == (workspace.root / m["name"]).read_bytes()
         assert (m["size_bytes"], m["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
 
 
@@ -183,7 +188,8 @@ def test_open_refuses_a_checkpoint_of_another_network(archive: Path, tmp_path: P
 def test_open_refuses_a_truncated_or_missing_archive(archive: Path, tmp_path: Path) -> None:
     cut = tmp_path / "cut.zip"
     cut.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])
-    with pytest.raises(InputError, match=f"{cut}: not a readable zip file .* truncated or damaged"):
+    # where the cut lands decides which check sees it first (a stored checkpoint is itself a zip file)
+    with pytest.raises(InputError, match=f"{cut}: .*truncated or damaged"):
         with open_model_archive(cut):
             pass
     with pytest.raises(InputError, match=f"-m/--model {tmp_path / 'none.zip'}: no such file"):
@@ -241,3 +247,48 @@ def test_export_of_find_best_choice_carries_inference_json(workspace: Workspace,
         assert model.select(None, None) == (None, None) and model.select(CONFIG, None) == (CONFIG, ["1"])
     plain = export_model(ws, tmp_path / "plain.zip", config_name=CONFIG)
     assert not plain.follows_choice and plain.postprocessing == "none" and plain.folds == (0, 1)
+
+
+def test_each_folds_graph_is_a_member_that_runs_its_network(archive: Path) -> None:
+    pytest.importorskip("onnx")
+    with open_model_archive(archive) as model:
+        assert model.manifest.graphs == tuple(f"results/{CONFIG}/fold_{k}/network.onnx" for k in (0, 1))
+        config = Plans.from_json(model.workspace.plans_path).configuration(CONFIG)
+        graph = (model.workspace.root / model.manifest.graphs[1]).read_bytes()
+        logits = run_graph(graph, np.zeros((1, 1, *config.patch_size), np.float32), available_runtime())
+        assert logits.shape == (1, config.network.num_outputs, *config.patch_size)
+
+
+def test_without_the_onnx_extra_the_archive_has_no_graphs_and_opens(
+    workspace: Workspace, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnx", None)  # as if the extra were not installed
+    manifest = export_model(workspace, tmp_path / "model.zip", folds=["0"])
+    assert manifest.graphs == () and not [n for n in _members(tmp_path / "model.zip") if n.endswith(".onnx")]
+    with open_model_archive(tmp_path / "model.zip") as model:
+        assert model.workspace.trained_folds(CONFIG) == (0,)
+
+
+@pytest.mark.parametrize(
+    "graph, named",
+    [
+        ("other outputs", "its outputs are .* one output 'logits' of shape"),
+        ("cut", "not a readable ONNX graph"),
+    ],
+)
+def test_open_refuses_a_damaged_or_mismatched_graph_naming_it(
+    archive: Path, workspace: Workspace, tmp_path: Path, graph: str, named: str
+) -> None:
+    pytest.importorskip("onnx")
+    name = f"results/{CONFIG}/fold_1/network.onnx"
+    members = _members(archive)
+    if graph == "cut":
+        data = members[name][: len(members[name]) // 2]
+    else:
+        config = Plans.from_json(workspace.plans_path).configuration(CONFIG)
+        other = dataclasses.replace(config.network, num_outputs=config.network.num_outputs + 1)
+        data = export_graph(build_network(other), torch.zeros(1, 1, *config.patch_size))
+    bad = _write(tmp_path / "bad.zip", {**members, name: data}, resign=True)
+    with pytest.raises(InputError, match=f"{bad}: member {name}: {named}"):
+        with open_model_archive(bad, load_checkpoints=False):
+            pass
