@@ -40,12 +40,12 @@ def check_tiles(workspace: Workspace, config: ConfigurationPlan) -> torch.Tensor
     """``CHECK_TILES`` tiles ``(CHECK_TILES, C, *patch)`` float32 of ``config``'s first complete preprocessed case
     (zero-padded where the case is smaller than the patch; 2D: its middle slice). Channels the case lacks (a cascade
     stage's previous-stage labels) are zero. Refused when the configuration has no preprocessed case."""
-    folder = workspace.preprocessed(config.name)
+    folder = workspace.preprocessed(config.data_configuration)  # a cascade stage trains on another's cases
     cases = store.list_complete_cases(folder) if folder.is_dir() else []
     if not cases:
         raise InputError(
-            f"{folder}: no preprocessed case of {config.name} to check its folds' ONNX graphs on (with the onnx "
-            f"extra installed, the model archive holds them); preprocess {config.name} again with plan_and_preprocess"
+            f"{folder}: no preprocessed case to check the ONNX graphs of {config.name}'s folds on (with the onnx "
+            f"extra installed, the model archive holds them); preprocess {folder.name} again with plan_and_preprocess"
         )
     data = np.load(store.case_files(folder, cases[0]).data, mmap_mode="r")  # (C, Z, Y, X)
     if config.network.dim == 2:

@@ -48,7 +48,9 @@ def test_the_check_tiles_are_patches_of_a_preprocessed_case(trained: Path):
 def test_without_a_preprocessed_case_the_check_tiles_are_refused(workspace: Workspace):
     config = Plans.from_json(workspace.plans_path).configuration(CONFIG)
     shutil.rmtree(workspace.preprocessed(CONFIG))
-    with pytest.raises(InputError, match=r"preprocessed/3d_fullres: no preprocessed case of 3d_fullres to check"):
+    with pytest.raises(
+        InputError, match=r"preprocessed/3d_fullres: no preprocessed case to check the ONNX graphs of 3d_fullres"
+    ):
         check_tiles(workspace, config)
 
 
