@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from iteration_speed import measure
+from iteration_speed import cpu_budget, measure
 
 SPIN = "while True: pass"
 # busy for the first half of every 0.1 s, asleep for the second
@@ -90,18 +90,9 @@ def calibrate(runs: int, repeats: int, attempts: int | None) -> list[tuple[str, 
 
 def plan_for(fp, rates):
     """The CPU plan of ``fp`` at ``rates`` (8 GiB of RAM, 1 s per iteration)."""
-    from autoseg.core.units import GiB
-    from autoseg.plan.budget import Budget
     from autoseg.plan.planner import plan
 
-    budget = Budget(
-        gpu_memory_bytes=8 * GiB,
-        host_ram_bytes=8 * GiB,
-        device="cpu",
-        cpu_flops_per_second=rates.flops_per_second,
-        cpu_elements_per_second=rates.elements_per_second,
-        cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
-    )
+    budget = cpu_budget(rates)
     return plan(fp, budget)
 
 

@@ -24,6 +24,22 @@ import time
 from pathlib import Path
 
 
+def cpu_budget(rates, seconds_per_iteration: float = 1.0):
+    """A CPU plan's budget at ``rates`` (``StepRates``): 8 GiB of RAM, ``seconds_per_iteration`` per iteration."""
+    from autoseg.core.units import GiB
+    from autoseg.plan.budget import Budget
+
+    return Budget(
+        gpu_memory_bytes=8 * GiB,
+        host_ram_bytes=8 * GiB,
+        device="cpu",
+        cpu_flops_per_second=rates.flops_per_second,
+        cpu_elements_per_second=rates.elements_per_second,
+        cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
+        cpu_seconds_per_iteration=seconds_per_iteration,
+    )
+
+
 def measure(config, repeats: int) -> tuple[float, float]:
     """(best, median) wall seconds of one iteration of ``config``: its micro-batch step times its accumulation."""
     from autoseg.plan.calibration import training_step_closure
@@ -71,10 +87,8 @@ def main() -> None:
     from autoseg.core.machine import passive_openmp_waiting, use_cpu_threads
 
     passive_openmp_waiting(os.environ)  # before torch is imported, as the autoseg command does
-    from autoseg.core.units import GiB
     from autoseg.dataset.raw import load_dataset
     from autoseg.demo.data import make_demo_dataset
-    from autoseg.plan.budget import Budget
     from autoseg.plan.calibration import calibrate_cpu_throughput
     from autoseg.plan.fingerprint import fingerprint
     from autoseg.plan.planner import plan
@@ -96,15 +110,7 @@ def main() -> None:
     rows, seen = [], set()
     for shape, fp in fingerprints:
         for target in args.targets:
-            budget = Budget(
-                gpu_memory_bytes=8 * GiB,
-                host_ram_bytes=8 * GiB,
-                device="cpu",
-                cpu_flops_per_second=rates.flops_per_second,
-                cpu_elements_per_second=rates.elements_per_second,
-                cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
-                cpu_seconds_per_iteration=target,
-            )
+            budget = cpu_budget(rates, target)
             for name, config in plan(fp, budget).configurations.items():
                 key = (config.network, tuple(config.patch_size), config.batch_size, config.accumulation_steps)
                 if name == "3d_lowres" or key in seen:

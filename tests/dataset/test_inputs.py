@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import SimpleITK as sitk
@@ -11,16 +10,8 @@ from image_headers import as_mha, set_mha_header
 from autoseg.dataset.inputs import list_prediction_inputs
 
 
-def _folder(tiny_dataset: Path, tmp_path: Path) -> Path:
-    folder = tmp_path / "in"
-    folder.mkdir()
-    for image in sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz")):
-        shutil.copy(image, folder / image.name)
-    return folder
-
-
-def test_one_case_in_two_formats_is_refused_naming_both_files(tiny_dataset, tmp_path):
-    folder = _folder(tiny_dataset, tmp_path)
+def test_one_case_in_two_formats_is_refused_naming_both_files(inputs, tmp_path):
+    folder = inputs
     sitk.WriteImage(sitk.ReadImage(str(folder / "demo_005_0000.nii.gz")), str(folder / "demo_005_0000.nrrd"))
     found = list_prediction_inputs(folder, num_channels=1)
     assert [c.case_id for c in found.cases] == ["demo_005", "demo_006"]
@@ -34,8 +25,8 @@ def _mha_with(path: Path, key: str, value: str) -> Path:
     return mha
 
 
-def test_an_input_without_voxels_or_with_a_negative_spacing_is_a_problem_naming_it(tiny_dataset, tmp_path):
-    folder = _folder(tiny_dataset, tmp_path)
+def test_an_input_without_voxels_or_with_a_negative_spacing_is_a_problem_naming_it(inputs, tmp_path):
+    folder = inputs
     negative = _mha_with(folder / "demo_005_0000.nii.gz", "ElementSpacing", "-0.8 0.8 2.8")
     empty = _mha_with(folder / "demo_006_0000.nii.gz", "DimSize", "0 27 11")
     problems = list_prediction_inputs(folder, num_channels=1).problems
@@ -45,8 +36,8 @@ def test_an_input_without_voxels_or_with_a_negative_spacing_is_a_problem_naming_
     assert problems["demo_006"].startswith(f"{empty}: size (x,y,z) (0, 27, 11) has an axis without voxels")
 
 
-def test_an_input_far_off_the_training_spacing_is_a_problem_naming_it(tiny_dataset, tmp_path):
-    folder = _folder(tiny_dataset, tmp_path)
+def test_an_input_far_off_the_training_spacing_is_a_problem_naming_it(inputs, tmp_path):
+    folder = inputs
     path = folder / "demo_005_0000.nii.gz"
     image = sitk.ReadImage(str(path))
     trained_zyx = tuple(reversed(image.GetSpacing()))
