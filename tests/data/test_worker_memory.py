@@ -103,14 +103,19 @@ def test_worker_bytes_holds_against_the_worker_loop_measured(tmp_path: Path) -> 
         "print(json.dumps(_measure_worker_loop(sys.argv[3], 12)))"
     )
     here = Path(__file__).resolve().parent
-    result = subprocess.run(
-        [sys.executable, "-c", code, str(here), str(here.parent), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    r = json.loads(result.stdout.splitlines()[-1])
+    runs = []
+    # A poll that is descheduled misses the peak, never adds to it (a busy machine measured 0.74 of the model once):
+    # the highest of three fresh processes is held to both bounds.
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, "-c", code, str(here), str(here.parent), str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs.append(json.loads(result.stdout.splitlines()[-1]))
+    r = max(runs, key=lambda run: run["measured"])
     predicted = r["total"] - r["runtime"] - r["slots"]  # the slots' pages: test_loader.py
     assert 0.75 * predicted <= r["measured"] <= 1.25 * predicted, r
 
