@@ -73,6 +73,13 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
         "float32's only where two classes nearly tie, docs/prediction.md) or float32",
     )
     p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default=None,
+        help="the precision the folds compute in (default: the plan's on CUDA, fp32 on the CPU): bf16 on CUDA or "
+        "on a CPU with native bf16 (AVX-512 BF16 or AMX), fp16 on CUDA",
+    )
+    p.add_argument(
         "--tile",
         choices=["planned", "patch"],
         default="planned",

@@ -12,8 +12,10 @@ optimizers by name), ``step``, ``sliding_window``, ``window`` (one sliding windo
 one), ``tiles`` (tile layout, Gaussian, the accumulator window), ``tile_buffers`` (one sliding window's buffers and
 their bytes), ``tta`` (mirror variants, ``--tta``),
 ``slabs`` (large convolutions in slabs at inference on the CPU), ``distributed``, ``checkpoint_file``, ``onnx_graph``
-(the network as an ONNX graph, its inputs checked, run with ONNX Runtime or OpenVINO, its agreement with torch).
+(the network as an ONNX graph, its inputs checked, run with ONNX Runtime or OpenVINO, its agreement with torch),
+``graph_runners`` (such a graph as a ``TileRunner``: ONNX Runtime's and OpenVINO's).
 Imports: ``autoseg.core``, ``autoseg.dataset``. ``topology``, ``flops``, ``optimizer``, ``tiles``, ``tile_buffers``,
 ``tile_runner``, ``window`` and ``tta`` import torch only inside the functions that make tensors: the planner sizes a
-plan without it. ``onnx_graph`` imports the optional extras (onnx, onnxruntime, openvino) inside its functions.
+plan without it. ``onnx_graph`` (which ``graph_runners`` calls) imports the optional extras (onnx, onnxruntime,
+openvino) inside its functions.
 """

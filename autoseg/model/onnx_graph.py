@@ -35,6 +35,7 @@ OPSET = 17
 RUNTIMES = ("onnxruntime", "openvino")  # the first installed one runs the agreement check
 MAX_DIFFERENCE_OF_RANGE = 1e-3  # the graph's logits may differ from torch's by this share of their range
 MIN_ARGMAX_AGREEMENT = 0.9999  # share of voxels whose argmax must agree
+OPENVINO_PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}  # autoseg's precision -> OpenVINO's inference hint
 _EXTRA = {"onnx": "onnx", "onnxruntime": "onnx", "openvino": "openvino"}
 
 
@@ -104,9 +105,12 @@ def available_runtime() -> str | None:
     return next((r for r in RUNTIMES if installed(r)), None)
 
 
-def compile_graph(graph: bytes, runtime: str, threads: int = 1) -> Callable[[np.ndarray], np.ndarray]:
-    """``graph`` compiled by ``runtime`` ("onnxruntime", or "openvino" in fp32) on the CPU with ``threads`` threads:
-    a function from a tile batch ``(B, C, *tile)`` float32 to its logits ``(B, K, *tile)`` float32."""
+def compile_graph(
+    graph: bytes, runtime: str, threads: int = 1, precision: str = "fp32"
+) -> Callable[[np.ndarray], np.ndarray]:
+    """``graph`` compiled by ``runtime`` ("onnxruntime" in fp32, or "openvino" in ``precision``: a key of
+    ``OPENVINO_PRECISION_HINTS``) on the CPU with ``threads`` threads: a function from a tile batch ``(B, C, *tile)``
+    float32 to its logits ``(B, K, *tile)`` float32."""
     module = require(runtime, _EXTRA[runtime], f"running an ONNX graph with {runtime}")
     if runtime == "onnxruntime":
         options = module.SessionOptions()
@@ -116,7 +120,9 @@ def compile_graph(graph: bytes, runtime: str, threads: int = 1) -> Callable[[np.
         return lambda batch: session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(batch, np.float32)})[0]
     core = module.Core()
     compiled = core.compile_model(
-        core.read_model(graph), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}
+        core.read_model(graph),
+        "CPU",
+        {"INFERENCE_PRECISION_HINT": OPENVINO_PRECISION_HINTS[precision], "INFERENCE_NUM_THREADS": threads},
     )
     return lambda batch: compiled(np.ascontiguousarray(batch, np.float32))[OUTPUT_NAME]
 

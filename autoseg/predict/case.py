@@ -176,7 +176,7 @@ def inference_plan(predictor: Predictor, image_shape_zyx: tuple[int, ...], strea
         tuple(image_shape_zyx),
         predictor.plans.label_scheme.num_outputs,
         device=window.device,
-        precision=window.precision(config),
+        precision=window.compute_precision(config),
         mirror_axes=window.mirror_axes(config),
         tta=window.num_variants(config),
         step_fraction=steps,

@@ -112,7 +112,7 @@ def torch_runners(
     """``networks`` (``config``'s folds, on ``window.device``) as tile runners in the plan's precision; each reports
     the memory model's simulation of its tile batch as the sliding window runs it (``TileSimulation``: ``config``'s
     network, ``window``'s mirror variants and accumulator) when the memory plan asks for its working bytes."""
-    precision = window.precision(config)
+    precision = window.compute_precision(config)
     simulation = TileSimulation(
         config.network,
         precision,

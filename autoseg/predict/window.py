@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoseg.core.errors import InputError
-from autoseg.core.precision import effective_precision
+from autoseg.core.extras import require
+from autoseg.core.precision import check_cpu_precision, check_precision, effective_precision
 from autoseg.model.tile_buffers import ACCUMULATOR_DTYPES, PREDICTION_ACCUMULATOR
 from autoseg.model.tta import parse_tta
 from autoseg.plan.plans import ConfigurationPlan
@@ -18,6 +19,9 @@ from autoseg.plan.plans import ConfigurationPlan
 # mirroring's Dice for a fraction of its time (docs/prediction.md); on CUDA, where the batched variants cost
 # little, all of them.
 DEFAULT_TTA = {"cpu": "4", "cuda": "all"}
+# --runtime: what runs the folds' tiles -> (the module it needs, the extra that installs it); the graph runtimes run
+# on the CPU (autoseg.model.graph_runners)
+RUNTIMES = {"torch": ("torch", ""), "onnxruntime": ("onnxruntime", "onnx"), "openvino": ("openvino", "openvino")}
 
 
 def default_tta(device: str) -> str:
@@ -35,6 +39,8 @@ class WindowOptions:
     tile_batch_size: int | None = None  # --tile-batch-size: a cap; None: as many as plan_inference fits
     step_fraction: float = 0.5  # consecutive tiles overlap by 1 - step_fraction of the training patch
     accumulator: str = PREDICTION_ACCUMULATOR  # --accumulator: the running mean's dtype (ACCUMULATOR_DTYPES)
+    runtime: str = "torch"  # --runtime: a key of RUNTIMES
+    precision: str | None = None  # --precision: fp32, bf16 (native bf16 CPUs, CUDA), fp16 (CUDA); None: the plan's
     verbose: bool = False  # --verbose: log each case's tile and inference plan, and the pipeline's plan
 
     @property
@@ -50,13 +56,32 @@ class WindowOptions:
         """The mirror variants per tile (``parse_tta``)."""
         return parse_tta(self.tta_flag, len(self.mirror_axes(config)))
 
-    def precision(self, config: ConfigurationPlan) -> str:
-        """The precision ``config``'s network runs in on this device (``effective_precision``)."""
-        return effective_precision(config.precision, self.device)
+    def compute_precision(self, config: ConfigurationPlan) -> str:
+        """The precision ``config``'s network runs in: --precision, else the plan's on this device
+        (``effective_precision``: fp32 on the CPU)."""
+        return self.precision or effective_precision(config.precision, self.device)
 
     def check(self, config: ConfigurationPlan) -> None:
-        """A bad --tta, --tile or --accumulator fails before any work, not once per case."""
+        """A bad --tta, --tile, --accumulator, --runtime or --precision fails before any work, not once per case."""
         parse_tta(self.tta_flag, config.dim)
         config.inference_tile(self.tile)
         if self.accumulator not in ACCUMULATOR_DTYPES:
             raise InputError(f"--accumulator {self.accumulator!r}: use one of {', '.join(sorted(ACCUMULATOR_DTYPES))}")
+        self.check_runtime()
+
+    def check_runtime(self) -> None:
+        """Refuse an unknown --runtime, a graph runtime off the CPU or without its extra, and a --precision this
+        device does not compute in (``check_cpu_precision`` on the CPU)."""
+        if self.runtime not in RUNTIMES:
+            raise InputError(f"--runtime {self.runtime!r}: use one of {', '.join(RUNTIMES)}")
+        module, extra = RUNTIMES[self.runtime]
+        if self.runtime != "torch":
+            if self.device != "cpu":
+                raise InputError(
+                    f"--runtime {self.runtime} runs on the CPU; predict with --device cpu or --runtime torch"
+                )
+            require(module, extra, f"predicting with --runtime {self.runtime}")
+        if self.precision is not None:
+            check_precision(self.precision)
+            if self.device == "cpu":
+                check_cpu_precision(self.precision)

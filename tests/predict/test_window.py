@@ -3,12 +3,14 @@ any work; and the folds' torch runners, whose working bytes are the memory model
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from factories import tiny_plans
 
+from autoseg.core import precision
 from autoseg.core.errors import InputError
 from autoseg.memory.inference import TileSimulation, simulate_tile_prediction
 from autoseg.model.network import build_network
@@ -32,8 +34,8 @@ def test_options_resolve_against_each_configuration() -> None:
     assert (
         WindowOptions(mirror=False).mirror_axes(config) == () and WindowOptions(mirror=False).num_variants(config) == 1
     )
-    assert options.precision(config.with_(precision="bf16")) == "fp32"  # CPU prediction runs fp32
-    assert WindowOptions(device="cuda").precision(config.with_(precision="bf16")) == "bf16"
+    assert options.compute_precision(config.with_(precision="bf16")) == "fp32"  # CPU prediction runs fp32
+    assert WindowOptions(device="cuda").compute_precision(config.with_(precision="bf16")) == "bf16"
 
 
 @pytest.mark.parametrize(
@@ -42,6 +44,10 @@ def test_options_resolve_against_each_configuration() -> None:
         (WindowOptions(tta="9"), "--tta '9'"),
         (WindowOptions(tile="huge"), "tile 'huge'"),
         (WindowOptions(accumulator="float8"), "--accumulator 'float8'"),
+        (WindowOptions(runtime="tensorrt"), "--runtime 'tensorrt': use one of torch, onnxruntime, openvino"),
+        (WindowOptions(device="cuda", runtime="openvino"), "--runtime openvino runs on the CPU"),
+        (WindowOptions(precision="fp8"), "precision 'fp8' is not known"),
+        (WindowOptions(precision="fp16"), "--precision fp16 runs on CUDA only"),
     ],
 )
 def test_bad_options_are_refused_before_any_work(options: WindowOptions, message: str) -> None:
@@ -64,3 +70,30 @@ def test_torch_runners_report_the_simulation_of_their_tile_batch() -> None:
         TileSimulation(config.network, "fp32", (0, 1, 2), 2, "float32", "cpu"), config.patch_size, 2
     )
     assert all(r.working_bytes(2, config.patch_size) == expected for r in torch_runners(networks, config, options))
+
+
+@pytest.mark.parametrize(
+    ("flags", "refused"), [("fpu avx512f avx512_bf16", False), ("fpu amx_bf16", False), ("fpu avx512f", True)]
+)
+def test_bf16_on_the_cpu_needs_its_native_flags(tmp_path, monkeypatch, flags: str, refused: bool) -> None:
+    """--precision bf16 on the CPU is taken where /proc/cpuinfo lists AVX-512 BF16 or AMX, refused naming them
+    elsewhere; the runners then compute in it."""
+    (tmp_path / "cpuinfo").write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    monkeypatch.setattr(precision, "CPUINFO", tmp_path / "cpuinfo")
+    config = tiny_plans().configuration("3d_fullres")
+    options = WindowOptions(precision="bf16")
+    if refused:
+        with pytest.raises(
+            InputError, match="needs a CPU with native bf16 \\(avx512_bf16 or amx_bf16.*--precision fp32"
+        ):
+            options.check(config)
+        return
+    options.check(config)
+    assert options.compute_precision(config) == "bf16"
+
+
+@pytest.mark.parametrize(("runtime", "extra"), [("onnxruntime", "onnx"), ("openvino", "openvino")])
+def test_a_graph_runtime_without_its_extra_names_the_extra(monkeypatch, runtime: str, extra: str) -> None:
+    monkeypatch.setitem(sys.modules, runtime, None)  # the import fails, as on a plain install
+    with pytest.raises(InputError, match=rf"--runtime {runtime} needs .*pip install \"autoseg\[{extra}\]\""):
+        WindowOptions(runtime=runtime).check(tiny_plans().configuration("3d_fullres"))
