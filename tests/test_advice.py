@@ -180,7 +180,13 @@ def test_find_best_without_folds(prepared: Path, tmp_path: Path, capsys) -> None
     check_advice(result.err, ws)
 
 
-def test_a_changed_dataset_advises_the_overwrite(prepared: Path, dataset_copy: Path, tmp_path: Path, capsys) -> None:
+def _not_called(*args, **kwargs):
+    raise AssertionError("the CPU was calibrated before the refusal")
+
+
+def test_a_changed_dataset_advises_the_overwrite(
+    prepared: Path, dataset_copy: Path, tmp_path: Path, capsys, monkeypatch
+) -> None:
     ws = _copy(prepared, tmp_path)
     info = json.loads((ws / "workspace.json").read_text())
     (ws / "workspace.json").write_text(json.dumps({**info, "dataset_root": str(dataset_copy)}))
@@ -189,7 +195,9 @@ def test_a_changed_dataset_advises_the_overwrite(prepared: Path, dataset_copy: P
     (dataset_copy / "imagesTr" / label.name.replace(".nii.gz", "_0000.nii.gz")).unlink()
     data = json.loads((dataset_copy / "dataset.json").read_text())
     (dataset_copy / "dataset.json").write_text(json.dumps({**data, "numTraining": data["numTraining"] - 1}))
-    result = run_cli(capsys, "plan_and_preprocess", dataset_copy, "-w", ws, "--cpu-flops", "2e10")
+    # refused before the CPU is calibrated (calibrating here would take a minute)
+    monkeypatch.setattr("autoseg.plan.calibration.cpu_throughput", _not_called)
+    result = run_cli(capsys, "plan_and_preprocess", dataset_copy, "-w", ws)
     assert result.status == 2, result.err
     _printed(("", _REDO), result.err)
     check_advice(result.err, ws)

@@ -131,8 +131,9 @@ def report_error(prefix: str, error: Exception) -> int:
 
 def _plan(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.lock import refuse_while_held
-    from autoseg.core.workspace import Workspace
+    from autoseg.core.workspace import Workspace, dataset_source
     from autoseg.dataset.raw import load_dataset
+    from autoseg.plan.run import check_dataset
     from autoseg.preprocess.run import PreprocessRequest, plan_and_preprocess
 
     ws = Workspace.at(args.workspace)
@@ -140,6 +141,8 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     dataset = load_dataset(args.dataset)  # a wrong path or dataset.json fails here, before calibrating
     # another writer of the plan is refused before the budget is measured (plan_and_preprocess then holds the lock)
     refuse_while_held(ws.plan_lock, ws.root, f"autoseg {args.command} writes it too")
+    if not args.overwrite:  # a changed dataset, too, is refused before calibrating (up to a minute on a fresh machine)
+        check_dataset(ws, dataset.root, dataset_source(dataset.root))
     preprocessing = None
     if args.command == "plan_and_preprocess":
         configs = None if args.configs is None else tuple(args.configs)
