@@ -133,8 +133,8 @@ def _docstrings(tree: ast.Module) -> set[int]:
     }
 
 
-def subcommands() -> set[str]:
-    """The CLI's commands, as its parser knows them."""
+def command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """The CLI's commands, as its parser knows them, each with its own parser (its flags)."""
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return set(action.choices)
+    return dict(action.choices)

@@ -11,7 +11,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-from advice import PLACEHOLDERS, Template, advice_templates, advised_commands, check_advice, parse_advice, subcommands
+from advice import (
+    PLACEHOLDERS,
+    Template,
+    advice_templates,
+    advised_commands,
+    check_advice,
+    command_parsers,
+    parse_advice,
+)
 from cascade_workspace import CASCADE, RUN
 from cli_checks import run_cli
 from factories import set_configuration
@@ -69,7 +77,7 @@ def _literal_is_a_mention(command: str) -> bool:
 def test_every_advice_without_fields_parses_or_names_a_real_command_and_flags() -> None:
     literal = [t for t in advice_templates() if not t.is_templated]
     assert len(literal) >= 10  # the collector finds them (a broken collector finds none)
-    commands = subcommands()
+    commands = command_parsers()
     for template in literal:
         tokens = shlex.split(template.text)
         assert tokens[1] in commands, f"{template.module}:{template.line}: `{template.text}`: no such command"
@@ -80,14 +88,7 @@ def test_every_advice_without_fields_parses_or_names_a_real_command_and_flags() 
 
 
 def _assert_flags_exist(template: Template, command: str, flags: set[str]) -> None:
-    import argparse
-
-    from autoseg.cli.parser import build_parser
-
-    parser = build_parser()
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    known = set(action.choices[command]._option_string_actions)
-    unknown = flags - known
+    unknown = flags - set(command_parsers()[command]._option_string_actions)
     assert not unknown, f"{template.module}:{template.line}: `{template.text}`: no flag(s) {sorted(unknown)}"
 
 
