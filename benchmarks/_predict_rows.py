@@ -2,8 +2,8 @@
 (Dice against the ground truth, voxel agreement with torch fp32's) and issue 27's checks over them.
 
 A row is ``auto`` (``--runtime auto --precision auto``: what autoseg chooses by timing on this machine) or one
-runtime in one precision (``--runtime R --precision P``). By default every installed runtime runs in every precision
-it computes on this CPU (bf16 only with native bf16), beside ``auto`` where autoseg predict has it.
+runtime in one precision (``--runtime R --precision P``). By default ``auto`` and every candidate it chooses from: each
+installed runtime in each precision it computes on this CPU (bf16 only with native bf16).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ DICE_TOLERANCE = 0.002  # every class's Dice within this of torch fp32's
 AGREEMENT_TARGET = 0.999  # fp32 rows: voxels agreeing with torch fp32's label maps
 RSS_RATIO_TARGET = 0.25  # large case: every row's peak RSS at most this x nnU-Net's
 PREDICTION_TOLERANCE = 0.15  # predicted host peak within this of the measured peak RSS
-TORCH_CPU_PRECISIONS = ("fp32", "bf16")  # autocast on the CPU: bf16; fp16 runs on CUDA only
 
 
 @dataclass(frozen=True)
@@ -49,51 +48,34 @@ class Row:
 
 def parse_row(text: str) -> Row:
     """``auto`` or ``RUNTIME:PRECISION`` (e.g. ``openvino:bf16``) from ``--runtimes``."""
+    from autoseg.predict.runtime_choice import runtime_precisions
+
     if text == "auto":
         return Row("auto", "auto")
     runtime, _, precision = text.partition(":")
-    if runtime not in RUNTIMES or precision not in computed_precisions(runtime):
-        known = ", ".join(f"{r}:{p}" for r in RUNTIMES for p in computed_precisions(r))
+    if runtime not in RUNTIMES or precision not in runtime_precisions(runtime):
+        known = ", ".join(f"{r}:{p}" for r in RUNTIMES for p in runtime_precisions(r))
         raise SystemExit(f"--runtimes {text!r}: give auto or one of {known}")
     return Row(runtime, precision)
 
 
-def computed_precisions(runtime: str) -> tuple[str, ...]:
-    """The precisions ``runtime`` computes in on the CPU (autoseg's tile runners say so for the graph runtimes)."""
-    if runtime == "torch":
-        return TORCH_CPU_PRECISIONS
-    from autoseg.model.graph_runners import OnnxRuntimeTileRunner, OpenVinoTileRunner
-
-    return {"onnxruntime": OnnxRuntimeTileRunner, "openvino": OpenVinoTileRunner}[runtime].precisions
-
-
 def default_rows() -> tuple[list[Row], list[str]]:
-    """``auto`` (where autoseg predict has it) and every installed runtime in each precision this CPU computes; and
-    notes on what is left out, and why."""
+    """``auto`` and every candidate ``auto`` chooses from on this CPU, whatever the model's bf16 agreement check
+    says (autoseg.predict.runtime_choice.candidates: each installed runtime in each precision it computes, bf16
+    only with native bf16); and notes on what is left out, and why."""
     from autoseg.core.precision import native_bf16_flag
+    from autoseg.predict.runtime_choice import candidates
+    from autoseg.predict.window import AUTO, WindowOptions
 
-    rows, notes = [], []
-    if auto_available():
-        rows.append(Row("auto", "auto"))
-    else:
-        notes.append("auto: this autoseg's predict has no --runtime auto; its row is left out")
     bf16 = native_bf16_flag() is not None
-    if not bf16:
-        notes.append("bf16: the CPU has no native bf16 (AVX-512 BF16 or AMX); its rows are left out")
-    for runtime, (module, extra) in RUNTIMES.items():
-        if not installed(module):
-            notes.append(f'{runtime}: not installed (pip install "autoseg[{extra}]"); its rows are left out')
-            continue
-        rows += [Row(runtime, p) for p in computed_precisions(runtime) if p == "fp32" or bf16]
-    return rows, notes
-
-
-def auto_available() -> bool:
-    try:
-        from autoseg.predict.window import AUTO  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    found = candidates(WindowOptions(device="cpu", runtime=AUTO, precision=AUTO), native_bf16=bf16)
+    notes = [] if bf16 else ["bf16: the CPU has no native bf16 (AVX-512 BF16 or AMX); its rows are left out"]
+    notes += [
+        f'{runtime}: not installed (pip install "autoseg[{extra}]"); its rows are left out'
+        for runtime, (module, extra) in RUNTIMES.items()
+        if not installed(module)
+    ]
+    return [Row("auto", "auto"), *(Row(c.runtime, c.precision) for c in found)], notes
 
 
 _CHOICE = re.compile(r"\S+: runtime (\S+), precision (\S+) \(auto: (.*)")

@@ -52,9 +52,10 @@ def test_timer_counts_each_tile_runner_call_once_and_auto_timing_as_probe(bench,
 def test_default_rows_are_installed_runtimes_in_the_precisions_this_cpu_computes(bench, monkeypatch) -> None:
     _, rows_module = bench
     import autoseg.core.precision as precision
+    import autoseg.predict.runtime_choice as runtime_choice
 
-    monkeypatch.setattr(rows_module, "installed", lambda module: module != "onnxruntime")
-    monkeypatch.setattr(rows_module, "auto_available", lambda: True)
+    for module in (rows_module, runtime_choice):
+        monkeypatch.setattr(module, "installed", lambda module: module != "onnxruntime")
     monkeypatch.setattr(precision, "native_bf16_flag", lambda: None)
     rows, notes = rows_module.default_rows()
     assert [r.name for r in rows] == ["auto", "torch fp32", "openvino fp32"]
