@@ -48,7 +48,7 @@ def prepare_autoseg(dataset: Path, work: Path, plan_device: str, training: Train
         r = run_measured(
             [sys.executable, "-m", "autoseg", "plan_and_preprocess", str(dataset), "-w", str(ws), "-c", CONFIG]
             + ["--processes", "2", "--overwrite", *target],
-            log_path=work / "autoseg_plan.log",
+            log_path=work / f"autoseg_{plan_device}_plan.log",
         )
         print(f"autoseg plan_and_preprocess ({plan_device}): {r['seconds']:.0f} s")
         (ws / ".preprocessed").write_text("")
@@ -60,7 +60,7 @@ def prepare_autoseg(dataset: Path, work: Path, plan_device: str, training: Train
         r = run_measured(
             [sys.executable, "-m", "autoseg", "train", "0", "-w", str(ws), "-c", CONFIG, "--device", "cpu"]
             + [*training.autoseg_args(), "--no-validation"],
-            log_path=work / "autoseg_train.log",
+            log_path=work / f"autoseg_{plan_device}_train.log",
         )
         print(f"autoseg train fold 0 ({training.tag}) on the CPU: {r['seconds']:.0f} s")
         marker.write_text("")
