@@ -2,9 +2,11 @@
 
 autoseg: a workspace planned (for an 8 GiB GPU or the CPU) and preprocessed once, fold 0 trained on the CPU either
 briefly (epochs x iterations: the timings need the planned network, not a good one) or for a time budget
-(``autoseg train --time-budget``: a model whose Dice means something). nnU-Net v2: 3d_fullres preprocessed once in
-its own folders, fold 0 trained briefly (its rows are for time and memory). A marker file names the training each
-holds; a different one trains again.
+(``autoseg train --time-budget``: a model whose Dice means something), then given the bf16 agreement check a fold
+carries when ``autoseg train`` ends with its final validation on a native-bf16 CPU (``--no-validation`` here keeps
+the training's budget for training; without the check ``--runtime auto`` may not take bf16). nnU-Net v2: 3d_fullres
+preprocessed once in its own folders, fold 0 trained briefly (its rows are for time and memory). A marker file names
+the training each holds; a different one trains again.
 """
 
 from __future__ import annotations
@@ -64,7 +66,25 @@ def prepare_autoseg(dataset: Path, work: Path, plan_device: str, training: Train
         )
         print(f"autoseg train fold 0 ({training.tag}) on the CPU: {r['seconds']:.0f} s")
         marker.write_text("")
+    if not (ws / "results" / CONFIG / "fold_0" / "precision_check.json").is_file():
+        check_bf16(ws, work / f"autoseg_{plan_device}_check.log")
     return ws
+
+
+# The fold's bf16 agreement check, as the end of `autoseg train` makes it (its validation cases, the CPU's --tta)
+_CHECK = (
+    "import sys; from autoseg.core.workspace import Workspace; from autoseg.plan.plans import Plans; "
+    "from autoseg.train.precision_check import run_precision_check; ws = Workspace.at(sys.argv[1]); "
+    "check = run_precision_check(ws, Plans.from_json(ws.plans_path), sys.argv[2], 0); "
+    "print(*(check.describe(r) for r in check.bf16_dice) if check else ['not made: no native bf16'], sep='\\n')"
+)
+
+
+def check_bf16(ws: Path, log_path: Path) -> None:
+    """Make fold 0's bf16 agreement check (``autoseg.train.precision_check``) and print its verdicts."""
+    r = run_measured([sys.executable, "-c", _CHECK, str(ws), CONFIG], log_path=log_path)
+    verdicts = log_path.read_text().strip().replace("\n", "; ")
+    print(f"autoseg fold 0's bf16 agreement check: {r['seconds']:.0f} s: {verdicts}")
 
 
 def prepare_nnunet(python: str, dataset: Path, work: Path, epochs: int, iterations: int) -> tuple[Path, dict]:
