@@ -14,6 +14,8 @@ trained model as one zip: its format, ``autoseg export-model``), ``archive_reade
 unpacked for ``predict -m``), ``networks`` (the folds' checkpoints loaded, as
 tile runners, and a configuration's ``Predictor``), ``graphs`` (a checkpoint's checked ONNX graph: the archive's member,
 or kept in the machine cache),
+``runtime_memory`` (a graph runtime's working bytes for the memory plan: measured once by ``runtime_probe``, a fresh
+process running the real call, and kept per machine and model),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """

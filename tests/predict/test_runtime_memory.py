@@ -1,0 +1,196 @@
+"""A graph runtime's working bytes (``autoseg.predict.runtime_memory``): the memory plan's figure for ONNX Runtime and
+OpenVINO holds against a real sliding window in a fresh process; a kept measurement is read without a child, and
+shared by the folds (same structure, other weights); a batch beyond the measured ones is extended linearly; a graph
+that the runtime cannot compile stops with a ``RunError`` naming the runtime."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from factories import tiny_topology
+
+from autoseg.core.errors import RunError
+from autoseg.core.machine import MachineCache
+from autoseg.core.precision import native_bf16_flag
+from autoseg.core.units import MiB
+from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
+from autoseg.memory.inference import InferenceSetting, TileSimulation, inference_memory
+from autoseg.model.graph_runners import GRAPH_RUNNERS
+from autoseg.model.network import build_network
+from autoseg.model.onnx_graph import export_graph
+from autoseg.model.topology import NetworkTopology
+from autoseg.predict import runtime_memory
+from autoseg.predict.runtime_memory import RuntimeWorkingBytes, batch_bytes
+
+pytest.importorskip("onnx")
+
+# a network whose tile batch is well above the RSS's noise (oneDNN's and the interpreter's lazily made state)
+DEMO_TOPOLOGY = NetworkTopology(
+    dim=3,
+    in_channels=1,
+    num_outputs=3,
+    features_per_stage=(16, 32, 64, 128),
+    kernel_sizes=((3, 3, 3),) * 4,
+    strides=((1, 1, 1),) + ((2, 2, 2),) * 3,
+)
+TILE, IMAGE_ZYX, MIRROR_AXES, TTA = (32, 96, 96), (32, 96, 192), (0, 1, 2), 2
+TOLERANCE = 0.15  # the issue's bar for the pipeline's predicted host peak
+
+# the real sliding window with a graph runner in a fresh process: its peak RSS above the RSS before the call, the
+# image and the compiled graph already there (what the memory plan's peak less the parameters counts)
+_SLIDING_WINDOW = """
+import importlib, json, sys
+import numpy as np, torch
+from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss, use_one_malloc_arena
+from autoseg.model.graph_runners import GRAPH_RUNNERS
+from autoseg.model.sliding_window import sliding_window_predict
+from autoseg.model.window import SlidingWindow
+a = json.loads(sys.argv[1])
+use_one_malloc_arena()
+torch.set_num_threads(1)
+importlib.import_module(a["runtime"])
+runner = GRAPH_RUNNERS[a["runtime"]](open(a["graph"], "rb").read(), None, threads=1, precision=a["precision"])
+image = np.ones([1, *a["image"]], np.float32)
+window = SlidingWindow(tuple(a["tile"]), 3, 0.5, tuple(a["mirror_axes"]), a["tta"], a["batch"],
+                       accumulator_dtype="float16", output_dtype=None)
+before = process_rss_bytes()
+reset_peak_rss()
+sliding_window_predict([runner], image, window, lambda *_: None)
+print(peak_rss_bytes() - before)
+"""
+
+
+@pytest.fixture(scope="module")
+def demo_graph(tmp_path_factory) -> bytes:
+    torch.manual_seed(0)
+    return export_graph(build_network(DEMO_TOPOLOGY), torch.randn(1, 1, 16, 32, 32))
+
+
+def _tiny_graph(seed: int) -> bytes:
+    torch.manual_seed(seed)
+    return export_graph(build_network(tiny_topology(3)), torch.randn(1, 1, 8, 16, 16))
+
+
+def _source(
+    graph: bytes, runtime: str, cache: MachineCache | None, topology: NetworkTopology, precision: str = "fp32"
+) -> RuntimeWorkingBytes:
+    window = TileSimulation(topology, precision, MIRROR_AXES, TTA, "float16", "cpu")
+    return RuntimeWorkingBytes(graph, runtime, 1, window, cache)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("runtime", "precision"), [("onnxruntime", "fp32"), ("openvino", "fp32"), ("openvino", "bf16")]
+)
+def test_a_runtime_s_planned_peak_matches_a_fresh_sliding_window(demo_graph, runtime, precision, tmp_path):
+    """The plan's peak (less the parameters, which the process holds before the call) for the batch it picks for
+    this tile (1) against the real sliding window's; with the torch simulation's figures instead it misses ONNX
+    Runtime's peak by -31% and OpenVINO bf16's by -23% here (OpenVINO fp32's by +6%)."""
+    pytest.importorskip(runtime)
+    if precision == "bf16" and native_bf16_flag() is None:
+        pytest.skip("this CPU has no native bf16")
+    source = _source(demo_graph, runtime, MachineCache(tmp_path / "cache"), DEMO_TOPOLOGY, precision)
+    setting = InferenceSetting(
+        DEMO_TOPOLOGY,
+        TILE,
+        IMAGE_ZYX,
+        3,
+        "cpu",
+        precision,
+        MIRROR_AXES,
+        TTA,
+        output_dtype=None,
+        accumulator_dtype="float16",
+    )
+    planned = inference_memory(setting, 1, runners=[source])
+    (tmp_path / "graph.onnx").write_bytes(demo_graph)
+    args = {"runtime": runtime, "precision": precision, "graph": str(tmp_path / "graph.onnx"), "image": IMAGE_ZYX}
+    args |= {"tile": TILE, "mirror_axes": MIRROR_AXES, "tta": TTA, "batch": 1}
+    done = subprocess.run(
+        [sys.executable, "-c", _SLIDING_WINDOW, json.dumps(args)], capture_output=True, text=True, check=True
+    )
+    measured = int(done.stdout.strip().splitlines()[-1])
+    # as the pipeline counts the window on the host (``_window_host_bytes``): the process holds the runtime and the
+    # parameters before the call; the image needs no padding, so the padded input is the image (0 bytes)
+    predicted = predict_device_peak(planned, "cpu")["total"] - CPU_RUNTIME_BYTES - planned.parameter_bytes
+    assert planned.padded_input_bytes == 0
+    assert abs(predicted / measured - 1) <= TOLERANCE, (
+        f"{runtime} {precision}: predicted {predicted / MiB:.0f} MiB, a fresh sliding window peaked "
+        f"{measured / MiB:.0f} MiB"
+    )
+
+
+def _canned(figures: dict, calls: list) -> callable:
+    def run_probe(command, env, timeout_s):
+        calls.append(json.loads(open(command[-1]).read()))
+        return subprocess.CompletedProcess(command, 0, stdout="log line\n" + json.dumps(figures) + "\n", stderr="")
+
+    return run_probe
+
+
+FIGURES = {"parameter_bytes": 10 * MiB, "tile_bytes": {"1": 30 * MiB, "2": 50 * MiB}, "held_bytes": {"1": 20 * MiB}}
+
+
+def test_a_kept_measurement_is_read_without_a_child_and_shared_by_the_folds(monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(runtime_memory, "run_probe", _canned(FIGURES, calls))
+    cache = MachineCache(tmp_path)
+    first = _source(_tiny_graph(0), "openvino", cache, tiny_topology(3)).working_bytes(2, (8, 16, 16))
+    assert len(calls) == 1 and calls[0]["batches"] == [1, 2] and calls[0]["tile"] == [8, 16, 16]
+    assert (first.parameter_bytes, first.tile_bytes, first.heap_retained_bytes) == (10 * MiB, 50 * MiB, 0)
+
+    def no_child(command, env, timeout_s):
+        raise AssertionError("a kept measurement started a child process")
+
+    monkeypatch.setattr(runtime_memory, "run_probe", no_child)
+    another_fold = _source(_tiny_graph(1), "openvino", cache, tiny_topology(3))  # other weights, same structure
+    assert another_fold.working_bytes(2, (8, 16, 16)) == first
+    assert another_fold.working_bytes(1, (8, 16, 16)).tile_bytes == 30 * MiB
+    with pytest.raises(AssertionError, match="started a child"):  # another runtime is measured anew
+        _source(_tiny_graph(0), "onnxruntime", cache, tiny_topology(3)).working_bytes(2, (8, 16, 16))
+
+
+def test_a_batch_beyond_the_measured_ones_is_extended_linearly():
+    assert batch_bytes(FIGURES, 1).tile_bytes == 30 * MiB
+    assert batch_bytes(FIGURES, 4).tile_bytes == (30 + 3 * 20) * MiB
+    assert batch_bytes(FIGURES, 1).held_bytes == 20 * MiB
+    assert batch_bytes(FIGURES, 4).held_bytes == 20 * MiB  # only batch 1's held bytes were measured
+    only_one = {**FIGURES, "tile_bytes": {"1": 30 * MiB}}
+    assert batch_bytes(only_one, 3).tile_bytes == 30 * MiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", sorted(GRAPH_RUNNERS))
+def test_a_graph_that_fails_to_compile_names_the_runtime(runtime, tmp_path):
+    pytest.importorskip(runtime)
+    model = onnx.load_from_string(_tiny_graph(0))
+    model.graph.node[0].op_type = "NoSuchOperator"
+    source = _source(model.SerializeToString(), runtime, MachineCache(tmp_path), tiny_topology(3))
+    with pytest.raises(RunError, match=f"{runtime} failed measuring the memory of .*NoSuchOperator.*--runtime torch"):
+        source.working_bytes(1, (8, 16, 16))
+    assert not (tmp_path / f"{runtime_memory.CACHE_NAME}.json").exists()  # nothing kept
+
+
+def test_a_child_that_runs_too_long_is_an_error_naming_the_runtime(monkeypatch):
+    def too_long(command, env, timeout_s):
+        raise subprocess.TimeoutExpired(command, timeout_s)
+
+    monkeypatch.setattr(runtime_memory, "run_probe", too_long)
+    with pytest.raises(RunError, match="memory of openvino .fp32. on a 8x16x16 tile took more than"):
+        _source(_tiny_graph(0), "openvino", None, tiny_topology(3)).working_bytes(1, (8, 16, 16))
+
+
+def test_the_child_measures_the_window_s_items(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(runtime_memory, "run_probe", _canned(FIGURES, calls))
+    _source(_tiny_graph(0), "openvino", None, tiny_topology(3)).working_bytes(1, (8, 16, 16))
+    request = calls[0]
+    assert (request["mirror_axes"], request["tta"], request["accumulator_dtype"]) == ([0, 1, 2], 2, "float16")
+    assert (request["in_channels"], request["num_outputs"], request["threads"]) == (1, 3, 1)
+    assert np.array_equal(request["batches"], [1, 2])  # 8x16x16: the CPU batch cap allows more than one
