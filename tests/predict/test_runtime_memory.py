@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import numpy as np
-import onnx
 import pytest
 import torch
+from extras import require_extra
 from factories import tiny_topology
 
 from autoseg.core.errors import RunError
@@ -28,7 +28,7 @@ from autoseg.model.topology import NetworkTopology
 from autoseg.predict import runtime_memory
 from autoseg.predict.runtime_memory import RuntimeWorkingBytes, batch_bytes
 
-pytest.importorskip("onnx")
+onnx = require_extra("onnx")
 
 # a network whose tile batch is well above the RSS's noise (oneDNN's and the interpreter's lazily made state)
 DEMO_TOPOLOGY = NetworkTopology(
@@ -92,7 +92,7 @@ def test_a_runtime_s_planned_peak_matches_a_fresh_sliding_window(demo_graph, run
     """The plan's peak (less the parameters, which the process holds before the call) for the batch it picks for
     this tile (1) against the real sliding window's; with the torch simulation's figures instead it misses ONNX
     Runtime's peak by -31% and OpenVINO bf16's by -23% here (OpenVINO fp32's by +6%)."""
-    pytest.importorskip(runtime)
+    require_extra(runtime)
     if precision == "bf16" and native_bf16_flag() is None:
         pytest.skip("this CPU has no native bf16")
     source = _source(demo_graph, runtime, MachineCache(tmp_path / "cache"), DEMO_TOPOLOGY, precision)
@@ -168,7 +168,7 @@ def test_a_batch_beyond_the_measured_ones_is_extended_linearly():
 @pytest.mark.slow
 @pytest.mark.parametrize("runtime", sorted(GRAPH_RUNNERS))
 def test_a_graph_that_fails_to_compile_names_the_runtime(runtime, tmp_path):
-    pytest.importorskip(runtime)
+    require_extra(runtime)
     model = onnx.load_from_string(_tiny_graph(0))
     model.graph.node[0].op_type = "NoSuchOperator"
     source = _source(model.SerializeToString(), runtime, MachineCache(tmp_path), tiny_topology(3))
