@@ -16,13 +16,15 @@ the torch runner's convention (``TileBatchBytes``):
 - ``held_bytes``: of that, what the runtime still holds after the call (each fold of an ensemble its own,
   ``inference_memory`` adds them); the CUDA terms are 0 (these runtimes run on the CPU).
 
-The rule that keeps the children few: one child per tile measures batch 1 and, where ``cpu_tile_batch_cap`` allows
-more than one tile of it, batch 2 after it in the same process (the memory plan asks for 1 and 2 first); a larger
-batch is extended linearly from those two (its error against fresh processes: docs/memory.md, "Graph runtimes"). A
-figure is kept under a key of the graph's structure (its sha256 with the weights' values left out: the folds of a
-configuration share one measurement), the runtime and its version, the precision, the threads, the tile and
-batches, the window's items (mirror variants, accumulator), the machine (``machine_key``) and a digest of the code
-that measures, and read from the cache ever after (and from memory within a run).
+The rule that keeps the children few: a fresh process measures one batch of one tile (a runtime that ran one batch
+size holds or reuses its buffers for the next, so two in one process are off by up to 40%); the memory plan asks
+batch 1, and batch 2 only where ``cpu_tile_batch_cap`` allows more than one tile (tiles of at most 51,200 voxels:
+a child of a few seconds), and a larger batch is extended linearly from those two (its error against fresh
+processes: docs/memory.md, "Graph runtimes"). A figure is kept under a key of the graph's structure (its sha256
+with the weights' values left out: the folds of a configuration share one measurement), the runtime and its
+version, the precision, the threads, the tile and batch, the window's items (mirror variants, accumulator), the
+machine (``machine_key``) and a digest of the code that measures, and read from the cache ever after (and from
+memory within a run).
 
 A measurement that fails is an error (``RunError`` naming the runtime, the tile and the child's message), not a
 fallback to the torch simulation: that figure is the one this measurement replaces (ONNX Runtime's arena holds up
@@ -49,15 +51,14 @@ from autoseg.core.extras import require
 from autoseg.core.machine import MachineCache, kept_simulations, machine_key, source_digest
 from autoseg.core.units import MiB
 from autoseg.memory.inference import TileSimulation
-from autoseg.memory.inference_plan import cpu_tile_batch_cap
 from autoseg.model.tile_runner import TileBatchBytes
 
 log = logging.getLogger("autoseg")
 
 CACHE_NAME = "runtime_working_bytes"  # <cache folder>/runtime_working_bytes.json
-KEPT = 256  # (graph, runtime, precision, threads, tile) measurements kept
+KEPT = 256  # (graph, runtime, precision, threads, tile, batch) measurements kept
 PROBE_MODULE = "autoseg.predict.runtime_probe"
-PROBE_TIMEOUT_S = 900  # a child compiles the graph and runs 3 calls of batch 1 and 2 of the largest tile
+PROBE_TIMEOUT_S = 900  # a child compiles the graph and runs 3 calls of a tile batch
 _MEASURING_MODULES = (
     PROBE_MODULE,
     "autoseg.model.graph_runners",
@@ -80,41 +81,45 @@ class RuntimeWorkingBytes:
     threads: int
     window: TileSimulation
     cache: MachineCache | None = None
-    _figures: dict[tuple[tuple[int, ...], tuple[int, ...]], dict] = field(default_factory=dict, init=False, repr=False)
+    _figures: dict[tuple[tuple[int, ...], int], dict] = field(default_factory=dict, init=False, repr=False)
 
     def working_bytes(self, tile_batch_size: int, tile: tuple[int, ...]) -> TileBatchBytes:
         """The bytes of a batch of ``tile_batch_size`` tiles of ``tile`` (module docstring), measured or kept."""
         tile = tuple(int(t) for t in tile)
-        batches = (1, 2) if tile_batch_size > 1 or cpu_tile_batch_cap(tile) > 1 else (1,)
-        if (tile, batches) not in self._figures:
-            self._figures[tile, batches] = self._kept(tile, batches)
-        return batch_bytes(self._figures[tile, batches], tile_batch_size)
+        if tile_batch_size <= 2:
+            return batch_bytes(self.figures(tile, tile_batch_size))
+        return batch_bytes(self.figures(tile, 1), self.figures(tile, 2), tile_batch_size)
 
-    def _kept(self, tile: tuple[int, ...], batches: tuple[int, ...]) -> dict:
+    def figures(self, tile: tuple[int, ...], batch: int) -> dict:
+        """A child's figures for ``batch`` tiles of ``tile``: from this run's memory, else the cache, else measured."""
+        if (tile, batch) in self._figures:
+            return self._figures[tile, batch]
         cache = self.cache or kept_simulations()
-        request = self.request(tile, batches)
+        request = self.request(tile, batch)
         if cache is None:
             figures, where = measure_in_child(self.graph, request), "measured now (no cache folder)"
         else:
-            key = {**self.key(), "tile": list(tile), "batches": list(batches)}
+            key = {**self.key(), "tile": list(tile), "batch": batch}
             figures, where = cache.kept(CACHE_NAME, key, lambda: measure_in_child(self.graph, request), KEPT)
         log.info(
-            "%s %s working bytes of a %s tile: compiled graph %.0f MiB, tile batch %s (%s)",
+            "%s %s working bytes of %d tile(s) of %s: compiled graph %.0f MiB, tile batch %.0f MiB (%s)",
             self.runtime,
             self.window.precision,
+            batch,
             "x".join(map(str, tile)),
             figures["parameter_bytes"] / MiB,
-            ", ".join(f"{b}: {v / MiB:.0f} MiB" for b, v in figures["tile_bytes"].items()),
+            figures["tile_bytes"] / MiB,
             where,
         )
+        self._figures[tile, batch] = figures
         return figures
 
-    def request(self, tile: tuple[int, ...], batches: tuple[int, ...]) -> dict[str, Any]:
+    def request(self, tile: tuple[int, ...], batch: int) -> dict[str, Any]:
         """What the child measures (``autoseg.predict.runtime_probe.measure``), but the graph's path."""
-        return {**self._setting(), "tile": list(tile), "batches": list(batches)}
+        return {**self._setting(), "tile": list(tile), "batch": int(batch)}
 
     def key(self) -> dict[str, Any]:
-        """What a kept measurement depends on besides its tile and batches (module docstring)."""
+        """What a kept measurement depends on besides its tile and batch (module docstring)."""
         return {
             **self._setting(),
             "graph_structure": graph_structure_digest(self.graph),
@@ -137,24 +142,23 @@ class RuntimeWorkingBytes:
         }
 
 
-def batch_bytes(figures: dict, tile_batch_size: int) -> TileBatchBytes:
-    """``TileBatchBytes`` of a batch of ``tile_batch_size`` from a child's ``figures``: a measured batch as measured,
-    a larger one extended linearly from batches 1 and 2 (the largest measured when only batch 1 was)."""
-    tile, held = figures["tile_bytes"], figures["held_bytes"]
+def batch_bytes(figures: dict, second: dict | None = None, tile_batch_size: int = 0) -> TileBatchBytes:
+    """``TileBatchBytes`` from a child's ``figures``; with ``second`` (batch 2's, ``figures`` batch 1's), those of
+    ``tile_batch_size`` extended linearly from the two."""
 
-    def at(values: dict[str, int]) -> int:
-        if str(tile_batch_size) in values:
-            return int(values[str(tile_batch_size)])
-        one, two = int(values["1"]), int(values.get("2", values["1"]))
+    def at(name: str) -> int:
+        if second is None:
+            return int(figures[name])
+        one, two = int(figures[name]), int(second[name])
         return one + (tile_batch_size - 1) * max(two - one, 0)
 
     return TileBatchBytes(
         parameter_bytes=int(figures["parameter_bytes"]),
-        tile_bytes=at(tile),
+        tile_bytes=at("tile_bytes"),
         largest_conv_output_bytes=0,
         live_allocations_at_peak=0,
         heap_retained_bytes=0,
-        held_bytes=min(at(held), at(tile)),
+        held_bytes=min(at("held_bytes"), at("tile_bytes")),
     )
 
 
@@ -185,7 +189,8 @@ def runtime_version(runtime: str) -> str:
 def measure_in_child(graph: bytes, request: dict[str, Any]) -> dict:
     """The figures of ``autoseg.predict.runtime_probe`` for ``request`` with ``graph``, measured in a fresh Python
     process (this interpreter, this autoseg); a ``RunError`` naming the runtime when it fails or times out."""
-    what = f"{request['runtime']} ({request['precision']}) on a {'x'.join(map(str, request['tile']))} tile"
+    tile = "x".join(map(str, request["tile"]))
+    what = f"{request['runtime']} ({request['precision']}) on {request['batch']} tile(s) of {tile}"
     with tempfile.TemporaryDirectory(prefix="autoseg-runtime-memory-") as folder:
         graph_path, request_path = Path(folder) / "graph.onnx", Path(folder) / "request.json"
         graph_path.write_bytes(graph)

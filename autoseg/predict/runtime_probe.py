@@ -4,19 +4,22 @@ runtime's message on stderr.
 
 It runs the real call as prediction runs it: the graph compiled into a tile runner
 (``autoseg.model.graph_runners.GRAPH_RUNNERS``: the runtime, precision and threads asked) and the sliding window's own
-``run_tile_batch`` over real buffers of a tile-sized image of zeros (the input, accumulator, weight map and
+``run_tile_batch`` over real buffers of a tile-sized image of ones (the input, accumulator, weight map and
 Gaussian, as the torch simulation lays them out: ``autoseg.memory.inference_simulation``), its batch items the
-mirror variants the window draws. Read from the process's RSS (Linux ``VmRSS``, and ``VmHWM`` reset before the
+mirror variants in turn, as the window draws them. Read from the process's RSS (Linux ``VmRSS``, and ``VmHWM`` reset before the
 calls):
 
 - ``parameter_bytes``: the RSS the graph's bytes and its compiled model add, after the imports;
-- ``tile_bytes[b]``: the peak RSS during ``CALLS`` calls of a batch of ``b`` items (each asked batch in turn, the
-  smallest first) above the RSS before the first call, the buffers already written: what the batch adds beyond the
-  weights and the sliding window's buffers, as ``TileBatchBytes.tile_bytes`` is for the torch runner, its input
-  batch, logits, flipped copies and whatever the runtime and glibc's heap keep included (so no separate heap
-  term);
-- ``held_bytes[b]``: the RSS after those calls above the same start: what the runtime keeps between calls (its
-  arena, its intermediate buffers).
+- ``tile_bytes``: the peak RSS during ``CALLS`` calls of a batch of ``batch`` items above the RSS before the first
+  call, the buffers already written: what the batch adds beyond the weights and the sliding window's buffers, as
+  ``TileBatchBytes.tile_bytes`` is for the torch runner, its input batch, logits, flipped copies and whatever the
+  runtime and glibc's heap keep included (so no separate heap term);
+- ``held_bytes``: the RSS after those calls above the same start: what the runtime keeps between calls (its arena,
+  its intermediate buffers).
+
+One batch size a process: a runtime keeps the buffers of every shape it ran (OpenVINO), or grows its arena by
+powers of two (ONNX Runtime), and freed ones stay in glibc's heap for the next, so a second batch measured after a
+first is off by up to 40% either way; a sliding window runs one batch size.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ CALLS = 3  # per batch: the first call grows the heap and the runtime's state; t
 
 def measure(request: dict) -> dict:
     """The figures (module docstring) of ``request``: ``graph_path``, ``runtime``, ``precision``, ``threads``,
-    ``tile``, ``batches``, ``in_channels``, ``num_outputs``, ``mirror_axes``, ``tta``, ``accumulator_dtype``."""
+    ``tile``, ``batch``, ``in_channels``, ``num_outputs``, ``mirror_axes``, ``tta``, ``accumulator_dtype``."""
     import torch
 
     from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss, use_one_malloc_arena
@@ -54,20 +57,21 @@ def measure(request: dict) -> dict:
     )
     parameter_bytes = process_rss_bytes() - start
     buffers, region, variants = _written_buffers(request)
+    batch = int(request["batch"])
     before = process_rss_bytes()
     reset_peak_rss()
-    tile_bytes, held_bytes = {}, {}
-    for batch in sorted(int(b) for b in request["batches"]):
-        items = [(region, i % len(variants)) for i in range(batch)]
-        for _ in range(CALLS):
-            run_tile_batch([runner], buffers, items, variants, int(request["num_outputs"]))
-        tile_bytes[str(batch)] = int((peak_rss_bytes() or process_rss_bytes()) - before)
-        held_bytes[str(batch)] = int(process_rss_bytes() - before)
-    return {"parameter_bytes": int(parameter_bytes), "tile_bytes": tile_bytes, "held_bytes": held_bytes}
+    for call in range(CALLS):  # the variants in turn, as the window draws them: flipped tiles and logits too
+        items = [(region, (call * batch + i) % len(variants)) for i in range(batch)]
+        run_tile_batch([runner], buffers, items, variants, int(request["num_outputs"]))
+    return {
+        "parameter_bytes": int(parameter_bytes),
+        "tile_bytes": int((peak_rss_bytes() or process_rss_bytes()) - before),
+        "held_bytes": int(process_rss_bytes() - before),
+    }
 
 
 def _written_buffers(request: dict):
-    """The sliding window's buffers over one tile-sized image of zeros, every page written (so that the calls' RSS
+    """The sliding window's buffers over one tile-sized image of ones, every page written (so that the calls' RSS
     is theirs alone), the tile's region and the mirror variants."""
     import torch
 

@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 from extras import require_extra
@@ -26,7 +25,7 @@ from autoseg.model.network import build_network
 from autoseg.model.onnx_graph import export_graph
 from autoseg.model.topology import NetworkTopology
 from autoseg.predict import runtime_memory
-from autoseg.predict.runtime_memory import RuntimeWorkingBytes, batch_bytes
+from autoseg.predict.runtime_memory import RuntimeWorkingBytes
 
 onnx = require_extra("onnx")
 
@@ -134,16 +133,22 @@ def _canned(figures: dict, calls: list) -> callable:
     return run_probe
 
 
-FIGURES = {"parameter_bytes": 10 * MiB, "tile_bytes": {"1": 30 * MiB, "2": 50 * MiB}, "held_bytes": {"1": 20 * MiB}}
+def _figures(tile_mib: int, held_mib: int) -> dict:
+    return {"parameter_bytes": 10 * MiB, "tile_bytes": tile_mib * MiB, "held_bytes": held_mib * MiB}
 
 
 def test_a_kept_measurement_is_read_without_a_child_and_shared_by_the_folds(monkeypatch, tmp_path):
     calls: list = []
-    monkeypatch.setattr(runtime_memory, "run_probe", _canned(FIGURES, calls))
+    monkeypatch.setattr(runtime_memory, "run_probe", _canned(_figures(50, 40), calls))
     cache = MachineCache(tmp_path)
     first = _source(_tiny_graph(0), "openvino", cache, tiny_topology(3)).working_bytes(2, (8, 16, 16))
-    assert len(calls) == 1 and calls[0]["batches"] == [1, 2] and calls[0]["tile"] == [8, 16, 16]
-    assert (first.parameter_bytes, first.tile_bytes, first.heap_retained_bytes) == (10 * MiB, 50 * MiB, 0)
+    assert len(calls) == 1 and calls[0]["batch"] == 2 and calls[0]["tile"] == [8, 16, 16]
+    assert (first.parameter_bytes, first.tile_bytes, first.held_bytes, first.heap_retained_bytes) == (
+        10 * MiB,
+        50 * MiB,
+        40 * MiB,
+        0,
+    )
 
     def no_child(command, env, timeout_s):
         raise AssertionError("a kept measurement started a child process")
@@ -151,18 +156,27 @@ def test_a_kept_measurement_is_read_without_a_child_and_shared_by_the_folds(monk
     monkeypatch.setattr(runtime_memory, "run_probe", no_child)
     another_fold = _source(_tiny_graph(1), "openvino", cache, tiny_topology(3))  # other weights, same structure
     assert another_fold.working_bytes(2, (8, 16, 16)) == first
-    assert another_fold.working_bytes(1, (8, 16, 16)).tile_bytes == 30 * MiB
     with pytest.raises(AssertionError, match="started a child"):  # another runtime is measured anew
         _source(_tiny_graph(0), "onnxruntime", cache, tiny_topology(3)).working_bytes(2, (8, 16, 16))
+    with pytest.raises(AssertionError, match="started a child"):  # and another batch
+        another_fold.working_bytes(1, (8, 16, 16))
 
 
-def test_a_batch_beyond_the_measured_ones_is_extended_linearly():
-    assert batch_bytes(FIGURES, 1).tile_bytes == 30 * MiB
-    assert batch_bytes(FIGURES, 4).tile_bytes == (30 + 3 * 20) * MiB
-    assert batch_bytes(FIGURES, 1).held_bytes == 20 * MiB
-    assert batch_bytes(FIGURES, 4).held_bytes == 20 * MiB  # only batch 1's held bytes were measured
-    only_one = {**FIGURES, "tile_bytes": {"1": 30 * MiB}}
-    assert batch_bytes(only_one, 3).tile_bytes == 30 * MiB
+def test_a_batch_beyond_two_is_extended_linearly_from_batches_one_and_two(monkeypatch):
+    calls: list = []
+    figures = {1: _figures(30, 20), 2: _figures(50, 45)}
+
+    def run_probe(command, env, timeout_s):
+        calls.append(json.loads(open(command[-1]).read())["batch"])
+        return subprocess.CompletedProcess(command, 0, stdout=json.dumps(figures[calls[-1]]), stderr="")
+
+    monkeypatch.setattr(runtime_memory, "run_probe", run_probe)
+    source = _source(_tiny_graph(0), "openvino", None, tiny_topology(3))
+    four = source.working_bytes(4, (8, 16, 16))
+    assert (four.tile_bytes, four.held_bytes) == ((30 + 3 * 20) * MiB, (20 + 3 * 25) * MiB)
+    assert source.working_bytes(1, (8, 16, 16)).tile_bytes == 30 * MiB
+    assert source.working_bytes(3, (8, 16, 16)).tile_bytes == 70 * MiB
+    assert calls == [1, 2]  # one fresh process a batch, each once in a run (no cache folder here)
 
 
 @pytest.mark.slow
@@ -182,15 +196,14 @@ def test_a_child_that_runs_too_long_is_an_error_naming_the_runtime(monkeypatch):
         raise subprocess.TimeoutExpired(command, timeout_s)
 
     monkeypatch.setattr(runtime_memory, "run_probe", too_long)
-    with pytest.raises(RunError, match="memory of openvino .fp32. on a 8x16x16 tile took more than"):
+    with pytest.raises(RunError, match="memory of openvino .fp32. on 1 tile.s. of 8x16x16 took more than"):
         _source(_tiny_graph(0), "openvino", None, tiny_topology(3)).working_bytes(1, (8, 16, 16))
 
 
 def test_the_child_measures_the_window_s_items(monkeypatch):
     calls: list = []
-    monkeypatch.setattr(runtime_memory, "run_probe", _canned(FIGURES, calls))
+    monkeypatch.setattr(runtime_memory, "run_probe", _canned(_figures(30, 20), calls))
     _source(_tiny_graph(0), "openvino", None, tiny_topology(3)).working_bytes(1, (8, 16, 16))
     request = calls[0]
     assert (request["mirror_axes"], request["tta"], request["accumulator_dtype"]) == ([0, 1, 2], 2, "float16")
-    assert (request["in_channels"], request["num_outputs"], request["threads"]) == (1, 3, 1)
-    assert np.array_equal(request["batches"], [1, 2])  # 8x16x16: the CPU batch cap allows more than one
+    assert (request["in_channels"], request["num_outputs"], request["threads"], request["batch"]) == (1, 3, 1, 1)
