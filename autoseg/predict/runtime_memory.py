@@ -195,10 +195,8 @@ def measure_in_child(graph: bytes, request: dict[str, Any]) -> dict:
         graph_path, request_path = Path(folder) / "graph.onnx", Path(folder) / "request.json"
         graph_path.write_bytes(graph)
         request_path.write_text(json.dumps({**request, "graph_path": str(graph_path)}))
-        root = str(Path(autoseg.__file__).resolve().parent.parent)  # the child imports this autoseg
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
         try:
-            done = run_probe([sys.executable, "-m", PROBE_MODULE, str(request_path)], env, PROBE_TIMEOUT_S)
+            done = run_probe([sys.executable, "-m", PROBE_MODULE, str(request_path)], dict(os.environ), PROBE_TIMEOUT_S)
         except subprocess.TimeoutExpired as e:
             raise RunError(
                 f"measuring the memory of {what} took more than {PROBE_TIMEOUT_S} s in a fresh process; "
@@ -214,5 +212,8 @@ def measure_in_child(graph: bytes, request: dict[str, Any]) -> dict:
 
 
 def run_probe(command: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:
-    """Run the child ``command`` with ``env``, its output captured as text, killed after ``timeout_s``."""
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    """Run the child ``command`` with ``env``, its output captured as text, killed after ``timeout_s``. It runs in
+    the folder that holds this autoseg package: ``python -m`` imports from the working folder first, which may
+    hold another autoseg."""
+    root = Path(autoseg.__file__).resolve().parent.parent
+    return subprocess.run(command, env=env, cwd=root, capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -6,8 +6,8 @@ It runs the real call as prediction runs it: the graph compiled into a tile runn
 (``autoseg.model.graph_runners.GRAPH_RUNNERS``: the runtime, precision and threads asked) and the sliding window's own
 ``run_tile_batch`` over real buffers of a tile-sized image of ones (the input, accumulator, weight map and
 Gaussian, as the torch simulation lays them out: ``autoseg.memory.inference_simulation``), its batch items the
-mirror variants in turn, as the window draws them. Read from the process's RSS (Linux ``VmRSS``, and ``VmHWM`` reset before the
-calls):
+mirror variants in turn, as the window draws them. Read from the process's RSS (Linux ``VmRSS``, and ``VmHWM`` reset
+before the calls):
 
 - ``parameter_bytes``: the RSS the graph's bytes and its compiled model add, after the imports;
 - ``tile_bytes``: the peak RSS during ``CALLS`` calls of a batch of ``batch`` items above the RSS before the first

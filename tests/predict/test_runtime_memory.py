@@ -164,7 +164,7 @@ def test_a_kept_measurement_is_read_without_a_child_and_shared_by_the_folds(monk
 
 def test_a_batch_beyond_two_is_extended_linearly_from_batches_one_and_two(monkeypatch):
     calls: list = []
-    figures = {1: _figures(30, 20), 2: _figures(50, 45)}
+    figures = {1: _figures(30, 20), 2: _figures(50, 40)}
 
     def run_probe(command, env, timeout_s):
         calls.append(json.loads(open(command[-1]).read())["batch"])
@@ -173,7 +173,7 @@ def test_a_batch_beyond_two_is_extended_linearly_from_batches_one_and_two(monkey
     monkeypatch.setattr(runtime_memory, "run_probe", run_probe)
     source = _source(_tiny_graph(0), "openvino", None, tiny_topology(3))
     four = source.working_bytes(4, (8, 16, 16))
-    assert (four.tile_bytes, four.held_bytes) == ((30 + 3 * 20) * MiB, (20 + 3 * 25) * MiB)
+    assert (four.tile_bytes, four.held_bytes) == ((30 + 3 * 20) * MiB, (20 + 3 * 20) * MiB)
     assert source.working_bytes(1, (8, 16, 16)).tile_bytes == 30 * MiB
     assert source.working_bytes(3, (8, 16, 16)).tile_bytes == 70 * MiB
     assert calls == [1, 2]  # one fresh process a batch, each once in a run (no cache folder here)
