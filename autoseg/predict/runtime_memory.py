@@ -27,9 +27,9 @@ machine (``machine_key``) and a digest of the code that measures, and read from 
 memory within a run).
 
 A measurement that fails is an error (``RunError`` naming the runtime, the tile and the child's message), not a
-fallback to the torch simulation: that figure is the one this measurement replaces (ONNX Runtime's arena holds up
-to 2x torch's tensors), and a child that cannot compile the graph or run one tile batch foretells the
-prediction's own failure.
+fallback to the torch simulation: that figure is the one this measurement replaces (a tile batch of ONNX Runtime
+held 2.6x what torch's simulation counts, docs/memory.md), and a child that cannot compile the graph or run one tile
+batch foretells the prediction's own failure.
 """
 
 from __future__ import annotations

@@ -18,14 +18,18 @@ from autoseg.core.errors import RunError
 from autoseg.core.machine import MachineCache
 from autoseg.core.precision import native_bf16_flag
 from autoseg.core.units import MiB
+from autoseg.core.workspace import Workspace
 from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
 from autoseg.memory.inference import InferenceSetting, TileSimulation, inference_memory
 from autoseg.model.graph_runners import GRAPH_RUNNERS
 from autoseg.model.network import build_network
 from autoseg.model.onnx_graph import export_graph
 from autoseg.model.topology import NetworkTopology
+from autoseg.plan.plans import Plans
 from autoseg.predict import runtime_memory
+from autoseg.predict.runners import load_predictor
 from autoseg.predict.runtime_memory import RuntimeWorkingBytes
+from autoseg.predict.window import WindowOptions
 
 onnx = require_extra("onnx")
 
@@ -207,3 +211,18 @@ def test_the_child_measures_the_window_s_items(monkeypatch):
     request = calls[0]
     assert (request["mirror_axes"], request["tta"], request["accumulator_dtype"]) == ([0, 1, 2], 2, "float16")
     assert (request["in_channels"], request["num_outputs"], request["threads"], request["batch"]) == (1, 3, 1, 1)
+
+
+def test_predict_s_graph_runners_report_their_runtime_s_measurement(trained, monkeypatch):
+    """``load_predictor`` gives a graph runner the measured source (its runtime, threads and the window's items),
+    not the torch simulation."""
+    require_extra("onnxruntime")
+    calls: list = []
+    monkeypatch.setattr(runtime_memory, "run_probe", _canned(_figures(30, 20), calls))
+    workspace = Workspace.at(trained)
+    plans = Plans.from_json(workspace.plans_path)
+    config = plans.configuration("3d_fullres")
+    window = WindowOptions(tta="2", runtime="onnxruntime")
+    predictor = load_predictor(workspace, plans, config, (0,), "final", window)
+    assert predictor.runners[0].working_bytes(1, tuple(config.patch_size)).tile_bytes == 30 * MiB
+    assert [(c["runtime"], c["tta"], c["threads"]) for c in calls] == [("onnxruntime", 2, torch.get_num_threads())]
