@@ -218,7 +218,8 @@ def _log_start(training: TrainingRun) -> None:
 
 
 def _finish(training: TrainingRun) -> Path:
-    """checkpoint_final.pt; on rank 0 run.json and, when the run validates, the final validation."""
+    """checkpoint_final.pt; on rank 0 run.json and, when the run validates, the final validation and then the bf16
+    agreement check (``run.precision_check``)."""
     job, run = training.job, training.job.run
     training.save("final")
     if not training.ranks.is_main:
@@ -250,6 +251,10 @@ def _finish(training: TrainingRun) -> Path:
             final.estimated_seconds,
             job.clock() - job.started,
         )
+    if run.precision_check:  # outside the time budget: it runs after the budget's end (docs/prediction.md)
+        from autoseg.train.precision_check import run_precision_check
+
+        run_precision_check(job.workspace, job.plans, job.config_name, job.fold, "final", final.cases, final.tta)
     return job.out
 
 

@@ -1,0 +1,189 @@
+"""Making the bf16 agreement check a fold carries (``autoseg.predict.precision_check.PrecisionCheck``): its
+validation cases predicted from their preprocessed data in fp32 (torch) and in bf16 (torch autocast; OpenVINO when
+the openvino extra is installed), each scored against the ground truth by ``autoseg evaluate``'s Dice.
+
+Made at the end of ``autoseg train`` (after the final validation, on its cases and ``--tta``; ``--no-precision-check``
+skips it) and by ``autoseg export-model`` for a fold whose check is missing or stale (``ExportChecks``). Only on a CPU
+with native bf16 (``native_bf16_flag``): elsewhere bf16 cannot be measured, the fold carries no check, and
+``--precision auto`` never takes bf16 for it. Cascade stages are left out (their input needs the previous stage's
+label maps), with a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from autoseg.core.errors import InputError
+from autoseg.core.precision import native_bf16_flag
+from autoseg.core.workspace import Workspace
+from autoseg.dataset.labels import IGNORE, foreground_entries
+from autoseg.dataset.raw import load_dataset
+from autoseg.evaluate.files import read_label_map
+from autoseg.evaluate.metrics import case_dice, mean_dice
+from autoseg.plan.plans import Plans
+from autoseg.predict.case import predict_labels
+from autoseg.predict.graphs import file_digest
+from autoseg.predict.networks import Predictor, load_networks
+from autoseg.predict.precision_check import (
+    CheckedCheckpoint,
+    PrecisionCheck,
+    precision_check_path,
+    stored_check,
+)
+from autoseg.predict.window import WindowOptions, default_tta
+from autoseg.preprocess.store import open_case
+from autoseg.train.fold_data import fold_cases
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("autoseg")
+FP32 = ("torch", "fp32")  # the reference every bf16 runtime is compared with
+
+
+def bf16_runtimes() -> tuple[str, ...]:
+    """The runtimes whose bf16 a check measures: torch (autocast) always, OpenVINO with its extra installed."""
+    return ("torch",)
+
+
+def why_not_checkable(plans: Plans, config_name: str) -> str | None:
+    """Why ``config_name``'s folds cannot be checked here (no native bf16, a cascade stage), or None."""
+    if native_bf16_flag() is None:
+        return "this CPU has no native bf16 (avx512_bf16 or amx_bf16), so bf16 cannot be checked here"
+    if plans.configuration(config_name).previous_stage:
+        return "a cascade stage is not checked (its input needs the previous stage's label maps)"
+    return None
+
+
+def run_precision_check(
+    workspace: Workspace,
+    plans: Plans,
+    config_name: str,
+    fold: int | str,
+    checkpoint: str = "final",
+    cases: tuple[str, ...] | None = None,
+    tta: str | None = None,
+) -> PrecisionCheck | None:
+    """Predict ``cases`` (default: the fold's validation cases) with the fold's ``checkpoint_<checkpoint>.pt`` in
+    fp32 and in bf16 with every ``bf16_runtimes``, mirrored as ``tta`` (default: the CPU's ``--tta``), and write the
+    check to ``results/<config>/fold_<k>/precision_check.json`` (atomically); returns it. None, with a log line
+    saying why, where ``why_not_checkable`` finds a reason."""
+    if (reason := why_not_checkable(plans, config_name)) is not None:
+        log.info("bf16 agreement check of fold %s of %s: not made: %s", fold, config_name, reason)
+        return None
+    t0 = time.perf_counter()
+    config = plans.configuration(config_name)
+    case_ids = cases if cases is not None else tuple(fold_cases(workspace, config.data_configuration, fold)[1])
+    if not case_ids:  # a check of no case would pass without a figure
+        log.info("bf16 agreement check of fold %s of %s: not made: no validation case", fold, config_name)
+        return None
+    tta = tta or default_tta("cpu")
+    dataset = load_dataset(workspace.dataset_root())
+    foreground, ignore = foreground_entries(dataset.labels), dataset.labels.get(IGNORE)
+    references = {c.case_id: c.label_path for c in dataset.cases}
+    if missing := [c for c in case_ids if references.get(c) is None]:
+        raise InputError(
+            f"{dataset.root}: no reference label map of validation case(s) {', '.join(missing)}; the workspace's "
+            f"dataset changed: plan_and_preprocess it again (`{workspace.advice('plan_and_preprocess')}`)"
+        )
+    network = load_networks(workspace, plans, config, (fold,), checkpoint, "cpu")[0]
+    runs = [FP32, *((runtime, "bf16") for runtime in bf16_runtimes())]
+    predictors = {run: _predictor(network, plans, config_name, run, tta) for run in runs}
+    per_case: dict[tuple[str, str], list[dict[str, float]]] = {run: [] for run in runs}
+    folder = workspace.preprocessed(config.data_configuration)
+    for case_id in case_ids:
+        stored = open_case(folder, case_id)
+        data = np.asarray(stored.arrays()[0], dtype=np.float32)  # (C, Z, Y, X): read once, predicted by each run
+        reference = read_label_map(references[case_id], "reference")[0]
+        for run, predictor in predictors.items():
+            labels = predict_labels(data, stored.properties, case_id, predictor)
+            per_case[run].append(case_dice(labels, reference, foreground, ignore, where=case_id))
+    identity = CheckedCheckpoint(
+        config_name,
+        fold,
+        checkpoint,
+        file_digest(workspace.checkpoint(config_name, fold, checkpoint)),
+        tuple(case_ids),
+        tuple(foreground),
+        tta,
+    )
+    bf16 = {run[0]: mean_dice(per_case[run])[0] for run in runs if run != FP32}
+    check = PrecisionCheck.of(identity, mean_dice(per_case[FP32])[0], bf16)
+    check.to_json(precision_check_path(workspace, config_name, fold))
+    for runtime in bf16:
+        log.info("bf16 agreement check of fold %s of %s: %s", fold, config_name, check.describe(runtime))
+    log.info("bf16 agreement check: %d case(s) x %d runs in %.1f s", len(case_ids), len(runs), time.perf_counter() - t0)
+    return check
+
+
+def _predictor(network: torch.nn.Module, plans: Plans, config_name: str, run: tuple[str, str], tta: str) -> Predictor:
+    """The fold's network as ``run``'s (runtime, precision) on the CPU, mirrored as ``tta``."""
+    runtime, precision = run
+    window = WindowOptions(device="cpu", tta=tta, runtime=runtime, precision=precision)
+    return Predictor.of([network], plans, plans.configuration(config_name), window)
+
+
+def fresh_check(
+    workspace: Workspace, plans: Plans, config_name: str, fold: int | str, checkpoint: str
+) -> tuple[PrecisionCheck | None, str]:
+    """The fold's stored check if it belongs to its checkpoint_<checkpoint>.pt and measured every installed bf16
+    runtime (``stored_check``); else None and why (none, another checkpoint's, a runtime not measured, damaged)."""
+    try:
+        stored = stored_check(workspace, plans, config_name, fold, checkpoint)
+    except InputError as e:
+        return None, f"its stored check is unreadable ({str(e).splitlines()[0][:200]})"
+    if stored is None:
+        return None, f"no stored check of its checkpoint_{checkpoint}.pt (none made, or the fold was trained again)"
+    if missing := [r for r in bf16_runtimes() if r not in stored.bf16_dice]:
+        return None, f"its stored check did not measure bf16 with {', '.join(missing)}"
+    return stored, "stored"
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    """What ``export-model`` did about one fold's check: ``check`` (packed) or None, and ``how`` ("stored", "made
+    now") or why there is none."""
+
+    configuration: str
+    fold: int | str
+    check: PrecisionCheck | None
+    how: str
+
+    def describe(self) -> list[str]:
+        """Lines for the command's output: the figures per bf16 runtime, or why the fold is not checked."""
+        what = f"fold {self.fold} of {self.configuration}"
+        if self.check is None:
+            return [f"{what}: bf16 not checked: {self.how}; --precision auto predicts it in fp32"]
+        return [f"{what}: bf16 checked ({self.how}): {self.check.describe(r)}" for r in sorted(self.check.bf16_dice)]
+
+
+@dataclass
+class ExportChecks:
+    """The check ``export-model`` packs beside each fold's checkpoint (``precision_checks`` of
+    ``autoseg.predict.archive.export_model``): the stored one where it is fresh (``fresh_check``), else made now
+    unless ``run`` is False (``--no-precision-check``); each fold's ``CheckOutcome`` in ``outcomes``."""
+
+    run: bool = True
+    outcomes: list[CheckOutcome] = field(default_factory=list)
+
+    def __call__(
+        self, workspace: Workspace, plans: Plans, config_name: str, fold: int | str, checkpoint: str
+    ) -> PrecisionCheck | None:
+        check, how = fresh_check(workspace, plans, config_name, fold, checkpoint)
+        if check is None and (reason := why_not_checkable(plans, config_name)) is not None:
+            how = reason
+        elif check is None and not self.run:
+            how = f"{how}, and --no-precision-check skips making one"
+        elif check is None:
+            try:
+                check, how = run_precision_check(workspace, plans, config_name, fold, checkpoint), "made now"
+            except InputError as e:  # e.g. the raw dataset moved: the model is exported all the same, unchecked
+                log.warning("bf16 agreement check of fold %s of %s: not made: %s", fold, config_name, e)
+                how = f"it could not be made ({str(e).splitlines()[0][:200]})"
+        self.outcomes.append(CheckOutcome(config_name, fold, check, how))
+        return check
