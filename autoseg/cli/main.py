@@ -210,6 +210,7 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
         tile=args.tile,
         tile_batch_size=args.tile_batch_size,
         accumulator=PREDICTION_ACCUMULATOR if args.accumulator is None else args.accumulator,
+        runtime=args.runtime,
         precision=args.precision,
         verbose=args.verbose,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from autoseg.cli.flag_values import add_workspace, fold_name, tile_batch_value, tta_value, workers_value
+from autoseg.core.extras import RUNTIMES
 
 
 def add_predict_command(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +72,15 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
         help="the dtype of the sliding window's running mean of logits (its largest buffer: classes x "
         "a tile's depth x the image's plane): float16 (the default: half the bytes; a label differs from "
         "float32's only where two classes nearly tie, docs/prediction.md) or float32",
+    )
+    p.add_argument(
+        "--runtime",
+        choices=list(RUNTIMES),
+        default="torch",
+        help="what runs the folds' tiles: torch (the default), or on the CPU each fold's ONNX graph (the model "
+        "archive's, else made from the checkpoint once and kept in the cache folder) run by onnxruntime "
+        '(`pip install "autoseg[onnx]"`) or openvino (`pip install "autoseg[openvino]"`); the sliding window, '
+        "TTA and export are the same",
     )
     p.add_argument(
         "--precision",

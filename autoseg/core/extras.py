@@ -15,6 +15,14 @@ from types import ModuleType
 
 from autoseg.core.errors import InputError
 
+# What can run a network's tiles (``autoseg predict --runtime``) -> (the module it imports, the extra installing it);
+# all but torch run an ONNX graph on the CPU
+RUNTIMES: dict[str, tuple[str, str]] = {
+    "torch": ("torch", ""),
+    "onnxruntime": ("onnxruntime", "onnx"),
+    "openvino": ("openvino", "openvino"),
+}
+
 
 def require(module: str, extra: str, what: str) -> ModuleType:
     """The module ``module`` imported, for ``what`` (e.g. "ONNX graphs in the model archive"); if it is not

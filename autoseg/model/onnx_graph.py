@@ -27,16 +27,15 @@ import torch
 from torch import nn
 
 from autoseg.core.errors import InputError
-from autoseg.core.extras import installed, require
+from autoseg.core.extras import RUNTIMES, installed, require
 
 INPUT_NAME = "tiles"
 OUTPUT_NAME = "logits"
 OPSET = 17
-RUNTIMES = ("onnxruntime", "openvino")  # the first installed one runs the agreement check
+GRAPH_RUNTIMES = tuple(r for r in RUNTIMES if r != "torch")  # the first installed one runs the agreement check
 MAX_DIFFERENCE_OF_RANGE = 1e-3  # the graph's logits may differ from torch's by this share of their range
 MIN_ARGMAX_AGREEMENT = 0.9999  # share of voxels whose argmax must agree
 OPENVINO_PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}  # autoseg's precision -> OpenVINO's inference hint
-_EXTRA = {"onnx": "onnx", "onnxruntime": "onnx", "openvino": "openvino"}
 
 
 @contextlib.contextmanager
@@ -101,8 +100,8 @@ def check_io(graph: bytes, in_channels: int, num_outputs: int, dim: int, where: 
 
 
 def available_runtime() -> str | None:
-    """The first of ``RUNTIMES`` that is installed; None when none is."""
-    return next((r for r in RUNTIMES if installed(r)), None)
+    """The first of ``GRAPH_RUNTIMES`` that is installed; None when none is."""
+    return next((r for r in GRAPH_RUNTIMES if installed(r)), None)
 
 
 def compile_graph(
@@ -111,7 +110,7 @@ def compile_graph(
     """``graph`` compiled by ``runtime`` ("onnxruntime" in fp32, or "openvino" in ``precision``: a key of
     ``OPENVINO_PRECISION_HINTS``) on the CPU with ``threads`` threads: a function from a tile batch ``(B, C, *tile)``
     float32 to its logits ``(B, K, *tile)`` float32."""
-    module = require(runtime, _EXTRA[runtime], f"running an ONNX graph with {runtime}")
+    module = require(*RUNTIMES[runtime], f"running an ONNX graph with {runtime}")
     if runtime == "onnxruntime":
         options = module.SessionOptions()
         options.intra_op_num_threads = threads

@@ -99,6 +99,7 @@ def open_model_archive(archive: str | Path, *, load_checkpoints: bool = True) ->
         manifest = _read_manifest(zf, archive)
         for member in manifest.members:
             _unpack(zf, archive, member, root)
+        (root / MANIFEST).write_bytes(_read_member(zf, archive, MANIFEST))  # what predict reads graphs by
         opened = OpenedModel(archive, Workspace.at(root), manifest)
         _check_contents(opened, load_checkpoints)
         try:

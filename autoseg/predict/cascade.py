@@ -27,7 +27,8 @@ from autoseg.core.workspace import Workspace
 from autoseg.dataset.labels import one_hot
 from autoseg.dataset.raw import Case, load_case
 from autoseg.plan.plans import ConfigurationPlan, Plans
-from autoseg.predict.networks import Predictor, load_networks
+from autoseg.predict.networks import Predictor
+from autoseg.predict.runners import load_predictor
 from autoseg.preprocess.preprocessor import labels_on_grid, preprocess_case
 from autoseg.preprocess.store import CaseProperties
 
@@ -100,8 +101,7 @@ class CascadePrediction:
                 f"(`autoseg train fold {listed} -c {stage.name} -w {workspace.root}`) or predict with "
                 "--folds naming folds both stages have"
             )
-        networks = load_networks(workspace, plans, stage, folds, checkpoint, window.device)
-        return cls(config, Predictor.of(networks, plans, stage, window), labels)
+        return cls(config, load_predictor(workspace, plans, stage, folds, checkpoint, window), labels)
 
     def prepare(self, case: Case) -> tuple[CascadeCase, CaseProperties]:
         """Read ``case`` and preprocess it for both stages (``preprocess_case`` copies what it crops: the image as

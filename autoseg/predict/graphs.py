@@ -39,20 +39,21 @@ def graph_member(checkpoint_member: str) -> str:
 def check_tiles(workspace: Workspace, config: ConfigurationPlan) -> torch.Tensor:
     """``CHECK_TILES`` tiles ``(CHECK_TILES, C, *patch)`` float32 of ``config``'s first complete preprocessed case
     (zero-padded where the case is smaller than the patch; 2D: its middle slice). Channels the case lacks (a cascade
-    stage's previous-stage labels) are zero. Refused when the configuration has no preprocessed case."""
+    stage's previous-stage labels) are zero. Without a preprocessed case (a model archive holds none), standard
+    normal noise (seed 0), what normalized intensities look like: the check then compares the computation on inputs
+    of a case's scale, not on a case."""
     folder = workspace.preprocessed(config.data_configuration)  # a cascade stage trains on another's cases
     cases = store.list_complete_cases(folder) if folder.is_dir() else []
+    patch = tuple(config.patch_size)
     if not cases:
-        raise InputError(
-            f"{folder}: no preprocessed case to check the ONNX graphs of {config.name}'s folds on (with the onnx "
-            f"extra installed, the model archive holds them); preprocess {folder.name} again with plan_and_preprocess"
-        )
+        log.info("%s: no preprocessed case; the ONNX graphs of %s are checked on noise tiles", folder, config.name)
+        noise = np.random.default_rng(0).standard_normal((CHECK_TILES, config.network.in_channels, *patch))
+        return torch.from_numpy(noise.astype(np.float32))
     data = np.load(store.case_files(folder, cases[0]).data, mmap_mode="r")  # (C, Z, Y, X)
     if config.network.dim == 2:
         data = data[:, data.shape[1] // 2]
     channels = np.zeros((config.network.in_channels, *data.shape[1:]), np.float32)
     channels[: min(len(data), len(channels))] = data[: len(channels)]
-    patch = tuple(config.patch_size)
     padded = np.pad(channels, [(0, 0)] + [(0, max(0, p - s)) for p, s in zip(patch, channels.shape[1:])])
     starts = [tuple(max(0, (s - p) // 2) for s, p in zip(padded.shape[1:], patch)), (0,) * len(patch)]
     tiles = [padded[(slice(None), *(slice(a, a + p) for a, p in zip(start, patch)))] for start in starts]

@@ -106,23 +106,28 @@ def load_networks(
     ]
 
 
-def torch_runners(
-    networks: list[torch.nn.Module], config: ConfigurationPlan, window: WindowOptions
-) -> tuple[TorchTileRunner, ...]:
-    """``networks`` (``config``'s folds, on ``window.device``) as tile runners in the plan's precision; each reports
-    the memory model's simulation of its tile batch as the sliding window runs it (``TileSimulation``: ``config``'s
-    network, ``window``'s mirror variants and accumulator) when the memory plan asks for its working bytes."""
-    precision = window.compute_precision(config)
-    simulation = TileSimulation(
+def tile_simulation(config: ConfigurationPlan, window: WindowOptions) -> TileSimulation:
+    """The memory model's simulation of ``config``'s tile batch as ``window``'s sliding window runs it (its
+    precision, mirror variants and accumulator): what a runner reports as its working bytes (``TileSimulation``)."""
+    return TileSimulation(
         config.network,
-        precision,
+        window.compute_precision(config),
         window.mirror_axes(config),
         window.num_variants(config),
         window.accumulator,
         window.device,
     )
+
+
+def torch_runners(
+    networks: list[torch.nn.Module], config: ConfigurationPlan, window: WindowOptions
+) -> tuple[TorchTileRunner, ...]:
+    """``networks`` (``config``'s folds, on ``window.device``) as tile runners in ``window``'s precision for
+    ``config``; each reports the memory model's simulation of its tile batch (``tile_simulation``) when the memory
+    plan asks for its working bytes."""
+    simulation = tile_simulation(config, window)
     device = torch.device(window.device)
-    return tuple(TorchTileRunner(n, device, precision, simulation) for n in networks)
+    return tuple(TorchTileRunner(n, device, simulation.precision, simulation) for n in networks)
 
 
 @dataclass(frozen=True)

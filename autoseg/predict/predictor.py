@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
-from autoseg.core.errors import InputError
+from autoseg.core.errors import InputError, RunError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import peak_rss_bytes, reset_peak_rss, use_one_malloc_arena
 from autoseg.core.units import MiB
@@ -47,9 +47,10 @@ from autoseg.predict.case import (
     predict_probabilities,
     prepare_case,
 )
-from autoseg.predict.networks import Predictor, load_networks
+from autoseg.predict.networks import Predictor
 from autoseg.predict.pipeline import Pipeline, PipelinePlan, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
+from autoseg.predict.runners import load_predictor
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
 
@@ -104,24 +105,23 @@ def predict(
     window.check(config)
     check_postprocessing(options.postprocessing, plans.label_scheme)  # an inference.json of other labels too
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
-    networks = load_networks(workspace, plans, config, folds, checkpoint, window.device)
-    predictor = Predictor.of(networks, plans, config, window)
-    prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options)
-    found = prediction_inputs(workspace, plans, inputs, options.series)
-    if options.fail_fast:
-        found.raise_problems()
-    remove_stale_temporaries(
-        output_dir,
-        [
-            p.name
-            for case in found.cases  # left by a killed run
-            for p in case_outputs(case, output_dir, save_probabilities=True)
-        ],
-    )
     threads = torch.get_num_threads()
-    if window.device == "cpu":
+    if window.device == "cpu":  # before the runners: a graph runtime compiles with this count
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
     try:
+        predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
+        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options)
+        found = prediction_inputs(workspace, plans, inputs, options.series)
+        if options.fail_fast:
+            found.raise_problems()
+        remove_stale_temporaries(
+            output_dir,
+            [
+                p.name
+                for case in found.cases  # left by a killed run
+                for p in case_outputs(case, output_dir, save_probabilities=True)
+            ],
+        )
         return _predict_cases(found, prepare, segment, memory, output_dir, options, window.verbose)
     finally:
         torch.set_num_threads(threads)
@@ -263,9 +263,12 @@ def _run_pipeline(
                 log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
                 continue
             labels_path, *probabilities_path = case_outputs(case, output_dir, options.save_probabilities)
-            write = segment(
-                data, props, case.case_id, labels_path, probabilities_path[0] if probabilities_path else None
-            )
+            try:
+                write = segment(
+                    data, props, case.case_id, labels_path, probabilities_path[0] if probabilities_path else None
+                )
+            except RunError as e:  # e.g. a runtime failing on a tile: which case it was on
+                raise RunError(f"case {case.case_id}: {e}") from e
             del data
             pipeline.finish(write)
             written.append(labels_path)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoseg.core.errors import InputError
-from autoseg.core.extras import require
+from autoseg.core.extras import RUNTIMES, require
 from autoseg.core.precision import check_cpu_precision, check_precision, effective_precision
 from autoseg.model.tile_buffers import ACCUMULATOR_DTYPES, PREDICTION_ACCUMULATOR
 from autoseg.model.tta import parse_tta
@@ -19,9 +19,6 @@ from autoseg.plan.plans import ConfigurationPlan
 # mirroring's Dice for a fraction of its time (docs/prediction.md); on CUDA, where the batched variants cost
 # little, all of them.
 DEFAULT_TTA = {"cpu": "4", "cuda": "all"}
-# --runtime: what runs the folds' tiles -> (the module it needs, the extra that installs it); the graph runtimes run
-# on the CPU (autoseg.model.graph_runners)
-RUNTIMES = {"torch": ("torch", ""), "onnxruntime": ("onnxruntime", "onnx"), "openvino": ("openvino", "openvino")}
 
 
 def default_tta(device: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from extras import require_extra
 from factories import tiny_topology
 
 from autoseg.core.errors import InputError, RunError
@@ -18,7 +19,7 @@ from autoseg.model.tile_runner import TileBatchBytes
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.model.window import SlidingWindow
 
-pytest.importorskip("onnx")
+require_extra("onnx")
 FIGURES = TileBatchBytes(1, 2, 3, 4, 5)
 
 
@@ -40,7 +41,7 @@ def graph(network) -> bytes:
 
 @pytest.mark.parametrize("runtime", sorted(GRAPH_RUNNERS))
 def test_the_sliding_window_with_a_graph_runner_agrees_with_torch(network, graph, runtime):
-    pytest.importorskip(runtime)
+    require_extra(runtime)
     data = np.random.default_rng(0).standard_normal((1, 12, 20, 20)).astype(np.float32)
     window = SlidingWindow((8, 16, 16), 3, mirror_axes=(0, 1, 2), tta=2, tile_batch_size=2, accumulator_dtype="float32")
     graph_runner = GRAPH_RUNNERS[runtime](graph, _Figures(), threads=1)
@@ -64,7 +65,7 @@ def test_onnxruntime_in_bf16_is_refused_naming_the_flag(graph):
 
 
 def test_a_runtime_failing_on_a_tile_stops_with_its_message(graph):
-    pytest.importorskip("onnxruntime")
+    require_extra("onnxruntime")
     runner = OnnxRuntimeTileRunner(graph, _Figures(), what="fold 0 of 3d_fullres")
     with pytest.raises(
         RunError, match=r"onnxruntime failed on a tile batch \(1, 2, 8, 16, 16\) of fold 0 of 3d_fullres"

@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from extras import require_extra
 from factories import tiny_topology
 
 from autoseg.core.errors import InputError
@@ -13,7 +14,7 @@ from autoseg.model import onnx_graph
 from autoseg.model.network import build_network
 from autoseg.model.onnx_graph import INPUT_NAME, OUTPUT_NAME, check_agreement, check_io, export_graph, run_graph
 
-pytest.importorskip("onnx")
+require_extra("onnx")
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,9 @@ def test_the_graph_has_the_named_input_and_output_and_leaves_the_network_as_it_w
     assert network.training and network.deep_supervision
 
 
-@pytest.mark.parametrize("runtime", onnx_graph.RUNTIMES)
+@pytest.mark.parametrize("runtime", onnx_graph.GRAPH_RUNTIMES)
 def test_the_graph_computes_torchs_full_resolution_logits_on_other_batch_and_tile_sizes(network, graph, runtime):
-    pytest.importorskip(runtime)
+    require_extra(runtime)
     tiles = torch.randn(3, 1, 16, 16, 32)  # the graph was traced on (1, 1, 8, 16, 16): its axes are dynamic
     agreement = check_agreement(network, graph, tiles, runtime)
     assert agreement.passed, agreement.describe()

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from extras import require_extra
 
 import autoseg
 from autoseg.core.errors import InputError
@@ -259,7 +260,7 @@ def test_export_of_find_best_choice_carries_inference_json(workspace: Workspace,
 
 
 def test_each_folds_graph_is_a_member_that_runs_its_network(archive: Path) -> None:
-    pytest.importorskip("onnx")
+    require_extra("onnx")
     with open_model_archive(archive) as model:
         assert model.manifest.graphs == tuple(f"results/{CONFIG}/fold_{k}/network.onnx" for k in (0, 1))
         config = Plans.from_json(model.workspace.plans_path).configuration(CONFIG)
@@ -288,7 +289,7 @@ def test_without_the_onnx_extra_the_archive_has_no_graphs_and_opens(
 def test_open_refuses_a_damaged_or_mismatched_graph_naming_it(
     archive: Path, workspace: Workspace, tmp_path: Path, graph: str, named: str
 ) -> None:
-    pytest.importorskip("onnx")
+    require_extra("onnx")
     name = f"results/{CONFIG}/fold_1/network.onnx"
     members = _members(archive)
     if graph == "cut":

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from extras import require_extra
 
-from autoseg.core.errors import InputError, RunError
+from autoseg.core.errors import RunError
 from autoseg.core.machine import MachineCache
 from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import read_checkpoint_file, write_checkpoint_file
@@ -16,7 +17,7 @@ from autoseg.plan.plans import Plans
 from autoseg.predict import graphs
 from autoseg.predict.graphs import CACHE_FOLDER, cached_graph, check_tiles, checked_graph
 
-pytest.importorskip("onnx")
+require_extra("onnx")
 CONFIG = "3d_fullres"
 
 
@@ -45,13 +46,12 @@ def test_the_check_tiles_are_patches_of_a_preprocessed_case(trained: Path):
     assert tiles.std() > 0.1  # real, normalized intensities: not the zero padding
 
 
-def test_without_a_preprocessed_case_the_check_tiles_are_refused(workspace: Workspace):
+def test_without_a_preprocessed_case_the_check_tiles_are_seeded_noise_of_a_cases_scale(workspace: Workspace):
     config = Plans.from_json(workspace.plans_path).configuration(CONFIG)
-    shutil.rmtree(workspace.preprocessed(CONFIG))
-    with pytest.raises(
-        InputError, match=r"preprocessed/3d_fullres: no preprocessed case to check the ONNX graphs of 3d_fullres"
-    ):
-        check_tiles(workspace, config)
+    shutil.rmtree(workspace.preprocessed(CONFIG))  # as in a model archive
+    tiles = check_tiles(workspace, config)
+    assert tiles.shape == (2, 1, *config.patch_size) and tiles.dtype == torch.float32
+    assert abs(float(tiles.std()) - 1) < 0.1 and torch.equal(tiles, check_tiles(workspace, config))
 
 
 def test_a_checkpoints_graph_is_kept_in_the_machine_cache_until_the_checkpoint_changes(

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cascade_workspace import CASCADE, RUN
+from extras import require_extra
 from train_faults import simulated_passes, simulated_steps
 
 from autoseg.core.errors import InputError
@@ -78,6 +79,13 @@ def test_cascade_trains_on_out_of_fold_lowres_maps_and_predicts_with_both_stages
         assert read_geometry(path) == read_geometry(image)
         labels, _ = read_image(path, dtype=None)
         assert set(np.unique(labels)) <= set(range(plans.num_label_values))
+    require_extra("openvino")  # both stages' folds as ONNX graphs: the same labels
+    window = WindowOptions(device="cpu", mirror=False, runtime="openvino")
+    options = PredictOptions(progress=False)
+    graphs = predict(ws, inputs, tmp_path / "graphs", config_name=CASCADE, folds=(0,), window=window, options=options)
+    assert [p.name for p in graphs] == [p.name for p in written]
+    for path, graph_path in zip(written, graphs):
+        assert np.mean(read_image(path, dtype=None)[0] == read_image(graph_path, dtype=None)[0]) >= 0.999
     manifest = export_model(ws, tmp_path / "model.zip", config_name=CASCADE)
     names = {m.name for m in manifest.members}
     assert {f"results/{c}/fold_0/checkpoint_final.pt" for c in (CASCADE, "3d_lowres")} <= names
