@@ -14,11 +14,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from autoseg.core.errors import InputError
+from autoseg.core.extras import installed
 from autoseg.core.precision import native_bf16_flag
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.labels import IGNORE, foreground_entries
@@ -28,19 +28,16 @@ from autoseg.evaluate.metrics import case_dice, mean_dice
 from autoseg.plan.plans import Plans
 from autoseg.predict.case import predict_labels
 from autoseg.predict.graphs import file_digest
-from autoseg.predict.networks import Predictor, load_networks
 from autoseg.predict.precision_check import (
     CheckedCheckpoint,
     PrecisionCheck,
     precision_check_path,
     stored_check,
 )
+from autoseg.predict.runners import load_predictor
 from autoseg.predict.window import WindowOptions, default_tta
 from autoseg.preprocess.store import open_case
 from autoseg.train.fold_data import fold_cases
-
-if TYPE_CHECKING:
-    import torch
 
 log = logging.getLogger("autoseg")
 FP32 = ("torch", "fp32")  # the reference every bf16 runtime is compared with
@@ -48,7 +45,7 @@ FP32 = ("torch", "fp32")  # the reference every bf16 runtime is compared with
 
 def bf16_runtimes() -> tuple[str, ...]:
     """The runtimes whose bf16 a check measures: torch (autocast) always, OpenVINO with its extra installed."""
-    return ("torch",)
+    return ("torch", *(("openvino",) if installed("openvino") and installed("onnx") else ()))
 
 
 def why_not_checkable(plans: Plans, config_name: str) -> str | None:
@@ -91,9 +88,18 @@ def run_precision_check(
             f"{dataset.root}: no reference label map of validation case(s) {', '.join(missing)}; the workspace's "
             f"dataset changed: plan_and_preprocess it again (`{workspace.advice('plan_and_preprocess')}`)"
         )
-    network = load_networks(workspace, plans, config, (fold,), checkpoint, "cpu")[0]
     runs = [FP32, *((runtime, "bf16") for runtime in bf16_runtimes())]
-    predictors = {run: _predictor(network, plans, config_name, run, tta) for run in runs}
+    predictors = {
+        (runtime, precision): load_predictor(
+            workspace,
+            plans,
+            config,
+            (fold,),
+            checkpoint,
+            WindowOptions(device="cpu", tta=tta, runtime=runtime, precision=precision),
+        )
+        for runtime, precision in runs
+    }
     per_case: dict[tuple[str, str], list[dict[str, float]]] = {run: [] for run in runs}
     folder = workspace.preprocessed(config.data_configuration)
     for case_id in case_ids:
@@ -119,13 +125,6 @@ def run_precision_check(
         log.info("bf16 agreement check of fold %s of %s: %s", fold, config_name, check.describe(runtime))
     log.info("bf16 agreement check: %d case(s) x %d runs in %.1f s", len(case_ids), len(runs), time.perf_counter() - t0)
     return check
-
-
-def _predictor(network: torch.nn.Module, plans: Plans, config_name: str, run: tuple[str, str], tta: str) -> Predictor:
-    """The fold's network as ``run``'s (runtime, precision) on the CPU, mirrored as ``tta``."""
-    runtime, precision = run
-    window = WindowOptions(device="cpu", tta=tta, runtime=runtime, precision=precision)
-    return Predictor.of([network], plans, plans.configuration(config_name), window)
 
 
 def fresh_check(

@@ -25,7 +25,7 @@ from autoseg.predict.networks import Predictor, load_networks
 from autoseg.predict.precision_check import precision_check_path, read_precision_check
 from autoseg.predict.window import WindowOptions
 from autoseg.train.fold_data import fold_cases
-from autoseg.train.precision_check import ExportChecks, run_precision_check
+from autoseg.train.precision_check import ExportChecks, bf16_runtimes, run_precision_check
 from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
 
@@ -45,7 +45,7 @@ def test_a_check_of_the_trained_fold_scores_fp32_as_evaluate_scores_a_prediction
     val_ids = fold_cases(workspace, CONFIG, 0)[1]
     check = run_precision_check(workspace, plans, CONFIG, 0, tta="none")
     assert check is not None and read_precision_check(workspace, CONFIG, 0) == check
-    assert check.case_ids == tuple(val_ids) and set(check.bf16_dice) == {"torch"}
+    assert check.case_ids == tuple(val_ids) and tuple(check.bf16_dice) == bf16_runtimes()
     # the same fold predicted in fp32 from the raw images as `autoseg predict` does, written, then `evaluate`d
     config = plans.configuration(CONFIG)
     network = load_networks(workspace, plans, config, (0,), "final", "cpu")[0]
@@ -95,7 +95,10 @@ def test_export_packs_the_stored_check_makes_a_stale_one_anew_or_says_why_none(
     monkeypatch.setattr("autoseg.train.precision_check.default_tta", lambda device: "none")
     export_model(workspace, tmp_path / "d.zip", precision_checks=checks)
     assert checks.outcomes[0].how == "made now" and checks.outcomes[0].check.checkpoint_sha256 == made.checkpoint_sha256
-    assert "fp32 / bf16 (torch) mean Dice over" in checks.outcomes[0].describe()[0]
+    lines = checks.outcomes[0].describe()
+    assert [line.split(": ")[2].split(" mean")[0] for line in lines] == [
+        f"fp32 / bf16 ({r})" for r in sorted(made.bf16_dice)
+    ]
 
 
 def test_training_ends_with_the_check_on_the_final_validations_cases_and_tta(
