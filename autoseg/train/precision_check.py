@@ -2,11 +2,11 @@
 validation cases predicted from their preprocessed data in fp32 (torch) and in bf16 (torch autocast; OpenVINO when
 the openvino extra is installed), each scored against the ground truth by ``autoseg evaluate``'s Dice.
 
-Made at the end of ``autoseg train`` (after the final validation, on its cases and ``--tta``; ``--no-precision-check``
-skips it) and by ``autoseg export-model`` for a fold whose check is missing or stale (``ExportChecks``). Only on a CPU
-with native bf16 (``native_bf16_flag``): elsewhere bf16 cannot be measured, the fold carries no check, and
-``--precision auto`` never takes bf16 for it. Cascade stages are left out (their input needs the previous stage's
-label maps), with a log line.
+Made at the end of ``autoseg train`` (``check_after_validation``: on the final validation's cases and ``--tta``,
+within what is left of a time budget; ``--no-precision-check`` skips it) and by ``autoseg export-model`` for a fold
+whose check is missing or stale (``ExportChecks``). Only on a CPU with native bf16 (``native_bf16_flag``): elsewhere
+bf16 cannot be measured, the fold carries no check, and ``--precision auto`` never takes bf16 for it. Cascade stages
+are left out (their input needs the previous stage's label maps), with a log line.
 """
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from autoseg.core.errors import InputError
 from autoseg.core.extras import installed
 from autoseg.core.precision import native_bf16_flag
 from autoseg.core.workspace import Workspace
-from autoseg.dataset.labels import IGNORE, foreground_entries
+from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
 from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.files import read_label_map
 from autoseg.evaluate.metrics import case_dice, mean_dice
 from autoseg.plan.plans import Plans
 from autoseg.predict.case import predict_labels
 from autoseg.predict.graphs import file_digest
+from autoseg.predict.networks import Predictor
 from autoseg.predict.precision_check import (
     CheckedCheckpoint,
     PrecisionCheck,
@@ -38,6 +39,7 @@ from autoseg.predict.runners import load_predictor
 from autoseg.predict.window import WindowOptions, default_tta
 from autoseg.preprocess.store import open_case
 from autoseg.train.fold_data import fold_cases
+from autoseg.train.run_record import FinalValidation
 
 log = logging.getLogger("autoseg")
 FP32 = ("torch", "fp32")  # the reference every bf16 runtime is compared with
@@ -80,14 +82,6 @@ def run_precision_check(
         log.info("bf16 agreement check of fold %s of %s: not made: no validation case", fold, config_name)
         return None
     tta = tta or default_tta("cpu")
-    dataset = load_dataset(workspace.dataset_root())
-    foreground, ignore = foreground_entries(dataset.labels), dataset.labels.get(IGNORE)
-    references = {c.case_id: c.label_path for c in dataset.cases}
-    if missing := [c for c in case_ids if references.get(c) is None]:
-        raise InputError(
-            f"{dataset.root}: no reference label map of validation case(s) {', '.join(missing)}; the workspace's "
-            f"dataset changed: plan_and_preprocess it again (`{workspace.advice('plan_and_preprocess')}`)"
-        )
     runs = [FP32, *((runtime, "bf16") for runtime in bf16_runtimes())]
     predictors = {
         (runtime, precision): load_predictor(
@@ -100,15 +94,7 @@ def run_precision_check(
         )
         for runtime, precision in runs
     }
-    per_case: dict[tuple[str, str], list[dict[str, float]]] = {run: [] for run in runs}
-    folder = workspace.preprocessed(config.data_configuration)
-    for case_id in case_ids:
-        stored = open_case(folder, case_id)
-        data = np.asarray(stored.arrays()[0], dtype=np.float32)  # (C, Z, Y, X): read once, predicted by each run
-        reference = read_label_map(references[case_id], "reference")[0]
-        for run, predictor in predictors.items():
-            labels = predict_labels(data, stored.properties, case_id, predictor)
-            per_case[run].append(case_dice(labels, reference, foreground, ignore, where=case_id))
+    foreground, per_case = _case_dice(workspace, config.data_configuration, case_ids, predictors)
     identity = CheckedCheckpoint(
         config_name,
         fold,
@@ -123,23 +109,85 @@ def run_precision_check(
     check.to_json(precision_check_path(workspace, config_name, fold))
     for runtime in bf16:
         log.info("bf16 agreement check of fold %s of %s: %s", fold, config_name, check.describe(runtime))
-    log.info("bf16 agreement check: %d case(s) x %d runs in %.1f s", len(case_ids), len(runs), time.perf_counter() - t0)
+    log.info("bf16 agreement check: %d run(s) built and run in %.1f s", len(runs), time.perf_counter() - t0)
     return check
+
+
+def _case_dice(
+    workspace: Workspace, data_config: str, case_ids: tuple[str, ...], predictors: dict[tuple[str, str], Predictor]
+) -> tuple[dict[str, LabelValue], dict[tuple[str, str], list[dict[str, float]]]]:
+    """The foreground classes, and each run's Dice per class (``case_dice``) of each of ``case_ids``: the case's
+    preprocessed data (``preprocessed/<data_config>/``) predicted by that run's predictor, against its raw label
+    map."""
+    dataset = load_dataset(workspace.dataset_root())
+    foreground, ignore = foreground_entries(dataset.labels), dataset.labels.get(IGNORE)
+    references = {c.case_id: c.label_path for c in dataset.cases}
+    if missing := [c for c in case_ids if references.get(c) is None]:
+        raise InputError(
+            f"{dataset.root}: no reference label map of validation case(s) {', '.join(missing)}; the workspace's "
+            f"dataset changed: plan_and_preprocess it again (`{workspace.advice('plan_and_preprocess')}`)"
+        )
+    per_case: dict[tuple[str, str], list[dict[str, float]]] = {run: [] for run in predictors}
+    seconds: dict[tuple[str, str], float] = {}
+    folder = workspace.preprocessed(data_config)
+    for case_id in case_ids:
+        stored = open_case(folder, case_id)
+        data = np.asarray(stored.arrays()[0], dtype=np.float32)  # (C, Z, Y, X): read once, predicted by each run
+        reference = read_label_map(references[case_id], "reference")[0]
+        for run, predictor in predictors.items():
+            t0 = time.perf_counter()
+            labels = predict_labels(data, stored.properties, case_id, predictor)
+            seconds[run] = seconds.get(run, 0.0) + time.perf_counter() - t0
+            per_case[run].append(case_dice(labels, reference, foreground, ignore, where=case_id))
+    log.info(
+        "bf16 agreement check: %d case(s) predicted in %s",
+        len(case_ids),
+        ", ".join(
+            f"{runtime} {precision} {seconds.get((runtime, precision), 0.0):.1f} s" for runtime, precision in predictors
+        ),
+    )
+    return foreground, per_case
+
+
+def check_after_validation(
+    workspace: Workspace,
+    plans: Plans,
+    config_name: str,
+    fold: int | str,
+    final: FinalValidation,
+    validation_seconds: float,
+    seconds_left: float | None,
+) -> PrecisionCheck | None:
+    """The check at the end of training, on the final validation's cases and ``--tta``; under a time budget
+    (``seconds_left`` not None) only when what is left of it covers one final validation (``validation_seconds``,
+    which reads and preprocesses the raw images too) per run the check makes, else a log line says it is left to
+    ``export-model``."""
+    needed_seconds = (1 + len(bf16_runtimes())) * validation_seconds
+    if seconds_left is not None and seconds_left < needed_seconds:
+        log.info(
+            "bf16 agreement check of fold %s of %s: not made: the time budget leaves %.0f s, it needs about %.0f s; "
+            "`%s` makes it",
+            fold,
+            config_name,
+            max(0.0, seconds_left),
+            needed_seconds,
+            workspace.advice(f"export-model model.zip -c {config_name} -f {fold}"),
+        )
+        return None
+    return run_precision_check(workspace, plans, config_name, fold, "final", final.cases, final.tta)
 
 
 def fresh_check(
     workspace: Workspace, plans: Plans, config_name: str, fold: int | str, checkpoint: str
 ) -> tuple[PrecisionCheck | None, str]:
-    """The fold's stored check if it belongs to its checkpoint_<checkpoint>.pt and measured every installed bf16
-    runtime (``stored_check``); else None and why (none, another checkpoint's, a runtime not measured, damaged)."""
+    """The fold's stored check if it belongs to its checkpoint_<checkpoint>.pt (``stored_check``); else None and why
+    (none, another checkpoint's, damaged)."""
     try:
         stored = stored_check(workspace, plans, config_name, fold, checkpoint)
     except InputError as e:
         return None, f"its stored check is unreadable ({str(e).splitlines()[0][:200]})"
     if stored is None:
         return None, f"no stored check of its checkpoint_{checkpoint}.pt (none made, or the fold was trained again)"
-    if missing := [r for r in bf16_runtimes() if r not in stored.bf16_dice]:
-        return None, f"its stored check did not measure bf16 with {', '.join(missing)}"
     return stored, "stored"
 
 

@@ -243,18 +243,21 @@ def _finish(training: TrainingRun) -> Path:
         run.device,
         job.show_progress,
     )
+    validation_seconds = job.clock() - t0
     if training.budget is not None:
         log.info(
             "time budget %.0f s: the final validation took %.1f s (estimated %.1f s); the run ended at %.1f s",
             training.budget.budget_seconds,
-            job.clock() - t0,
+            validation_seconds,
             final.estimated_seconds,
             job.clock() - job.started,
         )
-    if run.precision_check:  # outside the time budget: it runs after the budget's end (docs/prediction.md)
-        from autoseg.train.precision_check import run_precision_check
+    if run.precision_check:
+        from autoseg.train.precision_check import check_after_validation
 
-        run_precision_check(job.workspace, job.plans, job.config_name, job.fold, "final", final.cases, final.tta)
+        budget = training.budget
+        left = None if budget is None else budget.budget_seconds - (job.clock() - job.started)
+        check_after_validation(job.workspace, job.plans, job.config_name, job.fold, final, validation_seconds, left)
     return job.out
 
 

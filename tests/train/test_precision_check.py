@@ -25,8 +25,9 @@ from autoseg.predict.networks import Predictor, load_networks
 from autoseg.predict.precision_check import precision_check_path, read_precision_check
 from autoseg.predict.window import WindowOptions
 from autoseg.train.fold_data import fold_cases
-from autoseg.train.precision_check import ExportChecks, bf16_runtimes, run_precision_check
+from autoseg.train.precision_check import ExportChecks, bf16_runtimes, check_after_validation, run_precision_check
 from autoseg.train.run_config import RunConfig
+from autoseg.train.run_record import FinalValidation
 from autoseg.train.trainer import train
 
 CONFIG = "3d_fullres"
@@ -118,3 +119,16 @@ def test_no_precision_check_flag_turns_the_check_off_for_train() -> None:
     assert build_parser().parse_args(["train", "fold", "0", "--no-precision-check"]).no_precision_check
     assert not build_parser().parse_args(["train", "fold", "0"]).no_precision_check
     assert build_parser().parse_args(["export-model", "m.zip", "--no-precision-check"]).no_precision_check
+
+
+def test_a_time_budget_too_short_for_the_check_leaves_it_to_export_model(
+    workspace: Workspace, native_bf16, caplog
+) -> None:
+    plans = Plans.from_json(workspace.plans_path)
+    final = FinalValidation(tuple(fold_cases(workspace, CONFIG, 0)[1]), "none")
+    runs = 1 + len(bf16_runtimes())
+    with caplog.at_level(logging.INFO, logger="autoseg"):
+        assert check_after_validation(workspace, plans, CONFIG, 0, final, 10.0, runs * 10.0 - 1) is None
+    assert "the time budget leaves" in caplog.text and "export-model model.zip -c 3d_fullres -f 0" in caplog.text
+    assert not precision_check_path(workspace, CONFIG, 0).exists()
+    assert check_after_validation(workspace, plans, CONFIG, 0, final, 10.0, runs * 10.0) is not None
