@@ -124,8 +124,8 @@ def _case_dice(
     references = {c.case_id: c.label_path for c in dataset.cases}
     if missing := [c for c in case_ids if references.get(c) is None]:
         raise InputError(
-            f"{dataset.root}: no reference label map of validation case(s) {', '.join(missing)}; the workspace's "
-            f"dataset changed: plan_and_preprocess it again (`{workspace.advice('plan_and_preprocess')}`)"
+            f"{dataset.root}: no reference label map of validation case(s) {', '.join(missing)}; the dataset changed "
+            "since the workspace was preprocessed: run plan_and_preprocess on it again with --overwrite"
         )
     per_case: dict[tuple[str, str], list[dict[str, float]]] = {run: [] for run in predictors}
     seconds: dict[tuple[str, str], float] = {}

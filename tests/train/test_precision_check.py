@@ -3,6 +3,7 @@ CPU without native bf16; at the end of training; and what export-model packs (st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from autoseg.cli.parser import build_parser
+from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import write_image
 from autoseg.dataset.raw import load_dataset
@@ -132,3 +134,23 @@ def test_a_time_budget_too_short_for_the_check_leaves_it_to_export_model(
     assert "the time budget leaves" in caplog.text and "export-model model.zip -c 3d_fullres -f 0" in caplog.text
     assert not precision_check_path(workspace, CONFIG, 0).exists()
     assert check_after_validation(workspace, plans, CONFIG, 0, final, 10.0, runs * 10.0) is not None
+
+
+def test_a_validation_case_without_its_reference_is_refused_naming_it(
+    workspace: Workspace, native_bf16, monkeypatch
+) -> None:
+    import autoseg.train.precision_check as module
+
+    val_id = fold_cases(workspace, CONFIG, 0)[1][0]
+    real = module.load_dataset
+
+    def without_label(root):
+        dataset = real(root)
+        cases = tuple(dataclasses.replace(c, label_path=None) if c.case_id == val_id else c for c in dataset.cases)
+        return dataclasses.replace(dataset, cases=cases)
+
+    monkeypatch.setattr(module, "load_dataset", without_label)
+    plans = Plans.from_json(workspace.plans_path)
+    with pytest.raises(InputError, match=f"no reference label map of validation case.s. {val_id}; .*--overwrite"):
+        run_precision_check(workspace, plans, CONFIG, 0, tta="none")
+    assert not precision_check_path(workspace, CONFIG, 0).exists()
