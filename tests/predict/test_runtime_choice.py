@@ -19,6 +19,7 @@ from autoseg.model.graph_runners import OpenVinoTileRunner
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
 from autoseg.predict import runners, runtime_choice
+from autoseg.predict.networks import load_trained_network
 from autoseg.predict.runtime_choice import Candidate, candidates
 from autoseg.predict.window import AUTO, WindowOptions
 
@@ -80,9 +81,14 @@ def workspace(trained: Path, tmp_path: Path, monkeypatch) -> Workspace:
     keep_simulations_in(None)
 
 
-def _resolve(workspace: Workspace, window: WindowOptions) -> WindowOptions:
+def _fold(workspace: Workspace) -> runners.LoadedFold:
     plans = Plans.from_json(workspace.plans_path)
-    return runners.resolve_auto(workspace, plans, plans.configuration(CONFIG), (0,), "final", window)
+    config, path = plans.configuration(CONFIG), workspace.checkpoint(CONFIG, 0, "final")
+    return runners.LoadedFold(workspace, plans, config, path, load_trained_network(path, plans, config, "cpu"))
+
+
+def _resolve(workspace: Workspace, window: WindowOptions) -> WindowOptions:
+    return runners.resolve_auto([_fold(workspace)], window)
 
 
 def test_auto_takes_the_fastest_fp32_without_an_agreement_check_and_says_why(workspace, monkeypatch, capsys) -> None:
@@ -95,12 +101,12 @@ def test_auto_takes_the_fastest_fp32_without_an_agreement_check_and_says_why(wor
     said = capsys.readouterr().out
     assert "3d_fullres: runtime openvino, precision fp32 (auto: per tile batch (" in said
     assert "openvino fp32 0.450 s, onnxruntime fp32 0.700 s, torch fp32 1.000 s; measured now, cached in" in said
-    assert "bf16: openvino refused: fold 0 carries no bf16 agreement check" in said
+    assert "bf16: openvino refused: fold 0 of 3d_fullres carries no bf16 agreement check" in said
 
 
 def test_bf16_is_taken_where_every_folds_check_allows_it(workspace, monkeypatch, capsys) -> None:
     _Timings(monkeypatch)
-    monkeypatch.setattr(runners, "bf16_verdict", lambda ws, config, fold, ckpt, runtime: (runtime == "openvino", "x"))
+    monkeypatch.setattr(runners, "bf16_verdict", lambda fold, runtime: (runtime == "openvino", "x"))
     chosen = _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO))
     assert (chosen.runtime, chosen.precision) == ("openvino", "bf16")
     assert "bf16: openvino eligible: x / torch refused: x" in capsys.readouterr().out
@@ -146,11 +152,10 @@ def test_the_timed_runners_are_the_real_ones(workspace) -> None:
     window = WindowOptions(runtime=AUTO, precision=AUTO)
     tiles = runtime_choice.timing_tiles(config, window)
     assert tiles.shape[1:] == (1, *config.inference_tile("planned")) and 1 <= tiles.shape[0] <= 4
-    built = []
+    built, fold = [], _fold(workspace)
 
     def build(candidate: Candidate):
-        concrete = WindowOptions(runtime=candidate.runtime, precision=candidate.precision)
-        built.append(runners.fold_runner(workspace, plans, config, 0, "final", concrete))
+        built.append(fold.runner(WindowOptions(runtime=candidate.runtime, precision=candidate.precision)))
         return built[-1]
 
     measured = runtime_choice.time_candidates(candidates(window, True), build, tiles)
