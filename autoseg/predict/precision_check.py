@@ -164,6 +164,15 @@ def bf16_verdict(check: PrecisionCheck | None, runtime: str, checkpoint_sha256: 
     )
 
 
+def checkpoint_bf16_verdict(checkpoint_path: Path, runtime: str) -> tuple[bool, str]:
+    """``bf16_verdict`` of the check stored beside ``checkpoint_path`` (``results/<config>/fold_<k>/``, in a
+    workspace or an unpacked model archive) for ``runtime``, against that file's sha256; a damaged check is refused
+    naming it."""
+    path = checkpoint_path.parent / PRECISION_CHECK_FILE
+    check = PrecisionCheck.from_json(path) if path.is_file() else None
+    return bf16_verdict(check, runtime, file_digest(checkpoint_path) if check is not None else "")
+
+
 def _defined(dice: float | None) -> float | None:
     return None if dice is None or math.isnan(dice) else float(dice)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -14,6 +16,7 @@ from autoseg.predict.precision_check import (
     CheckedCheckpoint,
     PrecisionCheck,
     bf16_verdict,
+    checkpoint_bf16_verdict,
 )
 
 SHA = "ab" * 32
@@ -70,3 +73,19 @@ def test_the_check_round_trips_through_json_and_an_unknown_schema_fails_naming_t
     path.write_text(json.dumps({**json.loads(path.read_text()), "schema_version": 99}))
     with pytest.raises(InputError, match=f"{path}.*schema_version 99"):
         PrecisionCheck.from_json(path)
+
+
+def test_the_verdict_of_a_checkpoint_reads_the_check_beside_it_and_its_sum(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "fold_0" / "checkpoint_final.pt"
+    checkpoint.parent.mkdir()
+    checkpoint.write_bytes(b"weights")
+    allowed, reason = checkpoint_bf16_verdict(checkpoint, "torch")
+    assert not allowed and "carries no bf16 agreement check" in reason
+    identity = dataclasses.replace(IDENTITY, sha256=hashlib.sha256(b"weights").hexdigest())
+    PrecisionCheck.of(identity, {"organ": 0.9, "lesion": 0.8}, {"torch": {"organ": 0.9, "lesion": 0.8}}).to_json(
+        checkpoint.parent / "precision_check.json"
+    )
+    assert checkpoint_bf16_verdict(checkpoint, "torch")[0]
+    checkpoint.write_bytes(b"weights trained again")
+    allowed, reason = checkpoint_bf16_verdict(checkpoint, "torch")
+    assert not allowed and "another checkpoint" in reason
