@@ -15,6 +15,7 @@ unpacked for ``predict -m``), ``networks`` (the folds' checkpoints loaded, as
 tile runners, and a configuration's ``Predictor``), ``graphs`` (a checkpoint's checked ONNX graph: the archive's member,
 or kept in the machine cache), ``runners`` (``load_predictor``: the folds as the command's ``--runtime`` runs
 them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates timed, the fastest chosen),
+``precision_check`` (a fold's bf16 agreement check and ``bf16_verdict``, what ``--precision auto`` asks of it),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """
