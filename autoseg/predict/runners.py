@@ -34,6 +34,7 @@ from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.archive import MANIFEST, ModelManifest
 from autoseg.predict.graphs import cached_graph, file_digest, graph_member
 from autoseg.predict.networks import Predictor, load_networks, tile_simulation
+from autoseg.predict.precision_check import checkpoint_bf16_verdict
 from autoseg.predict.runtime_choice import (
     CHOICE_VERSION,
     Candidate,
@@ -180,8 +181,10 @@ def _bf16_eligible(loaded: Sequence[LoadedFold], found: tuple[Candidate, ...]) -
 
 
 def bf16_verdict(fold: LoadedFold, runtime: str) -> tuple[bool, str]:
-    """Whether ``fold``'s stored agreement check lets ``runtime`` compute it in bf16, and why."""
-    return False, f"{fold.what} carries no bf16 agreement check"
+    """Whether ``fold``'s stored agreement check lets ``runtime`` compute it in bf16, and why
+    (``checkpoint_bf16_verdict``: the check beside its checkpoint, made for that very file)."""
+    allowed, why = checkpoint_bf16_verdict(fold.path, runtime)
+    return allowed, why if fold.what in why else f"{fold.what}: {why}"
 
 
 def fold_graph(

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autoseg.core.errors import InputError
-from autoseg.core.extras import installed
+from autoseg.core.extras import RUNTIMES, installed
 from autoseg.core.precision import native_bf16_flag
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
@@ -36,6 +36,7 @@ from autoseg.predict.precision_check import (
     stored_check,
 )
 from autoseg.predict.runners import load_predictor
+from autoseg.predict.runtime_choice import runtime_precisions
 from autoseg.predict.window import WindowOptions, default_tta
 from autoseg.preprocess.store import open_case
 from autoseg.train.fold_data import fold_cases
@@ -47,7 +48,11 @@ FP32 = ("torch", "fp32")  # the reference every bf16 runtime is compared with
 
 def bf16_runtimes() -> tuple[str, ...]:
     """The runtimes whose bf16 a check measures: torch (autocast) always, OpenVINO with its extra installed."""
-    return ("torch", *(("openvino",) if installed("openvino") and installed("onnx") else ()))
+    return tuple(
+        runtime
+        for runtime, (module, _) in RUNTIMES.items()
+        if "bf16" in runtime_precisions(runtime) and installed(module) and (runtime == "torch" or installed("onnx"))
+    )
 
 
 def why_not_checkable(plans: Plans, config_name: str) -> str | None:

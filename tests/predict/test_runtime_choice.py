@@ -19,7 +19,9 @@ from autoseg.model.graph_runners import OpenVinoTileRunner
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
 from autoseg.predict import runners, runtime_choice
+from autoseg.predict.graphs import file_digest
 from autoseg.predict.networks import load_trained_network
+from autoseg.predict.precision_check import PRECISION_CHECK_FILE, CheckedCheckpoint, PrecisionCheck
 from autoseg.predict.runtime_choice import Candidate, candidates
 from autoseg.predict.window import AUTO, WindowOptions
 
@@ -101,7 +103,7 @@ def test_auto_takes_the_fastest_fp32_without_an_agreement_check_and_says_why(wor
     said = capsys.readouterr().out
     assert "3d_fullres: runtime openvino, precision fp32 (auto: per tile batch (" in said
     assert "openvino fp32 0.450 s, onnxruntime fp32 0.700 s, torch fp32 1.000 s; measured now, cached in" in said
-    assert "bf16: openvino refused: fold 0 of 3d_fullres carries no bf16 agreement check" in said
+    assert "bf16: openvino refused: fold 0 of 3d_fullres: the model carries no bf16 agreement check" in said
 
 
 def test_bf16_is_taken_where_every_folds_check_allows_it(workspace, monkeypatch, capsys) -> None:
@@ -113,6 +115,21 @@ def test_bf16_is_taken_where_every_folds_check_allows_it(workspace, monkeypatch,
     slow_bf16 = SECONDS | {"OpenVinoTileRunner bf16": 0.6}  # slower than openvino fp32 here: not taken
     keep_simulations_in(None)
     _Timings(monkeypatch, slow_bf16)
+    assert _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO)).precision == "fp32"
+
+
+def test_a_stored_check_of_this_checkpoint_lets_auto_take_bf16_where_it_passed(workspace, monkeypatch, capsys) -> None:
+    _Timings(monkeypatch)
+    path = workspace.checkpoint(CONFIG, 0, "final")
+    identity = CheckedCheckpoint(CONFIG, 0, "final", file_digest(path), ("a",), ("organ",), "4")
+    bf16 = {"openvino": {"organ": 0.9005}, "torch": {"organ": 0.9030}}  # torch's is 0.003 off: refused
+    PrecisionCheck.of(identity, {"organ": 0.9}, bf16).to_json(path.parent / PRECISION_CHECK_FILE)
+    chosen = _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO))
+    assert (chosen.runtime, chosen.precision) == ("openvino", "bf16")
+    said = capsys.readouterr().out
+    assert "bf16: openvino eligible: " in said and "torch refused: " in said and "organ" in said
+    path.write_bytes(path.read_bytes() + b"\0")  # another checkpoint: the check is not its own
+    keep_simulations_in(None)
     assert _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO)).precision == "fp32"
 
 
