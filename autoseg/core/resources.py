@@ -135,6 +135,19 @@ def cpu_busy_seconds(cpus: Iterable[int] | None = None, stat_path: str = "/proc/
         return None
 
 
+# a timing is kept only while other processes took at most this share of the CPUs (and at most a quarter of one)
+OTHERS_CPU_SHARE = 0.1
+
+
+def busy_by_others(others_cpus: float | None, cpus: int) -> str:
+    """Why a timing on ``cpus`` CPUs is not kept, when other processes kept ``others_cpus`` of them busy on average
+    meanwhile (more than ``OTHERS_CPU_SHARE`` of them, at least 0.25); "" when it is, or when that is unknown."""
+    allowed = max(0.25, OTHERS_CPU_SHARE * cpus)
+    if others_cpus is not None and others_cpus > allowed:
+        return f"other processes kept {others_cpus:.2f} of {cpus} CPUs busy meanwhile (at most {allowed:.2f})"
+    return ""
+
+
 def cpu_affinity() -> list[int]:
     """The CPUs this process may run on (its affinity mask; where there is none, every CPU)."""
     try:

@@ -5,8 +5,9 @@ feature-map element differ fourfold (``CALIBRATION_STEPS``), each with 1 thread 
 rate and an element rate to them (``autoseg.plan.rate_fit``); ``mapping_rate`` times fresh pages for the third
 rate. An attempt is kept only when the machine was quiet and the fit holds:
 
-- other processes took less than ``OTHERS_CPU_SHARE`` of the CPUs meanwhile (``cpu_busy_seconds`` before and after,
-  minus this process's own CPU seconds: a spinning process, or one busy half of every 0.1 s, shows there);
+- other processes took less than ``OTHERS_CPU_SHARE`` of the CPUs meanwhile (``autoseg.core.resources.busy_by_others``;
+  ``cpu_busy_seconds`` before and after, minus this process's own CPU seconds: a spinning process, or one busy half
+  of every 0.1 s, shows there);
 - every step ran steadily (``TimedStep.busy``: one thread got a whole CPU, every CPU ran faster than one, the second
   best run within ``STEADY_SPREAD`` of the best);
 - the fit identifies both rates and reproduces every step within 15% (``RateFit.refusal``).
@@ -26,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoseg.core.machine import MachineCache, Measurement, machine_key
-from autoseg.core.resources import cpu_busy_seconds, cpu_count
+from autoseg.core.resources import busy_by_others, cpu_busy_seconds, cpu_count
 from autoseg.core.units import MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.topology import NetworkTopology
@@ -38,8 +39,6 @@ log = logging.getLogger("autoseg")
 MAX_ATTEMPTS = 3
 RETRY_PAUSE_SECONDS = 2.0  # between refused attempts: a passing load may be over
 STEADY_SPREAD = 0.10  # a step's second-best run vs its best: more, and something else ran meanwhile
-# other processes may take this share of the CPUs (at least a quarter of one) while the steps run
-OTHERS_CPU_SHARE = 0.1
 # planned with when no attempt is kept and one thread's timings do not fit either: a slow CPU core's convolutions
 FALLBACK_RATES = StepRates(20e9)
 CALIBRATION_VERSION = 5  # part of the cache key: a change to the calibration steps or rule measures again
@@ -226,10 +225,11 @@ class Attempt:
         """Why this attempt's rates are not kept ("" when they are): other processes took more than
         ``OTHERS_CPU_SHARE`` of the ``cpus`` CPUs, a step's timings look disturbed (``TimedStep.busy``), or the fit
         does not hold (``RateFit.refusal``)."""
-        allowed = max(0.25, OTHERS_CPU_SHARE * cpus)
-        if self.others_cpus is not None and self.others_cpus > allowed:
-            return f"other processes kept {self.others_cpus:.2f} of {cpus} CPUs busy meanwhile (at most {allowed:.2f})"
-        return next((why for why in (s.busy() for s in self.steps) if why), "") or self.fit().refusal()
+        return (
+            busy_by_others(self.others_cpus, cpus)
+            or next((why for why in (s.busy() for s in self.steps) if why), "")
+            or self.fit().refusal()
+        )
 
     def details(self) -> dict[str, float]:
         """The timings behind the rates, kept beside them in the machine cache."""

@@ -29,6 +29,7 @@ from autoseg.dataset.raw import Case, load_case
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.networks import Predictor
 from autoseg.predict.runners import load_predictor
+from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.preprocessor import labels_on_grid, preprocess_case
 from autoseg.preprocess.store import CaseProperties
 
@@ -87,10 +88,12 @@ class CascadePrediction:
         folds: tuple[int, ...],
         checkpoint: str,
         labels: Callable[..., np.ndarray],
+        window: WindowOptions,
     ) -> CascadePrediction:
-        """The previous stage's networks of ``folds`` for ``cascade``'s stage, with its window options; refused,
-        naming them, when one is not trained."""
-        config, plans, window = cascade.config, cascade.plans, cascade.window
+        """The previous stage's networks of ``folds`` for ``cascade``'s stage, with the command's ``window`` (an
+        ``auto`` runtime or precision is chosen for this stage's own model); refused, naming them, when one is not
+        trained."""
+        config, plans = cascade.config, cascade.plans
         stage = plans.configuration(config.previous_stage)
         missing = [f for f in folds if not workspace.checkpoint(stage.name, f, checkpoint).is_file()]
         if missing:

@@ -110,7 +110,7 @@ def predict(
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
     try:
         predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
-        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options)
+        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window)
         found = prediction_inputs(workspace, plans, inputs, options.series)
         if options.fail_fast:
             found.raise_problems()
@@ -139,16 +139,22 @@ def _trained_folds(workspace: Workspace, config_name: str, checkpoint: str) -> t
 
 
 def _case_steps(
-    workspace: Workspace, predictor: Predictor, folds: tuple[int, ...], checkpoint: str, options: PredictOptions
+    workspace: Workspace,
+    predictor: Predictor,
+    folds: tuple[int, ...],
+    checkpoint: str,
+    options: PredictOptions,
+    window: WindowOptions,
 ) -> tuple[Callable[[Case], tuple[Any, CaseProperties]], Callable[..., Callable[[], None]], Callable[..., dict]]:
     """What each case goes through: ``prepare`` (read and preprocessed, ahead: ``prepare_case``), ``segment``
     (``_segment_case`` with the predictor bound) and ``memory`` (``case_memory`` with the window's plan bound).
-    A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint)."""
+    A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint,
+    the command's ``window``: its own runtime chosen where ``auto``)."""
     plans, config = predictor.plans, predictor.config
     segment = partial(_segment_case, predictor=predictor, postprocessing=options.postprocessing)
     prepare, previous = partial(prepare_case, plans=plans, config=config), None
     if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
-        cascade = CascadePrediction.load(workspace, predictor, folds, checkpoint, predict_labels)
+        cascade = CascadePrediction.load(workspace, predictor, folds, checkpoint, predict_labels, window)
         prepare, segment = cascade.prepare, cascade.segment_with(segment)
         previous = (cascade.stage, partial(inference_plan, cascade.previous, streamed=True))
     memory = partial(

@@ -16,22 +16,69 @@ A graph runner compiles with the thread count torch has when it is built: ``pred
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from autoseg.core.machine import MachineCache, kept_simulations
+from autoseg.core.errors import InputError
+from autoseg.core.machine import MachineCache, kept_simulations, machine_key
+from autoseg.core.precision import native_bf16_flag
 from autoseg.core.workspace import Workspace
 from autoseg.model.graph_runners import GRAPH_RUNNERS
 from autoseg.model.tile_runner import TileRunner
+from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.archive import MANIFEST, ModelManifest
-from autoseg.predict.graphs import cached_graph, graph_member
+from autoseg.predict.graphs import cached_graph, file_digest, graph_member
 from autoseg.predict.networks import Predictor, load_networks, tile_simulation
+from autoseg.predict.precision_check import checkpoint_bf16_verdict
+from autoseg.predict.runtime_choice import (
+    CHOICE_VERSION,
+    Candidate,
+    RuntimeChoice,
+    candidates,
+    runtime_versions,
+    time_candidates,
+    timing_tiles,
+)
 from autoseg.predict.runtime_memory import RuntimeWorkingBytes
-from autoseg.predict.window import WindowOptions
+from autoseg.predict.window import AUTO, WindowOptions
 
 log = logging.getLogger("autoseg")
+
+
+@dataclass(frozen=True)
+class LoadedFold:
+    """One fold of ``config`` in ``workspace``: its checkpoint's path and its network, loaded once (checked against
+    the plan: ``load_trained_network``); every runner of the fold is built from it (``runner``)."""
+
+    workspace: Workspace
+    plans: Plans
+    config: ConfigurationPlan
+    path: Path  # results/<config>/fold_<k>/checkpoint_<which>.pt
+    network: torch.nn.Module
+
+    @property
+    def what(self) -> str:
+        """The fold as messages name it: "fold 0 of 3d_fullres"."""
+        return f"{self.path.parent.name.replace('_', ' ')} of {self.config.name}"
+
+    def runner(self, window: WindowOptions) -> TileRunner:
+        """The fold as ``window.runtime`` runs it, in ``window``'s precision, with torch's thread count; its working
+        bytes are, for torch, the memory model's simulation of its tile batch (``tile_simulation``), for a graph
+        runtime that runtime's own, measured in a fresh process and kept (``RuntimeWorkingBytes``: a
+        configuration's folds share the measurement, their graphs differing in their weights only)."""
+        simulation = tile_simulation(self.config, window)
+        if window.runtime == "torch":
+            return TorchTileRunner(self.network, torch.device(window.device), simulation.precision, simulation)
+        cache = kept_simulations() or MachineCache(None)
+        graph = fold_graph(self.workspace, self.plans, self.config, self.path, cache)
+        threads = torch.get_num_threads()
+        measured = RuntimeWorkingBytes(graph, window.runtime, threads, simulation, cache)
+        return GRAPH_RUNNERS[window.runtime](graph, measured, threads, simulation.precision, self.what)
 
 
 def load_predictor(
@@ -42,34 +89,105 @@ def load_predictor(
     checkpoint: str,
     window: WindowOptions,
 ) -> Predictor:
-    """``config``'s folds (``checkpoint_<checkpoint>.pt`` of each of ``folds`` in ``workspace``) as a ``Predictor``
-    running ``window.runtime`` in ``window.compute_precision(config)``; a fold without that checkpoint is refused
-    (``load_networks``)."""
+    """``config``'s folds (``checkpoint_<checkpoint>.pt`` of each of ``folds`` in ``workspace``, each loaded once)
+    as a ``Predictor`` running ``window.runtime`` in ``window.compute_precision(config)``, ``auto`` ones chosen
+    first (``resolve_auto``; the predictor's window holds the choice). A fold without that checkpoint, or trained
+    with another plan, is refused (``load_networks``)."""
     networks = load_networks(workspace, plans, config, folds, checkpoint, window.device)
-    if window.runtime == "torch":
-        return Predictor.of(networks, plans, config, window)
-    del networks  # loaded to check each fold's checkpoint and plan; the graphs run instead
-    simulation = tile_simulation(config, window)  # the window the runtime's working bytes are measured in
-    precision, threads = simulation.precision, torch.get_num_threads()
-    runner_type = GRAPH_RUNNERS[window.runtime]
-    cache = kept_simulations() or MachineCache(None)  # the command's cache folder
-    runners: list[TileRunner] = []
-    measured: RuntimeWorkingBytes | None = None
-    for fold in folds:
-        what = f"fold {fold} of {config.name}"
-        graph = fold_graph(workspace, plans, config, workspace.checkpoint(config.name, fold, checkpoint), cache)
-        # the folds' graphs differ in their weights only: one measurement (the first fold's) answers for each
-        measured = measured or RuntimeWorkingBytes(graph, window.runtime, threads, simulation, cache)
-        runners.append(runner_type(graph, measured, threads, precision, what))
+    loaded = [
+        LoadedFold(workspace, plans, config, workspace.checkpoint(config.name, fold, checkpoint), network)
+        for fold, network in zip(folds, networks)
+    ]
+    del networks  # a graph runtime's runners do not hold them
+    window = resolve_auto(loaded, window)
+    runners = tuple(fold.runner(window) for fold in loaded)
     log.info(
         "%s runs %d fold(s) with %s in %s, %d thread(s)",
         config.name,
         len(runners),
         window.runtime,
-        precision,
-        threads,
+        window.compute_precision(config),
+        torch.get_num_threads(),
     )
-    return Predictor(tuple(runners), plans, config, window)
+    return Predictor(runners, plans, config, window)
+
+
+def resolve_auto(loaded: Sequence[LoadedFold], window: WindowOptions) -> WindowOptions:
+    """``window`` with ``--runtime auto`` and ``--precision auto`` made concrete for the ``loaded`` folds: on CUDA,
+    torch in the plan's precision; on the CPU, the fastest candidate timed on this machine with the first fold
+    (``autoseg.predict.runtime_choice``; bf16 only where every fold's agreement check allows it), said on stdout."""
+    if AUTO not in (window.runtime, window.precision):
+        return window
+    if window.device != "cpu":
+        return replace(
+            window,
+            runtime="torch" if window.runtime == AUTO else window.runtime,
+            precision=None if window.precision == AUTO else window.precision,
+        )
+    config = loaded[0].config
+    found = candidates(window, native_bf16_flag() is not None)
+    found, bf16 = _bf16_eligible(loaded, found)
+    if not found:
+        raise InputError(
+            f"--runtime {window.runtime} --precision {window.precision}: nothing on this machine runs "
+            f"{config.name} so ({bf16 or 'no installed runtime computes in that precision'}); predict with "
+            "--precision fp32"
+        )
+    tiles = timing_tiles(config, window)
+    if len(found) == 1:
+        seconds, source = {found[0].name: math.nan}, "the only candidate: not timed"
+    else:
+        seconds, source = _timed(loaded[0], window, found, tiles)
+    choice = RuntimeChoice.fastest(seconds, found, tuple(tiles.shape), source, bf16)
+    log.info("%s: %s", config.name, choice.describe())
+    print(f"{config.name}: {choice.describe()}")
+    return replace(window, runtime=choice.chosen.runtime, precision=choice.chosen.precision)
+
+
+def _timed(
+    fold: LoadedFold, window: WindowOptions, found: tuple[Candidate, ...], tiles: torch.Tensor
+) -> tuple[dict[str, float], str]:
+    """Each of ``found`` timed on ``tiles`` with ``fold``'s network (``time_candidates``), kept per machine and
+    model in the command's cache; (seconds by candidate name, where they came from)."""
+    key = {
+        "version": CHOICE_VERSION,
+        **machine_key(),
+        "checkpoint_sha256": file_digest(fold.path),
+        "candidates": [c.name for c in found],
+        "tile_batch": list(tiles.shape),
+        "threads": torch.get_num_threads(),
+        "runtimes": runtime_versions(found),
+    }
+
+    def build(candidate: Candidate) -> TileRunner:
+        return fold.runner(replace(window, runtime=candidate.runtime, precision=candidate.precision))
+
+    cache = kept_simulations() or MachineCache(None)
+    return cache.measured("runtime_seconds", key, lambda: time_candidates(found, build, tiles))
+
+
+def _bf16_eligible(loaded: Sequence[LoadedFold], found: tuple[Candidate, ...]) -> tuple[tuple[Candidate, ...], str]:
+    """``found`` without the bf16 candidates whose runtime some fold's agreement check does not allow
+    (``bf16_verdict``), and why bf16 is or is not eligible ("" when no candidate computes in bf16)."""
+    runtimes = sorted({c.runtime for c in found if c.precision == "bf16"})
+    if not runtimes:
+        return found, ""
+    refused, said = set(), []
+    for runtime in runtimes:
+        verdicts = [bf16_verdict(fold, runtime) for fold in loaded]
+        allowed = all(ok for ok, _ in verdicts)
+        said.append(f"{runtime} {'eligible' if allowed else 'refused'}: {'; '.join(why for _, why in verdicts)}")
+        if not allowed:
+            refused.add(runtime)
+    kept = tuple(c for c in found if c.precision != "bf16" or c.runtime not in refused)
+    return kept, " / ".join(said)
+
+
+def bf16_verdict(fold: LoadedFold, runtime: str) -> tuple[bool, str]:
+    """Whether ``fold``'s stored agreement check lets ``runtime`` compute it in bf16, and why
+    (``checkpoint_bf16_verdict``: the check beside its checkpoint, made for that very file)."""
+    allowed, why = checkpoint_bf16_verdict(fold.path, runtime)
+    return allowed, why if fold.what in why else f"{fold.what}: {why}"
 
 
 def fold_graph(

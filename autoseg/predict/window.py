@@ -21,6 +21,9 @@ from autoseg.plan.plans import ConfigurationPlan
 DEFAULT_TTA = {"cpu": "4", "cuda": "all"}
 
 
+AUTO = "auto"  # --runtime auto / --precision auto: chosen by timing (autoseg.predict.runtime_choice)
+
+
 def default_tta(device: str) -> str:
     return DEFAULT_TTA["cuda" if device.startswith("cuda") else "cpu"]
 
@@ -36,8 +39,9 @@ class WindowOptions:
     tile_batch_size: int | None = None  # --tile-batch-size: a cap; None: as many as plan_inference fits
     step_fraction: float = 0.5  # consecutive tiles overlap by 1 - step_fraction of the training patch
     accumulator: str = PREDICTION_ACCUMULATOR  # --accumulator: the running mean's dtype (ACCUMULATOR_DTYPES)
-    runtime: str = "torch"  # --runtime: a key of RUNTIMES
-    precision: str | None = None  # --precision: fp32, bf16 (native bf16 CPUs, CUDA), fp16 (CUDA); None: the plan's
+    runtime: str = "torch"  # --runtime: a key of RUNTIMES, or AUTO
+    # --precision: fp32, bf16 (native bf16 CPUs, CUDA), fp16 (CUDA), AUTO; None: the plan's (fp32 on the CPU)
+    precision: str | None = None
     verbose: bool = False  # --verbose: log each case's tile and inference plan, and the pipeline's plan
 
     @property
@@ -55,7 +59,10 @@ class WindowOptions:
 
     def compute_precision(self, config: ConfigurationPlan) -> str:
         """The precision ``config``'s network runs in: --precision, else the plan's on this device
-        (``effective_precision``: fp32 on the CPU)."""
+        (``effective_precision``: fp32 on the CPU). An ``AUTO`` one is chosen first
+        (``autoseg.predict.runners.resolve_auto``)."""
+        if self.precision == AUTO:
+            raise ValueError("--precision auto is chosen before the networks run: autoseg.predict.runners.resolve_auto")
         return self.precision or effective_precision(config.precision, self.device)
 
     def check(self, config: ConfigurationPlan) -> None:
@@ -68,17 +75,18 @@ class WindowOptions:
 
     def check_runtime(self) -> None:
         """Refuse an unknown --runtime, a graph runtime off the CPU or without its extra, and a --precision this
-        device does not compute in (``check_cpu_precision`` on the CPU)."""
-        if self.runtime not in RUNTIMES:
-            raise InputError(f"--runtime {self.runtime!r}: use one of {', '.join(RUNTIMES)}")
-        module, extra = RUNTIMES[self.runtime]
-        if self.runtime != "torch":
+        device does not compute in (``check_cpu_precision`` on the CPU). ``AUTO`` passes: it chooses among what
+        this machine has."""
+        if self.runtime not in (*RUNTIMES, AUTO):
+            raise InputError(f"--runtime {self.runtime!r}: use one of {', '.join((AUTO, *RUNTIMES))}")
+        if self.runtime not in ("torch", AUTO):
             if self.device != "cpu":
                 raise InputError(
                     f"--runtime {self.runtime} runs on the CPU; predict with --device cpu or --runtime torch"
                 )
+            module, extra = RUNTIMES[self.runtime]
             require(module, extra, f"predicting with --runtime {self.runtime}")
-        if self.precision is not None:
+        if self.precision not in (None, AUTO):
             check_precision(self.precision)
             if self.device == "cpu":
                 check_cpu_precision(self.precision)
