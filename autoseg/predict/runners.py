@@ -44,6 +44,7 @@ from autoseg.predict.runtime_choice import (
     time_candidates,
     timing_tiles,
 )
+from autoseg.predict.runtime_memory import RuntimeWorkingBytes
 from autoseg.predict.window import AUTO, WindowOptions
 
 log = logging.getLogger("autoseg")
@@ -67,15 +68,17 @@ class LoadedFold:
 
     def runner(self, window: WindowOptions) -> TileRunner:
         """The fold as ``window.runtime`` runs it, in ``window``'s precision, with torch's thread count; its working
-        bytes are the memory model's simulation of its tile batch (``tile_simulation``)."""
-        simulation = tile_simulation(self.config, window)  # a graph runtime's own bytes are not measured yet
+        bytes are, for torch, the memory model's simulation of its tile batch (``tile_simulation``), for a graph
+        runtime that runtime's own, measured in a fresh process and kept (``RuntimeWorkingBytes``: a
+        configuration's folds share the measurement, their graphs differing in their weights only)."""
+        simulation = tile_simulation(self.config, window)
         if window.runtime == "torch":
             return TorchTileRunner(self.network, torch.device(window.device), simulation.precision, simulation)
         cache = kept_simulations() or MachineCache(None)
         graph = fold_graph(self.workspace, self.plans, self.config, self.path, cache)
-        return GRAPH_RUNNERS[window.runtime](
-            graph, simulation, torch.get_num_threads(), simulation.precision, self.what
-        )
+        threads = torch.get_num_threads()
+        measured = RuntimeWorkingBytes(graph, window.runtime, threads, simulation, cache)
+        return GRAPH_RUNNERS[window.runtime](graph, measured, threads, simulation.precision, self.what)
 
 
 def load_predictor(
