@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from extras import require_extra
 
-from autoseg.core.errors import InputError
+from autoseg.core.errors import InputError, RunError
 from autoseg.core.machine import keep_simulations_in
 from autoseg.core.workspace import Workspace
 from autoseg.model.graph_runners import OpenVinoTileRunner
@@ -179,3 +179,22 @@ def test_the_timed_runners_are_the_real_ones(workspace) -> None:
     assert set(measured.value) == set(EVERY) and all(s > 0 for s in measured.value.values())
     assert isinstance(built[0], TorchTileRunner) and isinstance(built[-1], OpenVinoTileRunner)
     assert built[-1].precision == "bf16"
+
+
+def test_a_candidate_that_cannot_run_is_left_out_saying_why(workspace, monkeypatch, capsys, caplog) -> None:
+    _Timings(monkeypatch)
+
+    def refused(*args):
+        raise RunError("the ONNX graph of fold 0 of 3d_fullres does not compute what torch computes: argmax 99.63%")
+
+    monkeypatch.setattr(runners, "fold_graph", refused)
+    chosen = _resolve(workspace, WindowOptions(runtime=AUTO, precision="fp32"))
+    assert (chosen.runtime, chosen.precision) == ("torch", "fp32")
+    assert "torch fp32 1.000 s, onnxruntime fp32 could not run, openvino fp32 could not run" in capsys.readouterr().out
+    assert "--runtime auto: openvino fp32 is left out: the ONNX graph of fold 0 of 3d_fullres does not" in caplog.text
+    keep_simulations_in(None)
+    none_ran = {"onnxruntime fp32": None, "openvino fp32": None}
+    with pytest.raises(RunError, match="none of onnxruntime fp32, openvino fp32 could run this model"):
+        runtime_choice.RuntimeChoice.fastest(
+            none_ran, [Candidate("onnxruntime", "fp32"), Candidate("openvino", "fp32")], (1,), "", ""
+        )
