@@ -71,6 +71,26 @@ def _one_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _no_bf16_check_by_default():
+    """Tests train and export as on a CPU without native bf16: no bf16 agreement check after a final validation or
+    at export (on this CPU it would predict every validation case twice more). The check's own tests (tests/train/
+    test_precision_check.py) give the CPU back its bf16 with the ``native_bf16`` fixture."""
+    import autoseg.train.precision_check
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autoseg.train.precision_check, "native_bf16_flag", lambda: None)
+        yield
+
+
+@pytest.fixture()
+def native_bf16(monkeypatch):
+    """The bf16 agreement check runs as on a CPU with native bf16 (``_no_bf16_check_by_default`` undone)."""
+    import autoseg.train.precision_check
+
+    monkeypatch.setattr(autoseg.train.precision_check, "native_bf16_flag", lambda: "amx_bf16")
+
+
 @pytest.fixture(scope="session")
 def prepared(tiny_dataset: Path, tmp_path_factory) -> Path:
     """A preprocessed workspace whose 3d_fullres plan is a 2-stage U-Net (4, 8 features) on (8, 16, 16)

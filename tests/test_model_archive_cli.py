@@ -49,15 +49,19 @@ def _model_folders() -> set[Path]:
 
 
 def test_a_model_predicts_elsewhere_without_its_workspace_identically(
-    trained: Path, tiny_dataset: Path, tmp_path: Path, capsys, monkeypatch
+    trained: Path, tiny_dataset: Path, tmp_path: Path, capsys, monkeypatch, native_bf16
 ) -> None:
     ws, images = tmp_path / "ws", tiny_dataset / "imagesTs"
     shutil.copytree(trained, ws)
     result = run_cli(capsys, "predict", "-i", images, "-o", tmp_path / "from_ws", "-w", ws, "--no-mirror")
     assert result.status == 0, result.err
     model = tmp_path / "model.zip"
+    skipped = run_cli(capsys, "export-model", tmp_path / "unchecked.zip", "-w", ws, "--no-precision-check")
+    assert "fold 0 of 3d_fullres: bf16 not checked: no stored check" in skipped.out, skipped.err
+    assert "--no-precision-check skips making one" in skipped.out
     result = run_cli(capsys, "export-model", model, "-w", ws)
     assert result.status == 0 and f"wrote {model}" in result.out, result.err
+    assert "fold 0 of 3d_fullres: bf16 checked (made now): fp32 / bf16 (torch) mean Dice over 1 " in result.out
     moved = tmp_path / "elsewhere" / "model.zip"
     moved.parent.mkdir()
     model.rename(moved)

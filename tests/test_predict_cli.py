@@ -196,6 +196,8 @@ def test_the_accumulator_dtype_is_a_choice_and_predict_keeps_its_tile_simulation
             "--accumulator",
             dtype,
             "--verbose",
+            "--runtime",
+            "torch",  # the torch runner's tile simulations
         )
         assert result.status == 0, result.err
         assert f"accumulator {dtype} on cpu" in caplog.text
@@ -228,6 +230,8 @@ def test_background_workers_change_nothing_in_the_outputs(
         "--export-workers",
         "0",
         "--save-probabilities",
+        "--runtime",
+        "torch",  # auto may choose again on a busy machine: the same runtime in both runs
     )
     assert serial.status == 0, serial.err
     piped = _predict(
@@ -240,6 +244,8 @@ def test_background_workers_change_nothing_in_the_outputs(
         "--export-workers",
         "2",
         "--save-probabilities",
+        "--runtime",
+        "torch",
         "--verbose",
     )
     assert piped.status == 0, piped.err

@@ -175,6 +175,7 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         seed=args.seed,
         device=distributed.device(device),
         validate=not args.no_validation,
+        precision_check=not args.no_precision_check,
         loader_workers=args.loader_workers,
         use_precomputed=args.use_precomputed,
         resume=args.resume,
@@ -241,9 +242,13 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
 def _export_model(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.core.workspace import Workspace
     from autoseg.predict.archive import export_model
+    from autoseg.train.precision_check import ExportChecks
 
     ws = Workspace.at(args.workspace)
-    manifest = export_model(ws, args.output, config_name=args.config, folds=args.folds, checkpoint=args.checkpoint)
+    checks = ExportChecks(run=not args.no_precision_check)
+    manifest = export_model(
+        ws, args.output, config_name=args.config, folds=args.folds, checkpoint=args.checkpoint, precision_checks=checks
+    )
     out = Path(args.output).resolve()
     print(
         f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): configuration {' + '.join(manifest.configurations)}, "
@@ -255,6 +260,8 @@ def _export_model(args: argparse.Namespace, progress: bool) -> int:
         print(f"ONNX graphs: {len(manifest.graphs)}, each checked against torch on tiles of a training case")
     else:
         print('no ONNX graphs: the onnx extra is not installed (`pip install "autoseg[onnx]"` adds them)')
+    for outcome in checks.outcomes:
+        print("\n".join(outcome.describe()))
     return 0
 
 

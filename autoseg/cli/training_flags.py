@@ -95,10 +95,22 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     _add_run_flags(p)
 
 
+def add_precision_check_flag(p: argparse.ArgumentParser, when: str) -> None:
+    """``--no-precision-check``, of ``train`` and ``export-model``: ``when`` says when the check runs."""
+    p.add_argument(
+        "--no-precision-check",
+        action="store_true",
+        help=f"do not make the bf16 agreement check {when}: on a CPU with native bf16 the validation cases are "
+        "predicted in fp32 and bf16 and their Dice stored with the fold; `predict --precision auto` takes bf16 "
+        "only for folds whose check passed",
+    )
+
+
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
     """How a training run goes beyond its length: validation, resume, time budget, workers, precomputed
     augmentations and GPUs (``autoseg.train.run_config.RunConfig``)."""
     p.add_argument("--no-validation", action="store_true", help="skip predicting the validation cases at the end")
+    add_precision_check_flag(p, "after the final validation")
     p.add_argument(
         "--resume",
         action="store_true",

@@ -280,13 +280,16 @@ def inference_memory(
 
 
 def _ensemble(figures: list[TileBatchBytes]) -> TileBatchBytes:
-    """The folds' tile batches together: every fold's weights are held, one forward pass runs at a time."""
+    """The folds' tile batches together: every fold's weights are held, one forward pass runs at a time, beside what
+    the other folds hold after theirs (``held_bytes``: a graph runtime's arena)."""
+    held = sum(f.held_bytes for f in figures)
     return TileBatchBytes(
         parameter_bytes=sum(f.parameter_bytes for f in figures),
-        tile_bytes=max(f.tile_bytes for f in figures),
+        tile_bytes=held + max(f.tile_bytes - f.held_bytes for f in figures),
         largest_conv_output_bytes=max(f.largest_conv_output_bytes for f in figures),
         live_allocations_at_peak=max(f.live_allocations_at_peak for f in figures),
         heap_retained_bytes=max(f.heap_retained_bytes for f in figures),
+        held_bytes=held,
     )
 
 

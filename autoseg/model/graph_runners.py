@@ -3,9 +3,10 @@ CPU: ``OnnxRuntimeTileRunner`` (fp32) and ``OpenVinoTileRunner`` (fp32, or bf16 
 ``INFERENCE_PRECISION_HINT``). Each compiles its graph once (``compile_graph``) with the thread count prediction
 uses, and returns a tile batch's logits as float32 torch tensors, as ``TorchTileRunner`` does.
 
-``working_bytes`` is answered by the ``bytes_source`` it is built with: for now the torch simulation of the same
-tile batch (``autoseg.memory.inference.TileSimulation``), not a measurement of the runtime; measuring each runtime's
-own figure is the next slice of issue 27.
+``working_bytes`` is answered by the ``bytes_source`` it is built with (``model`` may not import ``memory`` or
+``predict``): in prediction, the runtime's own figures, measured once in a fresh process running this runner's call
+and kept per machine (``autoseg.predict.runtime_memory.RuntimeWorkingBytes``, bound in
+``autoseg.predict.runners.load_predictor``).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ class _GraphTileRunner:
         return torch.from_numpy(np.asarray(logits, dtype=np.float32))
 
     def working_bytes(self, tile_batch_size: int, tile: tuple[int, ...]) -> TileBatchBytes:
-        """The torch simulation's figure for this tile batch (the runtime's own is not measured yet)."""
+        """The ``bytes_source``'s figure for this tile batch."""
         return self.bytes_source.working_bytes(tile_batch_size, tile)
 
 

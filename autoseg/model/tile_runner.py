@@ -35,6 +35,10 @@ class TileBatchBytes:
     largest_conv_output_bytes: int  # CUDA: the convolution workspace term (``predict_device_peak``)
     live_allocations_at_peak: int  # CUDA: the allocator-rounding term, buffers included
     heap_retained_bytes: int  # CPU: what glibc's heap holds beyond the tensors at the peak (0 elsewhere)
+    # of ``tile_bytes``, what the runner still holds after the call, for the rest of the prediction: a graph runtime's
+    # arena and buffers, each fold's its own (``inference_memory`` adds the other folds'); 0 for torch, whose freed
+    # tensors go back to the heap every fold shares
+    held_bytes: int = 0
 
 
 class WorkingBytesSource(Protocol):

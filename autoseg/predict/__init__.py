@@ -13,7 +13,11 @@ ensemble of two configurations, the postprocessing), ``archive`` (a
 trained model as one zip: its format, ``autoseg export-model``), ``archive_reader`` (an archive checked and
 unpacked for ``predict -m``), ``networks`` (the folds' checkpoints loaded, as
 tile runners, and a configuration's ``Predictor``), ``graphs`` (a checkpoint's checked ONNX graph: the archive's member,
-or kept in the machine cache), ``runners`` (``load_predictor``: the folds as the command's ``--runtime`` runs them),
+or kept in the machine cache), ``runners`` (``load_predictor``: the folds as the command's ``--runtime`` runs
+them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates timed, the fastest chosen),
+``precision_check`` (a fold's bf16 agreement check and ``bf16_verdict``, what ``--precision auto`` asks of it),
+``runtime_memory`` (a graph runtime's working bytes for the memory plan: measured once by ``runtime_probe``, a fresh
+process running the real call, and kept per machine and model),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels).
 Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
 """

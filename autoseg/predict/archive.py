@@ -10,6 +10,9 @@
                                                     3d_lowres's same folds, which predict runs first)
     results/<config>/fold_<k>/network.onnx          with the onnx extra: the checkpoint's network as an ONNX
                                                     graph, checked against torch (``autoseg.predict.graphs``)
+    results/<config>/fold_<k>/precision_check.json  where the fold has one: its checkpoint's bf16 agreement check
+                                                    (``autoseg.predict.precision_check``), what lets
+                                                    ``--precision auto`` take bf16
 
 The members keep their workspace paths, so an archive unpacked into a folder *is* a minimal workspace that
 ``autoseg.predict.predictor.predict`` reads. ``export_model`` writes it (temporary name, then rename);
@@ -19,8 +22,8 @@ The members keep their workspace paths, so an archive unpacked into a folder *is
 ensemble of two, its folds (or ``-f``'s, written into the archived inference.json) and its postprocessing; ``predict
 -m`` then follows it as ``predict -w`` does (``autoseg.predict.chosen``). With ``-c``, or without inference.json,
 one configuration without postprocessing. Archives of format 1 (one configuration, no inference.json) are read.
-Graphs are members like any other (listed with size and sha256), so archives with and without them share format 2;
-an archive without graphs predicts with torch.
+Graphs and checks are members like any other (listed with size and sha256), so archives with and without them share
+format 2; an archive without graphs predicts with torch, one without checks in fp32 on the CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import hashlib
 import io
 import json
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,8 +48,12 @@ from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.graphs import GRAPH_FILE, check_tiles, checked_graph, graph_member
 from autoseg.predict.networks import load_trained_network
+from autoseg.predict.precision_check import PRECISION_CHECK_FILE, PrecisionCheck, stored_check
 
 MANIFEST = "autoseg_model.json"
+# (workspace, plans, configuration, fold, checkpoint) -> the bf16 agreement check packed beside that fold's
+# checkpoint, or None
+PrecisionChecks = Callable[[Workspace, Plans, str, "int | str", str], "PrecisionCheck | None"]
 CHUNK_BYTES = 1 << 20  # members are hashed and copied in 1 MiB pieces: memory does not grow with the model
 
 
@@ -76,6 +84,11 @@ class ModelManifest(Artifact):
         return tuple(m.name for m in self.members if m.name.endswith("/" + GRAPH_FILE))
 
     @property
+    def precision_checks(self) -> tuple[str, ...]:
+        """The members that are bf16 agreement checks (``results/<config>/fold_<k>/precision_check.json``)."""
+        return tuple(m.name for m in self.members if m.name.endswith("/" + PRECISION_CHECK_FILE))
+
+    @property
     def follows_choice(self) -> bool:
         """inference.json is a member: ``predict -m`` without ``-c`` follows it."""
         return any(m.name == "inference.json" for m in self.members)
@@ -88,13 +101,15 @@ def export_model(
     config_name: str | None = None,
     folds: list[int | str] | None = None,
     checkpoint: str | None = None,
+    precision_checks: PrecisionChecks = stored_check,
 ) -> ModelManifest:
     """Write the zip ``out`` holding what prediction needs: with ``config_name`` None and an inference.json in the
     workspace, that choice (its configurations, folds and checkpoint unless given, postprocessing); else
     ``config_name`` (default: the plan's default) without postprocessing, ``folds`` (default: every fold trained
     with ``checkpoint_<checkpoint>.pt``, final by default). Returns its manifest. Refuses (``InputError``) an
     unplanned workspace, a fold not trained, a checkpoint that does not load, and a workspace whose plan and folds
-    `plan_and_preprocess --overwrite` is replacing."""
+    `plan_and_preprocess --overwrite` is replacing. ``precision_checks`` gives each fold's bf16 agreement check to
+    pack beside its checkpoint (default: the stored one where it belongs to that checkpoint)."""
     refuse_while_held(
         workspace.plan_lock, workspace.root, "`autoseg export-model` reads the plan and the trained folds", True
     )
@@ -113,7 +128,9 @@ def export_model(
         "plans.json": workspace.plans_path,
         "fingerprint.json": workspace.fingerprint_path,
     }
-    files |= _network_files(workspace, plans, with_previous_stages(plans, configurations), chosen, checkpoint)
+    names = with_previous_stages(plans, configurations)
+    files |= _network_files(workspace, plans, names, chosen, checkpoint)
+    files |= _check_files(workspace, plans, names, chosen, checkpoint, precision_checks)
     if choice is not None:  # as predict -m will follow it: the archived folds and checkpoint
         archived = dataclasses.replace(choice, folds=chosen, checkpoint=checkpoint)
         files["inference.json"] = (
@@ -159,6 +176,26 @@ def _network_files(
                 load_trained_network(path, plans, config, "cpu")  # refuse to pack a checkpoint that does not load
             else:  # loads it too, then exports and checks its graph
                 files[graph_member(member)] = checked_graph(path, plans, config, tiles, f"fold {fold} of {name}")
+    return files
+
+
+def _check_files(
+    workspace: Workspace,
+    plans: Plans,
+    names: list[str],
+    folds: tuple[int | str, ...],
+    checkpoint: str,
+    precision_checks: PrecisionChecks,
+) -> dict[str, Path | bytes]:
+    """The bf16 agreement check of each fold of configurations ``names`` that ``precision_checks`` gives."""
+    files: dict[str, Path | bytes] = {}
+    for name in names:
+        for fold in _chosen_folds(workspace, name, list(folds), checkpoint):
+            check = precision_checks(workspace, plans, name, fold, checkpoint)
+            if check is not None:
+                member = workspace.results(name, fold).relative_to(workspace.root).as_posix()
+                payload = {"schema_version": PrecisionCheck.SCHEMA_VERSION, **to_dict(check)}
+                files[f"{member}/{PRECISION_CHECK_FILE}"] = (json.dumps(payload, indent=2) + "\n").encode()
     return files
 
 

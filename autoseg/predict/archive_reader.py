@@ -1,8 +1,9 @@
 """Reading a model archive (``autoseg.predict.archive``): ``open_model_archive`` checks it before anything is used:
 member names (no absolute path, no ``..``), the manifest's format version, every member's size and sha256, the plan,
 each checkpoint loaded with ``torch.load(weights_only=True)`` into the planned network (or, for ``predict -m``,
-where predict loads it anyway), and each ONNX graph's input and output (names, channels; with the onnx extra: without
-it no runtime runs them); then unpacks it into a temporary folder that is removed afterwards (``OpenedModel``).
+where predict loads it anyway), each ONNX graph's input and output (names, channels; with the onnx extra: without
+it no runtime runs them) and each bf16 agreement check (it reads, and belongs to the checkpoint beside it); then
+unpacks it into a temporary folder that is removed afterwards (``OpenedModel``).
 A damaged or altered archive raises ``InputError`` naming the archive and the member.
 
 The temporary folder is ``autoseg-model-<pid>-<random>`` in the system's temporary folder (``TMPDIR``). A killed
@@ -40,6 +41,7 @@ from autoseg.plan.plans import Plans
 from autoseg.predict.archive import CHUNK_BYTES, MANIFEST, ArchiveMember, ModelManifest, with_previous_stages
 from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.graphs import graph_member
+from autoseg.predict.precision_check import PrecisionCheck
 
 MODEL_FOLDER_PREFIX = "autoseg-model-"  # + "<pid>-<random>": the unpacked archive in the temporary folder
 
@@ -259,6 +261,8 @@ def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:
         if manifest.follows_choice:
             name = "inference.json"
             InferenceChoice.from_json(ws.inference_path)
+        for name in manifest.precision_checks:
+            _check_precision_check(model, name)
         for config_name in with_previous_stages(plans, manifest.configurations):
             name = "plans.json"
             config = plans.configuration(config_name)
@@ -286,6 +290,22 @@ def _check_contents(model: OpenedModel, load_checkpoints: bool) -> None:
                     raise InputError(f"its weights do not fit the planned {config_name} network ({e})") from e
     except InputError as e:
         raise _in_archive(model, e, name) from e
+
+
+def _check_precision_check(model: OpenedModel, name: str) -> None:
+    """The check member ``name`` reads as a ``PrecisionCheck`` and belongs to the checkpoint beside it: the sha256 it
+    names is that member's in the manifest (a check of another checkpoint would let bf16 through unchecked)."""
+    manifest = model.manifest
+    check = PrecisionCheck.from_json(model.workspace.root / name)
+    beside = f"{name.rsplit('/', 1)[0]}/checkpoint_{manifest.checkpoint}.pt"
+    sha256 = next((m.sha256 for m in manifest.members if m.name == beside), None)
+    if sha256 is None:
+        raise InputError(f"has no checkpoint beside it ({beside} is not a member)")
+    if check.checkpoint_sha256 != sha256:
+        raise InputError(
+            f"was made for another checkpoint (sha256 {check.checkpoint_sha256[:12]}) than the archive's {beside} "
+            f"(sha256 {sha256[:12]})"
+        )
 
 
 def _in_archive(model: OpenedModel, error: InputError, name: str | None = None) -> InputError:

@@ -85,16 +85,6 @@ def check_trained_with(state: dict, plans: Plans, config: ConfigurationPlan, pat
         )
 
 
-def check_trained(workspace: Workspace, config: ConfigurationPlan, folds: tuple[int, ...], checkpoint: str) -> None:
-    """Refuse the first of ``folds`` without ``checkpoint_<checkpoint>.pt``, advising the command that trains it."""
-    for fold in folds:
-        if not (path := workspace.checkpoint(config.name, fold, checkpoint)).is_file():
-            raise InputError(
-                f"{path} not found; train this fold first (`{workspace.advice(f'train fold {fold} -c {config.name}')}`)"
-                " or predict with --folds naming trained ones"
-            )
-
-
 def load_networks(
     workspace: Workspace,
     plans: Plans,
@@ -104,8 +94,13 @@ def load_networks(
     device: str,
 ) -> list[torch.nn.Module]:
     """``config``'s network of each of ``folds`` (``results/<config>/fold_<k>/checkpoint_<checkpoint>.pt``); a fold
-    without that checkpoint is refused (``check_trained``)."""
-    check_trained(workspace, config, folds, checkpoint)
+    without that checkpoint is refused, advising the command that trains it."""
+    for fold in folds:
+        if not (path := workspace.checkpoint(config.name, fold, checkpoint)).is_file():
+            raise InputError(
+                f"{path} not found; train this fold first (`{workspace.advice(f'train fold {fold} -c {config.name}')}`)"
+                " or predict with --folds naming trained ones"
+            )
     return [
         load_trained_network(workspace.checkpoint(config.name, f, checkpoint), plans, config, device) for f in folds
     ]

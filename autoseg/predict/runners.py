@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -32,7 +33,8 @@ from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.archive import MANIFEST, ModelManifest
 from autoseg.predict.graphs import cached_graph, file_digest, graph_member
-from autoseg.predict.networks import Predictor, check_trained, load_trained_network, tile_simulation
+from autoseg.predict.networks import Predictor, load_networks, tile_simulation
+from autoseg.predict.precision_check import checkpoint_bf16_verdict
 from autoseg.predict.runtime_choice import (
     CHOICE_VERSION,
     Candidate,
@@ -42,9 +44,41 @@ from autoseg.predict.runtime_choice import (
     time_candidates,
     timing_tiles,
 )
+from autoseg.predict.runtime_memory import RuntimeWorkingBytes
 from autoseg.predict.window import AUTO, WindowOptions
 
 log = logging.getLogger("autoseg")
+
+
+@dataclass(frozen=True)
+class LoadedFold:
+    """One fold of ``config`` in ``workspace``: its checkpoint's path and its network, loaded once (checked against
+    the plan: ``load_trained_network``); every runner of the fold is built from it (``runner``)."""
+
+    workspace: Workspace
+    plans: Plans
+    config: ConfigurationPlan
+    path: Path  # results/<config>/fold_<k>/checkpoint_<which>.pt
+    network: torch.nn.Module
+
+    @property
+    def what(self) -> str:
+        """The fold as messages name it: "fold 0 of 3d_fullres"."""
+        return f"{self.path.parent.name.replace('_', ' ')} of {self.config.name}"
+
+    def runner(self, window: WindowOptions) -> TileRunner:
+        """The fold as ``window.runtime`` runs it, in ``window``'s precision, with torch's thread count; its working
+        bytes are, for torch, the memory model's simulation of its tile batch (``tile_simulation``), for a graph
+        runtime that runtime's own, measured in a fresh process and kept (``RuntimeWorkingBytes``: a
+        configuration's folds share the measurement, their graphs differing in their weights only)."""
+        simulation = tile_simulation(self.config, window)
+        if window.runtime == "torch":
+            return TorchTileRunner(self.network, torch.device(window.device), simulation.precision, simulation)
+        cache = kept_simulations() or MachineCache(None)
+        graph = fold_graph(self.workspace, self.plans, self.config, self.path, cache)
+        threads = torch.get_num_threads()
+        measured = RuntimeWorkingBytes(graph, window.runtime, threads, simulation, cache)
+        return GRAPH_RUNNERS[window.runtime](graph, measured, threads, simulation.precision, self.what)
 
 
 def load_predictor(
@@ -55,13 +89,18 @@ def load_predictor(
     checkpoint: str,
     window: WindowOptions,
 ) -> Predictor:
-    """``config``'s folds (``checkpoint_<checkpoint>.pt`` of each of ``folds`` in ``workspace``) as a ``Predictor``
-    running ``window.runtime`` in ``window.compute_precision(config)``, ``auto`` ones chosen first
-    (``resolve_auto``; the predictor's window holds the choice). A fold without that checkpoint, or trained with
-    another plan, is refused."""
-    check_trained(workspace, config, folds, checkpoint)
-    window = resolve_auto(workspace, plans, config, folds, checkpoint, window)
-    runners = tuple(fold_runner(workspace, plans, config, fold, checkpoint, window) for fold in folds)
+    """``config``'s folds (``checkpoint_<checkpoint>.pt`` of each of ``folds`` in ``workspace``, each loaded once)
+    as a ``Predictor`` running ``window.runtime`` in ``window.compute_precision(config)``, ``auto`` ones chosen
+    first (``resolve_auto``; the predictor's window holds the choice). A fold without that checkpoint, or trained
+    with another plan, is refused (``load_networks``)."""
+    networks = load_networks(workspace, plans, config, folds, checkpoint, window.device)
+    loaded = [
+        LoadedFold(workspace, plans, config, workspace.checkpoint(config.name, fold, checkpoint), network)
+        for fold, network in zip(folds, networks)
+    ]
+    del networks  # a graph runtime's runners do not hold them
+    window = resolve_auto(loaded, window)
+    runners = tuple(fold.runner(window) for fold in loaded)
     log.info(
         "%s runs %d fold(s) with %s in %s, %d thread(s)",
         config.name,
@@ -73,34 +112,10 @@ def load_predictor(
     return Predictor(runners, plans, config, window)
 
 
-def fold_runner(
-    workspace: Workspace, plans: Plans, config: ConfigurationPlan, fold: int, checkpoint: str, window: WindowOptions
-) -> TileRunner:
-    """Fold ``fold``'s tile runner: its network (``load_trained_network``, which refuses a checkpoint trained with
-    another plan) as ``window.runtime`` runs it, in ``window``'s precision, with torch's thread count; its working
-    bytes are the memory model's simulation of its tile batch (``tile_simulation``)."""
-    path = workspace.checkpoint(config.name, fold, checkpoint)
-    network = load_trained_network(path, plans, config, window.device)
-    simulation = tile_simulation(config, window)  # a graph runtime's own working bytes are not measured yet
-    if window.runtime == "torch":
-        return TorchTileRunner(network, torch.device(window.device), simulation.precision, simulation)
-    del network  # loaded to check it; its graph runs instead
-    graph = fold_graph(workspace, plans, config, path, kept_simulations() or MachineCache(None))
-    what = f"fold {fold} of {config.name}"
-    return GRAPH_RUNNERS[window.runtime](graph, simulation, torch.get_num_threads(), simulation.precision, what)
-
-
-def resolve_auto(
-    workspace: Workspace,
-    plans: Plans,
-    config: ConfigurationPlan,
-    folds: tuple[int, ...],
-    checkpoint: str,
-    window: WindowOptions,
-) -> WindowOptions:
-    """``window`` with ``--runtime auto`` and ``--precision auto`` made concrete for ``config``'s ``folds``: on
-    CUDA, torch in the plan's precision; on the CPU, the fastest candidate timed on this machine
-    (``autoseg.predict.runtime_choice``; bf16 only where every fold's agreement check passed), said on stdout."""
+def resolve_auto(loaded: Sequence[LoadedFold], window: WindowOptions) -> WindowOptions:
+    """``window`` with ``--runtime auto`` and ``--precision auto`` made concrete for the ``loaded`` folds: on CUDA,
+    torch in the plan's precision; on the CPU, the fastest candidate timed on this machine with the first fold
+    (``autoseg.predict.runtime_choice``; bf16 only where every fold's agreement check allows it), said on stdout."""
     if AUTO not in (window.runtime, window.precision):
         return window
     if window.device != "cpu":
@@ -109,8 +124,9 @@ def resolve_auto(
             runtime="torch" if window.runtime == AUTO else window.runtime,
             precision=None if window.precision == AUTO else window.precision,
         )
+    config = loaded[0].config
     found = candidates(window, native_bf16_flag() is not None)
-    found, bf16 = _bf16_eligible(workspace, config, folds, checkpoint, found)
+    found, bf16 = _bf16_eligible(loaded, found)
     if not found:
         raise InputError(
             f"--runtime {window.runtime} --precision {window.precision}: nothing on this machine runs "
@@ -121,7 +137,7 @@ def resolve_auto(
     if len(found) == 1:
         seconds, source = {found[0].name: math.nan}, "the only candidate: not timed"
     else:
-        seconds, source = _timed(workspace, plans, config, folds[0], checkpoint, window, found, tiles)
+        seconds, source = _timed(loaded[0], window, found, tiles)
     choice = RuntimeChoice.fastest(seconds, found, tuple(tiles.shape), source, bf16)
     log.info("%s: %s", config.name, choice.describe())
     print(f"{config.name}: {choice.describe()}")
@@ -129,22 +145,14 @@ def resolve_auto(
 
 
 def _timed(
-    workspace: Workspace,
-    plans: Plans,
-    config: ConfigurationPlan,
-    fold: int,
-    checkpoint: str,
-    window: WindowOptions,
-    found: tuple[Candidate, ...],
-    tiles: torch.Tensor,
+    fold: LoadedFold, window: WindowOptions, found: tuple[Candidate, ...], tiles: torch.Tensor
 ) -> tuple[dict[str, float], str]:
-    """Each of ``found`` timed on ``tiles`` with fold ``fold``'s network (``time_candidates``), kept per machine
-    and model in the command's cache; (seconds by candidate name, where they came from)."""
-    path = workspace.checkpoint(config.name, fold, checkpoint)
+    """Each of ``found`` timed on ``tiles`` with ``fold``'s network (``time_candidates``), kept per machine and
+    model in the command's cache; (seconds by candidate name, where they came from)."""
     key = {
         "version": CHOICE_VERSION,
         **machine_key(),
-        "checkpoint_sha256": file_digest(path),
+        "checkpoint_sha256": file_digest(fold.path),
         "candidates": [c.name for c in found],
         "tile_batch": list(tiles.shape),
         "threads": torch.get_num_threads(),
@@ -152,20 +160,13 @@ def _timed(
     }
 
     def build(candidate: Candidate) -> TileRunner:
-        concrete = replace(window, runtime=candidate.runtime, precision=candidate.precision)
-        return fold_runner(workspace, plans, config, fold, checkpoint, concrete)
+        return fold.runner(replace(window, runtime=candidate.runtime, precision=candidate.precision))
 
     cache = kept_simulations() or MachineCache(None)
     return cache.measured("runtime_seconds", key, lambda: time_candidates(found, build, tiles))
 
 
-def _bf16_eligible(
-    workspace: Workspace,
-    config: ConfigurationPlan,
-    folds: tuple[int, ...],
-    checkpoint: str,
-    found: tuple[Candidate, ...],
-) -> tuple[tuple[Candidate, ...], str]:
+def _bf16_eligible(loaded: Sequence[LoadedFold], found: tuple[Candidate, ...]) -> tuple[tuple[Candidate, ...], str]:
     """``found`` without the bf16 candidates whose runtime some fold's agreement check does not allow
     (``bf16_verdict``), and why bf16 is or is not eligible ("" when no candidate computes in bf16)."""
     runtimes = sorted({c.runtime for c in found if c.precision == "bf16"})
@@ -173,7 +174,7 @@ def _bf16_eligible(
         return found, ""
     refused, said = set(), []
     for runtime in runtimes:
-        verdicts = [bf16_verdict(workspace, config, fold, checkpoint, runtime) for fold in folds]
+        verdicts = [bf16_verdict(fold, runtime) for fold in loaded]
         allowed = all(ok for ok, _ in verdicts)
         said.append(f"{runtime} {'eligible' if allowed else 'refused'}: {'; '.join(why for _, why in verdicts)}")
         if not allowed:
@@ -182,11 +183,11 @@ def _bf16_eligible(
     return kept, " / ".join(said)
 
 
-def bf16_verdict(
-    workspace: Workspace, config: ConfigurationPlan, fold: int, checkpoint: str, runtime: str
-) -> tuple[bool, str]:
-    """Whether fold ``fold``'s stored agreement check lets ``runtime`` compute it in bf16, and why."""
-    return False, f"fold {fold} carries no bf16 agreement check"
+def bf16_verdict(fold: LoadedFold, runtime: str) -> tuple[bool, str]:
+    """Whether ``fold``'s stored agreement check lets ``runtime`` compute it in bf16, and why
+    (``checkpoint_bf16_verdict``: the check beside its checkpoint, made for that very file)."""
+    allowed, why = checkpoint_bf16_verdict(fold.path, runtime)
+    return allowed, why if fold.what in why else f"{fold.what}: {why}"
 
 
 def fold_graph(

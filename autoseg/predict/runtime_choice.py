@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from autoseg.core.errors import InputError, RunError
 from autoseg.core.extras import RUNTIMES, installed
 from autoseg.core.machine import Measurement
 from autoseg.core.resources import busy_by_others, cpu_busy_seconds, cpu_count
@@ -100,13 +101,19 @@ def time_candidates(
     found: Sequence[Candidate], build: Callable[[Candidate], TileRunner], tiles: torch.Tensor
 ) -> Measurement:
     """Each of ``found`` built (``build``: one fold's runner) and timed on ``tiles`` (``time_runner``), one at a
-    time; not to be kept when other processes kept the CPUs busy meanwhile (``busy_by_others``)."""
+    time; not to be kept when other processes kept the CPUs busy meanwhile (``busy_by_others``). A candidate that
+    cannot be built or run (e.g. its ONNX graph failed the agreement check: ``RunError``) is None, with a warning
+    naming why: no candidate of ``auto`` stops a prediction that another can run."""
     busy, own, wall = cpu_busy_seconds(), time.process_time(), time.perf_counter()
-    seconds = {}
+    seconds: dict[str, float | None] = {}
     for candidate in found:
-        runner = build(candidate)
-        seconds[candidate.name] = time_runner(runner, tiles)
-        del runner  # one candidate's weights and compiled graph at a time
+        try:
+            runner = build(candidate)
+            seconds[candidate.name] = time_runner(runner, tiles)
+        except (InputError, RunError) as e:
+            log.warning("--runtime auto: %s is left out: %s", candidate.name, e)
+            seconds[candidate.name] = None
+        runner = None  # one candidate's weights and compiled graph at a time
     busy_after = cpu_busy_seconds()
     own, wall = time.process_time() - own, time.perf_counter() - wall
     others = None if busy is None or busy_after is None else max(busy_after - busy - own, 0.0) / max(wall, 1e-9)
@@ -126,21 +133,34 @@ class RuntimeChoice:
     (``source``), and why bf16 was or was not among the candidates (``bf16``)."""
 
     chosen: Candidate
-    seconds: dict[str, float]
+    seconds: dict[str, float | None]  # None: the candidate could not run
     tile_batch: tuple[int, ...]
     source: str
     bf16: str
 
     @classmethod
     def fastest(
-        cls, seconds: dict[str, float], found: Sequence[Candidate], tile_batch: tuple[int, ...], source: str, bf16: str
+        cls,
+        seconds: dict[str, float | None],
+        found: Sequence[Candidate],
+        tile_batch: tuple[int, ...],
+        source: str,
+        bf16: str,
     ) -> RuntimeChoice:
-        chosen = min(found, key=lambda c: seconds[c.name])
-        return cls(chosen, seconds, tile_batch, source, bf16)
+        """The candidate of ``found`` with the fewest ``seconds`` (None: it could not run); refused when none ran."""
+        ran = [c for c in found if seconds[c.name] is not None]
+        if not ran:
+            raise RunError(
+                f"--runtime auto: none of {', '.join(c.name for c in found)} could run this model (the warnings above "
+                "say why); predict with --runtime torch --precision fp32"
+            )
+        return cls(min(ran, key=lambda c: seconds[c.name]), seconds, tile_batch, source, bf16)
 
     def describe(self) -> str:
-        """One line: the choice, each candidate's seconds (fastest first), where they came from, and bf16's verdict."""
-        timed = ", ".join(f"{n} {s:.3f} s" for n, s in sorted(self.seconds.items(), key=lambda item: item[1]))
+        """One line: the choice, each candidate's seconds (fastest first; "could not run"), where they came from, and
+        bf16's verdict."""
+        ordered = sorted(self.seconds.items(), key=lambda item: math.inf if item[1] is None else item[1])
+        timed = ", ".join(f"{n} {'could not run' if s is None else f'{s:.3f} s'}" for n, s in ordered)
         return (
             f"runtime {self.chosen.runtime}, precision {self.chosen.precision} (auto: per tile batch "
             f"{self.tile_batch}: {timed}; {self.source}){f'; bf16: {self.bf16}' if self.bf16 else ''}"

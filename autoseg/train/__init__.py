@@ -11,6 +11,7 @@ checked against the first real steps, and ``autoseg check-memory``), ``memory_pr
 on CPU and CUDA), ``memory_report`` (its rows, verdict, log line and table), ``schedule``, ``prediction_rates`` (the
 final validation's prediction timed for the time budget), ``data_pipeline`` (loader workers, precomputed copies),
 ``patch_validation``, ``curves``, ``validation``, ``fold_data`` (a fold's cases and, for the cascade, each case's
-out-of-fold previous-stage label map).
+out-of-fold previous-stage label map), ``precision_check`` (the fold's bf16 agreement check made: after the final
+validation, and for ``autoseg export-model``).
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.
 """

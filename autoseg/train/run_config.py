@@ -20,6 +20,8 @@ class RunConfig:
     ``loader_workers``: batch-building worker processes (None: the plan's, sized by its host RAM budget).
     ``use_precomputed``: sample the precomputed spatially augmented copies instead of rotating and scaling
     on the fly (None: yes when every training case has copies; True fails if a case has none).
+    ``precision_check``: after the final validation, on a CPU with native bf16, predict its cases in fp32 and bf16
+    too and store the fold's bf16 agreement check (``autoseg.train.precision_check``).
     """
 
     epochs: int = 1000
@@ -31,6 +33,7 @@ class RunConfig:
     loader_workers: int | None = None  # None: the configuration's planned loader_workers
     use_precomputed: bool | None = None  # None: when every training case has precomputed augmented copies
     validate: bool = True  # predict and evaluate the fold's validation cases at the end
+    precision_check: bool = True  # then the bf16 agreement check on those cases (native bf16 CPUs only)
     resume: bool = False
     time_budget_s: float | None = None
     cpu_threads: int | None = None

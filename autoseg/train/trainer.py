@@ -218,7 +218,8 @@ def _log_start(training: TrainingRun) -> None:
 
 
 def _finish(training: TrainingRun) -> Path:
-    """checkpoint_final.pt; on rank 0 run.json and, when the run validates, the final validation."""
+    """checkpoint_final.pt; on rank 0 run.json and, when the run validates, the final validation and then the bf16
+    agreement check (``run.precision_check``)."""
     job, run = training.job, training.job.run
     training.save("final")
     if not training.ranks.is_main:
@@ -242,14 +243,21 @@ def _finish(training: TrainingRun) -> Path:
         run.device,
         job.show_progress,
     )
+    validation_seconds = job.clock() - t0
     if training.budget is not None:
         log.info(
             "time budget %.0f s: the final validation took %.1f s (estimated %.1f s); the run ended at %.1f s",
             training.budget.budget_seconds,
-            job.clock() - t0,
+            validation_seconds,
             final.estimated_seconds,
             job.clock() - job.started,
         )
+    if run.precision_check:
+        from autoseg.train.precision_check import check_after_validation
+
+        budget = training.budget
+        left = None if budget is None else budget.budget_seconds - (job.clock() - job.started)
+        check_after_validation(job.workspace, job.plans, job.config_name, job.fold, final, validation_seconds, left)
     return job.out
 
 

@@ -300,3 +300,15 @@ def test_the_plan_asks_each_runner_for_its_working_bytes() -> None:
     assert inference_memory(setting, 2, runners=[simulated]) == inference_memory(setting, 2)
     one, two = (plan_inference(setting, 4 * GiB, runners=[simulated] * n) for n in (1, 2))
     assert two.parameter_bytes == 2 * one.parameter_bytes and two.peak_bytes == one.peak_bytes + one.parameter_bytes
+
+
+def test_each_fold_s_held_bytes_stay_beside_the_others_forward_pass() -> None:
+    """A graph runtime keeps its arena after its call (``held_bytes``): during one fold's forward pass the other folds
+    hold theirs, so an ensemble's tile peak is every fold's held bytes plus the largest pass beyond its own."""
+    setting = InferenceSetting(TOPO3D, (8, 16, 16), (10, 20, 30), 3)
+    first = _Reported(TileBatchBytes(1000, 5000, 0, 0, 0, held_bytes=4000))
+    second = _Reported(TileBatchBytes(1000, 6000, 0, 0, 0, held_bytes=3000))
+    memory = inference_memory(setting, 1, runners=[first, second])
+    assert (memory.tile_bytes, memory.parameter_bytes) == (4000 + 3000 + 3000, 2000)
+    alone = inference_memory(setting, 1, runners=[first])
+    assert alone.tile_bytes == 5000

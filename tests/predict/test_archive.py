@@ -3,6 +3,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -23,6 +24,14 @@ from autoseg.model.onnx_graph import available_runtime, export_graph, run_graph
 from autoseg.plan.plans import Plans
 from autoseg.predict.archive import MANIFEST, export_model, with_graphs
 from autoseg.predict.archive_reader import open_model_archive
+from autoseg.predict.graphs import file_digest
+from autoseg.predict.precision_check import (
+    CheckedCheckpoint,
+    PrecisionCheck,
+    bf16_verdict,
+    precision_check_path,
+    read_precision_check,
+)
 
 CONFIG = "3d_fullres"
 
@@ -291,5 +300,49 @@ def test_open_refuses_a_damaged_or_mismatched_graph_naming_it(
         data = export_graph(build_network(other), torch.zeros(1, 1, *config.patch_size))
     bad = _write(tmp_path / "bad.zip", {**members, name: data}, resign=True)
     with pytest.raises(InputError, match=f"{bad}: member {name}: {named}"):
+        with open_model_archive(bad, load_checkpoints=False):
+            pass
+
+
+@pytest.fixture(scope="module")
+def checked_archive(workspace: Workspace, tmp_path_factory) -> Path:
+    """An export of a copy of ``workspace`` whose fold 0 carries a hand-made bf16 agreement check of its checkpoint;
+    fold 1 carries one of another checkpoint (stale), which the export leaves out."""
+    ws = Workspace.at(tmp_path_factory.mktemp("checked") / "ws")
+    shutil.copytree(workspace.root, ws.root)
+    for fold, sha256 in ((0, file_digest(ws.checkpoint(CONFIG, 0, "final"))), (1, "0" * 64)):
+        identity = CheckedCheckpoint(CONFIG, fold, "final", sha256, ("demo_000",), ("organ",), "4")
+        check = PrecisionCheck.of(identity, {"organ": 0.9}, {"torch": {"organ": 0.8995}})
+        check.to_json(precision_check_path(ws, CONFIG, fold))
+    out = tmp_path_factory.mktemp("exported") / "checked.zip"
+    export_model(ws, out)
+    return out
+
+
+def test_a_folds_check_travels_in_the_archive_beside_its_checkpoint(checked_archive: Path, tmp_path: Path) -> None:
+    with open_model_archive(checked_archive, load_checkpoints=False) as model:
+        assert model.manifest.precision_checks == (f"results/{CONFIG}/fold_0/precision_check.json",)  # not fold 1's
+        check = read_precision_check(model.workspace, CONFIG, 0)
+        sha256 = file_digest(model.workspace.checkpoint(CONFIG, 0, "final"))
+        assert bf16_verdict(check, "torch", sha256)[0]
+        assert read_precision_check(model.workspace, CONFIG, 1) is None
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (lambda b: b.replace(b"0.8995", b"0.9995"), "sha256 [0-9a-f]+ differs from the manifest's"),  # damaged
+        (lambda b: b.replace(b'"schema_version": 1', b'"schema_version": 9'), "schema_version 9 is not the supp"),
+        (lambda b: re.sub(rb'"checkpoint_sha256": "\w+"', b'"checkpoint_sha256": "' + b"1" * 64 + b'"', b), "another"),
+    ],
+)
+def test_open_refuses_a_damaged_check_or_one_of_another_checkpoint(
+    checked_archive: Path, tmp_path: Path, change, named: str
+) -> None:
+    name = f"results/{CONFIG}/fold_0/precision_check.json"
+    members = _members(checked_archive)
+    resign = "differs" not in named  # a damaged member is caught by its sum; a forged one by its content
+    bad = _write(tmp_path / "bad.zip", {**members, name: change(members[name])}, resign=resign)
+    with pytest.raises(InputError, match=f"{bad}: member {name}: .*{named}"):
         with open_model_archive(bad, load_checkpoints=False):
             pass

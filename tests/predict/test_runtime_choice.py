@@ -12,13 +12,16 @@ from pathlib import Path
 import pytest
 from extras import require_extra
 
-from autoseg.core.errors import InputError
+from autoseg.core.errors import InputError, RunError
 from autoseg.core.machine import keep_simulations_in
 from autoseg.core.workspace import Workspace
 from autoseg.model.graph_runners import OpenVinoTileRunner
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
 from autoseg.predict import runners, runtime_choice
+from autoseg.predict.graphs import file_digest
+from autoseg.predict.networks import load_trained_network
+from autoseg.predict.precision_check import PRECISION_CHECK_FILE, CheckedCheckpoint, PrecisionCheck
 from autoseg.predict.runtime_choice import Candidate, candidates
 from autoseg.predict.window import AUTO, WindowOptions
 
@@ -80,9 +83,14 @@ def workspace(trained: Path, tmp_path: Path, monkeypatch) -> Workspace:
     keep_simulations_in(None)
 
 
-def _resolve(workspace: Workspace, window: WindowOptions) -> WindowOptions:
+def _fold(workspace: Workspace) -> runners.LoadedFold:
     plans = Plans.from_json(workspace.plans_path)
-    return runners.resolve_auto(workspace, plans, plans.configuration(CONFIG), (0,), "final", window)
+    config, path = plans.configuration(CONFIG), workspace.checkpoint(CONFIG, 0, "final")
+    return runners.LoadedFold(workspace, plans, config, path, load_trained_network(path, plans, config, "cpu"))
+
+
+def _resolve(workspace: Workspace, window: WindowOptions) -> WindowOptions:
+    return runners.resolve_auto([_fold(workspace)], window)
 
 
 def test_auto_takes_the_fastest_fp32_without_an_agreement_check_and_says_why(workspace, monkeypatch, capsys) -> None:
@@ -95,18 +103,33 @@ def test_auto_takes_the_fastest_fp32_without_an_agreement_check_and_says_why(wor
     said = capsys.readouterr().out
     assert "3d_fullres: runtime openvino, precision fp32 (auto: per tile batch (" in said
     assert "openvino fp32 0.450 s, onnxruntime fp32 0.700 s, torch fp32 1.000 s; measured now, cached in" in said
-    assert "bf16: openvino refused: fold 0 carries no bf16 agreement check" in said
+    assert "bf16: openvino refused: fold 0 of 3d_fullres: the model carries no bf16 agreement check" in said
 
 
 def test_bf16_is_taken_where_every_folds_check_allows_it(workspace, monkeypatch, capsys) -> None:
     _Timings(monkeypatch)
-    monkeypatch.setattr(runners, "bf16_verdict", lambda ws, config, fold, ckpt, runtime: (runtime == "openvino", "x"))
+    monkeypatch.setattr(runners, "bf16_verdict", lambda fold, runtime: (runtime == "openvino", "x"))
     chosen = _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO))
     assert (chosen.runtime, chosen.precision) == ("openvino", "bf16")
     assert "bf16: openvino eligible: x / torch refused: x" in capsys.readouterr().out
     slow_bf16 = SECONDS | {"OpenVinoTileRunner bf16": 0.6}  # slower than openvino fp32 here: not taken
     keep_simulations_in(None)
     _Timings(monkeypatch, slow_bf16)
+    assert _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO)).precision == "fp32"
+
+
+def test_a_stored_check_of_this_checkpoint_lets_auto_take_bf16_where_it_passed(workspace, monkeypatch, capsys) -> None:
+    _Timings(monkeypatch)
+    path = workspace.checkpoint(CONFIG, 0, "final")
+    identity = CheckedCheckpoint(CONFIG, 0, "final", file_digest(path), ("a",), ("organ",), "4")
+    bf16 = {"openvino": {"organ": 0.9005}, "torch": {"organ": 0.9030}}  # torch's is 0.003 off: refused
+    PrecisionCheck.of(identity, {"organ": 0.9}, bf16).to_json(path.parent / PRECISION_CHECK_FILE)
+    chosen = _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO))
+    assert (chosen.runtime, chosen.precision) == ("openvino", "bf16")
+    said = capsys.readouterr().out
+    assert "bf16: openvino eligible: " in said and "torch refused: " in said and "organ" in said
+    path.write_bytes(path.read_bytes() + b"\0")  # another checkpoint: the check is not its own
+    keep_simulations_in(None)
     assert _resolve(workspace, WindowOptions(runtime=AUTO, precision=AUTO)).precision == "fp32"
 
 
@@ -146,14 +169,32 @@ def test_the_timed_runners_are_the_real_ones(workspace) -> None:
     window = WindowOptions(runtime=AUTO, precision=AUTO)
     tiles = runtime_choice.timing_tiles(config, window)
     assert tiles.shape[1:] == (1, *config.inference_tile("planned")) and 1 <= tiles.shape[0] <= 4
-    built = []
+    built, fold = [], _fold(workspace)
 
     def build(candidate: Candidate):
-        concrete = WindowOptions(runtime=candidate.runtime, precision=candidate.precision)
-        built.append(runners.fold_runner(workspace, plans, config, 0, "final", concrete))
+        built.append(fold.runner(WindowOptions(runtime=candidate.runtime, precision=candidate.precision)))
         return built[-1]
 
     measured = runtime_choice.time_candidates(candidates(window, True), build, tiles)
     assert set(measured.value) == set(EVERY) and all(s > 0 for s in measured.value.values())
     assert isinstance(built[0], TorchTileRunner) and isinstance(built[-1], OpenVinoTileRunner)
     assert built[-1].precision == "bf16"
+
+
+def test_a_candidate_that_cannot_run_is_left_out_saying_why(workspace, monkeypatch, capsys, caplog) -> None:
+    _Timings(monkeypatch)
+
+    def refused(*args):
+        raise RunError("the ONNX graph of fold 0 of 3d_fullres does not compute what torch computes: argmax 99.63%")
+
+    monkeypatch.setattr(runners, "fold_graph", refused)
+    chosen = _resolve(workspace, WindowOptions(runtime=AUTO, precision="fp32"))
+    assert (chosen.runtime, chosen.precision) == ("torch", "fp32")
+    assert "torch fp32 1.000 s, onnxruntime fp32 could not run, openvino fp32 could not run" in capsys.readouterr().out
+    assert "--runtime auto: openvino fp32 is left out: the ONNX graph of fold 0 of 3d_fullres does not" in caplog.text
+    keep_simulations_in(None)
+    none_ran = {"onnxruntime fp32": None, "openvino fp32": None}
+    with pytest.raises(RunError, match="none of onnxruntime fp32, openvino fp32 could run this model"):
+        runtime_choice.RuntimeChoice.fastest(
+            none_ran, [Candidate("onnxruntime", "fp32"), Candidate("openvino", "fp32")], (1,), "", ""
+        )

@@ -44,7 +44,7 @@ def test_options_resolve_against_each_configuration() -> None:
         (WindowOptions(tta="9"), "--tta '9'"),
         (WindowOptions(tile="huge"), "tile 'huge'"),
         (WindowOptions(accumulator="float8"), "--accumulator 'float8'"),
-        (WindowOptions(runtime="tensorrt"), "--runtime 'tensorrt': use one of torch, onnxruntime, openvino"),
+        (WindowOptions(runtime="tensorrt"), "--runtime 'tensorrt': use one of auto, torch, onnxruntime, openvino"),
         (WindowOptions(device="cuda", runtime="openvino"), "--runtime openvino runs on the CPU"),
         (WindowOptions(precision="fp8"), "precision 'fp8' is not known"),
         (WindowOptions(precision="fp16"), "--precision fp16 runs on CUDA only"),
