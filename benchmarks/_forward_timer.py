@@ -1,21 +1,23 @@
-"""Run one tool's predictor in this process and time the network's forward passes (benchmarks/predict.py).
+"""Run one tool's predictor in this process and time its network calls (benchmarks/predict.py).
 
     python _forward_timer.py OUT.json autoseg predict -i ... -o ...      # autoseg.cli.main.main([...])
     python _forward_timer.py OUT.json nnunet -i ... -o ... -m ...        # nnUNetv2_predict_from_modelfolder
 
-Global module hooks (``register_module_forward_pre_hook`` / ``register_module_forward_hook``) with a depth
-counter per thread time only the outermost module call, so a forward pass counts once whatever it calls
-inside, in both tools alike. Forward calls made while measuring the thread count (autoseg's
-``fastest_thread_count``: a few tile batches of zeros before the first case) or on ``meta`` or fake tensors (a
-memory model tracing the network) are summed apart, as "probe" seconds: they segment nothing. OUT.json gets the
-summed forward seconds, the number of outermost calls, the probe seconds, the seconds from the start of this
-script to its first forward pass on a case and to its end, and the exit status. Standard library and torch
-only: it runs in nnU-Net's venv too. The work starts only under ``__name__ == "__main__"``, since nnU-Net's
-spawned worker processes import this file again.
+autoseg: every tile runner's call is timed (``TILE_RUNNERS``: torch's and the graph runtimes' alike, since a graph
+runtime makes no torch forward call). nnU-Net: global module hooks (``register_module_forward_pre_hook`` /
+``register_module_forward_hook``) with a depth counter per thread time only the outermost module call, so a forward
+pass counts once whatever it calls inside. Calls made by a probe (``PROBES``: autoseg's ``--runtime auto`` timing its
+candidates on a tile batch before the first case) or on ``meta`` or fake tensors (a memory model tracing the network)
+are summed apart, as "probe" seconds: they segment nothing. OUT.json gets the summed forward seconds, the number of
+outermost calls, the probe seconds, the seconds from the start of this script to its first forward pass on a case and
+to its end, and the exit status. Standard library and torch only: it runs in nnU-Net's venv too. The work starts only
+under ``__name__ == "__main__"``, since nnU-Net's spawned worker processes import this file again.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import json
 import os
 import sys
@@ -23,7 +25,9 @@ import threading
 import time
 
 START = time.perf_counter()
-PROBES = frozenset({"fastest_thread_count"})  # functions whose forward calls are not predictions
+PROBES = frozenset({"time_runner"})  # functions whose forward calls are not predictions
+# autoseg's tile runners (module, class): every runtime's tile batches pass through these calls
+TILE_RUNNERS = (("autoseg.model.torch_runner", "TorchTileRunner"), ("autoseg.model.graph_runners", "_GraphTileRunner"))
 
 
 class ForwardTimer:
@@ -37,10 +41,28 @@ class ForwardTimer:
         self._lock = threading.Lock()
 
     def install(self) -> None:
+        """Time every module's outermost forward call (any torch model)."""
         from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 
         register_module_forward_pre_hook(self._pre)
         register_module_forward_hook(self._post)
+
+    def install_on_runners(self) -> None:
+        """Time every call of autoseg's tile runners (``TILE_RUNNERS``), whatever runtime is behind them."""
+        for module_name, class_name in TILE_RUNNERS:
+            runner = getattr(importlib.import_module(module_name), class_name)
+            runner.__call__ = self._timed(runner.__call__)
+
+    def _timed(self, call):
+        @functools.wraps(call)
+        def timed(runner, tile_batch):
+            self._pre(runner, (tile_batch,))
+            try:
+                return call(runner, tile_batch)
+            finally:
+                self._post(runner, (tile_batch,), None)
+
+        return timed
 
     def _pre(self, module, args) -> None:
         depth = getattr(self._local, "depth", 0)
@@ -129,7 +151,10 @@ def main() -> None:
 
         passive_openmp_waiting(os.environ)
     timer = ForwardTimer()
-    timer.install()
+    if tool == "autoseg":
+        timer.install_on_runners()
+    else:
+        timer.install()
     code = 1
     try:
         code = run(tool, argv)

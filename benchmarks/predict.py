@@ -1,246 +1,74 @@
-"""Seconds per case, peak memory and forward-pass share of `autoseg predict`, beside nnU-Net v2's predictor.
+"""Seconds per case, peak memory, forward share and label quality of `autoseg predict` in every runtime, beside
+nnU-Net v2's predictor.
 
 Generates (once, cached under ``--work``) a CT-like dataset with 12 foreground classes at 0.8x0.8x2.5 mm
 (``--cases`` training cases plus held-out ones of about ``--shape`` voxels, benchmarks/_cases.py) and one
 large case of ``--large`` voxels with the same classes in the same proportions. It plans, preprocesses and
-briefly trains fold 0 (default 1 x 2 iterations) with autoseg (planned for an 8 GiB GPU by default, the
-network nnU-Net would plan, trained on the CPU: ``--epochs`` x ``--iterations``), and with ``--nnunet-python
-PATH`` (an interpreter of a venv with nnunetv2) nnU-Net's 3d_fullres the same way. Each tool then predicts, on
-the CPU, the ``--typical`` held-out cases in one run and the large case in another, each run in a fresh
-process under benchmarks/_forward_timer.py, which times the network's outermost forward calls. Printed per
-run:
+trains fold 0 with autoseg (planned for an 8 GiB GPU by default, the network nnU-Net would plan, trained on the
+CPU for ``--train-budget`` (autoseg's ``--time-budget``: a model whose Dice means something), or ``--epochs`` x
+``--iterations``), and with ``--nnunet-python PATH`` (an interpreter of a venv with nnunetv2) nnU-Net's 3d_fullres
+briefly (``--epochs`` x ``--iterations``: its rows are for time and memory), benchmarks/_predict_models.py.
+
+autoseg runs once per row (benchmarks/_predict_rows.py; ``--runtimes``, default: ``auto`` and every installed
+runtime in each precision this CPU computes: torch fp32 and bf16, onnxruntime fp32, openvino fp32 and bf16, bf16
+only on a CPU with native bf16), all with the same TTA, tile, threads and cases. Each row first predicts one typical
+case untimed (the warm-up: a graph runtime's graph is made and cached, ``auto`` times its candidates), then every
+tool predicts the ``--typical`` held-out cases in one run and the large case in another, each run a fresh process
+under benchmarks/_forward_timer.py (autoseg: every tile runner call timed; nnU-Net: its outermost module forwards),
+the tools' order alternating by round. Per (case, tool), the run with the median wall time:
 
 - seconds per case: the run's wall time (process start to exit: imports, model loading, every stage)
   divided by its cases;
 - peak RSS and PSS of the whole process tree (polled every 0.1 s; PSS shares library pages between
   nnU-Net's worker processes instead of counting them once per process);
-- forward share: the summed forward seconds over the wall time; the rest is "overhead" (autoseg's
-  thread-count probe, a few tile forwards on zeros before the first case, is overhead, shown apart);
+- forward share: the summed forward seconds over the wall time; the rest is "overhead" (``auto``'s timing of its
+  candidates, tile batches before the first case, is overhead, shown apart as "probe forwards");
 - autoseg's predicted peak, from its ``--verbose`` log: the pipeline's "predicted host peak" (the
   whole process), else the largest inference plan's "predicted peak", beside the measured peak RSS;
-- targets (issue 14): overhead <= 15% of the wall time (typical), <= 25% (large); autoseg's peak RSS on
-  the large case <= 1/4 of nnU-Net's; predicted peak within 15% of the measured one.
+- Dice per class against the ground truth (autoseg.evaluate), voxel agreement with torch fp32's label maps, and
+  what ``auto`` chose (its choice line);
+- targets (issue 14): overhead <= 15% of the wall time (typical), <= 25% (large); (issue 27) ``auto`` <= 0.3x and
+  the best fp32-only runtime <= 0.6x torch fp32's seconds per typical case, every class's Dice within 0.002 of torch
+  fp32's, fp32 rows agreeing with torch fp32 on >= 99.9% of voxels, every row's large-case peak RSS <= 1/4 of
+  nnU-Net's, predicted peak within 15% of the measured one.
 
 Test-time mirroring is off for both (``--tta none`` / ``--disable_tta``) unless ``--tta``; nnU-Net runs
 with ``-npp 3 -nps 3`` (its defaults) unless ``--npp/--nps``. ``--quick``: a 64x256x256 large case, one
-typical case: about 20 minutes for the predictions of both tools on this 2-core
-machine, plus about 45 for the first run's preprocessing and training (cached after). ``--autoseg-args``
-adds flags to ``autoseg predict`` (e.g. "--tile-batch-size 1").
+typical case. ``--autoseg-args`` adds flags to every ``autoseg predict`` (e.g. "--tile-batch-size 1"). autoseg's
+per-machine cache (graphs, ``auto``'s timings, tile simulations) is ``$AUTOSEG_CACHE_DIR``, else ``--work``/cache.
 
     python benchmarks/predict.py [--quick] [--nnunet-python /tmp/nnunet-venv/bin/python] [--work DIR]
-        [--large Z Y X] [--typical N] [--epochs E] [--iterations I] [--tta] [--npp N] [--nps N] [--rounds R]
-        [--autoseg-plan gpu8|cpu] [--autoseg-args "..."]
+        [--large Z Y X] [--typical N] [--train-budget 20m] [--epochs E] [--iterations I] [--tta] [--npp N]
+        [--nps N] [--rounds R] [--runtimes auto torch:fp32 ...] [--autoseg-plan gpu8|cpu] [--autoseg-args "..."]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import re
 import shlex
-import shutil
-import sys
 import tempfile
 from pathlib import Path
 
-from _cases import ORGANS, make_cases_dataset, make_large_case
-from _common import nnunet_env, nnunet_python, run_measured, run_nnunet
+from _cases import LABELS, ORGANS, make_cases_dataset, make_large_case
+from _common import nnunet_python
+from _predict_models import Training, prepare_autoseg, prepare_nnunet
+from _predict_rows import (
+    PREDICTION_TOLERANCE,
+    Row,
+    add_quality,
+    default_rows,
+    format_quality,
+    parse_row,
+    runtime_checks,
+)
+from _predict_runs import predict_autoseg, predict_nnunet, typical_inputs
 
 from autoseg.core.units import MiB
 
-HERE = Path(__file__).resolve().parent
-CONFIG = "3d_fullres"
 FULL_LARGE, QUICK_LARGE = (300, 512, 512), (64, 256, 256)
 OVERHEAD_TARGET = {"typical": 0.15, "large": 0.25}
-PREDICTION_TOLERANCE = 0.15
-RSS_RATIO_TARGET = 0.25
-
-
-def prepare_autoseg(dataset: Path, work: Path, plan_device: str, epochs: int, iterations: int) -> Path:
-    """A workspace planned (for ``plan_device``) and preprocessed once, fold 0 trained for ``epochs`` x
-    ``iterations`` (trained again when those change)."""
-    ws = work / f"autoseg_{plan_device}"
-    if not (ws / ".preprocessed").is_file():
-        target = ["--device", "cuda", "--gpu-memory", "8GiB"] if plan_device == "gpu8" else ["--device", "cpu"]
-        r = run_measured(
-            [
-                sys.executable,
-                "-m",
-                "autoseg",
-                "plan_and_preprocess",
-                str(dataset),
-                "-w",
-                str(ws),
-                "-c",
-                CONFIG,
-                "--processes",
-                "2",
-                "--overwrite",
-                *target,
-            ],
-            log_path=work / "autoseg_plan.log",
-        )
-        print(f"autoseg plan_and_preprocess ({plan_device}): {r['seconds']:.0f} s")
-        (ws / ".preprocessed").write_text("")
-    marker = ws / f".trained_{epochs}x{iterations}"
-    if not marker.is_file():
-        for old in ws.glob(".trained_*"):
-            old.unlink()
-        shutil.rmtree(ws / "results", ignore_errors=True)
-        r = run_measured(
-            [
-                sys.executable,
-                "-m",
-                "autoseg",
-                "train",
-                "0",
-                "-w",
-                str(ws),
-                "-c",
-                CONFIG,
-                "--device",
-                "cpu",
-                "--epochs",
-                str(epochs),
-                "--iterations-per-epoch",
-                str(iterations),
-                "--val-iterations",
-                "1",
-                "--no-validation",
-            ],
-            log_path=work / "autoseg_train.log",
-        )
-        print(f"autoseg train fold 0, {epochs} x {iterations} iterations on the CPU: {r['seconds']:.0f} s")
-        marker.write_text("")
-    return ws
-
-
-def prepare_nnunet(python: str, dataset: Path, work: Path, epochs: int, iterations: int) -> tuple[Path, dict]:
-    """nnU-Net's folders under ``work/nnunet``, 3d_fullres preprocessed once and fold 0 trained for ``epochs``
-    x ``iterations`` (benchmarks/_nnunet_train.py); the trained model folder and the environment to run in."""
-    root = work / "nnunet"
-    env = {**os.environ, **nnunet_env(root), "nnUNet_compile": "false", "nnUNet_n_proc_DA": "2"}
-    if not (root / ".preprocessed").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        r = run_nnunet(python, dataset, root, 2, [CONFIG])
-        print(f"nnUNetv2_plan_and_preprocess: {r['seconds']:.0f} s")
-        (root / ".preprocessed").write_text("")
-    results = Path(env["nnUNet_results"])
-    marker = root / f".trained_{epochs}x{iterations}"
-    if not marker.is_file():
-        for old in root.glob(".trained_*"):
-            old.unlink()
-        shutil.rmtree(results, ignore_errors=True)
-        results.mkdir(parents=True)
-        r = run_measured(
-            [python, str(HERE / "_nnunet_train.py"), str(epochs), str(iterations)],
-            env=env,
-            log_path=work / "nnunet_train.log",
-        )
-        print(f"nnU-Net train fold 0, {epochs} x {iterations} iterations on the CPU: {r['seconds']:.0f} s")
-        marker.write_text("")
-    return next(results.glob(f"Dataset*/nnUNetTrainer__nnUNetPlans__{CONFIG}")), env
-
-
-def typical_inputs(dataset: Path, work: Path, count: int) -> Path:
-    """A folder linking the first ``count`` held-out cases (nnU-Net's inference layout)."""
-    folder = work / f"typical_{count}"
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir()
-    images = sorted((dataset / "imagesTs").glob("*_0000.nii.gz"))[:count]
-    if len(images) < count:
-        raise SystemExit(f"{dataset / 'imagesTs'} holds {len(images)} cases; --typical asks for {count}")
-    for image in images:
-        (folder / image.name).symlink_to(image)
-    return folder
-
-
-def run_predictor(tool: str, cmd_args: list[str], python: str, env: dict | None, work: Path, name: str) -> dict:
-    """One predictor run in a fresh process under _forward_timer.py: run_measured's wall time and tree memory,
-    the timer's forward seconds, and the log."""
-    timer = work / f"{name}.timer.json"
-    timer.unlink(missing_ok=True)
-    log = work / f"{name}.log"
-    load = os.getloadavg()[0]
-    r = run_measured([python, str(HERE / "_forward_timer.py"), str(timer), tool, *cmd_args], env=env, log_path=log)
-    return {**r, **json.loads(timer.read_text()), "load_before": load, "log": log}
-
-
-def predict_autoseg(ws: Path, inputs: Path, out: Path, tta: bool, extra: list[str], work: Path, name: str) -> dict:
-    shutil.rmtree(out, ignore_errors=True)
-    args = [
-        "predict",
-        "-i",
-        str(inputs),
-        "-o",
-        str(out),
-        "-w",
-        str(ws),
-        "-c",
-        CONFIG,
-        "-f",
-        "0",
-        "--device",
-        "cpu",
-        "--tta",
-        "all" if tta else "none",
-        "--verbose",
-        *extra,
-    ]
-    r = run_predictor("autoseg", args, sys.executable, None, work, name)
-    return {**r, **parse_autoseg_log(r["log"].read_text())}
-
-
-def predict_nnunet(
-    nnunet: tuple[str, dict, Path], inputs: Path, out: Path, tta: bool, workers: tuple[int, int], work: Path, name: str
-) -> dict:
-    """nnU-Net v2's predictor (``nnunet``: its python, environment and trained model) on ``inputs`` with ``workers``
-    (-npp, -nps) processes."""
-    python, env, model = nnunet
-    npp, nps = workers
-    shutil.rmtree(out, ignore_errors=True)
-    args = [
-        "-i",
-        str(inputs),
-        "-o",
-        str(out),
-        "-m",
-        str(model),
-        "-f",
-        "0",
-        "-device",
-        "cpu",
-        "-npp",
-        str(npp),
-        "-nps",
-        str(nps),
-        "--disable_progress_bar",
-        *([] if tta else ["--disable_tta"]),
-    ]
-    return run_predictor("nnunet", args, python, env, work, name)
-
-
-_MIB = r"([0-9.]+) MiB"
-
-
-def parse_autoseg_log(text: str) -> dict:
-    """From ``autoseg predict --verbose``: the pipeline line, the inference plans, and the predicted peaks:
-    the pipeline's whole-process "predicted host peak" and its own "measured" one, else the largest plan's."""
-    found: dict = {"plans": re.findall(r"case \S+, input .*", text)}
-    pipeline = re.search(r"pipeline: (.*)", text)
-    found["pipeline"] = pipeline.group(1) if pipeline else None
-    host = re.search(rf"predicted host peak {_MIB}", text)
-    plan_peaks = [float(v) for v in re.findall(rf"; predicted peak {_MIB}", text)]
-    if host:
-        found["predicted_bytes"], found["predicted_source"] = float(host.group(1)) * MiB, "pipeline host peak"
-    elif plan_peaks:
-        found["predicted_bytes"], found["predicted_source"] = max(plan_peaks) * MiB, "inference plan peak"
-    self_measured = re.search(rf"host peak: predicted {_MIB}, measured {_MIB}", text)
-    if self_measured:
-        found["self_measured_bytes"] = float(self_measured.group(2)) * MiB
-    return found
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -267,7 +95,7 @@ def format_table(rows: list[dict]) -> str:
     ]
     for r in rows:
         overhead, target = 1 - r["forward_share"], OVERHEAD_TARGET[r["case"]]
-        verdict = "" if r["tool"] != "autoseg" else (" pass" if overhead <= target else " FAIL")
+        verdict = "" if not r["tool"].startswith("autoseg") else (" pass" if overhead <= target else " FAIL")
         predicted, ratio = "-", "-"
         if r.get("predicted_bytes"):
             q = r["predicted_bytes"] / r["peak_rss_bytes"]
@@ -287,30 +115,21 @@ def format_table(rows: list[dict]) -> str:
 
 
 def print_checks(rows: list[dict], large_voxels: int, full_voxels: int) -> None:
-    by = {(r["case"], r["tool"]): r for r in rows}
-    ours, theirs = by.get(("large", "autoseg")), by.get(("large", "nnU-Net v2"))
-    if ours and theirs:
-        q = ours["peak_rss_bytes"] / theirs["peak_rss_bytes"]
-        print(
-            f"large case, autoseg / nnU-Net peak RSS {q:.2f} (target <= {RSS_RATIO_TARGET}: "
-            f"{'pass' if q <= RSS_RATIO_TARGET else 'FAIL'}); PSS "
-            f"{ours['peak_pss_bytes'] / theirs['peak_pss_bytes']:.2f}; wall time "
-            f"{ours['seconds'] / theirs['seconds']:.2f}"
-        )
+    for line in runtime_checks(rows):
+        print(line)
     for r in rows:
         if r.get("self_measured_bytes"):
             print(
-                f"{r['case']}: autoseg's own log: predicted host peak {r['predicted_bytes'] / MiB:.0f} MiB, "
+                f"{r['case']}: {r['tool']}'s own log: predicted host peak {r['predicted_bytes'] / MiB:.0f} MiB, "
                 f"measured {r['self_measured_bytes'] / MiB:.0f} MiB (its peak RSS since the first case)"
             )
     if large_voxels < full_voxels:
-        for tool in ("autoseg", "nnU-Net v2"):
-            r = by.get(("large", tool))
-            if r:
+        for r in rows:
+            if r["case"] == "large":
                 per_voxel = (r["seconds"] - (r["first_forward_s"] or 0)) / large_voxels
                 print(
-                    f"{tool}: {per_voxel * 1e6:.1f} s per million voxels after the first forward pass on the large "
-                    f"case; a {full_voxels / 1e6:.0f} M-voxel case would take about "
+                    f"{r['tool']}: {per_voxel * 1e6:.1f} s per million voxels after the first forward pass on the "
+                    f"large case; a {full_voxels / 1e6:.0f} M-voxel case would take about "
                     f"{(r['first_forward_s'] or 0) + per_voxel * full_voxels:.0f} s at that rate"
                 )
 
@@ -319,15 +138,17 @@ def main() -> None:
     args = _parser().parse_args()
     large_shape = tuple(args.large or (QUICK_LARGE if args.quick else FULL_LARGE))
     typical = args.typical or (1 if args.quick else 3)
-    iterations = args.iterations
-
+    training = Training(args.epochs, args.iterations, args.train_budget)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("AUTOSEG_CACHE_DIR", str(work / "cache"))  # graphs, auto's timings, tile simulations
+    rows, notes = _rows(args.runtimes)
+
     dataset = make_cases_dataset(work, args.cases, max(4, typical), tuple(args.shape))
     large = make_large_case(work, large_shape)
-    ws = prepare_autoseg(dataset, work, args.autoseg_plan, args.epochs, iterations)
+    ws = prepare_autoseg(dataset, work, args.autoseg_plan, training)
     python = nnunet_python(args.nnunet_python)
-    nnunet = None if python is None else prepare_nnunet(python, dataset, work, args.epochs, iterations)
+    nnunet = None if python is None else prepare_nnunet(python, dataset, work, args.epochs, args.iterations)
     typical_folder = typical_inputs(dataset, work, typical)
     voxels = {"typical": _voxels(typical_folder), "large": _voxels(large)}
     cases = {
@@ -336,18 +157,50 @@ def main() -> None:
     print(
         f"{len(ORGANS)} foreground classes; typical: {typical} held-out case(s), "
         f"{voxels['typical'] / 1e6:.1f} M voxels in all; large: {'x'.join(map(str, large_shape))}; "
-        f"TTA {'all' if args.tta else 'none'}; nnU-Net -npp {args.npp} -nps {args.nps}; autoseg planned for "
-        f"{args.autoseg_plan}, both trained {args.epochs} x {iterations} iterations; {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.1f}"
+        f"TTA {'all' if args.tta else 'none'}; nnU-Net -npp {args.npp} -nps {args.nps}, trained {args.epochs} x "
+        f"{args.iterations} iterations; autoseg planned for {args.autoseg_plan}, trained {training.tag}; rows: "
+        f"{', '.join(r.name for r in rows)}; cache {os.environ['AUTOSEG_CACHE_DIR']}; {os.cpu_count()} CPUs, load "
+        f"average {os.getloadavg()[0]:.1f}"
     )
-    if python is None:
-        print("nnU-Net v2: not importable here; pass --nnunet-python PATH to compare")
+    for note in notes + ([] if python else ["nnU-Net v2: not importable here; pass --nnunet-python PATH to compare"]):
+        print(note)
     model = None if nnunet is None else (python, nnunet[1], nnunet[0])
-    runs = _run_rounds(args, cases, ws, model, voxels, work)
-    rows = summarize(runs)
-    print(format_table(rows))
-    print_checks(rows, voxels["large"], FULL_LARGE[0] * FULL_LARGE[1] * FULL_LARGE[2])
+    _warm_up(args, rows, ws, typical_inputs(dataset, work, 1), work)
+    summary = summarize(_run_rounds(args, cases, ws, model, voxels, work, rows))
+    add_quality(summary, _references(dataset, typical_folder, large), {k: v for k, v in LABELS.items() if v})
+    print(format_table(summary), end="\n\n")
+    print(format_quality(summary, [name for name, *_ in ORGANS]), end="\n\n")
+    print_checks(summary, voxels["large"], FULL_LARGE[0] * FULL_LARGE[1] * FULL_LARGE[2])
     print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine slow everything)")
+
+
+def _rows(runtimes: list[str] | None) -> tuple[list[Row], list[str]]:
+    """The rows ``--runtimes`` names, else the default ones, and notes on what is left out."""
+    if not runtimes:
+        return default_rows()
+    rows = [parse_row(t) for t in runtimes]
+    reference = [] if Row("torch", "fp32") in rows else ["torch fp32 is not among --runtimes: no row is compared to it"]
+    return rows, reference
+
+
+def _references(dataset: Path, typical_folder: Path, large: Path) -> dict[str, dict[str, Path]]:
+    """Each case's ground-truth label map, by case kind and id (the held-out labels; the large case's beside it)."""
+    typical = {
+        image.name[: -len("_0000.nii.gz")]: dataset / "labelsTs" / image.name.replace("_0000", "")
+        for image in typical_folder.glob("*_0000.nii.gz")
+    }
+    return {"typical": typical, "large": {"large": large.parent / f"{large.name}_label.nii.gz"}}
+
+
+def _warm_up(args: argparse.Namespace, rows: list[Row], ws: Path, one_case: Path, work: Path) -> None:
+    """Each row predicts one typical case, untimed: a graph runtime's graph is made and kept in the cache, and
+    ``auto`` times its candidates, as on a machine where the model was used before."""
+    for row in rows:
+        name = f"warmup_{row.name.replace(' ', '_')}"
+        extra = row.predict_args() + shlex.split(args.autoseg_args)
+        r = predict_autoseg(ws, one_case, work / "out" / name, args.tta, extra, work, name)
+        choice = f"; chose {r['choice']}" if r.get("choice") else ""
+        print(f"warm-up, {row.tool}: {r['seconds']:.1f} s (probes {r['probe_s']:.1f} s){choice}")
 
 
 def _run_rounds(
@@ -357,20 +210,22 @@ def _run_rounds(
     nnunet: tuple[str, dict, Path] | None,
     voxels: dict[str, int],
     work: Path,
+    rows: list[Row],
 ) -> list[dict]:
     """Every tool on every case, ``args.rounds`` times, the tools' order alternating by round."""
     runs = []
+    tools: list[Row | None] = [*rows] + ([] if nnunet is None else [None])  # None: nnU-Net
     for round_ in range(args.rounds):
         for case, (inputs, count) in cases.items():
-            tools = ["autoseg"] + ([] if nnunet is None else ["nnU-Net v2"])
-            for tool in tools if round_ % 2 == 0 else tools[::-1]:
-                name = f"{'autoseg' if tool == 'autoseg' else 'nnunet'}_{case}_{round_}"
+            for row in tools if round_ % 2 == 0 else tools[::-1]:
+                name = f"{'nnunet' if row is None else row.name.replace(' ', '_')}_{case}_{round_}"
                 out = work / "out" / name
-                if tool == "autoseg":
-                    r = predict_autoseg(ws, inputs, out, args.tta, shlex.split(args.autoseg_args), work, name)
-                else:
+                if row is None:
                     r = predict_nnunet(nnunet, inputs, out, args.tta, (args.npp, args.nps), work, name)
-                r.update(case=case, tool=tool, cases=count, voxels=voxels[case])
+                else:
+                    extra = row.predict_args() + shlex.split(args.autoseg_args)
+                    r = predict_autoseg(ws, inputs, out, args.tta, extra, work, name)
+                r.update(case=case, tool="nnU-Net v2" if row is None else row.tool, cases=count, voxels=voxels[case])
                 runs.append(r)
                 _print_run(round_, r)
     return runs
@@ -407,7 +262,16 @@ def _parser() -> argparse.ArgumentParser:
         help=f"the large case (default {'x'.join(map(str, FULL_LARGE))})",
     )
     parser.add_argument("--typical", type=int, default=None, help="held-out cases predicted in one run (default 3)")
-    parser.add_argument("--epochs", type=int, default=1, help="training epochs of both tools")
+    parser.add_argument(
+        "--train-budget",
+        default=None,
+        metavar="DURATION",
+        help="train autoseg's fold 0 for this long (autoseg train --time-budget, e.g. 20m: a model whose Dice "
+        "means something) instead of --epochs x --iterations",
+    )
+    parser.add_argument(
+        "--epochs", type=int, default=1, help="training epochs of nnU-Net, and of autoseg without --train-budget"
+    )
     parser.add_argument(
         "--iterations",
         type=int,
@@ -427,6 +291,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nps", type=int, default=3, help="nnU-Net's export processes (-nps)")
     parser.add_argument("--only", choices=("typical", "large"), default=None, help="predict only this case")
     parser.add_argument("--rounds", type=int, default=1, help="runs per tool and case, alternating; the median")
+    parser.add_argument(
+        "--runtimes",
+        nargs="+",
+        default=None,
+        metavar="ROW",
+        help="autoseg's rows: auto and/or RUNTIME:PRECISION (e.g. torch:fp32 openvino:bf16); default: auto and every "
+        "installed runtime in each precision this CPU computes. Rows are compared with torch:fp32 where it runs",
+    )
     parser.add_argument("--autoseg-args", default="", help='more flags for autoseg predict, e.g. "--tile-batch-size 1"')
     parser.add_argument("--nnunet-python", default=None, help="python of a venv with nnunetv2 installed")
     return parser
@@ -439,7 +311,9 @@ def _print_run(round_: int, r: dict) -> None:
         f"{r['peak_rss_bytes'] / MiB:.0f} MiB, PSS {r['peak_pss_bytes'] / MiB:.0f} MiB, load before "
         f"{r['load_before']:.1f}; log {r['log']}"
     )
-    if r["tool"] == "autoseg":
+    if r["tool"].startswith("autoseg"):
+        if r.get("choice"):
+            print(f"  chose {r['choice']}")
         print(f"  pipeline: {r['pipeline']}\n  plan: " + "\n  plan: ".join(r["plans"][:2]))
 
 
