@@ -31,6 +31,8 @@ def archive(trained: Path, tmp_path_factory) -> Path:
     assert main(["-q", "export-model", str(out), "-w", str(trained)]) == 0
     return out
 
+# two runs compared byte for byte: one runtime for both (auto may choose again on a busy machine)
+TORCH = ("--runtime", "torch")
 
 def _members(path: Path) -> dict[str, bytes]:
     with zipfile.ZipFile(path) as zf:
@@ -53,7 +55,7 @@ def test_a_model_predicts_elsewhere_without_its_workspace_identically(
 ) -> None:
     ws, images = tmp_path / "ws", tiny_dataset / "imagesTs"
     shutil.copytree(trained, ws)
-    result = run_cli(capsys, "predict", "-i", images, "-o", tmp_path / "from_ws", "-w", ws, "--no-mirror")
+    result = run_cli(capsys, "predict", "-i", images, "-o", tmp_path / "from_ws", "-w", ws, "--no-mirror", *TORCH)
     assert result.status == 0, result.err
     model = tmp_path / "model.zip"
     skipped = run_cli(capsys, "export-model", tmp_path / "unchecked.zip", "-w", ws, "--no-precision-check")
@@ -70,7 +72,7 @@ def test_a_model_predicts_elsewhere_without_its_workspace_identically(
     fresh.mkdir()
     monkeypatch.chdir(fresh)
     before = _model_folders()
-    result = run_cli(capsys, "predict", "-m", moved, "-i", images, "-o", "out", "--no-mirror")
+    result = run_cli(capsys, "predict", "-m", moved, "-i", images, "-o", "out", "--no-mirror", *TORCH)
     assert result.status == 0, result.err
     assert snapshot(fresh / "out") == snapshot(tmp_path / "from_ws") != {}
     assert sorted(p.name for p in fresh.iterdir()) == ["out"]  # nothing unpacked into the working directory
