@@ -31,8 +31,10 @@ def archive(trained: Path, tmp_path_factory) -> Path:
     assert main(["-q", "export-model", str(out), "-w", str(trained)]) == 0
     return out
 
+
 # two runs compared byte for byte: one runtime for both (auto may choose again on a busy machine)
 TORCH = ("--runtime", "torch")
+
 
 def _members(path: Path) -> dict[str, bytes]:
     with zipfile.ZipFile(path) as zf:

@@ -76,20 +76,20 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--runtime",
         choices=["auto", *RUNTIMES],
-        default="auto",
-        help="what runs the folds' tiles: auto (the default: on the CPU, the fastest of the installed runtimes and "
-        "precisions, timed once per machine and model; on CUDA torch), torch, or on the CPU each fold's ONNX graph "
-        "(the model archive's, else made from the checkpoint once and kept in the cache folder) run by onnxruntime "
-        '(`pip install "autoseg[onnx]"`) or openvino (`pip install "autoseg[openvino]"`); the sliding window, TTA '
-        "and export are the same",
+        default="torch",
+        help="what runs the folds' tiles: torch (the default), auto (on the CPU, the fastest of the installed "
+        "runtimes and precisions, timed once per machine and model; on CUDA torch), or on the CPU each fold's ONNX "
+        "graph (the model archive's, else made from the checkpoint once and kept in the cache folder) run by "
+        'onnxruntime (`pip install "autoseg[onnx]"`) or openvino (`pip install "autoseg[openvino]"`); the sliding '
+        "window, TTA and export are the same",
     )
     p.add_argument(
         "--precision",
         choices=["auto", "fp32", "bf16", "fp16"],
-        default="auto",
-        help="the precision the folds compute in: auto (the default: on CUDA the plan's; on the CPU fp32, or bf16 "
-        "where the CPU has native bf16, the model's stored agreement check passed and it is faster), fp32, bf16 (on "
-        "CUDA, or a CPU with native bf16: AVX-512 BF16 or AMX), fp16 (CUDA)",
+        default=None,
+        help="the precision the folds compute in (default: the plan's on CUDA, fp32 on the CPU): auto (on the CPU "
+        "fp32, or bf16 where the CPU has native bf16, the model's stored agreement check passed and it is faster), "
+        "fp32, bf16 (on CUDA, or a CPU with native bf16: AVX-512 BF16 or AMX), fp16 (CUDA)",
     )
     p.add_argument(
         "--tile",
