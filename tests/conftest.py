@@ -149,9 +149,10 @@ def inputs(tiny_dataset: Path, tmp_path: Path) -> Path:
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """The tests of the runtime extras (modules that call ``extras.require_extra``, tests on a native-bf16 CPU) run last: after ONNX Runtime,
-    OpenVINO or bf16 (AMX) ran in this process, a later test that trains with worker processes died of SIGSEGV now
-    and then (about 1 suite in 2 here, not understood yet: docs/reliability.md), which ends the whole session."""
+    """The tests of the runtime extras (modules that call ``extras.require_extra``, and tests on a native-bf16 CPU)
+    run last: after ONNX Runtime, OpenVINO or bf16 (AMX) ran in this process, a later test that trains with worker
+    processes died of SIGSEGV now and then (about 1 suite in 2 here, not understood yet: docs/reliability.md), which
+    ends the whole session."""
     items.sort(
         key=lambda item: getattr(item.module, "require_extra", None) is not None or "native_bf16" in item.fixturenames
     )
