@@ -10,6 +10,7 @@ voxels, else ``checked_graph`` raises ``RunError`` naming the fold and the figur
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -84,7 +85,16 @@ def checked_graph(
 
 
 def file_digest(path: Path) -> str:
-    """The sha256 hex digest of the file at ``path``, read in 1 MiB pieces."""
+    """The sha256 hex digest of the file at ``path``, read once per (path, size, modification time) in a process: a
+    prediction asks it of a checkpoint for its graph, its bf16 verdicts and auto's timings."""
+    stat = path.stat()
+    return _digest(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of ``path``, read in 1 MiB pieces; ``size`` and ``mtime_ns`` key the cache (a rewritten file is read
+    again)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -29,11 +29,10 @@ from autoseg.core.precision import native_bf16_flag
 from autoseg.core.workspace import Workspace
 from autoseg.model.graph_runners import GRAPH_RUNNERS
 from autoseg.model.tile_runner import TileRunner
-from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.archive import MANIFEST, ModelManifest
 from autoseg.predict.graphs import cached_graph, file_digest, graph_member
-from autoseg.predict.networks import Predictor, load_networks, tile_simulation
+from autoseg.predict.networks import Predictor, load_networks, tile_simulation, torch_runners
 from autoseg.predict.precision_check import checkpoint_bf16_verdict
 from autoseg.predict.runtime_choice import (
     CHOICE_VERSION,
@@ -71,9 +70,9 @@ class LoadedFold:
         bytes are, for torch, the memory model's simulation of its tile batch (``tile_simulation``), for a graph
         runtime that runtime's own, measured in a fresh process and kept (``RuntimeWorkingBytes``: a
         configuration's folds share the measurement, their graphs differing in their weights only)."""
-        simulation = tile_simulation(self.config, window)
         if window.runtime == "torch":
-            return TorchTileRunner(self.network, torch.device(window.device), simulation.precision, simulation)
+            return torch_runners([self.network], self.config, window)[0]
+        simulation = tile_simulation(self.config, window)
         cache = kept_simulations() or MachineCache(None)
         graph = fold_graph(self.workspace, self.plans, self.config, self.path, cache)
         threads = torch.get_num_threads()
