@@ -103,16 +103,35 @@ def test_quality_dice_per_class_and_voxel_agreement(bench, tmp_path) -> None:
     assert agreement == pytest.approx(30 / 32)
 
 
-def _row(tool: str, seconds: float, dice: float, **more) -> dict:
-    return {"case": "typical", "tool": tool, "seconds": seconds, "cases": 2, "dice": {"a": dice, "b": math.nan}, **more}
+def _row(tool: str, seconds: float, dice: float, startup: float = 1.0, **more) -> dict:
+    """A run of 2 cases taking ``seconds``, of which ``startup`` before its first tile call on a case (its timer
+    started 0.5 s into the process)."""
+    timer = {"in_process_s": seconds - 0.5, "first_forward_s": startup - 0.5}
+    return {
+        "case": "typical",
+        "tool": tool,
+        "seconds": seconds,
+        "cases": 2,
+        "dice": {"a": dice, "b": math.nan},
+        **timer,
+        **more,
+    }
+
+
+def test_speed_per_case_is_measured_after_the_start_up(bench) -> None:
+    _, rows_module = bench
+    run = _row("autoseg auto", 7.0, 0.9, startup=4.0)
+    assert rows_module.startup_seconds(run) == pytest.approx(4.0)
+    assert rows_module.seconds_per_case(run) == pytest.approx(1.5)
 
 
 def test_runtime_checks_hold_each_row_to_issue_27s_targets(bench) -> None:
     _, rows_module = bench
     rss = {"peak_rss_bytes": 1000 * 2**20}
     rows = [
-        _row("autoseg torch fp32", 20.0, 0.900, **rss),
-        _row("autoseg auto", 5.0, 0.901, agreement=0.9999, choice="openvino bf16 (auto: ...)", **rss),
+        _row("autoseg torch fp32", 20.0, 0.900, startup=2.0, **rss),  # 9 s per case after its start-up
+        # 0.28x after start-up, 0.45x whole: the target is held against the first
+        _row("autoseg auto", 9.0, 0.901, startup=4.0, agreement=0.9999, choice="openvino bf16 (auto: ...)", **rss),
         _row("autoseg openvino fp32", 14.0, 0.903, agreement=0.9985, predicted_bytes=1200 * 2**20, **rss),
         {**_row("autoseg torch fp32", 40.0, 0.9), "case": "large", "peak_rss_bytes": 500 * 2**20},
         {**_row("nnU-Net v2", 40.0, 0.5), "case": "large", "peak_rss_bytes": 1000 * 2**20},
@@ -120,8 +139,8 @@ def test_runtime_checks_hold_each_row_to_issue_27s_targets(bench) -> None:
     lines = rows_module.runtime_checks(rows)
     verdicts = {line.rsplit(": ", 1)[0]: line.rsplit(": ", 1)[1] for line in lines}
     by_start = {k.split(" (")[0].split(" =")[0]: v for k, v in verdicts.items()}
-    assert by_start["typical: auto"] == "pass"  # 0.25x
-    assert by_start["typical: best fp32-only runtime"] == "FAIL"  # 0.7x
+    assert by_start["typical: auto"] == "pass"  # 0.28x after start-up (0.45x whole)
+    assert by_start["typical: best fp32-only runtime"] == "FAIL"  # 0.72x
     assert verdicts[next(k for k in verdicts if "openvino fp32: every class's Dice" in k)] == "FAIL"  # 0.003
     assert verdicts[next(k for k in verdicts if "auto: every class's Dice" in k)] == "pass"  # NaN in both: equal
     assert verdicts[next(k for k in verdicts if "openvino fp32: voxels agreeing" in k)] == "FAIL"  # 99.85%
