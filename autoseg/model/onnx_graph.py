@@ -115,6 +115,9 @@ def compile_graph(
         options = module.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        # No memory pattern: it plans one block per input shape and the arena keeps every block, so a run whose
+        # cases fit tiles of several shapes would hold them all (docs/memory.md, "Graph runtimes")
+        options.enable_mem_pattern = False
         session = module.InferenceSession(graph, options, providers=["CPUExecutionProvider"])
         return lambda batch: session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(batch, np.float32)})[0]
     core = module.Core()

@@ -69,3 +69,20 @@ def test_running_a_graph_without_its_runtime_names_the_extra(graph, monkeypatch)
     monkeypatch.setitem(sys.modules, "openvino", None)
     with pytest.raises(InputError, match=r"autoseg\[openvino\]"):
         run_graph(graph, np.zeros((1, 1, 8, 16, 16), np.float32), "openvino")
+
+
+def test_onnxruntime_plans_no_memory_block_per_tile_shape(graph, monkeypatch):
+    """ONNX Runtime's memory pattern keeps one arena block per input shape: a run whose cases fit tiles of several
+    shapes would hold them all, beyond the one shape its working bytes are measured on."""
+    onnxruntime = require_extra("onnxruntime")
+    sessions = []
+    real = onnxruntime.InferenceSession
+
+    def recording(graph_bytes, options, **kwargs):
+        sessions.append(options)
+        return real(graph_bytes, options, **kwargs)
+
+    monkeypatch.setattr(onnxruntime, "InferenceSession", recording)
+    run = onnx_graph.compile_graph(graph, "onnxruntime", threads=1)
+    assert run(np.zeros((1, 1, 8, 16, 16), np.float32)).shape == (1, 3, 8, 16, 16)
+    assert [s.enable_mem_pattern for s in sessions] == [False]
