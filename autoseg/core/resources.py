@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -133,6 +134,26 @@ def cpu_busy_seconds(cpus: Iterable[int] | None = None, stat_path: str = "/proc/
         return ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):  # AttributeError: no os.sysconf (Windows)
         return None
+
+
+class OthersBusy:
+    """The CPUs other processes kept busy on average while a ``with`` block ran: ``cpus`` once it is left (None
+    where /proc/stat is unreadable): every process's busy CPU time (``cpu_busy_seconds``) less this process's own
+    (``time.process_time``), over the block's wall seconds. What tells a timing disturbed (``busy_by_others``)."""
+
+    def __init__(self) -> None:
+        self.cpus: float | None = None
+        self._start: tuple[float | None, float, float] = (None, 0.0, 0.0)
+
+    def __enter__(self) -> OthersBusy:
+        self._start = (cpu_busy_seconds(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        busy, own, wall = self._start
+        busy_after = cpu_busy_seconds()
+        own, wall = time.process_time() - own, time.perf_counter() - wall
+        self.cpus = None if busy is None or busy_after is None else max(busy_after - busy - own, 0.0) / max(wall, 1e-9)
 
 
 # a timing is kept only while other processes took at most this share of the CPUs (and at most a quarter of one)

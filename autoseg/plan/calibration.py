@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoseg.core.machine import MachineCache, Measurement, machine_key
-from autoseg.core.resources import busy_by_others, cpu_busy_seconds, cpu_count
+from autoseg.core.resources import OthersBusy, busy_by_others, cpu_count
 from autoseg.core.units import MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.model.topology import NetworkTopology
@@ -253,17 +253,14 @@ class Attempt:
 
 def time_calibration_steps(steps: Sequence[CalibrationStep], repeats: int, threads: int) -> Attempt:
     """Each step's best of ``repeats`` runs with 1 thread and with ``threads`` (``time_step``), and the CPU time other
-    processes took meanwhile (``cpu_busy_seconds`` minus this process's CPU seconds, over the wall seconds)."""
-    busy, own, wall = cpu_busy_seconds(), time.process_time(), time.perf_counter()
+    processes took meanwhile (``OthersBusy``)."""
     timed = []
-    for step in steps:
-        run = training_step_closure(step.topology, step.patch_size, step.batch_size)
-        every = time_step(run, threads, repeats) if threads > 1 else None
-        timed.append(TimedStep(step.name, step.flops, step.elements, time_step(run, 1, repeats), every))
-    busy_after = cpu_busy_seconds()
-    own, wall = time.process_time() - own, time.perf_counter() - wall
-    others = None if busy is None or busy_after is None else max(busy_after - busy - own, 0.0) / max(wall, 1e-9)
-    return Attempt(tuple(timed), others)
+    with OthersBusy() as others:
+        for step in steps:
+            run = training_step_closure(step.topology, step.patch_size, step.batch_size)
+            every = time_step(run, threads, repeats) if threads > 1 else None
+            timed.append(TimedStep(step.name, step.flops, step.elements, time_step(run, 1, repeats), every))
+    return Attempt(tuple(timed), others.cpus)
 
 
 def fallback_rates(attempt: Attempt, mapped: float | None) -> tuple[StepRates, str]:

@@ -30,7 +30,7 @@ import torch
 from autoseg.core.errors import InputError, RunError
 from autoseg.core.extras import RUNTIMES, installed
 from autoseg.core.machine import Measurement
-from autoseg.core.resources import busy_by_others, cpu_busy_seconds, cpu_count
+from autoseg.core.resources import OthersBusy, busy_by_others, cpu_count
 from autoseg.memory.inference_plan import cpu_tile_batch_cap
 from autoseg.model.graph_runners import GRAPH_RUNNERS
 from autoseg.model.tile_runner import TileRunner
@@ -104,21 +104,19 @@ def time_candidates(
     time; not to be kept when other processes kept the CPUs busy meanwhile (``busy_by_others``). A candidate that
     cannot be built or run (e.g. its ONNX graph failed the agreement check: ``RunError``) is None, with a warning
     naming why: no candidate of ``auto`` stops a prediction that another can run."""
-    busy, own, wall = cpu_busy_seconds(), time.process_time(), time.perf_counter()
     seconds: dict[str, float | None] = {}
-    for candidate in found:
-        try:
-            runner = build(candidate)
-            seconds[candidate.name] = time_runner(runner, tiles)
-        except (InputError, RunError) as e:
-            log.warning("--runtime auto: %s is left out: %s", candidate.name, e)
-            seconds[candidate.name] = None
-        runner = None  # one candidate's weights and compiled graph at a time
-    busy_after = cpu_busy_seconds()
-    own, wall = time.process_time() - own, time.perf_counter() - wall
-    others = None if busy is None or busy_after is None else max(busy_after - busy - own, 0.0) / max(wall, 1e-9)
-    why = busy_by_others(others, cpu_count())
-    return Measurement(seconds, keep=not why, why_not_kept=why, details={} if others is None else {"others": others})
+    with OthersBusy() as others:
+        for candidate in found:
+            try:
+                runner = build(candidate)
+                seconds[candidate.name] = time_runner(runner, tiles)
+            except (InputError, RunError) as e:
+                log.warning("--runtime auto: %s is left out: %s", candidate.name, e)
+                seconds[candidate.name] = None
+            runner = None  # one candidate's weights and compiled graph at a time
+    why = busy_by_others(others.cpus, cpu_count())
+    details = {} if others.cpus is None else {"others": others.cpus}
+    return Measurement(seconds, keep=not why, why_not_kept=why, details=details)
 
 
 def runtime_versions(found: Sequence[Candidate]) -> dict[str, str]:

@@ -3,11 +3,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+import autoseg.core.resources as resources
 from autoseg.core.resources import cpu_busy_seconds, cuda_available, processes_for
 from autoseg.core.units import GiB
 
@@ -80,3 +82,17 @@ def test_cpu_busy_seconds_sum_the_working_columns_of_the_chosen_cpus(tmp_path: P
     assert cpu_busy_seconds([0, 2], str(stat)) == pytest.approx((136 + 544) / ticks)
     assert cpu_busy_seconds([1], str(stat)) == pytest.approx(275 / ticks)
     assert cpu_busy_seconds([0], str(tmp_path / "missing")) is None
+
+
+def test_others_busy_is_the_busy_cpu_time_less_this_processs_over_the_wall_time(monkeypatch) -> None:
+    clock = {"busy": 100.0, "own": 10.0, "wall": 1000.0}
+    monkeypatch.setattr(resources, "cpu_busy_seconds", lambda: clock["busy"])
+    monkeypatch.setattr(time, "process_time", lambda: clock["own"])
+    monkeypatch.setattr(time, "perf_counter", lambda: clock["wall"])
+    with resources.OthersBusy() as others:  # 4 s: this process 3 CPU seconds, the CPUs 5 busy seconds in all
+        clock.update(busy=105.0, own=13.0, wall=1004.0)
+    assert others.cpus == pytest.approx(0.5)
+    monkeypatch.setattr(resources, "cpu_busy_seconds", lambda: None)  # /proc/stat unreadable: unknown
+    with resources.OthersBusy() as unknown:
+        pass
+    assert unknown.cpus is None

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+import autoseg.core.resources as resources
 import autoseg.plan.calibration as calibration
 from autoseg.core.machine import MachineCache
 from autoseg.plan.calibration import (
@@ -48,7 +49,7 @@ class _FakeMachine:
         monkeypatch.setattr(calibration, "mapping_rate", lambda: (2.83e9, True))
         monkeypatch.setattr(calibration, "cpu_count", lambda: 2)
         monkeypatch.setattr(calibration, "MAX_ATTEMPTS", 3)  # the product's, not the suite's (tests/conftest.py)
-        monkeypatch.setattr(calibration, "cpu_busy_seconds", lambda: self.cpu + self.others_cpus * self.wall)
+        monkeypatch.setattr(resources, "cpu_busy_seconds", lambda: self.cpu + self.others_cpus * self.wall)
         monkeypatch.setattr(time, "perf_counter", lambda: self.wall)
         monkeypatch.setattr(time, "process_time", lambda: self.cpu)
         monkeypatch.setattr(time, "sleep", self.sleeps.append)
