@@ -284,3 +284,31 @@ def test_tile_patch_predicts_with_the_training_patch_and_planned_with_the_plans_
         assert f"tile 8x16x16 ({name})" in caplog.text or name == "planned"
     assert "(planned), " in caplog.text and "tile 8x16x24 (planned), 2 tile(s)" in caplog.text
     assert snapshot(tmp_path / "patch") == snapshot(tmp_path / "before") != snapshot(tmp_path / "planned")
+
+
+@pytest.mark.slow
+def test_parts_write_together_what_one_run_writes(capsys, trained: Path, tiny_dataset: Path, tmp_path: Path) -> None:
+    """Three --part runs into one folder (a bad case among the inputs, listed by its part only) write the bytes one
+    run writes; a part with no case writes nothing and succeeds."""
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i, image in enumerate(sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz")) * 3):
+        shutil.copy(image, inputs / f"scan_{i:03d}_0000.nii.gz")  # 6 cases
+    _truncate(inputs / "scan_004_0000.nii.gz")  # in part 3 of 3 (cases 5-6)
+    flags = ("--save-probabilities", "--runtime", "torch")
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    assert _predict(capsys, trained, inputs, whole, *flags).status == 2
+    statuses = [_predict(capsys, trained, inputs, parts, "--part", f"{i}/3", *flags) for i in (1, 2, 3)]
+    assert [r.status for r in statuses] == [0, 0, 2] and "scan_004" in statuses[2].err
+    assert "scan_004" not in statuses[0].err + statuses[1].err
+    assert snapshot(parts) == snapshot(whole) and len(snapshot(whole)) == 10  # 5 label maps and their .npz
+    empty = _predict(
+        capsys, trained, inputs, tmp_path / "none", "--part", "1/7", *flags
+    )  # 6 cases: part 1 of 7 is none
+    assert empty.status == 0 and snapshot(tmp_path / "none") == {}
+
+
+@pytest.mark.parametrize("part", ["0/3", "4/3", "3", "a/b", "2/-1"])
+def test_a_part_outside_one_to_n_is_refused(capsys, part: str, tmp_path: Path) -> None:
+    result = run_cli(capsys, "predict", "-i", tmp_path, "-o", tmp_path / "out", "--part", part)
+    assert_refused(result, 2, "--part", "1 <= I <= N")

@@ -26,6 +26,16 @@ def parse_bytes(text: str) -> int:
     return nbytes
 
 
+def parse_part(text: str) -> tuple[int, int]:
+    """``--part I/N``: (I, N) with 1 <= I <= N."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", text)
+    if not m or not 1 <= int(m.group(1)) <= int(m.group(2)):
+        raise argparse.ArgumentTypeError(
+            f"cannot read {text!r} as a part; give I/N with 1 <= I <= N, e.g. 2/8 for the second of 8 parts"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
 def int_at_least(low: int, high: int | None = None):
     """An argparse type: a whole number in [low, high] (high: no limit when None)."""
 

@@ -219,6 +219,7 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
         skip_existing=args.skip_existing,
         fail_fast=args.fail_fast,
         series=args.series,
+        part=args.part,
         preprocess_workers=args.preprocess_workers,
         export_workers=args.export_workers,
         progress=progress,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from autoseg.cli.flag_values import add_workspace, fold_name, tile_batch_value, tta_value, workers_value
+from autoseg.cli.flag_values import add_workspace, fold_name, parse_part, tile_batch_value, tta_value, workers_value
 from autoseg.core.extras import RUNTIMES
 
 
@@ -149,6 +149,15 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="skip cases whose outputs already exist (with --save-probabilities: both files). Every "
         "output is written under a temporary name and renamed when complete, so an existing one is "
         "complete: rerun a killed or failed run with --continue to finish it",
+    )
+    p.add_argument(
+        "--part",
+        type=parse_part,
+        default=None,
+        metavar="I/N",
+        help="predict only part I of N near-equal parts of the inputs (consecutive case ids in sorted order): N "
+        "processes or machines, one part each (e.g. a SLURM array), write together what one run writes, into the "
+        "same -o; with --continue a part resumes where it stopped",
     )
     p.add_argument(
         "--fail-fast",

@@ -29,6 +29,18 @@ class PredictionInputs:
     cases: tuple[Case, ...]  # every case found, in case id order
     problems: dict[str, str]  # case id -> what is wrong with its files
 
+    def part(self, index: int, count: int) -> PredictionInputs:
+        """Part ``index`` (1-based) of ``count`` near-equal parts of these cases in case id order, problems included:
+        consecutive case ids, the first ``len % count`` parts one case longer. ``count`` processes each taking one
+        part (a SLURM array, ``predict --part I/N``) cover every case once, whichever machine runs which."""
+        ids = sorted({c.case_id for c in self.cases} | set(self.problems))
+        start, stop = (len(ids) * (index - 1)) // count, (len(ids) * index) // count
+        mine = set(ids[start:stop])
+        return PredictionInputs(
+            cases=tuple(c for c in self.cases if c.case_id in mine),
+            problems={k: v for k, v in self.problems.items() if k in mine},
+        )
+
     def raise_problems(self) -> None:
         """One DatasetError listing every problem (nothing if there is none)."""
         if self.problems:

@@ -6,7 +6,8 @@ folder ``{output}/.autoseg-ensemble/<config>/`` (its own pipeline, memory plan a
 two ``{case}.npz`` are averaged (``mean_probabilities``), made a label map by export's rule, postprocessed and
 written atomically into ``{output}``; each case's scratch files are removed once it is written, and the folder
 when every case is. A killed run keeps the scratch outputs: ``--continue`` reuses them and skips the cases already
-written; a run without ``--continue`` starts the scratch folder afresh.
+written; a run without ``--continue`` starts the scratch folder afresh. With ``--part I/N`` each part has a scratch
+folder of its own (``scratch_name``), so parts sharing the output folder leave each other's alone.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def predict_chosen(
             options=options,
         )
     output_dir = check_writable_folder(output_dir, "-o/--output")
-    scratch = output_dir / SCRATCH
-    found = prediction_inputs(workspace, plans, inputs, options.series)
+    scratch = output_dir / scratch_name(options.part)
+    found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
     done = frozenset(
         c.case_id
         for c in found.cases
@@ -104,6 +105,12 @@ def predict_chosen(
         raise CasesFailedError("\n".join(failed))
     shutil.rmtree(scratch, ignore_errors=True)
     return written
+
+
+def scratch_name(part: tuple[int, int] | None) -> str:
+    """The scratch folder's name in the output folder: one per ``--part``, so that parts sharing ``-o`` neither
+    start another's afresh nor remove it when done."""
+    return SCRATCH if part is None else f"{SCRATCH}-part{part[0]}of{part[1]}"
 
 
 def _predict_configurations(

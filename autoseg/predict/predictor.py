@@ -71,6 +71,7 @@ class PredictOptions:
     skip_existing: bool = False  # --continue: a case whose outputs all exist is done (they are written atomically)
     fail_fast: bool = False  # stop at the first bad case (inputs whose headers are bad: before predicting any)
     series: str | None = None  # the SeriesInstanceUID to read from a folder of several DICOM series
+    part: tuple[int, int] | None = None  # --part I/N: only part I of N of the inputs (``PredictionInputs.part``)
     preprocess_workers: int | None = None  # cases read and preprocessed ahead (threads); None: plan_pipeline
     export_workers: int | None = None  # cases exported and written behind (threads); None: plan_pipeline
     done_cases: frozenset[str] = frozenset()  # case ids finished elsewhere (an ensemble's --continue): not predicted
@@ -111,7 +112,7 @@ def predict(
     try:
         predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
         prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window)
-        found = prediction_inputs(workspace, plans, inputs, options.series)
+        found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         if options.fail_fast:
             found.raise_problems()
         remove_stale_temporaries(
@@ -330,13 +331,24 @@ def _write_case(
         raise
 
 
-def prediction_inputs(workspace: Workspace, plans: Plans, inputs: str | Path, series: str | None) -> PredictionInputs:
+def prediction_inputs(
+    workspace: Workspace, plans: Plans, inputs: str | Path, series: str | None, part: tuple[int, int] | None = None
+) -> PredictionInputs:
     """The cases of ``inputs`` for this workspace's model, from their headers (``list_prediction_inputs``; the
-    image dimension and the spacing checked against the images trained on, ``fingerprint.json``)."""
+    image dimension and the spacing checked against the images trained on, ``fingerprint.json``); with ``part``
+    (I, N), only part I of N of them (``PredictionInputs.part``), said in the log."""
     trained = Fingerprint.from_json(workspace.fingerprint_path) if workspace.fingerprint_path.is_file() else None
     image_dim = trained.image_dim if trained else None  # the images trained on: 2 or 3
     spacing = tuple(float(s) for s in np.median(trained.spacings, axis=0)) if trained and trained.cases else None
-    return list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series, spacing)
+    found = list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series, spacing)
+    if part is None:
+        return found
+    mine = found.part(*part)
+    ids = sorted({c.case_id for c in mine.cases} | set(mine.problems))
+    every = len({c.case_id for c in found.cases} | set(found.problems))
+    where = f": {ids[0]} to {ids[-1]} in case id order" if ids else ": none (fewer cases than parts)"
+    log.info("--part %d/%d: %d of %d case(s)%s", *part, len(ids), every, where)
+    return mine
 
 
 def case_outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:

@@ -7,7 +7,8 @@ from pathlib import Path
 import SimpleITK as sitk
 from image_headers import as_mha, set_mha_header
 
-from autoseg.dataset.inputs import list_prediction_inputs
+from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
+from autoseg.dataset.raw import Case
 
 
 def test_one_case_in_two_formats_is_refused_naming_both_files(inputs, tmp_path):
@@ -50,3 +51,20 @@ def test_an_input_far_off_the_training_spacing_is_a_problem_naming_it(inputs, tm
         and "0.001x the median of the images" in problems["demo_005"]
     )
     assert list_prediction_inputs(folder, num_channels=1).problems == {}  # no training spacing: not compared
+
+
+def test_parts_are_consecutive_case_ids_that_cover_every_case_once() -> None:
+    """7 cases (one with a problem) in 3 parts: 2, 2 and 3 consecutive ids in sorted order, whatever order they were
+    listed in; each problem goes with its case's part."""
+    ids = [f"c{i}" for i in (6, 0, 3, 1, 5, 2)]
+    found = PredictionInputs(
+        cases=tuple(Case(i, (Path(f"{i}_0000.nii.gz"),), None) for i in ids), problems={"c4": "c4: truncated"}
+    )
+    parts = [found.part(i, 3) for i in (1, 2, 3)]
+    assert [sorted([c.case_id for c in p.cases] + list(p.problems)) for p in parts] == [
+        ["c0", "c1"],
+        ["c2", "c3"],
+        ["c4", "c5", "c6"],
+    ]
+    assert parts[2].problems == {"c4": "c4: truncated"} and not parts[0].problems
+    assert found.part(1, 1) == found and found.part(1, 9) == PredictionInputs((), {})

@@ -5,6 +5,7 @@ cases."""
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from autoseg.dataset.imageio import read_image
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
-from autoseg.predict.chosen import SCRATCH, predict_chosen
+from autoseg.predict.chosen import SCRATCH, predict_chosen, scratch_name
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing
 from autoseg.predict.predictor import PredictOptions, predict
 from autoseg.predict.probabilities import labels_from_probabilities, mean_probabilities, read_probabilities
@@ -190,3 +191,21 @@ def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, input
         options=PredictOptions(skip_existing=True, progress=False),
     )
     assert sorted(again) == sorted(others) and kept.stat().st_mtime_ns == stamp
+
+
+def test_parts_of_an_ensemble_write_what_one_run_writes(two_configs: Path, inputs: Path, tmp_path: Path) -> None:
+    """--part 1/2 and 2/2 into one folder: the bytes of one run; each part kept its configurations' predictions in a
+    scratch folder of its own (a part started afresh does not remove another's) and removed it when done."""
+    from cli_checks import snapshot
+
+    ws, choice = Workspace.at(two_configs), _choice(("2d", "3d_fullres"))
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    predict_chosen(ws, choice, inputs, whole, window=WINDOW, options=QUIET)
+    other_part = parts / scratch_name((2, 2)) / "2d" / "kept.npz"  # part 2's scratch while part 1 starts afresh
+    other_part.parent.mkdir(parents=True)
+    other_part.write_bytes(b"part 2's")
+    first = predict_chosen(ws, choice, inputs, parts, window=WINDOW, options=replace(QUIET, part=(1, 2)))
+    assert [p.name for p in first] == ["demo_005.nii.gz"] and other_part.read_bytes() == b"part 2's"
+    other_part.unlink()
+    predict_chosen(ws, choice, inputs, parts, window=WINDOW, options=replace(QUIET, part=(2, 2)))
+    assert snapshot(parts) == snapshot(whole) and len(snapshot(whole)) == 2
