@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import textwrap
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -164,11 +165,13 @@ def context(args: argparse.Namespace, raw: Path, load_before: float) -> str:
     """The line that says what ran where: commit, date, machine, load, dataset."""
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     kind = "smoke run (--quick) on a shared machine" if args.quick else "run"
-    return (
+    return textwrap.fill(
         f"`python benchmarks/accuracy.py --dataset {args.dataset} --budget {args.budget} --seed {args.seed}"
         f"{' --quick' if args.quick else ''}`: {kind}, {time.strftime('%Y-%m-%d')}, commit {commit or '?'}, "
         f"{os.cpu_count()} CPUs, load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after; "
-        f"dataset {raw.name}, {CONFIG} on CPU, fold 0, predicted on the held-out cases."
+        f"dataset {raw.name}, {CONFIG} on CPU, fold 0, predicted on the held-out cases.",
+        width=120,
+        break_on_hyphens=False,
     )
 
 
