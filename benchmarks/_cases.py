@@ -13,8 +13,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from autoseg.dataset.imageio import Geometry
 
 SPACING_XYZ_MM = (0.8, 0.8, 2.5)
 DATASET_ID = 977  # _common.NNUNET_DATASET_ID: nnU-Net finds the dataset by it
@@ -49,7 +53,7 @@ def make_cases_dataset(root: Path, num_train: int, num_test: int, shape_zyx: tup
     t0 = time.perf_counter()
     for index in range(num_train + num_test):
         images, labels = ("imagesTr", "labelsTr") if index < num_train else ("imagesTs", "labelsTs")
-        size = _jittered(np.random.default_rng([1, index]), shape_zyx)
+        size = jittered_shape(np.random.default_rng([1, index]), shape_zyx)
         write_case(
             dataset / images / f"bench_{index:03d}_0000{FILE_ENDING}",
             dataset / labels / f"bench_{index:03d}{FILE_ENDING}",
@@ -84,25 +88,32 @@ def make_large_case(root: Path, shape_zyx: tuple[int, int, int]) -> Path:
     return folder
 
 
-def _jittered(rng: np.random.Generator, shape_zyx: tuple[int, int, int]) -> tuple[int, int, int]:
+def jittered_shape(rng: np.random.Generator, shape_zyx: tuple[int, int, int]) -> tuple[int, int, int]:
     return tuple(max(16, round(n * rng.uniform(0.92, 1.08))) for n in shape_zyx)
 
 
 def write_case(image_path: Path, label_path: Path, shape_zyx: tuple[int, ...], seed: int) -> None:
     """Image (int16 HU) and label map (uint8) of one case, written with autoseg's writer."""
-    from autoseg.dataset.imageio import Geometry, write_image
+    from autoseg.dataset.imageio import write_image
 
     image, label = synthesize(shape_zyx, np.random.default_rng([2, seed]))
-    geometry = Geometry(
-        ndim=3,
-        size_xyz=tuple(reversed(shape_zyx)),
-        spacing_xyz=SPACING_XYZ_MM,
-        origin_xyz=(-200.0, -180.0, -300.0),
-        direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0),
-    )
+    geometry = case_geometry(shape_zyx, SPACING_XYZ_MM)
     write_image(image_path, image, geometry)
     del image
     write_image(label_path, label, geometry)
+
+
+def case_geometry(shape_zyx: tuple[int, ...], spacing_xyz_mm: tuple[float, ...]) -> Geometry:
+    """The geometry every generated case has: axis-aligned, one fixed origin."""
+    from autoseg.dataset.imageio import Geometry
+
+    return Geometry(
+        ndim=3,
+        size_xyz=tuple(int(n) for n in reversed(shape_zyx)),
+        spacing_xyz=tuple(float(s) for s in spacing_xyz_mm),
+        origin_xyz=(-200.0, -180.0, -300.0),
+        direction=(1.0, 0, 0, 0, 1.0, 0, 0, 0, 1.0),
+    )
 
 
 def synthesize(shape_zyx: tuple[int, ...], rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -123,12 +134,12 @@ def synthesize(shape_zyx: tuple[int, ...], rng: np.random.Generator) -> tuple[np
     label = np.zeros(shape_zyx, np.uint8)
     for z0 in range(0, shape_zyx[0], 16):
         z = coords[0][z0 : z0 + 16]
-        body = _ellipsoid((z, coords[1], coords[2]), np.zeros(3), body_semi)
+        body = ellipsoid((z, coords[1], coords[2]), np.zeros(3), body_semi)
         slab_label = np.zeros(body.shape, np.uint8)
         means = np.zeros(len(ORGANS) + 1, np.float32)
         means[0] = BODY_HU
         for k, (centre, semi, mean) in enumerate(organs, start=1):
-            slab_label[_ellipsoid((z, coords[1], coords[2]), centre, semi) & body] = k
+            slab_label[ellipsoid((z, coords[1], coords[2]), centre, semi) & body] = k
             means[k] = mean
         noise = rng.standard_normal(body.shape, dtype=np.float32) * NOISE_HU
         slab = np.where(body, means[slab_label] + noise, AIR_HU + noise)
@@ -137,6 +148,6 @@ def synthesize(shape_zyx: tuple[int, ...], rng: np.random.Generator) -> tuple[np
     return image, label
 
 
-def _ellipsoid(coords: tuple[np.ndarray, ...], centre: np.ndarray, semi: np.ndarray) -> np.ndarray:
+def ellipsoid(coords: tuple[np.ndarray, ...], centre: np.ndarray, semi: np.ndarray) -> np.ndarray:
     z, y, x = ((c - c0) / a for c, c0, a in zip(coords, centre, semi, strict=True))
     return (z[:, None, None] ** 2 + y[None, :, None] ** 2) + x[None, None, :] ** 2 <= 1.0

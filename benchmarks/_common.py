@@ -37,6 +37,16 @@ def make_dataset(root: Path, num_cases: int, shape_zyx: tuple[int, int, int]) ->
     return dataset
 
 
+def run_autoseg(*args: str) -> float:
+    """Run ``python -m autoseg ARGS`` (this interpreter, the checkout's autoseg when PYTHONPATH names it); its wall
+    seconds. Exits with the command and its stderr's tail when it fails."""
+    t0 = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "autoseg", *args], capture_output=True, text=True)
+    if result.returncode != 0:
+        sys.exit(f"autoseg {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return time.perf_counter() - t0
+
+
 def _children(pid: int) -> list[int]:
     """``pid`` and all its descendants (from /proc/*/stat)."""
     parents: dict[int, list[int]] = {}

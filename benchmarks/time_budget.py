@@ -32,15 +32,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _common import run_autoseg
 
 CONFIG = "3d_fullres"
-
-
-def autoseg(*args: str) -> None:
-    """Run ``python -m autoseg ARGS``; exit with its stderr's tail when it fails."""
-    result = subprocess.run([sys.executable, "-m", "autoseg", *args], capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"autoseg {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}")
 
 
 def make_two_channel_dataset(dataset: Path, cases: int, shape_zyx: tuple[int, int, int]) -> None:
@@ -77,7 +71,7 @@ def prepare(data_dir: Path, cases: int, shape_zyx: tuple[int, int, int]) -> Path
     if not (workspace / "plans.json").is_file():
         t0 = time.perf_counter()
         make_two_channel_dataset(dataset, cases, shape_zyx)
-        autoseg("plan_and_preprocess", str(dataset), "-w", str(workspace), "--device", "cpu", "-c", CONFIG)
+        run_autoseg("plan_and_preprocess", str(dataset), "-w", str(workspace), "--device", "cpu", "-c", CONFIG)
         print(f"{cases} cases of about {shape_zyx} planned and preprocessed in {time.perf_counter() - t0:.0f} s")
     return workspace
 
@@ -100,7 +94,9 @@ def train(workspace: Path, budget: str, busy: int, busy_after_s: float) -> float
     timer = busy_later(busy, busy_after_s, others) if busy else None
     t0 = time.perf_counter()
     try:
-        autoseg("train", "fold", "0", "-w", str(workspace), "-c", CONFIG, "--device", "cpu", "--time-budget", budget)
+        run_autoseg(
+            "train", "fold", "0", "-w", str(workspace), "-c", CONFIG, "--device", "cpu", "--time-budget", budget
+        )
         return time.perf_counter() - t0
     finally:
         if timer is not None:

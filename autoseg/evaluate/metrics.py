@@ -2,8 +2,9 @@
 
 Per case and per foreground class: Dice, IoU, TP/FP/FN voxel counts, the volumes of prediction and
 reference, and the surface metrics of ``surface`` (HD95 in mm and the normalized surface Dice at a tolerance in
-mm, in the images' spacing; ``nsd_tolerance_mm=None`` skips them). Then the mean per class over cases and the
-mean foreground Dice (mean of the class means).
+mm, in the images' spacing; ``nsd_tolerance_mm=None`` skips them) and the reference's connected components the
+prediction touches (``detection``). Then the mean per class over cases (the components summed) and the mean
+foreground Dice (mean of the class means).
 
 Labels as in dataset.json (``autoseg.dataset.labels``): a region (a list of values) is scored as the union of its
 values in both prediction and reference; voxels holding the ignore label in the reference are left out of
@@ -29,6 +30,7 @@ import numpy as np
 from autoseg.core.artifacts import Artifact, to_dict, write_json
 from autoseg.dataset.imageio import SUPPORTED_ENDINGS
 from autoseg.dataset.labels import IGNORE, LabelValue, foreground_entries
+from autoseg.evaluate.detection import Detection, case_detection
 from autoseg.evaluate.files import (
     EvaluationError,
     check_geometries,
@@ -38,6 +40,8 @@ from autoseg.evaluate.files import (
     reference_ending,
 )
 from autoseg.evaluate.surface import DEFAULT_NSD_TOLERANCE_MM, NOT_COMPUTED, SurfaceMetrics, case_surface_metrics
+
+NOT_FOUND = Detection(0, 0)  # a class absent from a case's reference and prediction
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,8 @@ class ClassMetrics:
     volume_ref_mm3: float
     hd95_mm: float = math.nan  # NaN likewise, or when not computed; the image diagonal when in only one
     nsd: float = math.nan  # normalized surface Dice at the summary's nsd_tolerance_mm; NaN likewise
+    components: int = -1  # the reference's 26-connected components of the class (``detection``); -1: not computed
+    components_found: int = -1  # those the prediction touches; -1: not computed
 
 
 @dataclass(frozen=True)
@@ -72,13 +78,16 @@ class MeanMetrics:
     num_cases: int
     hd95_mm: float = math.nan  # NaN when surface metrics were not computed
     nsd: float = math.nan
+    components: int = -1  # the reference's components summed over all cases (-1: not computed)
+    components_found: int = -1  # those the predictions touch, summed likewise
 
 
 @dataclass(frozen=True)
 class EvaluationSummary(Artifact):
-    SCHEMA_VERSION = 2
+    SCHEMA_VERSION = 3
     KIND = "evaluation summary"
-    UPGRADES = {1: lambda payload: payload}  # version 1 had no surface metrics: they read as not computed
+    # version 1 had no surface metrics, versions 1-2 no detection counts: they read as not computed
+    UPGRADES = {1: lambda payload: payload, 2: lambda payload: payload}
 
     pred_dir: str
     gt_dir: str
@@ -152,17 +161,19 @@ def evaluate_pairs(
     ignore = labels.get(IGNORE) if labels is not None else None
     scored = [_score_case(pred_path, ref_path, labels, ignore, nsd_tolerance_mm) for pred_path, ref_path in pairs]
     if labels is not None:
-        _refuse_undeclared_predictions(pairs, [confusion for confusion, _, _ in scored], labels)
+        _refuse_undeclared_predictions(pairs, [confusion for confusion, *_ in scored], labels)
     if labels is None:  # name classes by the values found
-        found = sorted({v for c, _, _ in scored for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
+        found = sorted({v for c, *_ in scored for v in np.flatnonzero(c.sum(0) + c.sum(1)).tolist()} - {0})
         labels = {str(v): v for v in found}
     foreground = foreground_entries(labels)
     if not any(isinstance(v, tuple) for v in foreground.values()):  # plain classes: in value order
         foreground = dict(sorted(foreground.items(), key=lambda kv: kv[1]))
     cases = []
-    for (pred_path, ref_path), (confusion, voxel_mm3, surface) in zip(pairs, scored, strict=True):
+    for (pred_path, ref_path), (confusion, voxel_mm3, surface, detection) in zip(pairs, scored, strict=True):
         classes = {
-            name: _metrics(*_counts(confusion, v), voxel_mm3, surface.get(name, NOT_COMPUTED))
+            name: _metrics(
+                *_counts(confusion, v), voxel_mm3, surface.get(name, NOT_COMPUTED), detection.get(name, NOT_FOUND)
+            )
             for name, v in foreground.items()
         }
         cases.append(CaseMetrics(ref_path.name[: -len(file_ending)], str(pred_path), str(ref_path), classes))
@@ -183,8 +194,9 @@ def evaluate_pairs(
 
 
 def format_table(summary: EvaluationSummary) -> str:
-    """Plain-text table: a row per foreground class or region (mean Dice, mean IoU, and when computed mean
-    HD95 and mean NSD), then the mean foreground Dice, and how many HD95 values are the image diagonal."""
+    """Plain-text table: a row per foreground class or region (mean Dice, mean IoU, when computed mean HD95 and mean
+    NSD and the reference's connected components found over all cases), then the mean foreground Dice, and how
+    many HD95 values are the image diagonal."""
     regions = any(isinstance(v, tuple) for v in summary.labels.values())
     values = {name: ",".join(map(str, v)) if isinstance(v, tuple) else str(v) for name, v in summary.labels.items()}
     kind = "region" if regions else "class"
@@ -193,13 +205,17 @@ def format_table(summary: EvaluationSummary) -> str:
     tolerance = summary.nsd_tolerance_mm
     nsd_head = "" if tolerance is None else f"mean NSD@{tolerance:g}mm"
     surface_head = "" if tolerance is None else f"  mean HD95 mm  {nsd_head}"
-    lines = [f"{kind:<{width}}  {'value':>{value_width}}  mean Dice  mean IoU{surface_head}  cases"]
+    found = {name: f"{m.components_found}/{m.components}" for name, m in summary.mean.items() if m.components >= 0}
+    found_width = max([5, *(len(f) for f in found.values())]) if len(found) == len(summary.labels) else 0
+    found_head = f"  {'found':>{found_width}}" if found_width else ""
+    lines = [f"{kind:<{width}}  {'value':>{value_width}}  mean Dice  mean IoU{surface_head}{found_head}  cases"]
     for name in summary.labels:
         m = summary.mean[name]
         surface = "" if tolerance is None else f"  {_fmt(m.hd95_mm, 2):>12}  {_fmt(m.nsd):>{len(nsd_head)}}"
+        detected = f"  {found[name]:>{found_width}}" if found_width else ""
         lines.append(
             f"{name:<{width}}  {values[name]:>{value_width}}  {_fmt(m.dice):>9}  {_fmt(m.iou):>8}"
-            f"{surface}  {m.num_cases:>5}"
+            f"{surface}{detected}  {m.num_cases:>5}"
         )
     ignored = "" if summary.ignore_value is None else f"; ignore label {summary.ignore_value} not counted"
     lines.append(
@@ -289,41 +305,52 @@ def _counts(confusion: np.ndarray, value: LabelValue) -> tuple[int, int, int]:
 
 def _score_case(
     pred_path: Path, ref_path: Path, labels: dict[str, Any] | None, ignore: int | None, nsd_tolerance_mm: float | None
-) -> tuple[np.ndarray, float, dict[str, SurfaceMetrics]]:
-    """One case read once: its confusion matrix, voxel volume (mm^3) and surface metrics per class name (the
-    classes of ``labels``, or when None each value found, named by its value; none if the tolerance is None)."""
+) -> tuple[np.ndarray, float, dict[str, SurfaceMetrics], dict[str, Detection]]:
+    """One case read once: its confusion matrix, voxel volume (mm^3), surface metrics (none if the tolerance is
+    None) and detection per class name (the classes of ``labels``, or when None each value found, named by its
+    value)."""
     pred, _ = read_label_map(pred_path, "prediction")
     ref, geometry = read_label_map(ref_path, "reference")
     confusion = _confusion(pred, ref, pred_path, ref_path, ignore)
+    if labels is None:
+        classes = {str(v): v for v in np.flatnonzero(confusion.sum(0) + confusion.sum(1)).tolist() if v}
+    else:
+        classes = foreground_entries(labels)
+    detection = case_detection(pred, ref, classes)
     surface: dict[str, SurfaceMetrics] = {}
     if nsd_tolerance_mm is not None:
-        if labels is None:
-            classes = {str(v): v for v in np.flatnonzero(confusion.sum(0) + confusion.sum(1)).tolist() if v}
-        else:
-            classes = foreground_entries(labels)
         spacing_mm = tuple(float(s) for s in reversed(geometry.spacing_xyz))  # array axis order
         if geometry.ndim == 2:  # (1, Y, X) arrays: the surfaces are 2D contours
             pred, ref = pred[0], ref[0]
         surface = case_surface_metrics(pred, ref, classes, spacing_mm, nsd_tolerance_mm, ignore)
-    return confusion, float(np.prod(geometry.spacing_xyz)), surface
+    return confusion, float(np.prod(geometry.spacing_xyz)), surface, detection
 
 
-def _metrics(tp: int, n_pred: int, n_ref: int, voxel_mm3: float, surface: SurfaceMetrics) -> ClassMetrics:
+def _metrics(
+    tp: int, n_pred: int, n_ref: int, voxel_mm3: float, surface: SurfaceMetrics, detection: Detection
+) -> ClassMetrics:
     fp, fn = n_pred - tp, n_ref - tp
     defined = n_pred + n_ref > 0
     dice = 2 * tp / (n_pred + n_ref) if defined else math.nan
     iou = tp / (tp + fp + fn) if defined else math.nan
-    return ClassMetrics(dice, iou, tp, fp, fn, n_pred * voxel_mm3, n_ref * voxel_mm3, surface.hd95_mm, surface.nsd)
+    volumes = n_pred * voxel_mm3, n_ref * voxel_mm3
+    surfaces = surface.hd95_mm, surface.nsd
+    return ClassMetrics(dice, iou, tp, fp, fn, *volumes, *surfaces, detection.components, detection.found)
 
 
 def _mean_over_cases(metrics: list[ClassMetrics]) -> MeanMetrics:
+    """Means over the cases where the class is defined; the detection counts summed over every case (a case without
+    the class in its reference adds no component), -1 where a case has none computed."""
     defined = [m for m in metrics if not math.isnan(m.dice)]
+    counted = all(m.components >= 0 for m in metrics)
     return MeanMetrics(
         _nanmean([m.dice for m in defined]),
         _nanmean([m.iou for m in defined]),
         len(defined),
         _nanmean([m.hd95_mm for m in defined]),
         _nanmean([m.nsd for m in defined]),
+        sum(m.components for m in metrics) if counted else -1,
+        sum(m.components_found for m in metrics) if counted else -1,
     )
 
 

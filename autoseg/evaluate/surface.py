@@ -89,11 +89,11 @@ def case_surface_metrics(
     result = {}
     for name, value in classes.items():
         values = (value,) if isinstance(value, int) else tuple(value)
-        box = _union_box([b[v - 1] for b in (pred_boxes, ref_boxes) for v in values if 0 < v <= len(b)])
+        box = union_box([b[v - 1] for b in (pred_boxes, ref_boxes) for v in values if 0 < v <= len(b)])
         if box is None:
             result[name] = NOT_COMPUTED  # absent from both
             continue
-        pred_mask, ref_mask = _mask(pred[box], values), _mask(ref[box], values)
+        pred_mask, ref_mask = class_mask(pred[box], values), class_mask(ref[box], values)
         if ignore is not None:
             pred_mask &= ref[box] != ignore
         result[name] = _metrics(pred_mask, ref_mask, spacing_mm, tolerance_mm, diagonal_mm)  # masks of the box
@@ -107,7 +107,7 @@ def surface_metrics(
     if pred_mask.shape != ref_mask.shape or len(spacing_mm) != pred_mask.ndim:
         raise ValueError(f"masks {pred_mask.shape} and {ref_mask.shape} and spacing {spacing_mm} disagree")
     pred_mask, ref_mask = pred_mask.astype(bool, copy=False), ref_mask.astype(bool, copy=False)
-    box = _union_box([ndimage.find_objects(m.view(np.uint8))[0] for m in (pred_mask, ref_mask) if m.any()])
+    box = union_box([ndimage.find_objects(m.view(np.uint8))[0] for m in (pred_mask, ref_mask) if m.any()])
     diagonal_mm = _diagonal_mm(pred_mask.shape, spacing_mm)
     if box is None:
         return NOT_COMPUTED
@@ -173,12 +173,12 @@ def _nearest(points: np.ndarray, targets: np.ndarray) -> np.ndarray:
     return distances
 
 
-def _mask(labels: np.ndarray, values: tuple[int, ...]) -> np.ndarray:
+def class_mask(labels: np.ndarray, values: tuple[int, ...]) -> np.ndarray:
     """Boolean mask of the union of ``values`` (``==`` per value: np.isin is much slower here)."""
     return functools.reduce(np.logical_or, (labels == v for v in values))
 
 
-def _union_box(boxes: list[tuple[slice, ...] | None]) -> tuple[slice, ...] | None:
+def union_box(boxes: list[tuple[slice, ...] | None]) -> tuple[slice, ...] | None:
     boxes = [b for b in boxes if b is not None]
     if not boxes:
         return None

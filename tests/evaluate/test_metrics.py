@@ -117,7 +117,7 @@ def test_summary_json_round_trip(folders: tuple[Path, Path]) -> None:
     text = out.read_text()
     assert "NaN" not in text  # undefined Dice is written as null: standard JSON
     raw = json.loads(text)
-    assert raw["schema_version"] == 2
+    assert raw["schema_version"] == 3
     assert raw["cases"][0]["classes"]["lesion"]["dice"] is None
     assert raw["cases"][0]["classes"]["lesion"]["hd95_mm"] is None and raw["nsd_tolerance_mm"] == 2.0
     loaded = EvaluationSummary.from_json(out)
@@ -142,19 +142,20 @@ def test_format_table(folders: tuple[Path, Path]) -> None:
         "mm",
         "mean",
         "NSD@2mm",
+        "found",
         "cases",
     ]
     organ = lines[1].split()
     assert organ[:4] == ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}"]
-    assert float(organ[4]) == pytest.approx(1.85 / 2, abs=0.006) and organ[5:] == ["1.0000", "2"]  # 2 decimals
+    assert float(organ[4]) == pytest.approx(1.85 / 2, abs=0.006) and organ[5:] == ["1.0000", "2/2", "2"]  # 2 decimals
     # lesion: only in the reference of case b -> NSD 0, HD95 the image diagonal (4 x 2 x 1 voxels of 1x2x3 mm)
     diagonal = math.sqrt(4**2 + 4**2 + 3**2)
-    assert lines[2].split() == ["lesion", "2", "0.0000", "0.0000", f"{diagonal:.2f}", "0.0000", "1"]
+    assert lines[2].split() == ["lesion", "2", "0.0000", "0.0000", f"{diagonal:.2f}", "0.0000", "0/1", "1"]
     assert lines[3].startswith(f"mean foreground Dice: {((4 / 7 + 1) / 2) / 2:.4f}")
     assert lines[4].startswith("HD95: 1 (case, class) pair(s) with the class in only one")
     assert [ln.split() for ln in format_table(evaluate_folder(*folders, nsd_tolerance_mm=None)).splitlines()[:2]] == [
-        ["class", "value", "mean", "Dice", "mean", "IoU", "cases"],
-        ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2"],
+        ["class", "value", "mean", "Dice", "mean", "IoU", "found", "cases"],
+        ["organ", "1", f"{(4 / 7 + 1) / 2:.4f}", f"{(2 / 5 + 1) / 2:.4f}", "2/2", "2"],
     ]
 
 
