@@ -369,3 +369,34 @@ def test_torchrun_command() -> None:
         "--device",
         "cpu",
     ]
+
+
+@pytest.mark.slow
+def test_two_torchrun_nodes_on_one_host_train_like_one_launch(workspace: Workspace) -> None:
+    """The multi-node path run, not assumed: two torchrun launchers (--nnodes 2, one process each, node ranks 0 and
+    1, a static rendezvous on 127.0.0.1) train fold 0 of one workspace (as on a shared file system) with gloo; rank
+    0 alone writes, and the run is the same world-size-2 run `--gpus 2` makes on one node."""
+    port = _free_port()
+    argv = ["-q", "train", "fold", "0", "-w", str(workspace.root), "--device", "cpu", "--epochs", "2"]
+    argv += ["--iterations-per-epoch", "2", "--val-iterations", "1", "--no-validation", "--loader-workers", "0"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    logs = [workspace.root.parent / f"node{rank}.log" for rank in (0, 1)]  # files: a full pipe would block a rank
+
+    def node(rank: int) -> subprocess.Popen:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(rank)]
+        launcher += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port)]
+        with open(logs[rank], "w") as log:
+            return subprocess.Popen([*launcher, "-m", "autoseg", *argv], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    nodes = [node(0), node(1)]
+    for n, log in zip(nodes, logs):
+        assert n.wait(timeout=300) == 0, log.read_text()[-3000:]
+    outputs = [log.read_text() for log in logs]
+    assert "processes: 2 (gloo)" in outputs[0] and "processes: 2 (gloo)" not in outputs[1]  # rank 0 prints
+    fold = workspace.results(CONFIG, 0)
+    run = json.loads((fold / "run.json").read_text())
+    assert run["distributed"] == {"world_size": 2, "global_batch": 2}
+    assert (fold / "train.log").read_text().count("epoch 0  train loss") == 1  # one log, rank 0's
+    progress = load_checkpoint(fold / "checkpoint_final.pt").progress
+    assert progress.world_size == 2 and progress.epoch == 1
