@@ -180,6 +180,7 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         use_precomputed=args.use_precomputed,
         resume=args.resume,
         time_budget_s=args.time_budget,
+        track=tuple(args.track),
     )
     if distributed.is_main:
         print(

@@ -21,6 +21,7 @@ def add_predict_command(sub: argparse._SubParsersAction) -> None:
     _add_model_flags(p)
     _add_window_flags(p)
     _add_run_flags(p)
+    _add_output_flags(p)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -102,7 +103,7 @@ def _add_window_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_run_flags(p: argparse.ArgumentParser) -> None:
-    """How the cases are read, predicted and written (``autoseg.predict.predictor.PredictOptions``), and where."""
+    """How the cases are read and predicted (``autoseg.predict.predictor.PredictOptions``), and where."""
     p.add_argument(
         "--preprocess-workers",
         type=workers_value,
@@ -134,6 +135,10 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="the DICOM series to predict (its SeriesInstanceUID) when the -i folder holds several; the "
         "output is then named {UID}.nii.gz",
     )
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
+    """What is written, which cases are left out (already written, another part's) and when a run stops."""
     p.add_argument(
         "--save-probabilities",
         action="store_true",

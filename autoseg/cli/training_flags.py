@@ -6,6 +6,7 @@ import argparse
 
 from autoseg.cli.flag_values import SEED, add_workspace, duration_value, int_at_least, parse_bytes, positive_float
 from autoseg.model.topology import ARCHITECTURES
+from autoseg.train.tracking import TRACKERS
 
 
 def _add_budget(p: argparse.ArgumentParser) -> None:
@@ -126,6 +127,7 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         "iterations per epoch and the final validation's mirroring and cases are chosen from the "
         "measured speed and re-estimated as it runs (train.log, run.json)",
     )
+    _add_track_flag(p)
     p.add_argument(
         "--loader-workers",
         type=int_at_least(0),
@@ -155,4 +157,19 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
         help="train on N GPUs of this node: runs this command under torchrun, one process per GPU "
         "(with --device cpu: N CPU processes). Several nodes: start `torchrun ... -m autoseg train "
         "...` on each yourself",
+    )
+
+
+def _add_track_flag(p: argparse.ArgumentParser) -> None:
+    """``--track``: the experiment trackers (``autoseg.train.tracking``)."""
+    p.add_argument(
+        "--track",
+        nargs="+",
+        choices=sorted(TRACKERS),
+        default=[],
+        metavar="TRACKER",
+        help="also log each epoch's figures, the plan and the memory checks, and progress.png to TensorBoard (event "
+        "files in the fold's folder) and/or MLflow (a local store in the workspace, or $MLFLOW_TRACKING_URI): "
+        'tensorboard, mlflow; extras: pip install "autoseg[tensorboard]" / "autoseg[mlflow]". Offline: '
+        "nothing is sent anywhere unless $MLFLOW_TRACKING_URI names a server",
     )

@@ -41,6 +41,8 @@ def run_epochs(run: TrainingRun) -> None:
         run.progress = before.with_epoch(epoch, row, ema, steps)
         if row is not None:
             record_epoch(row, job.out, list(run.progress.metrics))
+            if run.tracking is not None:
+                run.tracking.epoch(row, run.config, run.progress.memory_checks)
             if run.progress.best_ema > before.best_ema:
                 run.save("best")
         if run.budget is not None:

@@ -22,6 +22,7 @@ class RunConfig:
     on the fly (None: yes when every training case has copies; True fails if a case has none).
     ``precision_check``: after the final validation, on a CPU with native bf16, predict its cases in fp32 and bf16
     too and store the fold's bf16 agreement check (``autoseg.train.precision_check``).
+    ``track``: log each epoch, the plan and the memory checks to TensorBoard and/or MLflow (``autoseg.train.tracking``).
     """
 
     epochs: int = 1000
@@ -37,6 +38,7 @@ class RunConfig:
     resume: bool = False
     time_budget_s: float | None = None
     cpu_threads: int | None = None
+    track: tuple[str, ...] = ()  # --track: experiment trackers of ``autoseg.train.tracking.TRACKERS`` (rank 0 logs)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "iterations_per_epoch", "val_iterations"):

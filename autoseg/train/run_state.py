@@ -24,6 +24,7 @@ from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord, EffectiveConfiguration, RunRecord
 from autoseg.train.schedule import PredictionTiming, TimeBudget
+from autoseg.train.tracking import Tracking
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -64,6 +65,7 @@ class TrainingRun:
     progress: TrainingProgress  # a frozen value: replaced after each epoch, budget plan, degradation, memory check
     watch: MemoryObserver | None = None  # the memory check of ``config``'s first steps; None once it reported
     probe: PredictionTiming | None = None  # times the final validation's prediction for ``budget`` (rank 0)
+    tracking: Tracking | None = None  # --track's trackers (rank 0; ``autoseg.train.tracking``), set by the trainer
 
     @property
     def ranks(self) -> Ranks:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from logging.handlers import MemoryHandler
 from pathlib import Path
@@ -52,6 +53,7 @@ from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord
 from autoseg.train.run_state import FoldJob, TrainingRun, make_step, observe_memory
 from autoseg.train.schedule import BudgetedRun, PredictionTiming, TimeBudget, time_prediction
+from autoseg.train.tracking import Tracking, check_trackers, tracked
 
 __all__ = ["train"]
 
@@ -71,6 +73,7 @@ def train(
     process's rank in a torchrun launch, its process group open (``autoseg.model.distributed.process_group``).
     ``clock``: seconds, what the time budget and the epoch times are measured with (tests pass a simulated one)."""
     started = clock()
+    check_trackers(run.track)  # a missing extra is refused before any work
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     config = plans.configuration(config_name)
     check_preprocessed(workspace, plans, config_name, needs_dataset=run.validate)  # refused, not mixed
@@ -104,13 +107,28 @@ def train(
         opening.setTarget(handlers[-1])
         opening.flush()  # the set-up's lines, with the times they were logged at
         _log_start(training)
-        run_epochs(training)
-        return _finish(training)
+        with _tracked(training) as training.tracking:
+            run_epochs(training)
+            return _finish(training)
     finally:
         torch.set_num_threads(threads)
         for handler in handlers:
             log.removeHandler(handler)
             handler.close()
+
+
+@contextmanager
+def _tracked(training: TrainingRun) -> Iterator[Tracking | None]:
+    """``--track``'s trackers for the run (rank 0 only; None without): the plan now, each epoch (``run_epochs``), then
+    progress.png and run.json once the fold's files are written."""
+    job, names = training.job, training.job.run.track if training.ranks.is_main else ()
+    experiment = f"autoseg {job.plans.dataset_name}"
+    with tracked(names, job.workspace.root, job.out, experiment, job.plans.label_scheme.names) as tracking:
+        if tracking is not None:
+            tracking.start(training.config, training.progress.memory_checks)
+        yield tracking
+        if tracking is not None:
+            tracking.finish(training.progress.epoch, [job.out / "progress.png", job.out / "run.json"])
 
 
 def _open_log(out: Path, distributed: DistributedContext, opening: MemoryHandler) -> logging.Handler:
