@@ -10,7 +10,8 @@ nnU-Net plans, preprocesses, trains fold 0 of each configuration for one short e
 (benchmarks/_nnunet_fixture_run.py, in its venv). Kept: each model folder's plans.json, dataset.json,
 dataset_fingerprint.json and fold_0/checkpoint_final.pth as nnU-Net wrote them, the test images, nnU-Net's
 segmentations and its probabilities as float16 (``<case>.npz``, key ``probabilities``, (K, Z, Y, X)), and the
-network's logits on a seeded input (``network_check.npz``: ``input``, ``logits``).
+network's logits on a seeded input (``network_check.npz``: ``input``, ``logits``) and nnU-Net's preprocessing of
+each test case (``<case>_preprocessed.npz``, key ``data``, float32 (C, Z, Y, X)).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ def keep(model_folder: Path, predictions: Path, out: Path) -> None:
             probabilities = npz["probabilities"].astype(np.float16)
         np.savez_compressed(out / "predictions" / f"{case}.npz", probabilities=probabilities)
     shutil.copyfile(predictions / "network_check.npz", out / "network_check.npz")
+    for preprocessed in sorted(predictions.glob("*_preprocessed.npy")):  # float32 (C, Z, Y, X)
+        np.savez_compressed(out / "predictions" / preprocessed.with_suffix(".npz").name, data=np.load(preprocessed))
 
 
 def main() -> None:

@@ -60,6 +60,22 @@ def shrink_plans(path: Path) -> None:
     path.write_text(json.dumps(plans, indent=2))
 
 
+def save_preprocessed(predictor, test_folder: Path, out: Path) -> None:
+    """nnU-Net's preprocessing of each test case (``<case>_preprocessed.npy``, float32 (C, Z, Y, X)): cropped,
+    normalized and resampled as the trained configuration's plan says."""
+    import numpy as np
+    from nnunetv2.preprocessing.preprocessors.default_preprocessor import DefaultPreprocessor
+
+    preprocessor = DefaultPreprocessor(verbose=False)
+    for first in sorted(test_folder.glob("*_0000.nii.gz")):
+        case = first.name.removesuffix("_0000.nii.gz")
+        files = [str(f) for f in sorted(test_folder.glob(f"{case}_*.nii.gz"))]
+        data, _, _ = preprocessor.run_case(
+            files, None, predictor.plans_manager, predictor.configuration_manager, predictor.dataset_json
+        )
+        np.save(out / f"{case}_preprocessed.npy", data.astype(np.float32))
+
+
 def main() -> None:
     dataset_id, iterations = int(sys.argv[1]), int(sys.argv[2])
     test_folder, predictions = Path(sys.argv[3]), Path(sys.argv[4])
@@ -94,6 +110,7 @@ def main() -> None:
         (predictions / config).mkdir(parents=True, exist_ok=True)
         predictor.predict_from_files_sequential(str(test_folder), str(predictions / config), save_probabilities=True)
         save_network_check(predictor, CHECK_INPUT[config], predictions / config / "network_check.npz")
+        save_preprocessed(predictor, test_folder, predictions / config)
         print(f"MODEL_FOLDER {config} {trainer.output_folder_base}")
 
 

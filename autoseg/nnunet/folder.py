@@ -107,6 +107,7 @@ def read_model_folder(folder: Path) -> NnunetModel:
         gpu_memory_bytes=0,
         host_ram_bytes=0,
         regions_class_order=regions,
+        image_resampling="skimage",  # nnU-Net's resample_data_or_seg_to_shape resizes with skimage
     )
     plans.check(where)
     fingerprint = _fingerprint(fingerprint_json, plans, folder)

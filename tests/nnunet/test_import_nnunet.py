@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,9 @@ from autoseg.nnunet.folder import read_model_folder
 from autoseg.nnunet.importer import import_nnunet
 from autoseg.plan.plans import Plans
 from autoseg.predict.archive_reader import open_model_archive
-from autoseg.predict.networks import load_trained_network
+from autoseg.predict.networks import check_trained_with, load_trained_network
+from autoseg.preprocess.plan_fields import model_input_fields
+from autoseg.preprocess.preprocessor import preprocess_case
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "nnunet_model"
 CONFIGS = ("3d_fullres", "2d")
@@ -82,8 +85,8 @@ def predicted(imported, tmp_path_factory) -> tuple[str, Path]:
 
 def test_predict_m_reproduces_nnunets_predictions(predicted) -> None:
     """The case nnU-Net's preprocessing resamples nowhere (demo_005) agrees to the issue's bar; demo_006, resampled
-    in-plane, differs near the image's border, where nnU-Net's cubic spline extends the edge and autoseg's mirrors
-    the image (docs/nnunet.md)."""
+    in-plane, flips a few voxels where classes are close: nnU-Net resamples logits back, autoseg probabilities
+    (docs/nnunet.md)."""
     config, out = predicted
     for case in CASES:
         ours = read_image(out / f"{case}.nii.gz")[0]
@@ -226,3 +229,34 @@ def test_a_configuration_not_yet_supported_is_refused(tmp_path: Path) -> None:
     lowres = folder.rename(tmp_path / "nnUNetTrainer__nnUNetPlans__3d_lowres")
     with pytest.raises(InputError, match="'3d_lowres' is not supported yet"):
         import_nnunet(lowres, tmp_path / "model.zip")
+
+
+def test_the_imported_plan_resamples_as_nnunet_and_its_checkpoints_say_so(imported) -> None:
+    """The plan carries nnU-Net's image resampling; the checkpoints record it, so a plans.json edited back to
+    autoseg's own is refused; a plan with autoseg's own records nothing (records made before the field existed
+    match)."""
+    config, archive = imported
+    with open_model_archive(archive) as model:
+        plans = Plans.from_json(model.workspace.plans_path)
+        path = model.workspace.checkpoint(config, 0, "final")
+        state = torch.load(path, weights_only=True)
+    assert plans.image_resampling == "skimage"
+    own = replace(plans, image_resampling="sitk")
+    with pytest.raises(InputError, match="image_resampling: 'skimage' -> None"):
+        check_trained_with(state, own, own.configuration(config), path)
+    assert "image_resampling" not in model_input_fields(own, config)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("case", CASES)
+def test_preprocessing_reproduces_nnunets(config: str, case: str) -> None:
+    """Cropped, normalized (CT and z-score) and resampled (demo_006, in-plane) as nnU-Net's DefaultPreprocessor
+    did it for the fixture."""
+    model = read_model_folder(model_folder(config))
+    channels = [read_image(FIXTURE / "imagesTs" / f"{case}_{c:04d}.nii.gz") for c in range(2)]
+    data = np.stack([image for image, _ in channels]).astype(np.float32)
+    plan = model.plans.configuration(config)
+    ours, _, _ = preprocess_case(data, None, channels[0][1], model.plans, plan, case)
+    theirs = np.load(FIXTURE / config / "predictions" / f"{case}_preprocessed.npz")["data"]
+    assert ours.shape == theirs.shape
+    np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
