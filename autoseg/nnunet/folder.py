@@ -14,12 +14,13 @@ orders 3/0 and 1/0, ``force_separate_z`` null). Anything else is refused naming 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from autoseg.core.errors import InputError
 from autoseg.dataset.labels import LabelScheme
+from autoseg.nnunet.axes import in_autoseg_order, network_axes
 from autoseg.nnunet.network import topology_of
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
@@ -45,6 +46,7 @@ class NnunetModel:
     plans: Plans
     fingerprint: Fingerprint
     folds: tuple[int | str, ...]
+    network_axes: tuple[int, ...]  # autoseg's spatial axis j is nnU-Net's network axis network_axes[j] (axes.py)
 
 
 def read_json(path: Path) -> dict:
@@ -81,11 +83,7 @@ def read_model_folder(folder: Path) -> NnunetModel:
         )
     config = resolved_configuration(configs, config_name, folder / "plans.json")
     where = f"{folder / 'plans.json'}: configuration {config_name!r}"
-    if list(plans_json.get("transpose_forward", [0, 1, 2])) != [0, 1, 2]:
-        raise InputError(
-            f"{folder / 'plans.json'}: transpose_forward {plans_json['transpose_forward']} is not supported yet "
-            "(only [0, 1, 2]: nnU-Net's own axis order)"
-        )
+    axes = network_axes(plans_json.get("transpose_forward", [0, 1, 2]), len(config["patch_size"]), where)
     channels = _channel_names(dataset_json, folder / "dataset.json")
     labels = dataset_json.get("labels")
     if not isinstance(labels, dict):
@@ -103,7 +101,9 @@ def read_model_folder(folder: Path) -> NnunetModel:
         normalization=_normalization(config, len(channels), where),
         use_nonzero_mask=tuple(bool(v) for v in config.get("use_mask_for_norm", [False] * len(channels))),
         intensity_properties=_intensity_properties(properties, len(channels), folder),
-        configurations={config_name: _configuration(plans_json, config, config_name, (len(channels), outputs), where)},
+        configurations={
+            config_name: _configuration(plans_json, config, config_name, (len(channels), outputs, axes), where)
+        },
         gpu_memory_bytes=0,
         host_ram_bytes=0,
         regions_class_order=regions,
@@ -111,7 +111,7 @@ def read_model_folder(folder: Path) -> NnunetModel:
     )
     plans.check(where)
     fingerprint = _fingerprint(fingerprint_json, plans, folder)
-    return NnunetModel(folder, config_name, plans, fingerprint, _folds(folder))
+    return NnunetModel(folder, config_name, plans, fingerprint, _folds(folder), axes)
 
 
 def resolved_configuration(configs: dict, name: str, path: Path) -> dict[str, Any]:
@@ -163,10 +163,11 @@ def _intensity_properties(properties: dict, channels: int, folder: Path) -> tupl
 
 
 def _configuration(
-    plans_json: dict, config: dict, name: str, channels_outputs: tuple[int, int], where: str
+    plans_json: dict, config: dict, name: str, shape: tuple[int, int, tuple[int, ...]], where: str
 ) -> ConfigurationPlan:
-    """The autoseg configuration standing for nnU-Net's ``config``: its spacing, patch, batch and network
-    (``channels_outputs``: its input channels and outputs)."""
+    """The autoseg configuration standing for nnU-Net's ``config``: its spacing, patch, batch and network in autoseg's
+    axis order (``shape``: the network's input channels, outputs and ``network_axes``)."""
+    channels, outputs, axes = shape
     for key, expected in RESAMPLING.items():
         kwargs = {k: config.get(key, {}).get(k) for k in expected}
         function = config.get(key.replace("_kwargs", ""), RESAMPLING_FUNCTION)
@@ -175,19 +176,24 @@ def _configuration(
                 f"{where}: {key} {kwargs} with {function}: not supported (autoseg resamples as "
                 f"{RESAMPLING_FUNCTION} with {expected})"
             )
-    patch = tuple(int(p) for p in config["patch_size"])
-    spacing = [float(s) for s in config["spacing"]]
+    patch = in_autoseg_order([int(p) for p in config["patch_size"]], axes)
+    spacing = list(in_autoseg_order([float(s) for s in config["spacing"]], axes))
     if len(patch) == 2:  # 2D: slices keep their spacing; the plan's z is the dataset's
         spacing = [float(plans_json.get("original_median_spacing_after_transp", [1.0])[0]), *spacing]
-    median = [int(round(float(v))) for v in config.get("median_image_size_in_voxels", patch)]
+    median = in_autoseg_order([round(float(v)) for v in config.get("median_image_size_in_voxels", patch)], axes)
+    network = topology_of(config, len(patch), channels, outputs, where)
     return ConfigurationPlan(
         name=name,
         spacing_mm=tuple(spacing),
-        median_shape_zyx=tuple([1] * (3 - len(median)) + median),
+        median_shape_zyx=(1,) * (3 - len(median)) + median,
         patch_size=patch,
         batch_size=int(config.get("batch_size", 2)),
         accumulation_steps=1,
-        network=topology_of(config, len(patch), *channels_outputs, where),
+        network=replace(
+            network,
+            kernel_sizes=tuple(in_autoseg_order(k, axes) for k in network.kernel_sizes),
+            strides=tuple(in_autoseg_order(st, axes) for st in network.strides),
+        ),
         device="cuda",  # nnU-Net plans for a GPU
         notes=(f"imported from nnU-Net v2 ({plans_json.get('plans_name', 'nnUNetPlans')}, {name})",),
     )

@@ -17,6 +17,7 @@ from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import write_checkpoint_file
 from autoseg.model.network import build_network
+from autoseg.nnunet.axes import inverse, permuted_weights
 from autoseg.nnunet.checkpoint import map_state_dict, read_nnunet_checkpoint
 from autoseg.nnunet.folder import NnunetModel, read_model_folder
 from autoseg.predict.archive import ModelManifest, export_model
@@ -66,7 +67,9 @@ def _write_fold(model: NnunetModel, fold: int | str, workspace: Workspace) -> No
     state = read_nnunet_checkpoint(path)
     config = model.plans.configuration(model.config_name)
     network = build_network(config.network)
-    weights = map_state_dict(state["network_weights"], network.state_dict(), config.network.num_stages, path)
+    expected = permuted_weights(network.state_dict(), inverse(model.network_axes))  # its shapes in nnU-Net's order
+    weights = map_state_dict(state["network_weights"], expected, config.network.num_stages, path)
+    weights = permuted_weights(weights, model.network_axes)
     _note_mirroring(state.get("inference_allowed_mirroring_axes"), config.dim, path)
     write_checkpoint_file(
         workspace.checkpoint(model.config_name, fold, CHECKPOINT),

@@ -260,3 +260,44 @@ def test_preprocessing_reproduces_nnunets(config: str, case: str) -> None:
     theirs = np.load(FIXTURE / config / "predictions" / f"{case}_preprocessed.npz")["data"]
     assert ours.shape == theirs.shape
     np.testing.assert_allclose(ours, theirs, rtol=0, atol=1e-4)
+
+
+# transpose_forward -> the permutation of a network's (B, C, *spatial) input that puts nnU-Net's transposed axes in
+# the image's own order (worked out by hand: transposed axis i is image axis transpose_forward[i])
+TRANSPOSES = {"3d_fullres": ([2, 0, 1], (0, 1, 3, 4, 2)), "2d": ([0, 2, 1], (0, 1, 3, 2))}
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_a_transposed_model_is_imported_in_the_images_own_axis_order(config: str, tmp_path: Path) -> None:
+    """nnU-Net runs a model planned with ``transpose_forward`` on transposed images: the imported network, run on the
+    image as it is, gives nnU-Net's logits transposed back; its patch and spacing are in the image's order too."""
+    folder = copied(config, tmp_path)
+    plans = json.loads((folder / "plans.json").read_text())
+    forward, to_image = TRANSPOSES[config]
+    plans["transpose_forward"] = forward
+    (folder / "plans.json").write_text(json.dumps(plans))
+    out = tmp_path / "model.zip"
+    import_nnunet(folder, out)
+    check = np.load(FIXTURE / config / "network_check.npz")
+    with open_model_archive(out) as model:
+        imported = Plans.from_json(model.workspace.plans_path)
+        path = model.workspace.checkpoint(config, 0, "final")
+        network = load_trained_network(path, imported, imported.configuration(config), "cpu")
+    network.deep_supervision = False
+    with torch.no_grad():
+        logits = network(torch.from_numpy(check["input"]).permute(to_image)).numpy()
+    expected = np.transpose(check["logits"], to_image)
+    assert np.abs(logits - expected).max() <= 1e-5 * np.abs(expected).max()
+    patch = plans["configurations"][config]["patch_size"]
+    assert imported.configuration(config).patch_size == tuple(patch[a - 2] for a in to_image[2:])
+
+
+def test_a_2d_model_sliced_along_another_axis_is_refused(tmp_path: Path) -> None:
+    folder = copied("2d", tmp_path)
+    plans = json.loads((folder / "plans.json").read_text())
+    plans["transpose_forward"] = [1, 0, 2]
+    (folder / "plans.json").write_text(json.dumps(plans))
+    with pytest.raises(
+        InputError, match=r"transpose_forward \[1, 0, 2\] slices the 2D configuration along image axis 1"
+    ):
+        import_nnunet(folder, tmp_path / "model.zip")
