@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import ndimage
 
-from autoseg.core.spacing import out_of_plane_axis
+from autoseg.core.spacing import SKIMAGE_SPLINE_PAD, out_of_plane_axis
 from autoseg.plan.plans import IMAGE_RESAMPLING
 
 
@@ -59,17 +59,14 @@ def _zoom_into(src: np.ndarray, out: np.ndarray, order: int, style: str = "sitk"
     ndimage.zoom(src, factors, output=out, order=order, mode=mode, prefilter=False, grid_mode=True)
 
 
-SKIMAGE_PAD = 12  # voxels of edge padding scipy's zoom adds before its spline prefilter in mode "nearest"
-
-
 def _zoom_as_skimage(src: np.ndarray, out: np.ndarray, order: int) -> None:
     """``skimage.transform.resize(src, out.shape, order, mode="edge", anti_aliasing=False)`` into ``out``: scipy's
-    zoom in mode "nearest", whose spline prefilter runs on the input padded by ``SKIMAGE_PAD`` edge voxels per side
-    (done here in float32, in place: one temporary of the padded input), then clipped to ``src``'s range."""
+    zoom in mode "nearest", whose spline prefilter runs on the input padded by ``SKIMAGE_SPLINE_PAD`` edge voxels per
+    side (done here in float32, in place: one temporary of the padded input), then clipped to ``src``'s range."""
     low, high = float(src.min()), float(src.max())
     scale = [n_in / n_out for n_in, n_out in zip(src.shape, out.shape, strict=True)]
-    pad = SKIMAGE_PAD if order > 1 else 0
-    coefficients = np.pad(src.astype(np.float32, copy=False), pad, mode="edge") if pad else src
+    pad = SKIMAGE_SPLINE_PAD if order > 1 else 0
+    coefficients = _edge_padded(src, pad) if pad else src
     if pad:
         ndimage.spline_filter(coefficients, order, output=coefficients, mode="nearest")
     offset = [0.5 * f - 0.5 + pad for f in scale]  # grid_mode: output voxel j samples (j + 1/2) * n / n' - 1/2
@@ -77,6 +74,22 @@ def _zoom_as_skimage(src: np.ndarray, out: np.ndarray, order: int) -> None:
         coefficients, scale, offset, out.shape, output=out, order=order, mode="nearest", prefilter=False
     )
     np.clip(out, low, high, out=out)
+
+
+def _edge_padded(src: np.ndarray, pad: int) -> np.ndarray:
+    """float32 ``src`` padded by ``pad`` copies of its border voxels per side (``np.pad(mode="edge")``, which holds an
+    input-sized temporary beside the result; here one face of it)."""
+    out = np.empty([s + 2 * pad for s in src.shape], np.float32)
+    out[tuple(slice(pad, pad + s) for s in src.shape)] = src
+    for axis, size in enumerate(src.shape):
+
+        def at(part: slice, axis: int = axis) -> tuple[slice, ...]:
+            return tuple(part if a == axis else slice(None) for a in range(src.ndim))
+
+        # the face copied first: numpy would copy the whole overlapping source otherwise
+        out[at(slice(0, pad))] = out[at(slice(pad, pad + 1))].copy()
+        out[at(slice(pad + size, None))] = out[at(slice(pad + size - 1, pad + size))].copy()
+    return out
 
 
 def _check_order(order: int, name: str) -> None:

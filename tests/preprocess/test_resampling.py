@@ -183,20 +183,21 @@ def test_unchanged_shape_returns_input_and_bad_input_raises():
         ((40, 40, 12), (1.0, 1.0, 4.0), (50, 50, 30), 3, 3),  # out-of-plane x with a cubic along it
     ],
 )
-def test_resampling_peak_bytes_bounds_the_measured_peak(shape, spacing, new_shape, order, order_z):
+@pytest.mark.parametrize("style", ["sitk", "skimage"])
+def test_resampling_peak_bytes_bounds_the_measured_peak(shape, spacing, new_shape, order, order_z, style):
     data = np.random.default_rng(0).random((2, *shape), dtype=np.float32)
     tracemalloc.start()
     try:
         baseline = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        out = resample_image(data, new_shape, spacing, order=order, order_z=order_z)
+        out = resample_image(data, new_shape, spacing, order=order, order_z=order_z, style=style)
         measured = tracemalloc.get_traced_memory()[1] - baseline
     finally:
         tracemalloc.stop()
     assert out.shape == (2, *new_shape)
-    estimate = resampling_peak_bytes(shape, new_shape, 2, spacing, order, order_z)
+    estimate = resampling_peak_bytes(shape, new_shape, 2, spacing, order, order_z, style)
     assert measured <= estimate <= 1.2 * measured
-    assert resampling_peak_bytes(shape, new_shape, 2, None, order, order_z) >= estimate  # path unknown
+    assert resampling_peak_bytes(shape, new_shape, 2, None, order, order_z, style) >= estimate  # path unknown
 
 
 def random_labels(shape, values, seed: int) -> np.ndarray:
