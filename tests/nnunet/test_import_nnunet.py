@@ -301,3 +301,32 @@ def test_a_2d_model_sliced_along_another_axis_is_refused(tmp_path: Path) -> None
         InputError, match=r"transpose_forward \[1, 0, 2\] slices the 2D configuration along image axis 1"
     ):
         import_nnunet(folder, tmp_path / "model.zip")
+
+
+def test_fold_all_and_a_subset_of_folds_are_imported(tmp_path: Path) -> None:
+    folder = copied("2d", tmp_path)
+    shutil.copytree(folder / "fold_0", folder / "fold_all")
+    assert import_nnunet(folder, tmp_path / "both.zip").folds == (0, "all")
+    assert import_nnunet(folder, tmp_path / "all.zip", folds=["all"]).folds == ("all",)
+    with open_model_archive(tmp_path / "all.zip") as model:
+        assert model.workspace.checkpoint("2d", "all", "final").is_file()
+
+
+def test_a_trainer_that_mirrors_fewer_axes_is_warned_about(tmp_path: Path, caplog) -> None:
+    folder = copied("2d", tmp_path)
+    state = read_nnunet_checkpoint(folder / WEIGHTS)
+    torch.save({**state, "inference_allowed_mirroring_axes": (1,)}, folder / WEIGHTS)
+    with caplog.at_level("WARNING", logger="autoseg"):
+        import_nnunet(folder, tmp_path / "model.zip")
+    assert "mirrors axes (1,) only at inference" in caplog.text
+
+
+def test_an_alias_that_differs_from_its_weight_is_refused(tmp_path: Path) -> None:
+    """nnU-Net's state dict names each conv and norm twice more (all_modules, decoder.encoder); they must agree."""
+    folder = copied("2d", tmp_path)
+    state = read_nnunet_checkpoint(folder / WEIGHTS)
+    alias = "encoder.stages.1.0.convs.0.all_modules.1.weight"  # the norm's weight
+    state["network_weights"][alias] = state["network_weights"][alias] + 1
+    torch.save(state, folder / WEIGHTS)
+    with pytest.raises(InputError, match=f"weight {alias} differs from encoder.stages.1.0.convs.0.norm.weight"):
+        import_nnunet(folder, tmp_path / "model.zip")
