@@ -33,6 +33,7 @@ RESAMPLING = {
     "resampling_fn_probabilities_kwargs": {"order": 1, "order_z": 0, "force_separate_z": None},
 }
 RESAMPLING_FUNCTION = "resample_data_or_seg_to_shape"
+REQUIRED_KEYS = ("patch_size", "spacing", "normalization_schemes")  # a configuration's lists read here
 NNUNET_2D_SPACING_Z = 999.0  # what nnU-Net's 2D image readers give a 2D image's third axis
 
 
@@ -83,6 +84,9 @@ def read_model_folder(folder: Path) -> NnunetModel:
         )
     config = resolved_configuration(configs, config_name, folder / "plans.json")
     where = f"{folder / 'plans.json'}: configuration {config_name!r}"
+    missing = [k for k in REQUIRED_KEYS if not isinstance(config.get(k), list)]
+    if missing:
+        raise InputError(f"{where}: no {', '.join(missing)} list; this is not an nnU-Net v2 plans.json")
     axes = network_axes(plans_json.get("transpose_forward", [0, 1, 2]), len(config["patch_size"]), where)
     channels = _channel_names(dataset_json, folder / "dataset.json")
     labels = dataset_json.get("labels")

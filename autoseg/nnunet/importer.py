@@ -77,7 +77,7 @@ def _write_fold(model: NnunetModel, fold: int | str, workspace: Workspace) -> No
             "network": weights,
             "config_name": model.config_name,
             MODEL_INPUT_KEY: json.dumps(model_input_fields(model.plans, model.config_name)),
-            "imported_from": str(path),
+            "imported_from": f"{model.folder.name}/fold_{fold}/checkpoint_final.pth",  # no local path in an archive
             "nnunet_trainer": str(state.get("trainer_name", "")),
         },
     )

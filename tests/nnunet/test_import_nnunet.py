@@ -330,3 +330,10 @@ def test_an_alias_that_differs_from_its_weight_is_refused(tmp_path: Path) -> Non
     torch.save(state, folder / WEIGHTS)
     with pytest.raises(InputError, match=f"weight {alias} differs from encoder.stages.1.0.convs.0.norm.weight"):
         import_nnunet(folder, tmp_path / "model.zip")
+
+
+def test_a_plans_json_without_a_patch_is_refused_naming_it(tmp_path: Path) -> None:
+    folder = copied("3d_fullres", tmp_path)
+    _edit_plans(folder, lambda c: c.pop("patch_size"))
+    with pytest.raises(InputError, match=r"configuration '3d_fullres': no patch_size list"):
+        import_nnunet(folder, tmp_path / "model.zip")
