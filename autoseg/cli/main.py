@@ -267,6 +267,18 @@ def _export_model(args: argparse.Namespace, progress: bool) -> int:
     return 0
 
 
+def _import_nnunet(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.nnunet.importer import import_nnunet
+
+    manifest = import_nnunet(args.model_folder, args.output, folds=args.folds)
+    out = Path(args.output).resolve()
+    print(
+        f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): nnU-Net's {' + '.join(manifest.configurations)}, "
+        f"fold(s) {' '.join(map(str, manifest.folds))}; predict with `autoseg predict -m {out} -i INPUT -o OUTPUT`"
+    )
+    return 0
+
+
 def _evaluate(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.evaluate.metrics import evaluate_folder, format_table
 
@@ -369,6 +381,7 @@ COMMANDS = {
     "train": _train,
     "predict": _predict,
     "export-model": _export_model,
+    "import-nnunet": _import_nnunet,
     "evaluate": _evaluate,
     "find-best": _find_best,
     "explain": _explain,

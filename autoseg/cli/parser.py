@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Sequence
 
 from autoseg.cli.flag_values import SEED, add_workspace, int_at_least, positive_float, resolve_device
-from autoseg.cli.predict_flags import add_export_model_command, add_predict_command
+from autoseg.cli.predict_flags import add_export_model_command, add_import_nnunet_command, add_predict_command
 from autoseg.cli.training_flags import add_plan_commands, add_precision_check_flag, add_train_command
 from autoseg.core.errors import InputError
 
@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_predict_command(sub)
     add_export_model_command(sub)
     add_precision_check_flag(sub.choices["export-model"], "of a fold that has none (or a stale one)")
+    add_import_nnunet_command(sub)
     _add_evaluate_command(sub)
     _add_find_best_command(sub)
     _add_demo_command(sub)

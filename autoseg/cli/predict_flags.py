@@ -202,3 +202,26 @@ def add_export_model_command(sub: argparse._SubParsersAction) -> None:
         choices=["final", "best"],
         help="which checkpoint of each fold (default: inference.json's, else final)",
     )
+
+
+def add_import_nnunet_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "import-nnunet",
+        help="write an nnU-Net v2 trained model (PlainConvUNet, 3d_fullres or 2d) as an autoseg model archive "
+        "for `autoseg predict -m`",
+    )
+    p.add_argument(
+        "model_folder",
+        metavar="MODEL_FOLDER",
+        help="nnU-Net's <Trainer>__<Plans>__<configuration> folder: plans.json, dataset.json, "
+        "dataset_fingerprint.json, fold_N/checkpoint_final.pth",
+    )
+    p.add_argument("-o", "--output", required=True, metavar="OUT.zip", help="archive to write")
+    p.add_argument(
+        "-f",
+        "--folds",
+        nargs="+",
+        type=fold_name,
+        default=None,
+        help="folds to import, e.g. 0 1 2 or all (default: every fold with a checkpoint_final.pth)",
+    )

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 
 ANISOTROPY_THRESHOLD = 3.0  # an axis whose spacing is > 3x the finest is "strongly anisotropic"
+# Voxels of edge padding per side under the spline of resampling's "skimage" style (what scipy's zoom pads by in
+# mode "nearest"); the padded image is that style's spline temporary, which resampling's memory estimate counts.
+SKIMAGE_SPLINE_PAD = 12
 
 
 def is_anisotropic(spacing_mm: Sequence[float], threshold: float = ANISOTROPY_THRESHOLD) -> bool:

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from autoseg.core.spacing import out_of_plane_axis
+from autoseg.core.spacing import SKIMAGE_SPLINE_PAD, out_of_plane_axis
 from autoseg.core.units import GiB, KiB, MiB
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.nifti import GZIP_READ_CHUNK_BYTES
@@ -35,6 +35,8 @@ _F32 = 4  # bytes of a float32
 _EXPORT_OVERHEAD_BYTES = 64 * KiB
 # Small numpy arrays and Python objects scipy and we create per call: above what tracemalloc sees of them.
 _CALL_OVERHEAD_BYTES = 16 * KiB
+# ... and what the skimage style's padding, transform and clip add to them (measured: 1.5-4 KiB)
+_SKIMAGE_CALL_OVERHEAD_BYTES = 8 * KiB
 
 
 def _voxels(shape: Sequence[int]) -> int:
@@ -80,6 +82,7 @@ def prediction_preprocess_bytes(
     shape_zyx_after: Sequence[int],
     num_channels: int,
     spacing_mm: Sequence[float] | None = None,
+    style: str = "sitk",
 ) -> dict[str, int]:
     """Peak RAM of reading and preprocessing one case for prediction (``autoseg.dataset.raw.load_case``, then
     ``autoseg.preprocess.preprocessor.preprocess_case`` without a label), the crop taken as the whole image.
@@ -88,7 +91,7 @@ def prediction_preprocess_bytes(
     check's bool map and the reader's compressed chunk (``GZIP_READ_CHUNK_BYTES``); ``crop`` the image as read
     (alive until the case is preprocessed), the nonzero mask, its cropped copy, the cropped image and one
     float32 map of the normalization; ``resample`` the image as read, the cropped image and mask, and
-    ``resampling_peak_bytes`` (the output and its temporaries). ``result``:
+    ``resampling_peak_bytes`` (the output and its temporaries, in the plan's ``style`` of image resampling). ``result``:
     the preprocessed image handed to the sliding window (C x resampled V float32), held until it is predicted.
     """
     vb, va, c = _voxels(shape_zyx), _voxels(shape_zyx_after), int(num_channels)
@@ -96,7 +99,7 @@ def prediction_preprocess_bytes(
     phases = {
         "load": 2 * image + vb + GZIP_READ_CHUNK_BYTES,
         "crop": 2 * image + 2 * vb + vb * _F32,
-        "resample": 2 * image + vb + resampling_peak_bytes(shape_zyx, shape_zyx_after, c, spacing_mm),
+        "resample": 2 * image + vb + resampling_peak_bytes(shape_zyx, shape_zyx_after, c, spacing_mm, style=style),
     }
     return {**phases, "result": c * va * _F32, "total": max(phases.values())}
 
@@ -206,43 +209,55 @@ def resampling_peak_bytes(
     spacing_mm: Sequence[float] | None = None,
     order: int = 3,
     order_z: int = 0,
+    style: str = "sitk",
 ) -> int:
     """Host bytes ``resample_image`` holds at its peak beyond its float32 input.
 
     The output array plus the largest per-channel temporary (see ``resample_channel``) plus a small
     constant for per-call bookkeeping; 0 when the shape is unchanged (the input is returned). With
     ``spacing_mm=None`` the path is unknown and the larger of the 3D and anisotropic estimates is given
-    (the anisotropic one taking the z axis as out-of-plane).
+    (the anisotropic one taking the z axis as out-of-plane). ``style`` "skimage": the spline's temporary is the
+    image (or slice) padded by ``SKIMAGE_SPLINE_PAD`` voxels per side.
     """
+    pad = SKIMAGE_SPLINE_PAD if style == "skimage" else 0
     shape, new_shape = tuple(int(n) for n in shape_zyx), tuple(int(n) for n in new_shape_zyx)
     if shape == new_shape:
         return 0
     output = 4 * num_channels * int(np.prod(new_shape))
     if spacing_mm is None:
         temp = max(
-            _channel_temp_bytes(shape, new_shape, None, order, order_z),
-            _channel_temp_bytes(shape, new_shape, 0, order, order_z),
+            _channel_temp_bytes(shape, new_shape, None, (order, order_z), pad),
+            _channel_temp_bytes(shape, new_shape, 0, (order, order_z), pad),
         )
     else:
-        temp = _channel_temp_bytes(shape, new_shape, out_of_plane_axis(spacing_mm), order, order_z)
-    return output + temp + _CALL_OVERHEAD_BYTES
+        temp = _channel_temp_bytes(shape, new_shape, out_of_plane_axis(spacing_mm), (order, order_z), pad)
+    return output + temp + _CALL_OVERHEAD_BYTES + (_SKIMAGE_CALL_OVERHEAD_BYTES if pad else 0)
 
 
 def _channel_temp_bytes(
-    shape: tuple[int, ...], new_shape: tuple[int, ...], axis: int | None, order: int, order_z: int
+    shape: tuple[int, ...], new_shape: tuple[int, ...], axis: int | None, orders: tuple[int, int], pad: int = 0
 ) -> int:
-    """Peak float32 temporaries of one ``resample_channel`` call (the output excluded)."""
+    """Peak float32 temporaries of one ``resample_channel`` call (the output excluded); ``orders``: (order,
+    order_z); ``pad``: voxels per side the spline's coefficients are padded by."""
+    order, order_z = orders
     if axis is None:
-        return 4 * int(np.prod(shape)) if order > 1 else 0
+        return _coefficient_bytes(shape, pad) if order > 1 else 0
     n_in, n_out = shape[axis], new_shape[axis]
     plane_in = [s for a, s in enumerate(shape) if a != axis]
     plane_out = [s for a, s in enumerate(new_shape) if a != axis]
-    slice_coeffs = 4 * int(np.prod(plane_in)) if order > 1 and plane_in != plane_out else 0
+    slice_coeffs = _coefficient_bytes(plane_in, pad) if order > 1 and plane_in != plane_out else 0
     if n_in == n_out:  # in-plane only, written straight into the output
         return slice_coeffs
     mid = 4 * n_in * int(np.prod(plane_out)) if plane_in != plane_out else 0
     mid_coeffs = 4 * n_in * int(np.prod(plane_out)) if order_z > 1 else 0
     return max(mid + slice_coeffs, mid + mid_coeffs)
+
+
+def _coefficient_bytes(shape: Sequence[int], pad: int) -> int:
+    """float32 spline coefficients of an image of ``shape`` padded by ``pad`` per side, and (padded) the largest of
+    its faces, copied while the padding is filled (``resampling._edge_padded``)."""
+    padded = [int(s) + 2 * pad for s in shape]
+    return 4 * math.prod(padded) + (4 * math.prod(padded) // min(padded) if pad else 0)
 
 
 def segmentation_resampling_peak_bytes(

@@ -19,6 +19,8 @@ from autoseg.model.topology import PLAIN_UNET, NetworkTopology, validate_topolog
 TILE_CHOICES = ("planned", "patch")  # ConfigurationPlan.inference_tile, autoseg predict --tile
 INFERENCE_ONLY_KEYS = ("inference_patch_size",)  # configuration keys training does not read (resume ignores them)
 PROVENANCE_KEYS = ("cpu_rates_source",)  # Plans keys that say where a figure came from, not what the plan decides
+# Plans.image_resampling: whose image resampling autoseg.preprocess.resampling reproduces (its docstring)
+IMAGE_RESAMPLING = ("sitk", "skimage")
 
 
 @dataclass(frozen=True)
@@ -134,15 +136,27 @@ def _plans_6_to_7(payload: dict) -> dict:
     return payload
 
 
+def _plans_7_to_8(payload: dict) -> dict:
+    """Schema 8 adds ``image_resampling``; an earlier plan resamples as SimpleITK does ("sitk", the default)."""
+    return payload
+
+
 @dataclass(frozen=True)
 class Plans(Artifact):
     # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
     # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade);
-    # 7: cpu_rates_source
-    SCHEMA_VERSION = 7
-    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> 7 change no key: a schema 5 or 6
-    # payload is a schema 7 one, so the upgrades to 5 end at 7 too)
-    UPGRADES = {2: _plans_2_to_5, 3: _plans_3_to_5, 4: _plans_4_to_5, 5: _plans_5_to_6, 6: _plans_6_to_7}
+    # 7: cpu_rates_source; 8: image_resampling
+    SCHEMA_VERSION = 8
+    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> 7 -> 8 change no key: a schema 5, 6
+    # or 7 payload is a schema 8 one, so the upgrades to 5 end at 8 too)
+    UPGRADES = {
+        2: _plans_2_to_5,
+        3: _plans_3_to_5,
+        4: _plans_4_to_5,
+        5: _plans_5_to_6,
+        6: _plans_6_to_7,
+        7: _plans_7_to_8,
+    }
     KIND = "plans"
 
     dataset_name: str
@@ -164,6 +178,9 @@ class Plans(Artifact):
     # CPU plans: where those rates came from: "measured now, ...", "cached in PATH, measured DATE", "... fallback to
     # ..." (no calibration was kept), "--cpu-flops"; "" for CUDA plans and plans of schema 6 and earlier
     cpu_rates_source: str = ""
+    # whose image resampling preprocessing reproduces (IMAGE_RESAMPLING): "sitk" (SimpleITK's
+    # B-spline, what autoseg plans), "skimage" (nnU-Net v2's, for a model imported from it: autoseg.nnunet)
+    image_resampling: str = "sitk"
 
     @property
     def label_scheme(self) -> LabelScheme:
@@ -209,6 +226,10 @@ class Plans(Artifact):
                     f"{where}: {key} has {len(getattr(self, key))} entries for {channels} channel(s) "
                     f"{list(self.channel_names)}; give one per channel"
                 )
+        if self.image_resampling not in IMAGE_RESAMPLING:
+            raise InputError(
+                f"{where}: image_resampling {self.image_resampling!r} is not one of {list(IMAGE_RESAMPLING)}"
+            )
         outputs = self.label_scheme.num_outputs
         for name, config in self.configurations.items():
             at = f"{where}: configuration {name!r}"

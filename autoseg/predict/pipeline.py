@@ -201,7 +201,7 @@ def case_memory(
     shape, spacing = largest.shape_zyx, largest.spacing_zyx
     after = config.resampled_shape(shape, spacing)
     scheme = plans.label_scheme
-    preprocess = prediction_preprocess_bytes(shape, after, len(plans.channel_names), spacing)
+    preprocess = prediction_preprocess_bytes(shape, after, len(plans.channel_names), spacing, plans.image_resampling)
     plan = window(after)
     on_host = _window_host_bytes(plan)
     slabs = _slab_bytes(shape, after, scheme, plan) if probability_bytes is None else 0
@@ -240,7 +240,7 @@ def _with_previous_stage(
     stage, stage_window = previous
     shape, spacing, scheme = largest.shape_zyx, largest.spacing_zyx, plans.label_scheme
     after, low_after = config.resampled_shape(shape, spacing), stage.resampled_shape(shape, spacing)
-    low = prediction_preprocess_bytes(shape, low_after, len(plans.channel_names), spacing)
+    low = prediction_preprocess_bytes(shape, low_after, len(plans.channel_names), spacing, plans.image_resampling)
     low_plan = stage_window(low_after)
     values = plans.previous_stage_values(config)
     cascade = cascade_input_bytes(

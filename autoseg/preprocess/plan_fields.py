@@ -17,7 +17,8 @@ MODEL_INPUT_KEY = "model_input"  # the checkpoint's key of model_input_fields, a
 def preprocessing_fields(plans: Plans, config_name: str) -> dict[str, Any]:
     """The plan's fields that preprocessing a case for ``config_name`` reads (``preprocess_case``,
     ``run_case``), as JSON values: the target spacing and dimensionality, normalization (with the intensity
-    properties of the channels normalized as CT, the only scheme that reads them) and the labels."""
+    properties of the channels normalized as CT, the only scheme that reads them), the labels, and the image
+    resampling where it is not the default."""
     config = plans.configuration(config_name)
     fields = {
         "spacing_mm": config.spacing_mm,
@@ -30,6 +31,8 @@ def preprocessing_fields(plans: Plans, config_name: str) -> dict[str, Any]:
         "labels": plans.labels,
         "regions_class_order": plans.regions_class_order,
     }
+    if plans.image_resampling != "sitk":  # records written before the field existed hold none: they resampled so
+        fields["image_resampling"] = plans.image_resampling
     return json.loads(json.dumps(to_dict(fields)))
 
 

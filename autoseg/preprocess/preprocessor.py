@@ -62,7 +62,7 @@ def preprocess_case(
     target = config.case_spacing_mm(spacing)
     new_shape = config.resampled_shape(data.shape[1:], spacing)
     shape_after_crop = tuple(int(v) for v in data.shape[1:])
-    data = resample_image(data, new_shape, spacing, order=3, order_z=0)
+    data = resample_image(data, new_shape, spacing, order=3, order_z=0, style=plans.image_resampling)
     if seg is not None:
         seg = resample_segmentation(seg, new_shape, spacing, order=1, order_z=0)
     props = CaseProperties(

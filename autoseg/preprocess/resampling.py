@@ -14,6 +14,11 @@ Anisotropic data (largest / smallest spacing > 3) is resampled in-plane first (s
 2D slice at a time) and then along the out-of-plane axis with ``order_z`` (0 = nearest, 1 = linear), so
 thick slices are not smeared into each other by a cubic spline.
 
+``style`` "sitk" is the above. "skimage" reproduces nnU-Net v2's image resampling (``skimage.transform.resize`` with
+``mode="edge"``, no anti-aliasing, ``clip=True``, for a model imported from nnU-Net: ``autoseg.nnunet``): the spline
+extends the border voxel instead of mirroring the image, and each zoomed image (each 2D slice on the anisotropic
+path) is clipped to its input's range; orders <= 1 are the same in both styles.
+
 Memory: the spline prefilter is computed by us in float32 (scipy's own prefilter makes a float64 copy of
 the input), and each channel is written straight into the output array. ``autoseg.memory.host.resampling_peak_bytes``
 states what ``resample_image`` holds beyond its input.
@@ -26,7 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 from scipy import ndimage
 
-from autoseg.core.spacing import out_of_plane_axis
+from autoseg.core.spacing import SKIMAGE_SPLINE_PAD, out_of_plane_axis
+from autoseg.plan.plans import IMAGE_RESAMPLING
 
 
 def _boundary_mode(order: int) -> str:
@@ -36,17 +42,54 @@ def _boundary_mode(order: int) -> str:
     return "mirror" if order > 1 else "reflect"
 
 
-def _zoom_into(src: np.ndarray, out: np.ndarray, order: int) -> None:
-    """Resample ``src`` onto ``out``'s grid (any ndim) with a spline of ``order``, in float32.
+def _zoom_into(src: np.ndarray, out: np.ndarray, order: int, style: str = "sitk") -> None:
+    """Resample ``src`` onto ``out``'s grid (any ndim) with a spline of ``order``, in float32 (``style``: the module
+    docstring's).
 
     For order > 1 the B-spline coefficients are computed here in float32 (one ``src``-sized temporary);
     every axis is prefiltered, so axes that keep their size are reproduced exactly.
     """
+    if style == "skimage":
+        _zoom_as_skimage(src, out, order)
+        return
     mode = _boundary_mode(order)
     if order > 1:
         src = ndimage.spline_filter(src, order, output=np.float32, mode=mode)
     factors = [n_out / n_in for n_out, n_in in zip(out.shape, src.shape, strict=True)]
     ndimage.zoom(src, factors, output=out, order=order, mode=mode, prefilter=False, grid_mode=True)
+
+
+def _zoom_as_skimage(src: np.ndarray, out: np.ndarray, order: int) -> None:
+    """``skimage.transform.resize(src, out.shape, order, mode="edge", anti_aliasing=False)`` into ``out``: scipy's
+    zoom in mode "nearest", whose spline prefilter runs on the input padded by ``SKIMAGE_SPLINE_PAD`` edge voxels per
+    side (done here in float32, in place: one temporary of the padded input), then clipped to ``src``'s range."""
+    low, high = float(src.min()), float(src.max())
+    scale = [n_in / n_out for n_in, n_out in zip(src.shape, out.shape, strict=True)]
+    pad = SKIMAGE_SPLINE_PAD if order > 1 else 0
+    coefficients = _edge_padded(src, pad) if pad else src
+    if pad:
+        ndimage.spline_filter(coefficients, order, output=coefficients, mode="nearest")
+    offset = [0.5 * f - 0.5 + pad for f in scale]  # grid_mode: output voxel j samples (j + 1/2) * n / n' - 1/2
+    ndimage.affine_transform(
+        coefficients, scale, offset, out.shape, output=out, order=order, mode="nearest", prefilter=False
+    )
+    np.clip(out, low, high, out=out)
+
+
+def _edge_padded(src: np.ndarray, pad: int) -> np.ndarray:
+    """float32 ``src`` padded by ``pad`` copies of its border voxels per side (``np.pad(mode="edge")``, which holds an
+    input-sized temporary beside the result; here one face of it)."""
+    out = np.empty([s + 2 * pad for s in src.shape], np.float32)
+    out[tuple(slice(pad, pad + s) for s in src.shape)] = src
+    for axis, size in enumerate(src.shape):
+
+        def at(part: slice, axis: int = axis) -> tuple[slice, ...]:
+            return tuple(part if a == axis else slice(None) for a in range(src.ndim))
+
+        # the face copied first: numpy would copy the whole overlapping source otherwise
+        out[at(slice(0, pad))] = out[at(slice(pad, pad + 1))].copy()
+        out[at(slice(pad + size, None))] = out[at(slice(pad + size - 1, pad + size))].copy()
+    return out
 
 
 def _check_order(order: int, name: str) -> None:
@@ -61,6 +104,7 @@ def resample_channel(
     order: int = 3,
     order_z: int = 0,
     out: np.ndarray | None = None,
+    style: str = "sitk",
 ) -> np.ndarray:
     """Resample one channel ``(Z, Y, X)`` to ``new_shape_zyx``; returns float32 ``new_shape_zyx``.
 
@@ -68,8 +112,11 @@ def resample_channel(
     resampled separately with ``order_z`` (see the module docstring). ``out`` (float32, ``new_shape_zyx``,
     any strides) receives the result if given. Extra memory: for order > 1 one float32 input-sized
     spline temporary (3D path) or one slice of it (anisotropic path), plus on the anisotropic path an
-    intermediate ``new_shape`` with the out-of-plane axis left at its original size.
+    intermediate ``new_shape`` with the out-of-plane axis left at its original size. ``style``: whose
+    resampling to reproduce (``IMAGE_RESAMPLING``, the module docstring).
     """
+    if style not in IMAGE_RESAMPLING:
+        raise ValueError(f"style {style!r} is not one of {list(IMAGE_RESAMPLING)}")
     _check_order(order, "order")
     _check_order(order_z, "order_z")
     new_shape = tuple(int(n) for n in new_shape_zyx)
@@ -87,7 +134,7 @@ def resample_channel(
         return out
     axis = out_of_plane_axis(spacing_mm)
     if axis is None:
-        _zoom_into(src, out, order)
+        _zoom_into(src, out, order, style)
         return out
     # Put the out-of-plane axis first: slices src_a[k] are the in-plane images (views, no copies).
     src_a, out_a = np.moveaxis(src, axis, 0), np.moveaxis(out, axis, 0)
@@ -97,7 +144,7 @@ def resample_channel(
         same_depth = src_a.shape[0] == out_a.shape[0]
         mid_a = out_a if same_depth else np.empty((src_a.shape[0], *out_a.shape[1:]), np.float32)
         for k in range(src_a.shape[0]):
-            _zoom_into(src_a[k], mid_a[k], order)
+            _zoom_into(src_a[k], mid_a[k], order, style)
     if mid_a is not out_a:
         _zoom_into(mid_a, out_a, order_z)
     return out
@@ -109,10 +156,12 @@ def resample_image(
     spacing_mm: Sequence[float],
     order: int = 3,
     order_z: int = 0,
+    style: str = "sitk",
 ) -> np.ndarray:
     """Resample an image ``(C, Z, Y, X)`` to float32 ``(C, *new_shape_zyx)``, channel by channel.
 
-    ``spacing_mm`` is the spacing of ``data`` (it decides the anisotropic path). Returns ``data`` itself
+    ``spacing_mm`` is the spacing of ``data`` (it decides the anisotropic path); ``style``: ``resample_channel``'s.
+    Returns ``data`` itself
     (as float32) when the shape is unchanged. Extra memory at peak: see ``resampling_peak_bytes``.
     """
     if data.ndim != 4:
@@ -122,7 +171,7 @@ def resample_image(
         return data.astype(np.float32, copy=False)
     out = np.empty((data.shape[0], *new_shape), dtype=np.float32)  # C x Z' x Y' x X' x 4 bytes
     for c in range(data.shape[0]):
-        resample_channel(data[c], new_shape, spacing_mm, order, order_z, out=out[c])
+        resample_channel(data[c], new_shape, spacing_mm, order, order_z, out=out[c], style=style)
     return out
 
 

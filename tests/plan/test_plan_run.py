@@ -76,6 +76,17 @@ def test_a_schema_6_plan_reads_with_no_rates_source(ws: Workspace) -> None:
     assert plans.cpu_rates_source == "" and plans.cpu_flops_per_second == payload["cpu_flops_per_second"]
 
 
+def test_a_schema_7_plan_reads_with_autosegs_own_image_resampling(ws: Workspace) -> None:
+    payload = json.loads(ws.plans_path.read_text())
+    assert payload["image_resampling"] == "sitk"
+    del payload["image_resampling"]
+    ws.plans_path.write_text(json.dumps({**payload, "schema_version": 7}))
+    assert Plans.from_json(ws.plans_path).image_resampling == "sitk"
+    ws.plans_path.write_text(json.dumps({**payload, "image_resampling": "bicubic"}))
+    with pytest.raises(InputError, match="image_resampling 'bicubic' is not one of"):
+        Plans.from_json(ws.plans_path)
+
+
 def test_a_plans_json_edited_by_hand_is_kept_even_with_overwrite(ws: Workspace, tiny_dataset: Path) -> None:
     payload = json.loads(ws.plans_path.read_text())
     payload["configurations"]["3d_fullres"]["batch_size"] = 1

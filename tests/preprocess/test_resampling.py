@@ -124,6 +124,36 @@ def test_anisotropic_path_order_z_zero_repeats_slices():
     np.testing.assert_allclose(out[:, 0::2], volume, atol=1e-6)  # in-plane unchanged -> slices kept
 
 
+@pytest.mark.parametrize(
+    ("spacing", "new_shape"), [((1.0, 1.2, 1.0), (7, 13, 9)), ((5.0, 1.0, 1.0), (4, 13, 9))], ids=["3d", "in-plane"]
+)
+def test_skimage_style_reproduces_nnunets_skimage_resize(spacing, new_shape):
+    """nnU-Net v2 resizes with skimage (mode "edge", no anti-aliasing, clipped to the input's range): the whole
+    volume, or each slice when the spacing is anisotropic. A random image makes the spline overshoot, so both the
+    border and the clipping count."""
+    resize = pytest.importorskip("skimage.transform").resize
+    volume = np.random.default_rng(2).random((4, 10, 12), dtype=np.float32)
+    ours = resample_image(volume[None], new_shape, spacing, order=3, order_z=0, style="skimage")[0]
+    if is_anisotropic(spacing):
+        reference = np.stack(
+            [resize(v.astype(np.float64), new_shape[1:], 3, mode="edge", anti_aliasing=False) for v in volume]
+        )
+    else:
+        reference = resize(volume.astype(np.float64), new_shape, 3, mode="edge", anti_aliasing=False)
+    np.testing.assert_allclose(ours, reference, rtol=0, atol=1e-5)
+    sitk_style = resample_image(volume[None], new_shape, spacing, order=3, order_z=0)[0]
+    assert np.abs(sitk_style - reference).max() > 1e-2  # the styles differ on this image
+
+
+def test_skimage_style_stays_in_each_slices_range():
+    volume = np.random.default_rng(3).random((3, 9, 11), dtype=np.float32)
+    sitk_style = resample_image(volume[None], (3, 14, 7), (5.0, 1.0, 1.0), order=3)[0]
+    ours = resample_image(volume[None], (3, 14, 7), (5.0, 1.0, 1.0), order=3, style="skimage")[0]
+    assert (sitk_style.max(axis=(1, 2)) > volume.max(axis=(1, 2))).any()  # the cubic spline overshoots
+    assert (ours.max(axis=(1, 2)) <= volume.max(axis=(1, 2))).all()
+    assert (ours.min(axis=(1, 2)) >= volume.min(axis=(1, 2))).all()
+
+
 def test_resample_channel_matches_resample_image():
     spacing = (1.0, 2.0, 1.0)
     volume = np.random.default_rng(1).random((3, 6, 7, 8), dtype=np.float32)
@@ -153,20 +183,21 @@ def test_unchanged_shape_returns_input_and_bad_input_raises():
         ((40, 40, 12), (1.0, 1.0, 4.0), (50, 50, 30), 3, 3),  # out-of-plane x with a cubic along it
     ],
 )
-def test_resampling_peak_bytes_bounds_the_measured_peak(shape, spacing, new_shape, order, order_z):
+@pytest.mark.parametrize("style", ["sitk", "skimage"])
+def test_resampling_peak_bytes_bounds_the_measured_peak(shape, spacing, new_shape, order, order_z, style):
     data = np.random.default_rng(0).random((2, *shape), dtype=np.float32)
     tracemalloc.start()
     try:
         baseline = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
-        out = resample_image(data, new_shape, spacing, order=order, order_z=order_z)
+        out = resample_image(data, new_shape, spacing, order=order, order_z=order_z, style=style)
         measured = tracemalloc.get_traced_memory()[1] - baseline
     finally:
         tracemalloc.stop()
     assert out.shape == (2, *new_shape)
-    estimate = resampling_peak_bytes(shape, new_shape, 2, spacing, order, order_z)
+    estimate = resampling_peak_bytes(shape, new_shape, 2, spacing, order, order_z, style)
     assert measured <= estimate <= 1.2 * measured
-    assert resampling_peak_bytes(shape, new_shape, 2, None, order, order_z) >= estimate  # path unknown
+    assert resampling_peak_bytes(shape, new_shape, 2, None, order, order_z, style) >= estimate  # path unknown
 
 
 def random_labels(shape, values, seed: int) -> np.ndarray:
