@@ -190,7 +190,7 @@ def test_written_files_get_umask_permissions_not_0600(tmp_path: Path) -> None:
 
 
 def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) -> None:
-    """A workspace planned before plans schema 7 (no cpu_rates_source), 5 (also no network.blocks_per_stage), 4 (also
+    """A workspace planned before plans schema 7 (no cpu_rates_source nor image_resampling), 5 (also no network.blocks_per_stage), 4 (also
     no inference_patch_size) or 3 (also network.num_classes, no architecture) still loads, equal to the same plan
     written now: rates of no stated source, a plain U-Net, with the training patch as its inference tile; a version
     with no upgrade still fails naming the file."""
@@ -202,7 +202,7 @@ def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) ->
     plans.to_json(tmp_path / "plans.json")
     payload = json.loads((tmp_path / "plans.json").read_text())
     payload["schema_version"] = 6
-    assert payload.pop("cpu_rates_source") == ""
+    assert payload.pop("cpu_rates_source") == "" and payload.pop("image_resampling") == "sitk"
     (tmp_path / "v6.json").write_text(json.dumps(payload))
     assert Plans.from_json(tmp_path / "v6.json") == plans
     payload["schema_version"] = 4
@@ -223,5 +223,5 @@ def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) ->
     assert Plans.from_json(tmp_path / "old.json") == plans
     payload["schema_version"] = 1
     (tmp_path / "older.json").write_text(json.dumps(payload))
-    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 7"):
+    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 8"):
         Plans.from_json(tmp_path / "older.json")
