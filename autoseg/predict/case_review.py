@@ -14,12 +14,18 @@ from pathlib import Path
 import numpy as np
 
 from autoseg.dataset.imageio import Geometry, read_dicom_series
+from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, load_case
-from autoseg.plan.plans import Plans
 from autoseg.review.drawing import structure_numbers
-from autoseg.review.pictures import Point, orthogonal_slices, preview_picture, read_image_slices
+from autoseg.review.pictures import Point, orthogonal_slices, picture_bytes, preview_picture, read_image_slices
 from autoseg.review.png import write_png
-from autoseg.review.statistics import assemble_statistics, case_statistics, row_path, write_case_row
+from autoseg.review.statistics import (
+    assemble_statistics,
+    case_statistics,
+    row_path,
+    statistics_bytes,
+    write_case_row,
+)
 
 PREVIEWS = "preview"  # the folder of the preview pictures, in the output folder
 
@@ -33,11 +39,12 @@ def review_paths(output_dir: Path, case_id: str, preview: bool, statistics: bool
 
 @dataclass(frozen=True)
 class CaseReview:
-    """``predict``'s ``--preview`` and ``--statistics`` for one output folder and model (``plans``: the structures'
-    names and label values, the channels' names)."""
+    """``predict``'s ``--preview`` and ``--statistics`` for one output folder and model (``scheme``: the structures'
+    names and label values; ``channel_names``: the image channels', as the plan names them)."""
 
     output_dir: Path
-    plans: Plans
+    scheme: LabelScheme
+    channel_names: tuple[str, ...]
     preview: bool = False
     statistics: bool = False
 
@@ -53,7 +60,7 @@ class CaseReview:
 
     def case(self, case: Case, labels: np.ndarray, geometry: Geometry) -> None:
         """Write the review files of ``case`` from its label map (Z, Y, X) as written, in ``geometry``."""
-        scheme = self.plans.label_scheme
+        scheme = self.scheme
         structures = dict(zip(scheme.names, scheme.foreground_values))
         if self.preview:
             picture = preview_picture(
@@ -66,9 +73,16 @@ class CaseReview:
             write_png(review_paths(self.output_dir, case.case_id, True, False)[0], picture)
         if self.statistics:
             images = load_case(case)[0]  # (C, Z, Y, X) float32: the intensities inside each structure
-            stats = case_statistics(case.case_id, labels, geometry, structures, images, self.plans.channel_names)
+            stats = case_statistics(case.case_id, labels, geometry, structures, images, self.channel_names)
             del images
             write_case_row(self.output_dir, stats)
+
+    def held_bytes(self, shape_zyx: tuple[int, ...]) -> int:
+        """Peak bytes of ``case`` for a label map of ``shape_zyx`` beyond the label map itself: the preview
+        (``picture_bytes``), then the statistics (``statistics_bytes``), one after the other."""
+        preview = picture_bytes(shape_zyx, 0, 0) if self.preview else 0
+        statistics = statistics_bytes(shape_zyx, len(self.channel_names)) if self.statistics else 0
+        return max(preview, statistics)
 
     def finish(self) -> None:
         """Assemble ``statistics.csv`` and ``statistics.json`` from every row in the output folder."""

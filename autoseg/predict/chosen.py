@@ -98,7 +98,7 @@ def predict_chosen(
         if c.case_id not in done
         and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
     ]
-    review = CaseReview(output_dir, plans, options.preview, options.statistics)
+    review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
     written = _combine(cases, choice, (plans, review), scratch, output_dir, options)
     review.finish()
     if failed:

@@ -114,7 +114,8 @@ def predict(
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
     try:
         predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
-        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window)
+        review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
+        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         if options.fail_fast:
             found.raise_problems()
@@ -126,7 +127,6 @@ def predict(
                 for p in case_outputs(case, output_dir, save_probabilities=True)
             ],
         )
-        review = CaseReview(output_dir, plans, options.preview, options.statistics)
         for folder in {p.parent for p in review_paths(output_dir, "case", options.preview, options.statistics)}:
             remove_stale_temporaries(folder)  # autoseg's own folders: every temporary there is a killed run's
         try:
@@ -158,9 +158,11 @@ def _case_steps(
     checkpoint: str,
     options: PredictOptions,
     window: WindowOptions,
+    review: CaseReview,
 ) -> tuple[Callable[[Case], tuple[Any, CaseProperties]], Callable[..., Callable[[], None]], Callable[..., dict]]:
     """What each case goes through: ``prepare`` (read and preprocessed, ahead: ``prepare_case``), ``segment``
-    (``_segment_case`` with the predictor bound) and ``memory`` (``case_memory`` with the window's plan bound).
+    (``_segment_case`` with the predictor bound) and ``memory`` (``case_memory`` with the window's plan and what
+    ``review`` holds bound).
     A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint,
     the command's ``window``: its own runtime chosen where ``auto``)."""
     plans, config = predictor.plans, predictor.config
@@ -177,6 +179,7 @@ def _case_steps(
         window=partial(inference_plan, predictor, streamed=not options.save_probabilities),
         postprocessed=not options.postprocessing.is_identity,
         previous=previous,
+        reviewed=review.held_bytes if review.active else None,
     )
     return prepare, segment, memory
 

@@ -32,6 +32,7 @@ log = logging.getLogger("autoseg")
 ROWS = "statistics"  # the folder of the per-case row files, in the output folder
 CSV_NAME, JSON_NAME = "statistics.csv", "statistics.json"
 ASSEMBLY_TRIES = 20  # assemblies while other writers keep adding rows (each sees more of them)
+SUM_CHUNK = 1 << 20  # values summed at a time in float64 (8 MiB of temporaries)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def case_statistics(
     out = []
     for name, values in structures.items():
         box = _union([boxes[v - 1] for v in values if 0 < v <= len(boxes) and boxes[v - 1] is not None])
-        mask = np.isin(labels[box], values) if box is not None else np.zeros((0, 0, 0), dtype=bool)
+        mask = _mask(labels[box], values) if box is not None else np.zeros((0, 0, 0), dtype=bool)
         voxels = int(np.count_nonzero(mask))
         components = ndimage.label(mask, structure=np.ones((3, 3, 3), dtype=bool))[1] if voxels else 0
         channels = {
@@ -118,6 +119,15 @@ def case_statistics(
     return CaseStatistics(case_id, ndim, tuple(float(s) for s in spacing), tuple(channel_names), tuple(out))
 
 
+def _mask(labels: np.ndarray, values: tuple[int, ...]) -> np.ndarray:
+    """Where ``labels`` holds any of ``values``: one comparison beside the mask at a time (``np.isin`` holds several
+    voxel-sized temporaries at once)."""
+    mask = labels == values[0]
+    for value in values[1:]:
+        mask |= labels == value
+    return mask
+
+
 def _union(boxes: list[tuple[slice, ...]]) -> tuple[slice, ...] | None:
     if not boxes:
         return None
@@ -125,14 +135,27 @@ def _union(boxes: list[tuple[slice, ...]]) -> tuple[slice, ...] | None:
 
 
 def _channel_statistics(values: np.ndarray) -> ChannelStatistics:
-    """``values`` (N,) of one channel inside a structure (N > 0)."""
-    p5, p95 = np.percentile(values, (5, 95))
-    return ChannelStatistics(
-        mean=float(values.mean(dtype=np.float64)),
-        std=float(values.std(dtype=np.float64)),
-        p5=float(p5),
-        p95=float(p95),
-    )
+    """``values`` (N,) float32 of one channel inside a structure (N > 0; a copy of the caller's, reordered here).
+    The mean and the deviations' squares are summed in float64 ``SUM_CHUNK`` values at a time, and the percentiles
+    partition ``values`` in place, so nothing of N values is held beside it."""
+    chunks = range(0, values.size, SUM_CHUNK)
+    mean = sum(float(values[i : i + SUM_CHUNK].sum(dtype=np.float64)) for i in chunks) / values.size
+    squares = 0.0
+    for i in chunks:
+        deviations = values[i : i + SUM_CHUNK].astype(np.float64)
+        deviations -= mean
+        squares += float(np.dot(deviations, deviations))
+    p5, p95 = np.percentile(values, (5, 95), overwrite_input=True)
+    return ChannelStatistics(mean=mean, std=math.sqrt(squares / values.size), p5=float(p5), p95=float(p95))
+
+
+def statistics_bytes(shape_zyx: Sequence[int], channels: int) -> int:
+    """Peak bytes of ``case_statistics`` with its images read (``load_case``) beside a label map the caller holds: the
+    read holds the channels twice (each read, then ``np.stack``'s copy: 8 bytes a voxel a channel, and a channel's
+    own read of an integer file as much), then the images (float32) beside a structure's box at most the image: its
+    bool mask, then its int32 components or its voxels' float32 values."""
+    voxels = math.prod(shape_zyx)
+    return voxels * max(8 * channels, 4 * channels + 1 + 4)
 
 
 def row_path(output_dir: Path, case_id: str) -> Path:

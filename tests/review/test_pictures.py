@@ -145,3 +145,21 @@ def test_drawing_holds_what_picture_bytes_says_and_under_twice_the_image_and_lab
     measured, predicted = int(run.stdout.split()[-1]), picture_bytes(shape, 2, 2)
     assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured / 2**20, predicted / 2**20)
     assert predicted < 2 * np.prod(shape) * (4 + 2)
+
+
+def test_a_2d_image_is_one_panel(tmp_path: Path) -> None:
+    image = sitk.GetImageFromArray(np.arange(12 * 16, dtype=np.float32).reshape(12, 16))
+    image.SetSpacing((1.0, 1.0))
+    sitk.WriteImage(image, str(tmp_path / "c_0000.nii.gz"))
+    geometry = read_geometry(tmp_path / "c_0000.nii.gz")
+    ref = np.zeros((1, 12, 16), dtype=np.int16)
+    ref[0, 3:8, 4:10] = 1
+    picture, point = error_picture(
+        lambda: (np.zeros_like(ref), ref),
+        lambda point: read_image_slices(tmp_path / "c_0000.nii.gz", point, geometry),
+        geometry,
+        [(1,)],
+        [1],
+    )
+    assert picture.shape[1] == 16 and point[0] == 0 and ref[point]
+    assert np.array_equal(picture[3, 4], colour(0))  # the missed structure's outline

@@ -116,3 +116,11 @@ def test_channels_missing_from_a_case_leave_its_cells_empty() -> None:
     without = case_statistics("b", labels, geometry, {"organ": (1,)})
     rows = cohort_csv([with_images, without]).splitlines()
     assert rows[2] == "b,organ,1,3,0.003,,2,,,,"
+
+
+def test_mean_and_std_summed_in_chunks_are_numpy_s(monkeypatch) -> None:
+    monkeypatch.setattr(statistics, "SUM_CHUNK", 7)  # 100 values: 15 chunks, the last one short
+    values = np.random.default_rng(1).normal(50, 10, 100).astype(np.float32)
+    expected = (values.mean(dtype=np.float64), values.std(dtype=np.float64), *np.percentile(values, (5, 95)))
+    got = statistics._channel_statistics(values.copy())
+    assert (got.mean, got.std, got.p5, got.p95) == pytest.approx(expected, rel=1e-12)
