@@ -5,7 +5,7 @@ body) is the reference; the prediction is it shifted by 4 voxels along x. Each m
 (this checkout first on the path) and prints its wall seconds and its peak RSS above the process before it (VmHWM
 reset at the start), beside ``picture_bytes``:
 
-- ``error``: ``error_picture`` as ``autoseg evaluate --images`` draws it (the two label maps read as int16);
+- ``error``: ``error_picture`` as ``autoseg evaluate --images`` draws it (the two label maps read, ``read_pair``);
 - ``preview``: ``preview_picture`` of the prediction (uint8, held before the measurement) as ``predict --preview``;
 - ``statistics``: the image read again (``load_case``) and ``case_statistics`` as ``predict --statistics``.
 
@@ -32,7 +32,7 @@ import numpy as np
 from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from autoseg.dataset.imageio import read_geometry, read_image
 from autoseg.dataset.raw import Case, load_case
-from autoseg.evaluate.files import read_label_map
+from autoseg.evaluate.pictures import read_pair
 from autoseg.review.pictures import error_picture, picture_bytes, preview_picture, read_image_slices
 from autoseg.review.statistics import case_statistics
 
@@ -44,9 +44,8 @@ held = read_image(pred, dtype=None)[0] if what != "error" else None
 reset_peak_rss()
 before, start = process_rss_bytes(), time.perf_counter()
 if what == "error":
-    read = lambda: (read_label_map(pred, "prediction")[0], read_label_map(ref, "reference")[0])
-    error_picture(read, slices, geometry, structures, list(range(1, 14)))
-    estimate = picture_bytes(geometry.shape_zyx, 2, 2)
+    error_picture(lambda: read_pair(pred, ref), slices, geometry, structures, list(range(1, 14)))
+    estimate = picture_bytes(geometry.shape_zyx, 1, 2)
 elif what == "preview":
     preview_picture(held, slices, geometry, structures, list(range(1, 14)))
     estimate = picture_bytes(geometry.shape_zyx, 2, 0)

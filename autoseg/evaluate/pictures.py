@@ -10,6 +10,8 @@ import html
 import math
 from pathlib import Path
 
+import numpy as np
+
 from autoseg.core.artifacts import atomic_write_text
 from autoseg.dataset.imageio import SUPPORTED_ENDINGS, read_geometry
 from autoseg.evaluate.files import EvaluationError, read_label_map
@@ -54,7 +56,7 @@ def write_pictures(summary: EvaluationSummary, images_dir: str | Path, pictures_
         pred, ref, image = Path(case.prediction), Path(case.reference), images[case.case_id]
         geometry = read_geometry(ref)
         picture, _ = error_picture(
-            lambda pred=pred, ref=ref: (read_label_map(pred, "prediction")[0], read_label_map(ref, "reference")[0]),
+            lambda pred=pred, ref=ref: read_pair(pred, ref),
             lambda point, image=image, geometry=geometry: read_image_slices(image, point, geometry),
             geometry,
             structures,
@@ -65,6 +67,18 @@ def write_pictures(summary: EvaluationSummary, images_dir: str | Path, pictures_
     index = pictures_dir / INDEX
     atomic_write_text(index, index_html(summary, numbers))
     return index
+
+
+def read_pair(pred: Path, ref: Path) -> tuple[np.ndarray, np.ndarray]:
+    """A case's prediction and reference as label maps (``read_label_map``), each uint8 where its values allow (the
+    int16 it is read as held only while it is read): 1 byte a voxel each while a picture is drawn."""
+    return _narrow(read_label_map(pred, "prediction")[0]), _narrow(read_label_map(ref, "reference")[0])
+
+
+def _narrow(labels: np.ndarray) -> np.ndarray:
+    if labels.size and (labels.min() < 0 or labels.max() > np.iinfo(np.uint8).max):
+        return labels
+    return labels.astype(np.uint8)
 
 
 def case_score(case: CaseMetrics) -> float:

@@ -140,9 +140,9 @@ def preview_picture(
 
 def picture_bytes(shape_zyx: Sequence[int], label_itemsize: int, maps: int) -> int:
     """Peak bytes of drawing one picture beyond what the caller holds: ``maps`` label maps of ``label_itemsize``
-    bytes a voxel read here (2 for ``error_picture``'s prediction and reference, int16; 0 for ``preview_picture``,
-    whose caller holds its label map), the bool mask, the int32 components and, beside them, the bool of the largest
-    component's bounding box (at most the image: ``largest_component_point``). The slices, the picture and the
-    image's regions are small beside them."""
+    bytes a voxel read here (2 uint8 maps for ``error_picture`` as ``autoseg evaluate`` reads them; none for
+    ``preview_picture``, whose caller holds its label map), the bool mask, the int32 components and, beside them,
+    the bool of the largest component's bounding box (at most the image: ``largest_component_point``). The slices,
+    the picture and the image's regions are small beside them."""
     voxels = math.prod(shape_zyx)
     return voxels * (maps * label_itemsize + 1 + 4 + 1)

@@ -101,7 +101,7 @@ import numpy as np
 import SimpleITK as sitk
 from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from autoseg.dataset.imageio import read_geometry
-from autoseg.evaluate.files import read_label_map
+from autoseg.evaluate.pictures import read_pair
 from autoseg.review.pictures import error_picture, read_image_slices
 
 folder = Path(sys.argv[1])
@@ -110,7 +110,7 @@ geometry = read_geometry(paths["ref"])
 reset_peak_rss()
 before = process_rss_bytes()
 error_picture(
-    lambda: (read_label_map(paths["pred"], "prediction")[0], read_label_map(paths["ref"], "reference")[0]),
+    lambda: read_pair(paths["pred"], paths["ref"]),
     lambda point: read_image_slices(paths["image"], point, geometry),
     geometry,
     [(1,), (2,)],
@@ -121,30 +121,30 @@ print(peak_rss_bytes() - before)
 
 
 def test_drawing_holds_what_picture_bytes_says_and_under_twice_the_image_and_label_map(tmp_path: Path) -> None:
-    """A 96 x 192 x 192 case whose error fills most of it (the largest component's box is about the image): the
-    peak of ``error_picture`` reading its label maps (int16), measured in a fresh process whose allocations of
-    128 KiB and more are mapped (``MALLOC_MMAP_THRESHOLD_``: freed pages leave the RSS, as large arrays' do by
-    default), is ``picture_bytes`` within 10%, and that is under twice the decoded image (float32) plus label map
-    (int16)."""
+    """A 128 x 256 x 256 case whose error fills most of it (the largest component's box is about the image): the
+    peak of ``error_picture`` reading its label maps as ``autoseg evaluate --images`` does (``read_pair``: uint8),
+    measured in a fresh process whose allocations of 128 KiB and more are mapped (``MALLOC_MMAP_THRESHOLD_``: freed
+    pages leave the RSS, as large arrays' do by default), is ``picture_bytes`` within 10%, and that is under twice
+    the decoded image (float32) plus label map (uint8)."""
     import os
     import subprocess
     import sys
 
     from autoseg.review.pictures import picture_bytes
 
-    shape = (96, 192, 192)
+    shape = (128, 256, 256)
     ref = np.zeros(shape, dtype=np.uint8)
     ref[10:40, 20:60, 20:60] = 2
     pred = ref.copy()
-    pred[2:94, 4:188, 4:188] = 1
+    pred[2:126, 4:252, 4:252] = 1
     for name, array in (("pred", pred), ("ref", ref), ("image", np.ones(shape, dtype=np.float32))):
         sitk.WriteImage(sitk.GetImageFromArray(array), str(tmp_path / f"{name}.nii.gz"))
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(Path(__file__).parents[2])}
     run = subprocess.run([sys.executable, "-c", MEASURE, str(tmp_path)], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
-    measured, predicted = int(run.stdout.split()[-1]), picture_bytes(shape, 2, 2)
+    measured, predicted = int(run.stdout.split()[-1]), picture_bytes(shape, 1, 2)
     assert 0.9 * predicted <= measured <= 1.1 * predicted, (measured / 2**20, predicted / 2**20)
-    assert predicted < 2 * np.prod(shape) * (4 + 2)
+    assert predicted < 2 * np.prod(shape) * (4 + 1)
 
 
 def test_a_2d_image_is_one_panel(tmp_path: Path) -> None:
