@@ -195,9 +195,9 @@ def _predict_cases(
     review: CaseReview,
 ) -> list[Path]:
     """Every case that is not done and has no problem: read and preprocess it (``prepare``: ``prepare_case``, ahead),
-        ``segment`` it (``_segment_case`` with the predictor bound) and write it (behind); raise CasesFailedError at the
-        end listing the bad cases. ``memory``: ``case_memory`` of the cases to do, with its probabilities' bytes per
-        value (None: streamed). ``verbose``: the pipeline's plan and its measured peak at INFO. ``review``: what each
+    ``segment`` it (``_segment_case`` with the predictor bound) and write it (behind); raise CasesFailedError at the
+    end listing the bad cases. ``memory``: ``case_memory`` of the cases to do, with its probabilities' bytes per
+    value (None: streamed). ``verbose``: the pipeline's plan and its measured peak at INFO. ``review``: what each
     case's export writes beside its label map (``CaseReview``)."""
     failed = dict(found.problems)  # case id -> why
     done = _done_cases(found, output_dir, options, failed)
