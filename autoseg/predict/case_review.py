@@ -59,7 +59,8 @@ class CaseReview:
         return lambda: self.case(case, write(), geometry)
 
     def case(self, case: Case, labels: np.ndarray, geometry: Geometry) -> None:
-        """Write the review files of ``case`` from its label map (Z, Y, X) as written, in ``geometry``."""
+        """Write the review files of ``case`` from its label map (Z, Y, X) as written, in ``geometry`` (none when
+        neither is asked)."""
         scheme = self.scheme
         structures = dict(zip(scheme.names, scheme.foreground_values))
         if self.preview:

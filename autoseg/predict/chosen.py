@@ -192,7 +192,7 @@ def _combine(
             write_probabilities(probabilities_path[0], mean, scheme)
         del mean
         labels = write_labels(labels_path, labels, geometry, choice.postprocessing, scheme)
-        review.after(lambda labels=labels: labels, case, geometry)()
+        review.case(case, labels, geometry)  # nothing without --preview and --statistics
         written.append(labels_path)
         for config in choice.configurations:
             for path in case_outputs(case, scratch / config, True):
