@@ -224,6 +224,8 @@ def _predict(args: argparse.Namespace, progress: bool) -> int:
         preprocess_workers=args.preprocess_workers,
         export_workers=args.export_workers,
         progress=progress,
+        preview=args.preview,
+        statistics=args.statistics,
     )
     request = PredictRequest(
         args.input,
@@ -281,6 +283,7 @@ def _import_nnunet(args: argparse.Namespace, progress: bool) -> int:
 
 def _evaluate(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.evaluate.metrics import evaluate_folder, format_table
+    from autoseg.evaluate.pictures import write_pictures
 
     out = args.output or os.path.join(args.pred_dir, "summary.json")
     surface = {"nsd_tolerance_mm": None} if args.no_surface else {}
@@ -289,6 +292,15 @@ def _evaluate(args: argparse.Namespace, progress: bool) -> int:
     summary = evaluate_folder(args.pred_dir, args.gt_dir, file_ending=args.file_ending, output_json=out, **surface)
     print(format_table(summary))
     print(f"summary: {out}")
+    if args.images is not None:
+        print(f"pictures: {write_pictures(summary, args.images, args.pictures_dir)} (worst case first)")
+    return 0
+
+
+def _statistics(args: argparse.Namespace, progress: bool) -> int:
+    from autoseg.evaluate.folder_statistics import folder_statistics
+
+    print(folder_statistics(args.seg_dir, args.images, args.output).describe())
     return 0
 
 
@@ -383,6 +395,7 @@ COMMANDS = {
     "export-model": _export_model,
     "import-nnunet": _import_nnunet,
     "evaluate": _evaluate,
+    "statistics": _statistics,
     "find-best": _find_best,
     "explain": _explain,
     "check-memory": _check_memory,

@@ -38,6 +38,36 @@ def _add_evaluate_command(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="skip HD95 and the normalized surface Dice (Dice, IoU and volumes only)",
     )
+    p.add_argument(
+        "--images",
+        default=None,
+        metavar="IMAGES_DIR",
+        help="the cases' images ({case}_0000.ext): draw one picture per case through its largest error and an "
+        "index.html listing the cases worst first (docs/evaluation.md, Pictures)",
+    )
+    p.add_argument(
+        "--pictures-dir",
+        default=None,
+        metavar="DIR",
+        help="where --images writes the pictures and index.html (default: PRED_DIR/pictures)",
+    )
+
+
+def _add_statistics_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "statistics",
+        help="per case and structure: voxels, volume, connected components and image intensities; "
+        "writes statistics.csv and statistics.json",
+    )
+    p.add_argument("seg_dir", metavar="SEG_DIR", help="a folder of segmentations ({case}.ext)")
+    p.add_argument(
+        "--images",
+        default=None,
+        metavar="IMAGES_DIR",
+        help="their images ({case}_0000.ext, {case}_0001.ext, ...): each channel's mean, std, 5th and 95th "
+        "percentile inside each structure",
+    )
+    p.add_argument("-o", "--output", default=None, metavar="DIR", help="where to write (default: SEG_DIR)")
 
 
 def _add_find_best_command(sub: argparse._SubParsersAction) -> None:
@@ -136,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_precision_check_flag(sub.choices["export-model"], "of a fold that has none (or a stale one)")
     add_import_nnunet_command(sub)
     _add_evaluate_command(sub)
+    _add_statistics_command(sub)
     _add_find_best_command(sub)
     _add_demo_command(sub)
     _add_explain_command(sub)

@@ -22,6 +22,7 @@ def add_predict_command(sub: argparse._SubParsersAction) -> None:
     _add_window_flags(p)
     _add_run_flags(p)
     _add_output_flags(p)
+    _add_review_flags(p)
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -169,6 +170,23 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="stop at the first case with bad input (default: skip it, predict the others, list the "
         "failed cases at the end and exit with status 2)",
+    )
+
+
+def _add_review_flags(p: argparse.ArgumentParser) -> None:
+    """What predict writes beside each label map for a person to check (``autoseg.predict.case_review``)."""
+    p.add_argument(
+        "--preview",
+        action="store_true",
+        help="also write preview/{case}.png: axial, coronal and sagittal slices through the largest predicted "
+        "structure, the label map filled over the first image channel (docs/prediction.md, Previews)",
+    )
+    p.add_argument(
+        "--statistics",
+        action="store_true",
+        help="also write statistics/{case}.json, then statistics.csv and statistics.json of every case in the "
+        "output folder: per structure voxels, volume in mL, connected components and each channel's mean, std, "
+        "5th and 95th percentile inside it (docs/prediction.md, Statistics)",
     )
 
 

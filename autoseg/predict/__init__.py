@@ -18,6 +18,7 @@ them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates ti
 ``precision_check`` (a fold's bf16 agreement check and ``bf16_verdict``, what ``--precision auto`` asks of it),
 ``runtime_memory`` (a graph runtime's working bytes for the memory plan: measured once by ``runtime_probe``, a fresh
 process running the real call, and kept per machine and model),
-``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels).
-Imports: ``autoseg.preprocess`` and below; not ``autoseg.evaluate``.
+``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels), ``case_review``
+(``--preview`` and ``--statistics``: what each case's export writes beside its label map, through ``autoseg.review``).
+Imports: ``autoseg.review`` and below; not ``autoseg.evaluate``.
 """

@@ -26,12 +26,14 @@ from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import read_geometry
 from autoseg.plan.plans import Plans
+from autoseg.predict.case_review import CaseReview
 from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.postprocessing import Postprocessing, check_postprocessing, largest_component_bytes
 from autoseg.predict.predictor import (
     CasesFailedError,
     PredictOptions,
     case_outputs,
+    every_output,
     predict,
     prediction_inputs,
     write_labels,
@@ -85,26 +87,38 @@ def predict_chosen(
     done = frozenset(
         c.case_id
         for c in found.cases
-        if options.skip_existing and all(p.is_file() for p in case_outputs(c, output_dir, options.save_probabilities))
+        if options.skip_existing and all(p.is_file() for p in every_output(c, output_dir, options))
     )
     if not options.skip_existing:
         shutil.rmtree(scratch, ignore_errors=True)  # another model's outputs may be there
-    # the configurations' own predictions: probabilities, not postprocessed (the mean's label map is)
-    inner = replace(
-        options, save_probabilities=True, skip_existing=True, done_cases=done, postprocessing=Postprocessing()
-    )
-    failed = _predict_configurations(workspace, choice, inputs, scratch, window, inner)
+    failed = _predict_configurations(workspace, choice, inputs, scratch, window, _configuration_options(options, done))
     cases = [
         c
         for c in found.cases
         if c.case_id not in done
         and all((scratch / config / f"{c.case_id}.npz").is_file() for config in choice.configurations)
     ]
-    written = _combine(cases, choice, plans, scratch, output_dir, options)
+    review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
+    written = _combine(cases, choice, (plans, review), scratch, output_dir, options)
+    review.finish()
     if failed:
         raise CasesFailedError("\n".join(failed))
     shutil.rmtree(scratch, ignore_errors=True)
     return written
+
+
+def _configuration_options(options: PredictOptions, done: frozenset[str]) -> PredictOptions:
+    """How each configuration of an ensemble predicts: probabilities, neither postprocessed nor reviewed (the mean's
+    label map is, ``_combine``), the cases ``done`` left out, resuming in the scratch folder."""
+    return replace(
+        options,
+        save_probabilities=True,
+        skip_existing=True,
+        done_cases=done,
+        postprocessing=Postprocessing(),
+        preview=False,
+        statistics=False,
+    )
 
 
 def scratch_name(part: tuple[int, int] | None) -> str:
@@ -151,13 +165,15 @@ def _predict_configurations(
 def _combine(
     cases: list,
     choice: InferenceChoice,
-    plans: Plans,
+    model: tuple[Plans, CaseReview],
     scratch: Path,
     output_dir: Path,
     options: PredictOptions,
 ) -> list[Path]:
     """Each case: the mean of its configurations' probabilities, the label map, postprocessing, written (with the
-    mean as ``{case}.npz`` when asked); then its scratch files removed."""
+    mean as ``{case}.npz`` when asked) and reviewed (``model``: the plan, and ``CaseReview``: --preview,
+    --statistics); then its scratch files removed."""
+    plans, review = model
     scheme, written = plans.label_scheme, []
     for case in tqdm(cases, desc="ensemble", unit="case", disable=not options.progress):
         labels_path, *probabilities_path = case_outputs(case, output_dir, options.save_probabilities)
@@ -175,7 +191,8 @@ def _combine(
         if probabilities_path:
             write_probabilities(probabilities_path[0], mean, scheme)
         del mean
-        write_labels(labels_path, labels, geometry, choice.postprocessing, scheme)
+        labels = write_labels(labels_path, labels, geometry, choice.postprocessing, scheme)
+        review.case(case, labels, geometry)  # nothing without --preview and --statistics
         written.append(labels_path)
         for config in choice.configurations:
             for path in case_outputs(case, scratch / config, True):

@@ -180,6 +180,7 @@ def case_memory(
     probability_bytes: int | None,
     postprocessed: bool = False,
     previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None,
+    reviewed: Callable[[tuple[int, ...]], int] | None = None,
 ) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
     ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
@@ -191,7 +192,8 @@ def case_memory(
     beside ``largest_component_bytes``. ``previous``: a cascade stage's previous stage and its (streamed) window
     (``autoseg.predict.cascade``): each case is preprocessed for both and held so until predicted; the previous
     stage's sliding window and slab export run first, then ``cascade_input_bytes`` builds the (C + K)-channel input
-    that the cascade's window reads beside the image."""
+    that the cascade's window reads beside the image. ``reviewed``: what each written label map's review holds beside
+    it (``CaseReview.held_bytes`` of its shape: ``--preview``, ``--statistics``), after the write."""
     runtime = process_rss_bytes()
     # a DICOM series has no single header to read; it is alone in its folder, so nothing runs beside it
     geometries = [read_geometry(c.image_paths[0]) for c in cases if c.series_uid is None]
@@ -210,6 +212,8 @@ def case_memory(
         preprocess, previous_predict, cascade_input = _with_previous_stage(previous, plans, config, largest, preprocess)
         on_host += cascade_input  # the cascade's window reads the (C + K)-channel input beside the image
     write = _write_bytes(shape, np.dtype(scheme.export_dtype()).itemsize, postprocessed)
+    if reviewed is not None:  # after the write: the label map and its review
+        write = max(write, math.prod(shape) * np.dtype(scheme.export_dtype()).itemsize + reviewed(shape))
     if probability_bytes is None:
         return {
             "runtime": runtime,

@@ -47,6 +47,7 @@ from autoseg.predict.case import (
     predict_probabilities,
     prepare_case,
 )
+from autoseg.predict.case_review import CaseReview, review_paths
 from autoseg.predict.networks import Predictor
 from autoseg.predict.pipeline import Pipeline, PipelinePlan, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
@@ -78,6 +79,8 @@ class PredictOptions:
     # applied to each label map before it is written (not to --save-probabilities' maps), as autoseg find-best chose
     postprocessing: Postprocessing = Postprocessing()
     progress: bool = True  # progress bars over the cases
+    preview: bool = False  # --preview: preview/{case}.png beside each label map (``CaseReview``)
+    statistics: bool = False  # --statistics: statistics/{case}.json, then statistics.csv and .json (``CaseReview``)
 
 
 def predict(
@@ -111,7 +114,8 @@ def predict(
         use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
     try:
         predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
-        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window)
+        review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
+        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         if options.fail_fast:
             found.raise_problems()
@@ -123,7 +127,15 @@ def predict(
                 for p in case_outputs(case, output_dir, save_probabilities=True)
             ],
         )
-        return _predict_cases(found, prepare, segment, memory, output_dir, options, window.verbose)
+        for folder in {p.parent for p in review_paths(output_dir, "case", options.preview, options.statistics)}:
+            remove_stale_temporaries(folder)  # autoseg's own folders: every temporary there is a killed run's
+        try:
+            written = _predict_cases(found, prepare, segment, memory, output_dir, options, window.verbose, review)
+        except CasesFailedError:
+            review.finish()  # the cases written have their rows
+            raise
+        review.finish()
+        return written
     finally:
         torch.set_num_threads(threads)
 
@@ -146,9 +158,11 @@ def _case_steps(
     checkpoint: str,
     options: PredictOptions,
     window: WindowOptions,
+    review: CaseReview,
 ) -> tuple[Callable[[Case], tuple[Any, CaseProperties]], Callable[..., Callable[[], None]], Callable[..., dict]]:
     """What each case goes through: ``prepare`` (read and preprocessed, ahead: ``prepare_case``), ``segment``
-    (``_segment_case`` with the predictor bound) and ``memory`` (``case_memory`` with the window's plan bound).
+    (``_segment_case`` with the predictor bound) and ``memory`` (``case_memory`` with the window's plan and what
+    ``review`` holds bound).
     A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint,
     the command's ``window``: its own runtime chosen where ``auto``)."""
     plans, config = predictor.plans, predictor.config
@@ -165,6 +179,7 @@ def _case_steps(
         window=partial(inference_plan, predictor, streamed=not options.save_probabilities),
         postprocessed=not options.postprocessing.is_identity,
         previous=previous,
+        reviewed=review.held_bytes if review.active else None,
     )
     return prepare, segment, memory
 
@@ -177,11 +192,13 @@ def _predict_cases(
     output_dir: Path,
     options: PredictOptions,
     verbose: bool,
+    review: CaseReview,
 ) -> list[Path]:
     """Every case that is not done and has no problem: read and preprocess it (``prepare``: ``prepare_case``, ahead),
     ``segment`` it (``_segment_case`` with the predictor bound) and write it (behind); raise CasesFailedError at the
     end listing the bad cases. ``memory``: ``case_memory`` of the cases to do, with its probabilities' bytes per
-    value (None: streamed). ``verbose``: the pipeline's plan and its measured peak at INFO."""
+    value (None: streamed). ``verbose``: the pipeline's plan and its measured peak at INFO. ``review``: what each
+    case's export writes beside its label map (``CaseReview``)."""
     failed = dict(found.problems)  # case id -> why
     done = _done_cases(found, output_dir, options, failed)
     todo = [c for c in found.cases if c not in done and c.case_id not in failed]
@@ -196,7 +213,7 @@ def _predict_cases(
     (log.info if verbose else log.debug)("pipeline: %s", stages.describe())
     reset_peak_rss()  # the measured peak below counts from here, as the predicted one does
     try:
-        written = _run_pipeline(todo, prepare, segment, stages, output_dir, options, failed)
+        written = _run_pipeline(todo, prepare, segment, stages, (output_dir, review), options, failed)
     except BaseException:
         if failed:  # the error itself is reported by the caller
             log.error(
@@ -232,7 +249,7 @@ def _done_cases(found: PredictionInputs, output_dir: Path, options: PredictOptio
         or (
             options.skip_existing
             and c.case_id not in failed
-            and all(p.is_file() for p in case_outputs(c, output_dir, options.save_probabilities))
+            and all(p.is_file() for p in every_output(c, output_dir, options))
         )
     ]
     if done:
@@ -249,14 +266,16 @@ def _run_pipeline(
     prepare: Callable[[Case], tuple[Any, CaseProperties]],
     segment: Callable[..., Callable[[], None]],
     stages: PipelinePlan,
-    output_dir: Path,
+    outputs: tuple[Path, CaseReview],
     options: PredictOptions,
     failed: dict[str, str],
 ) -> list[Path]:
     """``todo`` through the pipeline's threads (``stages``): each case prepared ahead, segmented here, written
-    behind; the label maps written. A case whose input is bad is added to ``failed`` (unless ``options.fail_fast``:
-    then it raises) and the others go on."""
+    behind into ``outputs`` (the output folder, and what is written beside each label map); the label maps
+    written. A case whose input is bad is added to ``failed`` (unless ``options.fail_fast``: then it raises) and the
+    others go on."""
     written: list[Path] = []
+    output_dir, review = outputs
     with Pipeline(prepare, stages.preprocess_workers, stages.export_workers) as pipeline:
         for case, prepared in tqdm(
             pipeline.prepared(todo), total=len(todo), desc="predict", unit="case", disable=not options.progress
@@ -277,7 +296,7 @@ def _run_pipeline(
             except RunError as e:  # e.g. a runtime failing on a tile: which case it was on
                 raise RunError(f"case {case.case_id}: {e}") from e
             del data
-            pipeline.finish(write)
+            pipeline.finish(review.after(write, case, props.geometry))
             written.append(labels_path)
     return written
 
@@ -291,10 +310,10 @@ def _segment_case(
     *,
     predictor: Predictor,
     postprocessing: Postprocessing,
-) -> Callable[[], None]:
-    """Predict one preprocessed case and return what is left to do behind (an export thread): postprocess and
-    write its label map (exported slab by slab already, ``predict_labels``), or, with ``probabilities_path``,
-    export its probabilities into that file and the label map (``_write_case``)."""
+) -> Callable[[], np.ndarray]:
+    """Predict one preprocessed case and return what is left to do behind (an export thread), which returns the
+    label map written: postprocess and write its label map (exported slab by slab already, ``predict_labels``), or,
+    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``)."""
     scheme = predictor.plans.label_scheme
     if probabilities_path is None:
         labels = predict_labels(data, props, case_id, predictor)
@@ -305,11 +324,13 @@ def _segment_case(
 
 def write_labels(
     path: Path, labels: np.ndarray, geometry: Geometry, postprocessing: Postprocessing, scheme: LabelScheme
-) -> None:
-    """Write a label map in ``geometry`` (atomically), postprocessed first unless ``postprocessing`` is none."""
+) -> np.ndarray:
+    """Write a label map in ``geometry`` (atomically), postprocessed first unless ``postprocessing`` is none; the
+    label map written."""
     if not postprocessing.is_identity:
         labels = apply_postprocessing(labels, postprocessing, scheme)
     write_image(path, labels, geometry)
+    return labels
 
 
 def _write_case(
@@ -319,13 +340,13 @@ def _write_case(
     labels_path: Path,
     probabilities_path: Path,
     postprocessing: Postprocessing,
-) -> None:
+) -> np.ndarray:
     """Export one case's probabilities into ``probabilities_path`` and its label map, and write the label map
-    postprocessed (atomically; a failed write raises WriteError naming it); the probabilities file is removed if
-    the label map could not be written."""
+    postprocessed (atomically; a failed write raises WriteError naming it); the label map written. The probabilities
+    file is removed if the label map could not be written."""
     labels = export_prediction(probabilities, props, scheme, probabilities_path)
     try:
-        write_labels(labels_path, labels, props.geometry, postprocessing, scheme)
+        return write_labels(labels_path, labels, props.geometry, postprocessing, scheme)
     except BaseException:
         probabilities_path.unlink(missing_ok=True)  # no probabilities without their label map
         raise
@@ -349,6 +370,14 @@ def prediction_inputs(
     where = f": {ids[0]} to {ids[-1]} in case id order" if ids else ": none (fewer cases than parts)"
     log.info("--part %d/%d: %d of %d case(s)%s", *part, len(ids), every, where)
     return mine
+
+
+def every_output(case: Case, output_dir: Path, options: PredictOptions) -> list[Path]:
+    """Every file ``predict`` writes for ``case`` with ``options``: ``case_outputs``, then the preview picture and
+    statistics row asked for (``review_paths``); with all of them there, ``--continue`` skips the case."""
+    return case_outputs(case, output_dir, options.save_probabilities) + review_paths(
+        output_dir, case.case_id, options.preview, options.statistics
+    )
 
 
 def case_outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:

@@ -209,3 +209,19 @@ def test_parts_of_an_ensemble_write_what_one_run_writes(two_configs: Path, input
     other_part.unlink()
     predict_chosen(ws, choice, inputs, parts, window=WINDOW, options=replace(QUIET, part=(2, 2)))
     assert snapshot(parts) == snapshot(whole) and len(snapshot(whole)) == 2
+
+
+def test_an_ensemble_reviews_the_label_map_of_the_mean(two_configs: Path, inputs: Path, tmp_path: Path) -> None:
+    """--preview and --statistics of an ensemble: one preview and one statistics row per case, of the label map
+    written (the mean's), and none for the configurations' own predictions."""
+    import json
+
+    ws, out = Workspace.at(two_configs), tmp_path / "out"
+    options = replace(QUIET, preview=True, statistics=True)
+    written = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, window=WINDOW, options=options)
+    assert sorted(p.name for p in (out / "preview").iterdir()) == ["demo_005.png", "demo_006.png"]
+    cases = json.loads((out / "statistics.json").read_text())["cases"]
+    assert [c["case_id"] for c in cases] == ["demo_005", "demo_006"]
+    labels = read_image(written[0], dtype=None)[0]
+    assert [s["voxels"] for s in cases[0]["structures"]] == [int((labels == v).sum()) for v in (1, 2)]
+    assert not list(out.glob(f"{SCRATCH}*"))
