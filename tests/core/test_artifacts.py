@@ -190,8 +190,9 @@ def test_written_files_get_umask_permissions_not_0600(tmp_path: Path) -> None:
 
 
 def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) -> None:
-    """A workspace planned before plans schema 7 (no cpu_rates_source nor image_resampling), 5 (also no network.blocks_per_stage), 4 (also
-    no inference_patch_size) or 3 (also network.num_classes, no architecture) still loads, equal to the same plan
+    """A workspace planned before plans schema 7 (no cpu_rates_source nor image_resampling), 5 (also no
+    network.blocks_per_stage), 4 (also no inference_patch_size) or 3 (also network.num_classes, no architecture) still
+    loads, equal to the same plan
     written now: rates of no stated source, a plain U-Net, with the training patch as its inference tile; a version
     with no upgrade still fails naming the file."""
     from factories import tiny_plans
