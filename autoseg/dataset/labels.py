@@ -69,6 +69,9 @@ class LabelScheme:
     regions_class_order: tuple[int, ...]  # one label value per region; () for plain labels
     ignore_value: int | None
     label_values: tuple[int, ...]  # every value a label file may hold: 0, the classes, ignore; sorted
+    # prediction: the averaged logits are resampled to the input's grid and the activation applied there (nnU-Net
+    # v2's order, ``Plans.export_space`` "logits"); False: the probabilities are resampled (autoseg's)
+    resample_logits: bool = False
 
     @classmethod
     def from_labels(
@@ -194,9 +197,18 @@ class LabelScheme:
 
         return torch.sigmoid(logits) if self.has_regions else torch.softmax(logits, dim=dim)
 
+    @property
+    def activation(self) -> str:
+        """What the sliding window applies to the averaged logits before they are exported: "softmax" over the
+        classes, "sigmoid" per region, or "none" where the logits are exported (``resample_logits``)."""
+        if self.resample_logits:
+            return "none"
+        return "sigmoid" if self.has_regions else "softmax"
+
     def paint_region(self, labels: np.ndarray, region: int, probability: np.ndarray) -> None:
-        """Write ``regions_class_order[region]`` into ``labels`` where ``probability`` > 0.5 (in place)."""
-        labels[probability > 0.5] = self.regions_class_order[region]
+        """Write ``regions_class_order[region]`` into ``labels`` where ``probability`` > 0.5 (in place); where the
+        map is the region's logit (``resample_logits``), where it is > 0, the same voxels as its sigmoid > 0.5."""
+        labels[probability > (0.0 if self.resample_logits else 0.5)] = self.regions_class_order[region]
 
 
 def one_hot(labels: np.ndarray, values: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:

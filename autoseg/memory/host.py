@@ -139,11 +139,12 @@ def export_bytes(
     scheme: LabelScheme,
     probability_bytes: int = _F32,
 ) -> dict[str, int]:
-    """RAM of exporting one prediction held whole (``autoseg.predict.export.export_segmentation``, the
+    """RAM of exporting one prediction held whole (``autoseg.predict.export.export_with_probabilities``, the
     ``--save-probabilities`` path): ``probabilities`` the network's (K, resampled shape) softmax or sigmoid, held
     throughout, of ``probability_bytes`` per value (4: float32, 2: float16), and ``slab_export_bytes`` with the
-    whole image as one slab."""
-    vr = _voxels(shape_zyx_resampled)
+    whole image as one slab; where the scheme resamples logits, ``activation``: what applying it in the original
+    grid holds."""
+    vr, vo = _voxels(shape_zyx_resampled), _voxels(shape_zyx_original)
     terms = {
         "probabilities": scheme.num_outputs * vr * int(probability_bytes),
         **slab_export_bytes(
@@ -151,6 +152,16 @@ def export_bytes(
         ),
     }
     terms["total"] = terms["probabilities"] + terms.pop("total")
+    if scheme.resample_logits:  # export_with_probabilities: the activation after resampling
+        # while an output's resampled map (one map) is activated, the interpolation's other arrays are gone:
+        # regions hold its sigmoid beside it; classes the softmax's running maximum and sum throughout (two maps),
+        # the new maximum and a shifted copy while a class is added, and the second pass's label map beside the first
+        one, interpolation = _F32 * vo, terms["interpolation"]
+        if scheme.has_regions:
+            terms["activation"] = max(0, 2 * one - interpolation)
+        else:
+            terms["activation"] = 2 * one + terms["labels"] + max(0, 3 * one - interpolation)
+        terms["total"] += terms["activation"]
     return terms
 
 

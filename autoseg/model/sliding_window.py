@@ -145,8 +145,8 @@ def sliding_window_predict(
     on_slab: SlabSink | None = None,
 ) -> torch.Tensor | None:
     """Probabilities ``(window.num_outputs, Z, Y, X)`` in ``window.output_dtype`` (float32 or float16; CPU) of one
-    image: ``window.activation`` ("softmax" over the outputs, or "sigmoid" per output) of the averaged logits; with
-    ``on_slab`` (``SlabSink``) each finished slab goes there and None is returned (no output).
+    image: ``window.activation`` ("softmax" over the outputs, "sigmoid" per output, or "none") of the averaged
+    logits; with ``on_slab`` (``SlabSink``) each finished slab goes there and None is returned (no output).
 
     ``runners``: the folds' ``TileRunner`` (one, or several: an ensemble; each tile runs through every one, and
     their logits are averaged), on one device: the padded input lives there. ``data``: ``(C, Z, Y, X)`` float32,
@@ -225,7 +225,7 @@ def _finish_slices(buffers: TileBuffers, layout: TileLayout, start: int, stop: i
         logits = buffers.accumulator[:, a - buffers.z0 : b - buffers.z0].float()  # float32: a view
         if activation == "sigmoid":
             logits.sigmoid_()  # in place, per region: no temporaries
-        else:  # in-place softmax over classes: temporaries are one slices x Yp x Xp fp32 map each
+        elif activation == "softmax":  # in place over classes: temporaries are one slices x Yp x Xp fp32 map each
             logits -= logits.amax(dim=0, keepdim=True)
             logits.exp_()
             logits /= logits.sum(dim=0, keepdim=True)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ACTIVATIONS = ("softmax", "sigmoid")  # LabelScheme.probabilities: softmax over classes, sigmoid per region
+# LabelScheme.activation: softmax over classes, sigmoid per region, none where the logits are exported (resampled
+# before the activation: nnU-Net v2's order)
+ACTIVATIONS = ("softmax", "sigmoid", "none")
 
 
 @dataclass(frozen=True)
@@ -23,8 +25,9 @@ class SlidingWindow:
     8). ``accumulator_device``: where the accumulator, weight map and Gaussian live (None: the runners' device;
     ``autoseg.memory.inference_plan.plan_inference`` chooses it and the batch). ``accumulator_dtype``: a key of
     ``ACCUMULATOR_DTYPES`` (each tile is added in fp32, the softmax runs in fp32). ``activation``: "softmax" over
-    the outputs (classes) or "sigmoid" per output (regions). ``output_dtype``: the returned probabilities' (a key of
-    ``OUTPUT_DTYPES``), or None: there is no output, each finished slab goes to the call's ``on_slab``.
+    the outputs (classes), "sigmoid" per output (regions) or "none" (the averaged logits). ``output_dtype``: the
+    returned probabilities' (a key of ``OUTPUT_DTYPES``), or None: there is no output, each finished slab goes to the
+    call's ``on_slab``.
     """
 
     tile: tuple[int, ...]

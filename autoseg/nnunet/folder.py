@@ -112,6 +112,7 @@ def read_model_folder(folder: Path) -> NnunetModel:
         host_ram_bytes=0,
         regions_class_order=regions,
         image_resampling="skimage",  # nnU-Net's resample_data_or_seg_to_shape resizes with skimage
+        export_space="logits",  # nnU-Net resamples the averaged logits, then applies softmax / sigmoid and argmax
     )
     plans.check(where)
     fingerprint = _fingerprint(fingerprint_json, plans, folder)

@@ -21,6 +21,9 @@ INFERENCE_ONLY_KEYS = ("inference_patch_size",)  # configuration keys training d
 PROVENANCE_KEYS = ("cpu_rates_source",)  # Plans keys that say where a figure came from, not what the plan decides
 # Plans.image_resampling: whose image resampling autoseg.preprocess.resampling reproduces (its docstring)
 IMAGE_RESAMPLING = ("sitk", "skimage")
+# Plans.export_space: what prediction resamples back to the input's grid: the probabilities (autoseg's), or the
+# averaged logits, the activation applied after (nnU-Net v2's order, for a model imported from it)
+EXPORT_SPACES = ("probabilities", "logits")
 
 
 @dataclass(frozen=True)
@@ -137,7 +140,8 @@ def _plans_6_to_7(payload: dict) -> dict:
 
 
 def _plans_7_to_8(payload: dict) -> dict:
-    """Schema 8 adds ``image_resampling``; an earlier plan resamples as SimpleITK does ("sitk", the default)."""
+    """Schema 8 adds ``image_resampling`` and ``export_space``; an earlier plan resamples as SimpleITK does ("sitk")
+    and exports probabilities, the defaults."""
     return payload
 
 
@@ -145,7 +149,7 @@ def _plans_7_to_8(payload: dict) -> dict:
 class Plans(Artifact):
     # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
     # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade);
-    # 7: cpu_rates_source; 8: image_resampling
+    # 7: cpu_rates_source; 8: image_resampling, export_space
     SCHEMA_VERSION = 8
     # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> 7 -> 8 change no key: a schema 5, 6
     # or 7 payload is a schema 8 one, so the upgrades to 5 end at 8 too)
@@ -181,11 +185,15 @@ class Plans(Artifact):
     # whose image resampling preprocessing reproduces (IMAGE_RESAMPLING): "sitk" (SimpleITK's
     # B-spline, what autoseg plans), "skimage" (nnU-Net v2's, for a model imported from it: autoseg.nnunet)
     image_resampling: str = "sitk"
+    # what prediction resamples to the input's grid (EXPORT_SPACES): "probabilities", or "logits" (nnU-Net v2's
+    # order, for a model imported from it: the label map is the argmax of the resampled logits)
+    export_space: str = "probabilities"
 
     @property
     def label_scheme(self) -> LabelScheme:
         """What the labels mean for the network, loss, sampling and export (``autoseg.dataset.labels``)."""
-        return LabelScheme.from_labels(self.labels, self.regions_class_order, where="plans.json labels")
+        scheme = LabelScheme.from_labels(self.labels, self.regions_class_order, where="plans.json labels")
+        return replace(scheme, resample_logits=self.export_space == "logits")
 
     @property
     def num_label_values(self) -> int:
@@ -226,6 +234,8 @@ class Plans(Artifact):
                     f"{where}: {key} has {len(getattr(self, key))} entries for {channels} channel(s) "
                     f"{list(self.channel_names)}; give one per channel"
                 )
+        if self.export_space not in EXPORT_SPACES:
+            raise InputError(f"{where}: export_space {self.export_space!r} is not one of {list(EXPORT_SPACES)}")
         if self.image_resampling not in IMAGE_RESAMPLING:
             raise InputError(
                 f"{where}: image_resampling {self.image_resampling!r} is not one of {list(IMAGE_RESAMPLING)}"

@@ -29,7 +29,7 @@ from autoseg.model.window import SlidingWindow
 from autoseg.plan.inference_tile import inference_budget_share, tile_for_image
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.cascade import cascade_input
-from autoseg.predict.export import SlabExport, export_segmentation
+from autoseg.predict.export import SlabExport, export_segmentation, export_with_probabilities
 from autoseg.predict.networks import Predictor
 from autoseg.predict.probabilities import ProbabilityFile
 from autoseg.predict.window import WindowOptions
@@ -135,7 +135,7 @@ def _sliding_window(
         tile_batch_size=plan.tile_batch_size,
         accumulator_device=plan.accumulator_device,
         accumulator_dtype=plan.accumulator_dtype,
-        activation="sigmoid" if scheme.has_regions else "softmax",
+        activation=scheme.activation,  # "none": the logits are resampled, the activation applied after (export)
         output_dtype=PROBABILITIES_DTYPE,
     )
     return sliding_window_predict(predictor.runners, data, sliding, on_slab)
@@ -159,7 +159,7 @@ def export_prediction(
     if probabilities_path is None:
         return export_segmentation(probabilities, props, scheme)
     with ProbabilityFile.open(probabilities_path, props, scheme) as file:
-        return export_segmentation(probabilities, props, scheme, on_output=file.write_output)
+        return export_with_probabilities(probabilities, props, scheme, file.write_output)
 
 
 def inference_plan(predictor: Predictor, image_shape_zyx: tuple[int, ...], streamed: bool = True) -> InferencePlan:

@@ -138,3 +138,66 @@ def export_segmentation(
     export = SlabExport(props, scheme, tuple(probabilities.shape[1:]))
     export.add(0, probabilities.shape[1], probabilities, on_output)
     return export.labels()
+
+
+def export_with_probabilities(
+    maps: torch.Tensor | np.ndarray,
+    props: CaseProperties,
+    scheme: LabelScheme,
+    write: Callable[[int, np.ndarray], None],
+) -> np.ndarray:
+    """The label map of ``maps`` (``export_segmentation``), each output's probabilities in the original (cropped)
+    grid handed to ``write(k, map)`` in order (``ProbabilityFile.write_output``). ``maps`` are probabilities, or, where
+    the scheme resamples logits (``LabelScheme.resample_logits``), the averaged logits: then the sigmoid of each
+    resampled region's map, or the softmax over the resampled classes, which needs every class at a voxel: a first
+    export pass sums them (``_Softmax``), a second hands each class's normalized map over."""
+    if not scheme.resample_logits:
+        return export_segmentation(maps, props, scheme, on_output=write)
+    if scheme.has_regions:
+        return export_segmentation(maps, props, scheme, on_output=lambda k, logit: write(k, _sigmoid(logit)))
+    softmax = _Softmax()
+    labels = export_segmentation(maps, props, scheme, on_output=softmax.add)
+    export_segmentation(maps, props, scheme, on_output=lambda k, logit: write(k, softmax.of(logit)))
+    return labels
+
+
+def _sigmoid(logit: np.ndarray) -> np.ndarray:
+    """float32 sigmoid of ``logit`` as a new map (``SlabExport`` paints the region from ``logit`` after this)."""
+    out = np.negative(logit)
+    np.exp(out, out=out)
+    out += 1.0
+    return np.reciprocal(out, out=out)
+
+
+class _Softmax:
+    """The softmax over resampled class maps handed over one at a time: ``add`` each class's logits (kept: a running
+    maximum and the sum of exponentials below it, float32 maps of the cropped original grid; at most two more while
+    one is added), then ``of`` each class's map again for its probability."""
+
+    def __init__(self) -> None:
+        self.peak: np.ndarray | None = None
+        self.total: np.ndarray | None = None
+
+    def add(self, k: int, logit: np.ndarray) -> None:
+        """Class ``k``'s logits, left as they are (``SlabExport`` takes their argmax after this)."""
+        if self.peak is None:
+            self.peak, self.total = logit.copy(), np.ones_like(logit)
+            return
+        assert self.total is not None
+        higher = np.maximum(self.peak, logit)
+        self.peak -= higher  # the sum so far, rescaled to the new maximum, in place
+        np.exp(self.peak, out=self.peak)
+        self.total *= self.peak
+        shifted = np.subtract(logit, higher)
+        np.exp(shifted, out=shifted)
+        self.total += shifted
+        self.peak = higher
+
+    def of(self, logit: np.ndarray) -> np.ndarray:
+        """Class ``logit``'s probability, in place: the map is its own, and the argmax the second pass then takes of
+        it is the logits' (the map is the same increasing function of the logit at each voxel for every class)."""
+        assert self.peak is not None and self.total is not None
+        logit -= self.peak
+        np.exp(logit, out=logit)
+        logit /= self.total
+        return logit

@@ -130,3 +130,64 @@ def test_slab_export_bytes_bounds_the_measured_slab_export(original, resampled, 
     estimate = slab_export_bytes(original, resampled, scheme, depth)["total"]
     assert 0.75 * estimate <= measured <= estimate, (measured, estimate)
     assert estimate < 0.6 * export_bytes(original, resampled, scheme, 2)["total"]  # the whole export, float16
+
+
+def _resampled_maps(maps: torch.Tensor, props: CaseProperties, scheme: LabelScheme) -> np.ndarray:
+    """Every output's map in the original (cropped) grid, as the export interpolates it: (K, *original) float32."""
+    held: dict[int, np.ndarray] = {}
+    export_segmentation(maps, props, scheme, on_output=lambda k, m: held.__setitem__(k, m.copy()))
+    return np.stack([held[k] for k in sorted(held)])
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_logits_are_resampled_then_activated(regions: bool) -> None:
+    """A scheme that resamples logits (an imported nnU-Net model): the label map is the argmax (regions: logit > 0) of
+    the resampled logits, and the probabilities written are the softmax over the resampled classes (sigmoid per
+    region), as nnU-Net computes them; not the resampled softmax."""
+    from dataclasses import replace
+
+    from autoseg.predict.export import export_with_probabilities
+
+    props = _case((20, 30, 26), (10, 24, 20), (3.0, 1.0, 1.0))
+    plain = LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": 2}, (1, 2)) if regions else LabelScheme.plain(4)
+    scheme = replace(plain, resample_logits=True)
+    logits = torch.randn((scheme.num_outputs, 10, 24, 20), generator=torch.Generator().manual_seed(3)) * 4
+    resampled = torch.from_numpy(_resampled_maps(logits, props, scheme))
+    written: dict[int, np.ndarray] = {}
+    labels = export_with_probabilities(logits, props, scheme, lambda k, m: written.__setitem__(k, m.copy()))
+    probabilities = torch.sigmoid(resampled) if regions else torch.softmax(resampled, dim=0)
+    got = np.stack([written[k] for k in sorted(written)])
+    np.testing.assert_allclose(got, probabilities.numpy(), atol=1e-6)
+    if regions:
+        expected = np.zeros(labels.shape, labels.dtype)
+        for region, value in enumerate(scheme.regions_class_order):
+            expected[resampled[region].numpy() > 0] = value
+    else:
+        expected = resampled.argmax(dim=0).numpy()
+    np.testing.assert_array_equal(labels, expected)
+    # resampling the softmax instead gives other probabilities: the order is what is tested
+    other = _resampled_maps(torch.sigmoid(logits) if regions else torch.softmax(logits, dim=0), props, plain)
+    assert np.abs(other - got).max() > 1e-3
+
+
+@pytest.mark.parametrize("regions", [False, True])
+def test_export_bytes_bound_the_measured_export_of_logits(regions: bool) -> None:
+    """export_bytes of a scheme that resamples logits against tracemalloc's peak of export_with_probabilities (the
+    probabilities held whole, float16, left out: they are the caller's): an upper bound, within 25%."""
+    from dataclasses import replace
+
+    from autoseg.predict.export import export_with_probabilities
+
+    original, resampled = (40, 90, 80), (20, 60, 60)
+    props = _case(original, resampled, (3.0, 1.0, 1.0))
+    plain = LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": 2}, (1, 2)) if regions else LabelScheme.plain(5)
+    scheme = replace(plain, resample_logits=True)
+    logits = (torch.randn((scheme.num_outputs, *resampled), generator=torch.Generator().manual_seed(1)) * 3).half()
+    tracemalloc.start()
+    labels = export_with_probabilities(logits, props, scheme, lambda k, m: None)
+    measured = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    del labels
+    terms = export_bytes(original, resampled, scheme, 2)
+    estimate = terms["total"] - terms["probabilities"]
+    assert 0.75 * estimate <= measured <= estimate, (measured, estimate, terms)
