@@ -41,7 +41,7 @@ _RESUME_LOWRES = "autoseg train fold {fold} -c {stage} -w {workspace.root} --res
 
 # Every templated advice (module, text as written) and the scenario below that prints it.
 SCENARIOS: dict[tuple[str, str], str] = {
-    ("autoseg/cli/main.py", "autoseg predict -m {out} -i INPUT -o OUTPUT"): "test_export_advises_a_running_prediction",
+    ("autoseg/cli/model_commands.py", "autoseg predict -m {out} -i INPUT -o OUTPUT"): "test_export_advises_a_running_prediction",
     ("autoseg/core/workspace.py", "{self.advice(produced_by)}"): "test_an_empty_workspace",
     ("autoseg/core/workspace.py", "{self.advice('plan_and_preprocess')}"): "test_a_workspace_without_its_record",
     ("autoseg/plan/run.py", _REDO): "test_a_changed_dataset_advises_the_overwrite",
@@ -114,7 +114,7 @@ def test_export_advises_a_running_prediction(trained: Path, inputs: Path, tmp_pa
     archive = tmp_path / "model.zip"
     result = run_cli(capsys, "export-model", archive, "-w", trained)
     assert result.status == 0, result.err
-    _printed(("autoseg/cli/main.py", "autoseg predict -m {out} -i INPUT -o OUTPUT"), result.out)
+    _printed(("autoseg/cli/model_commands.py", "autoseg predict -m {out} -i INPUT -o OUTPUT"), result.out)
     values = {"INPUT": inputs, "OUTPUT": tmp_path / "pred"}
     (args,) = check_advice(result.out, trained, values)
     (command,) = advised_commands(result.out)
