@@ -41,7 +41,10 @@ _RESUME_LOWRES = "autoseg train fold {fold} -c {stage} -w {workspace.root} --res
 
 # Every templated advice (module, text as written) and the scenario below that prints it.
 SCENARIOS: dict[tuple[str, str], str] = {
-    ("autoseg/cli/model_commands.py", "autoseg predict -m {out} -i INPUT -o OUTPUT"): "test_export_advises_a_running_prediction",
+    (
+        "autoseg/cli/model_commands.py",
+        "autoseg predict -m {out} -i INPUT -o OUTPUT",
+    ): "test_export_advises_a_running_prediction",
     ("autoseg/core/workspace.py", "{self.advice(produced_by)}"): "test_an_empty_workspace",
     ("autoseg/core/workspace.py", "{self.advice('plan_and_preprocess')}"): "test_a_workspace_without_its_record",
     ("autoseg/plan/run.py", _REDO): "test_a_changed_dataset_advises_the_overwrite",
