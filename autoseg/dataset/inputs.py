@@ -29,11 +29,16 @@ class PredictionInputs:
     cases: tuple[Case, ...]  # every case found, in case id order
     problems: dict[str, str]  # case id -> what is wrong with its files
 
+    @property
+    def case_ids(self) -> list[str]:
+        """Every case id, the cases' and the problems', sorted."""
+        return sorted({c.case_id for c in self.cases} | set(self.problems))
+
     def part(self, index: int, count: int) -> PredictionInputs:
         """Part ``index`` (1-based) of ``count`` near-equal parts of these cases in case id order, problems included:
         consecutive case ids, the first ``len % count`` parts one case longer. ``count`` processes each taking one
         part (a SLURM array, ``predict --part I/N``) cover every case once, whichever machine runs which."""
-        ids = sorted({c.case_id for c in self.cases} | set(self.problems))
+        ids = self.case_ids
         start, stop = (len(ids) * (index - 1)) // count, (len(ids) * index) // count
         mine = set(ids[start:stop])
         return PredictionInputs(

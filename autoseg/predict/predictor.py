@@ -365,8 +365,7 @@ def prediction_inputs(
     if part is None:
         return found
     mine = found.part(*part)
-    ids = sorted({c.case_id for c in mine.cases} | set(mine.problems))
-    every = len({c.case_id for c in found.cases} | set(found.problems))
+    ids, every = mine.case_ids, len(found.case_ids)
     where = f": {ids[0]} to {ids[-1]} in case id order" if ids else ": none (fewer cases than parts)"
     log.info("--part %d/%d: %d of %d case(s)%s", *part, len(ids), every, where)
     return mine

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from autoseg.core.artifacts import atomic_write_text, to_dict
+from autoseg.core.errors import InputError
 from autoseg.core.extras import require
 
 log = logging.getLogger("autoseg.train.trainer")
@@ -55,10 +56,15 @@ def check_trackers(names: Sequence[str]) -> None:
     """Refuse, before any work, a tracker that is unknown or whose extra is not installed."""
     for name in names:
         if name not in TRACKERS:
-            raise ValueError(f"unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
+            raise InputError(f"--track {name}: unknown tracker; choose from {', '.join(TRACKERS)}")
         if name == "mlflow":
-            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            _mlflow_telemetry_off()
         require(*TRACKERS[name], f"--track {name}")
+
+
+def _mlflow_telemetry_off() -> None:
+    """MLflow's telemetry off (unless the user set it), before mlflow is first imported."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def epoch_scalars(row: dict[str, Any], class_names: Sequence[str]) -> dict[str, float]:
@@ -189,7 +195,7 @@ def open_trackers(names: Sequence[str], workspace_root: Path, out: Path, experim
         if name == "tensorboard":
             trackers.append(TensorBoardTracker(out / "tensorboard"))
         elif name == "mlflow":
-            check_trackers([name])  # its telemetry off before the first import
+            _mlflow_telemetry_off()
             uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{workspace_root / 'mlflow.db'}"
             run_name = f"{out.parent.name} {out.name}"
             trackers.append(MlflowTracker(uri, workspace_root / "mlruns", experiment, run_name, out / MLFLOW_RUN_ID))

@@ -20,7 +20,7 @@ from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.plan.plans import Plans
 from autoseg.train.run_config import RunConfig
-from autoseg.train.tracking import MLFLOW_RUN_ID, epoch_scalars
+from autoseg.train.tracking import MLFLOW_RUN_ID, check_trackers, epoch_scalars
 from autoseg.train.trainer import train
 
 require_extra("tensorboard")
@@ -102,6 +102,11 @@ def test_a_tracker_without_its_extra_is_refused_before_any_work(workspace: Works
     with pytest.raises(InputError, match=r"autoseg\[mlflow\]"):
         train(workspace, "3d_fullres", 0, RunConfig(epochs=1, track=("mlflow",), **TINY), False)
     assert not workspace.results("3d_fullres", 0).exists()
+
+
+def test_an_unknown_tracker_is_refused_naming_the_flag_and_the_choices() -> None:
+    with pytest.raises(InputError, match=r"--track wandb: unknown tracker; choose from tensorboard, mlflow"):
+        check_trackers(["wandb"])
 
 
 def test_epoch_scalars_name_each_class_and_leave_out_what_is_not_a_number() -> None:
