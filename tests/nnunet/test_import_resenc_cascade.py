@@ -91,10 +91,8 @@ def test_predict_m_reproduces_nnunets_predictions(predicted) -> None:
         assert agree >= 0.99 and min(dice) >= 0.99, (case, agree, dice)
 
 
-def test_the_cascade_archive_holds_both_stages(imported) -> None:
-    name, archive = imported
-    if name != "3d_cascade_fullres":
-        return
+def test_the_cascade_archive_holds_both_stages(tmp_path: Path) -> None:
+    archive = _import("3d_cascade_fullres", tmp_path / "cascade.zip")
     with open_model_archive(archive) as model:
         plans = Plans.from_json(model.workspace.plans_path)
         assert model.workspace.checkpoint("3d_lowres", "all", "final").is_file()
@@ -154,15 +152,21 @@ def test_a_resenc_with_bottleneck_blocks_is_refused_naming_it(tmp_path: Path) ->
         import_nnunet(folder, tmp_path / "model.zip")
 
 
+def _cascade_folder(tmp_path: Path) -> Path:
+    """A 3d_cascade_fullres model folder for the refusals, which stop before its weights are read: the lowres
+    fixture's files (its plans.json holds the cascade's configuration, as nnU-Net's planner writes it)."""
+    return copied("3d_lowres", tmp_path).rename(tmp_path / "nnUNetTrainer__nnUNetPlans__3d_cascade_fullres")
+
+
 def test_a_cascade_without_its_previous_stage_is_refused(tmp_path: Path, capsys) -> None:
-    folder = model_folder("3d_cascade_fullres")
+    folder = _cascade_folder(tmp_path)
     result = run_cli(capsys, "import-nnunet", folder, "-o", tmp_path / "model.zip")
     assert_refused(result, 2, folder, "is a cascade stage", "--previous-stage", "3d_lowres")
     assert not (tmp_path / "model.zip").exists()
 
 
 def test_a_previous_stage_of_another_configuration_is_refused(tmp_path: Path, capsys) -> None:
-    folder, other = model_folder("3d_cascade_fullres"), model_folder("3d_fullres")
+    folder, other = _cascade_folder(tmp_path), model_folder("3d_fullres")
     result = run_cli(capsys, "import-nnunet", folder, "-o", tmp_path / "model.zip", "--previous-stage", other)
     assert_refused(result, 2, other, "configuration '3d_fullres'", "give the 3d_lowres model folder")
     result = run_cli(capsys, "import-nnunet", other, "-o", tmp_path / "model.zip", "--previous-stage", folder)
@@ -171,7 +175,8 @@ def test_a_previous_stage_of_another_configuration_is_refused(tmp_path: Path, ca
 
 
 def test_a_previous_stage_without_the_cascades_folds_is_refused(tmp_path: Path) -> None:
+    folder = _cascade_folder(tmp_path / "cascade")
     lowres = copied("3d_lowres", tmp_path)
     (lowres / "fold_all").rename(lowres / "fold_0")
     with pytest.raises(InputError, match=r"3d_lowres: no fold_all/checkpoint_final.pth; a cascade predicts"):
-        import_nnunet(model_folder("3d_cascade_fullres"), tmp_path / "model.zip", previous_stage=lowres)
+        import_nnunet(folder, tmp_path / "model.zip", previous_stage=lowres)
