@@ -97,7 +97,7 @@ def test_the_cascade_archive_holds_both_stages(tmp_path: Path) -> None:
         plans = Plans.from_json(model.workspace.plans_path)
         assert model.workspace.checkpoint("3d_lowres", "all", "final").is_file()
     assert plans.configuration("3d_cascade_fullres").previous_stage == "3d_lowres"
-    assert plans.network_inputs(plans.configuration("3d_cascade_fullres")) == 4
+    assert plans.input_channels(plans.configuration("3d_cascade_fullres")) == 4  # 2 images + 2 labels
 
 
 def test_a_resenc_checkpoint_missing_a_key_is_refused_naming_it(tmp_path: Path) -> None:
@@ -180,3 +180,13 @@ def test_a_previous_stage_without_the_cascades_folds_is_refused(tmp_path: Path) 
     (lowres / "fold_all").rename(lowres / "fold_0")
     with pytest.raises(InputError, match=r"3d_lowres: no fold_all/checkpoint_final.pth; a cascade predicts"):
         import_nnunet(folder, tmp_path / "model.zip", previous_stage=lowres)
+
+
+def test_a_cascade_resampling_label_maps_otherwise_is_refused(tmp_path: Path) -> None:
+    """autoseg puts the previous stage's label map on the cascade's grid linearly per label, nearest across z."""
+    folder = _cascade_folder(tmp_path)
+    plans = json.loads((folder / "plans.json").read_text())
+    plans["configurations"]["3d_fullres"]["resampling_fn_seg_kwargs"]["order"] = 3  # the cascade inherits it
+    (folder / "plans.json").write_text(json.dumps(plans))
+    with pytest.raises(InputError, match=r"resampling_fn_seg_kwargs \{'order': 3, .*not supported for a cascade"):
+        import_nnunet(folder, tmp_path / "model.zip", previous_stage=model_folder("3d_lowres"))
