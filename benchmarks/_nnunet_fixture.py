@@ -1,7 +1,13 @@
-"""Regenerate tests/fixtures/nnunet_model: tiny nnU-Net v2 trained models (2d and 3d_fullres) and nnU-Net's own
-predictions of two small cases, the fixture `autoseg import-nnunet`'s tests read without nnunetv2.
+"""Regenerate tests/fixtures/nnunet_model: tiny nnU-Net v2 trained models and nnU-Net's own predictions of two
+small cases, the fixture `autoseg import-nnunet`'s tests read without nnunetv2.
 
-    python benchmarks/_nnunet_fixture.py --nnunet-python /tmp/nnunet-venv/bin/python [--iterations 40]
+    python benchmarks/_nnunet_fixture.py --nnunet-python /tmp/nnunet-venv/bin/python [--iterations 40] \
+        [--models plain resenc cascade]
+
+Model sets (benchmarks/_nnunet_fixture_run.py): ``plain`` (PlainConvUNet 2d and 3d_fullres, folders ``2d`` and
+``3d_fullres``), ``resenc`` (ResidualEncoderUNet 3d_fullres, ``resenc_3d_fullres``), ``cascade`` (3d_lowres and
+3d_cascade_fullres, fold ``all``, folders ``3d_lowres`` and ``3d_cascade_fullres``); each set replaces only its
+own folders.
 
 The dataset is autoseg's demo (benchmarks' generators, ``autoseg.demo.data``: anisotropic, jittered spacings, so
 resampling and nnU-Net's separate z axis are exercised) with two channels named "CT" and "MRI" (the same image:
@@ -31,7 +37,8 @@ from _common import nnunet_env
 HERE = Path(__file__).resolve().parent
 FIXTURE = HERE.parent / "tests" / "fixtures" / "nnunet_model"
 DATASET_ID = 978
-MODEL_FILES = ("plans.json", "dataset.json", "dataset_fingerprint.json", "fold_0/checkpoint_final.pth")
+MODEL_FILES = ("plans.json", "dataset.json", "dataset_fingerprint.json")
+KEPT_AS = {"resenc": {"3d_fullres": "resenc_3d_fullres"}}  # a set's configuration -> its fixture folder
 
 
 def make_dataset(raw: Path) -> Path:
@@ -49,7 +56,12 @@ def make_dataset(raw: Path) -> Path:
 
 def keep(model_folder: Path, predictions: Path, out: Path) -> None:
     """The model's files and float16 probabilities into ``out`` (the fixture's folder of this configuration)."""
-    for name in MODEL_FILES:
+    shutil.rmtree(out, ignore_errors=True)
+    names = [
+        *MODEL_FILES,
+        *(str(p.relative_to(model_folder)) for p in model_folder.glob("fold_*/checkpoint_final.pth")),
+    ]
+    for name in names:
         (out / model_folder.name / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(model_folder / name, out / model_folder.name / name)
     for seg in sorted(predictions.glob("*.nii.gz")):
@@ -69,29 +81,41 @@ def main() -> None:
     parser.add_argument("--nnunet-python", required=True, help="a Python with nnunetv2 installed")
     parser.add_argument("--iterations", type=int, default=40, help="training iterations of the one epoch")
     parser.add_argument("--out", type=Path, default=FIXTURE)
+    parser.add_argument("--models", nargs="+", default=["plain"], choices=["plain", "resenc", "cascade"])
     args = parser.parse_args()
+    for models in args.models:
+        make_set(args, models)
+    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
+    print(f"wrote {args.out}: {total / 1024:.0f} KiB")
+
+
+def make_set(args: argparse.Namespace, models: str) -> None:
+    """Train and predict the model set ``models`` with nnU-Net and keep it under ``args.out``."""
     with tempfile.TemporaryDirectory(prefix="nnunet-fixture-") as tmp:
         work = Path(tmp)
         env = {**os.environ, **nnunet_env(work), "nnUNet_compile": "false", "nnUNet_n_proc_DA": "1"}
+        env["nnUNet_def_n_proc"] = "1"  # the lowres trainer's final validation exports in one process
         env["PYTHONPATH"] = str(HERE)
         for folder in nnunet_env(work).values():
             Path(folder).mkdir(parents=True)
         dataset = make_dataset(Path(env["nnUNet_raw"]))
         cmd = [args.nnunet_python, str(HERE / "_nnunet_fixture_run.py"), str(DATASET_ID), str(args.iterations)]
         run = subprocess.run(
-            [*cmd, str(dataset / "imagesTs"), str(work / "predictions")], env=env, capture_output=True, text=True
+            [*cmd, str(dataset / "imagesTs"), str(work / "predictions"), models],
+            env=env,
+            capture_output=True,
+            text=True,
         )
         if run.returncode != 0:
             sys.exit(f"nnU-Net failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}")
-        shutil.rmtree(args.out, ignore_errors=True)
         for line in run.stdout.splitlines():
             if line.startswith("MODEL_FOLDER "):
                 _, config, folder = line.split(" ", 2)
-                keep(Path(folder), work / "predictions" / config, args.out / config)
-        shutil.copytree(dataset / "imagesTs", args.out / "imagesTs")
-        shutil.copytree(dataset / "labelsTs", args.out / "labelsTs")
-    total = sum(p.stat().st_size for p in args.out.rglob("*") if p.is_file())
-    print(f"wrote {args.out}: {total / 1024:.0f} KiB")
+                kept = KEPT_AS.get(models, {}).get(config, config)
+                keep(Path(folder), work / "predictions" / config, args.out / kept)
+        for name in ("imagesTs", "labelsTs"):
+            shutil.rmtree(args.out / name, ignore_errors=True)
+            shutil.copytree(dataset / name, args.out / name)
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def export_trained_model(args: argparse.Namespace, progress: bool) -> int:
 def import_nnunet_model(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.nnunet.importer import import_nnunet
 
-    manifest = import_nnunet(args.model_folder, args.output, folds=args.folds)
+    manifest = import_nnunet(args.model_folder, args.output, folds=args.folds, previous_stage=args.previous_stage)
     out = Path(args.output).resolve()
     print(
         f"wrote {out} ({out.stat().st_size / MiB:.1f} MiB): nnU-Net's {' + '.join(manifest.configurations)}, "

@@ -225,8 +225,8 @@ def add_export_model_command(sub: argparse._SubParsersAction) -> None:
 def add_import_nnunet_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "import-nnunet",
-        help="write an nnU-Net v2 trained model (PlainConvUNet, 3d_fullres or 2d) as an autoseg model archive "
-        "for `autoseg predict -m`",
+        help="write an nnU-Net v2 trained model (PlainConvUNet or ResidualEncoderUNet; 2d, 3d_fullres, 3d_lowres or "
+        "the cascade) as an autoseg model archive for `autoseg predict -m`",
     )
     p.add_argument(
         "model_folder",
@@ -242,4 +242,11 @@ def add_import_nnunet_command(sub: argparse._SubParsersAction) -> None:
         type=fold_name,
         default=None,
         help="folds to import, e.g. 0 1 2 or all (default: every fold with a checkpoint_final.pth)",
+    )
+    p.add_argument(
+        "--previous-stage",
+        metavar="FOLDER",
+        default=None,
+        help="for a 3d_cascade_fullres model: its 3d_lowres model folder (same folds), packed beside it; predict "
+        "runs it first and gives its label map to the cascade",
     )

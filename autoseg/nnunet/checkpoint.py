@@ -1,5 +1,6 @@
 """nnU-Net v2's ``fold_N/checkpoint_final.pth``: read with ``torch.load(weights_only=True)`` and its
-``network_weights`` mapped onto autoseg's ``PlainConvUNet``.
+``network_weights`` mapped onto autoseg's ``plain_unet`` (nnU-Net's PlainConvUNet) or ``residual_encoder_unet``
+(nnU-Net's ResidualEncoderUNet).
 
 nnU-Net pickles numpy scalars (its logged Dice and EMA) beside the tensors, which ``weights_only`` refuses unless
 allowed: ``NUMPY_GLOBALS`` allows numpy's scalar constructor and its plain dtypes, nothing else, so a checkpoint that
@@ -11,6 +12,16 @@ nnU-Net's PlainConvUNet (dynamic_network_architectures) against autoseg's ``plai
     decoder.transpconvs.{i}                          decoder.{n-2-i}.upsample
     decoder.stages.{i}.convs.{k}.conv / .norm       decoder.{n-2-i}.convs.{k}.0 / .1
     decoder.seg_layers.{i}                           seg_heads.{n-2-i}
+
+nnU-Net's ResidualEncoderUNet has the same decoder; its encoder (a stem, then stages of BasicBlockD) against
+autoseg's ``residual_encoder_unet`` (the stem is the first module of autoseg's stage 0)::
+
+    encoder.stem.convs.0.conv / .norm                       encoder.0.0.0 / .1
+    encoder.stages.{s}.blocks.{b}.conv1|conv2.conv / .norm  encoder.{s}.{b'}.conv1|conv2.0 / .1   (b' = b + [s == 0])
+    encoder.stages.{s}.blocks.{b}.skip.{j}.conv / .norm     encoder.{s}.{b'}.skip.{j} / .{j + 1}  (j = 1 after a pool)
+
+The one difference: BasicBlockD's 1x1 skip conv has no bias, autoseg's has one. It is set to zero, which is exact:
+the InstanceNorm right after it subtracts each channel's mean, a constant per channel included.
 
 nnU-Net's decoder counts from the bottleneck up, autoseg's from full resolution down. Its state dict holds each conv
 and norm twice more (``...convs.{k}.all_modules.{j}`` and, through the decoder's reference to the encoder,
@@ -40,6 +51,10 @@ _ENCODER = re.compile(r"^encoder\.stages\.(\d+)\.0\.convs\.(\d+)\.(conv|norm)\.(
 _DECODER = re.compile(r"^decoder\.stages\.(\d+)\.convs\.(\d+)\.(conv|norm)\.(\w+)$")
 _UPSAMPLE = re.compile(r"^decoder\.transpconvs\.(\d+)\.(\w+)$")
 _SEG = re.compile(r"^decoder\.seg_layers\.(\d+)\.(\w+)$")
+_STEM = re.compile(r"^encoder\.stem\.convs\.0\.(conv|norm)\.(\w+)$")
+_BLOCK = re.compile(r"^encoder\.stages\.(\d+)\.blocks\.(\d+)\.(conv1|conv2)\.(conv|norm)\.(\w+)$")
+_SKIP = re.compile(r"^encoder\.stages\.(\d+)\.blocks\.(\d+)\.skip\.(\d+)\.(conv|norm)\.(\w+)$")
+_SKIP_CONV_BIAS = re.compile(r"^encoder\.\d+\.\d+\.skip\.\d+\.bias$")  # autoseg's; conv or norm: see the weight
 _LAYER = {"conv": 0, "norm": 1}
 
 
@@ -70,12 +85,13 @@ def read_nnunet_checkpoint(path: Path) -> dict[str, Any]:
     return state
 
 
-def autoseg_key(key: str, num_stages: int) -> str | None:
-    """The autoseg ``plain_unet`` state-dict key of nnU-Net PlainConvUNet's ``key``; None for a key no mapping
-    names (an alias, or a module autoseg's network does not have)."""
-    if m := _ENCODER.match(key):
-        s, k, layer, p = m.groups()
-        return f"encoder.{s}.{k}.{_LAYER[layer]}.{p}"
+def autoseg_key(key: str, num_stages: int, residual: bool = False) -> str | None:
+    """The autoseg ``plain_unet`` (``residual``: ``residual_encoder_unet``) state-dict key of the nnU-Net
+    PlainConvUNet's (ResidualEncoderUNet's) ``key``; None for a key no mapping names (an alias, or a module autoseg's
+    network does not have)."""
+    encoder = _residual_encoder_key(key) if residual else _plain_encoder_key(key)
+    if encoder is not None:
+        return encoder
     if m := _DECODER.match(key):
         i, k, layer, p = m.groups()
         return f"decoder.{num_stages - 2 - int(i)}.convs.{k}.{_LAYER[layer]}.{p}"
@@ -88,31 +104,67 @@ def autoseg_key(key: str, num_stages: int) -> str | None:
     return None
 
 
+def _plain_encoder_key(key: str) -> str | None:
+    if m := _ENCODER.match(key):
+        s, k, layer, p = m.groups()
+        return f"encoder.{s}.{k}.{_LAYER[layer]}.{p}"
+    return None
+
+
+def _residual_encoder_key(key: str) -> str | None:
+    if m := _STEM.match(key):
+        layer, p = m.groups()
+        return f"encoder.0.0.{_LAYER[layer]}.{p}"
+    if m := _BLOCK.match(key):
+        s, b, conv, layer, p = m.groups()
+        return f"encoder.{s}.{int(b) + (s == '0')}.{conv}.{_LAYER[layer]}.{p}"
+    if m := _SKIP.match(key):
+        s, b, j, layer, p = m.groups()
+        return f"encoder.{s}.{int(b) + (s == '0')}.skip.{int(j) + _LAYER[layer]}.{p}"
+    return None
+
+
+def _zero_skip_biases(expected: dict[str, torch.Tensor], mapped: dict[str, tuple[str, torch.Tensor]]) -> None:
+    """The biases of autoseg's skip convs, which BasicBlockD's lack, as zeros (exact before InstanceNorm)."""
+    for key, tensor in expected.items():
+        is_conv = _SKIP_CONV_BIAS.match(key) and expected[key.removesuffix("bias") + "weight"].dim() > 2
+        if is_conv and key not in mapped:
+            mapped[key] = ("(zero: BasicBlockD's skip conv has no bias)", torch.zeros_like(tensor))
+
+
 def _is_alias(key: str) -> bool:
     return any(pattern.search(key) for pattern in _ALIASES)
 
 
 def map_state_dict(
-    weights: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], num_stages: int, path: Path
+    weights: dict[str, torch.Tensor],
+    expected: dict[str, torch.Tensor],
+    num_stages: int,
+    path: Path,
+    network_class: str = "PlainConvUNet",
 ) -> dict[str, torch.Tensor]:
-    """nnU-Net's ``weights`` as the state dict of autoseg's network whose own state dict is ``expected`` (its keys
-    and shapes). Refused, naming the keys: a weight no mapping names that is not an alias, a weight of autoseg's
-    network that nnU-Net's lacks, a shape that differs."""
+    """nnU-Net's ``weights`` of a ``network_class`` (PlainConvUNet or ResidualEncoderUNet) as the state dict of
+    autoseg's network whose own state dict is ``expected`` (its keys and shapes). Refused, naming the keys: a weight
+    no mapping names that is not an alias, a weight of autoseg's network that nnU-Net's lacks, a shape that
+    differs."""
     weights = {k.removeprefix("_orig_mod."): v for k, v in weights.items()}  # a torch.compile'd network's names
+    residual = network_class == "ResidualEncoderUNet"
     mapped, unknown = {}, []
     for key, tensor in weights.items():
-        target = autoseg_key(key, num_stages)
+        target = autoseg_key(key, num_stages, residual)
         if target is None and not _is_alias(key):
             unknown.append(key)
         elif target is not None:
             mapped[target] = (key, tensor)
-    where = f"{path}: its network_weights do not fit the PlainConvUNet that plans.json describes"
+    where = f"{path}: its network_weights do not fit the {network_class} that plans.json describes"
     if unknown:
         raise InputError(
             f"{where}: weight(s) {', '.join(unknown[:4])}{' ...' if len(unknown) > 4 else ''} belong to no module of a "
-            "PlainConvUNet with convolutional downsampling (another architecture, pooling or extra layers are not "
-            "supported)"
+            f"{network_class} with convolutional downsampling (another architecture, pooling or extra layers are "
+            "not supported)"
         )
+    if residual:
+        _zero_skip_biases(expected, mapped)
     missing = [k for k in expected if k not in mapped]
     if missing:
         raise InputError(f"{where}: no weight for {', '.join(missing[:4])} (plans.json names more stages or convs)")

@@ -2,10 +2,11 @@
 dataset_fingerprint.json, fold_N/) read as an autoseg plan of one configuration and a fingerprint.
 
 What is imported is decided by the network plans.json names (``architecture.network_class_name`` and its
-``arch_kwargs``, or the older layout's ``UNet_class_name`` and sizes), never by the trainer's name: a PlainConvUNet of
-convolutions with bias, affine InstanceNorm (eps 1e-5) and LeakyReLU (slope 0.01), one conv count for every encoder
-and decoder stage, as autoseg's ``plain_unet`` is. nnU-Net's preprocessing is what autoseg's does when its plan says
-so: CTNormalization (the fingerprint's foreground intensity properties), ZScoreNormalization (with
+``arch_kwargs``, or the older layout's ``UNet_class_name`` and sizes), never by the trainer's name: a PlainConvUNet or
+a ResidualEncoderUNet of convolutions with bias, affine InstanceNorm (eps 1e-5) and LeakyReLU (slope 0.01), as
+autoseg's ``plain_unet`` and ``residual_encoder_unet`` are (``autoseg.nnunet.network``); a cascade stage together with
+its previous stage's folder (``autoseg.nnunet.cascade``). nnU-Net's preprocessing is what autoseg's does when its
+plan says so: CTNormalization (the fingerprint's foreground intensity properties), ZScoreNormalization (with
 ``use_mask_for_norm`` as the nonzero mask), NoNormalization; the target spacing; image resampling with a cubic spline
 and nearest across the thick axis, probabilities linear and nearest across it (``resampling_fn_*_kwargs`` with
 orders 3/0 and 1/0, ``force_separate_z`` null). Anything else is refused naming the file and the key.
@@ -20,12 +21,13 @@ from typing import Any
 
 from autoseg.core.errors import InputError
 from autoseg.dataset.labels import LabelScheme
+from autoseg.nnunet import cascade
 from autoseg.nnunet.axes import in_autoseg_order, network_axes
 from autoseg.nnunet.network import topology_of
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 
-SUPPORTED_CONFIGURATIONS = ("3d_fullres", "2d")
+SUPPORTED_CONFIGURATIONS = ("3d_fullres", "2d", "3d_lowres", "3d_cascade_fullres")
 NORMALIZATIONS = {"CTNormalization": "ct", "ZScoreNormalization": "zscore", "NoNormalization": "none"}
 # resampling_fn_*_kwargs: the orders autoseg's preprocessing (image) and export (probabilities) use
 RESAMPLING = {
@@ -48,6 +50,7 @@ class NnunetModel:
     fingerprint: Fingerprint
     folds: tuple[int | str, ...]
     network_axes: tuple[int, ...]  # autoseg's spatial axis j is nnU-Net's network axis network_axes[j] (axes.py)
+    previous: NnunetModel | None = None  # a cascade stage's previous stage (its folder; ``plans`` is this one's)
 
 
 def read_json(path: Path) -> dict:
@@ -65,8 +68,10 @@ def read_json(path: Path) -> dict:
     return data
 
 
-def read_model_folder(folder: Path) -> NnunetModel:
-    """The model folder ``folder`` as an autoseg plan of its configuration (the folder name's last ``__`` part)."""
+def read_model_folder(folder: Path, previous_stage: Path | None = None) -> NnunetModel:
+    """The model folder ``folder`` as an autoseg plan of its configuration (the folder name's last ``__`` part); a
+    cascade stage (``previous_stage`` in plans.json) with its previous stage's model folder ``previous_stage`` as a
+    plan of both (``autoseg.nnunet.cascade``)."""
     plans_json = read_json(folder / "plans.json")
     dataset_json = read_json(folder / "dataset.json")
     fingerprint_json = read_json(folder / "dataset_fingerprint.json")
@@ -79,10 +84,10 @@ def read_model_folder(folder: Path) -> NnunetModel:
         )
     if config_name not in SUPPORTED_CONFIGURATIONS:
         raise InputError(
-            f"{folder}: configuration {config_name!r} is not supported yet (only "
-            f"{' and '.join(SUPPORTED_CONFIGURATIONS)}; 3d_lowres and the cascade are not)"
+            f"{folder}: configuration {config_name!r} is not supported (only {', '.join(SUPPORTED_CONFIGURATIONS)})"
         )
     config = resolved_configuration(configs, config_name, folder / "plans.json")
+    stage = cascade.previous_stage_name(config, folder, previous_stage)
     where = f"{folder / 'plans.json'}: configuration {config_name!r}"
     missing = [k for k in REQUIRED_KEYS if not isinstance(config.get(k), list)]
     if missing:
@@ -93,7 +98,8 @@ def read_model_folder(folder: Path) -> NnunetModel:
     if not isinstance(labels, dict):
         raise InputError(f"{folder / 'dataset.json'}: no 'labels' object")
     regions = tuple(int(v) for v in dataset_json.get("regions_class_order") or ())
-    outputs = LabelScheme.from_labels(labels, regions, where=f"{folder / 'dataset.json'} labels").num_outputs
+    scheme = LabelScheme.from_labels(labels, regions, where=f"{folder / 'dataset.json'} labels")
+    inputs = len(channels) + (len(cascade.one_hot_values(scheme, labels, folder)) if stage else 0)
     properties = plans_json.get("foreground_intensity_properties_per_channel") or fingerprint_json.get(
         "foreground_intensity_properties_per_channel", {}
     )
@@ -106,7 +112,10 @@ def read_model_folder(folder: Path) -> NnunetModel:
         use_nonzero_mask=tuple(bool(v) for v in config.get("use_mask_for_norm", [False] * len(channels))),
         intensity_properties=_intensity_properties(properties, len(channels), folder),
         configurations={
-            config_name: _configuration(plans_json, config, config_name, (len(channels), outputs, axes), where)
+            config_name: replace(
+                _configuration(plans_json, config, config_name, (inputs, scheme.num_outputs, axes), where),
+                previous_stage=stage,
+            )
         },
         gpu_memory_bytes=0,
         host_ram_bytes=0,
@@ -114,9 +123,24 @@ def read_model_folder(folder: Path) -> NnunetModel:
         image_resampling="skimage",  # nnU-Net's resample_data_or_seg_to_shape resizes with skimage
         export_space="logits",  # nnU-Net resamples the averaged logits, then applies softmax / sigmoid and argmax
     )
-    plans.check(where)
-    fingerprint = _fingerprint(fingerprint_json, plans, folder)
-    return NnunetModel(folder, config_name, plans, fingerprint, _folds(folder), axes)
+    model = NnunetModel(folder, config_name, plans, _fingerprint(fingerprint_json, plans, folder), _folds(folder), axes)
+    if stage:
+        model = _with_previous_stage(model, read_model_folder(previous_stage), where)
+    model.plans.check(where)
+    return model
+
+
+def _with_previous_stage(model: NnunetModel, previous: NnunetModel, where: str) -> NnunetModel:
+    """The cascade stage ``model`` with its previous stage (read on its own), both carrying the plan of both."""
+    if previous.network_axes != model.network_axes:
+        raise InputError(
+            f"{previous.folder} and {model.folder}: their transpose_forward differ; a cascade's two stages are "
+            "trained with one plans file (give the folders nnUNetv2_train wrote for both)"
+        )
+    plans = cascade.joined_plans(
+        model.plans, previous.plans, previous.config_name, (model.folder, previous.folder), where
+    )
+    return replace(model, plans=plans, previous=replace(previous, plans=plans))
 
 
 def resolved_configuration(configs: dict, name: str, path: Path) -> dict[str, Any]:

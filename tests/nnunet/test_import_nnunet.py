@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cli_checks import assert_refused, run_cli
+from nnunet_fixture import CASES, FIXTURE, agreement, copied, model_folder
 
 from autoseg.cli.main import main
 from autoseg.core.errors import InputError
@@ -27,19 +28,8 @@ from autoseg.predict.networks import check_trained_with, load_trained_network
 from autoseg.preprocess.plan_fields import model_input_fields
 from autoseg.preprocess.preprocessor import preprocess_case
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "nnunet_model"
 CONFIGS = ("3d_fullres", "2d")
-CASES = ("demo_005", "demo_006")
 WEIGHTS = "fold_0/checkpoint_final.pth"
-
-
-def model_folder(config: str) -> Path:
-    return FIXTURE / config / f"nnUNetTrainer__nnUNetPlans__{config}"
-
-
-def copied(config: str, tmp_path: Path) -> Path:
-    """A writable copy of ``config``'s model folder, named as nnU-Net names it."""
-    return Path(shutil.copytree(model_folder(config), tmp_path / model_folder(config).name))
 
 
 @pytest.fixture(scope="module", params=CONFIGS)
@@ -62,17 +52,6 @@ def test_the_imported_network_computes_nnunets_logits(imported) -> None:
     assert np.abs(logits - check["logits"]).max() <= 1e-5 * np.abs(check["logits"]).max()
 
 
-def _agreement(ours: np.ndarray, theirs: np.ndarray, labels: range) -> tuple[float, list[float]]:
-    """The share of the union of both foregrounds where the label maps agree, and the Dice of each label."""
-    union = (ours > 0) | (theirs > 0)
-    agree = float((ours == theirs)[union].mean()) if union.any() else 1.0
-    dice = []
-    for k in labels:
-        total = (ours == k).sum() + (theirs == k).sum()
-        dice.append(1.0 if total == 0 else float(2 * ((ours == k) & (theirs == k)).sum() / total))
-    return agree, dice
-
-
 @pytest.fixture(scope="module", params=["streamed", "with probabilities"])
 def predicted(imported, tmp_path_factory, request) -> tuple[str, Path]:
     """The fixture's test cases predicted by ``predict -m`` with nnU-Net's mirroring (all axes): the label maps
@@ -93,7 +72,7 @@ def test_predict_m_reproduces_nnunets_predictions(predicted) -> None:
     for case in CASES:
         ours = read_image(out / f"{case}.nii.gz")[0]
         theirs = read_image(FIXTURE / config / "predictions" / f"{case}.nii.gz")[0]
-        agree, dice = _agreement(ours, theirs, range(1, 3))
+        agree, dice = agreement(ours, theirs, range(1, 3))
         assert agree >= 0.99 and min(dice) >= 0.99, (case, agree, dice)
 
 
@@ -150,10 +129,10 @@ def _edit_plans(folder: Path, edit) -> None:
 
 def test_an_unsupported_network_class_is_refused_naming_it(tmp_path: Path, capsys) -> None:
     folder = copied("3d_fullres", tmp_path)
-    resenc = "dynamic_network_architectures.architectures.residual_unet.ResidualEncoderUNet"
-    _edit_plans(folder, lambda c: c["architecture"].update(network_class_name=resenc))
+    residual = "dynamic_network_architectures.architectures.residual_unet.ResidualUNet"  # residual decoder too
+    _edit_plans(folder, lambda c: c["architecture"].update(network_class_name=residual))
     result = run_cli(capsys, "import-nnunet", folder, "-o", tmp_path / "model.zip")
-    assert_refused(result, 2, folder / "plans.json", "ResidualEncoderUNet", "not supported yet")
+    assert_refused(result, 2, folder / "plans.json", "ResidualUNet", "is not supported")
     assert not (tmp_path / "model.zip").exists()
 
 
@@ -227,14 +206,14 @@ def test_a_missing_plans_file_is_refused_naming_it(tmp_path: Path) -> None:
         import_nnunet(folder, tmp_path / "model.zip")
 
 
-def test_a_configuration_not_yet_supported_is_refused(tmp_path: Path) -> None:
+def test_a_configuration_not_supported_is_refused(tmp_path: Path) -> None:
     folder = copied("3d_fullres", tmp_path)
     plans = json.loads((folder / "plans.json").read_text())
-    plans["configurations"]["3d_lowres"] = {"inherits_from": "3d_fullres"}
+    plans["configurations"]["3d_verylowres"] = {"inherits_from": "3d_fullres"}
     (folder / "plans.json").write_text(json.dumps(plans))
-    lowres = folder.rename(tmp_path / "nnUNetTrainer__nnUNetPlans__3d_lowres")
-    with pytest.raises(InputError, match="'3d_lowres' is not supported yet"):
-        import_nnunet(lowres, tmp_path / "model.zip")
+    other = folder.rename(tmp_path / "nnUNetTrainer__nnUNetPlans__3d_verylowres")
+    with pytest.raises(InputError, match="'3d_verylowres' is not supported"):
+        import_nnunet(other, tmp_path / "model.zip")
 
 
 def test_the_imported_plan_resamples_as_nnunet_and_its_checkpoints_say_so(imported) -> None:
