@@ -9,7 +9,7 @@ i.e. what writing adds beside the label map; predicted: ``dicom_seg_bytes`` (eve
 plan's bound) or ``rtstruct_bytes`` (with the written contour points), what ``LabelWrite.held_bytes`` adds to the
 label map in the prediction's plan (``case_memory``'s export term).
 
-Scenarios: "organs" (12 structures, each a block over 60 of the 300 slices: a realistic SEG whose empty frames are
+Scenarios: "organs" (12 structures, each an ellipse over 60 of the 300 slices: a realistic SEG whose empty frames are
 left out), "worst" (every structure on every slice: the plan's bound reached), "rtstruct" (the organs as an RTSTRUCT).
 
     python benchmarks/dicom_memory.py [--slices 300] [--size 512] [--structures 12] [--only organs|worst|rtstruct]
@@ -59,11 +59,13 @@ def child(folder: Path, scenario: str, structures: int, out: Path) -> dict:
     geometry = read_dicom_series_geometry(folder, SERIES_UID)
     z, y, x = geometry.shape_zyx
     labels = np.zeros((z, y, x), np.uint8)
-    for k in range(structures):
-        rows = slice((y * k) // structures, (y * (k + 1)) // structures)
+    rr, cc = np.mgrid[:y, :x]
+    for k in range(structures):  # an ellipse in its band of rows: round outlines, as organs have
+        top, bottom = (y * k) // structures, (y * (k + 1)) // structures
+        ellipse = ((rr - (top + bottom) / 2) / ((bottom - top) / 2)) ** 2 + ((cc - x / 2) / (0.3 * x)) ** 2 <= 1
         first = (k * (z - z // 5)) // max(structures - 1, 1)
         slices = slice(0, z) if scenario == "worst" else slice(first, first + z // 5)
-        labels[slices, rows, x // 5 : -x // 5] = k + 1
+        labels[slices][:, ellipse] = k + 1
     scheme = LabelScheme.plain(structures + 1)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before, start = _status("VmRSS"), time.perf_counter()

@@ -121,7 +121,9 @@ def _contours(pydicom, labels_zyx: np.ndarray, values: tuple[int, ...], headers)
             continue
         to_patient = slice_to_patient(headers[z])
         for outline in measure.find_contours(np.pad(mask, 1).astype(np.uint8), 0.5):  # padded: a border closes
-            corners = measure.approximate_polygon(outline, tolerance=0)  # closed: the last point repeats the first
+            # points within 0.001 voxel of a straight run left out (tolerance 0 would keep every point); closed: the
+            # last point repeats the first
+            corners = measure.approximate_polygon(outline, tolerance=1e-3)
             points = to_patient(corners[:-1] - 1)  # the pad's offset
             contour = pydicom.Dataset()
             contour.ContourImageSequence = pydicom.Sequence([_image_reference(pydicom, headers[z])])
