@@ -125,7 +125,20 @@ def write_dicom_seg(path: Path, labels_zyx: np.ndarray, source: SourceSeries, sc
         )
         for number, name, _ in segments(scheme)
     ]
-    seg = hd.seg.Segmentation(
+    try:
+        seg = _segmentation(hd, headers, labels_zyx, scheme, descriptions)
+    except (ValueError, AttributeError) as e:  # highdicom's checks of the source headers
+        raise InputError(
+            f"{source.folder}: DICOM series {source.series_uid}: highdicom cannot make a SEG referencing it ({e}); "
+            "write NIfTI instead (--output-format nifti)"
+        ) from e
+    with atomic_path(path, suffix=".dcm") as tmp:
+        seg.save_as(tmp)
+
+
+def _segmentation(hd, headers: list, labels_zyx: np.ndarray, scheme: LabelScheme, descriptions: list):
+    """highdicom's binary Segmentation of ``labels_zyx`` over the source slices ``headers``."""
+    return hd.seg.Segmentation(
         source_images=headers,
         pixel_array=_seg_pixels(labels_zyx, scheme),
         segmentation_type=hd.seg.SegmentationTypeValues.BINARY,
@@ -141,8 +154,6 @@ def write_dicom_seg(path: Path, labels_zyx: np.ndarray, source: SourceSeries, sc
         series_description="autoseg segmentation",
         omit_empty_frames=True,
     )
-    with atomic_path(path, suffix=".dcm") as tmp:
-        seg.save_as(tmp)
 
 
 def _seg_pixels(labels_zyx: np.ndarray, scheme: LabelScheme) -> np.ndarray:

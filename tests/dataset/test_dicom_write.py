@@ -159,3 +159,30 @@ def test_a_series_without_a_frame_of_reference_is_refused(tmp_path):
     write_dicom_series(folder, np.zeros((2, 4, 4)), UID, frame_of_reference_uid=None)
     with pytest.raises(InputError, match=r"no Frame of Reference UID \(0020,0052\).*--output-format nifti"):
         check_dicom_output([Case("c", (folder,), None, series_uid=UID)], "dicom-seg")
+
+
+def test_a_label_map_without_foreground_is_written_empty(series, tmp_path):
+    """highdicom cannot leave out every frame: the SEG then holds empty ones; the RTSTRUCT has no contour."""
+    require_extra("highdicom")
+    case, labels = series
+    empty = np.zeros_like(labels)
+    source = SourceSeries.of(case)
+    write_dicom_labels(tmp_path / "e.dcm", empty, source, SCHEME, "dicom-seg")
+    write_dicom_labels(tmp_path / "e_rtstruct.dcm", empty, source, SCHEME, "rtstruct")
+    headers = source.headers()
+    assert not _seg_labels(tmp_path / "e.dcm", headers, labels.shape).any()
+    assert not _rtstruct_labels(tmp_path / "e_rtstruct.dcm", headers, labels.shape).any()
+
+
+def test_a_series_highdicom_refuses_is_an_error_naming_it(series, tmp_path, monkeypatch):
+    require_extra("highdicom")
+    from autoseg.dataset import dicom_write
+
+    def refuse(*args):
+        raise ValueError("Source images have no Frame Of Reference UID")
+
+    monkeypatch.setattr(dicom_write, "_segmentation", refuse)
+    case, labels = series
+    with pytest.raises(InputError, match=rf"series: DICOM series {UID}: highdicom cannot.*--output-format nifti"):
+        write_dicom_labels(tmp_path / "x.dcm", labels, SourceSeries.of(case), SCHEME, "dicom-seg")
+    assert not list(tmp_path.glob("x.dcm*")) and not list(tmp_path.glob(".x.dcm*"))
