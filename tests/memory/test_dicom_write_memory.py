@@ -124,3 +124,25 @@ def test_the_plan_counts_the_dicom_writer_beside_the_label_map() -> None:
     assert seg == labels + dicom_seg_bytes(shape, 12)["total"]
     assert LabelWrite(output_format="rtstruct").held_bytes(shape, scheme) == labels + rtstruct_bytes(shape)["total"]
     assert LabelWrite(postprocessed=True, output_format="dicom-seg").held_bytes(shape, scheme) > seg
+
+
+def test_case_memory_counts_the_seg_of_a_dicom_series(prepared: Path, tmp_path: Path) -> None:
+    """A DICOM series' plan (its shape from its headers) has the SEG's writer in its export term."""
+    from types import SimpleNamespace
+
+    from autoseg.core.workspace import Workspace
+    from autoseg.plan.plans import Plans
+    from autoseg.predict.pipeline import case_memory
+
+    shape = (20, 40, 36)
+    write_dicom_series(tmp_path / "s", np.zeros(shape), UID)
+    plans = Plans.from_json(Workspace.at(prepared).plans_path)
+    plan = SimpleNamespace(
+        host_accumulator_bytes=0, peak_bytes=0, parameter_bytes=0, slab_depth=1, accumulator_device="cpu"
+    )
+    args = ([Case("s", (tmp_path / "s",), None, series_uid=UID)], plans, plans.configuration("3d_fullres"))
+    nifti = case_memory(*args, lambda after: plan, None)
+    seg = case_memory(*args, lambda after: plan, None, LabelWrite(output_format="dicom-seg"))
+    scheme = plans.label_scheme
+    assert nifti["export"] == 2 * math.prod(shape)  # the label map and SimpleITK's copy: the series' shape
+    assert seg["export"] == math.prod(shape) + dicom_seg_bytes(shape, len(scheme.names))["total"]
