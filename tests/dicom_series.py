@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import SimpleITK as sitk
 
+FRAME_OF_REFERENCE_UID = "1.2.826.0.1.3680043.2.9.1"  # what a DICOM SEG or RTSTRUCT of the series references
+
 
 def write_dicom_series(
     folder: Path,
@@ -17,9 +19,10 @@ def write_dicom_series(
     spacing_xyz: tuple[float, float, float] = (0.8, 0.9, 2.5),
     origin_xyz: tuple[float, float, float] = (-10.0, 20.0, 30.0),
     direction: tuple[float, ...] = (1, 0, 0, 0, 1, 0, 0, 0, 1),
+    frame_of_reference_uid: str | None = FRAME_OF_REFERENCE_UID,
 ) -> sitk.Image:
     """Write ``voxels_zyx`` (int16) into ``folder`` as the series ``series_uid`` (files ``{uid}-{i}.dcm``);
-    returns the 3D image written."""
+    ``frame_of_reference_uid`` None: without one; returns the 3D image written."""
     folder.mkdir(parents=True, exist_ok=True)
     image = sitk.GetImageFromArray(voxels_zyx.astype(np.int16))
     image.SetSpacing(spacing_xyz)
@@ -42,6 +45,8 @@ def write_dicom_series(
             ("0018|0050", str(spacing_xyz[2])),
         ):
             slice_.SetMetaData(tag, value)
+        if frame_of_reference_uid is not None:
+            slice_.SetMetaData("0020|0052", frame_of_reference_uid)
         writer.SetFileName(str(folder / f"{series_uid}-{i:03d}.dcm"))
         writer.Execute(slice_)
     return image

@@ -39,6 +39,7 @@ def predict_cases(args: argparse.Namespace, progress: bool) -> int:
         progress=progress,
         preview=args.preview,
         statistics=args.statistics,
+        output_format=args.output_format,
     )
     request = PredictRequest(
         args.input,

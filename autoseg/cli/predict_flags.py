@@ -6,6 +6,7 @@ import argparse
 
 from autoseg.cli.flag_values import add_workspace, fold_name, parse_part, tile_batch_value, tta_value, workers_value
 from autoseg.core.extras import RUNTIMES
+from autoseg.dataset.dicom_write import OUTPUT_FORMATS
 
 
 def add_predict_command(sub: argparse._SubParsersAction) -> None:
@@ -15,7 +16,8 @@ def add_predict_command(sub: argparse._SubParsersAction) -> None:
         "--input",
         required=True,
         help="a folder of {case}_0000.ext files (nnU-Net's layout), one image file, or a folder holding "
-        "one DICOM series (its output is named after the folder, .nii.gz, in the series' geometry)",
+        "one DICOM series (its output is named after the folder, .nii.gz, in the series' geometry, or DICOM: "
+        "--output-format)",
     )
     p.add_argument("-o", "--output", required=True, help="output folder")
     _add_model_flags(p)
@@ -140,6 +142,15 @@ def _add_run_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     """What is written, which cases are left out (already written, another part's) and when a run stops."""
+    p.add_argument(
+        "--output-format",
+        choices=OUTPUT_FORMATS,
+        default="nifti",
+        help="the label map as nifti (the default: the input's own format, .nii.gz for a DICOM series), or, for a "
+        "DICOM series, as a DICOM Segmentation ({case}.dcm) or an RT Structure Set ({case}_rtstruct.dcm) "
+        "referencing the series, one segment per dataset.json label (needs the dicom extra: "
+        'pip install "autoseg[dicom]")',
+    )
     p.add_argument(
         "--save-probabilities",
         action="store_true",

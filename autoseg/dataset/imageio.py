@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -196,6 +196,25 @@ def read_dicom_series(
             "of it is damaged or truncated"
         ) from e
     return _array_and_geometry(image, f"{folder} (DICOM series {series_uid})", dtype)
+
+
+def read_dicom_series_geometry(folder: str | Path, series_uid: str) -> Geometry:
+    """The shape and spacing ``read_dicom_series`` reads series ``series_uid`` of ``folder`` with, from its first and
+    last slice headers (no voxel read): the first slice's size and pixel spacing, the slice count, the mean spacing
+    between the slices along their normal; the origin and direction are the first slice's (what a memory plan
+    needs: a 300-slice series is not scanned as a volume for it)."""
+    files = sitk.ImageSeriesReader.GetGDCMSeriesFileNames(str(folder), series_uid)
+    if not files:
+        raise InputError(f"{folder}: no DICOM series {series_uid}")
+    first, _ = _header(files[0])
+    if first.ndim != 3:  # one 2D slice
+        return first
+    gap = abs(_position_along_normal(files[-1]) - _position_along_normal(files[0])) / max(len(files) - 1, 1)
+    return replace(
+        first,
+        size_xyz=(*first.size_xyz[:2], len(files)),
+        spacing_xyz=(*first.spacing_xyz[:2], gap if len(files) > 1 else first.spacing_xyz[2]),
+    )
 
 
 SLICE_SPACING_TOLERANCE = 0.01  # of the series' median spacing: the reader assumes one spacing for every slice

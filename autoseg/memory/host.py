@@ -13,7 +13,8 @@ trainer instead and shares its pages: its bytes are ``autoseg.memory.loader_work
 
 The export's model (``export_bytes``, ``slab_export_bytes``) is held against the real export by
 ``benchmarks/host_memory.py`` and by tracemalloc in ``tests/predict/test_export.py`` and
-``tests/memory/test_memory.py``.
+``tests/memory/test_memory.py``; the DICOM writers' (``dicom_seg_bytes``, ``rtstruct_bytes``) by peak RSS and
+tracemalloc in ``tests/memory/test_dicom_write_memory.py`` and by ``benchmarks/dicom_memory.py`` (peak RSS).
 """
 
 from __future__ import annotations
@@ -33,6 +34,14 @@ TRAINER_HOST_BYTES = 2 * GiB  # the CUDA training process itself (torch, CUDA li
 _F32 = 4  # bytes of a float32
 # What an export holds beyond its arrays (Python objects, numpy's small arrays): above what tracemalloc sees of them
 _EXPORT_OVERHEAD_BYTES = 64 * KiB
+# A DICOM output's source slice header and highdicom's references to it (measured 24-25 KiB a 512 x 512 slice), a
+# SEG frame's functional groups (5.6-5.7 KiB traced, 6-7.5 KiB in RSS), and what a process's first SEG / RTSTRUCT
+# loads (highdicom's tables of the standard; pydicom's and scikit-image's lazily imported modules: measured peaks 110
+# and 66 MiB): ``dicom_seg_bytes``, ``rtstruct_bytes``
+DICOM_HEADER_BYTES = 28 * KiB
+SEG_FRAME_BYTES = 8 * KiB
+SEG_LIBRARY_BYTES, RTSTRUCT_LIBRARY_BYTES = 112 * MiB, 68 * MiB
+CONTOUR_POINT_BYTES = 1400  # an RTSTRUCT contour point: 3 pydicom DSfloat coordinates and text (measured 1.2-1.3 KB)
 # Small numpy arrays and Python objects scipy and we create per call: above what tracemalloc sees of them.
 _CALL_OVERHEAD_BYTES = 16 * KiB
 # ... and what the skimage style's padding, transform and clip add to them (measured: 1.5-4 KiB)
@@ -314,3 +323,47 @@ def _separable_temp_bytes(shape: tuple[int, ...], new_shape: tuple[int, ...]) ->
     # the caller's argument (the mask) stays referenced until the call returns
     passes = max(4 * (sizes[a] + 2 * sizes[a + 1]) + (4 * n_in if a else 0) for a in range(3))
     return max(5 * n_in, passes, 9 * n_out, 4 * n_out)
+
+
+def dicom_seg_bytes(shape_zyx: Sequence[int], num_segments: int, regions: bool = False) -> dict[str, int]:
+    """RAM of writing a label map of ``shape_zyx`` as a binary DICOM SEG of ``num_segments`` segments
+    (``autoseg.dataset.dicom_write.write_dicom_seg``, highdicom) beside the label map itself, every segment taken to
+    cover every slice: the plan is made before the label map is known, and a segment's empty frames are left out.
+
+    ``headers``: the source slices' headers (pydicom) and highdicom's references to them; ``frame_items``: each
+    frame's functional groups; ``pixel_data``: the frames' packed bits (one bit a voxel) and their join into the
+    Pixel Data, both held at once (and the Pixel Data's copy while it is saved); ``plane``: a frame's mask, its copy
+    and the flat run bit-packed; ``region_masks``: regions overlap, so they are handed over as (Z, Y, X, S) bool
+    masks, and highdicom's overlap check sums them over S as int64 and compares the sum (plain labels: the label map
+    itself, one segment at a time); ``libraries``: what the process's first SEG loads, counted for every case."""
+    z, y, x = (int(n) for n in shape_zyx)
+    voxels, frames = _voxels(shape_zyx), int(num_segments) * z
+    terms = {
+        "headers": z * DICOM_HEADER_BYTES,
+        "frame_items": frames * SEG_FRAME_BYTES,
+        "pixel_data": 2 * frames * math.ceil(y * x / 8),
+        "plane": 4 * y * x,
+        "region_masks": (int(num_segments) + 11) * voxels if regions else 0,
+        "libraries": SEG_LIBRARY_BYTES,
+        "overhead": _EXPORT_OVERHEAD_BYTES,
+    }
+    terms["total"] = sum(terms.values())
+    return terms
+
+
+def rtstruct_bytes(shape_zyx: Sequence[int], contour_points: int = 0) -> dict[str, int]:
+    """RAM of writing a label map of ``shape_zyx`` as an RTSTRUCT (``autoseg.dataset.dicom_rtstruct``) beside the
+    label map: ``headers`` as in ``dicom_seg_bytes``; ``masks`` a slice's mask of a structure, padded, and its copy
+    traced; ``contours`` its ``contour_points`` outline points as pydicom holds them (each coordinate a Python number
+    and its text; how many points the outlines have is not known before the label map, 0: not counted; a
+    512 x 512 organ's outline has tens to hundreds a slice); ``libraries``: what the process's first RTSTRUCT loads,
+    counted for every case."""
+    terms = {
+        "headers": int(shape_zyx[0]) * DICOM_HEADER_BYTES,
+        "masks": 4 * _voxels(shape_zyx[1:]),
+        "contours": int(contour_points) * CONTOUR_POINT_BYTES,
+        "libraries": RTSTRUCT_LIBRARY_BYTES,
+        "overhead": _EXPORT_OVERHEAD_BYTES,
+    }
+    terms["total"] = sum(terms.values())
+    return terms

@@ -24,6 +24,7 @@ from tqdm import tqdm
 from autoseg.core.artifacts import check_writable_folder
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
+from autoseg.dataset.dicom_write import check_dicom_output, label_writer
 from autoseg.dataset.imageio import read_geometry
 from autoseg.plan.plans import Plans
 from autoseg.predict.case_review import CaseReview
@@ -84,6 +85,7 @@ def predict_chosen(
     output_dir = check_writable_folder(output_dir, "-o/--output")
     scratch = output_dir / scratch_name(options.part)
     found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
+    check_dicom_output(found.cases, options.output_format)  # before any configuration predicts
     done = frozenset(
         c.case_id
         for c in found.cases
@@ -118,6 +120,7 @@ def _configuration_options(options: PredictOptions, done: frozenset[str]) -> Pre
         postprocessing=Postprocessing(),
         preview=False,
         statistics=False,
+        output_format="nifti",  # the scratch label maps: the mean's is written in the asked format
     )
 
 
@@ -176,7 +179,9 @@ def _combine(
     plans, review = model
     scheme, written = plans.label_scheme, []
     for case in tqdm(cases, desc="ensemble", unit="case", disable=not options.progress):
-        labels_path, *probabilities_path = case_outputs(case, output_dir, options.save_probabilities)
+        labels_path, *probabilities_path = case_outputs(
+            case, output_dir, options.save_probabilities, options.output_format
+        )
         first = case_outputs(case, scratch / choice.configurations[0], True)[0]  # its geometry: the image's
         geometry = read_geometry(first)
         num_voxels = math.prod(geometry.shape_zyx)
@@ -191,7 +196,8 @@ def _combine(
         if probabilities_path:
             write_probabilities(probabilities_path[0], mean, scheme)
         del mean
-        labels = write_labels(labels_path, labels, geometry, choice.postprocessing, scheme)
+        write = label_writer(case, options.output_format)
+        labels = write_labels(labels_path, labels, geometry, choice.postprocessing, scheme, write)
         review.case(case, labels, geometry)  # nothing without --preview and --statistics
         written.append(labels_path)
         for config in choice.configurations:

@@ -26,11 +26,18 @@ import numpy as np
 
 from autoseg.core.resources import available_ram_bytes, cpu_count, process_rss_bytes, processes_for
 from autoseg.core.units import MiB
-from autoseg.dataset.imageio import Geometry, read_geometry
+from autoseg.dataset.imageio import Geometry, read_dicom_series_geometry, read_geometry
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
 from autoseg.memory.device import CPU_RUNTIME_BYTES
-from autoseg.memory.host import cascade_input_bytes, export_bytes, prediction_preprocess_bytes, slab_export_bytes
+from autoseg.memory.host import (
+    cascade_input_bytes,
+    dicom_seg_bytes,
+    export_bytes,
+    prediction_preprocess_bytes,
+    rtstruct_bytes,
+    slab_export_bytes,
+)
 from autoseg.memory.inference_plan import InferencePlan
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.postprocessing import largest_component_bytes
@@ -172,13 +179,38 @@ class Pipeline(Generic[Item, Ready]):
         self._pending.append(self._writers.submit(work))
 
 
+@dataclass(frozen=True)
+class LabelWrite:
+    """How each label map is written, for what writing it holds (``held_bytes``): postprocessed first
+    (``--postprocessing``, inference.json's), in which format (``--output-format``)."""
+
+    postprocessed: bool = False
+    output_format: str = "nifti"
+
+    def held_bytes(self, shape_zyx: tuple[int, ...], scheme: LabelScheme) -> int:
+        """What writing a label map of ``shape_zyx`` holds: the label map and its writer's bytes (SimpleITK's copy of
+        it; a DICOM SEG's ``dicom_seg_bytes``, an RTSTRUCT's ``rtstruct_bytes``); postprocessed, the label map beside
+        the postprocessing, then the written copy and its writer's bytes beside both."""
+        voxels, itemsize = math.prod(shape_zyx), np.dtype(scheme.export_dtype()).itemsize
+        labels = voxels * itemsize
+        if self.output_format == "dicom-seg":
+            writer = dicom_seg_bytes(shape_zyx, len(scheme.names), scheme.has_regions)["total"]
+        elif self.output_format == "rtstruct":
+            writer = rtstruct_bytes(shape_zyx)["total"]
+        else:
+            writer = labels  # SimpleITK's copy
+        if self.postprocessed:  # the label map beside the postprocessing, then the written copy beside both
+            return labels + max(largest_component_bytes(voxels, itemsize), labels + writer)
+        return labels + writer
+
+
 def case_memory(
     cases: list[Case],
     plans: Plans,
     config: ConfigurationPlan,
     window: Callable[..., InferencePlan],
     probability_bytes: int | None,
-    postprocessed: bool = False,
+    write: LabelWrite = LabelWrite(),
     previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None,
     reviewed: Callable[[tuple[int, ...]], int] | None = None,
 ) -> dict[str, int]:
@@ -188,15 +220,14 @@ def case_memory(
     whole image. ``probability_bytes`` None: the export runs slab by slab inside the prediction
     (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
     map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
-    (``export_bytes``). ``postprocessed``: each label map is postprocessed before it is written, the label map
-    beside ``largest_component_bytes``. ``previous``: a cascade stage's previous stage and its (streamed) window
+    (``export_bytes``). ``write``: how each label map is written (``LabelWrite``: postprocessed first, in which
+    format). ``previous``: a cascade stage's previous stage and its (streamed) window
     (``autoseg.predict.cascade``): each case is preprocessed for both and held so until predicted; the previous
     stage's sliding window and slab export run first, then ``cascade_input_bytes`` builds the (C + K)-channel input
     that the cascade's window reads beside the image. ``reviewed``: what each written label map's review holds beside
     it (``CaseReview.held_bytes`` of its shape: ``--preview``, ``--statistics``), after the write."""
     runtime = process_rss_bytes()
-    # a DICOM series has no single header to read; it is alone in its folder, so nothing runs beside it
-    geometries = [read_geometry(c.image_paths[0]) for c in cases if c.series_uid is None]
+    geometries = [_header_geometry(c) for c in cases]
     if not geometries:
         return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}
     largest = max(geometries, key=lambda g: math.prod(g.shape_zyx))
@@ -211,24 +242,31 @@ def case_memory(
     if previous is not None:
         preprocess, previous_predict, cascade_input = _with_previous_stage(previous, plans, config, largest, preprocess)
         on_host += cascade_input  # the cascade's window reads the (C + K)-channel input beside the image
-    write = _write_bytes(shape, np.dtype(scheme.export_dtype()).itemsize, postprocessed)
+    write_bytes = write.held_bytes(shape, scheme)
     if reviewed is not None:  # after the write: the label map and its review
-        write = max(write, math.prod(shape) * np.dtype(scheme.export_dtype()).itemsize + reviewed(shape))
+        write_bytes = max(write_bytes, math.prod(shape) * np.dtype(scheme.export_dtype()).itemsize + reviewed(shape))
     if probability_bytes is None:
         return {
             "runtime": runtime,
             "preprocess": preprocess["total"],
             "input": preprocess["result"],
             "predict": max(on_host + slabs, previous_predict),
-            "export": write,
+            "export": write_bytes,
         }
     return {
         "runtime": runtime,
         "preprocess": preprocess["total"],
         "input": preprocess["result"],
         "predict": max(on_host, previous_predict),
-        "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write),
+        "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write_bytes),
     }
+
+
+def _header_geometry(case: Case) -> Geometry:
+    """``case``'s geometry from its headers: its first channel's file, or its DICOM series' slices."""
+    if case.series_uid is None:
+        return read_geometry(case.image_paths[0])
+    return read_dicom_series_geometry(case.image_paths[0], case.series_uid)
 
 
 def _with_previous_stage(
@@ -258,16 +296,6 @@ def _with_previous_stage(
         "result": preprocess["result"] + low["result"],
     }
     return preprocess, previous_predict, cascade["input"]
-
-
-def _write_bytes(shape_zyx: tuple[int, ...], itemsize: int, postprocessed: bool) -> int:
-    """What writing a label map of ``shape_zyx`` (``itemsize`` bytes a voxel) holds: the label map and SimpleITK's
-    copy of it; postprocessed, the label map beside the postprocessing, then the written copy beside both."""
-    labels = math.prod(shape_zyx) * itemsize
-    write = 2 * labels  # the label map and SimpleITK's copy of it
-    if postprocessed:  # the label map beside the postprocessing, then the written copy beside both
-        write = labels + max(largest_component_bytes(math.prod(shape_zyx), itemsize), write)
-    return write
 
 
 def _window_host_bytes(plan: InferencePlan) -> int:

@@ -32,7 +32,8 @@ from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import peak_rss_bytes, reset_peak_rss, use_one_malloc_arena
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
-from autoseg.dataset.imageio import Geometry, supported_ending, write_image
+from autoseg.dataset.dicom_write import check_dicom_output, label_writer, write_nifti
+from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
@@ -49,7 +50,15 @@ from autoseg.predict.case import (
 )
 from autoseg.predict.case_review import CaseReview, review_paths
 from autoseg.predict.networks import Predictor
-from autoseg.predict.pipeline import Pipeline, PipelinePlan, case_memory, pipeline_budget_bytes, plan_pipeline
+from autoseg.predict.outputs import case_outputs, every_output
+from autoseg.predict.pipeline import (
+    LabelWrite,
+    Pipeline,
+    PipelinePlan,
+    case_memory,
+    pipeline_budget_bytes,
+    plan_pipeline,
+)
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
 from autoseg.predict.runners import load_predictor
 from autoseg.predict.window import WindowOptions
@@ -81,6 +90,7 @@ class PredictOptions:
     progress: bool = True  # progress bars over the cases
     preview: bool = False  # --preview: preview/{case}.png beside each label map (``CaseReview``)
     statistics: bool = False  # --statistics: statistics/{case}.json, then statistics.csv and .json (``CaseReview``)
+    output_format: str = "nifti"  # --output-format: nifti, or dicom-seg / rtstruct of a DICOM series (dicom_write)
 
 
 def predict(
@@ -117,6 +127,7 @@ def predict(
         review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
         prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
+        check_dicom_output(found.cases, options.output_format)
         if options.fail_fast:
             found.raise_problems()
         remove_stale_temporaries(
@@ -124,7 +135,7 @@ def predict(
             [
                 p.name
                 for case in found.cases  # left by a killed run
-                for p in case_outputs(case, output_dir, save_probabilities=True)
+                for p in case_outputs(case, output_dir, True, options.output_format)
             ],
         )
         for folder in {p.parent for p in review_paths(output_dir, "case", options.preview, options.statistics)}:
@@ -177,7 +188,7 @@ def _case_steps(
         plans=plans,
         config=config,
         window=partial(inference_plan, predictor, streamed=not options.save_probabilities),
-        postprocessed=not options.postprocessing.is_identity,
+        write=LabelWrite(not options.postprocessing.is_identity, options.output_format),
         previous=previous,
         reviewed=review.held_bytes if review.active else None,
     )
@@ -288,11 +299,10 @@ def _run_pipeline(
                 failed[case.case_id] = str(e) if isinstance(e, InputError) else f"{e.filename}: {e.strerror}"
                 log.warning("case %s not predicted: bad input (listed at the end)", case.case_id)
                 continue
-            labels_path, *probabilities_path = case_outputs(case, output_dir, options.save_probabilities)
+            labels_path, *more = case_outputs(case, output_dir, options.save_probabilities, options.output_format)
+            write_as = label_writer(case, options.output_format)
             try:
-                write = segment(
-                    data, props, case.case_id, labels_path, probabilities_path[0] if probabilities_path else None
-                )
+                write = segment(data, props, case.case_id, labels_path, more[0] if more else None, write_as)
             except RunError as e:  # e.g. a runtime failing on a tile: which case it was on
                 raise RunError(f"case {case.case_id}: {e}") from e
             del data
@@ -307,29 +317,36 @@ def _segment_case(
     case_id: str,
     labels_path: Path,
     probabilities_path: Path | None,
+    write: Callable[..., None] = write_nifti,
     *,
     predictor: Predictor,
     postprocessing: Postprocessing,
 ) -> Callable[[], np.ndarray]:
     """Predict one preprocessed case and return what is left to do behind (an export thread), which returns the
     label map written: postprocess and write its label map (exported slab by slab already, ``predict_labels``), or,
-    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``)."""
+    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``), written
+    by ``write`` (``label_writer``: its file format)."""
     scheme = predictor.plans.label_scheme
     if probabilities_path is None:
         labels = predict_labels(data, props, case_id, predictor)
-        return partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme)
+        return partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme, write)
     probabilities = predict_probabilities(data, case_id, predictor)
-    return partial(_write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing)
+    return partial(_write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing, write)
 
 
 def write_labels(
-    path: Path, labels: np.ndarray, geometry: Geometry, postprocessing: Postprocessing, scheme: LabelScheme
+    path: Path,
+    labels: np.ndarray,
+    geometry: Geometry,
+    postprocessing: Postprocessing,
+    scheme: LabelScheme,
+    write: Callable[..., None] = write_nifti,
 ) -> np.ndarray:
-    """Write a label map in ``geometry`` (atomically), postprocessed first unless ``postprocessing`` is none; the
-    label map written."""
+    """Write a label map in ``geometry`` (atomically, by ``write``: ``label_writer``'s file format), postprocessed
+    first unless ``postprocessing`` is none; the label map written."""
     if not postprocessing.is_identity:
         labels = apply_postprocessing(labels, postprocessing, scheme)
-    write_image(path, labels, geometry)
+    write(path, labels, geometry, scheme)
     return labels
 
 
@@ -340,13 +357,14 @@ def _write_case(
     labels_path: Path,
     probabilities_path: Path,
     postprocessing: Postprocessing,
+    write: Callable[..., None],
 ) -> np.ndarray:
     """Export one case's probabilities into ``probabilities_path`` and its label map, and write the label map
-    postprocessed (atomically; a failed write raises WriteError naming it); the label map written. The probabilities
-    file is removed if the label map could not be written."""
+    postprocessed (atomically, by ``write``; a failed write raises WriteError naming it); the label map written. The
+    probabilities file is removed if the label map could not be written."""
     labels = export_prediction(probabilities, props, scheme, probabilities_path)
     try:
-        return write_labels(labels_path, labels, props.geometry, postprocessing, scheme)
+        return write_labels(labels_path, labels, props.geometry, postprocessing, scheme, write)
     except BaseException:
         probabilities_path.unlink(missing_ok=True)  # no probabilities without their label map
         raise
@@ -369,20 +387,3 @@ def prediction_inputs(
     where = f": {ids[0]} to {ids[-1]} in case id order" if ids else ": none (fewer cases than parts)"
     log.info("--part %d/%d: %d of %d case(s)%s", *part, len(ids), every, where)
     return mine
-
-
-def every_output(case: Case, output_dir: Path, options: PredictOptions) -> list[Path]:
-    """Every file ``predict`` writes for ``case`` with ``options``: ``case_outputs``, then the preview picture and
-    statistics row asked for (``review_paths``); with all of them there, ``--continue`` skips the case."""
-    return case_outputs(case, output_dir, options.save_probabilities) + review_paths(
-        output_dir, case.case_id, options.preview, options.statistics
-    )
-
-
-def case_outputs(case: Case, output_dir: Path, save_probabilities: bool) -> list[Path]:
-    """The label map (the case id with its image's ending; a DICOM series: .nii.gz), then, if asked, the
-    probabilities ({case}.npz)."""
-    ending = ".nii.gz" if case.series_uid is not None else supported_ending(case.image_paths[0].name)
-    return [output_dir / f"{case.case_id}{ending}"] + (
-        [output_dir / f"{case.case_id}.npz"] if save_probabilities else []
-    )

@@ -13,6 +13,7 @@ from autoseg.dataset.imageio import (
     Geometry,
     dicom_series,
     read_dicom_series,
+    read_dicom_series_geometry,
     read_geometry,
     read_image,
     write_image,
@@ -339,3 +340,19 @@ def test_a_dicom_series_with_a_slice_off_by_more_than_1_percent_is_refused(tmp_p
                 read_dicom_series(folder, "1.2.3.1")
         else:
             assert read_dicom_series(folder, "1.2.3.1")[0].shape == (5, 7, 6)
+
+
+def test_a_dicom_series_shape_and_spacing_come_from_its_headers(tmp_path):
+    """What the memory plan reads of a series (``read_dicom_series_geometry``: two slice headers) is the shape and
+    spacing the series reads with, its files written against the slice normal too."""
+    write_dicom_series(
+        tmp_path / "s",
+        np.zeros((7, 12, 10)),
+        "1.2.3.77",
+        spacing_xyz=(0.7, 1.1, 3.0),
+        direction=(1, 0, 0, 0, 1, 0, 0, 0, -1),
+    )
+    read = read_dicom_series(tmp_path / "s", "1.2.3.77")[1]
+    headers = read_dicom_series_geometry(tmp_path / "s", "1.2.3.77")
+    assert headers.shape_zyx == read.shape_zyx == (7, 12, 10)
+    np.testing.assert_allclose(headers.spacing_zyx, read.spacing_zyx, atol=1e-6)
