@@ -181,6 +181,8 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         resume=args.resume,
         time_budget_s=args.time_budget,
         track=tuple(args.track),
+        init_from=None if args.init_from is None else str(Path(args.init_from).expanduser().resolve()),
+        init_fold=args.init_fold,
     )
     if distributed.is_main:
         print(

@@ -94,6 +94,26 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--seed", type=SEED, default=0)
     _add_run_flags(p)
+    _add_init_flags(p)
+
+
+def _add_init_flags(p: argparse.ArgumentParser) -> None:
+    """``--init-from`` and ``--init-fold``: fine-tuning (``autoseg.train.init_weights``)."""
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="MODEL",
+        help="start each fold from this model's weights (fine-tuning): a model archive (export-model, import-nnunet), "
+        "a checkpoint file or a trained workspace. Tensors whose names and shapes match are copied; the segmentation "
+        "heads are re-initialised when the label set differs; refused when less than 90%% of the encoder fits (plan "
+        "with `plan_and_preprocess DATASET --like MODEL` first). A resumed fold keeps its checkpoint's weights",
+    )
+    p.add_argument(
+        "--init-fold",
+        default=None,
+        metavar="K",
+        help="the fold of --init-from's model to start from (default: its first)",
+    )
 
 
 def add_precision_check_flag(p: argparse.ArgumentParser, when: str) -> None:
