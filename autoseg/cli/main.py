@@ -147,6 +147,12 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     if args.command == "plan_and_preprocess":
         configs = None if args.configs is None else tuple(args.configs)
         preprocessing = PreprocessRequest(configs, args.processes, args.precompute_augmentations)
+    like = None
+    if args.like is not None:  # read before the budget is measured: a wrong model fails at once
+        from autoseg.train.source_model import read_model_plan
+
+        like = read_model_plan(args.like)
+        print(f"like: {like.source} (its configuration(s) {', '.join(like.configurations)})")
     plan_and_preprocess(
         dataset,
         ws,
@@ -155,6 +161,7 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
         progress=progress,
         overwrite=args.overwrite,
         command=args.command_line,
+        like=like,
     )
     return 0
 

@@ -56,6 +56,14 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
             "default) or resenc (residual encoder U-Net, nnU-Net's ResEnc: residual blocks "
             "1, 3, 4, 6, 6, 6 per encoder stage); default: unet",
         )
+        p.add_argument(
+            "--like",
+            default=None,
+            metavar="MODEL",
+            help="plan with this trained model's network (a model archive, a checkpoint file or a workspace): its "
+            "architecture, depth, features, kernels and strides, its target spacing and patch; batch, accumulation "
+            "and checkpointing fit the budget. Its weights then fit: `autoseg train fold 0 --init-from MODEL`",
+        )
         if name == "plan_and_preprocess":
             p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
             p.add_argument(

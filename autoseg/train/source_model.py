@@ -23,6 +23,7 @@ from autoseg.core.artifacts import from_dict
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
 from autoseg.model.checkpoint_file import read_checkpoint_file
+from autoseg.plan.like import PlanTemplate
 from autoseg.plan.plans import ConfigurationPlan, Plans, upgrade_network_payload
 from autoseg.predict.archive import MANIFEST, ModelManifest
 from autoseg.predict.graphs import file_digest
@@ -51,15 +52,6 @@ class SourceModel:
         return f"{self.given} ({self.kind}, {self.config_name}{fold}, {self.checkpoint}, sha256 {self.sha256[:12]})"
 
 
-@dataclass(frozen=True)
-class ModelPlan:
-    """What ``plan --like`` copies: the model's configurations as planned and where they came from."""
-
-    given: Path
-    kind: str
-    configurations: dict[str, ConfigurationPlan]
-
-
 def kind_of(path: Path) -> str:
     """ARCHIVE (a zip file), CHECKPOINT (any other file) or WORKSPACE (a folder with plans.json); else an error."""
     if path.is_dir():
@@ -74,17 +66,18 @@ def kind_of(path: Path) -> str:
     return ARCHIVE if path.suffix == ".zip" else CHECKPOINT
 
 
-def read_model_plan(model: str | Path) -> ModelPlan:
-    """The configurations of ``model``'s plan (a checkpoint file outside a workspace: the one it was trained with)."""
+def read_model_plan(model: str | Path) -> PlanTemplate:
+    """What ``plan --like`` copies: the configurations of ``model``'s plan (a checkpoint file outside a workspace:
+    the one it was trained with)."""
     path = Path(model).expanduser().resolve()
     kind = kind_of(path)
     if kind == CHECKPOINT and _workspace_of(path) is None:
         state = read_checkpoint_file(path, "give another checkpoint, an archive or a workspace")
         config = _recorded_configuration(state, path)
-        return ModelPlan(path, kind, {config.name: config})
+        return PlanTemplate(str(path), {config.name: config})
     with _model_workspace(path, kind) as workspace:
         plans = Plans.from_json(workspace.require(workspace.plans_path, "plan"))
-    return ModelPlan(path, kind, dict(plans.configurations))
+    return PlanTemplate(str(path), dict(plans.configurations))
 
 
 def open_source_model(

@@ -143,20 +143,22 @@ def load_weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_init_is_recorded_and_a_resume_does_not_apply_it_again(trained: Path, tmp_path: Path, caplog) -> None:
-    """Killed after its first epoch and resumed with --init-from again, the run ends as one uninterrupted run does:
-    the init would have replaced the trained weights."""
+    """Killed after its first epoch and resumed with --init-from again, the run ends as one uninterrupted run does
+    (the init would have replaced the trained weights), and does not even read the model, gone by then."""
     workspace = Workspace.at(shutil.copytree(trained, tmp_path / "ws"))
     shutil.rmtree(workspace.results(CONFIG, 0))
-    run = RunConfig(**TINY, init_from=str(trained))
+    model = shutil.copytree(trained, tmp_path / "model")
+    run = RunConfig(**TINY, init_from=str(model))
     reference = train(workspace, CONFIG, 0, run, progress=False).rename(tmp_path / "reference")
     with killed_after_epochs(1):
         train(workspace, CONFIG, 0, run, progress=False)
+    shutil.rmtree(model)
     caplog.set_level(logging.INFO, "autoseg.train.trainer")
     fold = train(workspace, CONFIG, 0, dataclasses.replace(run, resume=True), progress=False)
     expected, got = (load_checkpoint(p / "checkpoint_final.pt") for p in (reference, fold))
     assert all(torch.equal(t, got.network[n]) for n, t in expected.network.items())
     init = json.loads((fold / "run.json").read_text())["init"]
-    assert init["model"] == str(trained) and init["sha256"] == expected.progress.init["sha256"]
+    assert init["model"] == str(model) and init["sha256"] == expected.progress.init["sha256"]
     assert "not applied: a resumed run goes on from its checkpoint" in caplog.text
 
 
