@@ -17,6 +17,10 @@ Host RAM: preprocessing processes, and each configuration's loader workers, are 
 ``autoseg.memory.host``), capped by the CPU count; no loader workers when training on CPU
 (they would take the cores the training step uses).
 
+``plan(..., like=PlanTemplate)`` (``autoseg plan --like MODEL``) plans instead each of a trained model's
+configurations with its network, target spacing and patch (``autoseg.plan.like``), only batch, accumulation and
+checkpointing sized to the budget.
+
 Each configuration's inference tile (``inference_patch_size``) is planned last, from its patch, network and
 median image (``autoseg.plan.inference_tile``).
 """

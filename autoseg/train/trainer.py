@@ -13,6 +13,8 @@ configuration (``autoseg.train.degrade``), recorded in run.json and the checkpoi
 epochs, iterations per epoch and the final validation's cases and mirroring from measured speed
 (``autoseg.train.schedule.TimeBudget``, timed by the run's ``clock``). The first steps of every run check the
 memory model on this machine (``autoseg.train.memory_check``): one log line, run.json, a warning when off.
+``run.init_from``: a fresh run starts from a trained model's weights (``autoseg.train.init_weights``, recorded in the
+progress); a resumed run never applies it again.
 
 Distributed (torchrun, ``autoseg.model.distributed``): each rank takes its share of the planned global batch
 (``rank_batch``) from its own loader stream; the loss's Dice sums and, after backward, the gradients are
