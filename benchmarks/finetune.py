@@ -4,8 +4,9 @@ A source model is trained on one synthetic dataset of ``autoseg.demo`` (seed 0, 
 only), then a related dataset (seed 1: other cases, and the lesion class added; ``--cases`` cases) is planned with the
 source model's network (``autoseg plan_and_preprocess --like``) and its fold 0 trained twice with the same
 ``--time-budget``: from scratch, and from the source model's weights (``--init-from``: the encoder and decoder
-copied, the heads re-initialised for the new label set). All on the CPU (``--device cpu``), each command in a
-subprocess of this interpreter.
+copied, the heads re-initialised for the new label set). All on the CPU (``--device cpu``, cases of about 24 x 64 x
+64 voxels), each command in a subprocess of this interpreter; ``--val-iterations 5`` for every run, so that the
+pseudo-Dice does not take most of a minutes-long budget.
 
 Prints the init's log line and one markdown table for docs/benchmarks.md: per run its budget, wall seconds, epochs x
 iterations run, and the final validation's Dice per class and mean foreground Dice (fold 0's validation cases).
@@ -29,11 +30,10 @@ from _common import run_autoseg
 CONFIG = "3d_fullres"
 
 
-def _train(workspace: Path, budget: str, *extra: str) -> dict:
+def _train(workspace: Path, budget: str, val_iterations: int, *extra: str) -> dict:
     """``autoseg train fold 0 --time-budget`` in ``workspace``; its wall seconds, schedule, init and validation Dice."""
-    seconds = run_autoseg(
-        "train", "fold", "0", "-w", str(workspace), "--device", "cpu", "--time-budget", budget, *extra
-    )
+    flags = ("--device", "cpu", "--time-budget", budget, "--val-iterations", str(val_iterations))
+    seconds = run_autoseg("train", "fold", "0", "-w", str(workspace), *flags, *extra)
     fold = workspace / "results" / CONFIG / "fold_0"
     run = json.loads((fold / "run.json").read_text())
     summary = json.loads((fold / "validation" / "summary.json").read_text())
@@ -63,7 +63,13 @@ def main() -> None:
     parser.add_argument("--budget", default="3m", help="each target run's --time-budget (default 3m)")
     parser.add_argument("--source-cases", type=int, default=20, help="source training cases (default 20)")
     parser.add_argument("--cases", type=int, default=10, help="target training cases (default 10)")
-    parser.add_argument("--shape", type=int, nargs=3, default=(32, 80, 80), help="nominal case shape (z y x)")
+    parser.add_argument("--shape", type=int, nargs=3, default=(24, 64, 64), help="nominal case shape (z y x)")
+    parser.add_argument(
+        "--val-iterations",
+        type=int,
+        default=5,
+        help="pseudo-Dice patches per epoch (default 5: in minutes-long budgets the default 50 take most of an epoch)",
+    )
     parser.add_argument("--quick", action="store_true", help="1m budgets, 8 + 6 cases")
     parser.add_argument("--work-dir", type=Path, default=None, help="where the datasets and workspaces go (kept)")
     args = parser.parse_args()
@@ -76,13 +82,15 @@ def main() -> None:
     target_data = _dataset(work, "Dataset102_OrganLesion", 1, args.cases, 3, shape)
     source = work / "source"
     run_autoseg("plan_and_preprocess", str(source_data), "-w", str(source), "--device", "cpu", "-c", CONFIG)
-    rows = {"source (organ), from scratch": _train(source, args.source_budget)}
+    rows = {"source (organ), from scratch": _train(source, args.source_budget, args.val_iterations)}
     target = work / "target_scratch"
     like = ("--like", str(source))
     run_autoseg("plan_and_preprocess", str(target_data), "-w", str(target), "--device", "cpu", "-c", CONFIG, *like)
     tuned = Path(shutil.copytree(target, work / "target_init"))
-    rows["target (organ + lesion), from scratch"] = _train(target, args.budget)
-    rows["target (organ + lesion), --init-from source"] = _train(tuned, args.budget, "--init-from", str(source))
+    rows["target (organ + lesion), from scratch"] = _train(target, args.budget, args.val_iterations)
+    rows["target (organ + lesion), --init-from source"] = _train(
+        tuned, args.budget, args.val_iterations, "--init-from", str(source)
+    )
     print(rows["target (organ + lesion), --init-from source"]["init"])
     print(
         f"\nall in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPU(s), load {os.getloadavg()[0]:.1f}; {work}\n"
