@@ -156,6 +156,6 @@ def _refusal(
         + (f"; and {more} more" if more > 0 else "")
         + f". The model's network ({source.config.network.architecture}, features "
         f"{list(source.config.network.features_per_stage)}, {source.config.network.in_channels} input channel(s)) "
-        "is not this plan's: plan this dataset with the model's network, `autoseg plan_and_preprocess DATASET "
-        f"--like {source.given} --overwrite`, then train again"
+        "is not this plan's: plan this dataset with the model's network, `autoseg plan_and_preprocess DATASET -w "
+        f"WORKSPACE --like MODEL --overwrite` with MODEL {source.given}, then train again"
     )

@@ -96,7 +96,7 @@ def test_an_encoder_that_does_not_fit_is_refused_naming_its_layers(trained: Path
         initialise_from(build_network(wide), plans, str(trained), CONFIG, None)
     message = str(info.value)
     assert "encoder.0.0.0 (4x1x3x3x3 in the model, 4x40x3x3x3 here)" in message
-    assert f"--like {trained}" in message
+    assert f"--like MODEL --overwrite` with MODEL {trained}," in message
 
 
 def test_another_architecture_is_refused(trained: Path) -> None:
