@@ -1,17 +1,18 @@
 """Fine-tuning against training from scratch in the same time (issue 29; run by hand).
 
 A source model is trained on one synthetic dataset of ``autoseg.demo`` (seed 0, ``--source-cases`` cases, the organ
-only), then a related dataset (seed 1: other cases, and the lesion class added; ``--cases`` cases) is planned with the
-source model's network (``autoseg plan_and_preprocess --like``) and its fold 0 trained twice with the same
-``--time-budget``: from scratch, and from the source model's weights (``--init-from``: the encoder and decoder
-copied, the heads re-initialised for the new label set). All on the CPU (``--device cpu``, cases of about 24 x 64 x
-64 voxels), each command in a subprocess of this interpreter; ``--val-iterations 5`` for every run, so that the
-pseudo-Dice does not take most of a minutes-long budget.
+only), then a related dataset (seed 1: other cases, and the lesion class added; ``--cases`` cases) is planned with
+the source model's network (``autoseg plan_and_preprocess --like``) and its fold 0 trained twice with the same
+``--time-budget`` (each of ``--budgets``): from scratch, and from the source model's weights (``--init-from``: the
+encoder and decoder copied, the heads re-initialised for the new label set). All on the CPU (``--device cpu``, cases
+of about 24 x 64 x 64 voxels), each command in a subprocess of this interpreter; ``--val-iterations 5`` for every
+run, so that the pseudo-Dice does not take most of a minutes-long budget.
 
 Prints the init's log line and one markdown table for docs/benchmarks.md: per run its budget, wall seconds, epochs x
 iterations run, and the final validation's Dice per class and mean foreground Dice (fold 0's validation cases).
 
-    python benchmarks/finetune.py                   # source 5m, target 3m + 3m: about 15 minutes
+    python benchmarks/finetune.py                   # source 5m, target 2 x 1m and 2 x 3m: about 20 minutes
+    python benchmarks/finetune.py --work-dir DIR --budgets 1m   # reuse DIR's datasets, source model and target plan
     python benchmarks/finetune.py --quick           # 1m each on fewer cases: the whole path, about 5 minutes
 """
 
@@ -31,10 +32,13 @@ CONFIG = "3d_fullres"
 
 
 def _train(workspace: Path, budget: str, val_iterations: int, *extra: str) -> dict:
-    """``autoseg train fold 0 --time-budget`` in ``workspace``; its wall seconds, schedule, init and validation Dice."""
-    flags = ("--device", "cpu", "--time-budget", budget, "--val-iterations", str(val_iterations))
-    seconds = run_autoseg("train", "fold", "0", "-w", str(workspace), *flags, *extra)
+    """``autoseg train fold 0 --time-budget`` in ``workspace`` (a fold trained before is read back: ``--work-dir``
+    reuses the source model); its wall seconds, schedule, init and validation Dice."""
     fold = workspace / "results" / CONFIG / "fold_0"
+    seconds = float("nan")
+    if not (fold / "validation" / "summary.json").is_file():
+        flags = ("--device", "cpu", "--time-budget", budget, "--val-iterations", str(val_iterations))
+        seconds = run_autoseg("train", "fold", "0", "-w", str(workspace), *flags, *extra)
     run = json.loads((fold / "run.json").read_text())
     summary = json.loads((fold / "validation" / "summary.json").read_text())
     log = (fold / "train.log").read_text()
@@ -60,7 +64,9 @@ def _dataset(root: Path, name: str, seed: int, cases: int, labels: int, shape: t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source-budget", default="5m", help="the source model's --time-budget (default 5m)")
-    parser.add_argument("--budget", default="3m", help="each target run's --time-budget (default 3m)")
+    parser.add_argument(
+        "--budgets", nargs="+", default=["1m", "3m"], help="each target run's --time-budget (default 1m and 3m)"
+    )
     parser.add_argument("--source-cases", type=int, default=20, help="source training cases (default 20)")
     parser.add_argument("--cases", type=int, default=10, help="target training cases (default 10)")
     parser.add_argument("--shape", type=int, nargs=3, default=(24, 64, 64), help="nominal case shape (z y x)")
@@ -74,7 +80,7 @@ def main() -> None:
     parser.add_argument("--work-dir", type=Path, default=None, help="where the datasets and workspaces go (kept)")
     args = parser.parse_args()
     if args.quick:
-        args.source_budget, args.budget, args.source_cases, args.cases = "1m", "1m", 8, 6
+        args.source_budget, args.budgets, args.source_cases, args.cases = "1m", ["1m"], 8, 6
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="autoseg-finetune-"))
     shape = tuple(args.shape)
     t0 = time.perf_counter()
@@ -83,15 +89,19 @@ def main() -> None:
     source = work / "source"
     run_autoseg("plan_and_preprocess", str(source_data), "-w", str(source), "--device", "cpu", "-c", CONFIG)
     rows = {"source (organ), from scratch": _train(source, args.source_budget, args.val_iterations)}
-    target = work / "target_scratch"
+    target = work / "target"
     like = ("--like", str(source))
     run_autoseg("plan_and_preprocess", str(target_data), "-w", str(target), "--device", "cpu", "-c", CONFIG, *like)
-    tuned = Path(shutil.copytree(target, work / "target_init"))
-    rows["target (organ + lesion), from scratch"] = _train(target, args.budget, args.val_iterations)
-    rows["target (organ + lesion), --init-from source"] = _train(
-        tuned, args.budget, args.val_iterations, "--init-from", str(source)
-    )
-    print(rows["target (organ + lesion), --init-from source"]["init"])
+    for budget in args.budgets:
+        scratch, tuned = (work / f"target_{how}_{budget}" for how in ("scratch", "init"))
+        for copy in (scratch, tuned):
+            if not copy.is_dir():
+                shutil.copytree(target, copy)
+        rows[f"target (organ + lesion), {budget}, from scratch"] = _train(scratch, budget, args.val_iterations)
+        rows[f"target (organ + lesion), {budget}, --init-from source"] = _train(
+            tuned, budget, args.val_iterations, "--init-from", str(source)
+        )
+    print(next(r["init"] for r in rows.values() if r["init"]))
     print(
         f"\nall in {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPU(s), load {os.getloadavg()[0]:.1f}; {work}\n"
     )
