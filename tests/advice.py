@@ -22,7 +22,7 @@ ADVICE = re.compile(r"`(autoseg [^`]*)`")
 # In the source, an advice is also written as a call of ``Workspace.advice`` inside backticks.
 WRITTEN_ADVICE = re.compile(r"`(autoseg [^`]*|\{[^`{}]*\badvice\([^`]*\)\})`")
 # Words a message writes for what only the user knows; each is replaced by a value of the test's before parsing.
-PLACEHOLDERS = ("DATASET", "INPUT", "OUTPUT", "WORKSPACE", "K", "N")
+PLACEHOLDERS = ("DATASET", "INPUT", "OUTPUT", "WORKSPACE", "K", "N", "MODEL")
 SOURCE = Path(__file__).resolve().parents[1] / "autoseg"
 
 

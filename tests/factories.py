@@ -12,6 +12,7 @@ from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace
 from autoseg.dataset.imageio import Geometry
 from autoseg.model.topology import NetworkTopology
+from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.preprocess import store
 
@@ -166,3 +167,30 @@ def box_network(image: np.ndarray) -> IntensityClasses:
     body = image[image != 0]
     mean, std = float(body.mean()), float(body.std())
     return IntensityClasses((150.0 - mean) / std, (250.0 - mean) / std)
+
+
+def thick_slice_fingerprint(channel: str = "CT") -> Fingerprint:
+    """20 thick-slice CT-like cases, about 100 x 400 x 400 voxels of 3 x 0.8 x 0.8 mm."""
+    rng = np.random.default_rng(0)
+    cases = []
+    for i in range(20):
+        shape = (int(rng.integers(80, 120)), int(rng.integers(380, 420)), int(rng.integers(380, 420)))
+        cases.append(
+            CaseFingerprint(
+                case_id=f"case_{i:03d}",
+                spacing_mm=(float(rng.uniform(2.5, 3.5)), 0.8, 0.8),
+                shape_zyx=shape,
+                cropped_shape_zyx=(shape[0] - 10, shape[1] - 60, shape[2] - 60),
+                class_voxels=(1000, 100, 10),
+            )
+        )
+    return Fingerprint(
+        dataset_name="Dataset009_Synthetic",
+        channel_names=(channel,),
+        labels={"background": 0, "liver": 1, "tumour": 2},
+        file_ending=".nii.gz",
+        image_dim=3,
+        cases=tuple(cases),
+        foreground_intensity=(IntensityProperties(mean=60.0, std=40.0, percentile_00_5=-100.0, percentile_99_5=250.0),),
+        median_relative_crop_volume=0.7,
+    )

@@ -29,7 +29,15 @@ from autoseg.core.workspace import Workspace
 from autoseg.train.trainer import train
 
 # A value for each placeholder, for parsing a command with nothing filled in.
-VALUES = {"DATASET": "some/dataset", "INPUT": "in", "OUTPUT": "out", "WORKSPACE": "ws", "K": "2", "N": "2"}
+VALUES = {
+    "DATASET": "some/dataset",
+    "INPUT": "in",
+    "OUTPUT": "out",
+    "WORKSPACE": "ws",
+    "K": "2",
+    "N": "2",
+    "MODEL": "model.zip",
+}
 
 _FIND_BEST = (
     "autoseg train fold {' '.join(map(str, _every_fold(workspace, plans)))} -c {plans.default_configuration()} "

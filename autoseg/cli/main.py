@@ -147,6 +147,12 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
     if args.command == "plan_and_preprocess":
         configs = None if args.configs is None else tuple(args.configs)
         preprocessing = PreprocessRequest(configs, args.processes, args.precompute_augmentations)
+    like = None
+    if args.like is not None:  # read before the budget is measured: a wrong model fails at once
+        from autoseg.train.source_model import read_model_plan
+
+        like = read_model_plan(args.like)
+        print(f"like: {like.source} (its configuration(s) {', '.join(like.configurations)})")
     plan_and_preprocess(
         dataset,
         ws,
@@ -155,6 +161,7 @@ def _plan(args: argparse.Namespace, progress: bool) -> int:
         progress=progress,
         overwrite=args.overwrite,
         command=args.command_line,
+        like=like,
     )
     return 0
 
@@ -181,6 +188,8 @@ def _train(args: argparse.Namespace, progress: bool) -> int:
         resume=args.resume,
         time_budget_s=args.time_budget,
         track=tuple(args.track),
+        init_from=None if args.init_from is None else str(Path(args.init_from).expanduser().resolve()),
+        init_fold=args.init_fold,
     )
     if distributed.is_main:
         print(

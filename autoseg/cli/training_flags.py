@@ -56,6 +56,14 @@ def add_plan_commands(sub: argparse._SubParsersAction) -> None:
             "default) or resenc (residual encoder U-Net, nnU-Net's ResEnc: residual blocks "
             "1, 3, 4, 6, 6, 6 per encoder stage); default: unet",
         )
+        p.add_argument(
+            "--like",
+            default=None,
+            metavar="MODEL",
+            help="plan with this trained model's network (a model archive, a checkpoint file or a workspace): its "
+            "architecture, depth, features, kernels and strides, its target spacing and patch; batch, accumulation "
+            "and checkpointing fit the budget. Its weights then fit: `autoseg train fold 0 --init-from MODEL`",
+        )
         if name == "plan_and_preprocess":
             p.add_argument("-c", "--configs", nargs="+", default=None, help="configurations (default: all planned)")
             p.add_argument(
@@ -94,6 +102,26 @@ def add_train_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", choices=["cuda", "cpu"], default=None)
     p.add_argument("--seed", type=SEED, default=0)
     _add_run_flags(p)
+    _add_init_flags(p)
+
+
+def _add_init_flags(p: argparse.ArgumentParser) -> None:
+    """``--init-from`` and ``--init-fold``: fine-tuning (``autoseg.train.init_weights``)."""
+    p.add_argument(
+        "--init-from",
+        default=None,
+        metavar="MODEL",
+        help="start each fold from this model's weights (fine-tuning): a model archive (export-model, import-nnunet), "
+        "a checkpoint file or a trained workspace. Tensors whose names and shapes match are copied; the segmentation "
+        "heads are re-initialised when the label set differs; refused when less than 90%% of the encoder fits (plan "
+        "with `plan_and_preprocess DATASET --like MODEL` first). A resumed fold keeps its checkpoint's weights",
+    )
+    p.add_argument(
+        "--init-fold",
+        default=None,
+        metavar="K",
+        help="the fold of --init-from's model to start from (default: its first)",
+    )
 
 
 def add_precision_check_flag(p: argparse.ArgumentParser, when: str) -> None:

@@ -75,7 +75,7 @@ def cascade_configuration(
         full.checkpointing,
         full.accumulation_steps,
     )
-    memory = _memory_terms(*step, budget.device) if peak_fn is None else {"predicted_peak_bytes": float(peak_fn(*step))}
+    memory = memory_terms(*step, budget.device) if peak_fn is None else {"predicted_peak_bytes": float(peak_fn(*step))}
     stages = {"previous_stage": "3d_lowres", "preprocessed_as": "3d_fullres"}
     note = (
         f"the cascade's second stage: 3d_fullres given 3d_lowres's predicted label map, one-hot, as "
@@ -96,7 +96,7 @@ def cascade_configuration(
     )
     seconds = full.predicted_seconds_per_iteration
     if seconds is not None and full.flops_per_iteration is not None:
-        rates = _limits(budget, full.precision)[0].rates
+        rates = step_limits(budget, full.precision)[0].rates
         seconds += full.flops_per_iteration * (ratio - 1) / rates.flops_per_second
     return full.with_(
         name=CASCADE,
@@ -109,7 +109,7 @@ def cascade_configuration(
     )
 
 
-def _settings(budget: Budget, dim: int) -> list[Setting]:
+def candidate_settings(budget: Budget, dim: int) -> list[Setting]:
     """The settings to try, cheapest first (see the module docstring)."""
     cap, arch = FEATURE_CAP[dim], budget.architecture
     if budget.device == "cuda":
@@ -123,7 +123,7 @@ def _settings(budget: Budget, dim: int) -> list[Setting]:
     return [Setting(b, cap, "fp32", False, False, arch) for b in bases]
 
 
-def _limits(budget: Budget, precision: str) -> tuple[Limits, str]:
+def step_limits(budget: Budget, precision: str) -> tuple[Limits, str]:
     """Memory and time limits, and where the throughput comes from (for the plan's notes)."""
     fill_bytes = (FILL_TARGET + 0.01) * budget.memory_bytes
     if budget.device == "cpu":
@@ -167,11 +167,11 @@ def configuration(
     model_backed = peak_fn is None
     peak_fn = peak_fn or model_peak_fn(budget.device)
     check_fn = checked_peak_fn(budget.device) if model_backed else peak_fn
-    settings = _settings(budget, len(space.median_shape))
-    limits, source = _limits(budget, settings[0].precision)
+    settings = candidate_settings(budget, len(space.median_shape))
+    limits, source = step_limits(budget, settings[0].precision)
     setting, chosen, limited_by, notes = _choose(name, space, settings, limits, budget, peak_fn, check_fn)
     memory = (
-        _memory_terms(
+        memory_terms(
             chosen.topology,
             chosen.batch,
             chosen.patch,
@@ -322,7 +322,7 @@ def _smallest(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate
     return cost.candidate(topology, 1, patch, space.coverage(patch), space.max_batch(patch), accumulation_steps=2)
 
 
-def _memory_terms(
+def memory_terms(
     topology: NetworkTopology,
     batch: int,
     patch: tuple[int, ...],

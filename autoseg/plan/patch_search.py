@@ -117,7 +117,7 @@ def search(space: SearchSpace, setting: Setting, cost: StepCost) -> Candidate | 
         return None
     topology, patch = best
     if not setting.single:
-        batch = _largest_batch(space, topology, patch, cost)
+        batch = largest_batch(space, topology, patch, cost)
     return cost.candidate(topology, batch, patch, space.coverage(patch), space.max_batch(patch))
 
 
@@ -297,6 +297,6 @@ def _shape_distance(space: SearchSpace, patch: tuple[int, ...]) -> float:
     return sum(abs(math.log(min(p, m) / t)) for p, m, t in zip(patch, space.median_shape, target))
 
 
-def _largest_batch(space: SearchSpace, topology: NetworkTopology, patch: tuple[int, ...], cost: StepCost) -> int:
+def largest_batch(space: SearchSpace, topology: NetworkTopology, patch: tuple[int, ...], cost: StepCost) -> int:
     """Largest batch in [2, max_batch] that fits (2 if even that does not: the caller checked it does)."""
     return _last_true(2, space.max_batch(patch), lambda batch: cost.fits(topology, batch, patch))

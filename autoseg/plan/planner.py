@@ -17,6 +17,10 @@ Host RAM: preprocessing processes, and each configuration's loader workers, are 
 ``autoseg.memory.host``), capped by the CPU count; no loader workers when training on CPU
 (they would take the cores the training step uses).
 
+``plan(..., like=PlanTemplate)`` (``autoseg plan --like MODEL``) plans instead each of a trained model's
+configurations with its network, target spacing and patch (``autoseg.plan.like``), only batch, accumulation and
+checkpointing sized to the budget.
+
 Each configuration's inference tile (``inference_patch_size``) is planned last, from its patch, network and
 median image (``autoseg.plan.inference_tile``).
 """
@@ -27,12 +31,14 @@ import math
 
 import numpy as np
 
+from autoseg.core.errors import InputError
 from autoseg.core.spacing import ANISOTROPY_THRESHOLD
 from autoseg.dataset.labels import LabelScheme
 from autoseg.plan.budget import Budget
 from autoseg.plan.configuration import CASCADE, cascade_configuration, configuration
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.inference_tile import plan_inference_tile
+from autoseg.plan.like import PlanTemplate, like_configuration
 from autoseg.plan.patch_search import SearchSpace
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.sizing import host_workers, loader_workers
@@ -58,17 +64,21 @@ def target_spacing(spacings_mm: np.ndarray, shapes_zyx: np.ndarray) -> tuple[flo
     return tuple(float(v) for v in target)  # type: ignore[return-value]
 
 
-def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None) -> Plans:
+def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None, like: PlanTemplate | None = None) -> Plans:
     """Plans for every configuration that suits the dataset. ``peak_fn`` replaces the simulated memory
-    model (e.g. ``rough_training_peak_bytes`` for a fast, approximate plan)."""
-    spacing = target_spacing(fp.spacings, fp.cropped_shapes)
+    model (e.g. ``rough_training_peak_bytes`` for a fast, approximate plan). ``like``: the configurations of a
+    trained model, planned with its network (``autoseg.plan.like``; ``autoseg plan --like``)."""
     # network outputs: classes with background, or regions (ignore is never one)
     in_ch, num_outputs = (
         len(fp.channel_names),
         LabelScheme.from_labels(fp.labels, fp.regions_class_order, where="fingerprint.json labels").num_outputs,
     )
-    configs = _plan_3d_configurations(fp, spacing, in_ch, num_outputs, budget, peak_fn) if fp.image_dim == 3 else {}
-    configs["2d"] = _plan_2d(fp, spacing, in_ch, num_outputs, budget, peak_fn)
+    if like is not None:
+        configs = _plan_like(fp, like, in_ch, num_outputs, budget, peak_fn)
+    else:
+        spacing = target_spacing(fp.spacings, fp.cropped_shapes)
+        configs = _plan_3d_configurations(fp, spacing, in_ch, num_outputs, budget, peak_fn) if fp.image_dim == 3 else {}
+        configs["2d"] = _plan_2d(fp, spacing, in_ch, num_outputs, budget, peak_fn)
     normalization = tuple(scheme_for_channel(c) for c in fp.channel_names)
     use_mask = tuple(n == "zscore" and fp.median_relative_crop_volume < 0.75 for n in normalization)
     processes, host = host_workers(fp, configs, budget)
@@ -127,9 +137,44 @@ def _plan_3d_configurations(
                 f"as the first stage of {CASCADE}",
             )
         )
-        extra = len(LabelScheme.from_labels(fp.labels, fp.regions_class_order).predicted_values)
-        space = _space_3d(fp, spacing, in_ch + extra, num_outputs)
-        configs[CASCADE] = cascade_configuration(full, space, budget, peak_fn)
+        configs[CASCADE] = _cascade(fp, full, in_ch, num_outputs, budget, peak_fn)
+    return configs
+
+
+def _cascade(
+    fp: Fingerprint, full: ConfigurationPlan, in_ch: int, num_outputs: int, budget: Budget, peak_fn: PeakFn | None
+) -> ConfigurationPlan:
+    """``3d_cascade_fullres`` over 3d_fullres (``full``): its input widened by the one-hot of 3d_lowres's prediction."""
+    extra = len(LabelScheme.from_labels(fp.labels, fp.regions_class_order).predicted_values)
+    space = _space_3d(fp, full.spacing_mm, in_ch + extra, num_outputs)
+    return cascade_configuration(full, space, budget, peak_fn)
+
+
+def _plan_like(
+    fp: Fingerprint, like: PlanTemplate, in_ch: int, num_outputs: int, budget: Budget, peak_fn: PeakFn | None
+) -> dict[str, ConfigurationPlan]:
+    """The model's configurations that suit the dataset (3D ones need 3D data; a cascade stage follows its stages),
+    each with the model's network, target spacing and patch (``like_configuration``)."""
+    configs: dict[str, ConfigurationPlan] = {}
+    for name, model in like.configurations.items():
+        if model.previous_stage or (model.dim == 3 and fp.image_dim != 3):
+            continue
+        if model.dim == 3:
+            spacing, space = model.spacing_mm, _space_3d(fp, model.spacing_mm, in_ch, num_outputs)
+            median = space.median_shape
+        else:
+            spacing, median, space = _space_2d(fp, model.spacing_mm, in_ch, num_outputs)
+        if model.dim == 3 and median[0] <= 1:
+            continue
+        configs[name] = like_configuration(name, spacing, median, space, model, like.source, budget, peak_fn)
+    if CASCADE in like.configurations and {"3d_fullres", "3d_lowres"} <= configs.keys():
+        configs[CASCADE] = _cascade(fp, configs["3d_fullres"], in_ch, num_outputs, budget, peak_fn)
+    if not configs:
+        raise InputError(
+            f"plan --like {like.source}: none of its configurations ({', '.join(like.configurations)}) suits this "
+            f"{fp.image_dim}D dataset (a 3D network needs 3D images); give a model with a 2d configuration, or plan "
+            "without --like"
+        )
     return configs
 
 
@@ -142,11 +187,20 @@ def _plan_2d(
     peak_fn: PeakFn | None,
 ) -> ConfigurationPlan:
     """``2d``: the in-plane spacing of 3d_fullres, slices kept as they are (z spacing is each case's own)."""
+    spacing_2d, shape_2d, space = _space_2d(fp, spacing, in_ch, num_outputs)
+    return configuration("2d", spacing_2d, shape_2d, space, budget, peak_fn)
+
+
+def _space_2d(
+    fp: Fingerprint, spacing: tuple[float, float, float], in_ch: int, num_outputs: int
+) -> tuple[tuple[float, float, float], tuple[int, ...], SearchSpace]:
+    """A 2D configuration's spacing (z: the median slice spacing, in-plane: ``spacing``'s), its median (Z, Y, X)
+    shape and its search space over (Y, X)."""
     spacing_2d = (float(np.median(fp.spacings[:, 0])), spacing[1], spacing[2])
     resampled = fp.cropped_shapes * fp.spacings / np.array(spacing_2d)
     shape_2d = tuple(int(round(v)) for v in np.median(resampled, axis=0))
     space = SearchSpace(spacing_2d[1:], shape_2d[1:], in_ch, num_outputs, float(np.sum(np.prod(resampled, axis=1))))
-    return configuration("2d", spacing_2d, shape_2d, space, budget, peak_fn)
+    return spacing_2d, shape_2d, space
 
 
 def _space_3d(fp: Fingerprint, spacing: tuple[float, float, float], in_ch: int, num_outputs: int) -> SearchSpace:

@@ -30,6 +30,7 @@ from autoseg.dataset.raw import RawDataset, check_integrity, load_dataset
 from autoseg.memory.host import preprocess_worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint, fingerprint
+from autoseg.plan.like import PlanTemplate
 from autoseg.plan.planner import plan
 from autoseg.plan.plans import PROVENANCE_KEYS, Plans
 
@@ -57,9 +58,10 @@ def plan_dataset(
     budget: Budget,
     progress: bool = True,
     overwrite: bool = False,
+    like: PlanTemplate | None = None,
 ) -> Plans:
     """``make_plan`` then ``write_plan``; returns the plan in use."""
-    planned = make_plan(dataset, workspace, budget, progress, overwrite)
+    planned = make_plan(dataset, workspace, budget, progress, overwrite, like)
     write_plan(workspace, planned)
     return planned.plans
 
@@ -70,10 +72,12 @@ def make_plan(
     budget: Budget,
     progress: bool = True,
     overwrite: bool = False,
+    like: PlanTemplate | None = None,
 ) -> PlannedWorkspace:
     """Integrity check, ``check_dataset``, fingerprint and plan of the dataset (its root, or as
-    ``load_dataset`` read it). Writes nothing; raises ``InputError`` for a dataset the workspace was not made
-    from (unless ``overwrite``) or a budget too small for any network."""
+    ``load_dataset`` read it; ``like``: with a trained model's network, ``autoseg.plan.like``). Writes nothing;
+    raises ``InputError`` for a dataset the workspace was not made from (unless ``overwrite``) or a budget too small
+    for any network."""
     if not isinstance(dataset, RawDataset):
         dataset = load_dataset(dataset)
     t0 = time.perf_counter()
@@ -92,7 +96,7 @@ def make_plan(
     fp = reused_fingerprint(workspace, source) or fingerprint(
         dataset, progress=progress, processes=fingerprint_processes(dataset, budget)
     )
-    fresh = plan(fp, budget)
+    fresh = plan(fp, budget, like=like)
     previous = _previous_plans(workspace, overwrite)
     info = workspace.info() if workspace.info_path.is_file() else None
     edited = previous is not None and info is not None and info.plans_hash not in ("", file_hash(workspace.plans_path))

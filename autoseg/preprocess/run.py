@@ -25,6 +25,7 @@ from autoseg.core.units import GiB, KiB, MiB
 from autoseg.core.workspace import DatasetSource, Workspace, dataset_source
 from autoseg.dataset.raw import RawDataset, load_dataset
 from autoseg.plan.budget import Budget
+from autoseg.plan.like import PlanTemplate
 from autoseg.plan.plans import Plans
 from autoseg.plan.run import check_dataset, load_fingerprint, make_plan, write_plan
 from autoseg.preprocess.parallel import PreprocessOptions, case_peak_bytes, preprocess
@@ -61,14 +62,16 @@ def plan_and_preprocess(
     progress: bool = True,
     overwrite: bool = False,
     command: str = "",
+    like: PlanTemplate | None = None,
 ) -> Plans:
-    """`autoseg plan` (``preprocessing`` None) and `autoseg plan_and_preprocess`: plan, then refuse (or with
+    """`autoseg plan` (``preprocessing`` None) and `autoseg plan_and_preprocess` (``like``: with a trained model's
+    network, ``autoseg.plan.like``): plan, then refuse (or with
     ``overwrite`` delete) stale preprocessed cases and set aside trained folds of a changed plan or dataset, all
     before anything is written; then write the plan and preprocess what ``preprocessing`` asks for. Holds the
     workspace's plan lock throughout (``command``: what the lock names, "" this process's command line): another
     writer of the plan is refused, and so is a fold that must be set aside while it is being trained."""
     with hold(workspace.plan_lock, this_process(PLAN_PART, command, replacing=overwrite)):
-        planned = make_plan(dataset, workspace, budget, progress, overwrite)
+        planned = make_plan(dataset, workspace, budget, progress, overwrite, like)
         stale = stale_preprocessed(
             workspace, planned.plans, planned.dataset, planned.source, unknown_is_stale=bool(planned.dataset_changes)
         )

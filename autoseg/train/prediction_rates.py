@@ -91,15 +91,16 @@ class PredictionProbe:
         self.case_seconds_per_voxel: float | None = None
 
     def _centre_tile(self, shape: tuple[int, ...]) -> np.ndarray:
-        """(network inputs, *tile) float32: the case's tile cut from its centre; a cascade stage's previous-stage
-        channels zero."""
+        """(network inputs, *tile) float32: the case's tile cut from its centre, zero-padded where the case is smaller;
+        a cascade stage's previous-stage channels zero."""
         tile, _ = window_tile(self.job.planned, self.predictor.window, shape)
         starts = [max(0, (s - t) // 2) for s, t in zip(shape, patch_as_zyx(tile), strict=True)]  # 2D: one slice
         region = tuple(slice(a, a + t) for a, t in zip(starts, patch_as_zyx(tile), strict=True))
         data = open_case(self.job.data_folder, self.case_id).arrays()[0]
         image = np.asarray(data[(slice(None), *region)], dtype=np.float32)
-        crop = np.zeros((self.job.planned.network.in_channels, *image.shape[1:]), np.float32)
-        crop[: len(image)] = image
+        # a case smaller than the tile is padded to it, as the window pads it: the network takes whole tiles only
+        crop = np.zeros((self.job.planned.network.in_channels, *patch_as_zyx(tile)), np.float32)
+        crop[(slice(0, len(image)), *(slice(0, n) for n in image.shape[1:]))] = image
         return crop
 
     def measure(self) -> PredictionRates:

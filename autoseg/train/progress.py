@@ -100,7 +100,9 @@ class TrainingProgress(Artifact):
     ``degradations``: ``autoseg.train.degrade``'s records (this rank's micro-batches), in order; ``budget_decisions``:
     the time budget's (``BudgetDecision.to_dict``); ``memory_checks``: rank 0's (``MemoryCheck.to_dict``), one per
     process and configuration; ``world_size``: the processes that trained it (a resumed run must have as many);
-    ``rng``: in a checkpoint, the generators' states when it was written (None while the run holds it)."""
+    ``rng``: in a checkpoint, the generators' states when it was written (None while the run holds it); ``init``:
+    the model its weights started from (``autoseg.train.init_weights.InitRecord``), applied once before the first
+    step and never by a resume."""
 
     SCHEMA_VERSION = 1
     KIND = "training progress"
@@ -115,11 +117,14 @@ class TrainingProgress(Artifact):
     budget_decisions: tuple[dict[str, Any], ...] = ()
     memory_checks: tuple[dict[str, Any], ...] = ()
     rng: RngStates | None = None
+    init: dict[str, Any] | None = None  # the weights it started from (``InitRecord``, --init-from); None: its own
 
     @classmethod
-    def start(cls, epochs: int, iterations_per_epoch: int, world_size: int) -> TrainingProgress:
-        """A run before its first epoch."""
-        return cls(-1, Schedule(epochs, iterations_per_epoch), world_size)
+    def start(
+        cls, epochs: int, iterations_per_epoch: int, world_size: int, init: dict[str, Any] | None = None
+    ) -> TrainingProgress:
+        """A run before its first epoch (``init``: the weights it starts from, None: its own initialisation)."""
+        return cls(-1, Schedule(epochs, iterations_per_epoch), world_size, init=init)
 
     @property
     def next_epoch(self) -> int:

@@ -23,6 +23,8 @@ class RunConfig:
     ``precision_check``: after the final validation, on a CPU with native bf16, predict its cases in fp32 and bf16
     too and store the fold's bf16 agreement check (``autoseg.train.precision_check``).
     ``track``: log each epoch, the plan and the memory checks to TensorBoard and/or MLflow (``autoseg.train.tracking``).
+    ``init_from``: a fresh run starts from this model's weights (an archive, a checkpoint file or a workspace;
+    ``autoseg.train.init_weights``), fold ``init_fold`` (None: the model's first); a resumed run ignores both.
     """
 
     epochs: int = 1000
@@ -39,6 +41,8 @@ class RunConfig:
     time_budget_s: float | None = None
     cpu_threads: int | None = None
     track: tuple[str, ...] = ()  # --track: experiment trackers of ``autoseg.train.tracking.TRACKERS`` (rank 0 logs)
+    init_from: str | None = None  # --init-from: the model whose weights a fresh run starts from
+    init_fold: str | None = None  # --init-fold: its fold (None: its first)
 
     def __post_init__(self) -> None:
         for name in ("epochs", "iterations_per_epoch", "val_iterations"):
@@ -48,5 +52,7 @@ class RunConfig:
                 )
         if self.loader_workers is not None and self.loader_workers < 0:
             raise InputError(f"RunConfig.loader_workers is {self.loader_workers}; give 0 or more (--loader-workers)")
+        if self.init_fold is not None and self.init_from is None:
+            raise InputError(f"--init-fold {self.init_fold} without --init-from: name the model to start from")
         if self.time_budget_s is not None and not self.time_budget_s > 0:
             raise InputError(f"RunConfig.time_budget_s is {self.time_budget_s}; give a positive time (--time-budget)")

@@ -66,7 +66,8 @@ def _unversioned(payload: dict[str, Any]) -> dict[str, Any]:
 class RunRecord(Artifact):
     """run.json (``schema_version`` 1): the run's knobs (``run``), its fold and configuration, the schedule it ended
     with, its degradations, time-budget decisions (``time_budget``) and memory checks, the configuration it ended on,
-    its data pipeline, its processes and, when the run validates, its final validation."""
+    its data pipeline, its processes, when the run validates its final validation, and the model its weights started
+    from (``init``, ``autoseg train --init-from``)."""
 
     SCHEMA_VERSION = 1
     KIND = "run record"
@@ -82,6 +83,7 @@ class RunRecord(Artifact):
     distributed: DistributedRecord
     memory_checks: tuple[dict[str, Any], ...]
     final_validation: FinalValidation | None = None
+    init: dict[str, Any] | None = None  # --init-from: the model it started from (``InitRecord``); None: its own
 
     @classmethod
     def of(
@@ -107,6 +109,7 @@ class RunRecord(Artifact):
             data,
             DistributedRecord(world, world * effective.batch_size * effective.accumulation_steps),
             progress.memory_checks,
+            init=progress.init,
         )
 
     @classmethod

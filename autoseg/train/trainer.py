@@ -13,6 +13,8 @@ configuration (``autoseg.train.degrade``), recorded in run.json and the checkpoi
 epochs, iterations per epoch and the final validation's cases and mirroring from measured speed
 (``autoseg.train.schedule.TimeBudget``, timed by the run's ``clock``). The first steps of every run check the
 memory model on this machine (``autoseg.train.memory_check``): one log line, run.json, a warning when off.
+``run.init_from``: a fresh run starts from a trained model's weights (``autoseg.train.init_weights``, recorded in the
+progress); a resumed run never applies it again.
 
 Distributed (torchrun, ``autoseg.model.distributed``): each rank takes its share of the planned global batch
 (``rank_batch``) from its own loader stream; the loss's Dice sums and, after backward, the gradients are
@@ -33,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from autoseg.core.artifacts import LogFile, atomic_write_text, remove_stale_temporaries
+from autoseg.core.artifacts import LogFile, atomic_write_text, remove_stale_temporaries, to_dict
 from autoseg.core.errors import InputError
 from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import cpu_count
@@ -48,6 +50,7 @@ from autoseg.train.data_pipeline import choose_data_pipeline
 from autoseg.train.degrade import apply_degradations
 from autoseg.train.epochs import run_epochs
 from autoseg.train.fold_data import fold_cases, prepare_previous_stage
+from autoseg.train.init_weights import initialise_from
 from autoseg.train.progress import TrainingProgress
 from autoseg.train.run_config import RunConfig
 from autoseg.train.run_record import DataRecord
@@ -174,6 +177,7 @@ def _setup(job: FoldJob, resumed: Checkpoint | None, distributed: DistributedCon
         use_cpu_threads(run.cpu_threads or (shared if distributed.local_world_size > 1 else None), "training")
     torch.manual_seed(run.seed)
     step = make_step(config, run, job.plans)
+    init = _initial_weights(job, step.network) if resumed is None else None
     distribute(step, distributed)
     watch = observe_memory(config, step, job)
     data = DataRecord(
@@ -185,11 +189,19 @@ def _setup(job: FoldJob, resumed: Checkpoint | None, distributed: DistributedCon
         budget, probe = (None, None)
         if run.time_budget_s is not None:
             budget, probe = _time_budget(job, config, step.network, distributed)
-        fresh = TrainingProgress.start(run.epochs, run.iterations_per_epoch, distributed.world_size)
+        fresh = TrainingProgress.start(run.epochs, run.iterations_per_epoch, distributed.world_size, init)
         return TrainingRun(job, step, data, budget, config, fresh, watch, probe)
     training = TrainingRun(job, step, data, None, config, resumed.progress, watch)
     _resume(training, resumed)
     return training
+
+
+def _initial_weights(job: FoldJob, network: torch.nn.Module) -> dict | None:
+    """--init-from: the model's weights copied into the fresh ``network``; their record (None without)."""
+    run = job.run
+    if run.init_from is None:
+        return None
+    return to_dict(initialise_from(network, job.plans, run.init_from, job.config_name, run.init_fold))
 
 
 def _resume(training: TrainingRun, resumed: Checkpoint) -> None:
@@ -211,6 +223,13 @@ def _resume(training: TrainingRun, resumed: Checkpoint) -> None:
             schedule.iterations_per_epoch,
         )
     log.info("resumed %s fold %s from %s after epoch %d", job.config_name, job.fold, resumed.path, progress.epoch)
+    if job.run.init_from is not None:  # the trained weights are the checkpoint's: an init would undo them
+        started = "its own initialisation" if progress.init is None else progress.init["model"]
+        log.info(
+            "--init-from %s not applied: a resumed run goes on from its checkpoint (it started from %s)",
+            job.run.init_from,
+            started,
+        )
     progress.rng.restore()
 
 

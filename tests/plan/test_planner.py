@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from factories import thick_slice_fingerprint
 
 from autoseg.core.errors import InputError
 from autoseg.core.units import GiB
@@ -114,33 +115,6 @@ def test_number_of_stages_is_capped(patch: tuple[int, ...], cap: int) -> None:
 # --- plan -------------------------------------------------------------------------------------------
 
 
-def _fingerprint_3d(channel: str = "CT") -> Fingerprint:
-    """20 thick-slice CT-like cases, about 100 x 400 x 400 voxels of 3 x 0.8 x 0.8 mm."""
-    rng = np.random.default_rng(0)
-    cases = []
-    for i in range(20):
-        shape = (int(rng.integers(80, 120)), int(rng.integers(380, 420)), int(rng.integers(380, 420)))
-        cases.append(
-            CaseFingerprint(
-                case_id=f"case_{i:03d}",
-                spacing_mm=(float(rng.uniform(2.5, 3.5)), 0.8, 0.8),
-                shape_zyx=shape,
-                cropped_shape_zyx=(shape[0] - 10, shape[1] - 60, shape[2] - 60),
-                class_voxels=(1000, 100, 10),
-            )
-        )
-    return Fingerprint(
-        dataset_name="Dataset009_Synthetic",
-        channel_names=(channel,),
-        labels={"background": 0, "liver": 1, "tumour": 2},
-        file_ending=".nii.gz",
-        image_dim=3,
-        cases=tuple(cases),
-        foreground_intensity=(IntensityProperties(mean=60.0, std=40.0, percentile_00_5=-100.0, percentile_99_5=250.0),),
-        median_relative_crop_volume=0.7,
-    )
-
-
 def _fingerprint_2d() -> Fingerprint:
     """10 single-slice two-channel images (z lifted to 1 with spacing 999)."""
     cases = tuple(
@@ -156,7 +130,9 @@ def _rough_plan(gib: float, fp: Fingerprint | None = None, **budget) -> Plans:
     """A plan with the first-order memory estimate instead of simulations (milliseconds, same search)."""
     budget.setdefault("cpu_count", 8)
     return plan(
-        fp or _fingerprint_3d(), Budget(gpu_memory_bytes=int(gib * GiB), **budget), peak_fn=rough_training_peak_bytes
+        fp or thick_slice_fingerprint(),
+        Budget(gpu_memory_bytes=int(gib * GiB), **budget),
+        peak_fn=rough_training_peak_bytes,
     )
 
 
@@ -179,7 +155,7 @@ def _check_fill(cfg: ConfigurationPlan, budget_bytes: float) -> None:
 
 @pytest.fixture(scope="module")
 def rough_plans() -> dict[int, Plans]:
-    fp = _fingerprint_3d()
+    fp = thick_slice_fingerprint()
     return {gib: _rough_plan(gib, fp) for gib in (2, 4, 8, 16, 24, 40, 80)}
 
 
@@ -311,7 +287,7 @@ def test_plan_normalization_and_json_round_trip(rough_plans: dict[int, Plans], t
 
 
 def test_zscore_channel_uses_nonzero_mask_when_cropping_removes_much() -> None:
-    plans = _rough_plan(8, _fingerprint_3d(channel="T2"))
+    plans = _rough_plan(8, thick_slice_fingerprint(channel="T2"))
     assert plans.normalization == ("zscore",) and plans.use_nonzero_mask == (True,)  # median crop 0.7 < 0.75
 
 
@@ -547,7 +523,7 @@ def test_model_backed_plan_of_a_small_dataset() -> None:
 @pytest.mark.slow
 def test_model_backed_plans_fill_every_budget() -> None:
     """The CT-like dataset at 2-80 GiB with the simulated memory model (about a minute: ~12 networks)."""
-    fp = _fingerprint_3d()
+    fp = thick_slice_fingerprint()
     voxels = []
     for gib in (2, 4, 8, 16, 24, 40, 80):
         plans = plan(fp, Budget(gpu_memory_bytes=gib * GiB, cpu_count=8))
@@ -566,7 +542,7 @@ def test_model_backed_plans_fill_every_budget() -> None:
 def test_a_budget_too_small_for_any_network_names_the_smallest_that_works(device: str, flag: str) -> None:
     import re
 
-    fp = _fingerprint_3d()
+    fp = thick_slice_fingerprint()
     tiny = {"gpu_memory_bytes": 2**10} if device == "cuda" else {"host_ram_bytes": 2**10}
     with pytest.raises(InputError, match=f"no network fits.*give at least {flag}") as info:
         plan(fp, Budget(device=device, cpu_count=8, **tiny), peak_fn=rough_training_peak_bytes)
@@ -584,7 +560,7 @@ def test_resenc_budget_plans_residual_encoders_with_nnunets_block_counts(tmp_pat
     conv block per decoder stage; plans.json keeps them; the plain U-Net stays the default."""
     from autoseg.model.topology import RESIDUAL_ENCODER_UNET, resenc_blocks_per_stage
 
-    fp = _fingerprint_3d()
+    fp = thick_slice_fingerprint()
     plans = _rough_plan(8, fp, architecture=RESIDUAL_ENCODER_UNET)
     for cfg in plans.configurations.values():
         net = cfg.network

@@ -4,12 +4,14 @@ batches and reading a case advance it by fixed seconds."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from factories import set_configuration, tiny_topology
 from torch._subclasses.fake_tensor import is_fake
 
 import autoseg.predict.case as predict_case_module
@@ -82,6 +84,18 @@ def test_the_probe_times_one_tiles_passes_and_the_rest_of_a_case_once(
     assert clock.now == pytest.approx(7.0) and network.training  # the runner's eval mode undone
     again = probe.measure()
     assert again == first and clock.now == pytest.approx(9.0)  # the passes timed afresh; the case not again
+
+
+def test_a_case_smaller_than_the_tile_is_padded_to_it(workspace: Workspace) -> None:
+    """The validation case (10 x 22 x 20) under a 16 x 32 x 32 patch of a 3-stage network (sizes multiples of 4): the
+    probe's first pass runs on a whole tile, not on the case itself, whose sizes the network refuses."""
+    network = dataclasses.replace(tiny_topology(3), features_per_stage=(4, 8, 8), kernel_sizes=((3, 3, 3),) * 3)
+    network = dataclasses.replace(network, strides=((1, 1, 1), (2, 2, 2), (2, 2, 2)))
+    set_configuration(workspace, CONFIG, patch_size=(16, 32, 32), network=network)
+    job = _job(workspace, SimpleNamespace(now=0.0))
+    shapes = _shapes(job)
+    probe = PredictionProbe(job, build_network(job.planned.network), shapes)
+    assert probe.crop.shape[1:] == (16, 32, 32) and any(s % 4 for s in shapes[probe.case_id])
 
 
 def test_validation_work_counts_the_tiles_the_final_validation_runs(

@@ -68,7 +68,11 @@ def test_a_fold_stopped_before_the_progress_artifact_resumes_to_the_uninterrupte
     assert run["schedule"] == {"epochs": 3, "iterations_per_epoch": 2}
     assert len(run["memory_checks"]) == 1  # the resumed process's: the old one stopped before its third step
     old_run = json.loads((BEFORE / "reference" / "run.json").read_text())
-    assert set(run) == set(old_run) | {"schema_version", "final_validation"}  # what the old readers read is there
+    assert set(run) == set(old_run) | {
+        "schema_version",
+        "final_validation",
+        "init",
+    }  # what the old readers read is there
     for key in ("fold", "config", "schedule", "degradations", "time_budget", "effective_configuration", "data"):
         assert run[key] == old_run[key], key
     assert run["distributed"] == old_run["distributed"]
