@@ -19,6 +19,9 @@ them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates ti
 ``runtime_memory`` (a graph runtime's working bytes for the memory plan: measured once by ``runtime_probe``, a fresh
 process running the real call, and kept per machine and model),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels), ``case_review``
-(``--preview`` and ``--statistics``: what each case's export writes beside its label map, through ``autoseg.review``).
+(``--preview`` and ``--statistics``: what each case's export writes beside its label map, through ``autoseg.review``),
+``segmenter`` (``Segmenter``: a model loaded once, images in memory segmented in this process; the model a command
+names resolved: ``opened_model``, ``resolve_model``), ``image_input`` (what ``Segmenter.predict`` takes: SimpleITK
+images or numpy arrays with their geometry, checked against the model, and the label map it gives back).
 Imports: ``autoseg.review`` and below; not ``autoseg.evaluate``.
 """
