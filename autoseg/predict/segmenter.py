@@ -60,12 +60,10 @@ class Segmenter:
         postprocessing: Postprocessing,
         model_input: ModelInput,
     ) -> None:
-        self.predictor, self.cascade, self.postprocessing, self.model_input = (
-            predictor,
-            cascade,
-            postprocessing,
-            model_input,
-        )
+        self.predictor = predictor
+        self.cascade = cascade
+        self.postprocessing = postprocessing
+        self.model_input = model_input
         self.threads: int | None = None  # torch's CPU threads for each predict call; None: the process's as they are
         self._lock = threading.Lock()
         self._resources = ExitStack()  # an archive's unpacked folder: removed by close(), or when collected

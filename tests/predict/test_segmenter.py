@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,9 @@ from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import image_geometry
 from autoseg.plan.plans import Plans
 from autoseg.predict import segmenter as segmenter_module
+from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.image_input import image_input
+from autoseg.predict.postprocessing import Postprocessing
 from autoseg.predict.probabilities import read_probabilities
 from autoseg.predict.window import WindowOptions
 
@@ -80,15 +84,49 @@ def test_a_model_archive_segments_as_its_workspace_and_its_folder_goes_with_clos
     assert run_cli(capsys, "export-model", archive, "-w", trained, "--no-precision-check").status == 0
     image = _image(tiny_dataset)
     with autoseg.Segmenter.load(archive, window=NO_MIRROR) as from_archive:
-        unpacked = from_archive.predictor.plans  # loaded: the unpacked folder exists while the segmenter is open
-        folders = [p for p in Path(os.environ.get("TMPDIR", "/tmp")).glob(f"autoseg-model-{os.getpid()}-*")]
-        assert folders and unpacked is not None
+        folders = list(Path(tempfile.gettempdir()).glob(f"autoseg-model-{os.getpid()}-*"))
+        assert folders  # the unpacked archive, while the segmenter is open
         labels = from_archive.predict(image)
     assert not any(f.exists() for f in folders)
     np.testing.assert_array_equal(sitk.GetArrayFromImage(labels), sitk.GetArrayFromImage(segmenter.predict(image)))
     np.testing.assert_array_equal(  # still usable after close: the networks are in memory
         sitk.GetArrayFromImage(from_archive.predict(image)), sitk.GetArrayFromImage(labels)
     )
+
+
+def _choice(configurations: tuple[str, ...], postprocessing: Postprocessing) -> InferenceChoice:
+    return InferenceChoice(
+        configurations=configurations,
+        folds=(0,),
+        checkpoint="final",
+        postprocessing=postprocessing,
+        cv_dice=0.5,
+        cv_dice_postprocessed=0.5,
+        class_dice={},
+        class_dice_postprocessed={},
+        steps=(),
+        candidates={},
+        num_cases=1,
+    )
+
+
+def test_a_followed_inference_json_postprocesses_as_the_cli_and_an_ensemble_is_refused(
+    trained: Path, tiny_dataset: Path, tmp_path: Path, capsys
+) -> None:
+    ws = Path(shutil.copytree(trained, tmp_path / "ws"))
+    _choice(("3d_fullres",), Postprocessing(largest_foreground_component=True)).to_json(ws / "inference.json")
+    out = tmp_path / "out"
+    assert run_cli(capsys, "predict", "-i", tiny_dataset / "imagesTs", "-o", out, "-w", ws, "--no-mirror").status == 0
+    with autoseg.Segmenter.load(ws, window=NO_MIRROR) as following:
+        labels = sitk.GetArrayFromImage(following.predict(_image(tiny_dataset)))
+    np.testing.assert_array_equal(labels, sitk.GetArrayFromImage(sitk.ReadImage(str(out / f"{CASE}.nii.gz"))))
+    with autoseg.Segmenter.load(ws, config="3d_fullres", window=NO_MIRROR) as unfollowed:  # -c: no postprocessing
+        assert unfollowed.postprocessing.is_identity
+        plain = sitk.GetArrayFromImage(unfollowed.predict(_image(tiny_dataset)))
+    assert (plain != labels).any()  # the postprocessing changes this label map: the comparison above can fail
+    _choice(("3d_fullres", "2d"), Postprocessing()).to_json(ws / "inference.json")
+    with pytest.raises(InputError, match="an ensemble of 3d_fullres and 2d, which Segmenter does not predict"):
+        autoseg.Segmenter.load(ws, window=NO_MIRROR)
 
 
 def _rotated(image: sitk.Image) -> sitk.Image:
