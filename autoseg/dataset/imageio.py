@@ -109,13 +109,7 @@ def _header(path: str | Path) -> tuple[Geometry, int]:
             f"{path}: SimpleITK cannot read this image header ({_first_line(e)}); "
             "the file is damaged, truncated or not an image"
         ) from e
-    return Geometry(
-        ndim=reader.GetDimension(),
-        size_xyz=tuple(int(v) for v in reader.GetSize()),
-        spacing_xyz=tuple(float(v) for v in reader.GetSpacing()),
-        origin_xyz=tuple(float(v) for v in reader.GetOrigin()),
-        direction=tuple(float(v) for v in reader.GetDirection()),
-    ), reader.GetNumberOfComponents()
+    return image_geometry(reader), reader.GetNumberOfComponents()
 
 
 def read_image(path: str | Path, dtype: type | None = np.float32) -> tuple[np.ndarray, Geometry]:
@@ -154,17 +148,33 @@ def _array_and_geometry(image: sitk.Image, path: str | Path, dtype: type | None)
         )
     if image.GetDimension() not in (2, 3):
         raise InputError(f"{path}: {image.GetDimension()}D images are not supported (2D or 3D only)")
-    geometry = Geometry(
+    geometry = image_geometry(image)
+    array = sitk.GetArrayFromImage(image)
+    if dtype is not None and array.dtype != dtype:
+        array = array.astype(dtype, copy=False)
+    return array.reshape(geometry.shape_zyx), geometry
+
+
+def image_geometry(image: sitk.Image | sitk.ImageFileReader) -> Geometry:
+    """The geometry of a SimpleITK image, or of the header a reader read (its own vectors, x, y, z)."""
+    return Geometry(
         ndim=image.GetDimension(),
         size_xyz=tuple(int(v) for v in image.GetSize()),
         spacing_xyz=tuple(float(v) for v in image.GetSpacing()),
         origin_xyz=tuple(float(v) for v in image.GetOrigin()),
         direction=tuple(float(v) for v in image.GetDirection()),
     )
-    array = sitk.GetArrayFromImage(image)
-    if dtype is not None and array.dtype != dtype:
-        array = array.astype(dtype, copy=False)
-    return array.reshape(geometry.shape_zyx), geometry
+
+
+def as_image(array_zyx: np.ndarray, geometry: Geometry) -> sitk.Image:
+    """``array_zyx`` (shape ``geometry.shape_zyx``) as a SimpleITK image of ``geometry`` (a 2D one without its
+    z = 1 axis)."""
+    data = array_zyx[0] if geometry.ndim == 2 else array_zyx
+    image = sitk.GetImageFromArray(np.ascontiguousarray(data))
+    image.SetSpacing(geometry.spacing_xyz)
+    image.SetOrigin(geometry.origin_xyz)
+    image.SetDirection(geometry.direction)
+    return image
 
 
 def dicom_series(folder: str | Path) -> dict[str, tuple[str, ...]]:
@@ -264,11 +274,7 @@ def write_image(path: str | Path, array_zyx: np.ndarray, geometry: Geometry) -> 
 
     if tuple(array_zyx.shape) != geometry.shape_zyx:
         raise InputError(f"{path}: array shape {array_zyx.shape} does not match geometry {geometry.shape_zyx}")
-    data = array_zyx[0] if geometry.ndim == 2 else array_zyx
-    image = sitk.GetImageFromArray(np.ascontiguousarray(data))
-    image.SetSpacing(geometry.spacing_xyz)
-    image.SetOrigin(geometry.origin_xyz)
-    image.SetDirection(geometry.direction)
+    image = as_image(array_zyx, geometry)
     suffix = supported_ending(path) or ""
     if suffix == ".mhd":
         _write_metaimage_pair(Path(path), image)

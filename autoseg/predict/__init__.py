@@ -20,6 +20,9 @@ them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates ti
 process running the real call, and kept per machine and model),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels), ``case_review``
 (``--preview`` and ``--statistics``: what each case's export writes beside its label map, through ``autoseg.review``),
-``outputs`` (the files a case gets: its label map in ``--output-format``'s format, what is written beside it).
+``outputs`` (the files a case gets: its label map in ``--output-format``'s format, what is written beside it),
+``segmenter`` (``Segmenter``: a model loaded once, images in memory segmented in this process; the model a command
+names resolved: ``opened_model``, ``resolve_model``), ``image_input`` (what ``Segmenter.predict`` takes: SimpleITK
+images or numpy arrays with their geometry, checked against the model, and the label map it gives back).
 Imports: ``autoseg.review`` and below; not ``autoseg.evaluate``.
 """

@@ -24,6 +24,7 @@ import numpy as np
 
 from autoseg.core.errors import InputError
 from autoseg.core.workspace import Workspace
+from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.labels import one_hot
 from autoseg.dataset.raw import Case, load_case
 from autoseg.plan.plans import ConfigurationPlan, Plans
@@ -107,21 +108,27 @@ class CascadePrediction:
         return cls(config, load_predictor(workspace, plans, stage, folds, checkpoint, window), labels)
 
     def prepare(self, case: Case) -> tuple[CascadeCase, CaseProperties]:
-        """Read ``case`` and preprocess it for both stages (``preprocess_case`` copies what it crops: the image as
-        read serves both)."""
+        """Read ``case`` and preprocess it for both stages (``prepare_image``)."""
         image, _, geometry = load_case(case)
-        low, _, low_props = preprocess_case(image, None, geometry, self.plans, self.stage, case.case_id)
-        data, _, props = preprocess_case(image, None, geometry, self.plans, self.config, case.case_id)
+        return self.prepare_image(image, geometry, case.case_id)
+
+    def prepare_image(self, image: np.ndarray, geometry: Geometry, case_id: str) -> tuple[CascadeCase, CaseProperties]:
+        """``image`` (C, Z, Y, X) float32 preprocessed for both stages (``preprocess_case`` copies what it crops: the
+        image serves both)."""
+        low, _, low_props = preprocess_case(image, None, geometry, self.plans, self.stage, case_id)
+        data, _, props = preprocess_case(image, None, geometry, self.plans, self.config, case_id)
         return CascadeCase(data, low, low_props), props
+
+    def input_of(self, prepared: CascadeCase, props: CaseProperties, case_id: str) -> np.ndarray:
+        """The cascade's network input of a prepared case: the previous stage's label map, then ``cascade_input``."""
+        labels = self.labels(prepared.previous_image, prepared.previous_props, case_id, self.previous)
+        return cascade_input(prepared.image, labels, props, self.plans, self.config)
 
     def segment_with(self, segment: Callable[..., Callable[[], None]]) -> Callable[..., Callable[[], None]]:
         """``segment`` (the cascade's own: a preprocessed input, its properties, the case id, the output paths)
-        preceded by the previous stage's label map and ``cascade_input``."""
+        preceded by the previous stage's label map and ``cascade_input`` (``input_of``)."""
 
         def run(prepared: CascadeCase, props: CaseProperties, case_id: str, *outputs: Any) -> Callable[[], None]:
-            labels = self.labels(prepared.previous_image, prepared.previous_props, case_id, self.previous)
-            return segment(
-                cascade_input(prepared.image, labels, props, self.plans, self.config), props, case_id, *outputs
-            )
+            return segment(self.input_of(prepared, props, case_id), props, case_id, *outputs)
 
         return run

@@ -9,7 +9,7 @@ prediction and reference (undefined).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from autoseg.core.artifacts import Artifact
 from autoseg.predict.postprocessing import Postprocessing
@@ -57,6 +57,10 @@ class InferenceChoice(Artifact):
     @property
     def is_ensemble(self) -> bool:
         return len(self.configurations) > 1
+
+    def applied(self, folds: tuple[int, ...] | None, checkpoint: str | None) -> InferenceChoice:
+        """The choice as a prediction applies it: its folds and checkpoint unless others are given."""
+        return replace(self, folds=self.folds if folds is None else folds, checkpoint=checkpoint or self.checkpoint)
 
 
 def nan_to_none(value: float) -> float | None:

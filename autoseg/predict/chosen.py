@@ -69,8 +69,7 @@ def predict_chosen(
     plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
     check_postprocessing(choice.postprocessing, plans.label_scheme)
     options = replace(options, postprocessing=choice.postprocessing)
-    # the choice as this prediction applies it: its folds and checkpoint unless others are given
-    choice = replace(choice, folds=choice.folds if folds is None else folds, checkpoint=checkpoint or choice.checkpoint)
+    choice = choice.applied(folds, checkpoint)
     if not choice.is_ensemble:
         return predict(
             workspace,

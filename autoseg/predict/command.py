@@ -2,7 +2,8 @@
 from a workspace (``-w``) or a model archive (``-m``: checked, unpacked as a temporary workspace and removed
 afterwards, ``autoseg.predict.archive_reader.open_model_archive``) through the same ``predict_in_workspace``: without a
 configuration asked, a workspace with ``inference.json`` is followed (``autoseg.predict.chosen``), else one
-configuration is predicted (``autoseg.predict.predictor.predict``).
+configuration is predicted (``autoseg.predict.predictor.predict``). What the model is, and how it is resolved, is
+``autoseg.predict.segmenter``'s (``opened_model``, ``followed_choice``), as ``Segmenter.load`` resolves it.
 """
 
 from __future__ import annotations
@@ -10,15 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from autoseg.core.lock import refuse_while_held
 from autoseg.core.workspace import Workspace
-from autoseg.predict.archive_reader import open_model_archive
-from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.chosen import predict_chosen
 from autoseg.predict.predictor import PredictOptions, predict
+from autoseg.predict.segmenter import fold_numbers, followed_choice, opened_model
 from autoseg.predict.window import WindowOptions
-
-READS = "`autoseg predict -w` reads the plan and the trained folds (`-m MODEL.zip` reads an exported model instead)"
 
 
 @dataclass(frozen=True)
@@ -41,31 +38,24 @@ class PredictRequest:
 
 def predict_command(request: PredictRequest) -> list[Path]:
     """The label maps ``autoseg predict`` writes for ``request``: from its model archive (its configuration, the
-    requested folds if it holds them, its checkpoint; ``OpenedModel.select``) or from its workspace, each through
-    ``predict_in_workspace``. A workspace whose plan and folds `plan_and_preprocess --overwrite` is replacing is
-    refused naming it (``autoseg.core.lock``): each file is replaced whole, but not all of them at once."""
-    if request.model is None:
-        workspace = Workspace.at(request.workspace)
-        refuse_while_held(workspace.plan_lock, workspace.root, READS, only_replacing=True)
-        return predict_in_workspace(workspace, request)
-    with open_model_archive(request.model, load_checkpoints=False) as model:  # predict loads them: read once
-        config, folds = model.select(request.config_name, None if request.folds is None else list(request.folds))
-        archived = replace(
-            request,
-            config_name=config,
-            folds=None if folds is None else tuple(folds),
-            checkpoint=model.manifest.checkpoint,
-        )
-        return predict_in_workspace(model.workspace, archived)
+    requested folds if it holds them, its checkpoint) or from its workspace (``opened_model``), each through
+    ``predict_in_workspace``."""
+    with opened_model(request.workspace, request.model, request.config_name, request.folds, request.checkpoint) as (
+        workspace,
+        config,
+        folds,
+        checkpoint,
+    ):
+        return predict_in_workspace(workspace, replace(request, config_name=config, folds=folds, checkpoint=checkpoint))
 
 
 def predict_in_workspace(workspace: Workspace, request: PredictRequest) -> list[Path]:
     """Predict ``request`` with ``workspace``'s model: following its inference.json (``autoseg find-best``'s
     configuration or ensemble, folds, checkpoint and postprocessing; said on stdout) when no configuration is asked
-    and it has one, else the asked configuration (or the plan's default) without postprocessing."""
-    folds = None if request.folds is None else tuple(int(f) if f.isdigit() else f for f in request.folds)
-    if request.config_name is None and workspace.inference_path.is_file():
-        choice = InferenceChoice.from_json(workspace.inference_path)
+    and it has one (``followed_choice``), else the asked configuration (or the plan's default) without
+    postprocessing."""
+    folds = fold_numbers(request.folds)
+    if (choice := followed_choice(workspace, request.config_name)) is not None:
         print(
             f"following {workspace.inference_path}: {' + '.join(choice.configurations)}, fold(s) "
             f"{' '.join(map(str, folds or choice.folds))}, postprocessing: {choice.postprocessing.describe()} "

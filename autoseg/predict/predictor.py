@@ -28,7 +28,6 @@ from tqdm import tqdm
 
 from autoseg.core.artifacts import check_writable_folder, remove_stale_temporaries
 from autoseg.core.errors import InputError, RunError
-from autoseg.core.machine import use_cpu_threads
 from autoseg.core.resources import peak_rss_bytes, reset_peak_rss, use_one_malloc_arena
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
@@ -37,16 +36,13 @@ from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
-from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
-from autoseg.predict.cascade import CascadePrediction
 from autoseg.predict.case import (
     PROBABILITIES_BYTES,
     export_prediction,
     inference_plan,
     predict_labels,
     predict_probabilities,
-    prepare_case,
 )
 from autoseg.predict.case_review import CaseReview, review_paths
 from autoseg.predict.networks import Predictor
@@ -59,8 +55,8 @@ from autoseg.predict.pipeline import (
     pipeline_budget_bytes,
     plan_pipeline,
 )
-from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
-from autoseg.predict.runners import load_predictor
+from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing
+from autoseg.predict.segmenter import Segmenter, model_input, prediction_threads, resolve_model
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
 
@@ -111,21 +107,12 @@ def predict(
     background threads (``plan_pipeline``). Cases with bad input are skipped and listed at the end
     (``CasesFailedError``) unless ``options.fail_fast``."""
     use_one_malloc_arena()  # before any thread of the pipeline (or torch's) allocates: no arena per thread
-    plans = Plans.from_json(workspace.require(workspace.plans_path, "plan_and_preprocess"))
-    config_name = config_name or plans.default_configuration()
-    config = plans.configuration(config_name)
-    if folds is None:
-        folds = _trained_folds(workspace, config_name, checkpoint)
-    window.check(config)
-    check_postprocessing(options.postprocessing, plans.label_scheme)  # an inference.json of other labels too
+    plans, config, folds = resolve_model(workspace, config_name, folds, checkpoint, window, options.postprocessing)
     output_dir = check_writable_folder(output_dir, "-o/--output")  # before any work
-    threads = torch.get_num_threads()
-    if window.device == "cpu":  # before the runners: a graph runtime compiles with this count
-        use_cpu_threads(None, "prediction")  # every CPU, no timing probe (autoseg.core.machine)
-    try:
-        predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
+    with prediction_threads(window.device, None):  # every CPU (autoseg.core.machine), no timing probe
+        segmenter = Segmenter.of(workspace, plans, config, folds, checkpoint, window, options.postprocessing)
         review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
-        prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window, review)
+        segment, memory = _case_steps(segmenter, options, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         check_dicom_output(found.cases, options.output_format)
         if options.fail_fast:
@@ -140,59 +127,39 @@ def predict(
         )
         for folder in {p.parent for p in review_paths(output_dir, "case", options.preview, options.statistics)}:
             remove_stale_temporaries(folder)  # autoseg's own folders: every temporary there is a killed run's
+        steps = (segmenter.prepare, segment, memory)
         try:
-            written = _predict_cases(found, prepare, segment, memory, output_dir, options, window.verbose, review)
+            written = _predict_cases(found, *steps, output_dir, options, window.verbose, review)
         except CasesFailedError:
             review.finish()  # the cases written have their rows
             raise
         review.finish()
         return written
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _trained_folds(workspace: Workspace, config_name: str, checkpoint: str) -> tuple[int, ...]:
-    """Every fold of ``config_name`` trained with ``checkpoint_<checkpoint>.pt``; refused when there is none."""
-    folds = workspace.trained_folds(config_name, checkpoint)
-    if not folds:
-        raise InputError(
-            f"{workspace.root / 'results' / config_name}: no trained fold with "
-            f"checkpoint_{checkpoint}.pt; run `{workspace.advice(f'train fold 0 -c {config_name}')}` first"
-        )
-    return folds
 
 
 def _case_steps(
-    workspace: Workspace,
-    predictor: Predictor,
-    folds: tuple[int, ...],
-    checkpoint: str,
-    options: PredictOptions,
-    window: WindowOptions,
-    review: CaseReview,
-) -> tuple[Callable[[Case], tuple[Any, CaseProperties]], Callable[..., Callable[[], None]], Callable[..., dict]]:
-    """What each case goes through: ``prepare`` (read and preprocessed, ahead: ``prepare_case``), ``segment``
-    (``_segment_case`` with the predictor bound) and ``memory`` (``case_memory`` with the window's plan and what
-    ``review`` holds bound).
-    A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint,
-    the command's ``window``: its own runtime chosen where ``auto``)."""
+    segmenter: Segmenter, options: PredictOptions, review: CaseReview
+) -> tuple[Callable[..., Callable[[], None]], Callable[..., dict]]:
+    """What each case goes through besides ``segmenter.prepare`` (read and preprocessed, ahead): ``segment``
+    (``_segment_case`` with the predictor bound; a cascade stage's previous stage first: ``CascadePrediction``) and
+    ``memory`` (``case_memory`` with the window's plan and what ``review`` holds bound)."""
+    predictor, cascade = segmenter.predictor, segmenter.cascade
     plans, config = predictor.plans, predictor.config
-    segment = partial(_segment_case, predictor=predictor, postprocessing=options.postprocessing)
-    prepare, previous = partial(prepare_case, plans=plans, config=config), None
-    if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
-        cascade = CascadePrediction.load(workspace, predictor, folds, checkpoint, predict_labels, window)
-        prepare, segment = cascade.prepare, cascade.segment_with(segment)
+    segment = partial(_segment_case, predictor=predictor, postprocessing=segmenter.postprocessing)
+    previous = None
+    if cascade is not None:  # a cascade stage: its previous stage predicts each case first
+        segment = cascade.segment_with(segment)
         previous = (cascade.stage, partial(inference_plan, cascade.previous, streamed=True))
     memory = partial(
         case_memory,
         plans=plans,
         config=config,
         window=partial(inference_plan, predictor, streamed=not options.save_probabilities),
-        write=LabelWrite(not options.postprocessing.is_identity, options.output_format),
+        write=LabelWrite(not segmenter.postprocessing.is_identity, options.output_format),
         previous=previous,
         reviewed=review.held_bytes if review.active else None,
     )
-    return prepare, segment, memory
+    return segment, memory
 
 
 def _predict_cases(
@@ -376,10 +343,10 @@ def prediction_inputs(
     """The cases of ``inputs`` for this workspace's model, from their headers (``list_prediction_inputs``; the
     image dimension and the spacing checked against the images trained on, ``fingerprint.json``); with ``part``
     (I, N), only part I of N of them (``PredictionInputs.part``), said in the log."""
-    trained = Fingerprint.from_json(workspace.fingerprint_path) if workspace.fingerprint_path.is_file() else None
-    image_dim = trained.image_dim if trained else None  # the images trained on: 2 or 3
-    spacing = tuple(float(s) for s in np.median(trained.spacings, axis=0)) if trained and trained.cases else None
-    found = list_prediction_inputs(inputs, len(plans.channel_names), None, image_dim, series, spacing)
+    trained = model_input(workspace, plans)  # the images trained on: dimension, median spacing
+    found = list_prediction_inputs(
+        inputs, len(trained.channel_names), None, trained.image_dim, series, trained.spacing_mm
+    )
     if part is None:
         return found
     mine = found.part(*part)

@@ -51,17 +51,45 @@ class ProbabilityFile:
             yield cls(props, scheme, stream)
 
     def write_output(self, k: int, resampled: np.ndarray) -> None:
-        """Output ``k``'s map (the cropped original shape, float32), uncropped one z-slice at a time: one
-        float16 (Y, X) plane held beyond it."""
+        """Output ``k``'s map (the cropped original shape, float32), uncropped one z-slice at a time
+        (``uncropped_planes``)."""
         assert self.stream is not None
-        fill = 1.0 if k == 0 and not self.scheme.has_regions else 0.0
-        (z0, z1), (y0, y1), (x0, x1) = self.props.crop_bbox
-        plane = np.empty(self.props.shape_before_crop[1:], dtype=PROBABILITY_DTYPE)
-        for z in range(self.props.shape_before_crop[0]):
-            plane.fill(fill)
-            if z0 <= z < z1:
-                plane[y0:y1, x0:x1] = resampled[z - z0]
+        for plane in uncropped_planes(k, resampled, self.props, self.scheme):
             self.stream.write(memoryview(plane.reshape(-1)).cast("B"))
+
+
+def uncropped_planes(k: int, resampled: np.ndarray, props: CaseProperties, scheme: LabelScheme) -> Iterator[np.ndarray]:
+    """Output ``k``'s map (the cropped original shape, float32) in the image's uncropped grid, one float16 (Y, X)
+    plane at a time (the same array, refilled: one plane held beyond the map); outside the crop the background class
+    is certain, every region absent."""
+    fill = 1.0 if k == 0 and not scheme.has_regions else 0.0
+    (z0, z1), (y0, y1), (x0, x1) = props.crop_bbox
+    plane = np.empty(props.shape_before_crop[1:], dtype=PROBABILITY_DTYPE)
+    for z in range(props.shape_before_crop[0]):
+        plane.fill(fill)
+        if z0 <= z < z1:
+            plane[y0:y1, x0:x1] = resampled[z - z0]
+        yield plane
+
+
+@dataclass
+class ProbabilityMaps:
+    """``write_output``'s maps kept in memory: ``maps`` (K, Z, Y, X) float16 in the image's uncropped grid, as a
+    ``ProbabilityFile`` holds them (what ``autoseg.predict.segmenter.Segmenter.predict`` returns)."""
+
+    props: CaseProperties
+    scheme: LabelScheme
+    maps: np.ndarray
+
+    @classmethod
+    def empty(cls, props: CaseProperties, scheme: LabelScheme) -> ProbabilityMaps:
+        """Room for every output: K x Z x Y x X x 2 bytes."""
+        return cls(props, scheme, np.empty((scheme.num_outputs, *props.shape_before_crop), dtype=PROBABILITY_DTYPE))
+
+    def write_output(self, k: int, resampled: np.ndarray) -> None:
+        """Output ``k``'s map (the cropped original shape, float32), uncropped (``uncropped_planes``)."""
+        for z, plane in enumerate(uncropped_planes(k, resampled, self.props, self.scheme)):
+            self.maps[k, z] = plane
 
 
 class _Abandoned(Exception):  # noqa: N818 (not an error of its own: carries one through atomic_path)

@@ -220,15 +220,19 @@ def test_a_replan_through_the_cli_reads_kept_simulations_and_plans_the_same(
 
 REPLAN_IN_A_NEW_PROCESS = """
 import json, sys
+import autoseg
 from autoseg.cli.main import main
 code = main(sys.argv[1:])
-print(json.dumps({"code": code, "torch": "torch" in sys.modules}))
+torch = "torch" in sys.modules
+autoseg.Segmenter  # the Python API, imported when first asked for: then it loads torch
+print(json.dumps({"code": code, "torch": torch, "segmenter": "torch" in sys.modules}))
 """
 
 
 def test_a_replan_with_every_simulation_kept_does_not_import_torch(kept_plan: KeptPlan, tmp_path: Path) -> None:
     """A re-plan in a new process (the fingerprint in the workspace, every simulation kept) reads what it needs
-    without importing torch (1-2 s of a re-plan's time) and writes the same plans.json."""
+    without importing torch (1-2 s of a re-plan's time) and writes the same plans.json; ``import autoseg`` does not
+    import torch either until ``autoseg.Segmenter`` is asked for."""
     ws = shutil.copytree(kept_plan.workspace, tmp_path / "ws")
     (ws / "plans.json").unlink()
     command = [str(ws) if a == str(kept_plan.workspace) else a for a in kept_plan.command]
@@ -242,7 +246,7 @@ def test_a_replan_with_every_simulation_kept_does_not_import_torch(kept_plan: Ke
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"code": 0, "torch": False}, done.stderr
+    assert result == {"code": 0, "torch": False, "segmenter": True}, done.stderr
     assert (ws / "plans.json").read_text() == kept_plan.plans_text
 
 
