@@ -16,8 +16,9 @@ a bug) stops the run: the next case would meet it too.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,16 @@ from autoseg.predict.networks import Predictor
 from autoseg.predict.pipeline import Pipeline, PipelinePlan, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
 from autoseg.predict.runners import load_predictor
+from autoseg.predict.uncertainty import (
+    UncertaintyOptions,
+    assemble_uncertainty,
+    entropy_map_bytes,
+    predictor_agreement,
+    resolve_uncertainty,
+    start_case,
+    uncertainty_paths,
+    write_uncertain,
+)
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
 
@@ -81,6 +92,8 @@ class PredictOptions:
     progress: bool = True  # progress bars over the cases
     preview: bool = False  # --preview: preview/{case}.png beside each label map (``CaseReview``)
     statistics: bool = False  # --statistics: statistics/{case}.json, then statistics.csv and .json (``CaseReview``)
+    # the folds' disagreement per case: uncertainty/{case}.json, uncertainty.csv, --save-uncertainty's map
+    uncertainty: UncertaintyOptions = UncertaintyOptions()
 
 
 def predict(
@@ -115,6 +128,9 @@ def predict(
     try:
         predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
         review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
+        options = replace(
+            options, uncertainty=resolve_uncertainty(predictor, options.uncertainty, options.save_probabilities)
+        )
         prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         if options.fail_fast:
@@ -132,12 +148,19 @@ def predict(
         try:
             written = _predict_cases(found, prepare, segment, memory, output_dir, options, window.verbose, review)
         except CasesFailedError:
-            review.finish()  # the cases written have their rows
+            _finish(review, output_dir, options)  # the cases written have their rows
             raise
-        review.finish()
+        _finish(review, output_dir, options)
         return written
     finally:
         torch.set_num_threads(threads)
+
+
+def _finish(review: CaseReview, output_dir: Path, options: PredictOptions) -> None:
+    """What is assembled from every case's rows at the end: statistics, uncertainty (the cases to review first)."""
+    review.finish()
+    if options.uncertainty.enabled:
+        assemble_uncertainty(output_dir, options.uncertainty.threshold)
 
 
 def _trained_folds(workspace: Workspace, config_name: str, checkpoint: str) -> tuple[int, ...]:
@@ -166,7 +189,10 @@ def _case_steps(
     A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint,
     the command's ``window``: its own runtime chosen where ``auto``)."""
     plans, config = predictor.plans, predictor.config
-    segment = partial(_segment_case, predictor=predictor, postprocessing=options.postprocessing)
+    agreement = predictor_agreement(predictor, options.uncertainty)
+    segment = partial(
+        _segment_case, predictor=predictor, postprocessing=options.postprocessing, uncertainty=options.uncertainty
+    )
     prepare, previous = partial(prepare_case, plans=plans, config=config), None
     if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
         cascade = CascadePrediction.load(workspace, predictor, folds, checkpoint, predict_labels, window)
@@ -176,12 +202,19 @@ def _case_steps(
         case_memory,
         plans=plans,
         config=config,
-        window=partial(inference_plan, predictor, streamed=not options.save_probabilities),
+        window=partial(inference_plan, predictor, streamed=not options.save_probabilities, agreement=agreement),
         postprocessed=not options.postprocessing.is_identity,
         previous=previous,
-        reviewed=review.held_bytes if review.active else None,
+        reviewed=partial(_held_beside, review, agreement is not None) if review.active or agreement else None,
     )
     return prepare, segment, memory
+
+
+def _held_beside(review: CaseReview, uncertainty: bool, shape_zyx: tuple[int, ...]) -> int:
+    """Bytes held beside a written label map of ``shape_zyx``: its review's, and the uncertainty's entropy map
+    (``entropy_map_bytes``; its block maps are at most a slice's, counted as one)."""
+    held = review.held_bytes(shape_zyx) if review.active else 0
+    return held + (entropy_map_bytes(shape_zyx, math.prod(shape_zyx[1:])) if uncertainty else 0)
 
 
 def _predict_cases(
@@ -310,14 +343,23 @@ def _segment_case(
     *,
     predictor: Predictor,
     postprocessing: Postprocessing,
+    uncertainty: UncertaintyOptions | None = None,
 ) -> Callable[[], np.ndarray]:
     """Predict one preprocessed case and return what is left to do behind (an export thread), which returns the
     label map written: postprocess and write its label map (exported slab by slab already, ``predict_labels``), or,
-    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``)."""
+    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``).
+    ``uncertainty`` enabled: its row (and map) written after the label map (``_write_uncertain``)."""
     scheme = predictor.plans.label_scheme
     if probabilities_path is None:
-        labels = predict_labels(data, props, case_id, predictor)
-        return partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme)
+        agreement = None if uncertainty is None else predictor_agreement(predictor, uncertainty)
+        parts = None if agreement is None else start_case(agreement, props, scheme)
+        labels = predict_labels(data, props, case_id, predictor, parts)
+        write = partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme)
+        if parts is None:
+            return write
+        return partial(
+            write_uncertain, write, (case_id, parts, props.geometry), labels_path.parent, uncertainty, scheme
+        )
     probabilities = predict_probabilities(data, case_id, predictor)
     return partial(_write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing)
 
@@ -375,8 +417,11 @@ def prediction_inputs(
 def every_output(case: Case, output_dir: Path, options: PredictOptions) -> list[Path]:
     """Every file ``predict`` writes for ``case`` with ``options``: ``case_outputs``, then the preview picture and
     statistics row asked for (``review_paths``); with all of them there, ``--continue`` skips the case."""
-    return case_outputs(case, output_dir, options.save_probabilities) + review_paths(
-        output_dir, case.case_id, options.preview, options.statistics
+    uncertainty = options.uncertainty
+    return (
+        case_outputs(case, output_dir, options.save_probabilities)
+        + review_paths(output_dir, case.case_id, options.preview, options.statistics)
+        + (uncertainty_paths(output_dir, case.case_id, uncertainty.save_map) if uncertainty.enabled else [])
     )
 
 
