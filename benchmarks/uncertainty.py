@@ -9,8 +9,8 @@ probe on a case smaller than the patch, docs/benchmarks.md),
 predicts the held-out cases with all of them (``autoseg predict --no-mirror``: the folds are the members compared;
 uncertainty.csv), evaluates
 them (``autoseg.evaluate.metrics.evaluate_folder``) and prints one markdown table: per case its difficulty, mean
-foreground Dice, score (1 - the folds' mean pairwise Dice) and mean entropy inside the predicted foreground, then the
-Spearman rank correlation of each candidate score with 1 - Dice (target >= 0.5).
+foreground Dice, disagreement (1 - the folds' mean pairwise Dice) and mean entropy inside the predicted foreground (the
+score), then the Spearman rank correlation of each candidate score with 1 - Dice (target >= 0.5).
 
     python benchmarks/uncertainty.py                          # 3 folds x 60 iterations, 12 held-out cases
     python benchmarks/uncertainty.py --folds 2 --epochs 3     # quicker
@@ -71,21 +71,21 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float((ra * rb).sum() / denominator) if denominator else float("nan")
 
 
-def run(work: Path, raw: Path, folds: int, training: list[str]) -> dict[str, float]:
-    """Plan, train ``folds`` folds (``training``: their length flags), predict the held-out cases; each command's wall
-    seconds."""
+def run(work: Path, raw: Path, folds: int, training: list[str], checkpoint: str) -> dict[str, float]:
+    """Plan, train ``folds`` folds (``training``: their length flags; a fold that has ``checkpoint_<checkpoint>.pt`` is
+    not trained again), predict the held-out cases with that checkpoint of each; each command's wall seconds."""
     ws, pred = work / "ws", work / "pred"
     walls = {}
     if not (ws / "plans.json").is_file():
         walls["plan"] = run_autoseg("plan_and_preprocess", str(raw), "-w", str(ws), "--device", "cpu", "-c", CONFIG)
     for fold in range(folds):
-        if not (ws / "results" / CONFIG / f"fold_{fold}" / "checkpoint_final.pt").is_file():
+        if not (ws / "results" / CONFIG / f"fold_{fold}" / f"checkpoint_{checkpoint}.pt").is_file():
             train = ("train", "fold", str(fold), "-w", str(ws), "-c", CONFIG, "--device", "cpu", "--no-validation")
             walls[f"train fold {fold}"] = run_autoseg(*train, *training)
     shutil.rmtree(pred, ignore_errors=True)
     fold_args = [str(f) for f in range(folds)]
     predict = ("predict", "-i", str(raw / "imagesTs"), "-o", str(pred), "-w", str(ws), "-c", CONFIG, "-f")
-    walls["predict"] = run_autoseg(*predict, *fold_args, "--device", "cpu", "--no-mirror")
+    walls["predict"] = run_autoseg(*predict, *fold_args, "--device", "cpu", "--no-mirror", "--checkpoint", checkpoint)
     return walls
 
 
@@ -100,21 +100,21 @@ def table(raw: Path, pred: Path) -> tuple[str, dict[str, float]]:
     cases = sorted(dice)
     n = len(cases)
     lines = [
-        "| case | difficulty | Dice | score (1 - pairwise Dice) | entropy in foreground |",
+        "| case | difficulty | Dice | 1 - pairwise Dice | entropy in foreground (score) |",
         "|---|---|---|---|---|",
     ]
     for i, case in enumerate(cases):
         r = rows[case]
         lines.append(
-            f"| {case} | {i / max(n - 1, 1):.2f} | {dice[case]:.3f} | {float(r['score']):.3f} | {r['entropy']} |"
+            f"| {case} | {i / max(n - 1, 1):.2f} | {dice[case]:.3f} | {float(r['disagreement']):.3f} | {r['entropy']} |"
         )
     error = [1 - dice[c] for c in cases]
     entropy = [float(rows[c]["entropy"] or 0) for c in cases]
-    score = [float(rows[c]["score"]) for c in cases]
+    disagreement = [float(rows[c]["disagreement"]) for c in cases]
     correlations = {
-        "score": spearman(score, error),
+        "disagreement": spearman(disagreement, error),
         "entropy": spearman(entropy, error),
-        "score + entropy": spearman([s + e for s, e in zip(score, entropy, strict=True)], error),
+        "disagreement + entropy": spearman([s + e for s, e in zip(disagreement, entropy, strict=True)], error),
     }
     return "\n".join(lines), correlations
 
@@ -126,6 +126,9 @@ def main() -> None:
     parser.add_argument("--budget", default=None, help="each fold's --time-budget (default: --epochs x --iterations)")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=20, help="iterations per epoch")
+    parser.add_argument(
+        "--checkpoint", default="final", choices=["final", "latest"], help="each fold's, predicted with"
+    )
     parser.add_argument("--train-cases", type=int, default=20)
     parser.add_argument("--test-cases", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
@@ -138,7 +141,7 @@ def main() -> None:
         if args.budget
         else ["--epochs", str(args.epochs), "--iterations-per-epoch", str(args.iterations)]
     )
-    walls = run(args.work, raw, args.folds, training)
+    walls = run(args.work, raw, args.folds, training, args.checkpoint)
     text, correlations = table(raw, args.work / "pred")
     print(text)
     print()

@@ -53,8 +53,8 @@ def test_two_folds_write_one_uncertainty_row_per_case(capsys, two_folds: Path, i
         assert row["of"] == "folds" and row["members"] == "2"
         assert 0.0 <= float(row["score"]) <= 1.0
         dice = [float(v) for k, v in row.items() if k.startswith("dice_") and v]
-        if dice:
-            assert float(row["score"]) == pytest.approx(1 - sum(dice) / len(dice), abs=1e-5)
+        assert float(row["disagreement"]) == pytest.approx(1 - sum(dice) / len(dice) if dice else 0, abs=1e-5)
+        assert row["score"] == (row["entropy"] or row["disagreement"])
     assert sorted(p.name for p in (tmp_path / "out" / "uncertainty").iterdir()) == ["demo_005.json", "demo_006.json"]
 
 

@@ -184,7 +184,8 @@ def _add_review_flags(p: argparse.ArgumentParser) -> None:
         default=REVIEW_THRESHOLD,
         metavar="SCORE",
         help="with two or more folds (or mirror variants), log the cases whose uncertainty score (uncertainty.csv: "
-        f"1 - the folds' mean pairwise Dice) is above SCORE to review first, worst first (default {REVIEW_THRESHOLD})",
+        "the mean normalized entropy of the averaged probabilities in the predicted foreground, 0 to 1) is above "
+        f"SCORE to review first, worst first (default {REVIEW_THRESHOLD})",
     )
     p.add_argument(
         "--save-uncertainty",

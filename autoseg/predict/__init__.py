@@ -19,6 +19,7 @@ them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates ti
 ``runtime_memory`` (a graph runtime's working bytes for the memory plan: measured once by ``runtime_probe``, a fresh
 process running the real call, and kept per machine and model),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels), ``case_review``
-(``--preview`` and ``--statistics``: what each case's export writes beside its label map, through ``autoseg.review``).
+(``--preview`` and ``--statistics``: what each case's export writes beside its label map, through ``autoseg.review``),
+``uncertainty`` (the folds' disagreement per case: ``uncertainty.csv``, the cases to review first, the entropy map).
 Imports: ``autoseg.review`` and below; not ``autoseg.evaluate``.
 """

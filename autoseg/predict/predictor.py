@@ -16,7 +16,6 @@ a bug) stops the run: the next case would meet it too.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
@@ -39,6 +38,7 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
 from autoseg.plan.fingerprint import Fingerprint
 from autoseg.plan.plans import Plans
+from autoseg.predict import uncertainty as case_uncertainty
 from autoseg.predict.cascade import CascadePrediction
 from autoseg.predict.case import (
     PROBABILITIES_BYTES,
@@ -53,16 +53,6 @@ from autoseg.predict.networks import Predictor
 from autoseg.predict.pipeline import Pipeline, PipelinePlan, case_memory, pipeline_budget_bytes, plan_pipeline
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing, check_postprocessing
 from autoseg.predict.runners import load_predictor
-from autoseg.predict.uncertainty import (
-    UncertaintyOptions,
-    assemble_uncertainty,
-    entropy_map_bytes,
-    predictor_agreement,
-    resolve_uncertainty,
-    start_case,
-    uncertainty_paths,
-    write_uncertain,
-)
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
 
@@ -92,8 +82,7 @@ class PredictOptions:
     progress: bool = True  # progress bars over the cases
     preview: bool = False  # --preview: preview/{case}.png beside each label map (``CaseReview``)
     statistics: bool = False  # --statistics: statistics/{case}.json, then statistics.csv and .json (``CaseReview``)
-    # the folds' disagreement per case: uncertainty/{case}.json, uncertainty.csv, --save-uncertainty's map
-    uncertainty: UncertaintyOptions = UncertaintyOptions()
+    uncertainty: case_uncertainty.UncertaintyOptions = case_uncertainty.UncertaintyOptions()  # uncertainty.csv
 
 
 def predict(
@@ -128,9 +117,8 @@ def predict(
     try:
         predictor = load_predictor(workspace, plans, config, folds, checkpoint, window)
         review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
-        options = replace(
-            options, uncertainty=resolve_uncertainty(predictor, options.uncertainty, options.save_probabilities)
-        )
+        resolved = case_uncertainty.resolve(predictor, options.uncertainty, options.save_probabilities)
+        options = replace(options, uncertainty=resolved)
         prepare, segment, memory = _case_steps(workspace, predictor, folds, checkpoint, options, window, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         if options.fail_fast:
@@ -143,24 +131,18 @@ def predict(
                 for p in case_outputs(case, output_dir, save_probabilities=True)
             ],
         )
+        case_uncertainty.remove_stale(output_dir, [c.case_id for c in found.cases])
         for folder in {p.parent for p in review_paths(output_dir, "case", options.preview, options.statistics)}:
             remove_stale_temporaries(folder)  # autoseg's own folders: every temporary there is a killed run's
         try:
             written = _predict_cases(found, prepare, segment, memory, output_dir, options, window.verbose, review)
         except CasesFailedError:
-            _finish(review, output_dir, options)  # the cases written have their rows
+            case_uncertainty.finish(review, output_dir, options.uncertainty)  # the cases written have their rows
             raise
-        _finish(review, output_dir, options)
+        case_uncertainty.finish(review, output_dir, options.uncertainty)
         return written
     finally:
         torch.set_num_threads(threads)
-
-
-def _finish(review: CaseReview, output_dir: Path, options: PredictOptions) -> None:
-    """What is assembled from every case's rows at the end: statistics, uncertainty (the cases to review first)."""
-    review.finish()
-    if options.uncertainty.enabled:
-        assemble_uncertainty(output_dir, options.uncertainty.threshold)
 
 
 def _trained_folds(workspace: Workspace, config_name: str, checkpoint: str) -> tuple[int, ...]:
@@ -189,10 +171,8 @@ def _case_steps(
     A cascade stage's previous stage predicts each case first (``CascadePrediction``, same folds and checkpoint,
     the command's ``window``: its own runtime chosen where ``auto``)."""
     plans, config = predictor.plans, predictor.config
-    agreement = predictor_agreement(predictor, options.uncertainty)
-    segment = partial(
-        _segment_case, predictor=predictor, postprocessing=options.postprocessing, uncertainty=options.uncertainty
-    )
+    agreement = case_uncertainty.predictor_agreement(predictor, options.uncertainty)
+    segment = partial(_segment_case, predictor=predictor, options=options)
     prepare, previous = partial(prepare_case, plans=plans, config=config), None
     if config.previous_stage:  # a cascade stage: its previous stage predicts each case first
         cascade = CascadePrediction.load(workspace, predictor, folds, checkpoint, predict_labels, window)
@@ -205,16 +185,9 @@ def _case_steps(
         window=partial(inference_plan, predictor, streamed=not options.save_probabilities, agreement=agreement),
         postprocessed=not options.postprocessing.is_identity,
         previous=previous,
-        reviewed=partial(_held_beside, review, agreement is not None) if review.active or agreement else None,
+        reviewed=partial(case_uncertainty.held_beside, review, agreement) if review.active or agreement else None,
     )
     return prepare, segment, memory
-
-
-def _held_beside(review: CaseReview, uncertainty: bool, shape_zyx: tuple[int, ...]) -> int:
-    """Bytes held beside a written label map of ``shape_zyx``: its review's, and the uncertainty's entropy map
-    (``entropy_map_bytes``; its block maps are at most a slice's, counted as one)."""
-    held = review.held_bytes(shape_zyx) if review.active else 0
-    return held + (entropy_map_bytes(shape_zyx, math.prod(shape_zyx[1:])) if uncertainty else 0)
 
 
 def _predict_cases(
@@ -342,24 +315,18 @@ def _segment_case(
     probabilities_path: Path | None,
     *,
     predictor: Predictor,
-    postprocessing: Postprocessing,
-    uncertainty: UncertaintyOptions | None = None,
+    options: PredictOptions,
 ) -> Callable[[], np.ndarray]:
     """Predict one preprocessed case and return what is left to do behind (an export thread), which returns the
     label map written: postprocess and write its label map (exported slab by slab already, ``predict_labels``), or,
-    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``).
-    ``uncertainty`` enabled: its row (and map) written after the label map (``_write_uncertain``)."""
-    scheme = predictor.plans.label_scheme
+    with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``); the
+    ``options``' postprocessing first and, where enabled, the uncertainty after (``case_uncertainty.write_after``)."""
+    scheme, postprocessing = predictor.plans.label_scheme, options.postprocessing
     if probabilities_path is None:
-        agreement = None if uncertainty is None else predictor_agreement(predictor, uncertainty)
-        parts = None if agreement is None else start_case(agreement, props, scheme)
+        parts = case_uncertainty.start(predictor, options.uncertainty, props)
         labels = predict_labels(data, props, case_id, predictor, parts)
         write = partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme)
-        if parts is None:
-            return write
-        return partial(
-            write_uncertain, write, (case_id, parts, props.geometry), labels_path.parent, uncertainty, scheme
-        )
+        return partial(case_uncertainty.write_after, write, (case_id, parts, props.geometry), labels_path.parent)
     probabilities = predict_probabilities(data, case_id, predictor)
     return partial(_write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing)
 
@@ -417,11 +384,10 @@ def prediction_inputs(
 def every_output(case: Case, output_dir: Path, options: PredictOptions) -> list[Path]:
     """Every file ``predict`` writes for ``case`` with ``options``: ``case_outputs``, then the preview picture and
     statistics row asked for (``review_paths``); with all of them there, ``--continue`` skips the case."""
-    uncertainty = options.uncertainty
     return (
         case_outputs(case, output_dir, options.save_probabilities)
         + review_paths(output_dir, case.case_id, options.preview, options.statistics)
-        + (uncertainty_paths(output_dir, case.case_id, uncertainty.save_map) if uncertainty.enabled else [])
+        + case_uncertainty.outputs(output_dir, case.case_id, options.uncertainty)
     )
 
 

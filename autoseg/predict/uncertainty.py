@@ -4,8 +4,9 @@ With two or more folds (else two or more mirror variants of one fold: ``--tta``)
 the members' label maps agree (``autoseg.model.agreement``: the mean pairwise Dice per structure, running sums of
 label tiles), and the export how spread the averaged probabilities are (``EntropyMap``: each voxel's entropy,
 normalized to [0, 1] by its largest value, from the same resampled maps that make the label map, in the input's
-grid). A case's ``score`` is ``1 - the mean pairwise Dice`` over the structures some member predicts
-(``SCORE``; docs/prediction.md, Uncertainty, gives the benchmark that chose it); 0 where no member predicts any.
+grid). A case's ``score`` is that entropy's mean inside the predicted foreground (``SCORE``: it ranked cases by their
+real Dice better than the disagreement did, docs/prediction.md, Uncertainty); where nothing is predicted, the
+disagreement (``1 - the mean pairwise Dice`` over the structures some member predicts; 0 where none does).
 
 Each case's row is ``uncertainty/{case}.json`` (``CaseUncertainty``, written atomically beside its label map, so
 ``--continue`` and ``--part`` see it as one of the case's outputs); ``uncertainty.csv`` is assembled from every row
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from scipy.special import entr
 
-from autoseg.core.artifacts import Artifact, atomic_write_text
+from autoseg.core.artifacts import Artifact, atomic_write_text, remove_stale_temporaries
 from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.dataset.labels import LabelScheme
@@ -35,6 +36,7 @@ from autoseg.model.agreement import Agreement, AgreementCounter
 from autoseg.preprocess.store import CaseProperties
 
 if TYPE_CHECKING:
+    from autoseg.predict.case_review import CaseReview
     from autoseg.predict.networks import Predictor
 
 log = logging.getLogger("autoseg")
@@ -42,10 +44,11 @@ log = logging.getLogger("autoseg")
 ROWS = "uncertainty"  # the folder of the per-case rows, in the output folder
 CSV_NAME = "uncertainty.csv"
 MAP_SUFFIX = "_uncertainty.nii.gz"
-SCORE = "1 - mean pairwise Dice"  # what ``CaseUncertainty.score`` is
-# A case whose score is above this is listed to review first: its members' label maps overlap by a mean Dice below
+SCORE = "mean normalized entropy in the predicted foreground"  # what ``CaseUncertainty.score`` is
+# A case whose score is above this is listed to review first: its average foreground voxel is as unsure as a
+# two-class voxel at p = 0.92 or less (in benchmarks/uncertainty.py it lists the 5 of 12 cases of lowest Dice)
 # 0.9 (docs/prediction.md, Uncertainty)
-REVIEW_THRESHOLD = 0.1
+REVIEW_THRESHOLD = 0.4
 _ENTROPY_LEVELS = 255  # the saved map's uint8 steps
 _SMALL_OBJECTS_BYTES = 4096  # the maps' headers, the list of sums: what tracemalloc counts beside the arrays
 ASSEMBLY_TRIES = 20  # assemblies while other parts keep adding rows
@@ -64,9 +67,10 @@ class UncertaintyOptions:
 
 @dataclass(frozen=True)
 class CaseUncertainty(Artifact):
-    """One case's row: the members compared (``members`` ``of`` folds or variants), ``score`` (``SCORE``), per
-    structure the members' mean pairwise Dice (None: no member predicts it), and ``entropy``: the mean normalized
-    entropy of the averaged probabilities inside the predicted foreground (None: no foreground)."""
+    """One case's row: the members compared (``members`` ``of`` folds or variants), ``score`` (``SCORE``; without
+    foreground: ``disagreement``), per structure the members' mean pairwise Dice (None: no member predicts it), and
+    ``entropy``: the mean normalized entropy of the averaged probabilities inside the predicted foreground (None: no
+    foreground)."""
 
     SCHEMA_VERSION = 1
     KIND = "case uncertainty"
@@ -75,6 +79,7 @@ class CaseUncertainty(Artifact):
     of: str
     members: int
     score: float
+    disagreement: float  # 1 - the members' mean pairwise Dice over the structures some member predicts
     dice: dict[str, float | None]
     entropy: float | None
     foreground_voxels: int
@@ -201,6 +206,7 @@ class UncertaintyParts:
 
     counter: AgreementCounter
     entropy: EntropyMap
+    save_map: bool = False  # --save-uncertainty: the entropy map is written too
 
 
 def case_row(case_id: str, parts: UncertaintyParts, labels: np.ndarray, scheme: LabelScheme) -> CaseUncertainty:
@@ -209,19 +215,21 @@ def case_row(case_id: str, parts: UncertaintyParts, labels: np.ndarray, scheme: 
     dice = parts.counter.pairwise_dice()
     names = {c: scheme.names[c if agreement.regions else c - 1] for c in dice}
     predicted = [d for d in dice.values() if not math.isnan(d)]
-    score = 1 - sum(predicted) / len(predicted) if predicted else 0.0
+    disagreement = 1 - sum(predicted) / len(predicted) if predicted else 0.0
+    entropy = parts.entropy.mean_inside(labels)
     return CaseUncertainty(
         case_id=case_id,
         of=agreement.of,
         members=agreement.members,
-        score=float(score),
+        score=float(disagreement if entropy is None else entropy),
+        disagreement=float(disagreement),
         dice={names[c]: (None if math.isnan(d) else d) for c, d in dice.items()},
-        entropy=parts.entropy.mean_inside(labels),
+        entropy=entropy,
         foreground_voxels=int(np.count_nonzero(labels)),
     )
 
 
-def uncertainty_paths(output_dir: Path, case_id: str, save_map: bool) -> list[Path]:
+def paths(output_dir: Path, case_id: str, save_map: bool) -> list[Path]:
     """The files a case's uncertainty writes: its row and, with ``save_map``, its voxel map."""
     row = Path(output_dir) / ROWS / f"{case_id}.json"
     return [row] + ([Path(output_dir) / f"{case_id}{MAP_SUFFIX}"] if save_map else [])
@@ -231,7 +239,7 @@ def write_case_uncertainty(
     output_dir: Path, row: CaseUncertainty, entropy: EntropyMap, geometry: Geometry, save_map: bool
 ) -> None:
     """Write ``row`` (atomically) and, with ``save_map``, the entropy map in ``geometry`` (atomically) first."""
-    row_path, *map_path = uncertainty_paths(output_dir, row.case_id, save_map)
+    row_path, *map_path = paths(output_dir, row.case_id, save_map)
     if map_path:
         write_image(map_path[0], entropy.full, geometry)
     row_path.parent.mkdir(parents=True, exist_ok=True)
@@ -266,14 +274,16 @@ def assemble_uncertainty(output_dir: Path, threshold: float) -> list[CaseUncerta
 
 
 def uncertainty_csv(rows: list[CaseUncertainty]) -> str:
-    """case, score, entropy, of, members, foreground_voxels, then ``dice_{structure}`` of every structure (empty where
-    no member predicts it)."""
+    """case, score, entropy, disagreement, of, members, foreground_voxels, then ``dice_{structure}`` of every structure
+    (empty where no member predicts it)."""
     structures = sorted({s for r in rows for s in r.dice})
-    header = ["case", "score", "entropy", "of", "members", "foreground_voxels", *(f"dice_{s}" for s in structures)]
+    header = ["case", "score", "entropy", "disagreement", "of", "members", "foreground_voxels"]
+    header += [f"dice_{s}" for s in structures]
     lines = [",".join(header)]
     for r in sorted(rows, key=lambda r: r.case_id):
         dice = [r.dice.get(s) for s in structures]
-        cells = [r.case_id, f"{r.score:.6f}", _cell(r.entropy), r.of, str(r.members), str(r.foreground_voxels)]
+        cells = [r.case_id, f"{r.score:.6f}", _cell(r.entropy), f"{r.disagreement:.6f}", r.of, str(r.members)]
+        cells.append(str(r.foreground_voxels))
         lines.append(",".join(cells + [_cell(d) for d in dice]))
     return "\n".join(lines) + "\n"
 
@@ -290,12 +300,18 @@ def entropy_map_bytes(shape_zyx_original: tuple[int, ...], block_voxels: int) ->
     return math.prod(shape_zyx_original) + 4 * 4 * block_voxels + _SMALL_OBJECTS_BYTES
 
 
-def start_case(agreement: Agreement, props: CaseProperties, scheme: LabelScheme) -> UncertaintyParts:
-    """The empty parts of one case's uncertainty (the export hands the entropy map logits where the scheme resamples
-    them)."""
-    return UncertaintyParts(
-        AgreementCounter(agreement, scheme.num_outputs), EntropyMap(props, scheme, scheme.resample_logits)
+def start(predictor: Predictor, options: UncertaintyOptions | None, props: CaseProperties) -> UncertaintyParts | None:
+    """The empty parts of one case's uncertainty with ``predictor`` as ``options`` say (None: none), or None (the export
+    hands the entropy map logits where the scheme resamples them)."""
+    agreement = None if options is None else predictor_agreement(predictor, options)
+    if agreement is None:
+        return None
+    scheme = predictor.plans.label_scheme
+    counter, entropy = (
+        AgreementCounter(agreement, scheme.num_outputs),
+        EntropyMap(props, scheme, scheme.resample_logits),
     )
+    return UncertaintyParts(counter, entropy, options.save_map)
 
 
 def predictor_agreement(predictor: Predictor, options: UncertaintyOptions) -> Agreement | None:
@@ -304,12 +320,10 @@ def predictor_agreement(predictor: Predictor, options: UncertaintyOptions) -> Ag
     return case_agreement(len(predictor.runners), predictor.window.num_variants(config), scheme, options)
 
 
-def resolve_uncertainty(
-    predictor: Predictor, options: UncertaintyOptions, save_probabilities: bool = False
-) -> UncertaintyOptions:
+def resolve(predictor: Predictor, options: UncertaintyOptions, save_probabilities: bool) -> UncertaintyOptions:
     """``options`` as they apply to ``predictor``: enabled only with two or more members to compare (said in the log
-    once, ``announce``; ``--save-uncertainty`` with one is refused), and not with ``--save-probabilities`` (whose
-    export is the probabilities held whole, not the slab export the entropy map follows)."""
+    once, ``announce``; ``--save-uncertainty`` with one is refused), and not with ``save_probabilities`` (whose export
+    is the probabilities held whole, not the slab export the entropy map follows)."""
     agreement = predictor_agreement(predictor, options)
     announce(agreement, options)
     if agreement is not None and save_probabilities:
@@ -320,17 +334,41 @@ def resolve_uncertainty(
     return replace(options, enabled=agreement is not None)
 
 
-def write_uncertain(
-    write: Callable[[], np.ndarray],
-    case: tuple[str, UncertaintyParts, Geometry],
-    output_dir: Path,
-    options: UncertaintyOptions,
-    scheme: LabelScheme,
+def write_after(
+    write: Callable[[], np.ndarray], case: tuple[str, UncertaintyParts | None, Geometry], output_dir: Path
 ) -> np.ndarray:
-    """``write`` the label map, then the case's uncertainty row (and, as ``options`` say, its map) from it; the label
-    map."""
+    """``write`` the label map, then, where the case has uncertainty parts (``start``), its row (and its map, where
+    asked) from it; the label map."""
     labels = write()
     case_id, parts, geometry = case
-    row = case_row(case_id, parts, labels, scheme)
-    write_case_uncertainty(output_dir, row, parts.entropy, geometry, options.save_map)
+    if parts is not None:
+        row = case_row(case_id, parts, labels, parts.entropy.scheme)
+        write_case_uncertainty(output_dir, row, parts.entropy, geometry, parts.save_map)
     return labels
+
+
+def outputs(output_dir: Path, case_id: str, options: UncertaintyOptions) -> list[Path]:
+    """What ``--continue`` needs of a case's uncertainty (``paths``; none where it is not computed)."""
+    return paths(output_dir, case_id, options.save_map) if options.enabled else []
+
+
+def finish(review: CaseReview, output_dir: Path, options: UncertaintyOptions) -> None:
+    """At the end of a run, from every case's rows: ``review``'s statistics (``CaseReview.finish``), then
+    ``uncertainty.csv`` and the cases to review first (``assemble_uncertainty``)."""
+    review.finish()
+    if options.enabled:
+        assemble_uncertainty(output_dir, options.threshold)
+
+
+def held_beside(review: CaseReview, agreement: Agreement | None, shape_zyx: tuple[int, ...]) -> int:
+    """Bytes held beside a written label map of ``shape_zyx`` (``case_memory``'s ``reviewed``): its review's
+    (``CaseReview.held_bytes``) and, with ``agreement``, the entropy map (``entropy_map_bytes``, its block's maps
+    counted as one slice's)."""
+    held = review.held_bytes(shape_zyx) if review.active else 0
+    return held + (0 if agreement is None else entropy_map_bytes(shape_zyx, math.prod(shape_zyx[1:])))
+
+
+def remove_stale(output_dir: Path, case_ids: list[str]) -> None:
+    """Remove the temporaries a killed run left of the cases' maps and rows (``remove_stale_temporaries``)."""
+    remove_stale_temporaries(output_dir, [p.name for c in case_ids for p in paths(output_dir, c, save_map=True)[1:]])
+    remove_stale_temporaries(Path(output_dir) / ROWS)  # autoseg's own folder: every temporary there is a killed run's

@@ -87,15 +87,15 @@ def _parts(labels_per_fold: list[np.ndarray]) -> UncertaintyParts:
     return UncertaintyParts(counter, entropy)
 
 
-def test_a_cases_row_scores_one_minus_the_mean_dice_of_the_classes_predicted() -> None:
+def test_a_cases_row_scores_its_entropy_or_without_foreground_its_disagreement() -> None:
     a = np.array([[[1, 1, 0, 0]]])
     b = np.array([[[1, 0, 0, 0]]])
     row = case_row("case_1", _parts([a, b]), a, SCHEME)
     assert row.dice == {SCHEME.names[0]: pytest.approx(2 / 3), SCHEME.names[1]: None}
-    assert row.score == pytest.approx(1 - 2 / 3)
-    assert row.entropy == pytest.approx(1.0) and row.foreground_voxels == 2
-    nothing = case_row("case_2", _parts([a * 0, b * 0]), a * 0, SCHEME)
-    assert nothing.score == 0.0 and nothing.entropy is None
+    assert row.disagreement == pytest.approx(1 - 2 / 3)  # 1 - the mean Dice of the classes some fold predicts
+    assert row.score == row.entropy == pytest.approx(1.0) and row.foreground_voxels == 2
+    nothing = case_row("case_2", _parts([a * 0, b]), a * 0, SCHEME)  # nothing written, but fold 1 saw class 1
+    assert nothing.entropy is None and nothing.score == nothing.disagreement == 1.0
 
 
 def test_the_csv_has_one_row_per_case_in_case_order_and_empty_cells_for_none() -> None:
@@ -103,7 +103,8 @@ def test_the_csv_has_one_row_per_case_in_case_order_and_empty_cells_for_none() -
     rows = [case_row("case_b", _parts([a, b]), a, SCHEME), case_row("case_a", _parts([a, a]), a, SCHEME)]
     lines = uncertainty_csv(rows).splitlines()
     names = [f"dice_{n}" for n in sorted(SCHEME.names)]
-    assert lines[0].split(",") == ["case", "score", "entropy", "of", "members", "foreground_voxels", *names]
+    header = ["case", "score", "entropy", "disagreement", "of", "members", "foreground_voxels", *names]
+    assert lines[0].split(",") == header
     assert [line.split(",")[0] for line in lines[1:]] == ["case_a", "case_b"]
     cells = dict(zip(lines[0].split(","), lines[2].split(","), strict=True))
     assert cells["of"] == "folds" and cells["members"] == "2" and cells["foreground_voxels"] == "2"
