@@ -15,6 +15,7 @@ def predict_cases(args: argparse.Namespace, progress: bool) -> int:
     from autoseg.model.tile_buffers import PREDICTION_ACCUMULATOR
     from autoseg.predict.command import PredictRequest, predict_command
     from autoseg.predict.predictor import PredictOptions
+    from autoseg.predict.uncertainty import UncertaintyOptions
     from autoseg.predict.window import WindowOptions
 
     window = WindowOptions(
@@ -40,6 +41,7 @@ def predict_cases(args: argparse.Namespace, progress: bool) -> int:
         preview=args.preview,
         statistics=args.statistics,
         output_format=args.output_format,
+        uncertainty=UncertaintyOptions(threshold=args.review_threshold, save_map=args.save_uncertainty),
     )
     request = PredictRequest(
         args.input,

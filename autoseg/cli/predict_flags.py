@@ -185,7 +185,25 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_review_flags(p: argparse.ArgumentParser) -> None:
-    """What predict writes beside each label map for a person to check (``autoseg.predict.case_review``)."""
+    """What predict writes beside each label map for a person to check (``autoseg.predict.case_review``,
+    ``autoseg.predict.uncertainty``)."""
+    from autoseg.predict.uncertainty import REVIEW_THRESHOLD
+
+    p.add_argument(
+        "--review-threshold",
+        type=float,
+        default=REVIEW_THRESHOLD,
+        metavar="SCORE",
+        help="with two or more folds (or mirror variants), log the cases whose uncertainty score (uncertainty.csv: "
+        "the mean normalized entropy of the averaged probabilities in the predicted foreground, 0 to 1) is above "
+        f"SCORE to review first, worst first (default {REVIEW_THRESHOLD})",
+    )
+    p.add_argument(
+        "--save-uncertainty",
+        action="store_true",
+        help="also write {case}_uncertainty.nii.gz: each voxel's entropy of the averaged probabilities, uint8 "
+        "(255: the largest), in the input's geometry; needs two or more folds or mirror variants",
+    )
     p.add_argument(
         "--preview",
         action="store_true",

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from autoseg.core.errors import InputError
 from autoseg.core.machine import MachineCache, kept_simulations, simulation_key
 from autoseg.core.precision import check_precision, element_bytes
+from autoseg.model.agreement import Agreement
 from autoseg.model.tile_buffers import finish_temp_bytes, inference_buffer_bytes
 from autoseg.model.tile_runner import TileBatchBytes, WorkingBytesSource
 from autoseg.model.tiles import accumulator_depth, tile_layout
@@ -48,6 +49,7 @@ class InferenceSetting:
     ``accumulator_dtype``: as the ``SlidingWindow`` that runs. ``output_dtype``: the probabilities'
     (``sliding_window_predict``; None: no output, the slabs go to a sink that the caller counts). The tile batch and
     the accumulator's place are what ``plan_inference`` chooses: ``inference_memory`` takes them apart.
+    ``agreement``: the members whose disagreement the window counts (``autoseg.model.agreement``), or None.
     """
 
     topology: NetworkTopology
@@ -61,6 +63,7 @@ class InferenceSetting:
     step_fraction: float | tuple[float, ...] = 0.5
     output_dtype: str | None = "float32"
     accumulator_dtype: str = "float32"
+    agreement: Agreement | None = None
 
     def window(self, tile_batch_size: int) -> SlidingWindow:
         """The ``SlidingWindow`` whose buffers are counted (``inference_buffer_bytes``)."""
@@ -73,6 +76,7 @@ class InferenceSetting:
             tile_batch_size,
             accumulator_dtype=self.accumulator_dtype,
             output_dtype=self.output_dtype,
+            agreement=self.agreement,
         )
 
 
@@ -101,6 +105,7 @@ class InferenceMemory:
     accumulator_depth: int = 0  # z-slices the accumulator holds: the deepest slab it finishes at once
     host_accumulator_bytes: int = 0  # host bytes on CUDA: the output, and the accumulator etc. when they live there
     heap_retained_bytes: int = 0  # CPU: glibc's heap beyond the tensors at a tile's peak (``heap_footprint``)
+    agreement_bytes: int = 0  # beside a tile batch on the device: the members' label tiles (``agreement_bytes``)
 
     def breakdown(self) -> dict[str, int]:
         return {
@@ -112,6 +117,7 @@ class InferenceMemory:
             "gaussian": self.gaussian_bytes,
             "softmax_temp": self.softmax_temp_bytes,
             "output": self.output_bytes,
+            "agreement": self.agreement_bytes,
             "total": self.peak_bytes,
         }
 
@@ -313,9 +319,11 @@ def _placed(
         + patch_voxels * 4
         + (num_outputs * patch_voxels * 4 if setting.accumulator_dtype == "float16" else 0)
     )
+    # the members' label tiles and their counting, beside a tile batch where the accumulator is
+    agreement = buffers["agreement"]
     cpu = setting.device == "cpu"
     output_here = buffers["output"] if cpu else 0  # the output lives on the host
-    host = (0 if cpu else buffers["output"]) + (0 if accumulator_on_device else held + logit_copies)
+    host = (0 if cpu else buffers["output"]) + (0 if accumulator_on_device else held + logit_copies + agreement)
     on_device = (held if accumulator_on_device else 0) + tiles.parameter_bytes + buffers["padded_input"] + output_here
     finishing = on_device + (temp if accumulator_on_device else 0)  # after a batch: its tiles are freed
     return InferenceMemory(
@@ -327,11 +335,12 @@ def _placed(
         gaussian_bytes=buffers["gaussian"] if accumulator_on_device else 0,
         softmax_temp_bytes=temp if accumulator_on_device else 0,
         output_bytes=output_here,
-        peak_bytes=max(on_device + tiles.tile_bytes, finishing),
+        peak_bytes=max(on_device + tiles.tile_bytes + (agreement if accumulator_on_device else 0), finishing),
         largest_conv_output_bytes=tiles.largest_conv_output_bytes,
         live_allocations_at_peak=tiles.live_allocations_at_peak,
         tile_batch_size=batch,
         accumulator_depth=depth,
         host_accumulator_bytes=host,
         heap_retained_bytes=tiles.heap_retained_bytes,
+        agreement_bytes=agreement if accumulator_on_device else 0,
     )

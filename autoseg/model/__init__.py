@@ -13,9 +13,10 @@ one), ``tiles`` (tile layout, Gaussian, the accumulator window), ``tile_buffers`
 their bytes), ``tta`` (mirror variants, ``--tta``),
 ``slabs`` (large convolutions in slabs at inference on the CPU), ``distributed``, ``checkpoint_file``, ``onnx_graph``
 (the network as an ONNX graph, its inputs checked, run with ONNX Runtime or OpenVINO, its agreement with torch),
-``graph_runners`` (such a graph as a ``TileRunner``: ONNX Runtime's and OpenVINO's).
+``graph_runners`` (such a graph as a ``TileRunner``: ONNX Runtime's and OpenVINO's), ``agreement`` (how much an
+ensemble's members agree on an image, counted as the window runs, and its bytes).
 Imports: ``autoseg.core``, ``autoseg.dataset``. ``topology``, ``flops``, ``optimizer``, ``tiles``, ``tile_buffers``,
-``tile_runner``, ``window`` and ``tta`` import torch only inside the functions that make tensors: the planner sizes a
-plan without it. ``onnx_graph`` (which ``graph_runners`` calls) imports the optional extras (onnx, onnxruntime,
-openvino) inside its functions.
+``tile_runner``, ``window``, ``tta`` and ``agreement`` import torch only inside the functions that make tensors: the
+planner sizes a plan without it. ``onnx_graph`` (which ``graph_runners`` calls) imports the optional extras (onnx,
+onnxruntime, openvino) inside its functions.
 """

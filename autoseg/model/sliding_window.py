@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
+from autoseg.model.agreement import AgreementCounter
 from autoseg.model.tile_buffers import (
     ACCUMULATOR_DTYPES,
     FLOAT16_MAX,
@@ -82,9 +83,10 @@ def run_tile_batch(
     items: Sequence[Item],
     variants: Sequence[tuple[int, ...]],
     num_outputs: int,
+    agreement: AgreementCounter | None = None,
 ) -> None:
     """Predict ``items`` with each of ``runners`` in one forward pass each and add their Gaussian-weighted logits
-    to the accumulator.
+    to the accumulator; with ``agreement``, each runner's label tiles to its running sums too.
 
     Held at the peak (``autoseg.memory.inference`` simulates this function): the ``(B, C, *patch)`` fp32
     input, one network's activations and its ``(B, K, *patch)`` logits, one tile's flipped-back logits (on
@@ -101,6 +103,9 @@ def run_tile_batch(
         logits = predict_tile_batch(runner, tile_batch, num_outputs)
         if i == len(runners) - 1:
             del tile_batch  # not held while the last logits are added
+        if agreement is not None:
+            for tile_logits, (region, v) in zip(logits, items, strict=True):
+                agreement.add(tile_logits, region, variants[v], fold=i, variant=v)
         _accumulate(logits, buffers, items, variants)
         del logits  # before the next network's forward pass
 
@@ -143,6 +148,7 @@ def sliding_window_predict(
     data: np.ndarray | torch.Tensor,
     window: SlidingWindow,
     on_slab: SlabSink | None = None,
+    agreement: AgreementCounter | None = None,
 ) -> torch.Tensor | None:
     """Probabilities ``(window.num_outputs, Z, Y, X)`` in ``window.output_dtype`` (float32 or float16; CPU) of one
     image: ``window.activation`` ("softmax" over the outputs, "sigmoid" per output, or "none") of the averaged
@@ -164,7 +170,12 @@ def sliding_window_predict(
         depth = accumulator_depth(layout, len(variants), window.tile_batch_size)
         buffers = allocate_buffers(data_t, layout, window, device, depth, on_slab)
         del data_t
-        _run_tiles(runners, buffers, layout, variants, window)
+        if window.agreement is not None:
+            window.agreement.check(len(runners), len(variants))
+            if agreement is None:
+                raise ValueError("window.agreement asks for the members' agreement: pass an AgreementCounter")
+            agreement.start(buffers.gaussian, layout.image_region)
+        _run_tiles(runners, buffers, layout, variants, window, agreement)
         return buffers.output
 
 
@@ -174,6 +185,7 @@ def _run_tiles(
     layout: TileLayout,
     variants: list[tuple[int, ...]],
     window: SlidingWindow,
+    agreement: AgreementCounter | None = None,
 ) -> None:
     """Run every (tile, variant) pair in batches of ``window.tile_batch_size``, in z order; after each batch,
     finish the z-slices no later tile touches (``_finish_slices``) and slide the accumulator past them."""
@@ -186,7 +198,7 @@ def _run_tiles(
             batch = items[first : first + window.tile_batch_size]
             if _z_range(batch[-1][0])[1] - buffers.z0 > depth:
                 _slide(buffers, finished)
-            run_tile_batch(runners, buffers, batch, variants, window.num_outputs)
+            run_tile_batch(runners, buffers, batch, variants, window.num_outputs, agreement)
             bar.update(len(batch))
             done = z_start[first + len(batch)] if first + len(batch) < len(items) else num_slices
             if done > finished:

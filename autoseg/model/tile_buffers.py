@@ -13,6 +13,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from autoseg.core.precision import element_bytes
+from autoseg.model.agreement import agreement_bytes
 from autoseg.model.tiles import TileLayout, accumulator_depth, gaussian_importance_map, tile_layout
 from autoseg.model.tta import mirror_variants
 from autoseg.model.window import SlidingWindow
@@ -61,7 +62,8 @@ def inference_buffer_bytes(
     Keys: ``padded_input`` (C x Zp x Yp x Xp; 0 on CPU when the image needs no padding: the input itself is read),
     ``accumulator`` (K x D x Yp x Xp, D = ``accumulator_depth``), ``weight_map`` (D x Yp x Xp), ``gaussian``
     (tile), ``output`` (K x Z x Y x X in ``window.output_dtype``, on the host; 0 for None: the slabs go to
-    ``on_slab``), ``tile_batch`` (B x C x tile), ``tile_logits`` (B x K x tile), and ``total``. ``Zp, Yp, Xp`` is
+    ``on_slab``), ``tile_batch`` (B x C x tile), ``tile_logits`` (B x K x tile), ``agreement`` (the members' label
+    tiles and their counting, ``agreement_bytes``; 0 without ``window.agreement``), and ``total``. ``Zp, Yp, Xp`` is
     the image padded to at least the tile. Not counted: transient copies (a flipped tile, a tile's logits flipped
     back) and finishing a slab's slices (``finish_temp_bytes``).
     """
@@ -82,6 +84,7 @@ def inference_buffer_bytes(
         else num_outputs * math.prod(layout.image_shape_zyx) * OUTPUT_DTYPES[window.output_dtype],
         "tile_batch": batch * in_channels * tile_voxels * _FP32_BYTES,
         "tile_logits": batch * num_outputs * tile_voxels * element_bytes(precision),
+        "agreement": agreement_bytes(window.agreement, batch, tuple(window.tile), num_outputs),
     }
     sizes["total"] = sum(sizes.values())
     return sizes

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from autoseg.model.agreement import Agreement
+
 # LabelScheme.activation: softmax over classes, sigmoid per region, none where the logits are exported (resampled
 # before the activation: nnU-Net v2's order)
 ACTIVATIONS = ("softmax", "sigmoid", "none")
@@ -27,7 +29,8 @@ class SlidingWindow:
     ``ACCUMULATOR_DTYPES`` (each tile is added in fp32, the softmax runs in fp32). ``activation``: "softmax" over
     the outputs (classes), "sigmoid" per output (regions) or "none" (the averaged logits). ``output_dtype``: the
     returned probabilities' (a key of ``OUTPUT_DTYPES``), or None: there is no output, each finished slab goes to the
-    call's ``on_slab``.
+    call's ``on_slab``. ``agreement``: the members (folds or mirror variants) whose disagreement the call counts into
+    its ``AgreementCounter`` (``autoseg.model.agreement``), or None.
     """
 
     tile: tuple[int, ...]
@@ -42,3 +45,4 @@ class SlidingWindow:
     output_dtype: str | None = "float32"
     use_gaussian: bool = True  # False: every voxel of a tile weighs 1
     progress: bool = False  # a progress bar over the (tile, variant) pairs
+    agreement: Agreement | None = None

@@ -23,6 +23,7 @@ process running the real call, and kept per machine and model),
 ``outputs`` (the files a case gets: its label map in ``--output-format``'s format, what is written beside it),
 ``segmenter`` (``Segmenter``: a model loaded once, images in memory segmented in this process; the model a command
 names resolved: ``opened_model``, ``resolve_model``), ``image_input`` (what ``Segmenter.predict`` takes: SimpleITK
-images or numpy arrays with their geometry, checked against the model, and the label map it gives back).
+images or numpy arrays with their geometry, checked against the model, and the label map it gives back),
+``uncertainty`` (the folds' disagreement per case: ``uncertainty.csv``, the cases to review first, the entropy map).
 Imports: ``autoseg.review`` and below; not ``autoseg.evaluate``.
 """

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case, load_case
 from autoseg.memory.inference import InferenceSetting
 from autoseg.memory.inference_plan import InferencePlan, plan_inference
+from autoseg.model.agreement import Agreement, AgreementCounter
 from autoseg.model.sliding_window import sliding_window_predict
 from autoseg.model.tile_buffers import OUTPUT_DTYPES
 from autoseg.model.tiles import overlap_step_fractions, tile_layout
@@ -32,6 +34,7 @@ from autoseg.predict.cascade import cascade_input
 from autoseg.predict.export import SlabExport, export_segmentation, export_with_probabilities
 from autoseg.predict.networks import Predictor
 from autoseg.predict.probabilities import ProbabilityFile
+from autoseg.predict.uncertainty import UncertaintyParts
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.preprocessor import preprocess_case
 from autoseg.preprocess.store import CaseProperties
@@ -95,26 +98,46 @@ def predict_probabilities(data: np.ndarray, case_id: str, predictor: Predictor) 
     return probabilities
 
 
-def predict_labels(data: np.ndarray, props: CaseProperties, case_id: str, predictor: Predictor) -> np.ndarray:
+def predict_labels(
+    data: np.ndarray,
+    props: CaseProperties,
+    case_id: str,
+    predictor: Predictor,
+    uncertainty: UncertaintyParts | None = None,
+) -> np.ndarray:
     """The label map (Z, Y, X) in the original grid of a preprocessed image, exported slab by slab as the sliding
-    window finishes them (``SlabExport``): the probabilities are never held whole."""
+    window finishes them (``SlabExport``): the probabilities are never held whole. ``uncertainty``: the members'
+    agreement is counted into its counter and the export's maps pass through its entropy map."""
     export = SlabExport(props, predictor.plans.label_scheme, tuple(data.shape[1:]))
-    _sliding_window(data, case_id, predictor, on_slab=export.add)
+    if uncertainty is None:
+        _sliding_window(data, case_id, predictor, on_slab=export.add)
+    else:
+        on_slab = partial(_add_slab, export, uncertainty.entropy.add)
+        _sliding_window(data, case_id, predictor, on_slab=on_slab, agreement=uncertainty.counter)
     return export.labels()
 
 
+def _add_slab(export: SlabExport, on_output: Callable, z_start: int, z_stop: int, probabilities: torch.Tensor) -> None:
+    export.add(z_start, z_stop, probabilities, on_output)
+
+
 def _sliding_window(
-    data: np.ndarray, case_id: str, predictor: Predictor, on_slab: Callable | None
+    data: np.ndarray,
+    case_id: str,
+    predictor: Predictor,
+    on_slab: Callable | None,
+    agreement: AgreementCounter | None = None,
 ) -> torch.Tensor | None:
     """``sliding_window_predict`` over every fold at once with the plan's settings: the probabilities (float16,
     ``on_slab`` None) or nothing (each slab went to ``on_slab``). The window's options (``WindowOptions``): its
     mirror variants (``--tta``); its tile ("planned" or "patch", this image's: ``tile_for_image``), consecutive tiles
     overlapping by ``1 - step_fraction`` of the training patch (``overlap_step_fractions``); its tile batch (None:
     the largest that ``plan_inference`` predicts to fit, which also places the accumulator: ``inference_plan``) and
-    the accumulator's dtype."""
+    the accumulator's dtype. ``agreement``: where the members' disagreement is counted (``autoseg.model.agreement``)."""
     config, window, scheme = predictor.config, predictor.window, predictor.plans.label_scheme
     image_shape = tuple(data.shape[1:])
-    plan = inference_plan(predictor, image_shape, streamed=on_slab is not None)
+    compared = None if agreement is None else agreement.agreement
+    plan = inference_plan(predictor, image_shape, streamed=on_slab is not None, agreement=compared)
     tile_size, steps = window_tile(config, window, image_shape)
     (log.info if window.verbose else log.debug)(
         "case %s, input %s: tile %s (%s), %d tile(s) x %d fold(s); %s",
@@ -137,8 +160,9 @@ def _sliding_window(
         accumulator_dtype=plan.accumulator_dtype,
         activation=scheme.activation,  # "none": the logits are resampled, the activation applied after (export)
         output_dtype=PROBABILITIES_DTYPE,
+        agreement=compared,
     )
-    return sliding_window_predict(predictor.runners, data, sliding, on_slab)
+    return sliding_window_predict(predictor.runners, data, sliding, on_slab, agreement)
 
 
 def window_tile(
@@ -162,11 +186,17 @@ def export_prediction(
         return export_with_probabilities(probabilities, props, scheme, file.write_output)
 
 
-def inference_plan(predictor: Predictor, image_shape_zyx: tuple[int, ...], streamed: bool = True) -> InferencePlan:
+def inference_plan(
+    predictor: Predictor,
+    image_shape_zyx: tuple[int, ...],
+    streamed: bool = True,
+    agreement: Agreement | None = None,
+) -> InferencePlan:
     """How the sliding window runs on an image of ``image_shape_zyx`` with ``predictor``'s configuration, folds and
     window options (``_sliding_window``), chosen before it starts (``plan_inference``, which asks the runners for
     their working bytes) within ``inference_budget_bytes(device)``; a given ``tile_batch_size`` caps the batch at
-    that number. ``streamed``: the slabs go to a ``SlabExport`` (no output volume); else a float16 output. The
+    that number. ``streamed``: the slabs go to a ``SlabExport`` (no output volume); else a float16 output.
+    ``agreement``: the members whose disagreement the window counts (``autoseg.model.agreement``). The
     tile simulations are kept between runs where the command keeps them (``kept_simulations``)."""
     config, window = predictor.config, predictor.window
     tile_size, steps = window_tile(config, window, tuple(image_shape_zyx))
@@ -182,6 +212,7 @@ def inference_plan(predictor: Predictor, image_shape_zyx: tuple[int, ...], strea
         step_fraction=steps,
         output_dtype=None if streamed else PROBABILITIES_DTYPE,
         accumulator_dtype=window.accumulator,
+        agreement=agreement,
     )
     return plan_inference(
         setting, inference_budget_bytes(window.device), window.tile_batch_size, runners=predictor.runners

@@ -82,6 +82,8 @@ def predict_chosen(
             options=options,
         )
     output_dir = check_writable_folder(output_dir, "-o/--output")
+    # an ensemble of configurations has no per-case uncertainty (each configuration predicts its probabilities)
+    options = replace(options, uncertainty=replace(options.uncertainty, enabled=False, save_map=False))
     scratch = output_dir / scratch_name(options.part)
     found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
     check_dicom_output(found.cases, options.output_format)  # before any configuration predicts

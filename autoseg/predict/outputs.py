@@ -10,6 +10,8 @@ from autoseg.dataset.dicom_write import output_ending
 from autoseg.dataset.imageio import supported_ending
 from autoseg.dataset.raw import Case
 from autoseg.predict.case_review import review_paths
+from autoseg.predict.uncertainty import UncertaintyOptions
+from autoseg.predict.uncertainty import outputs as uncertainty_outputs
 
 
 class Asked(Protocol):
@@ -19,13 +21,17 @@ class Asked(Protocol):
     output_format: str
     preview: bool
     statistics: bool
+    uncertainty: UncertaintyOptions
 
 
 def every_output(case: Case, output_dir: Path, options: Asked) -> list[Path]:
     """Every file ``predict`` writes for ``case`` with ``options``: ``case_outputs``, then the preview picture and
-    statistics row asked for (``review_paths``); with all of them there, ``--continue`` skips the case."""
-    return case_outputs(case, output_dir, options.save_probabilities, options.output_format) + review_paths(
-        output_dir, case.case_id, options.preview, options.statistics
+    statistics row asked for (``review_paths``), the uncertainty row and map (``uncertainty.outputs``); with
+    all of them there, ``--continue`` skips the case."""
+    return (
+        case_outputs(case, output_dir, options.save_probabilities, options.output_format)
+        + review_paths(output_dir, case.case_id, options.preview, options.statistics)
+        + uncertainty_outputs(output_dir, case.case_id, options.uncertainty)
     )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,7 @@ from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
 from autoseg.plan.plans import Plans
+from autoseg.predict import uncertainty as case_uncertainty
 from autoseg.predict.case import (
     PROBABILITIES_BYTES,
     export_prediction,
@@ -87,6 +88,7 @@ class PredictOptions:
     preview: bool = False  # --preview: preview/{case}.png beside each label map (``CaseReview``)
     statistics: bool = False  # --statistics: statistics/{case}.json, then statistics.csv and .json (``CaseReview``)
     output_format: str = "nifti"  # --output-format: nifti, or dicom-seg / rtstruct of a DICOM series (dicom_write)
+    uncertainty: case_uncertainty.UncertaintyOptions = case_uncertainty.UncertaintyOptions()  # uncertainty.csv
 
 
 def predict(
@@ -112,6 +114,8 @@ def predict(
     with prediction_threads(window.device, None):  # every CPU (autoseg.core.machine), no timing probe
         segmenter = Segmenter.of(workspace, plans, config, folds, checkpoint, window, options.postprocessing)
         review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
+        resolved = case_uncertainty.resolve(segmenter.predictor, options.uncertainty, options.save_probabilities)
+        options = replace(options, uncertainty=resolved, postprocessing=segmenter.postprocessing)
         segment, memory = _case_steps(segmenter, options, review)
         found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
         check_dicom_output(found.cases, options.output_format)
@@ -125,15 +129,16 @@ def predict(
                 for p in case_outputs(case, output_dir, True, options.output_format)
             ],
         )
+        case_uncertainty.remove_stale(output_dir, [c.case_id for c in found.cases])
         for folder in {p.parent for p in review_paths(output_dir, "case", options.preview, options.statistics)}:
             remove_stale_temporaries(folder)  # autoseg's own folders: every temporary there is a killed run's
         steps = (segmenter.prepare, segment, memory)
         try:
             written = _predict_cases(found, *steps, output_dir, options, window.verbose, review)
         except CasesFailedError:
-            review.finish()  # the cases written have their rows
+            case_uncertainty.finish(review, output_dir, options.uncertainty)  # the cases written have their rows
             raise
-        review.finish()
+        case_uncertainty.finish(review, output_dir, options.uncertainty)
         return written
 
 
@@ -145,7 +150,8 @@ def _case_steps(
     ``memory`` (``case_memory`` with the window's plan and what ``review`` holds bound)."""
     predictor, cascade = segmenter.predictor, segmenter.cascade
     plans, config = predictor.plans, predictor.config
-    segment = partial(_segment_case, predictor=predictor, postprocessing=segmenter.postprocessing)
+    agreement = case_uncertainty.predictor_agreement(predictor, options.uncertainty)
+    segment = partial(_segment_case, predictor=predictor, options=options)
     previous = None
     if cascade is not None:  # a cascade stage: its previous stage predicts each case first
         segment = cascade.segment_with(segment)
@@ -154,10 +160,10 @@ def _case_steps(
         case_memory,
         plans=plans,
         config=config,
-        window=partial(inference_plan, predictor, streamed=not options.save_probabilities),
-        write=LabelWrite(not segmenter.postprocessing.is_identity, options.output_format),
+        window=partial(inference_plan, predictor, streamed=not options.save_probabilities, agreement=agreement),
+        write=LabelWrite(not options.postprocessing.is_identity, options.output_format),
         previous=previous,
-        reviewed=review.held_bytes if review.active else None,
+        reviewed=partial(case_uncertainty.held_beside, review, agreement) if review.active or agreement else None,
     )
     return segment, memory
 
@@ -287,16 +293,19 @@ def _segment_case(
     write: Callable[..., None] = write_nifti,
     *,
     predictor: Predictor,
-    postprocessing: Postprocessing,
+    options: PredictOptions,
 ) -> Callable[[], np.ndarray]:
     """Predict one preprocessed case and return what is left to do behind (an export thread), which returns the
     label map written: postprocess and write its label map (exported slab by slab already, ``predict_labels``), or,
     with ``probabilities_path``, export its probabilities into that file and the label map (``_write_case``), written
-    by ``write`` (``label_writer``: its file format)."""
-    scheme = predictor.plans.label_scheme
+    by ``write`` (``label_writer``: its file format); the ``options``' postprocessing first and, where enabled, the
+    uncertainty after (``case_uncertainty.write_after``)."""
+    scheme, postprocessing = predictor.plans.label_scheme, options.postprocessing
     if probabilities_path is None:
-        labels = predict_labels(data, props, case_id, predictor)
-        return partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme, write)
+        parts = case_uncertainty.start(predictor, options.uncertainty, props)
+        labels = predict_labels(data, props, case_id, predictor, parts)
+        written = partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme, write)
+        return partial(case_uncertainty.write_after, written, (case_id, parts, props.geometry), labels_path.parent)
     probabilities = predict_probabilities(data, case_id, predictor)
     return partial(_write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing, write)
 

@@ -18,6 +18,7 @@ from autoseg.memory.device import CPU_RUNTIME_BYTES, predict_device_peak
 from autoseg.memory.inference import InferenceSetting, TileSimulation, inference_memory
 from autoseg.memory.inference_plan import CPU_MAX_TILE_BATCH, cpu_tile_batch_cap, plan_inference
 from autoseg.memory.inference_simulation import measure_inference_bytes
+from autoseg.model.agreement import Agreement, agreement_bytes
 from autoseg.model.tile_runner import TileBatchBytes
 from autoseg.model.tiles import overlap_step_fractions
 from autoseg.model.topology import NetworkTopology
@@ -312,3 +313,22 @@ def test_each_fold_s_held_bytes_stay_beside_the_others_forward_pass() -> None:
     assert (memory.tile_bytes, memory.parameter_bytes) == (4000 + 3000 + 3000, 2000)
     alone = inference_memory(setting, 1, runners=[first])
     assert alone.tile_bytes == 5000
+
+
+def test_the_members_agreement_is_counted_beside_a_tile_where_the_accumulator_lives():
+    """``agreement_bytes`` (held against a measurement in tests/model/test_agreement.py) joins a tile batch's peak
+    on the accumulator's device: on CUDA, or on the host when the accumulator moves there."""
+    shape, patch = (40, 96, 96), (8, 16, 16)
+    plain = InferenceSetting(TOPO3D, patch, shape, 3, "cuda", mirror_axes=(0, 1, 2))
+    compared = replace(plain, agreement=Agreement("folds", 3))
+    extra = agreement_bytes(Agreement("folds", 3), 2, patch, 3)
+    assert extra > 0
+    on_device, agreed = inference_memory(plain, 2), inference_memory(compared, 2)
+    m = on_device
+    held = m.parameter_bytes + m.padded_input_bytes + m.accumulator_bytes + m.weight_map_bytes + m.gaussian_bytes
+    assert agreed.agreement_bytes == extra
+    assert agreed.peak_bytes == max(held + m.tile_bytes + extra, held + m.softmax_temp_bytes) > m.peak_bytes
+    on_host = inference_memory(compared, 2, accumulator_on_device=False)
+    plain_host = inference_memory(plain, 2, accumulator_on_device=False)
+    assert on_host.host_accumulator_bytes - plain_host.host_accumulator_bytes == extra
+    assert on_host.peak_bytes == plain_host.peak_bytes and on_host.agreement_bytes == 0

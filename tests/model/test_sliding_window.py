@@ -343,7 +343,7 @@ def test_buffer_estimate_by_hand() -> None:
 def test_buffer_estimate_matches_the_tensors_allocated(
     monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...], patch: tuple[int, ...], batch: int
 ) -> None:
-    seen: dict[str, int] = {"tile_batch": 0, "tile_logits": 0}
+    seen: dict[str, int] = {"tile_batch": 0, "tile_logits": 0, "agreement": 0}
     allocate, predict_batch = inference.allocate_buffers, inference.predict_tile_batch
 
     def record_allocation(*args, **kwargs):
