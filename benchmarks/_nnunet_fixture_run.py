@@ -4,7 +4,7 @@ predict a tiny model of each configuration.
     python _nnunet_fixture_run.py DATASET_ID ITERATIONS TEST_FOLDER PREDICTIONS_FOLDER
     # nnUNet_raw / _preprocessed / _results set by the caller, the dataset linked into nnUNet_raw
 
-nnU-Net's own planner plans the dataset; its plans are then cut to ``STAGES`` stages of ``FEATURES`` and a small
+nnU-Net's own planner plans the dataset; its plans are then cut to the stages of ``FEATURES`` and a small
 patch, so that the checkpoints stay a few hundred KB, and each configuration trains fold 0 with the stock
 nnUNetTrainer (one epoch of ITERATIONS iterations, set on the instance) and predicts TEST_FOLDER with mirroring,
 keeping the probabilities. Standard library and nnU-Net only.
@@ -20,8 +20,7 @@ from pathlib import Path
 from _forward_timer import _stub_nnunet_primus
 
 CONFIGS = ("2d", "3d_fullres")
-STAGES = 3
-FEATURES = (4, 8, 16)
+FEATURES = (4, 8, 16)  # per stage
 PATCH = {"2d": (32, 32), "3d_fullres": (16, 32, 32)}
 CHECK_INPUT = {"2d": (1, 2, 16, 16), "3d_fullres": (1, 2, 4, 16, 16)}  # (B, C, *spatial), a multiple of the strides
 
@@ -41,22 +40,26 @@ def save_network_check(predictor, shape: tuple[int, ...], path: Path) -> None:
     np.savez_compressed(path, input=x, logits=logits)
 
 
-def shrink_plans(path: Path) -> None:
-    """Cut each configuration of ``path`` to ``STAGES`` stages of ``FEATURES``, the patch ``PATCH``, batch 2."""
+def shrink_plans(
+    path: Path, features: tuple[int, ...] = FEATURES, patch: dict[str, tuple[int, ...]] = PATCH, batch: int = 2
+) -> None:
+    """Keep the configurations ``patch`` names, each cut to ``len(features)`` stages of ``features``, its patch
+    (rounded up to a multiple of the strides) and ``batch``."""
     plans = json.loads(path.read_text())
-    plans["configurations"] = {k: v for k, v in plans["configurations"].items() if k in CONFIGS}
+    plans["configurations"] = {k: v for k, v in plans["configurations"].items() if k in patch}
+    stages = len(features)
     for name, config in plans["configurations"].items():
         kwargs = config["architecture"]["arch_kwargs"]
-        kwargs["n_stages"] = STAGES
-        kwargs["features_per_stage"] = list(FEATURES)
+        kwargs["n_stages"] = stages
+        kwargs["features_per_stage"] = list(features)
         for key in ("kernel_sizes", "strides", "n_conv_per_stage"):
-            kwargs[key] = kwargs[key][:STAGES]
-        kwargs["n_conv_per_stage_decoder"] = kwargs["n_conv_per_stage_decoder"][: STAGES - 1]
-        divisor = [1] * len(PATCH[name])
+            kwargs[key] = kwargs[key][:stages]
+        kwargs["n_conv_per_stage_decoder"] = kwargs["n_conv_per_stage_decoder"][: stages - 1]
+        divisor = [1] * len(patch[name])
         for stride in kwargs["strides"]:
             divisor = [d * s for d, s in zip(divisor, stride)]
-        config["patch_size"] = [-(-p // d) * d for p, d in zip(PATCH[name], divisor)]
-        config["batch_size"] = 2
+        config["patch_size"] = [-(-p // d) * d for p, d in zip(patch[name], divisor)]
+        config["batch_size"] = batch
     path.write_text(json.dumps(plans, indent=2))
 
 
