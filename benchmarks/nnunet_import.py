@@ -2,7 +2,8 @@
 label maps, Dice against the ground truth, wall time and peak memory.
 
 Generates (once, cached under ``--work``) a CT-like dataset of benchmarks/_cases.py: 12 foreground classes at
-0.8x0.8x2.5 mm, ``--cases`` training cases and ``--test`` held-out ones with labels, of about ``--shape`` voxels.
+0.8x0.8x2.5 mm, ``--cases`` training cases and ``--test`` held-out ones with labels (``--predict`` of them are
+predicted), of about ``--shape`` voxels.
 nnU-Net v2 (``--nnunet-python``: a venv with nnunetv2 2.8.x beside torch as ours) plans and preprocesses it; its
 3d_fullres plans are cut to a small network and patch (benchmarks/_nnunet_small.py) and fold 0 trains on the CPU for
 ``--epochs`` x ``--iterations`` (kept: a rerun with the same figures skips it). ``autoseg import-nnunet`` then writes
@@ -10,7 +11,8 @@ the model archive, and each round predicts the held-out cases in one run per too
 round: nnU-Net's predictor (``-device cpu``, ``-npp``/``-nps`` as given) and ``autoseg predict -m model.zip`` in each
 ``--runtimes`` row (default torch fp32, the issue's reference, and OpenVINO fp32 and bf16 where installed), with
 the same mirroring (``--tta all``: every axis for both, as nnU-Net predicts by default; ``--tta none``: neither).
-Each autoseg row first predicts one case untimed (a graph runtime builds and caches its graph).
+Each autoseg row first predicts one case untimed and unmirrored (a graph runtime builds and caches its
+graph).
 
 Per case: the voxels agreeing on the union of both outputs' foreground (target >= 99%), the lowest Dice between the
 two outputs over the classes either finds (target >= 0.99), each tool's Dice against the ground truth (nnU-Net's
@@ -149,19 +151,20 @@ def main() -> None:
     dataset = make_cases_dataset(work, args.cases, args.test, tuple(args.shape))
     model_folder, env = prepare_small_nnunet(python, dataset, work, args.epochs, args.iterations)
     archive = import_model(model_folder, work)
-    inputs = typical_inputs(dataset, work, args.test)
+    count = args.predict or args.test
+    inputs = typical_inputs(dataset, work, count)
     print(
-        f"{len(ORGANS)} foreground classes, {args.test} held-out cases of about {args.shape}; nnU-Net trained "
+        f"{len(ORGANS)} foreground classes, {count} held-out cases of about {args.shape}; nnU-Net trained "
         f"{args.epochs} x {args.iterations} iterations, -npp {args.npp} -nps {args.nps}; TTA {args.tta} for both; "
         f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     one_case = typical_inputs(dataset, work, 1)
     for row in args.rows:
-        r = predict_archive(archive, one_case, args.tta, row, work, f"warmup_{row.name.replace(' ', '_')}")
+        r = predict_archive(archive, one_case, "none", row, work, f"warmup_{row.name.replace(' ', '_')}")
         print(f"warm-up, {row.tool}: {r['seconds']:.1f} s", flush=True)
     rows = summarize(run_rounds(args, archive, (python, env, model_folder), inputs))
-    print(speed_table(rows, args.test), end="\n\n")
+    print(speed_table(rows, count), end="\n\n")
     print(quality_table(rows, dataset, {k: v for k, v in LABELS.items() if v}), end="\n\n")
     print(f"load average after: {os.getloadavg()[0]:.1f} (other processes on the machine slow everything)")
 
@@ -175,7 +178,10 @@ def _parser() -> argparse.ArgumentParser:
         help="dataset, nnU-Net's folders and trained model, the archive and outputs (kept: reruns skip what is there)",
     )
     parser.add_argument("--cases", type=int, default=12, help="training cases")
-    parser.add_argument("--test", type=int, default=4, help="held-out cases, predicted in one run per tool")
+    parser.add_argument("--test", type=int, default=4, help="held-out cases of the dataset")
+    parser.add_argument(
+        "--predict", type=int, default=None, help="held-out cases predicted in one run per tool (default: all)"
+    )
     parser.add_argument(
         "--shape", type=int, nargs=3, default=(32, 96, 96), metavar=("Z", "Y", "X"), help="about each case's size"
     )
