@@ -60,8 +60,9 @@ def save_network_check(predictor, shape: tuple[int, ...], path: Path) -> None:
 
 
 def shrink_plans(path: Path, models: str) -> None:
-    """Cut each configuration of ``path`` to ``STAGES`` stages of ``FEATURES``, the patch ``PATCH``, batch 2; for
-    the cascade add 3d_lowres and 3d_cascade_fullres as nnU-Net's planner would."""
+    """Keep the configurations of the set ``models`` (for the cascade, add 3d_lowres and 3d_cascade_fullres as
+    nnU-Net's planner would), then cut them (``cut_plans``) to ``STAGES`` stages of ``FEATURES``, the patch
+    ``PATCH``, batch 2."""
     plans = json.loads(path.read_text())
     wanted = {c for c, _ in SETS[models][2]} | ({"3d_fullres"} if models == "cascade" else set())
     configs = plans["configurations"]
@@ -73,23 +74,36 @@ def shrink_plans(path: Path, models: str) -> None:
         configs["3d_lowres"] = lowres
         configs["3d_cascade_fullres"] = {"inherits_from": "3d_fullres", "previous_stage": "3d_lowres"}
     plans["configurations"] = {k: v for k, v in configs.items() if k in wanted}
+    path.write_text(json.dumps(plans, indent=2))
+    cut_plans(path, FEATURES[:STAGES], {k: v for k, v in PATCH.items() if k in wanted}, 2)
+
+
+def cut_plans(path: Path, features: tuple[int, ...], patch: dict[str, tuple[int, ...]], batch: int) -> None:
+    """Keep the configurations ``patch`` names (and those inheriting their network), each with its own network cut
+    to ``len(features)`` stages of ``features`` (a residual encoder: ``RESENC_BLOCKS`` blocks per stage), its patch
+    (rounded up to a multiple of the strides) and ``batch``."""
+    plans = json.loads(path.read_text())
+    stages = len(features)
+    plans["configurations"] = {
+        k: v for k, v in plans["configurations"].items() if k in patch or "architecture" not in v
+    }
     for name, config in plans["configurations"].items():
         if "architecture" not in config:  # inherits it
             continue
         kwargs = config["architecture"]["arch_kwargs"]
-        kwargs["n_stages"] = STAGES
-        kwargs["features_per_stage"] = list(FEATURES)
+        kwargs["n_stages"] = stages
+        kwargs["features_per_stage"] = list(features)
         for key in ("kernel_sizes", "strides", "n_conv_per_stage", "n_blocks_per_stage"):
             if key in kwargs:
-                kwargs[key] = kwargs[key][:STAGES]
+                kwargs[key] = kwargs[key][:stages]
         if "n_blocks_per_stage" in kwargs:
-            kwargs["n_blocks_per_stage"] = list(RESENC_BLOCKS)
-        kwargs["n_conv_per_stage_decoder"] = kwargs["n_conv_per_stage_decoder"][: STAGES - 1]
-        divisor = [1] * len(PATCH[name])
+            kwargs["n_blocks_per_stage"] = list(RESENC_BLOCKS[:stages])
+        kwargs["n_conv_per_stage_decoder"] = kwargs["n_conv_per_stage_decoder"][: stages - 1]
+        divisor = [1] * len(patch[name])
         for stride in kwargs["strides"]:
             divisor = [d * s for d, s in zip(divisor, stride)]
-        config["patch_size"] = [-(-p // d) * d for p, d in zip(PATCH[name], divisor)]
-        config["batch_size"] = 2
+        config["patch_size"] = [-(-p // d) * d for p, d in zip(patch[name], divisor)]
+        config["batch_size"] = batch
     path.write_text(json.dumps(plans, indent=2))
 
 
