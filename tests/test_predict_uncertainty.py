@@ -112,3 +112,12 @@ def test_save_uncertainty_with_one_fold_is_refused_naming_more_folds(
     result = _predict(capsys, trained, inputs, tmp_path / "out", "--save-uncertainty")
     assert_refused(result, 2, "--save-uncertainty", "two or more folds")
     assert not (tmp_path / "out" / "demo_005.nii.gz").exists()
+
+
+@pytest.mark.slow
+def test_no_uncertainty_compares_nothing_even_with_two_folds(capsys, two_folds: Path, inputs: Path, tmp_path: Path):
+    assert _predict(capsys, two_folds, inputs, tmp_path / "out", "--no-uncertainty").status == 0
+    assert (tmp_path / "out" / "demo_005.nii.gz").is_file()
+    assert not (tmp_path / "out" / "uncertainty.csv").exists() and not (tmp_path / "out" / "uncertainty").exists()
+    refused = _predict(capsys, two_folds, inputs, tmp_path / "both", "--no-uncertainty", "--save-uncertainty")
+    assert_refused(refused, 2, "--save-uncertainty does not go with --no-uncertainty")

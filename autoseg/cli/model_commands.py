@@ -41,7 +41,9 @@ def predict_cases(args: argparse.Namespace, progress: bool) -> int:
         preview=args.preview,
         statistics=args.statistics,
         output_format=args.output_format,
-        uncertainty=UncertaintyOptions(threshold=args.review_threshold, save_map=args.save_uncertainty),
+        uncertainty=UncertaintyOptions(
+            enabled=not args.no_uncertainty, threshold=args.review_threshold, save_map=args.save_uncertainty
+        ),
     )
     request = PredictRequest(
         args.input,

@@ -199,6 +199,11 @@ def _add_review_flags(p: argparse.ArgumentParser) -> None:
         f"SCORE to review first, worst first (default {REVIEW_THRESHOLD})",
     )
     p.add_argument(
+        "--no-uncertainty",
+        action="store_true",
+        help="do not compare the folds (or mirror variants): no uncertainty.csv, no cases listed to review first",
+    )
+    p.add_argument(
         "--save-uncertainty",
         action="store_true",
         help="also write {case}_uncertainty.nii.gz: each voxel's entropy of the averaged probabilities, uint8 "

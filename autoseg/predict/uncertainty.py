@@ -100,7 +100,10 @@ def case_agreement(
 
 
 def announce(agreement: Agreement | None, options: UncertaintyOptions) -> None:
-    """Say once what the run's uncertainty compares; refuse ``--save-uncertainty`` with one member."""
+    """Say once what the run's uncertainty compares; refuse ``--save-uncertainty`` with one member or with
+    ``--no-uncertainty``."""
+    if options.save_map and not options.enabled:
+        raise InputError("--save-uncertainty does not go with --no-uncertainty; drop one of them")
     if agreement is not None:
         log.info("uncertainty: the %d %s' disagreement per case (%s)", agreement.members, agreement.of, CSV_NAME)
     elif options.save_map:
