@@ -144,7 +144,8 @@ def allocate_buffers(
     )
     weight_map = torch.zeros(shape, dtype=torch.float32, device=acc_device)  # D x Yp x Xp fp32
     if window.use_gaussian:
-        gaussian = gaussian_importance_map(tile, dtype=torch.float32, device=acc_device)
+        centre = window.gaussian_centre
+        gaussian = gaussian_importance_map(tile, dtype=torch.float32, device=acc_device, centre=centre)
     else:
         gaussian = torch.ones(tile, dtype=torch.float32, device=acc_device)
     output = None

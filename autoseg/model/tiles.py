@@ -19,6 +19,10 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
+# Where a tile's Gaussian weight peaks on an axis of n voxels: "middle" ((n - 1) / 2: symmetric, flip(g) == g), or
+# "floor" (n // 2: nnU-Net v2's importance map, for a model imported from it; half a voxel off on an even axis)
+GAUSSIAN_CENTRES = ("middle", "floor")
+
 # One tile's region in the padded (Z, Y, X) volume: 3 slices (3D), or (z index, y slice, x slice) (2D).
 Region = tuple[int | slice, ...]
 
@@ -28,9 +32,10 @@ def gaussian_importance_map(
     sigma_scale: float = 1.0 / 8,
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
+    centre: str = "middle",
 ) -> torch.Tensor:
-    """Gaussian weights ``(*patch_size)`` centred in the patch, sigma = ``patch_size * sigma_scale``, in ``dtype``
-    (None: float32).
+    """Gaussian weights ``(*patch_size)`` peaking at the patch's ``centre`` (``GAUSSIAN_CENTRES``), sigma =
+    ``patch_size * sigma_scale``, in ``dtype`` (None: float32).
 
     Normalized to a maximum of 1; voxels that underflow to 0 in ``dtype`` get the smallest nonzero value so
     the weight map never divides by zero. Cached per (patch, sigma, dtype, device): treat it as read-only.
@@ -39,7 +44,7 @@ def gaussian_importance_map(
     import torch
 
     patch = tuple(int(p) for p in patch_size)
-    return _gaussian_cached(patch, float(sigma_scale), dtype or torch.float32, torch.device(device))
+    return _gaussian_cached(patch, float(sigma_scale), dtype or torch.float32, torch.device(device), centre)
 
 
 def clear_gaussian_cache() -> None:
@@ -49,13 +54,13 @@ def clear_gaussian_cache() -> None:
 
 @functools.lru_cache(maxsize=16)
 def _gaussian_cached(
-    patch: tuple[int, ...], sigma_scale: float, dtype: torch.dtype, device: torch.device
+    patch: tuple[int, ...], sigma_scale: float, dtype: torch.dtype, device: torch.device, centre: str
 ) -> torch.Tensor:
     import torch
 
     gauss = np.ones((), dtype=np.float64)
     for size in patch:
-        offset = np.arange(size, dtype=np.float64) - (size - 1) / 2.0  # symmetric: flip(g) == g
+        offset = np.arange(size, dtype=np.float64) - ((size - 1) / 2.0 if centre == "middle" else size // 2)
         sigma = size * sigma_scale
         gauss = np.multiply.outer(gauss, np.exp(-0.5 * (offset / sigma) ** 2))
     gauss /= gauss.max()

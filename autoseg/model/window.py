@@ -44,5 +44,6 @@ class SlidingWindow:
     activation: str = "softmax"
     output_dtype: str | None = "float32"
     use_gaussian: bool = True  # False: every voxel of a tile weighs 1
+    gaussian_centre: str = "middle"  # where the Gaussian peaks (autoseg.model.tiles.GAUSSIAN_CENTRES)
     progress: bool = False  # a progress bar over the (tile, variant) pairs
     agreement: Agreement | None = None

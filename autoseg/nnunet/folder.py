@@ -122,6 +122,7 @@ def read_model_folder(folder: Path, previous_stage: Path | None = None) -> Nnune
         regions_class_order=regions,
         image_resampling="skimage",  # nnU-Net's resample_data_or_seg_to_shape resizes with skimage
         export_space="logits",  # nnU-Net resamples the averaged logits, then applies softmax / sigmoid and argmax
+        gaussian_centre="floor",  # nnU-Net's importance map: a delta at size // 2, Gaussian-filtered
     )
     model = NnunetModel(folder, config_name, plans, _fingerprint(fingerprint_json, plans, folder), _folds(folder), axes)
     if stage:

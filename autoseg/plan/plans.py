@@ -14,6 +14,7 @@ from autoseg.core.artifacts import Artifact
 from autoseg.core.errors import InputError
 from autoseg.core.spacing import compute_new_shape
 from autoseg.dataset.labels import LabelScheme, LabelValue
+from autoseg.model.tiles import GAUSSIAN_CENTRES
 from autoseg.model.topology import PLAIN_UNET, NetworkTopology, validate_topology
 
 TILE_CHOICES = ("planned", "patch")  # ConfigurationPlan.inference_tile, autoseg predict --tile
@@ -24,6 +25,8 @@ IMAGE_RESAMPLING = ("sitk", "skimage")
 # Plans.export_space: what prediction resamples back to the input's grid: the probabilities (autoseg's), or the
 # averaged logits, the activation applied after (nnU-Net v2's order, for a model imported from it)
 EXPORT_SPACES = ("probabilities", "logits")
+# Plans.gaussian_centre: where the sliding window's Gaussian weight peaks on an axis of n voxels (GAUSSIAN_CENTRES in
+# autoseg.model.tiles): "middle" ((n - 1) / 2, symmetric), or "floor" (n // 2, nnU-Net v2's, for an imported model)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,11 @@ def _plans_6_to_7(payload: dict) -> dict:
     return payload
 
 
+def _plans_8_to_9(payload: dict) -> dict:
+    """Schema 9 adds ``gaussian_centre``; an earlier plan weighs its tiles by the symmetric Gaussian ("middle")."""
+    return payload
+
+
 def _plans_7_to_8(payload: dict) -> dict:
     """Schema 8 adds ``image_resampling`` and ``export_space``; an earlier plan resamples as SimpleITK does ("sitk")
     and exports probabilities, the defaults."""
@@ -149,10 +157,10 @@ def _plans_7_to_8(payload: dict) -> dict:
 class Plans(Artifact):
     # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
     # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade);
-    # 7: cpu_rates_source; 8: image_resampling, export_space
-    SCHEMA_VERSION = 8
-    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> 7 -> 8 change no key: a schema 5, 6
-    # or 7 payload is a schema 8 one, so the upgrades to 5 end at 8 too)
+    # 7: cpu_rates_source; 8: image_resampling, export_space; 9: gaussian_centre
+    SCHEMA_VERSION = 9
+    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> ... -> 9 change no key: a schema 5
+    # to 8 payload is a schema 9 one, so the upgrades to 5 end at 9 too)
     UPGRADES = {
         2: _plans_2_to_5,
         3: _plans_3_to_5,
@@ -160,6 +168,7 @@ class Plans(Artifact):
         5: _plans_5_to_6,
         6: _plans_6_to_7,
         7: _plans_7_to_8,
+        8: _plans_8_to_9,
     }
     KIND = "plans"
 
@@ -188,6 +197,9 @@ class Plans(Artifact):
     # what prediction resamples to the input's grid (EXPORT_SPACES): "probabilities", or "logits" (nnU-Net v2's
     # order, for a model imported from it: the label map is the argmax of the resampled logits)
     export_space: str = "probabilities"
+    # where the sliding window's Gaussian weight peaks (GAUSSIAN_CENTRES): "middle", or "floor" (nnU-Net v2's, for a
+    # model imported from it: on an even tile the two differ by half a voxel, and so do the blends of overlapping tiles)
+    gaussian_centre: str = "middle"
 
     @property
     def label_scheme(self) -> LabelScheme:
@@ -234,6 +246,10 @@ class Plans(Artifact):
                     f"{where}: {key} has {len(getattr(self, key))} entries for {channels} channel(s) "
                     f"{list(self.channel_names)}; give one per channel"
                 )
+        if self.gaussian_centre not in GAUSSIAN_CENTRES:
+            raise InputError(
+                f"{where}: gaussian_centre {self.gaussian_centre!r} is not one of {list(GAUSSIAN_CENTRES)}"
+            )
         if self.export_space not in EXPORT_SPACES:
             raise InputError(f"{where}: export_space {self.export_space!r} is not one of {list(EXPORT_SPACES)}")
         if self.image_resampling not in IMAGE_RESAMPLING:

@@ -160,6 +160,7 @@ def _sliding_window(
         accumulator_dtype=plan.accumulator_dtype,
         activation=scheme.activation,  # "none": the logits are resampled, the activation applied after (export)
         output_dtype=PROBABILITIES_DTYPE,
+        gaussian_centre=predictor.plans.gaussian_centre,
         agreement=compared,
     )
     return sliding_window_predict(predictor.runners, data, sliding, on_slab, agreement)

@@ -90,6 +90,24 @@ def test_gaussian_is_centred_normalized_symmetric_and_cached() -> None:
     assert gaussian_importance_map((5, 9, 8)) is g
 
 
+def test_a_floor_centred_gaussian_is_nnunets_importance_map() -> None:
+    """nnU-Net v2's map (compute_gaussian): a delta at size // 2, scipy's gaussian_filter with sigma = size / 8,
+    over its maximum; on an even axis it is not autoseg's symmetric one."""
+    from scipy.ndimage import gaussian_filter
+
+    patch = (6, 16, 15)
+    delta = np.zeros(patch)
+    delta[tuple(n // 2 for n in patch)] = 1
+    theirs = gaussian_filter(delta, [n / 8 for n in patch], mode="constant", cval=0)
+    theirs /= theirs.max()
+    ours = gaussian_importance_map(patch, dtype=torch.float64, centre="floor")
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-6, atol=1e-12)
+    assert (
+        ours[3, 8, 7].item() == 1.0 and ours[3, 0, 7] < ours[3, 15, 7]
+    )  # peaks at size // 2: 8 voxels before, 7 after
+    assert not torch.equal(gaussian_importance_map(patch, dtype=torch.float64), ours)
+
+
 def test_gaussian_has_no_zeros_when_the_dtype_underflows() -> None:
     g = gaussian_importance_map((64, 64, 64), dtype=torch.float16)
     assert g.dtype == torch.float16

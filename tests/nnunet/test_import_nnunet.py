@@ -226,7 +226,7 @@ def test_the_imported_plan_resamples_as_nnunet_and_its_checkpoints_say_so(import
         plans = Plans.from_json(model.workspace.plans_path)
         path = model.workspace.checkpoint(config, 0, "final")
         state = torch.load(path, weights_only=True)
-    assert plans.image_resampling == "skimage"
+    assert plans.image_resampling == "skimage" and plans.gaussian_centre == "floor"  # nnU-Net's importance map
     own = replace(plans, image_resampling="sitk")
     with pytest.raises(InputError, match="image_resampling: 'skimage' -> None"):
         check_trained_with(state, own, own.configuration(config), path)

@@ -87,6 +87,17 @@ def test_a_schema_7_plan_reads_with_autosegs_own_image_resampling(ws: Workspace)
         Plans.from_json(ws.plans_path)
 
 
+def test_a_schema_8_plan_reads_with_the_symmetric_gaussian(ws: Workspace) -> None:
+    payload = json.loads(ws.plans_path.read_text())
+    assert payload["gaussian_centre"] == "middle"
+    del payload["gaussian_centre"]
+    ws.plans_path.write_text(json.dumps({**payload, "schema_version": 8}))
+    assert Plans.from_json(ws.plans_path).gaussian_centre == "middle"
+    ws.plans_path.write_text(json.dumps({**payload, "gaussian_centre": "ceil"}))
+    with pytest.raises(InputError, match="gaussian_centre 'ceil' is not one of"):
+        Plans.from_json(ws.plans_path)
+
+
 def test_a_plans_json_edited_by_hand_is_kept_even_with_overwrite(ws: Workspace, tiny_dataset: Path) -> None:
     payload = json.loads(ws.plans_path.read_text())
     payload["configurations"]["3d_fullres"]["batch_size"] = 1
