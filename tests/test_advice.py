@@ -62,7 +62,7 @@ SCENARIOS: dict[tuple[str, str], str] = {
     ("autoseg/predict/archive.py", "{workspace.advice(f'train fold {untrained[0]} -c {config_name}')}"): (
         "test_untrained_folds"
     ),
-    ("autoseg/predict/predictor.py", "{workspace.advice(f'train fold 0 -c {config_name}')}"): "test_untrained_folds",
+    ("autoseg/predict/segmenter.py", "{workspace.advice(f'train fold 0 -c {config_name}')}"): "test_untrained_folds",
     ("autoseg/predict/networks.py", "{workspace.advice(f'train fold {fold} -c {config.name}')}"): (
         "test_untrained_folds"
     ),
