@@ -14,6 +14,8 @@ from autoseg.dataset.imageio import Geometry
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
+from autoseg.predict.choice import InferenceChoice
+from autoseg.predict.postprocessing import Postprocessing
 from autoseg.preprocess import store
 
 
@@ -193,4 +195,24 @@ def thick_slice_fingerprint(channel: str = "CT") -> Fingerprint:
         cases=tuple(cases),
         foreground_intensity=(IntensityProperties(mean=60.0, std=40.0, percentile_00_5=-100.0, percentile_99_5=250.0),),
         median_relative_crop_volume=0.7,
+    )
+
+
+def inference_choice(
+    configurations: tuple[str, ...], postprocessing: Postprocessing = Postprocessing()
+) -> InferenceChoice:
+    """An inference.json as `autoseg find-best` writes it, choosing ``configurations`` (fold 0, final checkpoint)
+    and ``postprocessing``, its figures placeholders."""
+    return InferenceChoice(
+        configurations=configurations,
+        folds=(0,),
+        checkpoint="final",
+        postprocessing=postprocessing,
+        cv_dice=0.5,
+        cv_dice_postprocessed=0.5,
+        class_dice={},
+        class_dice_postprocessed={},
+        steps=(),
+        candidates={},
+        num_cases=1,
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from factories import set_configuration
+from factories import inference_choice, set_configuration
 
 from autoseg.cli.main import main
 from autoseg.core.workspace import Workspace
@@ -80,22 +80,6 @@ def test_find_best_chooses_from_real_validation_outputs_and_predict_follows(
     assert len(written) == 2 and all(p.is_file() for p in written)
 
 
-def _choice(configurations: tuple[str, ...], postprocessing: Postprocessing = Postprocessing()) -> InferenceChoice:
-    return InferenceChoice(
-        configurations=configurations,
-        folds=(0,),
-        checkpoint="final",
-        postprocessing=postprocessing,
-        cv_dice=0.5,
-        cv_dice_postprocessed=0.5,
-        class_dice={},
-        class_dice_postprocessed={},
-        steps=(),
-        candidates={},
-        num_cases=1,
-    )
-
-
 def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(
     two_configs: Path, inputs: Path, tmp_path: Path
 ) -> None:
@@ -114,7 +98,7 @@ def test_an_ensemble_is_the_mean_of_its_configurations_probabilities(
     out = tmp_path / "ensemble"
     written = predict_chosen(
         ws,
-        _choice(("2d", "3d_fullres")),
+        inference_choice(("2d", "3d_fullres")),
         inputs,
         out,
         window=WINDOW,
@@ -140,7 +124,7 @@ def test_the_chosen_postprocessing_is_applied_to_each_label_map(
     plain = predict(ws, inputs, tmp_path / "plain", config_name="3d_fullres", folds=(0,), window=WINDOW, options=QUIET)
     postprocessing = Postprocessing(largest_foreground_component=True)
     chosen = predict_chosen(
-        ws, _choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen", window=WINDOW, options=QUIET
+        ws, inference_choice(("3d_fullres",), postprocessing), inputs, tmp_path / "chosen", window=WINDOW, options=QUIET
     )
     changed = 0
     for a, b in zip(sorted(plain), sorted(chosen)):
@@ -156,7 +140,7 @@ def test_cli_predict_follows_inference_json_from_the_workspace_or_a_model_archiv
     """predict -w follows inference.json (an ensemble with postprocessing); export-model packs that choice and
     predict -m on the archive writes the same label maps; -c predicts one configuration without it."""
     ws = Workspace.at(Path(shutil.copytree(two_configs, tmp_path / "ws")))
-    _choice(("2d", "3d_fullres"), Postprocessing(largest_foreground_component=True)).to_json(ws.inference_path)
+    inference_choice(("2d", "3d_fullres"), Postprocessing(largest_foreground_component=True)).to_json(ws.inference_path)
     flags = ["-i", str(inputs), "--device", "cpu", "--tta", "none"]
     assert main(["predict", "-w", str(ws.root), "-o", str(tmp_path / "a"), *flags]) == 0
     assert "following" in capsys.readouterr().out
@@ -175,7 +159,7 @@ def test_cli_predict_follows_inference_json_from_the_workspace_or_a_model_archiv
 def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, inputs: Path, tmp_path: Path) -> None:
     ws = Workspace.at(two_configs)
     out = tmp_path / "out"
-    first = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, window=WINDOW, options=QUIET)
+    first = predict_chosen(ws, inference_choice(("2d", "3d_fullres")), inputs, out, window=WINDOW, options=QUIET)
     kept = first[0]
     kept.write_bytes(kept.read_bytes())  # a marker: rewriting would change its mtime
     stamp = kept.stat().st_mtime_ns
@@ -184,7 +168,7 @@ def test_continue_skips_cases_an_ensemble_already_wrote(two_configs: Path, input
         p.unlink()
     again = predict_chosen(
         ws,
-        _choice(("2d", "3d_fullres")),
+        inference_choice(("2d", "3d_fullres")),
         inputs,
         out,
         window=WINDOW,
@@ -198,7 +182,7 @@ def test_parts_of_an_ensemble_write_what_one_run_writes(two_configs: Path, input
     scratch folder of its own (a part started afresh does not remove another's) and removed it when done."""
     from cli_checks import snapshot
 
-    ws, choice = Workspace.at(two_configs), _choice(("2d", "3d_fullres"))
+    ws, choice = Workspace.at(two_configs), inference_choice(("2d", "3d_fullres"))
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     predict_chosen(ws, choice, inputs, whole, window=WINDOW, options=QUIET)
     other_part = parts / scratch_name((2, 2)) / "2d" / "kept.npz"  # part 2's scratch while part 1 starts afresh
@@ -218,7 +202,7 @@ def test_an_ensemble_reviews_the_label_map_of_the_mean(two_configs: Path, inputs
 
     ws, out = Workspace.at(two_configs), tmp_path / "out"
     options = replace(QUIET, preview=True, statistics=True)
-    written = predict_chosen(ws, _choice(("2d", "3d_fullres")), inputs, out, window=WINDOW, options=options)
+    written = predict_chosen(ws, inference_choice(("2d", "3d_fullres")), inputs, out, window=WINDOW, options=options)
     assert sorted(p.name for p in (out / "preview").iterdir()) == ["demo_005.png", "demo_006.png"]
     cases = json.loads((out / "statistics.json").read_text())["cases"]
     assert [c["case_id"] for c in cases] == ["demo_005", "demo_006"]

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import SimpleITK as sitk
 from cli_checks import run_cli
+from factories import inference_choice
 
 import autoseg
 from autoseg.cli.main import main
@@ -23,7 +24,6 @@ from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import image_geometry
 from autoseg.plan.plans import Plans
 from autoseg.predict import segmenter as segmenter_module
-from autoseg.predict.choice import InferenceChoice
 from autoseg.predict.image_input import image_input
 from autoseg.predict.postprocessing import Postprocessing
 from autoseg.predict.probabilities import read_probabilities
@@ -94,27 +94,11 @@ def test_a_model_archive_segments_as_its_workspace_and_its_folder_goes_with_clos
     )
 
 
-def _choice(configurations: tuple[str, ...], postprocessing: Postprocessing) -> InferenceChoice:
-    return InferenceChoice(
-        configurations=configurations,
-        folds=(0,),
-        checkpoint="final",
-        postprocessing=postprocessing,
-        cv_dice=0.5,
-        cv_dice_postprocessed=0.5,
-        class_dice={},
-        class_dice_postprocessed={},
-        steps=(),
-        candidates={},
-        num_cases=1,
-    )
-
-
 def test_a_followed_inference_json_postprocesses_as_the_cli_and_an_ensemble_is_refused(
     trained: Path, tiny_dataset: Path, tmp_path: Path, capsys
 ) -> None:
     ws = Path(shutil.copytree(trained, tmp_path / "ws"))
-    _choice(("3d_fullres",), Postprocessing(largest_foreground_component=True)).to_json(ws / "inference.json")
+    inference_choice(("3d_fullres",), Postprocessing(largest_foreground_component=True)).to_json(ws / "inference.json")
     out = tmp_path / "out"
     assert run_cli(capsys, "predict", "-i", tiny_dataset / "imagesTs", "-o", out, "-w", ws, "--no-mirror").status == 0
     with autoseg.Segmenter.load(ws, window=NO_MIRROR) as following:
@@ -124,7 +108,7 @@ def test_a_followed_inference_json_postprocesses_as_the_cli_and_an_ensemble_is_r
         assert unfollowed.postprocessing.is_identity
         plain = sitk.GetArrayFromImage(unfollowed.predict(_image(tiny_dataset)))
     assert (plain != labels).any()  # the postprocessing changes this label map: the comparison above can fail
-    _choice(("3d_fullres", "2d"), Postprocessing()).to_json(ws / "inference.json")
+    inference_choice(("3d_fullres", "2d"), Postprocessing()).to_json(ws / "inference.json")
     with pytest.raises(InputError, match="an ensemble of 3d_fullres and 2d, which Segmenter does not predict"):
         autoseg.Segmenter.load(ws, window=NO_MIRROR)
 
