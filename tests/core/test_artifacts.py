@@ -190,11 +190,11 @@ def test_written_files_get_umask_permissions_not_0600(tmp_path: Path) -> None:
 
 
 def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) -> None:
-    """A workspace planned before plans schema 7 (no cpu_rates_source nor image_resampling), 5 (also no
-    network.blocks_per_stage), 4 (also no inference_patch_size) or 3 (also network.num_classes, no architecture) still
-    loads, equal to the same plan
-    written now: rates of no stated source, a plain U-Net, with the training patch as its inference tile; a version
-    with no upgrade still fails naming the file."""
+    """A workspace planned before plans schema 7 (no cpu_rates_source, image_resampling, export_space nor
+    gaussian_centre), 5 (also no network.blocks_per_stage), 4 (also no inference_patch_size) or 3 (also
+    network.num_classes, no architecture) still loads, equal to the same plan written now: rates of no stated source,
+    a plain U-Net, with the training patch as its inference tile; a version with no upgrade still fails naming the
+    file."""
     from factories import tiny_plans
 
     from autoseg.plan.plans import Plans
@@ -204,6 +204,7 @@ def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) ->
     payload = json.loads((tmp_path / "plans.json").read_text())
     payload["schema_version"] = 6
     assert payload.pop("cpu_rates_source") == "" and payload.pop("image_resampling") == "sitk"
+    assert payload.pop("export_space") == "probabilities" and payload.pop("gaussian_centre") == "middle"
     (tmp_path / "v6.json").write_text(json.dumps(payload))
     assert Plans.from_json(tmp_path / "v6.json") == plans
     payload["schema_version"] = 4
@@ -224,5 +225,7 @@ def test_plans_of_earlier_schemas_are_read_as_the_current_one(tmp_path: Path) ->
     assert Plans.from_json(tmp_path / "old.json") == plans
     payload["schema_version"] = 1
     (tmp_path / "older.json").write_text(json.dumps(payload))
-    with pytest.raises(ArtifactError, match=r"older.json: plans schema_version 1 is not the supported 8"):
+    with pytest.raises(
+        ArtifactError, match=rf"older.json: plans schema_version 1 is not the supported {Plans.SCHEMA_VERSION}"
+    ):
         Plans.from_json(tmp_path / "older.json")
