@@ -71,6 +71,7 @@ def predict_archive(archive: Path, inputs: Path, tta: str, row: Row, work: Path,
     """``autoseg predict -m archive`` of ``inputs`` in ``row``'s runtime and precision, measured in a fresh process."""
     out = work / "out" / name
     args = ["predict", "-i", str(inputs), "-o", str(out), "-m", str(archive), "--device", "cpu", "--tta", tta]
+    args.append("--no-uncertainty")  # nnU-Net compares no mirror variants: the same work on both sides
     r = run_predictor("autoseg", [*args, "--verbose", *row.predict_args()], sys.executable, None, work, name)
     return {**r, **parse_autoseg_log(r["log"].read_text()), "out": out}
 
