@@ -68,6 +68,14 @@ def read_json(path: Path) -> dict:
     return data
 
 
+# How nnU-Net's own prediction runs where autoseg's plan names a choice (``Plans`` fields), for an imported model
+NNUNET_PREDICTION = {
+    "image_resampling": "skimage",  # nnU-Net's resample_data_or_seg_to_shape resizes with skimage
+    "export_space": "logits",  # nnU-Net resamples the averaged logits, then applies softmax / sigmoid and argmax
+    "gaussian_centre": "floor",  # nnU-Net's importance map: a delta at size // 2, Gaussian-filtered
+}
+
+
 def read_model_folder(folder: Path, previous_stage: Path | None = None) -> NnunetModel:
     """The model folder ``folder`` as an autoseg plan of its configuration (the folder name's last ``__`` part); a
     cascade stage (``previous_stage`` in plans.json) with its previous stage's model folder ``previous_stage`` as a
@@ -120,9 +128,7 @@ def read_model_folder(folder: Path, previous_stage: Path | None = None) -> Nnune
         gpu_memory_bytes=0,
         host_ram_bytes=0,
         regions_class_order=regions,
-        image_resampling="skimage",  # nnU-Net's resample_data_or_seg_to_shape resizes with skimage
-        export_space="logits",  # nnU-Net resamples the averaged logits, then applies softmax / sigmoid and argmax
-        gaussian_centre="floor",  # nnU-Net's importance map: a delta at size // 2, Gaussian-filtered
+        **NNUNET_PREDICTION,
     )
     model = NnunetModel(folder, config_name, plans, _fingerprint(fingerprint_json, plans, folder), _folds(folder), axes)
     if stage:
