@@ -3,6 +3,7 @@ predictions of two test cases): where each model folder lies, writable copies, a
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -40,3 +41,29 @@ def agreement(ours: np.ndarray, theirs: np.ndarray, labels: range) -> tuple[floa
         total = (ours == k).sum() + (theirs == k).sum()
         dice.append(1.0 if total == 0 else float(2 * ((ours == k) & (theirs == k)).sum() / total))
     return agree, dice
+
+
+def edit_plans(folder: Path, edit) -> None:
+    """Apply ``edit`` to the plans.json configuration that the model folder ``folder`` names."""
+    plans = json.loads((folder / "plans.json").read_text())
+    edit(plans["configurations"][folder.name.rsplit("__", 1)[-1]])
+    (folder / "plans.json").write_text(json.dumps(plans))
+
+
+def older_layout(class_name: str, encoder_key: str):
+    """An ``edit_plans`` edit writing a configuration in the plans layout before nnU-Net 2.4: the class in
+    ``UNet_class_name``, the sizes as keys of their own, ``n_conv_per_stage_encoder`` taken from ``encoder_key``."""
+
+    def older(config: dict) -> None:
+        kwargs = config.pop("architecture")["arch_kwargs"]
+        config |= {
+            "UNet_class_name": class_name,
+            "UNet_base_num_features": kwargs["features_per_stage"][0],
+            "unet_max_num_features": kwargs["features_per_stage"][-1],
+            "conv_kernel_sizes": kwargs["kernel_sizes"],
+            "pool_op_kernel_sizes": kwargs["strides"],
+            "n_conv_per_stage_encoder": kwargs[encoder_key],
+            "n_conv_per_stage_decoder": kwargs["n_conv_per_stage_decoder"],
+        }
+
+    return older

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from cli_checks import assert_refused, run_cli
-from nnunet_fixture import CASES, FIXTURE, agreement, copied, model_folder
+from nnunet_fixture import CASES, FIXTURE, agreement, copied, edit_plans, model_folder, older_layout
 
 from autoseg.cli.main import main
 from autoseg.core.errors import InputError
@@ -105,19 +105,7 @@ def test_the_plan_reproduces_nnunets_preprocessing_settings() -> None:
 
 def test_the_older_plans_layout_gives_the_same_network(tmp_path: Path) -> None:
     folder = copied("3d_fullres", tmp_path)
-    plans = json.loads((folder / "plans.json").read_text())
-    config = plans["configurations"]["3d_fullres"]
-    kwargs = config.pop("architecture")["arch_kwargs"]
-    config |= {
-        "UNet_class_name": "PlainConvUNet",
-        "UNet_base_num_features": kwargs["features_per_stage"][0],
-        "unet_max_num_features": kwargs["features_per_stage"][-1],
-        "conv_kernel_sizes": kwargs["kernel_sizes"],
-        "pool_op_kernel_sizes": kwargs["strides"],
-        "n_conv_per_stage_encoder": kwargs["n_conv_per_stage"],
-        "n_conv_per_stage_decoder": kwargs["n_conv_per_stage_decoder"],
-    }
-    (folder / "plans.json").write_text(json.dumps(plans))
+    edit_plans(folder, older_layout("PlainConvUNet", "n_conv_per_stage"))
     old = read_model_folder(folder).plans.configuration("3d_fullres").network
     assert old == read_model_folder(model_folder("3d_fullres")).plans.configuration("3d_fullres").network
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from cli_checks import assert_refused, run_cli
-from nnunet_fixture import CASES, FIXTURE, agreement, copied, model_folder
+from nnunet_fixture import CASES, FIXTURE, agreement, copied, edit_plans, model_folder, older_layout
 
 from autoseg.cli.main import main
 from autoseg.core.errors import InputError
@@ -115,30 +115,12 @@ def test_a_resenc_checkpoint_missing_a_key_is_refused_naming_it(tmp_path: Path) 
         import_nnunet(folder, tmp_path / "model.zip")
 
 
-def _edit_plans(folder: Path, edit) -> None:
-    plans = json.loads((folder / "plans.json").read_text())
-    edit(plans["configurations"][folder.name.rsplit("__", 1)[-1]])
-    (folder / "plans.json").write_text(json.dumps(plans))
-
-
 def test_the_older_plans_layout_gives_the_same_resenc_network(tmp_path: Path) -> None:
     """nnU-Net before 2.4 named the class in ``UNet_class_name`` and a ResidualEncoderUNet's blocks per stage in
     ``n_conv_per_stage_encoder``."""
     folder = copied(RESENC, tmp_path)
 
-    def older(config: dict) -> None:
-        kwargs = config.pop("architecture")["arch_kwargs"]
-        config |= {
-            "UNet_class_name": "ResidualEncoderUNet",
-            "UNet_base_num_features": kwargs["features_per_stage"][0],
-            "unet_max_num_features": kwargs["features_per_stage"][-1],
-            "conv_kernel_sizes": kwargs["kernel_sizes"],
-            "pool_op_kernel_sizes": kwargs["strides"],
-            "n_conv_per_stage_encoder": kwargs["n_blocks_per_stage"],
-            "n_conv_per_stage_decoder": kwargs["n_conv_per_stage_decoder"],
-        }
-
-    _edit_plans(folder, older)
+    edit_plans(folder, older_layout("ResidualEncoderUNet", "n_blocks_per_stage"))
     old = read_model_folder(folder).plans.configuration("3d_fullres").network
     new = read_model_folder(model_folder(RESENC)).plans.configuration("3d_fullres").network
     assert old == new and new.architecture == "residual_encoder_unet" and new.blocks_per_stage == (1, 2, 2)
@@ -147,7 +129,7 @@ def test_the_older_plans_layout_gives_the_same_resenc_network(tmp_path: Path) ->
 def test_a_resenc_with_bottleneck_blocks_is_refused_naming_it(tmp_path: Path) -> None:
     folder = copied(RESENC, tmp_path)
     block = "dynamic_network_architectures.building_blocks.residual.BottleneckD"
-    _edit_plans(folder, lambda c: c["architecture"]["arch_kwargs"].update(block=block))
+    edit_plans(folder, lambda c: c["architecture"]["arch_kwargs"].update(block=block))
     with pytest.raises(InputError, match=r"ResidualEncoderUNet's block .*BottleneckD \(autoseg: BasicBlockD\)"):
         import_nnunet(folder, tmp_path / "model.zip")
 
