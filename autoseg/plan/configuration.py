@@ -170,6 +170,21 @@ def configuration(
     settings = candidate_settings(budget, len(space.median_shape))
     limits, source = step_limits(budget, settings[0].precision)
     setting, chosen, limited_by, notes = _choose(name, space, settings, limits, budget, peak_fn, check_fn)
+    notes += _limit_notes(chosen, limited_by, budget, limits, source)
+    return ConfigurationPlan(
+        name=name,
+        spacing_mm=spacing_mm,
+        median_shape_zyx=tuple(median_shape_zyx),
+        limited_by=limited_by,
+        notes=notes,
+        **chosen_fields(chosen, setting, budget, model_backed),
+    )
+
+
+def chosen_fields(chosen: Candidate, setting: Setting, budget: Budget, model_backed: bool) -> dict:
+    """The ``ConfigurationPlan`` fields a search's ``chosen`` candidate in ``setting`` decides: patch, batch,
+    accumulation, network, precision, checkpointing, device, the memory terms (``memory_terms``; a test's own
+    ``peak_fn``, not ``model_backed``: its peak alone) and the predicted time and FLOPs of an iteration."""
     memory = (
         memory_terms(
             chosen.topology,
@@ -183,11 +198,7 @@ def configuration(
         if model_backed
         else {"predicted_peak_bytes": float(chosen.peak_bytes)}
     )
-    notes += _limit_notes(chosen, limited_by, budget, limits, source)
-    return ConfigurationPlan(
-        name=name,
-        spacing_mm=spacing_mm,
-        median_shape_zyx=tuple(median_shape_zyx),
+    return dict(
         patch_size=chosen.patch,
         batch_size=chosen.batch,
         accumulation_steps=chosen.accumulation_steps,
@@ -198,8 +209,6 @@ def configuration(
         memory=memory,
         predicted_seconds_per_iteration=chosen.seconds,
         flops_per_iteration=chosen.flops,
-        limited_by=limited_by,
-        notes=notes,
     )
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from autoseg.core.errors import InputError
 from autoseg.core.units import MiB
 from autoseg.plan.budget import Budget
-from autoseg.plan.configuration import candidate_settings, memory_terms, model_peak_fn, step_limits
+from autoseg.plan.configuration import candidate_settings, chosen_fields, model_peak_fn, step_limits
 from autoseg.plan.patch_search import SearchSpace, largest_batch
 from autoseg.plan.plans import ConfigurationPlan
 from autoseg.plan.step_cost import Candidate, PeakFn, Setting, StepCost
@@ -65,29 +65,13 @@ def like_configuration(
             break
     else:
         raise InputError(_too_small(name, source, patch, settings[-1], tried[-1], budget))
-    memory = (
-        memory_terms(
-            topology, batch, patch, setting.precision, setting.checkpointing, chosen.accumulation_steps, budget.device
-        )
-        if model_backed
-        else {"predicted_peak_bytes": float(chosen.peak_bytes)}
-    )
     return ConfigurationPlan(
         name=name,
         spacing_mm=spacing_mm,
         median_shape_zyx=tuple(median_shape_zyx),
-        patch_size=patch,
-        batch_size=chosen.batch,
-        accumulation_steps=chosen.accumulation_steps,
-        network=topology,
-        precision=setting.precision,
-        checkpointing=setting.checkpointing,
-        device=budget.device,
-        memory=memory,
-        predicted_seconds_per_iteration=chosen.seconds,
-        flops_per_iteration=chosen.flops,
         limited_by=LIKE_MODEL,
         notes=_notes(model, source, setting, chosen, rates_source),
+        **chosen_fields(chosen, setting, budget, model_backed),
     )
 
 
