@@ -45,6 +45,7 @@ from autoseg.predict.probabilities import (
     mean_probabilities,
     write_probabilities,
 )
+from autoseg.predict.segmenter import model_input
 from autoseg.predict.window import WindowOptions
 
 log = logging.getLogger("autoseg")
@@ -85,7 +86,7 @@ def predict_chosen(
     # an ensemble of configurations has no per-case uncertainty (each configuration predicts its probabilities)
     options = replace(options, uncertainty=replace(options.uncertainty, enabled=False, save_map=False))
     scratch = output_dir / scratch_name(options.part)
-    found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
+    found = prediction_inputs(model_input(workspace, plans), inputs, options.series, options.part)
     check_dicom_output(found.cases, options.output_format)  # before any configuration predicts
     done = frozenset(
         c.case_id

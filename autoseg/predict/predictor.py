@@ -36,7 +36,6 @@ from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
-from autoseg.plan.plans import Plans
 from autoseg.predict import uncertainty as case_uncertainty
 from autoseg.predict.case import (
     PROBABILITIES_BYTES,
@@ -46,6 +45,7 @@ from autoseg.predict.case import (
     predict_probabilities,
 )
 from autoseg.predict.case_review import CaseReview, review_paths
+from autoseg.predict.image_input import ModelInput
 from autoseg.predict.networks import Predictor
 from autoseg.predict.outputs import case_outputs, every_output
 from autoseg.predict.pipeline import (
@@ -57,7 +57,7 @@ from autoseg.predict.pipeline import (
     plan_pipeline,
 )
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing
-from autoseg.predict.segmenter import Segmenter, model_input, prediction_threads, resolve_model
+from autoseg.predict.segmenter import Segmenter, prediction_threads, resolve_model
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
 
@@ -115,9 +115,9 @@ def predict(
         segmenter = Segmenter.of(workspace, plans, config, folds, checkpoint, window, options.postprocessing)
         review = CaseReview(output_dir, plans.label_scheme, plans.channel_names, options.preview, options.statistics)
         resolved = case_uncertainty.resolve(segmenter.predictor, options.uncertainty, options.save_probabilities)
-        options = replace(options, uncertainty=resolved, postprocessing=segmenter.postprocessing)
+        options = replace(options, uncertainty=resolved)
         segment, memory = _case_steps(segmenter, options, review)
-        found = prediction_inputs(workspace, plans, inputs, options.series, options.part)
+        found = prediction_inputs(segmenter.model_input, inputs, options.series, options.part)
         check_dicom_output(found.cases, options.output_format)
         if options.fail_fast:
             found.raise_problems()
@@ -347,12 +347,11 @@ def _write_case(
 
 
 def prediction_inputs(
-    workspace: Workspace, plans: Plans, inputs: str | Path, series: str | None, part: tuple[int, int] | None = None
+    trained: ModelInput, inputs: str | Path, series: str | None, part: tuple[int, int] | None = None
 ) -> PredictionInputs:
-    """The cases of ``inputs`` for this workspace's model, from their headers (``list_prediction_inputs``; the
-    image dimension and the spacing checked against the images trained on, ``fingerprint.json``); with ``part``
-    (I, N), only part I of N of them (``PredictionInputs.part``), said in the log."""
-    trained = model_input(workspace, plans)  # the images trained on: dimension, median spacing
+    """The cases of ``inputs`` for the model that takes ``trained`` (``model_input``), from their headers
+    (``list_prediction_inputs``; the channel count, and the image dimension and spacing against the images trained
+    on); with ``part`` (I, N), only part I of N of them (``PredictionInputs.part``), said in the log."""
     found = list_prediction_inputs(
         inputs, len(trained.channel_names), None, trained.image_dim, series, trained.spacing_mm
     )
