@@ -17,11 +17,12 @@ from autoseg.model.tile_runner import WorkingBytesSource
 from autoseg.model.tiles import tile_layout
 from autoseg.model.tta import mirror_variants
 
-# CPU: a forward pass of 2-4 tiles is much faster per tile than one of 1, one of 8 no faster than one of 4
-# (docs/memory.md)
+# CPU: with every convolution in oneDNN (autoseg.model.cpu_conv) a tile costs about the same alone or batched; only
+# small tiles gain from a batch, their per-forward overhead shared (16x40x48: 27 ms a tile alone, 23 in fours; 16x64x64
+# 25 vs 23; 32x112x112 387 alone, 468 in fours; docs/prediction.md "oneDNN at a tile batch of 1")
 CPU_MAX_TILE_BATCH = 4
-# CPU: a batch gains nothing beyond about this many voxels (4 tiles of 16x40x40, where it was measured); a larger
-# tile is batched less (a 48x192x160 tile: 1), so its activations are not held 4 times for no speed
+# CPU: a batch gains nothing beyond about this many voxels (4 tiles of 16x40x40); a larger tile is batched less (a
+# 16x64x64 or larger tile: 1), so its activations are not held several times for no speed
 CPU_BATCH_VOXELS = CPU_MAX_TILE_BATCH * 16 * 40 * 40
 
 

@@ -27,14 +27,22 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from autoseg.model.cpu_conv import ONEDNN_CONV_OP
+
 NETWORK_TAG = "network"  # tensors created in a forward pass outside any tagged module
-_CONV_NAMES = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose")
-IM2COL_MAX_CHANNELS = 8  # 3D convolutions with 1 to 8 input channels run through im2col on the CPU
+# ONEDNN_CONV_OP: inference's direct call of oneDNN (autoseg.model.cpu_conv), never im2col
+_CONV_NAMES = ("convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose", ONEDNN_CONV_OP)
+IM2COL_MAX_CHANNELS = 8  # torch's 3D convolutions with 1 to 8 input channels run through im2col on the CPU
 CHANNEL_BLOCK = 16  # oneDNN computes a convolution's output channels in blocks of this many
 
 
 def cpu_conv_scratch_bytes(
-    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, transposed: bool, backward: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    transposed: bool,
+    backward: bool = False,
+    onednn: bool = False,
 ) -> int:
     """The bytes a CPU convolution holds beyond its input and output while it runs (oneDNN's copies), as measured
     on torch 2.13's CPU wheel (peak RSS above the output, ``tests/memory/test_conv_scratch.py``; docs/memory.md
@@ -43,10 +51,11 @@ def cpu_conv_scratch_bytes(
     max(input, output) plus the output's channels rounded up to ``CHANNEL_BLOCK`` (a 32-channel map into a
     2-channel head: the map + 16 channels of the head's output). ``backward`` (``out`` the forward's output, i.e.
     the gradient's shape): the same im2col buffer, else input + output + that channel padding, a transposed one's
-    too (blocked copies of the input and the output's gradient)."""
+    too (blocked copies of the input and the output's gradient). ``onednn``: oneDNN called directly
+    (``autoseg.model.cpu_conv.conv3d_onednn``, inference): never im2col, whatever the channels and the batch."""
     out_bytes, in_bytes = out.numel() * out.element_size(), x.numel() * x.element_size()
     per_channel = out_bytes // out.shape[1]
-    if not transposed and x.ndim == 5 and x.shape[1] <= IM2COL_MAX_CHANNELS:
+    if not onednn and not transposed and x.ndim == 5 and x.shape[1] <= IM2COL_MAX_CHANNELS:
         return x.shape[1] * weight[0, 0].numel() * per_channel
     if transposed and not backward:
         return 2 * out_bytes
@@ -104,7 +113,8 @@ class StorageTracker(TorchDispatchMode):
                 self.largest_conv_output_bytes = max(self.largest_conv_output_bytes, conv_bytes)
                 if self.cpu_conv_scratch:
                     transposed = name.startswith("conv_transpose") or (name.startswith(_CONV_NAMES[:2]) and args[6])
-                    self._transient(cpu_conv_scratch_bytes(args[0], args[1], t, bool(transposed)))
+                    onednn = name.startswith(ONEDNN_CONV_OP)
+                    self._transient(cpu_conv_scratch_bytes(args[0], args[1], t, bool(transposed), onednn=onednn))
         if self.cpu_conv_scratch and name.startswith("convolution_backward"):
             # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, ...)
             self._transient(cpu_conv_scratch_bytes(args[1], args[2], args[0], bool(args[7]), backward=True))

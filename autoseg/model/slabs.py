@@ -28,12 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoseg.core.units import MiB
+from autoseg.model.cpu_conv import conv3d
 
 # A slab's input or output at most: a large convolution then holds about half of what it holds whole, bitwise the
 # same output, for some more time (the halo and the copies; docs/memory.md)
 SLAB_BYTES = 32 * MiB
 
-_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: conv3d}  # 3D: oneDNN's kernel at a batch of 1 too (autoseg.model.cpu_conv)
 _TRANSPOSED = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 _TRANSPOSED_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 

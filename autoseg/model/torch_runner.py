@@ -1,8 +1,9 @@
 """A torch module as a ``TileRunner`` (``autoseg.model.tile_runner``): the folds' networks as prediction runs them.
 
 Each tile batch runs in eval mode (the module's mode is restored afterwards), under ``inference_mode`` and the
-precision's autocast, with the large convolutions in slabs on the CPU (``autoseg.model.slabs``); a deep-supervision
-network's outputs are reduced to the full-resolution one.
+precision's autocast, with the large convolutions in slabs on the CPU (``autoseg.model.slabs``) and every fp32 3D
+convolution through oneDNN there (``autoseg.model.cpu_conv``); a deep-supervision network's outputs are reduced to
+the full-resolution one.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from autoseg.core.precision import autocast_dtype
+from autoseg.model.cpu_conv import onednn_convolutions
 from autoseg.model.slabs import slabs_on
 from autoseg.model.tile_runner import TileBatchBytes, WorkingBytesSource
 
@@ -55,6 +57,7 @@ class TorchTileRunner:
             torch.inference_mode(),
             _autocast(self.precision, tile_batch.device),
             slabs_on([self.module], self.device),  # CPU: large convolutions in slabs
+            onednn_convolutions([self.module], self.device),  # CPU: oneDNN's kernels at a tile batch of 1 too
             _in_eval_mode(self.module),
         ):
             out = self.module(tile_batch)

@@ -32,6 +32,13 @@ CASES = [  # name, input shape, weight shape, transposed, stride, measured backw
     ("2D 1 -> 32 (no im2col in 2D)", (1, 1, 384, 384), (32, 1, 3, 3), False, 1, False),
     ("2D 32 -> 5 head", (1, 32, 384, 384), (5, 32, 1, 1), False, 1, True),
 ]
+# inference on the CPU calls oneDNN directly (autoseg.model.cpu_conv): no im2col at a batch of 1, any channels
+ONEDNN_CASES = [
+    ("oneDNN 3D 1 -> 8 (output channels in blocks of 16)", (1, 1, 16, 64, 64), (8, 1, 3, 3, 3), False, 1, False),
+    ("oneDNN 3D 4 -> 32 (its output)", (1, 4, 16, 48, 48), (32, 4, 3, 3, 3), False, 1, False),
+    ("oneDNN 3D 16 -> 16, a small tile (its output)", (1, 16, 8, 64, 64), (16, 16, 3, 3, 3), False, 1, False),
+    ("oneDNN 3D 2 -> 32 (its output)", (1, 2, 32, 112, 112), (32, 2, 3, 3, 3), False, 1, False),
+]
 
 _MEASURE = r"""
 import json, sys
@@ -39,16 +46,19 @@ import torch
 from torch.nn import functional as F
 from autoseg.core.resources import peak_rss_bytes, process_rss_bytes, reset_peak_rss
 from autoseg.memory.tracker import cpu_conv_scratch_bytes
+from autoseg.model.cpu_conv import conv3d_onednn
 
 torch.set_num_threads(2)
 results = []
-backward = sys.argv[2] == "backward"
+backward, onednn = sys.argv[2] == "backward", sys.argv[2] == "onednn"
 for name, x_shape, w_shape, transposed, stride, _ in json.loads(sys.argv[1]):
     x, w = torch.randn(x_shape, requires_grad=backward), (torch.randn(w_shape) * 0.01).requires_grad_(backward)
     dim = len(x_shape) - 2
     if transposed:
         conv = [F.conv_transpose2d, F.conv_transpose3d][dim - 2]
         run = lambda: conv(x, w, stride=stride)
+    elif onednn:
+        run = lambda: conv3d_onednn(x, w, None, [1, 1, 1], [k // 2 for k in w_shape[2:]], [1, 1, 1], 1)
     else:
         conv = [F.conv2d, F.conv3d][dim - 2]
         run = lambda: conv(x, w, padding=tuple(k // 2 for k in w_shape[2:]))
@@ -68,16 +78,17 @@ for name, x_shape, w_shape, transposed, stride, _ in json.loads(sys.argv[1]):
             reset_peak_rss()
             out = run()
             measured = peak_rss_bytes() - before - out.numel() * out.element_size()
-    results.append([name, measured, cpu_conv_scratch_bytes(x, w, out, transposed, backward)])
+    results.append([name, measured, cpu_conv_scratch_bytes(x, w, out, transposed, backward, onednn)])
     del x, w, out
 print(json.dumps(results))
 """
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's /proc peak-RSS reset")
-@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("direction", ["forward", "backward", "onednn"])
 def test_the_modelled_cpu_convolution_scratch_matches_the_measured_peak_rss(direction):
-    cases = CASES if direction == "forward" else [case for case in CASES if case[-1]]
+    """``onednn``: the forward as inference runs it on the CPU (``conv3d_onednn``)."""
+    cases = {"forward": CASES, "backward": [case for case in CASES if case[-1]], "onednn": ONEDNN_CASES}[direction]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "2"}
     done = subprocess.run(
         [sys.executable, "-c", _MEASURE, json.dumps(cases), direction],

@@ -189,9 +189,11 @@ def test_accumulator_moves_to_the_host_when_it_does_not_fit_beside_a_tile():
     # on CUDA a copy of the image; on CPU the image itself is read (no padding), and the output is beside it
     assert on_device.padded_input_bytes == TOPO3D.in_channels * math.prod(shape) * 4 and on_cpu.padded_input_bytes == 0
     assert on_cpu.output_bytes == output and on_cpu.host_accumulator_bytes == 0
-    # on CPU a tile also holds each convolution's hidden buffers (cpu_conv_scratch_bytes): here more than finishing
-    assert on_cpu.tile_bytes > on_device.tile_bytes and on_cpu.tile_bytes > on_cpu.softmax_temp_bytes
-    assert on_cpu.peak_bytes == (on_cpu.parameter_bytes + on_cpu.output_bytes + held + on_cpu.tile_bytes)
+    # on CPU a tile also holds each convolution's hidden buffers (cpu_conv_scratch_bytes); the peak is a tile batch
+    # or finishing, whichever holds more
+    assert on_cpu.tile_bytes > on_device.tile_bytes
+    largest = max(on_cpu.tile_bytes, on_cpu.softmax_temp_bytes)
+    assert on_cpu.peak_bytes == on_cpu.parameter_bytes + on_cpu.output_bytes + held + largest
     streamed = inference_memory(InferenceSetting(TOPO3D, patch, shape, 3, mirror_axes=(0, 1, 2), output_dtype=None), 1)
     assert on_cpu.peak_bytes - streamed.peak_bytes == output and streamed.accumulator_depth == 8
     budget = predict_device_peak(on_device, "cuda")["total"] - 1  # the accumulator no longer fits beside a tile
