@@ -35,9 +35,8 @@ from _cases import case_geometry, ellipsoid, jittered_shape
 from scipy import ndimage
 
 FILE_ENDING = ".nii.gz"
-AIR_HU, BODY_HU, ORGAN_HU, TUBE_HU, NOISE_HU, TEXTURE_HU = -1000.0, 40.0, 90.0, 200.0, 12.0, 6.0
-LESION_BELOW_ORGAN_HU = 30.0  # lesions are hypodense on CT: visible inside the organ, hardly outside it
-BODY_SUV, ORGAN_SUV, TUBE_SUV, LESION_SUV = 1.0, 2.0, 1.6, (5.0, 10.0)
+AIR_HU, BODY_HU, ORGAN_HU, TEXTURE_HU = -1000.0, 40.0, 90.0, 6.0
+BODY_SUV, ORGAN_SUV, TUBE_SUV = 1.0, 2.0, 1.6
 PET_BLUR_VOX = (0.3, 1.0, 1.0)  # (z, y, x) sigma: about 1 mm in-plane, as a reconstructed PET after resampling
 PET_NOISE_SHAPE = 16.0  # gamma shape of the multiplicative noise: mean 1, coefficient of variation 0.25
 CHILD_TURN_DEG = (30.0, 60.0)  # each child turns this far from its parent, one left, one right
@@ -58,10 +57,27 @@ class StructureOptions:
     tube_width_vox: tuple[int, int] = (1, 3)  # the narrowest (leaves) and widest (root) segment, in voxels
     lesions: tuple[int, int] = (2, 5)  # lesions per case; (0, 0): no lesions label
     lesion_mm: tuple[float, float] = (3.0, 10.0)  # lesion diameters
+    # contrast: near the floor a model must learn from, so that thin and small structures take many iterations
+    tube_hu: float = 120.0  # the tubes on CT (the body is 40 HU)
+    lesion_below_organ_hu: float = 20.0  # lesions are hypodense on CT: visible inside the organ, hardly outside it
+    lesion_suv: tuple[float, float] = (3.0, 6.0)  # lesion uptake on PET (the organ 2, the body 1)
+    noise_hu: float = 20.0  # CT noise, Gaussian, per voxel
+    # CT partial volume: the tissue map blurred (sigma in voxels, z y x) before texture and noise; a 1-voxel tube
+    # keeps about 60% of its contrast at 0.6 voxels in-plane
+    ct_blur_vox: tuple[float, float, float] = (0.3, 0.6, 0.6)
 
 
+# the contrasts of the first version (commit a75ec1d): tubes at 13 noise sigmas, every target met in 30 minutes
+EASY_CONTRAST = {
+    "tube_hu": 200.0,
+    "lesion_below_organ_hu": 30.0,
+    "lesion_suv": (5.0, 10.0),
+    "noise_hu": 12.0,
+    "ct_blur_vox": (0.0, 0.0, 0.0),
+}
 PRESETS = {
     "small-structures": StructureOptions(),
+    "small-structures-easy": StructureOptions(**EASY_CONTRAST),
     "slabs": StructureOptions(
         shape_zyx=(16, 224, 224), z_mm=(6.0, 8.0), trees=0, lesions=(1, 3), lesion_mm=(15.0, 30.0)
     ),
@@ -146,7 +162,7 @@ def synthesize_case(options: StructureOptions, seed: int, index: int) -> Structu
     lesions, diameters = draw_lesions(rng, (organ, tubes), coords, inner_body, options)
     if options.lesions[1]:
         label[lesions > 0] = label_of["lesions"]
-    ct, pet = _channels(rng, label, body, lesions, label_of)
+    ct, pet = _channels(rng, (label, body, lesions), label_of, options)
     return StructureCase(ct, pet, label, spacing, branches, diameters)
 
 
@@ -274,18 +290,26 @@ def _place_sphere(
 
 
 def _channels(
-    rng: np.random.Generator, label: np.ndarray, body: np.ndarray, lesions: np.ndarray, label_of: dict[str, int]
+    rng: np.random.Generator,
+    maps: tuple[np.ndarray, np.ndarray, np.ndarray],
+    label_of: dict[str, int],
+    options: StructureOptions,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """(CT int16 HU, PET float32 SUV) of a label map: tissue values, CT texture and noise, PET blur and noise."""
+    """(CT int16 HU, PET float32 SUV) of ``maps`` = (label map, body mask, lesion ids): tissue values, CT partial
+    volume, texture and noise, PET blur and noise."""
+    label, body, lesions = maps
     organ, tubes = label == label_of["organ"], label == label_of.get("tubes", -1)
     ct = np.where(body, BODY_HU, AIR_HU).astype(np.float32)
-    ct[organ], ct[tubes], ct[lesions > 0] = ORGAN_HU, TUBE_HU, ORGAN_HU - LESION_BELOW_ORGAN_HU
+    ct[organ], ct[tubes] = ORGAN_HU, options.tube_hu
+    ct[lesions > 0] = ORGAN_HU - options.lesion_below_organ_hu
+    if any(options.ct_blur_vox):
+        ct = ndimage.gaussian_filter(ct, sigma=options.ct_blur_vox)
     texture = ndimage.gaussian_filter(rng.standard_normal(label.shape, dtype=np.float32), sigma=(0.5, 2.0, 2.0))
     ct += body * texture * (TEXTURE_HU / max(float(texture.std()), 1e-6))
-    ct += rng.standard_normal(label.shape, dtype=np.float32) * NOISE_HU
+    ct += rng.standard_normal(label.shape, dtype=np.float32) * np.float32(options.noise_hu)
     suv = body * np.float32(BODY_SUV)
     suv[organ], suv[tubes] = ORGAN_SUV, TUBE_SUV
-    lesion_suv = np.concatenate([[0.0], rng.uniform(*LESION_SUV, size=int(lesions.max()))]).astype(np.float32)
+    lesion_suv = np.concatenate([[0.0], rng.uniform(*options.lesion_suv, size=int(lesions.max()))]).astype(np.float32)
     suv = np.where(lesions > 0, lesion_suv[lesions], suv)
     noise = rng.gamma(PET_NOISE_SHAPE, 1 / PET_NOISE_SHAPE, size=label.shape).astype(np.float32)
     pet = ndimage.gaussian_filter(suv, sigma=PET_BLUR_VOX) * noise * body
