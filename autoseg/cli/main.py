@@ -15,7 +15,7 @@ from autoseg.cli.flag_values import default_device, resolve_device
 from autoseg.cli.model_commands import export_trained_model, import_nnunet_model, predict_cases
 from autoseg.cli.parser import parse_args, without_gpus
 from autoseg.core.errors import InputError
-from autoseg.core.machine import keep_simulations_in, passive_openmp_waiting
+from autoseg.core.machine import bounded_onednn_primitive_cache, keep_simulations_in, passive_openmp_waiting
 
 
 def _budget(args: argparse.Namespace):
@@ -80,6 +80,7 @@ def _launch_processes(args: argparse.Namespace, argv: Sequence[str]) -> int | No
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     passive_openmp_waiting(os.environ)  # before torch is imported: idle OpenMP threads sleep instead of spinning
+    bounded_onednn_primitive_cache(os.environ)  # and oneDNN keeps a bounded number of compiled convolutions
     args = parse_args(argv)
     args.command_line = shlex.join(["autoseg", *argv])  # what a lock this command holds names (autoseg.core.lock)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")

@@ -51,6 +51,26 @@ def passive_openmp_waiting(environ: MutableMapping[str, str], modules: Mapping[s
     return environ.get("OMP_WAIT_POLICY", "").upper() == WAIT_POLICY
 
 
+# oneDNN keeps every convolution primitive it made (its JIT-compiled kernel, about 0.9 MiB each here) in a cache of
+# 1,024 by default: a prediction whose tiles change shape from case to case held 364 MiB after 10 shapes of a 26-conv
+# network, 151 MiB with 16 kept. 128 holds a network's convolutions for several tile shapes (no slower than 1,024;
+# 16 made a 16x64x64 tile 25% slower) and bounds what the cache can hold at about 115 MiB (docs/memory.md)
+ONEDNN_PRIMITIVES_KEPT = 128
+
+
+def bounded_onednn_primitive_cache(
+    environ: MutableMapping[str, str], modules: Mapping[str, object] = sys.modules
+) -> str | None:
+    """Ask oneDNN to keep at most ``ONEDNN_PRIMITIVES_KEPT`` primitives, unless the user chose a capacity
+    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``). oneDNN reads it when it first makes a primitive, after torch is loaded;
+    like ``passive_openmp_waiting`` the CLI calls this first thing, and ``environ`` is left alone once torch is in
+    ``modules``. Returns the capacity oneDNN will read (None: its default)."""
+    name = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    if name not in environ and "torch" not in modules:
+        environ[name] = str(ONEDNN_PRIMITIVES_KEPT)
+    return environ.get(name)
+
+
 def cpu_model() -> str:
     """The CPU's model name (Linux /proc/cpuinfo), else ``platform.processor()``."""
     try:

@@ -9,7 +9,15 @@ import torch
 
 import autoseg.core.machine
 from autoseg.core.artifacts import WriteError
-from autoseg.core.machine import MachineCache, Measurement, machine_key, passive_openmp_waiting, use_cpu_threads
+from autoseg.core.machine import (
+    ONEDNN_PRIMITIVES_KEPT,
+    MachineCache,
+    Measurement,
+    bounded_onednn_primitive_cache,
+    machine_key,
+    passive_openmp_waiting,
+    use_cpu_threads,
+)
 
 KEY = {"cpu_model": "Test CPU", "cpus": 2, "torch": "2.13.0"}
 
@@ -113,6 +121,16 @@ def test_openmp_waits_passively_unless_the_user_chose_a_policy() -> None:
     assert not passive_openmp_waiting(chosen, modules={}) and chosen == {"OMP_WAIT_POLICY": "ACTIVE"}
     late: dict[str, str] = {}  # torch imported already: libgomp has read its environment
     assert not passive_openmp_waiting(late, modules={"torch": torch}) and late == {}
+
+
+def test_onednn_keeps_a_bounded_number_of_primitives_unless_the_user_chose_one() -> None:
+    environ: dict[str, str] = {}
+    assert bounded_onednn_primitive_cache(environ, modules={}) == str(ONEDNN_PRIMITIVES_KEPT)
+    assert environ == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_PRIMITIVES_KEPT)}
+    chosen = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "4096"}
+    assert bounded_onednn_primitive_cache(chosen, modules={}) == "4096" and len(chosen) == 1
+    late: dict[str, str] = {}  # torch imported already: oneDNN may have read its environment
+    assert bounded_onednn_primitive_cache(late, modules={"torch": torch}) is None and late == {}
 
 
 @pytest.fixture()
