@@ -213,11 +213,13 @@ def case_memory(
     write: LabelWrite = LabelWrite(),
     previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None,
     reviewed: Callable[[tuple[int, ...]], int] | None = None,
+    first_call_bytes: int = 0,
 ) -> dict[str, int]:
-    """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now as
-    ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input, the sliding window's
-    host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the crop taken as the
-    whole image. ``probability_bytes`` None: the export runs slab by slab inside the prediction
+    """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now and what the
+    runtime's first forward will add to it (``first_call_bytes``: ``runtime_memory.torch_first_call_bytes`` where
+    torch runs on the CPU) as ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input,
+    the sliding window's host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the
+    crop taken as the whole image. ``probability_bytes`` None: the export runs slab by slab inside the prediction
     (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
     map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
     (``export_bytes``). ``write``: how each label map is written (``LabelWrite``: postprocessed first, in which
@@ -226,7 +228,7 @@ def case_memory(
     stage's sliding window and slab export run first, then ``cascade_input_bytes`` builds the (C + K)-channel input
     that the cascade's window reads beside the image. ``reviewed``: what each written label map's review holds beside
     it (``CaseReview.held_bytes`` of its shape: ``--preview``, ``--statistics``), after the write."""
-    runtime = process_rss_bytes()
+    runtime = process_rss_bytes() + first_call_bytes
     geometries = [_header_geometry(c) for c in cases]
     if not geometries:
         return {"runtime": runtime, "preprocess": 0, "input": 0, "predict": 0, "export": 0}

@@ -36,6 +36,7 @@ from autoseg.dataset.imageio import Geometry
 from autoseg.dataset.inputs import PredictionInputs, list_prediction_inputs
 from autoseg.dataset.labels import LabelScheme
 from autoseg.dataset.raw import Case
+from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.predict import uncertainty as case_uncertainty
 from autoseg.predict.case import (
     PROBABILITIES_BYTES,
@@ -57,6 +58,7 @@ from autoseg.predict.pipeline import (
     plan_pipeline,
 )
 from autoseg.predict.postprocessing import Postprocessing, apply_postprocessing
+from autoseg.predict.runtime_memory import torch_first_call_bytes
 from autoseg.predict.segmenter import Segmenter, prediction_threads, resolve_model
 from autoseg.predict.window import WindowOptions
 from autoseg.preprocess.store import CaseProperties
@@ -156,6 +158,7 @@ def _case_steps(
     if cascade is not None:  # a cascade stage: its previous stage predicts each case first
         segment = cascade.segment_with(segment)
         previous = (cascade.stage, partial(inference_plan, cascade.previous, streamed=True))
+    stages = [predictor] if cascade is None else [predictor, cascade.previous]
     memory = partial(
         case_memory,
         plans=plans,
@@ -164,8 +167,16 @@ def _case_steps(
         write=LabelWrite(not options.postprocessing.is_identity, options.output_format),
         previous=previous,
         reviewed=partial(case_uncertainty.held_beside, review, agreement) if review.active or agreement else None,
+        first_call_bytes=_first_call_bytes(stages),
     )
     return segment, memory
+
+
+def _first_call_bytes(stages: list[Predictor]) -> int:
+    """What torch's first CPU forward adds to the process (``torch_first_call_bytes``, measured once per machine)
+    where a fold runs through torch on the CPU; 0 elsewhere (a graph runtime's is in its measured tile bytes)."""
+    on_cpu = any(isinstance(r, TorchTileRunner) and r.device.type == "cpu" for p in stages for r in p.runners)
+    return torch_first_call_bytes(torch.get_num_threads()) if on_cpu else 0
 
 
 def _predict_cases(

@@ -56,6 +56,8 @@ from autoseg.model.tile_runner import TileBatchBytes
 log = logging.getLogger("autoseg")
 
 CACHE_NAME = "runtime_working_bytes"  # <cache folder>/runtime_working_bytes.json
+FIRST_CALL_CACHE_NAME = "torch_first_call_bytes"
+_FIRST_CALLS: dict[str, int] = {}  # this process's: key -> bytes
 KEPT = 256  # (graph, runtime, precision, threads, tile, batch) measurements kept
 PROBE_MODULE = "autoseg.predict.runtime_probe"
 PROBE_TIMEOUT_S = 900  # a child compiles the graph and runs 3 calls of a tile batch
@@ -209,6 +211,41 @@ def measure_in_child(graph: bytes, request: dict[str, Any]) -> dict:
             f"{done.returncode}): {' | '.join(message) or 'no message'}; predict with --runtime torch"
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def torch_first_call_bytes(threads: int, cache: MachineCache | None = None) -> int:
+    """What a process's first CPU forward through torch adds to its RSS whatever the network: torch's and oneDNN's
+    kernels paged in, OpenMP's threads, oneDNN's global state (82 MiB here with 1 or 2 threads). The torch
+    simulation counts tensors only, and the pipeline plans from the RSS before any forward, so this is planned on
+    top (``autoseg.predict.pipeline.case_memory``). Measured once per machine, threads and code in a fresh process
+    (``runtime_probe --torch-first-call``) and kept in ``cache`` (None: the command's, ``kept_simulations``)."""
+    cache = cache or kept_simulations()
+    key = {"threads": int(threads), "machine": machine_key(), "code": source_digest((PROBE_MODULE,))}
+    memo = json.dumps(key, sort_keys=True)
+    if memo in _FIRST_CALLS:  # measured or read once a process
+        return _FIRST_CALLS[memo]
+
+    def measure() -> dict:
+        command = [sys.executable, "-m", PROBE_MODULE, "--torch-first-call", str(int(threads))]
+        try:
+            done = run_probe(command, dict(os.environ), PROBE_TIMEOUT_S)
+        except subprocess.TimeoutExpired as e:
+            raise RunError(
+                f"measuring torch's first CPU forward took more than {PROBE_TIMEOUT_S} s in a fresh process; "
+                "predict on a less busy machine"
+            ) from e
+        if done.returncode != 0:
+            message = " | ".join((done.stderr or "").strip().splitlines()[-3:]) or "no message"
+            raise RunError(f"measuring torch's first CPU forward in a fresh process failed: {message}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    if cache is None:
+        figures, where = measure(), "measured now (no cache folder)"
+    else:
+        figures, where = cache.kept(FIRST_CALL_CACHE_NAME, key, measure)
+    log.info("torch's first CPU forward adds %.0f MiB to a process (%s)", figures["first_call_bytes"] / MiB, where)
+    _FIRST_CALLS[memo] = int(figures["first_call_bytes"])
+    return _FIRST_CALLS[memo]
 
 
 def run_probe(command: list[str], env: dict[str, str], timeout_s: float) -> subprocess.CompletedProcess:

@@ -17,6 +17,9 @@ before the calls):
 - ``held_bytes``: the RSS after those calls above the same start: what the runtime keeps between calls (its arena,
   its intermediate buffers).
 
+``python -m autoseg.predict.runtime_probe --torch-first-call THREADS`` measures instead what a process's first CPU
+forward through torch adds to its RSS whatever the network (``measure_torch_first_call``).
+
 One batch size a process: a runtime keeps the buffers of every shape it ran (OpenVINO), or grows its arena by
 powers of two (ONNX Runtime), and freed ones stay in glibc's heap for the next, so a second batch measured after a
 first is off by up to 40% either way; a sliding window runs one batch size.
@@ -70,6 +73,42 @@ def measure(request: dict) -> dict:
     }
 
 
+# the smallest network and tile the torch runner runs: its own tensors are a few KiB, so what the first call adds is
+# the process's (torch's and oneDNN's kernels paged in, OpenMP's threads, oneDNN's global state)
+FIRST_CALL_FEATURES, FIRST_CALL_TILE = (4, 8), (8, 16, 16)
+
+
+def measure_torch_first_call(threads: int) -> dict:
+    """The RSS that ``CALLS`` tile batches of a tiny U-Net (``FIRST_CALL_FEATURES`` on ``FIRST_CALL_TILE``) through
+    the torch tile runner add to a process that has imported torch and autoseg's prediction and built the network:
+    ``first_call_bytes``."""
+    import torch
+
+    from autoseg.core.resources import process_rss_bytes, use_one_malloc_arena
+    from autoseg.model.network import build_network
+    from autoseg.model.topology import NetworkTopology
+    from autoseg.model.torch_runner import TorchTileRunner
+    from autoseg.predict import predictor  # noqa: F401  (prediction's imports, as a predict process holds them)
+
+    use_one_malloc_arena()
+    torch.set_num_threads(int(threads))
+    depth = len(FIRST_CALL_FEATURES)
+    topology = NetworkTopology(
+        dim=3,
+        in_channels=1,
+        num_outputs=2,
+        features_per_stage=FIRST_CALL_FEATURES,
+        kernel_sizes=((3, 3, 3),) * depth,
+        strides=((1, 1, 1),) + ((2, 2, 2),) * (depth - 1),
+    )
+    runner = TorchTileRunner(build_network(topology), torch.device("cpu"))
+    tiles = torch.ones((1, 1, *FIRST_CALL_TILE))
+    before = process_rss_bytes()
+    for _ in range(CALLS):
+        runner(tiles)
+    return {"first_call_bytes": int(process_rss_bytes() - before)}
+
+
 def _written_buffers(request: dict):
     """The sliding window's buffers over one tile-sized image of ones, every page written (so that the calls' RSS
     is theirs alone), the tile's region and the mirror variants."""
@@ -109,10 +148,13 @@ class _NotAsked:
 
 
 def main(argv: list[str]) -> int:
-    """Measure the request in the JSON file ``argv[0]``; print the figures as one JSON line."""
-    request = json.loads(Path(argv[0]).read_text())
+    """Measure the request in the JSON file ``argv[0]`` (or, after ``--torch-first-call``, torch's first call with
+    ``argv[1]`` threads); print the figures as one JSON line."""
     try:
-        figures = measure(request)
+        if argv[0] == "--torch-first-call":
+            figures = measure_torch_first_call(int(argv[1]))
+        else:
+            figures = measure(json.loads(Path(argv[0]).read_text()))
     except Exception as e:  # the runtime's own failure: its message goes to the parent
         print(f"{type(e).__name__}: {e}", file=sys.stderr)
         return 1
