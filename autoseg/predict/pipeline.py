@@ -182,15 +182,27 @@ class Pipeline(Generic[Item, Ready]):
 @dataclass(frozen=True)
 class LabelWrite:
     """How each label map is written, for what writing it holds (``held_bytes``): postprocessed first
-    (``--postprocessing``, inference.json's), in which format (``--output-format``)."""
+    (``--postprocessing``, inference.json's), in which format (``--output-format``), and what its review holds beside
+    it after the write (``reviewed``: ``CaseReview.held_bytes`` of its shape, for ``--preview``, ``--statistics``,
+    the uncertainty; None: no review)."""
 
     postprocessed: bool = False
     output_format: str = "nifti"
+    reviewed: Callable[[tuple[int, ...]], int] | None = None
 
     def held_bytes(self, shape_zyx: tuple[int, ...], scheme: LabelScheme) -> int:
         """What writing a label map of ``shape_zyx`` holds: the label map and its writer's bytes (SimpleITK's copy of
         it; a DICOM SEG's ``dicom_seg_bytes``, an RTSTRUCT's ``rtstruct_bytes``); postprocessed, the label map beside
-        the postprocessing, then the written copy and its writer's bytes beside both."""
+        the postprocessing, then the written copy and its writer's bytes beside both; reviewed, after the write, the
+        label map and its review, where that holds more."""
+        written = self._write_bytes(shape_zyx, scheme)
+        if self.reviewed is None:
+            return written
+        labels = math.prod(shape_zyx) * np.dtype(scheme.export_dtype()).itemsize
+        return max(written, labels + self.reviewed(shape_zyx))
+
+    def _write_bytes(self, shape_zyx: tuple[int, ...], scheme: LabelScheme) -> int:
+        """``held_bytes`` without the review: the write alone."""
         voxels, itemsize = math.prod(shape_zyx), np.dtype(scheme.export_dtype()).itemsize
         labels = voxels * itemsize
         if self.output_format == "dicom-seg":
@@ -212,7 +224,6 @@ def case_memory(
     probability_bytes: int | None,
     write: LabelWrite = LabelWrite(),
     previous: tuple[ConfigurationPlan, Callable[..., InferencePlan]] | None = None,
-    reviewed: Callable[[tuple[int, ...]], int] | None = None,
     first_call_bytes: int = 0,
 ) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now and what the
@@ -223,11 +234,10 @@ def case_memory(
     (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
     map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
     (``export_bytes``). ``write``: how each label map is written (``LabelWrite``: postprocessed first, in which
-    format). ``previous``: a cascade stage's previous stage and its (streamed) window
+    format, its review). ``previous``: a cascade stage's previous stage and its (streamed) window
     (``autoseg.predict.cascade``): each case is preprocessed for both and held so until predicted; the previous
     stage's sliding window and slab export run first, then ``cascade_input_bytes`` builds the (C + K)-channel input
-    that the cascade's window reads beside the image. ``reviewed``: what each written label map's review holds beside
-    it (``CaseReview.held_bytes`` of its shape: ``--preview``, ``--statistics``), after the write."""
+    that the cascade's window reads beside the image."""
     runtime = process_rss_bytes() + first_call_bytes
     geometries = [_header_geometry(c) for c in cases]
     if not geometries:
@@ -245,8 +255,6 @@ def case_memory(
         preprocess, previous_predict, cascade_input = _with_previous_stage(previous, plans, config, largest, preprocess)
         on_host += cascade_input  # the cascade's window reads the (C + K)-channel input beside the image
     write_bytes = write.held_bytes(shape, scheme)
-    if reviewed is not None:  # after the write: the label map and its review
-        write_bytes = max(write_bytes, math.prod(shape) * np.dtype(scheme.export_dtype()).itemsize + reviewed(shape))
     if probability_bytes is None:
         return {
             "runtime": runtime,

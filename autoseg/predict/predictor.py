@@ -164,9 +164,12 @@ def _case_steps(
         plans=plans,
         config=config,
         window=partial(inference_plan, predictor, streamed=not options.save_probabilities, agreement=agreement),
-        write=LabelWrite(not options.postprocessing.is_identity, options.output_format),
+        write=LabelWrite(
+            not options.postprocessing.is_identity,
+            options.output_format,
+            partial(case_uncertainty.held_beside, review, agreement) if review.active or agreement else None,
+        ),
         previous=previous,
-        reviewed=partial(case_uncertainty.held_beside, review, agreement) if review.active or agreement else None,
         first_call_bytes=_first_call_bytes(stages),
     )
     return segment, memory

@@ -197,18 +197,25 @@ def measure_in_child(graph: bytes, request: dict[str, Any]) -> dict:
         graph_path, request_path = Path(folder) / "graph.onnx", Path(folder) / "request.json"
         graph_path.write_bytes(graph)
         request_path.write_text(json.dumps({**request, "graph_path": str(graph_path)}))
-        try:
-            done = run_probe([sys.executable, "-m", PROBE_MODULE, str(request_path)], dict(os.environ), PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            raise RunError(
-                f"measuring the memory of {what} took more than {PROBE_TIMEOUT_S} s in a fresh process; "
-                "predict with --runtime torch, or on a less busy machine"
-            ) from e
-    if done.returncode != 0:
-        message = (done.stderr or "").strip().splitlines()[-3:]
+        command = [sys.executable, "-m", PROBE_MODULE, str(request_path)]
+        return probe_figures(command, request["runtime"], f"the memory of {what}", "predict with --runtime torch")
+
+
+def probe_figures(command: list[str], who: str, what: str, advice: str) -> dict:
+    """The one JSON line of figures the probe ``command`` prints, run in a fresh process; a ``RunError`` saying that
+    ``who`` failed measuring ``what`` (the child's last lines), or that it took longer than ``PROBE_TIMEOUT_S``,
+    with ``advice``."""
+    try:
+        done = run_probe(command, dict(os.environ), PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired as e:
         raise RunError(
-            f"{request['runtime']} failed measuring the memory of {what} in a fresh process (exit code "
-            f"{done.returncode}): {' | '.join(message) or 'no message'}; predict with --runtime torch"
+            f"measuring {what} took more than {PROBE_TIMEOUT_S} s in a fresh process; {advice}, or on a less busy "
+            "machine"
+        ) from e
+    if done.returncode != 0:
+        message = " | ".join((done.stderr or "").strip().splitlines()[-3:]) or "no message"
+        raise RunError(
+            f"{who} failed measuring {what} in a fresh process (exit code {done.returncode}): {message}; {advice}"
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -227,17 +234,8 @@ def torch_first_call_bytes(threads: int, cache: MachineCache | None = None) -> i
 
     def measure() -> dict:
         command = [sys.executable, "-m", PROBE_MODULE, "--torch-first-call", str(int(threads))]
-        try:
-            done = run_probe(command, dict(os.environ), PROBE_TIMEOUT_S)
-        except subprocess.TimeoutExpired as e:
-            raise RunError(
-                f"measuring torch's first CPU forward took more than {PROBE_TIMEOUT_S} s in a fresh process; "
-                "predict on a less busy machine"
-            ) from e
-        if done.returncode != 0:
-            message = " | ".join((done.stderr or "").strip().splitlines()[-3:]) or "no message"
-            raise RunError(f"measuring torch's first CPU forward in a fresh process failed: {message}")
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        advice = f"run `{' '.join(command[1:])}` to see torch's own message"
+        return probe_figures(command, "torch", "the RSS of its first CPU forward", advice)
 
     if cache is None:
         figures, where = measure(), "measured now (no cache folder)"

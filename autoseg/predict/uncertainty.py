@@ -364,7 +364,7 @@ def finish(review: CaseReview, output_dir: Path, options: UncertaintyOptions) ->
 
 
 def held_beside(review: CaseReview, agreement: Agreement | None, shape_zyx: tuple[int, ...]) -> int:
-    """Bytes held beside a written label map of ``shape_zyx`` (``case_memory``'s ``reviewed``): its review's
+    """Bytes held beside a written label map of ``shape_zyx`` (``LabelWrite.reviewed``): its review's
     (``CaseReview.held_bytes``) and, with ``agreement``, the entropy map (``entropy_map_bytes``, its block's maps
     counted as one slice's)."""
     held = review.held_bytes(shape_zyx) if review.active else 0

@@ -59,7 +59,7 @@ def test_the_memory_plan_counts_the_review_beside_the_written_label_map(prepared
     from autoseg.core.workspace import Workspace
     from autoseg.dataset.imageio import read_geometry
     from autoseg.plan.plans import Plans
-    from autoseg.predict.pipeline import case_memory
+    from autoseg.predict.pipeline import LabelWrite, case_memory
     from autoseg.review.statistics import statistics_bytes
 
     plans = Plans.from_json(Workspace.at(prepared).plans_path)
@@ -69,7 +69,7 @@ def test_the_memory_plan_counts_the_review_beside_the_written_label_map(prepared
     )
     args = ([Case("demo_005", (image,), None)], plans, plans.configuration("3d_fullres"), lambda after: plan, None)
     review = CaseReview(Path("out"), plans.label_scheme, plans.channel_names, statistics=True)
-    plain, reviewed = case_memory(*args), case_memory(*args, reviewed=review.held_bytes)
+    plain, reviewed = case_memory(*args), case_memory(*args, write=LabelWrite(reviewed=review.held_bytes))
     shape = read_geometry(image).shape_zyx
     assert reviewed["export"] == max(plain["export"], math.prod(shape) + statistics_bytes(shape, 1))
     assert reviewed["export"] > plain["export"]

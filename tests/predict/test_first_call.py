@@ -9,9 +9,11 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 from factories import tiny_topology
 
+from autoseg.core.errors import RunError
 from autoseg.core.machine import MachineCache
 from autoseg.core.units import MiB
 from autoseg.core.workspace import Workspace
@@ -65,6 +67,17 @@ def test_the_figure_is_kept_per_machine_and_read_without_a_child(monkeypatch, tm
     monkeypatch.setattr(runtime_memory, "_FIRST_CALLS", {})  # another process: read from the cache folder
     assert runtime_memory.torch_first_call_bytes(3, MachineCache(tmp_path)) == 70 * MiB
     assert len(calls) == 1 and calls[0][-2:] == ["--torch-first-call", "3"]
+
+
+def test_a_failing_first_call_probe_is_an_error_saying_how_to_see_why(monkeypatch, tmp_path):
+    def child(command, env, timeout_s):
+        return subprocess.CompletedProcess(command, 1, "", "RuntimeError: no oneDNN kernel for this CPU")
+
+    monkeypatch.setattr(runtime_memory, "run_probe", child)
+    monkeypatch.setattr(runtime_memory, "_FIRST_CALLS", {})
+    with pytest.raises(RunError, match="torch failed measuring .* no oneDNN kernel .*--torch-first-call 2"):
+        runtime_memory.torch_first_call_bytes(2, MachineCache(tmp_path))
+    assert not (tmp_path / f"{runtime_memory.FIRST_CALL_CACHE_NAME}.json").exists()  # nothing kept
 
 
 def test_the_pipeline_plans_the_first_call_only_where_torch_runs_on_the_cpu(monkeypatch):
