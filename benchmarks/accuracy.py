@@ -61,13 +61,24 @@ def make_dataset(work: Path, dataset: str, seed: int, quick: bool) -> Path:
 
 
 def run_pipeline(work: Path, raw: Path, budget: str) -> dict[str, float]:
-    """Plan (once per dataset), train fold 0 within ``budget``, predict and evaluate the held-out cases; each
-    command's wall seconds (plan_and_preprocess NaN when the workspace was planned before)."""
+    """Plan (once per dataset, again with ``--overwrite`` where the dataset was generated again since: other
+    options), train fold 0 within ``budget``, predict and evaluate the held-out cases; each command's wall seconds
+    (plan_and_preprocess NaN when the workspace was planned before)."""
     workspace, predictions = work / f"ws_{raw.name}", work / f"pred_{raw.name}"
     walls = {"plan_and_preprocess": float("nan")}
-    if not (workspace / "plans.json").is_file():
+    plans, generated = workspace / "plans.json", raw / ".complete"
+    regenerated = plans.is_file() and generated.is_file() and generated.stat().st_mtime > plans.stat().st_mtime
+    if regenerated or not plans.is_file():
         walls["plan_and_preprocess"] = run_autoseg(
-            "plan_and_preprocess", str(raw), "-w", str(workspace), "--device", "cpu", "-c", CONFIG
+            "plan_and_preprocess",
+            str(raw),
+            "-w",
+            str(workspace),
+            "--device",
+            "cpu",
+            "-c",
+            CONFIG,
+            *(("--overwrite",) if regenerated else ()),
         )
     shutil.rmtree(workspace / "results", ignore_errors=True)
     shutil.rmtree(predictions, ignore_errors=True)

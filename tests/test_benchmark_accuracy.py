@@ -173,3 +173,26 @@ def test_lesions_found_reads_the_summary_means(bench) -> None:
     mean = {"organ": {"components": 4, "components_found": 4}, "lesions": {"components": 13, "components_found": 8}}
     assert accuracy.lesions_found(mean) == "8 of 13 (62%)"
     assert accuracy.lesions_found({"organ": mean["organ"]}) == "-"
+
+
+def test_a_dataset_generated_again_is_planned_again_with_overwrite(bench, tmp_path: Path, monkeypatch) -> None:
+    """Other options regenerate the dataset in place: its workspace is planned again (``--overwrite``), not trained
+    on stale preprocessing (autoseg train refuses a changed dataset)."""
+    import os
+
+    _, accuracy = bench
+    raw, calls = tmp_path / "Dataset028_X", []
+    workspace = tmp_path / f"ws_{raw.name}"
+    workspace.mkdir()
+    (workspace / "plans.json").write_text("{}")
+    raw.mkdir()
+    (raw / ".complete").write_text("tag")
+    monkeypatch.setattr(accuracy, "run_autoseg", lambda *args: calls.append(args) or 1.0)
+    os.utime(raw / ".complete", (1, 1))  # generated before the plan: planned once, not again
+    accuracy.run_pipeline(tmp_path, raw, "1m")
+    assert [c[0] for c in calls] == ["train", "predict", "evaluate"]
+    calls.clear()
+    os.utime(workspace / "plans.json", (1, 1))  # generated after the plan
+    os.utime(raw / ".complete", (100, 100))
+    accuracy.run_pipeline(tmp_path, raw, "1m")
+    assert calls[0][0] == "plan_and_preprocess" and calls[0][-1] == "--overwrite"
