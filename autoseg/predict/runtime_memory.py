@@ -227,7 +227,8 @@ def torch_first_call_bytes(threads: int, cache: MachineCache | None = None) -> i
     top (``autoseg.predict.pipeline.case_memory``). Measured once per machine, threads and code in a fresh process
     (``runtime_probe --torch-first-call``) and kept in ``cache`` (None: the command's, ``kept_simulations``)."""
     cache = cache or kept_simulations()
-    key = {"threads": int(threads), "machine": machine_key(), "code": source_digest((PROBE_MODULE,))}
+    code = source_digest((PROBE_MODULE, "autoseg.model.torch_runner", "autoseg.model.cpu_conv"))
+    key = {"threads": int(threads), "machine": machine_key(), "code": code}
     memo = json.dumps(key, sort_keys=True)
     if memo in _FIRST_CALLS:  # measured or read once a process
         return _FIRST_CALLS[memo]
