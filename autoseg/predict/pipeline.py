@@ -228,16 +228,16 @@ def case_memory(
 ) -> dict[str, int]:
     """``PipelinePlan.case_bytes`` for the largest of ``cases`` (by its header): the process's RSS now and what the
     runtime's first forward will add to it (``first_call_bytes``: ``runtime_memory.torch_first_call_bytes`` where
-    torch runs on the CPU) as ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input,
-    the sliding window's host tensors (``window``: ``inference_plan`` for its resampled shape) and its export, the
-    crop taken as the whole image. ``probability_bytes`` None: the export runs slab by slab inside the prediction
-    (``slab_export_bytes`` for the window's deepest slab, counted in ``predict``) and what runs behind is the label
-    map's write; else the probabilities are held whole (``probability_bytes`` per value) and exported behind
-    (``export_bytes``). ``write``: how each label map is written (``LabelWrite``: postprocessed first, in which
-    format, its review). ``previous``: a cascade stage's previous stage and its (streamed) window
-    (``autoseg.predict.cascade``): each case is preprocessed for both and held so until predicted; the previous
-    stage's sliding window and slab export run first, then ``cascade_input_bytes`` builds the (C + K)-channel input
-    that the cascade's window reads beside the image."""
+    torch runs on the CPU) as ``runtime``; reading and preprocessing (``prediction_preprocess_bytes``), its input and
+    its export, the crop taken as the whole image; the sliding window's host tensors (``window``: ``inference_plan``
+    for a resampled shape) of the case whose window holds the most (``_largest_window``). ``probability_bytes``
+    None: the export runs slab by slab inside the prediction (``slab_export_bytes`` for the window's deepest slab,
+    counted in ``predict``) and what runs behind is the label map's write; else the probabilities are held whole
+    (``probability_bytes`` per value) and exported behind (``export_bytes``). ``write``: how each label map is
+    written (``LabelWrite``: postprocessed first, in which format, its review). ``previous``: a cascade stage's
+    previous stage and its (streamed) window (``autoseg.predict.cascade``): each case is preprocessed for both and
+    held so until predicted; the previous stage's sliding window and slab export run first, then
+    ``cascade_input_bytes`` builds the (C + K)-channel input that the cascade's window reads beside the image."""
     runtime = process_rss_bytes() + first_call_bytes
     geometries = [_header_geometry(c) for c in cases]
     if not geometries:
@@ -247,9 +247,7 @@ def case_memory(
     after = config.resampled_shape(shape, spacing)
     scheme = plans.label_scheme
     preprocess = prediction_preprocess_bytes(shape, after, len(plans.channel_names), spacing, plans.image_resampling)
-    plan = window(after)
-    on_host = _window_host_bytes(plan)
-    slabs = _slab_bytes(shape, after, scheme, plan) if probability_bytes is None else 0
+    on_host, slabs = _largest_window(geometries, config, window, scheme, streamed=probability_bytes is None)
     previous_predict = 0
     if previous is not None:
         preprocess, previous_predict, cascade_input = _with_previous_stage(previous, plans, config, largest, preprocess)
@@ -270,6 +268,29 @@ def case_memory(
         "predict": max(on_host, previous_predict),
         "export": max(export_bytes(shape, after, scheme, probability_bytes)["total"], write_bytes),
     }
+
+
+def _largest_window(
+    geometries: list[Geometry],
+    config: ConfigurationPlan,
+    window: Callable[..., InferencePlan],
+    scheme: LabelScheme,
+    streamed: bool,
+) -> tuple[int, int]:
+    """(the sliding window's host bytes, its streamed export's slab bytes) of the case that holds the most. Each
+    case's tile is fitted to its image, so a smaller image may run a larger tile than the largest image does (a
+    44x161x155 case a 44x112x112 tile, a 49x155x165 one 32x96x112): every distinct resampled shape is planned
+    (``window``; its tile's simulation or measurement is made once and kept, as predicting the case would)."""
+    largest_of: dict[tuple[int, ...], tuple[int, ...]] = {}  # resampled shape -> the largest original shape
+    for g in geometries:
+        after = tuple(config.resampled_shape(g.shape_zyx, g.spacing_zyx))
+        largest_of[after] = max(largest_of.get(after, g.shape_zyx), g.shape_zyx, key=math.prod)
+    best = (0, 0)
+    for after, shape in largest_of.items():
+        plan = window(after)
+        terms = (_window_host_bytes(plan), _slab_bytes(shape, after, scheme, plan) if streamed else 0)
+        best = max(best, terms, key=sum)
+    return best
 
 
 def _header_geometry(case: Case) -> Geometry:

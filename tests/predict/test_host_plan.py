@@ -1,10 +1,12 @@
-"""torch's first CPU forward in a process (``runtime_memory.torch_first_call_bytes``): the measured figure holds for
-another network's first forward in a fresh process, it is kept per machine, and the pipeline plans it on top of the
-process's RSS where a fold runs through torch on the CPU, and only there."""
+"""The pipeline's host plan (``case_memory``): torch's first CPU forward in a process
+(``runtime_memory.torch_first_call_bytes``: the measured figure holds for another network's first forward in a fresh
+process, it is kept per machine, and it is planned on top of the process's RSS where a fold runs through torch on the
+CPU, and only there), and the window of the case that holds the most, which need not be the largest image's."""
 
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -107,3 +109,33 @@ def test_case_memory_plans_the_first_call_on_top_of_the_process_s_rss(prepared, 
     plain, first = pipeline.case_memory(*args), pipeline.case_memory(*args, first_call_bytes=80 * MiB)
     assert (plain["runtime"], first["runtime"]) == (300 * MiB, 380 * MiB)
     assert {k: v for k, v in plain.items() if k != "runtime"} == {k: v for k, v in first.items() if k != "runtime"}
+
+
+def test_case_memory_plans_the_case_whose_window_holds_the_most_not_the_largest_image(prepared, tiny_dataset):
+    """Each case's tile is fitted to its image, so a smaller image may run a larger tile: the plan's ``predict``
+    term is the largest window's over every case, not the largest image's."""
+    from autoseg.dataset.imageio import read_geometry
+
+    plans = Plans.from_json(Workspace.at(prepared).plans_path)
+    config = plans.configuration("3d_fullres")
+    images = sorted((tiny_dataset / "imagesTs").glob("*_0000.nii.gz"))[:2]
+    voxels = {
+        tuple(config.resampled_shape(g.shape_zyx, g.spacing_zyx)): math.prod(g.shape_zyx)
+        for g in map(read_geometry, images)
+    }
+    assert len(voxels) == 2
+    smaller = min(voxels, key=voxels.get)
+
+    def window(after):  # the smaller image's window holds 100 MiB more
+        return SimpleNamespace(
+            host_accumulator_bytes=0,
+            peak_bytes=(300 if tuple(after) == smaller else 200) * MiB,
+            parameter_bytes=0,
+            slab_depth=1,
+            accumulator_device="cpu",
+        )
+
+    cases = [Case(p.name.removesuffix("_0000.nii.gz"), (p,), None) for p in images]
+    planned = pipeline.case_memory(cases, plans, config, window, None)
+    alone = [pipeline.case_memory([c], plans, config, window, None)["predict"] for c in cases]
+    assert planned["predict"] == max(alone) and max(alone) - min(alone) > 90 * MiB
