@@ -11,7 +11,8 @@ optimizers by name), ``step``, ``sliding_window``, ``window`` (one sliding windo
 ``tile_runner`` (``TileRunner``: what runs a tile batch, and its working bytes), ``torch_runner`` (a torch module as
 one), ``tiles`` (tile layout, Gaussian, the accumulator window), ``tile_buffers`` (one sliding window's buffers and
 their bytes), ``tta`` (mirror variants, ``--tta``),
-``slabs`` (large convolutions in slabs at inference on the CPU), ``distributed``, ``checkpoint_file``, ``onnx_graph``
+``slabs`` (large convolutions in slabs at inference on the CPU), ``cpu_conv`` (which kernel a 3D convolution runs on
+the CPU at inference: oneDNN's at any tile batch), ``distributed``, ``checkpoint_file``, ``onnx_graph``
 (the network as an ONNX graph, its inputs checked, run with ONNX Runtime or OpenVINO, its agreement with torch),
 ``graph_runners`` (such a graph as a ``TileRunner``: ONNX Runtime's and OpenVINO's), ``agreement`` (how much an
 ensemble's members agree on an image, counted as the window runs, and its bytes).
