@@ -1,14 +1,14 @@
 """Which kernel a 3D convolution runs on the CPU at inference: oneDNN's, whatever the tile batch.
 
 torch's CPU wheel picks a convolution's kernel per call (``_select_conv_backend``): an fp32 3D convolution goes to
-oneDNN only when its batch is over 1 or N x C x D x H (the width left out: a rule made for 2D) is over 20,480
-(``TORCH_ONEDNN_MIN_ROWS``); else to ``slow_conv3d``, an im2col buffer of C_in x kernel volume x output voxels and
-one GEMM. At a tile batch of 1 that is every convolution of a small tile and the early ones of a large tile. Measured
-here (2 cores, torch 2.13, docs/prediction.md "oneDNN at a tile batch of 1"): an nnU-Net network of 8-64 features on
-a 16x64x64 tile 97 ms through ``slow_conv3d`` against 19 ms through oneDNN; a 16-32-64-128 network on a 32x112x112
-tile 478 against 407 ms; and the im2col buffer is 13.5 MiB where oneDNN holds 0.4 MiB (16 to 16 channels on
-8x32x32). So inference (``onednn_convolutions``, entered by the torch tile runner) calls oneDNN directly for every
-plain fp32 ``nn.Conv3d`` on the CPU; the result equals torch's other kernels to float32 rounding (a few 1e-6).
+oneDNN only when its batch is over 1 or N x C x D x H (the width left out: a rule made for 2D) is over 20,480;
+else to ``slow_conv3d``, an im2col buffer of C_in x kernel volume x output voxels and one GEMM. At a tile batch of
+1 that is every convolution of a small tile and the early ones of a large tile. Measured here (2 cores, torch 2.13,
+docs/prediction.md "oneDNN at a tile batch of 1"): an nnU-Net network of 8-64 features on a 16x64x64 tile 97 ms
+through ``slow_conv3d`` against 19 ms through oneDNN; a 16-32-64-128 network on a 32x112x112 tile 478 against
+407 ms; and the im2col buffer is 13.5 MiB where oneDNN holds 0.4 MiB (16 to 16 channels on 8x32x32). So inference
+(``onednn_convolutions``, entered by the torch tile runner) calls oneDNN directly for every plain fp32
+``nn.Conv3d`` on the CPU; the result equals torch's other kernels to float32 rounding (a few 1e-6).
 
 The call goes through the operator ``autoseg::conv3d_onednn`` (``ONEDNN_CONV_OP``), so that the memory model's
 tracker (``autoseg.memory.tracker``) sees which kernel ran and counts oneDNN's hidden buffers for it, and so that it
@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TORCH_ONEDNN_MIN_ROWS = 20_480  # torch 2.13: a batch-1 3D convolution with N*C*D*H at most this runs slow_conv3d
 ONEDNN_CONV_OP = "conv3d_onednn"  # the operator's name as a TorchDispatchMode sees it (``autoseg::conv3d_onednn``)
 
 
