@@ -76,25 +76,23 @@ def test_a_schema_6_plan_reads_with_no_rates_source(ws: Workspace) -> None:
     assert plans.cpu_rates_source == "" and plans.cpu_flops_per_second == payload["cpu_flops_per_second"]
 
 
-def test_a_schema_7_plan_reads_with_autosegs_own_image_resampling(ws: Workspace) -> None:
+@pytest.mark.parametrize(
+    ("schema", "key", "default", "unknown"),
+    [
+        (7, "image_resampling", "sitk", "bicubic"),  # schema 7: autoseg's own image resampling
+        (8, "gaussian_centre", "middle", "ceil"),  # schema 8: the symmetric Gaussian
+    ],
+)
+def test_an_older_plan_reads_the_key_it_lacks_as_autosegs_default(
+    ws: Workspace, schema: int, key: str, default: str, unknown: str
+) -> None:
     payload = json.loads(ws.plans_path.read_text())
-    assert payload["image_resampling"] == "sitk"
-    del payload["image_resampling"]
-    ws.plans_path.write_text(json.dumps({**payload, "schema_version": 7}))
-    assert Plans.from_json(ws.plans_path).image_resampling == "sitk"
-    ws.plans_path.write_text(json.dumps({**payload, "image_resampling": "bicubic"}))
-    with pytest.raises(InputError, match="image_resampling 'bicubic' is not one of"):
-        Plans.from_json(ws.plans_path)
-
-
-def test_a_schema_8_plan_reads_with_the_symmetric_gaussian(ws: Workspace) -> None:
-    payload = json.loads(ws.plans_path.read_text())
-    assert payload["gaussian_centre"] == "middle"
-    del payload["gaussian_centre"]
-    ws.plans_path.write_text(json.dumps({**payload, "schema_version": 8}))
-    assert Plans.from_json(ws.plans_path).gaussian_centre == "middle"
-    ws.plans_path.write_text(json.dumps({**payload, "gaussian_centre": "ceil"}))
-    with pytest.raises(InputError, match="gaussian_centre 'ceil' is not one of"):
+    assert payload[key] == default
+    del payload[key]
+    ws.plans_path.write_text(json.dumps({**payload, "schema_version": schema}))
+    assert getattr(Plans.from_json(ws.plans_path), key) == default
+    ws.plans_path.write_text(json.dumps({**payload, key: unknown}))
+    with pytest.raises(InputError, match=f"{key} '{unknown}' is not one of"):
         Plans.from_json(ws.plans_path)
 
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from extras import require_extra
+from factories import inference_choice
 
 import autoseg
 from autoseg.core.errors import InputError
@@ -235,19 +236,8 @@ def test_export_of_find_best_choice_carries_inference_json(workspace: Workspace,
     ws = Workspace.at(tmp_path / "ws")
     shutil.copytree(workspace.root, ws.root)
     names = Plans.from_json(ws.plans_path).label_scheme.names
-    InferenceChoice(
-        configurations=(CONFIG,),
-        folds=(0, 1),
-        checkpoint="final",
-        postprocessing=Postprocessing(True, (names[0],)),
-        cv_dice=0.9,
-        cv_dice_postprocessed=0.91,
-        class_dice={},
-        class_dice_postprocessed={},
-        steps=(),
-        candidates={},
-        num_cases=5,
-    ).to_json(ws.inference_path)
+    choice = inference_choice((CONFIG,), Postprocessing(True, (names[0],)))
+    dataclasses.replace(choice, folds=(0, 1)).to_json(ws.inference_path)
     manifest = export_model(ws, tmp_path / "chosen.zip", folds=["1"])
     assert manifest.follows_choice and manifest.folds == (1,)
     assert manifest.postprocessing == f"largest component of all foreground, then largest component of {names[0]}"
