@@ -225,6 +225,7 @@ _SIMULATED_MODULES = tuple(
     "autoseg.memory.tracker",
     "autoseg.memory.glibc_heap",
     "autoseg.memory.inference_simulation",
+    "autoseg.memory.autocast_policy",
     __name__,
 )
 

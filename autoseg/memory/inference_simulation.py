@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.memory.autocast_policy import cuda_autocast_policy
 from autoseg.memory.glibc_heap import INFERENCE_HELD_FRAGMENT_EVERY, heap_footprint
 from autoseg.memory.tracker import StorageTracker
 from autoseg.model.network import build_network
@@ -62,7 +63,8 @@ def simulate_tile_batch(
         items = [(one_tile.regions()[0], i % len(variants)) for i in range(tile_batch_size)]
         runner = TorchTileRunner(network, torch.device(device), precision)  # large convolutions in slabs on "cpu"
         tracker.mark("tiles")
-        run_tile_batch([runner], buffers, items, variants, topology.num_outputs)
+        with cuda_autocast_policy(device):  # on CUDA: CUDA autocast's dtypes on these CPU tensors
+            run_tile_batch([runner], buffers, items, variants, topology.num_outputs)
         tracker.mark("end")
         del buffers
     start, stop = tracker.index_of("tiles"), tracker.index_of("end")

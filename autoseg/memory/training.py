@@ -15,9 +15,10 @@ private scratch). This module describes the step and keeps its simulations; it i
 simulation) only when a step must run.
 
 Known differences from a CUDA run, all small or modelled elsewhere: the step runs on a CPU device, so CPU
-autocast's op policy is used (convolutions in the low-precision dtype, the loss in fp32 as the loss casts
-explicitly); fp16 runs without the GradScaler (it scales only on CUDA; its state is a few scalars); the
-caching allocator's rounding, fragmentation and convolution workspaces are in ``autoseg.memory.device``.
+autocast's op policy applies, except where it differs from CUDA's (``autocast_policy``: ``avg_pool3d``), which a
+CUDA step's simulation runs as CUDA does; fp16 runs without the GradScaler (it scales only on CUDA; its state is a
+few scalars); the caching allocator's rounding, fragmentation and convolution workspaces are in
+``autoseg.memory.device``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SIMULATED_MODULES = tuple(
 ) + (
     "autoseg.memory.tracker",
     "autoseg.memory.training_simulation",
+    "autoseg.memory.autocast_policy",
     "autoseg.memory.step_record",
     "autoseg.memory.glibc_heap",
     "autoseg.dataset.labels",

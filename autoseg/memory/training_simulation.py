@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from autoseg.memory.autocast_policy import cuda_autocast_policy
 from autoseg.memory.glibc_heap import heap_footprint
 from autoseg.memory.step_record import CATEGORIES, StepConfig, StepRecord
 from autoseg.memory.tracker import StorageTracker
@@ -71,7 +72,8 @@ def _run_step(
         tracker.tagging = phase == "forward"
 
     step.trace = trace
-    step(batches())
+    with cuda_autocast_policy(cfg.device):  # a CUDA step: CUDA autocast's dtypes on these CPU tensors
+        step(batches())
     for h in handles:
         h.remove()
     state = [v for s in step.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
