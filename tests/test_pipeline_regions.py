@@ -76,6 +76,7 @@ def test_regions_with_ignore_end_to_end(tiny_dataset: Path, tmp_path: Path) -> N
     assert len(row["pseudo_dice"]) == 2 and np.isfinite(row["train_loss"])
     validation = json.loads((fold / "validation" / "summary.json").read_text())
     assert validation["labels"] == {"organ": [1, 2], "lesion": 2} and validation["ignore_value"] == IGNORE
+    assert not (fold / "class_weights.json").exists()  # regions are thresholded each: no decision weights
     # every validation case's probabilities beside its label map, for choosing configurations without predicting
     # again: one sigmoid map per region, in the label map's grid
     for case in validation["cases"]:

@@ -16,6 +16,7 @@ tile runners, and a configuration's ``Predictor``), ``graphs`` (a checkpoint's c
 or kept in the machine cache), ``runners`` (``load_predictor``: the folds as the command's ``--runtime`` runs
 them), ``runtime_choice`` (``--runtime``/``--precision auto``: the candidates timed, the fastest chosen),
 ``precision_check`` (a fold's bf16 agreement check and ``bf16_verdict``, what ``--precision auto`` asks of it),
+``class_weights`` (a fold's class decision weights, a factor per class on the label map's argmax),
 ``runtime_memory`` (a graph runtime's working bytes for the memory plan: measured once by ``runtime_probe``, a fresh
 process running the real call, and kept per machine and model),
 ``cascade`` (3d_cascade_fullres: 3d_lowres first, its label map one-hot as extra input channels), ``case_review``

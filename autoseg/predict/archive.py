@@ -46,6 +46,7 @@ from autoseg.core.workspace import Workspace
 from autoseg.model.onnx_graph import available_runtime
 from autoseg.plan.plans import Plans
 from autoseg.predict.choice import InferenceChoice
+from autoseg.predict.class_weights import CLASS_WEIGHTS_FILE, class_weights_path, stored_weights
 from autoseg.predict.graphs import GRAPH_FILE, check_tiles, checked_graph, graph_member
 from autoseg.predict.networks import load_trained_network
 from autoseg.predict.precision_check import PRECISION_CHECK_FILE, PrecisionCheck, stored_check
@@ -162,8 +163,9 @@ def with_graphs() -> bool:
 def _network_files(
     workspace: Workspace, plans: Plans, names: list[str], folds: tuple[int | str, ...], checkpoint: str
 ) -> dict[str, Path | bytes]:
-    """The members of the folds' networks of configurations ``names``: each checkpoint (refused unless it loads)
-    and, with the onnx extra (``with_graphs``), its checked ONNX graph beside it."""
+    """The members of the folds' networks of configurations ``names``: each checkpoint (refused unless it loads),
+    its class decision weights where it has them, and, with the onnx extra (``with_graphs``), its checked ONNX graph
+    beside it."""
     files: dict[str, Path | bytes] = {}
     for name in names:
         config = plans.configuration(name)
@@ -172,6 +174,8 @@ def _network_files(
             path = workspace.checkpoint(name, fold, checkpoint)
             member = path.relative_to(workspace.root).as_posix()
             files[member] = path
+            if stored_weights(path) is not None:  # the fold's class decision weights, where they are this checkpoint's
+                files[member.rsplit("/", 1)[0] + "/" + CLASS_WEIGHTS_FILE] = class_weights_path(path)
             if tiles is None:
                 load_trained_network(path, plans, config, "cpu")  # refuse to pack a checkpoint that does not load
             else:  # loads it too, then exports and checks its graph

@@ -79,7 +79,8 @@ def predict_image(
         return predict_labels(data, props, case_id, predictor), props
     probabilities = predict_probabilities(data, case_id, predictor)
     del data
-    return export_prediction(probabilities, props, plans.label_scheme, probabilities_path), props
+    labels = export_prediction(probabilities, props, plans.label_scheme, probabilities_path, predictor.class_weights)
+    return labels, props
 
 
 def prepare_case(case: Case, plans: Plans, config: ConfigurationPlan) -> tuple[np.ndarray, CaseProperties]:
@@ -108,7 +109,7 @@ def predict_labels(
     """The label map (Z, Y, X) in the original grid of a preprocessed image, exported slab by slab as the sliding
     window finishes them (``SlabExport``): the probabilities are never held whole. ``uncertainty``: the members'
     agreement is counted into its counter and the export's maps pass through its entropy map."""
-    export = SlabExport(props, predictor.plans.label_scheme, tuple(data.shape[1:]))
+    export = SlabExport(props, predictor.plans.label_scheme, tuple(data.shape[1:]), predictor.class_weights)
     if uncertainty is None:
         _sliding_window(data, case_id, predictor, on_slab=export.add)
     else:
@@ -177,14 +178,18 @@ def window_tile(
 
 
 def export_prediction(
-    probabilities: torch.Tensor, props: CaseProperties, scheme: LabelScheme, probabilities_path: Path | None = None
+    probabilities: torch.Tensor,
+    props: CaseProperties,
+    scheme: LabelScheme,
+    probabilities_path: Path | None = None,
+    class_weights: np.ndarray | None = None,
 ) -> np.ndarray:
-    """The label map in the original grid (``export_segmentation``); with ``probabilities_path`` the
-    probabilities are streamed into that ``ProbabilityFile`` on the way."""
+    """The label map in the original grid (``export_segmentation``, the argmax weighted by ``class_weights``); with
+    ``probabilities_path`` the (unweighted) probabilities are streamed into that ``ProbabilityFile`` on the way."""
     if probabilities_path is None:
-        return export_segmentation(probabilities, props, scheme)
+        return export_segmentation(probabilities, props, scheme, weights=class_weights)
     with ProbabilityFile.open(probabilities_path, props, scheme) as file:
-        return export_with_probabilities(probabilities, props, scheme, file.write_output)
+        return export_with_probabilities(probabilities, props, scheme, file.write_output, class_weights)
 
 
 def inference_plan(

@@ -36,9 +36,19 @@ class SlabExport:
     (``scheme.export_dtype()``), at most one input slice kept between slabs (linear interpolation across the
     slab border) and, while a slab is exported, one output's interpolated slab, the running best score and a
     comparison mask.
+
+    ``weights``: a factor per output on its probability before the argmax (``autoseg.predict.class_weights``;
+    where the maps are logits, their logarithm is added) for the argmax alone: the running best score is kept in
+    weighted units, so no map is copied or changed; None: the plain argmax. Plain classes only.
     """
 
-    def __init__(self, props: CaseProperties, scheme: LabelScheme, shape_zyx: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        props: CaseProperties,
+        scheme: LabelScheme,
+        shape_zyx: tuple[int, ...],
+        weights: np.ndarray | None = None,
+    ) -> None:
         out_shape = tuple(int(n) for n in props.shape_after_crop)
         orders = [1, 1, 1]
         axis = out_of_plane_axis(props.target_spacing_mm)
@@ -56,6 +66,9 @@ class SlabExport:
         self.received = 0  # input z-slices received
         self.kept: np.ndarray | None = None  # (K, n, Y', X') float32 input slices [kept_from, received) still read
         self.kept_from = 0
+        if weights is not None and (scheme.has_regions or len(weights) != scheme.num_outputs):
+            raise ValueError(f"{len(weights)} class weights for labels with {scheme.num_outputs} outputs (plain only)")
+        self.weights = weights
 
     def add(
         self,
@@ -108,11 +121,24 @@ class SlabExport:
                 self.scheme.paint_region(labels, k, resampled)  # later regions overwrite earlier ones
             elif best is None:
                 best, better = resampled.copy(), np.empty(resampled.shape, dtype=bool)
-            else:
+                self._weigh(best, k, 1)
+            else:  # weighted: compared in class k's own units (``resampled`` may be a view of the slab: not touched)
+                self._weigh(best, k, -1)
                 np.greater(resampled, best, out=better)
                 labels[better] = k
                 np.maximum(best, resampled, out=best)
+                self._weigh(best, k, 1)
             del resampled  # not alive while the next output is interpolated (slab_export_bytes)
+
+    def _weigh(self, score: np.ndarray, k: int, sign: int) -> None:
+        """``score`` times output ``k``'s weight (``sign`` 1) or divided by it (-1), in place; for logits the
+        weight's logarithm added or subtracted."""
+        if self.weights is None or self.weights[k] == 1.0:
+            return
+        if self.scheme.resample_logits:
+            score += np.float32(sign * np.log(self.weights[k]))
+        else:
+            score *= np.float32(self.weights[k] if sign > 0 else 1.0 / self.weights[k])
 
     def labels(self) -> np.ndarray:
         """The label map (Z, Y, X) in the original image's array space, once every slab has arrived."""
@@ -129,13 +155,14 @@ def export_segmentation(
     props: CaseProperties,
     scheme: LabelScheme | None = None,
     on_output: Callable[[int, np.ndarray], None] | None = None,
+    weights: np.ndarray | None = None,
 ) -> np.ndarray:
     """(K, Z', Y', X') probabilities in preprocessed space, held whole -> label map (Z, Y, X) of label values
     (``scheme.export_dtype()``) in the original image's array space: ``SlabExport`` with one slab. ``scheme``
     None: plain classes 0 .. K-1 (``LabelScheme.for_outputs``). ``on_output(k, map)`` sees each output's whole
-    map in the original (cropped) grid."""
+    map in the original (cropped) grid; ``weights``: ``SlabExport``'s."""
     scheme = scheme or LabelScheme.for_outputs(probabilities.shape[0])
-    export = SlabExport(props, scheme, tuple(probabilities.shape[1:]))
+    export = SlabExport(props, scheme, tuple(probabilities.shape[1:]), weights)
     export.add(0, probabilities.shape[1], probabilities, on_output)
     return export.labels()
 
@@ -145,18 +172,20 @@ def export_with_probabilities(
     props: CaseProperties,
     scheme: LabelScheme,
     write: Callable[[int, np.ndarray], None],
+    weights: np.ndarray | None = None,
 ) -> np.ndarray:
     """The label map of ``maps`` (``export_segmentation``), each output's probabilities in the original (cropped)
     grid handed to ``write(k, map)`` in order (``ProbabilityFile.write_output``). ``maps`` are probabilities, or, where
     the scheme resamples logits (``LabelScheme.resample_logits``), the averaged logits: then the sigmoid of each
     resampled region's map, or the softmax over the resampled classes, which needs every class at a voxel: a first
-    export pass sums them (``_Softmax``), a second hands each class's normalized map over."""
+    export pass sums them (``_Softmax``), a second hands each class's normalized map over. ``weights``: the label
+    map's (``SlabExport``); the maps written are unweighted."""
     if not scheme.resample_logits:
-        return export_segmentation(maps, props, scheme, on_output=write)
+        return export_segmentation(maps, props, scheme, on_output=write, weights=weights)
     if scheme.has_regions:
         return export_segmentation(maps, props, scheme, on_output=lambda k, logit: write(k, _sigmoid(logit)))
     softmax = _Softmax()
-    labels = export_segmentation(maps, props, scheme, on_output=softmax.add)
+    labels = export_segmentation(maps, props, scheme, on_output=softmax.add, weights=weights)
     export_segmentation(maps, props, scheme, on_output=lambda k, logit: write(k, softmax.of(logit)))
     return labels
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from autoseg.core.errors import InputError
@@ -133,12 +134,15 @@ def torch_runners(
 @dataclass(frozen=True)
 class Predictor:
     """One configuration's folds ready to predict: their tile runners (one ensemble: each tile runs through every
-    fold and their logits are averaged), the plan, the configuration and the command's window options."""
+    fold and their logits are averaged), the plan, the configuration and the command's window options.
+    ``class_weights``: the folds' class decision weights (``autoseg.predict.class_weights.fold_weights``, one factor
+    per output for the label map's argmax), None where they have none (and in a fold's own validation)."""
 
     runners: tuple[TileRunner, ...]
     plans: Plans
     config: ConfigurationPlan
     window: WindowOptions
+    class_weights: np.ndarray | None = field(default=None, compare=False)
 
     @classmethod
     def of(

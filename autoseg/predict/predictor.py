@@ -321,7 +321,10 @@ def _segment_case(
         written = partial(write_labels, labels_path, labels, props.geometry, postprocessing, scheme, write)
         return partial(case_uncertainty.write_after, written, (case_id, parts, props.geometry), labels_path.parent)
     probabilities = predict_probabilities(data, case_id, predictor)
-    return partial(_write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing, write)
+    weights = predictor.class_weights
+    return partial(
+        _write_case, probabilities, props, scheme, labels_path, probabilities_path, postprocessing, write, weights
+    )
 
 
 def write_labels(
@@ -348,11 +351,12 @@ def _write_case(
     probabilities_path: Path,
     postprocessing: Postprocessing,
     write: Callable[..., None],
+    class_weights: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Export one case's probabilities into ``probabilities_path`` and its label map, and write the label map
-    postprocessed (atomically, by ``write``; a failed write raises WriteError naming it); the label map written. The
-    probabilities file is removed if the label map could not be written."""
-    labels = export_prediction(probabilities, props, scheme, probabilities_path)
+    """Export one case's probabilities into ``probabilities_path`` and its label map (``class_weights``: the
+    argmax's), and write the label map postprocessed (atomically, by ``write``; a failed write raises WriteError
+    naming it); the label map written. The probabilities file is removed if the label map could not be written."""
+    labels = export_prediction(probabilities, props, scheme, probabilities_path, class_weights)
     try:
         return write_labels(labels_path, labels, props.geometry, postprocessing, scheme, write)
     except BaseException:

@@ -31,6 +31,7 @@ from autoseg.model.graph_runners import GRAPH_RUNNERS
 from autoseg.model.tile_runner import TileRunner
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.predict.archive import MANIFEST, ModelManifest
+from autoseg.predict.class_weights import fold_weights
 from autoseg.predict.graphs import cached_graph, file_digest, graph_member
 from autoseg.predict.networks import Predictor, load_networks, tile_simulation, torch_runners
 from autoseg.predict.precision_check import checkpoint_bf16_verdict
@@ -108,7 +109,8 @@ def load_predictor(
         window.compute_precision(config),
         torch.get_num_threads(),
     )
-    return Predictor(runners, plans, config, window)
+    paths = [workspace.checkpoint(config.name, fold, checkpoint) for fold in folds]
+    return Predictor(runners, plans, config, window, fold_weights(paths, plans.label_scheme))
 
 
 def resolve_auto(loaded: Sequence[LoadedFold], window: WindowOptions) -> WindowOptions:

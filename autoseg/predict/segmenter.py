@@ -203,7 +203,8 @@ class Segmenter:
             window_output = predict_probabilities(data, IMAGE_ID, self.predictor)
             del data
             maps = ProbabilityMaps.empty(props, scheme)
-            labels = export_with_probabilities(window_output, props, scheme, maps.write_output)
+            weights = self.predictor.class_weights
+            labels = export_with_probabilities(window_output, props, scheme, maps.write_output, weights)
         if not self.postprocessing.is_identity:
             labels = apply_postprocessing(labels, self.postprocessing, scheme)
         return labels, None if maps is None else maps.maps

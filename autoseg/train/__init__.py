@@ -13,7 +13,8 @@ on CPU and CUDA), ``memory_report`` (its rows, verdict, log line and table), ``s
 final validation's prediction timed for the time budget), ``data_pipeline`` (loader workers, precomputed copies),
 ``patch_validation``, ``curves``, ``validation``, ``fold_data`` (a fold's cases and, for the cascade, each case's
 out-of-fold previous-stage label map), ``precision_check`` (the fold's bf16 agreement check made: after the final
-validation, and for ``autoseg export-model``), ``tracking`` (``--track``: TensorBoard event files, an MLflow
+validation, and for ``autoseg export-model``), ``class_weights`` (the fold's class decision weights fitted on its
+final validation), ``tracking`` (``--track``: TensorBoard event files, an MLflow
 run), ``source_model`` (a trained model read for ``--init-from`` and ``plan --like``: an archive, a checkpoint or a
 workspace), ``init_weights`` (``--init-from``: its weights copied into a fresh run, fine-tuning).
 Imports: ``autoseg.predict``, ``autoseg.evaluate``, ``autoseg.data`` and below.

@@ -255,8 +255,9 @@ def _log_start(training: TrainingRun) -> None:
 
 
 def _finish(training: TrainingRun) -> Path:
-    """checkpoint_final.pt; on rank 0 run.json and, when the run validates, the final validation and then the bf16
-    agreement check (``run.precision_check``)."""
+    """checkpoint_final.pt; on rank 0 run.json and, when the run validates, the final validation, the class
+    decision weights fitted on it (``autoseg.train.class_weights``) and then the bf16 agreement check
+    (``run.precision_check``)."""
     job, run = training.job, training.job.run
     training.save("final")
     if not training.ranks.is_main:
@@ -281,6 +282,9 @@ def _finish(training: TrainingRun) -> Path:
         job.show_progress,
     )
     validation_seconds = job.clock() - t0
+    from autoseg.train.class_weights import fit_after_validation
+
+    fit_after_validation(job.workspace, job.plans, job.config_name, job.fold, job.out / "validation", final.cases)
     if training.budget is not None:
         log.info(
             "time budget %.0f s: the final validation took %.1f s (estimated %.1f s); the run ended at %.1f s",

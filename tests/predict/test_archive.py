@@ -25,6 +25,7 @@ from autoseg.model.onnx_graph import available_runtime, export_graph, run_graph
 from autoseg.plan.plans import Plans
 from autoseg.predict.archive import MANIFEST, export_model, with_graphs
 from autoseg.predict.archive_reader import open_model_archive
+from autoseg.predict.class_weights import CLASS_WEIGHTS_FILE, ClassWeights, class_weights_path, fold_weights
 from autoseg.predict.graphs import file_digest
 from autoseg.predict.precision_check import (
     CheckedCheckpoint,
@@ -336,3 +337,28 @@ def test_open_refuses_a_damaged_check_or_one_of_another_checkpoint(
     with pytest.raises(InputError, match=f"{bad}: member {name}: .*{named}"):
         with open_model_archive(bad, load_checkpoints=False):
             pass
+
+
+def test_a_folds_class_weights_travel_in_the_archive_and_reach_its_predictor(
+    workspace: Workspace, tmp_path: Path
+) -> None:
+    """Fold 0's class decision weights (of its checkpoint) are packed beside it and weigh the unpacked model's
+    argmax; fold 1's, fitted for another checkpoint, are left out."""
+    ws = Workspace.at(tmp_path / "ws")
+    shutil.copytree(workspace.root, ws.root)
+    scheme = Plans.from_json(ws.plans_path).label_scheme
+    first = scheme.names[0]
+    for fold, sha256 in ((0, file_digest(ws.checkpoint(CONFIG, 0, "final"))), (1, "0" * 64)):
+        weights = {name: (8.0 if name == first else 1.0) for name in scheme.names}
+        fitted = ClassWeights(CONFIG, fold, "final", sha256, ("demo_000",), weights, {}, {})
+        fitted.to_json(class_weights_path(ws.checkpoint(CONFIG, fold, "final")))
+    out = tmp_path / "weighted.zip"
+    manifest = export_model(ws, out, folds=[0, 1])
+    names = {m.name for m in manifest.members}
+    assert f"results/{CONFIG}/fold_0/{CLASS_WEIGHTS_FILE}" in names
+    assert f"results/{CONFIG}/fold_1/{CLASS_WEIGHTS_FILE}" not in names
+    with open_model_archive(out, load_checkpoints=False) as model:
+        paths = [model.workspace.checkpoint(CONFIG, fold, "final") for fold in (0, 1)]
+        factors = fold_weights(paths, scheme)
+    channel = scheme.foreground_channels[0]
+    assert factors is not None and factors[channel] == pytest.approx(8.0**0.5)  # fold 1 counts as 1

@@ -4,6 +4,7 @@ whole probabilities at once, and holds what slab_export_bytes says."""
 from __future__ import annotations
 
 import tracemalloc
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -191,3 +192,44 @@ def test_export_bytes_bound_the_measured_export_of_logits(regions: bool) -> None
     terms = export_bytes(original, resampled, scheme, 2)
     estimate = terms["total"] - terms["probabilities"]
     assert 0.75 * estimate <= measured <= estimate, (measured, estimate, terms)
+
+
+@pytest.mark.parametrize(
+    ("original", "resampled", "spacing"),
+    [((13, 20, 18), (31, 16, 22), (3.0, 1.0, 1.0)), ((12, 20, 18), (12, 20, 18), (1.0, 1.0, 1.0))],
+)
+@pytest.mark.parametrize("logits", [False, True])
+def test_class_weights_take_the_argmax_of_the_weighted_maps_and_leave_the_maps_alone(
+    original, resampled, spacing, logits
+) -> None:
+    """With a factor per class (``autoseg.predict.class_weights``) the label map is the argmax of each class's map
+    times its factor (plus its logarithm, where the maps are logits), in any slab sizes; the slabs handed over are not
+    changed (an unchanged grid hands views of them to the argmax)."""
+    props = _case(original, resampled, spacing)
+    scheme = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2, "c": 3}, where="x")
+    if logits:
+        scheme = replace(scheme, resample_logits=True)
+    maps = _probabilities(4, resampled, seed=3)
+    maps[3] *= 0.02  # a class the argmax seldom picks unweighted
+    if logits:
+        maps = torch.log(maps)
+    weights = np.array([1.0, 0.5, 1.0, 80.0])
+    before = maps.clone()
+    plain = export_segmentation(maps, props, scheme)
+    weighted = _in_slabs(SlabExport(props, scheme, resampled, weights), maps, [3, 1, 5])
+    assert torch.equal(maps, before)
+    shifted = maps + torch.log(torch.tensor(weights, dtype=torch.float32)).view(-1, 1, 1, 1) if logits else None
+    scaled = shifted if logits else maps * torch.tensor(weights, dtype=torch.float32).view(-1, 1, 1, 1)
+    expected = export_segmentation(scaled, props, scheme)
+    assert (weighted == 3).sum() > 2 * (plain == 3).sum()  # the weighted class gains, others (b: x0.5) lose
+    assert np.mean(weighted == expected) > 0.999  # float rounding of the weighted comparison at exact ties only
+
+
+def test_class_weights_are_refused_for_regions_and_the_wrong_length() -> None:
+    props = _case((12, 20, 18), (12, 20, 18), (1.0, 1.0, 1.0))
+    plain = LabelScheme.from_labels({"background": 0, "a": 1, "b": 2}, where="x")
+    with pytest.raises(ValueError, match="3 outputs"):
+        SlabExport(props, plain, (12, 20, 18), np.ones(4))
+    regions = LabelScheme.from_labels({"background": 0, "a": [1, 2], "b": [2]}, [1, 2], where="x")
+    with pytest.raises(ValueError, match="plain only"):
+        SlabExport(props, regions, (12, 20, 18), np.ones(2))

@@ -19,6 +19,7 @@ from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.torch_runner import TorchTileRunner
 from autoseg.plan.plans import Plans
+from autoseg.predict.class_weights import CLASS_WEIGHTS_FILE, ClassWeights
 from autoseg.train.checkpoint import load_checkpoint
 from autoseg.train.degrade import choose_degradation
 from autoseg.train.fold_data import fold_cases
@@ -206,6 +207,8 @@ def test_time_budget_reduces_the_final_validation_and_it_is_honoured(
     assert 1 <= len(final["cases"]) < len(all_cases) and final["cases"] == all_cases[: len(final["cases"])]
     assert seen == [(c, "none") for c in final["cases"]]
     assert sorted(p.stem for p in (fold / "validation").glob("*.npz")) == final["cases"]
+    weights = ClassWeights.from_json(fold / CLASS_WEIGHTS_FILE)  # fitted on the final validation's cases
+    assert list(weights.case_ids) == final["cases"] and set(weights.dice_before) == set(weights.weights)
     decision = json.loads((fold / "run.json").read_text())["time_budget"][-1]
     assert decision["validation_cases"] == final["cases"] and decision["validation_tta"] == "none"
 
