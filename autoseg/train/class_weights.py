@@ -33,7 +33,7 @@ from autoseg.predict.class_weights import ClassWeights, class_weights_path
 from autoseg.predict.graphs import file_digest
 from autoseg.predict.probabilities import read_probabilities
 
-log = logging.getLogger("autoseg")
+log = logging.getLogger("autoseg.train.trainer")  # the fold's train.log, as the final validation's lines
 
 # Factors tried per class: about 2.5x apart from 1 to 1000 (the benchmark's lesions needed 100; 30 found none of them,
 # 300 lost Dice to false positives: docs/prediction.md, "Class decision weights").
