@@ -21,12 +21,14 @@ unweighted.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from autoseg.core.artifacts import Artifact
+from autoseg.core.errors import InputError
 from autoseg.dataset.labels import LabelScheme
 from autoseg.predict.graphs import file_digest
 
@@ -83,6 +85,12 @@ def stored_weights(checkpoint_path: Path) -> ClassWeights | None:
     if not path.is_file():
         return None
     weights = ClassWeights.from_json(path)
+    bad = {name: w for name, w in weights.weights.items() if not (isinstance(w, (int, float)) and 0 < w < math.inf)}
+    if bad:
+        raise InputError(
+            f"{path}: class weights must be positive finite factors, got {bad}; delete the file (the fold then "
+            "predicts with the plain argmax) or train the fold again to fit it anew"
+        )
     if weights.checkpoint_sha256 != file_digest(checkpoint_path):
         log.info("%s: fitted for another checkpoint (the fold was trained again): not applied", path)
         return None

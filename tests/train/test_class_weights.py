@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from autoseg.core.errors import InputError
 from autoseg.dataset.imageio import Geometry, write_image
 from autoseg.dataset.labels import LabelScheme
 from autoseg.predict.class_weights import ClassWeights, class_weights_path, fold_weights, stored_weights
@@ -79,3 +80,12 @@ def test_weights_belong_to_their_checkpoint_and_folds_combine_geometrically(tmp_
     assert fold_weights(folds[1:], SCHEME) is None
     regions = LabelScheme.from_labels({"background": 0, "organ": [1, 2], "lesion": [2]}, [1, 2], where="x")
     assert fold_weights(folds[:1], regions) is None
+
+
+@pytest.mark.parametrize("factor", [0.0, -2.0, float("inf")])
+def test_a_hand_edited_weight_that_is_not_a_positive_factor_is_refused_naming_the_file(tmp_path, factor):
+    checkpoint = tmp_path / "checkpoint_final.pt"
+    checkpoint.write_bytes(b"weights")
+    _stored(tmp_path, file_digest(checkpoint), factor)
+    with pytest.raises(InputError, match=r"class_weights.json: class weights must be positive finite"):
+        fold_weights([checkpoint], SCHEME)
