@@ -97,6 +97,15 @@ def stored_weights(checkpoint_path: Path) -> ClassWeights | None:
     return weights
 
 
+def output_factors(scheme: LabelScheme, weights: dict[str, float]) -> np.ndarray:
+    """float32, one factor per output of plain labels ``scheme``: each class's of ``weights`` (name -> factor; 1
+    where a class is not named), background 1."""
+    factors = np.ones(scheme.num_outputs, dtype=np.float32)
+    for name, channel in zip(scheme.names, scheme.foreground_channels, strict=True):
+        factors[channel] = weights.get(name, 1.0)
+    return factors
+
+
 def fold_weights(checkpoint_paths: list[Path], scheme: LabelScheme) -> np.ndarray | None:
     """One factor per output of ``scheme`` (background 1) for the folds of ``checkpoint_paths`` predicted together:
     the geometric mean of their stored weights (1 for a fold without weights). None when no factor differs from 1
@@ -107,8 +116,7 @@ def fold_weights(checkpoint_paths: list[Path], scheme: LabelScheme) -> np.ndarra
     for path in checkpoint_paths:
         stored = stored_weights(path)
         if stored is not None:
-            for name, channel in zip(scheme.names, scheme.foreground_channels, strict=True):
-                logs[channel] += np.log(stored.weights.get(name, 1.0))
+            logs += np.log(output_factors(scheme, stored.weights))
     factors = np.exp(logs / max(len(checkpoint_paths), 1))
     if np.allclose(factors, 1.0):
         return None

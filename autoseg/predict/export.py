@@ -23,6 +23,7 @@ import torch
 from autoseg.core.errors import InputError
 from autoseg.core.spacing import out_of_plane_axis
 from autoseg.dataset.labels import LabelScheme
+from autoseg.predict.probabilities import weigh
 from autoseg.preprocess.resampling import axis_taps, interpolate_separable
 from autoseg.preprocess.store import CaseProperties
 
@@ -121,24 +122,14 @@ class SlabExport:
                 self.scheme.paint_region(labels, k, resampled)  # later regions overwrite earlier ones
             elif best is None:
                 best, better = resampled.copy(), np.empty(resampled.shape, dtype=bool)
-                self._weigh(best, k, 1)
+                weigh(best, self.weights, k, 1, self.scheme.resample_logits)
             else:  # weighted: compared in class k's own units (``resampled`` may be a view of the slab: not touched)
-                self._weigh(best, k, -1)
+                weigh(best, self.weights, k, -1, self.scheme.resample_logits)
                 np.greater(resampled, best, out=better)
                 labels[better] = k
                 np.maximum(best, resampled, out=best)
-                self._weigh(best, k, 1)
+                weigh(best, self.weights, k, 1, self.scheme.resample_logits)
             del resampled  # not alive while the next output is interpolated (slab_export_bytes)
-
-    def _weigh(self, score: np.ndarray, k: int, sign: int) -> None:
-        """``score`` times output ``k``'s weight (``sign`` 1) or divided by it (-1), in place; for logits the
-        weight's logarithm added or subtracted."""
-        if self.weights is None or self.weights[k] == 1.0:
-            return
-        if self.scheme.resample_logits:
-            score += np.float32(sign * np.log(self.weights[k]))
-        else:
-            score *= np.float32(self.weights[k] if sign > 0 else 1.0 / self.weights[k])
 
     def labels(self) -> np.ndarray:
         """The label map (Z, Y, X) in the original image's array space, once every slab has arrived."""

@@ -205,20 +205,40 @@ def ensemble_case_bytes(num_outputs: int, num_voxels: int) -> int:
     )
 
 
-def labels_from_probabilities(probabilities: np.ndarray, scheme: LabelScheme) -> np.ndarray:
+def labels_from_probabilities(
+    probabilities: np.ndarray, scheme: LabelScheme, weights: np.ndarray | None = None
+) -> np.ndarray:
     """(K, Z, Y, X) probabilities in the image's grid -> label map (Z, Y, X), ``scheme.export_dtype()``, by
     export's rule (``autoseg.predict.export``): the argmax over the classes (the first on ties), or each region
-    above 0.5 painted in ``regions_class_order``. Holds the label map, one output's map and a mask beside it."""
+    above 0.5 painted in ``regions_class_order``. Holds the label map, one output's map and a mask beside it.
+    ``weights``: a factor per output on its probability before the argmax (``autoseg.predict.class_weights``; plain
+    classes), compared as export compares them (``weigh``); the running maximum is then float32."""
     labels = np.zeros(probabilities.shape[1:], dtype=scheme.export_dtype())
     if scheme.has_regions:
         for r in range(probabilities.shape[0]):
             scheme.paint_region(labels, r, probabilities[r])
         return labels
     # a running argmax, as export's: np.argmax over axis 0 would copy the whole (K, Z, Y, X) array transposed
-    best = probabilities[0].copy()  # one output's map (4 bytes a voxel in float32) and a bool mask beside it
-    better = np.empty(best.shape, dtype=bool)
+    best = probabilities[0].copy() if weights is None else probabilities[0].astype(np.float32)  # one output's map
+    better = np.empty(best.shape, dtype=bool)  # and a bool mask beside it
+    weigh(best, weights, 0, 1)
     for k in range(1, probabilities.shape[0]):
+        weigh(best, weights, k, -1)  # in output k's own units: its map is not copied
         np.greater(probabilities[k], best, out=better)
         labels[better] = k
         np.maximum(best, probabilities[k], out=best)
+        weigh(best, weights, k, 1)
     return labels
+
+
+def weigh(score: np.ndarray, weights: np.ndarray | None, k: int, sign: int, logits: bool = False) -> None:
+    """``score`` (a float32 map) times output ``k``'s factor of ``weights`` (``sign`` 1) or divided by it (-1), in
+    place; where the maps are ``logits``, the factor's logarithm added or subtracted. Nothing for no weights or a
+    factor of 1: the running argmax of ``SlabExport`` and ``labels_from_probabilities`` keeps its best score in
+    weighted units this way."""
+    if weights is None or weights[k] == 1.0:
+        return
+    if logits:
+        score += np.float32(sign * np.log(weights[k]))
+    else:
+        score *= np.float32(weights[k] if sign > 0 else 1.0 / weights[k])

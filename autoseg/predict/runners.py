@@ -109,8 +109,7 @@ def load_predictor(
         window.compute_precision(config),
         torch.get_num_threads(),
     )
-    paths = [workspace.checkpoint(config.name, fold, checkpoint) for fold in folds]
-    return Predictor(runners, plans, config, window, fold_weights(paths, plans.label_scheme))
+    return Predictor(runners, plans, config, window, fold_weights([f.path for f in loaded], plans.label_scheme))
 
 
 def resolve_auto(loaded: Sequence[LoadedFold], window: WindowOptions) -> WindowOptions:

@@ -9,11 +9,11 @@ raises that mean by at least ``MIN_GAIN``: a class the network already calibrate
 cases are not taken. The result is written as ``class_weights.json`` beside the checkpoint (temporary name, then
 renamed) and logged.
 
-Memory: one case's probabilities at a time as read (float16, K x 2 bytes a voxel), a running argmax over them (two
-float32 maps, a bool mask and the int16 labels: 11 bytes a voxel), the reference and ``case_dice``'s 8 bytes a
-voxel (not in the host-RAM plan yet). Each case is read once per foreground class (all factors of the grid are
-scored on one read), and twice more for the figures before and after. Regions (thresholded at 0.5 each, not
-compared) and cascade stages get no weights.
+Memory: one case's probabilities at a time as read (float16, K x 2 bytes a voxel), the weighted running argmax of
+``labels_from_probabilities`` over them (a float32 map, a bool mask and the labels: 6 bytes a voxel), the reference
+and ``case_dice``'s 8 bytes a voxel (not in the host-RAM plan yet). Each case is read once per foreground class
+(all factors of the grid are scored on one read), and twice more for the figures before and after. Regions
+(thresholded at 0.5 each, not compared) and cascade stages get no weights.
 """
 
 from __future__ import annotations
@@ -29,9 +29,9 @@ from autoseg.dataset.raw import load_dataset
 from autoseg.evaluate.files import read_label_map
 from autoseg.evaluate.metrics import case_dice, mean_dice
 from autoseg.plan.plans import Plans
-from autoseg.predict.class_weights import ClassWeights, class_weights_path
+from autoseg.predict.class_weights import ClassWeights, class_weights_path, output_factors
 from autoseg.predict.graphs import file_digest
-from autoseg.predict.probabilities import read_probabilities
+from autoseg.predict.probabilities import labels_from_probabilities, read_probabilities
 
 log = logging.getLogger("autoseg.train.trainer")  # the fold's train.log, as the final validation's lines
 
@@ -69,32 +69,10 @@ def _scores(
         probabilities = read_probabilities(npz, scheme)  # float16 (K, Z, Y, X)
         reference, _ = read_label_map(reference_path, "reference")
         for i, candidate in enumerate(candidates):
-            labels = _weighted_argmax(probabilities, _factors(scheme, candidate))
+            labels = labels_from_probabilities(probabilities, scheme, output_factors(scheme, candidate))
             per_case[i].append(case_dice(labels, reference, foreground, scheme.ignore_value, where=str(npz)))
         del probabilities, reference
     return [mean_dice(dice) for dice in per_case]
-
-
-def _factors(scheme: LabelScheme, weights: dict[str, float]) -> np.ndarray:
-    """One factor per output (output k is label value k; background 1)."""
-    factors = np.ones(scheme.num_outputs, dtype=np.float32)
-    for name, channel in zip(scheme.names, scheme.foreground_channels, strict=True):
-        factors[channel] = weights[name]
-    return factors
-
-
-def _weighted_argmax(probabilities: np.ndarray, factors: np.ndarray) -> np.ndarray:
-    """int16 labels: the argmax of each output's probabilities times its factor, a running argmax (two float32 maps,
-    not a weighted copy of all K)."""
-    best = probabilities[0].astype(np.float32) * factors[0]
-    labels = np.zeros(best.shape, np.int16)
-    for k in range(1, len(factors)):
-        score = probabilities[k].astype(np.float32)
-        score *= factors[k]
-        better = score > best
-        labels[better] = k
-        np.maximum(best, score, out=best)
-    return labels
 
 
 def fit_after_validation(
