@@ -1,18 +1,20 @@
 """Accuracy within a CPU time budget on small structures (issue 28; run by hand).
 
 Generates a dataset (``--dataset``: benchmarks/_small_structures.py's ``small-structures`` or ``slabs``, or the
-demo's), cached under ``--work``; plans and preprocesses it on CPU (``autoseg plan_and_preprocess --device cpu``,
-once per dataset); trains fold 0 with ``autoseg train --time-budget T`` from a fresh results folder; predicts the
-held-out cases (``autoseg predict``) and evaluates them (``autoseg evaluate``). Prints one markdown table: the
-plan's patch, the iterations run, the seconds per iteration (the step's, as the time budget measured it last, and
-all in: the epochs' wall time over the iterations, patch validation included), Dice per class, the ground-truth
-lesions found (the lesion label's 26-connected components that the prediction touches, counted by ``autoseg
-evaluate``) and each command's wall seconds. ``--write-docs`` puts the table into docs/benchmarks.md under a
-heading of its own (replacing it).
+demo's), cached under ``--work``; plans and preprocesses it on CPU for the budget (``autoseg plan_and_preprocess
+--device cpu --time-budget T``, or ``--seconds-per-iteration S`` where given; planned again with ``--overwrite`` for
+another target, the preprocessed cases kept); trains fold 0 with ``autoseg train --time-budget T`` from a fresh
+results folder; predicts the held-out cases (``autoseg predict``) and evaluates them (``autoseg evaluate``). Prints
+one markdown table: the plan's patch and seconds-per-iteration target, the iterations run, the seconds per iteration
+(the step's, as the time budget measured it last, and all in: the epochs' wall time over the iterations, patch
+validation included), Dice per class, the ground-truth lesions found (the lesion label's 26-connected components that
+the prediction touches, counted by ``autoseg evaluate``) and each command's wall seconds. ``--write-docs`` puts the
+table into docs/benchmarks.md under a heading of its own (replacing it).
 
     python benchmarks/accuracy.py --quick                        # tiny dataset, T = 2m: the whole path
     python benchmarks/accuracy.py --budget 30m --write-docs      # the issue's run: a quiet machine, ~45 minutes
     python benchmarks/accuracy.py --dataset slabs --budget 30m   # a dataset of different character
+    python benchmarks/accuracy.py --budget 15m --seconds-per-iteration 1   # the sweep: another target than the rule's
 """
 
 from __future__ import annotations
@@ -60,26 +62,18 @@ def make_dataset(work: Path, dataset: str, seed: int, quick: bool) -> Path:
     return make_structures_dataset(work, dataset, options, counts, seed)
 
 
-def run_pipeline(work: Path, raw: Path, budget: str) -> dict[str, float]:
-    """Plan (once per dataset, again with ``--overwrite`` where the dataset was generated again since: other
-    options), train fold 0 within ``budget``, predict and evaluate the held-out cases; each command's wall seconds
-    (plan_and_preprocess NaN when the workspace was planned before)."""
+def run_pipeline(work: Path, raw: Path, budget: str, seconds_per_iteration: float | None = None) -> dict[str, float]:
+    """Plan for ``budget`` (``--time-budget``: the rule sizes the iterations; or ``seconds_per_iteration`` where given)
+    and preprocess, train fold 0 within ``budget``, predict and evaluate the held-out cases; each command's wall
+    seconds. A workspace planned before is planned again with ``--overwrite``: a new target rewrites the plan and keeps
+    the preprocessed cases (the spacing does not change), a dataset generated again since (other options) redoes them.
+    """
     workspace, predictions = work / f"ws_{raw.name}", work / f"pred_{raw.name}"
-    walls = {"plan_and_preprocess": float("nan")}
-    plans, generated = workspace / "plans.json", raw / ".complete"
-    regenerated = plans.is_file() and generated.is_file() and generated.stat().st_mtime > plans.stat().st_mtime
-    if regenerated or not plans.is_file():
-        walls["plan_and_preprocess"] = run_autoseg(
-            "plan_and_preprocess",
-            str(raw),
-            "-w",
-            str(workspace),
-            "--device",
-            "cpu",
-            "-c",
-            CONFIG,
-            *(("--overwrite",) if regenerated else ()),
-        )
+    target = ("--seconds-per-iteration", f"{seconds_per_iteration:g}") if seconds_per_iteration else ()
+    plan = ("plan_and_preprocess", str(raw), "-w", str(workspace), "--device", "cpu", "-c", CONFIG)
+    plan += target or ("--time-budget", budget)
+    again = ("--overwrite",) if (workspace / "plans.json").is_file() else ()
+    walls = {"plan_and_preprocess": run_autoseg(*plan, *again)}
     shutil.rmtree(workspace / "results", ignore_errors=True)
     shutil.rmtree(predictions, ignore_errors=True)
     train = ("train", "fold", "0", "-w", str(workspace), "-c", CONFIG, "--device", "cpu", "--time-budget", budget)
@@ -106,6 +100,14 @@ def training_figures(fold: Path) -> dict[str, float]:
     }
 
 
+def class_weights(fold: Path) -> str:
+    """The class decision weights the training fitted (``ClassWeights.describe``), or why there are none."""
+    from autoseg.predict.class_weights import CLASS_WEIGHTS_FILE, ClassWeights
+
+    path = fold / CLASS_WEIGHTS_FILE
+    return ClassWeights.from_json(path).describe() if path.is_file() else "not fitted (no final validation)"
+
+
 def lesions_found(mean: dict[str, dict]) -> str:
     """ "found of total" for the lesion class of a summary.json's means, "-" where the dataset has none."""
     for name in LESIONS:
@@ -118,28 +120,48 @@ def lesions_found(mean: dict[str, dict]) -> str:
 def table(run: dict) -> str:
     """The run's markdown table: one row, a column per class."""
     classes = list(run["dice"])
-    head = ["dataset", "T", "patch", "iterations", "s/iteration: step", "all in", *(f"{c} Dice" for c in classes)]
+    head = [
+        "dataset",
+        "T",
+        "target s/it",
+        "patch",
+        "iterations",
+        "s/iteration: step",
+        "all in",
+        *(f"{c} Dice" for c in classes),
+    ]
     head += ["lesions found"]
     head += [f"{step} (s)" for step in run["walls"]]
-    walls = [f"{s:.0f}" if s == s else "cached" for s in run["walls"].values()]
-    row = [run["dataset"], run["budget"], "x".join(map(str, run["patch"])), str(run["iterations"])]
+    walls = [f"{s:.0f}" for s in run["walls"].values()]
+    row = [
+        run["dataset"],
+        run["budget"],
+        f"{run['target']:.2f}",
+        "x".join(map(str, run["patch"])),
+        str(run["iterations"]),
+    ]
     row += [f"{run['step_seconds']:.2f}", f"{run['seconds_per_iteration']:.2f}"]
     row += [*(f"{d:.3f}" for d in run["dice"].values()), run["found"], *walls]
-    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head), "| " + " | ".join(row) + " |"]
+    return "\n".join([*lines, "", f"Class decision weights fitted in training: {run['weights']}."])
 
 
 def collect(work: Path, raw: Path, walls: dict[str, float], args: argparse.Namespace) -> dict:
     """What the table reports, from the workspace's plan, the fold and the evaluation's summary.json."""
+    from autoseg.plan.plans import Plans
+
     workspace = work / f"ws_{raw.name}"
-    plans = json.loads((workspace / "plans.json").read_text())
+    plans = Plans.from_json(workspace / "plans.json")
     summary = json.loads((work / f"pred_{raw.name}" / "summary.json").read_text())
     return {
         "dataset": args.dataset,
         "budget": args.budget,
-        "patch": plans["configurations"][CONFIG]["patch_size"],
+        "patch": plans.configurations[CONFIG].patch_size,
+        "target": plans.iteration.seconds,
         **training_figures(workspace / "results" / CONFIG / "fold_0"),
         "dice": {name: float("nan") if m["dice"] is None else m["dice"] for name, m in summary["mean"].items()},
         "found": lesions_found(summary["mean"]),
+        "weights": class_weights(workspace / "results" / CONFIG / "fold_0"),
         "walls": walls,
     }
 
@@ -184,12 +206,17 @@ def context(args: argparse.Namespace, raw: Path, load_before: float) -> str:
     kind = "smoke run (--quick) on a shared machine" if args.quick else "run"
     return textwrap.fill(
         f"`python benchmarks/accuracy.py --dataset {args.dataset} --budget {args.budget} --seed {args.seed}"
-        f"{' --quick' if args.quick else ''}`: {kind}, {time.strftime('%Y-%m-%d')}, commit {commit or '?'}, "
+        f"{' --quick' if args.quick else ''}{_target_flag(args)}`: {kind}, {time.strftime('%Y-%m-%d')}, "
+        f"commit {commit or '?'}, "
         f"{os.cpu_count()} CPUs, load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after; "
         f"dataset {raw.name}, {CONFIG} on CPU, fold 0, predicted on the held-out cases.",
         width=120,
         break_on_hyphens=False,
     )
+
+
+def _target_flag(args: argparse.Namespace) -> str:
+    return f" --seconds-per-iteration {args.seconds_per_iteration:g}" if args.seconds_per_iteration else ""
 
 
 def main() -> None:
@@ -199,17 +226,26 @@ def main() -> None:
     parser.add_argument("--dataset", choices=sorted(COUNTS), default="small-structures")
     parser.add_argument("--seed", type=int, default=0, help="the dataset's seed (default: 0)")
     parser.add_argument("--quick", action="store_true", help="4 + 2 small cases and T = 2m: the whole path")
+    parser.add_argument(
+        "--seconds-per-iteration",
+        type=float,
+        default=None,
+        help="plan CPU iterations of this many seconds (default: the rule's for --budget: plan --time-budget)",
+    )
     parser.add_argument("--write-docs", action="store_true", help="put the table into docs/benchmarks.md")
     args = parser.parse_args()
     args.budget = args.budget or (QUICK_BUDGET if args.quick else "30m")
     load_before = os.getloadavg()[0]
     raw = make_dataset(args.work, args.dataset, args.seed, args.quick)
-    walls = run_pipeline(args.work, raw, args.budget)
+    walls = run_pipeline(args.work, raw, args.budget, args.seconds_per_iteration)
     body = f"{context(args, raw, load_before)}\n\n{table(collect(args.work, raw, walls, args))}"
+    fold = args.work / f"ws_{raw.name}" / "results" / CONFIG / "fold_0"  # the next run starts from a fresh folder
+    shutil.copyfile(fold / "train.log", args.work / f"train_{raw.name}_{args.budget}{_target_flag(args).strip()}.log")
     print(body)
     if args.write_docs:
         quick = ", smoke run" if args.quick else ""
-        write_docs(f"### Accuracy: {args.dataset}, T = {args.budget}{quick}", body)
+        given = f", {args.seconds_per_iteration:g} s per iteration" if args.seconds_per_iteration else ""
+        write_docs(f"### Accuracy: {args.dataset}, T = {args.budget}{given}{quick}", body)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ def cpu_budget(rates, seconds_per_iteration: float = 1.0):
     """A CPU plan's budget at ``rates`` (``StepRates``): 8 GiB of RAM, ``seconds_per_iteration`` per iteration."""
     from autoseg.core.units import GiB
     from autoseg.plan.budget import Budget
+    from autoseg.plan.iteration_target import iteration_target
 
     return Budget(
         gpu_memory_bytes=8 * GiB,
@@ -36,7 +37,7 @@ def cpu_budget(rates, seconds_per_iteration: float = 1.0):
         cpu_flops_per_second=rates.flops_per_second,
         cpu_elements_per_second=rates.elements_per_second,
         cpu_mapped_bytes_per_second=rates.mapped_bytes_per_second,
-        cpu_seconds_per_iteration=seconds_per_iteration,
+        iteration=iteration_target(seconds=seconds_per_iteration),
     )
 
 

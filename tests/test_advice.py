@@ -6,6 +6,7 @@ workspace, folds and configurations). One advice, the archive's `autoseg predict
 from __future__ import annotations
 
 import json
+import logging
 import shlex
 import shutil
 from pathlib import Path
@@ -23,9 +24,11 @@ from advice import (
 from cascade_workspace import CASCADE, RUN
 from cli_checks import run_cli
 from factories import set_configuration
+from train_faults import simulated_steps
 
 from autoseg.cli.main import main
 from autoseg.core.workspace import Workspace
+from autoseg.train.run_config import RunConfig
 from autoseg.train.trainer import train
 
 # A value for each placeholder, for parsing a command with nothing filled in.
@@ -75,6 +78,10 @@ SCENARIOS: dict[tuple[str, str], str] = {
     ("autoseg/train/memory_check.py", "autoseg check-memory -c {config_name} --device {config.device} -w WORKSPACE"): (
         "test_a_plan_too_large_for_this_machine"
     ),
+    (
+        "autoseg/plan/iteration_target.py",
+        "autoseg plan_and_preprocess {dataset} -w {workspace} --device cpu --time-budget {budget} --overwrite",
+    ): "test_a_time_budget_the_plan_was_not_sized_for",
 }
 
 
@@ -258,3 +265,18 @@ def _refused_advising_lowres(capsys, key: tuple[str, str], ws: Path, argv: tuple
     _printed(key, result.err)
     for args in check_advice(result.err, ws):
         assert (args.command, args.config, args.folds) == ("train", "3d_lowres", folds), result.err
+
+
+def test_a_time_budget_the_plan_was_not_sized_for(
+    prepared: Path, tmp_path: Path, monkeypatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`autoseg train --time-budget 2m` on a CPU plan sized to the default 1 s per iteration (on a simulated clock:
+    two 2.4 s steps, then 1 s): train.log advises planning for the budget, and the plan is trained as it is."""
+    ws = _copy(prepared, tmp_path)
+    clock = simulated_steps(monkeypatch, [2.4, 2.4, 1.0])
+    run = RunConfig(epochs=1000, iterations_per_epoch=50, validate=False, cpu_threads=1, time_budget_s=120.0)
+    with caplog.at_level(logging.WARNING, logger="autoseg.train.trainer"):
+        train(Workspace.at(ws), "3d_fullres", 0, run, progress=False, clock=lambda: clock.now)
+    (args,) = check_advice(caplog.text, ws)
+    assert (args.command, args.time_budget, args.device, args.overwrite) == ("plan_and_preprocess", 120.0, "cpu", True)
+    assert Path(args.dataset) == Workspace.at(ws).dataset_root()

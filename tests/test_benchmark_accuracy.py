@@ -175,24 +175,19 @@ def test_lesions_found_reads_the_summary_means(bench) -> None:
     assert accuracy.lesions_found({"organ": mean["organ"]}) == "-"
 
 
-def test_a_dataset_generated_again_is_planned_again_with_overwrite(bench, tmp_path: Path, monkeypatch) -> None:
-    """Other options regenerate the dataset in place: its workspace is planned again (``--overwrite``), not trained
-    on stale preprocessing (autoseg train refuses a changed dataset)."""
-    import os
-
+def test_each_run_plans_for_its_budget_again_with_overwrite(bench, tmp_path: Path, monkeypatch) -> None:
+    """Every run plans for its own budget (the rule's target) or the given seconds: a new workspace plainly, one planned
+    before with ``--overwrite`` (a new target keeps the preprocessed cases; a dataset generated again since, with
+    other options, is redone rather than trained on stale preprocessing)."""
     _, accuracy = bench
     raw, calls = tmp_path / "Dataset028_X", []
     workspace = tmp_path / f"ws_{raw.name}"
+    monkeypatch.setattr(accuracy, "run_autoseg", lambda *args: calls.append(args) or 1.0)
+    accuracy.run_pipeline(tmp_path, raw, "1m")
+    assert [c[0] for c in calls] == ["plan_and_preprocess", "train", "predict", "evaluate"]
+    assert calls[0][-2:] == ("--time-budget", "1m") and calls[1][-2:] == ("--time-budget", "1m")
+    calls.clear()
     workspace.mkdir()
     (workspace / "plans.json").write_text("{}")
-    raw.mkdir()
-    (raw / ".complete").write_text("tag")
-    monkeypatch.setattr(accuracy, "run_autoseg", lambda *args: calls.append(args) or 1.0)
-    os.utime(raw / ".complete", (1, 1))  # generated before the plan: planned once, not again
-    accuracy.run_pipeline(tmp_path, raw, "1m")
-    assert [c[0] for c in calls] == ["train", "predict", "evaluate"]
-    calls.clear()
-    os.utime(workspace / "plans.json", (1, 1))  # generated after the plan
-    os.utime(raw / ".complete", (100, 100))
-    accuracy.run_pipeline(tmp_path, raw, "1m")
-    assert calls[0][0] == "plan_and_preprocess" and calls[0][-1] == "--overwrite"
+    accuracy.run_pipeline(tmp_path, raw, "1m", seconds_per_iteration=0.5)
+    assert calls[0][0] == "plan_and_preprocess" and calls[0][-3:] == ("--seconds-per-iteration", "0.5", "--overwrite")

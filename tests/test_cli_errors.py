@@ -26,6 +26,10 @@ BAD_FLAGS = {
         ("--processes", "0"),
         ("--processes", "two"),
         ("--precompute-augmentations", "-1"),
+        ("--time-budget", "0m"),
+        ("--time-budget", "soon"),
+        ("--seconds-per-iteration", "0"),
+        ("--seconds-per-iteration", "nan"),
     ],
     "train": [
         ("--epochs", "0"),

@@ -17,6 +17,7 @@ from autoseg.core.units import GiB
 from autoseg.core.workspace import Workspace, WorkspaceInfo
 from autoseg.demo.data import make_demo_dataset
 from autoseg.plan.budget import Budget
+from autoseg.plan.iteration_target import iteration_target
 from autoseg.plan.run import file_hash
 from autoseg.preprocess.run import PreprocessRequest, plan_and_preprocess
 
@@ -274,3 +275,24 @@ def test_overwrite_sets_trained_folds_aside_only_when_the_network_or_its_data_ch
     assert _plan_and_preprocess(capsys, dataset, ws, "--overwrite").status == 0
     assert (fold / "checkpoint_final.pt").is_file() == kept
     assert (ws / "results/3d_fullres.stale-1/fold_0/checkpoint_final.pt").is_file() != kept
+
+
+def test_planning_for_another_time_budget_keeps_the_preprocessed_cases(copies, capsys) -> None:
+    """`plan_and_preprocess --time-budget T --overwrite` on a workspace planned without one: the rule's target and
+    the budget are recorded, the step is sized for them, the preprocessed cases are not rewritten (the spacing is
+    the same) and the folds trained on the old patch are moved aside."""
+    dataset, ws = copies
+    _repoint(ws, dataset)
+    fold = ws / "results/3d_fullres/fold_0"
+    fold.mkdir(parents=True)
+    (fold / "checkpoint_final.pt").write_bytes(b"trained")
+    cases, before = _preprocessed(ws), json.loads((ws / "plans.json").read_text())
+    assert _plan_and_preprocess(capsys, dataset, ws, "--time-budget", "3m", "--overwrite").status == 0
+    after = json.loads((ws / "plans.json").read_text())
+    target = iteration_target(180.0)
+    assert (after["time_budget_seconds"], after["cpu_seconds_per_iteration"]) == (180.0, target.seconds)
+    assert after["iteration_reason"] == target.reason
+    old, new = (p["configurations"]["3d_fullres"]["predicted_seconds_per_iteration"] for p in (before, after))
+    assert new <= target.seconds < old  # a narrower network here: the patch covered the tiny cases already
+    assert _preprocessed(ws) == cases
+    assert (ws / "results/3d_fullres.stale-1/fold_0/checkpoint_final.pt").is_file()

@@ -13,20 +13,23 @@ from autoseg.core.resources import available_ram_bytes, cuda_total_memory
 from autoseg.core.units import GiB
 from autoseg.model.topology import ARCHITECTURES
 from autoseg.plan.budget import Budget
+from autoseg.plan.iteration_target import DEFAULT_TARGET, iteration_target
 
 NO_CUDA_GPU_BYTES = 8 * GiB  # planned for when no CUDA device is found and --gpu-memory is not given
 
 
 @dataclass(frozen=True)
 class BudgetFlags:
-    """``--gpu-memory``, ``--ram``, ``--device``, ``--architecture`` and ``--cpu-flops`` as parsed (None: not
-    given)."""
+    """``--gpu-memory``, ``--ram``, ``--device``, ``--architecture``, ``--cpu-flops``, ``--time-budget`` and
+    ``--seconds-per-iteration`` as parsed (None: not given)."""
 
     gpu_memory_bytes: int | None
     ram_bytes: int | None
     device: str
     architecture: str
     cpu_flops: float | None
+    time_budget_seconds: float | None = None
+    seconds_per_iteration: float | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ def measure_budget(flags: BudgetFlags, cache_dir: Path) -> MeasuredBudget:
         host_ram_bytes=flags.ram_bytes or available_ram_bytes(),
         device=flags.device,
         architecture=architecture,
+        iteration=iteration_target(flags.time_budget_seconds, flags.seconds_per_iteration),
     )
     if flags.device != "cpu":
         from autoseg.plan.throughput import cuda_device_name
@@ -88,6 +92,11 @@ def describe_budget(measured: MeasuredBudget) -> list[str]:
     if measured.rates_text is not None:
         lines.append(
             f"CPU throughput {measured.rates_text} ({budget.cpu_rates_source}); planning for "
-            f"{budget.cpu_seconds_per_iteration:g} s per iteration"
+            f"{budget.cpu_seconds_per_iteration:.2f} s per iteration: {budget.iteration.reason}"
+        )
+    elif budget.iteration != DEFAULT_TARGET:
+        lines.append(
+            "note: --time-budget and --seconds-per-iteration size CPU training only; a CUDA plan is sized by its "
+            "memory (its steps take a fraction of a second)"
         )
     return lines

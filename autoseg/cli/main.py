@@ -28,6 +28,8 @@ def _budget(args: argparse.Namespace):
         device=args.device or default_device(),
         architecture=args.architecture,
         cpu_flops=args.cpu_flops,
+        time_budget_seconds=args.time_budget,
+        seconds_per_iteration=args.seconds_per_iteration,
     )
     measured = measure_budget(flags, cache_dir(os.environ))
     print("\n".join(describe_budget(measured)))

@@ -31,6 +31,24 @@ def _add_budget(p: argparse.ArgumentParser) -> None:
         "from its convolutions alone (default: measured once, then cached: a FLOP rate and a "
         "feature-map element rate, see docs/benchmarks.md)",
     )
+    target = p.add_mutually_exclusive_group()
+    target.add_argument(
+        "--time-budget",
+        type=duration_value,
+        default=None,
+        metavar="DURATION",
+        help="the time `autoseg train --time-budget` will have, e.g. 30m, 2h: on CPU each iteration is sized so that "
+        "a run of this length gets enough of them (docs/architecture.md, 'Seconds per iteration from the time "
+        "budget'); planning again for another budget keeps the 3d_fullres and 2d preprocessed data (default: 1 s per "
+        "iteration; CUDA plans are sized by memory)",
+    )
+    target.add_argument(
+        "--seconds-per-iteration",
+        type=positive_float,
+        default=None,
+        metavar="S",
+        help="on CPU, size each training iteration to take S seconds instead (default: from --time-budget)",
+    )
 
 
 def add_plan_commands(sub: argparse._SubParsersAction) -> None:

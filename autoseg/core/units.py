@@ -1,4 +1,4 @@
-"""Byte units, written once."""
+"""Byte units and durations as people write them, written once."""
 
 from __future__ import annotations
 
@@ -12,3 +12,15 @@ def format_bytes(n: int | float) -> str:
     if abs(n) >= GiB:
         return f"{n / GiB:.2f} GiB"
     return f"{n / MiB:.1f} MiB" if abs(n) >= MiB else f"{n / KiB:.1f} KiB"
+
+
+def format_duration(seconds: float) -> str:
+    """``seconds`` as a budget or an elapsed time is written (and ``--time-budget`` reads back): 45s, 8m33s, 15m,
+    1h05m, 2h (rounded to the second; seconds dropped from an hour up)."""
+    minutes, s = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h" + (f"{minutes:02d}m" if minutes else "")
+    if minutes:
+        return f"{minutes}m" + (f"{s:02d}s" if s else "")
+    return f"{s}s"

@@ -148,6 +148,8 @@ class Explanation:
     cpu_elements_per_second: float | None = None  # ... and the element rate beside it (None: FLOPs alone)
     cpu_mapped_bytes_per_second: float | None = None  # ... and the rate of mapping fresh pages
     cpu_rates_source: str = ""  # ... and where they came from (Plans.cpu_rates_source)
+    cpu_seconds_target: float | None = None  # CPU plans: the seconds an iteration was sized to ...
+    iteration_reason: str = ""  # ... and why (Plans.iteration_reason: the time budget's rule)
     network: NetworkSummary | None = None
 
     @property
@@ -227,11 +229,21 @@ def explain(
         host_cases=host_cases(plans, config, fingerprint),
         what_ifs=_what_ifs(config, device, precision, int(budget), step),
         predicted_seconds_per_iteration=config.predicted_seconds_per_iteration,
+        **_cpu_time_fields(plans),
+        network=network_summary(config.network, step.parameter_bytes),
+    )
+
+
+def _cpu_time_fields(plans: Plans) -> dict:
+    """What a CPU plan records about time: the rates its steps were priced at, where they came from, the seconds an
+    iteration was sized to and why (None / "" in a CUDA plan)."""
+    return dict(
         cpu_flops_per_second=plans.cpu_flops_per_second,
         cpu_elements_per_second=plans.cpu_elements_per_second,
         cpu_mapped_bytes_per_second=plans.cpu_mapped_bytes_per_second,
         cpu_rates_source=plans.cpu_rates_source,
-        network=network_summary(config.network, step.parameter_bytes),
+        cpu_seconds_target=plans.cpu_seconds_per_iteration,
+        iteration_reason=plans.iteration_reason,
     )
 
 

@@ -106,7 +106,11 @@ def _time_line(e: Explanation) -> list[str]:
         + StepRates(e.cpu_flops_per_second, e.cpu_elements_per_second, e.cpu_mapped_bytes_per_second).describe()
         + (f" ({e.cpu_rates_source})" if e.cpu_rates_source else "")
     )
-    return [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
+    lines = [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
+    if e.cpu_seconds_target is not None:
+        why = f" ({e.iteration_reason})" if e.iteration_reason else ""
+        lines.append(f"time target: {e.cpu_seconds_target:.2f} s per iteration{why}")
+    return lines
 
 
 def _stage_table(e: Explanation) -> list[str]:

@@ -9,7 +9,8 @@ step, fitted and checked by ``rate_fit``), reference plans of public datasets
 
 Owns: ``fingerprint``, ``budget``, ``planner``, ``configuration`` (one configuration's settings, search and
 notes), ``patch_search``, ``step_cost`` (a step's predicted bytes, FLOPs and seconds), ``topology_rules`` (the
-network a patch gets), ``sizing``, ``training_data``, ``plans``, ``inference_tile`` (the sliding window's tile
+network a patch gets), ``iteration_target`` (the seconds a CPU iteration is sized to, from the time budget),
+``sizing``, ``training_data``, ``plans``, ``inference_tile`` (the sliding window's tile
 at prediction), ``throughput``, ``calibration``, ``rate_fit``, ``reference``, ``run``, ``like`` (``plan --like``: a
 dataset planned with a trained model's network, ``PlanTemplate``).
 Imports: ``autoseg.memory``, ``autoseg.model``, ``autoseg.dataset``, ``autoseg.core``.

@@ -8,6 +8,7 @@ from autoseg.core.errors import InputError
 from autoseg.core.precision import PRECISIONS
 from autoseg.core.units import GiB
 from autoseg.model.topology import ARCHITECTURES, PLAIN_UNET
+from autoseg.plan.iteration_target import DEFAULT_TARGET, IterationTarget
 from autoseg.plan.throughput import StepRates
 
 
@@ -26,6 +27,8 @@ class Budget:
     and the bytes it maps afresh, each at its rate; a rate of None drops its term). The CLI measures them with
     ``autoseg.plan.calibration.cpu_throughput``; ``cpu_rates_source`` says where they came from (measured now, the
     machine cache and its date, a fallback, --cpu-flops), for the plan to record.
+    ``iteration``: the seconds a CPU iteration is sized to (``cpu_seconds_per_iteration``), why and for which time
+    budget (``autoseg.plan.iteration_target``: the CLI's ``--time-budget`` by its rule; the default 1 s without).
     ``gpu_name``: for the throughput table (``autoseg.plan.throughput``); None: a typical GPU of this memory.
     ``cpu_count``: None = this machine's (``autoseg.core.resources.cpu_count``).
     ``architecture``: the network every configuration is planned with (``NetworkTopology.architecture``).
@@ -35,7 +38,7 @@ class Budget:
     host_ram_bytes: int = 16 * GiB
     device: str = "cuda"
     safety_margin: float = 0.05
-    cpu_seconds_per_iteration: float = 1.0
+    iteration: IterationTarget = DEFAULT_TARGET
     cpu_flops_per_second: float = 20e9
     cpu_elements_per_second: float | None = None
     cpu_mapped_bytes_per_second: float | None = None
@@ -63,6 +66,10 @@ class Budget:
                 "training on CPU runs in fp32 (autoseg.train.trainer uses autocast on CUDA only); "
                 "leave Budget.precision unset for device 'cpu'"
             )
+
+    @property
+    def cpu_seconds_per_iteration(self) -> float:
+        return self.iteration.seconds
 
     @property
     def cpu_rates(self) -> StepRates:

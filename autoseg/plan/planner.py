@@ -108,6 +108,19 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None, like: P
         cpu_elements_per_second=budget.cpu_elements_per_second if budget.device == "cpu" else None,
         cpu_mapped_bytes_per_second=budget.cpu_mapped_bytes_per_second if budget.device == "cpu" else None,
         cpu_rates_source=budget.cpu_rates_source if budget.device == "cpu" else "",
+        **_iteration_fields(budget),
+    )
+
+
+def _iteration_fields(budget: Budget) -> dict:
+    """The Plans fields that record a CPU plan's ``Budget.iteration`` (none for a CUDA plan: sized by memory)."""
+    if budget.device != "cpu":
+        return {}
+    target = budget.iteration
+    return dict(
+        cpu_seconds_per_iteration=target.seconds,
+        time_budget_seconds=target.time_budget_seconds,
+        iteration_reason=target.reason,
     )
 
 

@@ -16,10 +16,13 @@ from autoseg.core.spacing import compute_new_shape
 from autoseg.dataset.labels import LabelScheme, LabelValue
 from autoseg.model.tiles import GAUSSIAN_CENTRES
 from autoseg.model.topology import PLAIN_UNET, NetworkTopology, validate_topology
+from autoseg.plan.iteration_target import DEFAULT_TARGET, IterationTarget
 
 TILE_CHOICES = ("planned", "patch")  # ConfigurationPlan.inference_tile, autoseg predict --tile
 INFERENCE_ONLY_KEYS = ("inference_patch_size",)  # configuration keys training does not read (resume ignores them)
-PROVENANCE_KEYS = ("cpu_rates_source",)  # Plans keys that say where a figure came from, not what the plan decides
+# Plans keys that say where a figure came from, not what the plan decides: a re-plan for a 3h budget that aims at the
+# same seconds per iteration as a 2h one plans the same
+PROVENANCE_KEYS = ("cpu_rates_source", "time_budget_seconds", "iteration_reason")
 # Plans.image_resampling: whose image resampling autoseg.preprocess.resampling reproduces (its docstring)
 IMAGE_RESAMPLING = ("sitk", "skimage")
 # Plans.export_space: what prediction resamples back to the input's grid: the probabilities (autoseg's), or the
@@ -129,38 +132,48 @@ def _plans_4_to_5(payload: dict) -> dict:
     """Schema 5: the network may be a residual encoder U-Net (``blocks_per_stage``); every earlier plan's is plain."""
     for config in payload.get("configurations", {}).values():
         upgrade_network_payload(config.get("network", {}))
-    return payload
+    return _plans_9_to_10(payload)
 
 
 def _plans_5_to_6(payload: dict) -> dict:
     """Schema 6 adds the cascade's ``previous_stage`` and ``preprocessed_as``; an earlier plan has no cascade."""
-    return payload
+    return _plans_9_to_10(payload)
 
 
 def _plans_6_to_7(payload: dict) -> dict:
     """Schema 7 adds ``cpu_rates_source``; an earlier plan does not say where its CPU rates came from ("")."""
-    return payload
+    return _plans_9_to_10(payload)
 
 
 def _plans_8_to_9(payload: dict) -> dict:
     """Schema 9 adds ``gaussian_centre``; an earlier plan weighs its tiles by the symmetric Gaussian ("middle")."""
+    return _plans_9_to_10(payload)
+
+
+def _plans_9_to_10(payload: dict) -> dict:
+    """Schema 10 records the CPU plan's seconds-per-iteration target and the time budget it was chosen for; an earlier
+    CPU plan was sized to the default (1 s) without one. Every earlier upgrade ends here (they add no other key)."""
+    if any(c.get("device", "cpu") == "cpu" for c in payload.get("configurations", {}).values()):
+        payload.setdefault("cpu_seconds_per_iteration", DEFAULT_TARGET.seconds)
+        payload.setdefault("iteration_reason", DEFAULT_TARGET.reason)
     return payload
 
 
 def _plans_7_to_8(payload: dict) -> dict:
     """Schema 8 adds ``image_resampling`` and ``export_space``; an earlier plan resamples as SimpleITK does ("sitk")
     and exports probabilities, the defaults."""
-    return payload
+    return _plans_9_to_10(payload)
 
 
 @dataclass(frozen=True)
 class Plans(Artifact):
     # 2: loader workers per configuration; 3: network.architecture, network.num_outputs; 4: inference_patch_size;
     # 5: network.blocks_per_stage (architecture residual_encoder_unet); 6: previous_stage, preprocessed_as (cascade);
-    # 7: cpu_rates_source; 8: image_resampling, export_space; 9: gaussian_centre
-    SCHEMA_VERSION = 9
-    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> ... -> 9 change no key: a schema 5
-    # to 8 payload is a schema 9 one, so the upgrades to 5 end at 9 too)
+    # 7: cpu_rates_source; 8: image_resampling, export_space; 9: gaussian_centre; 10: cpu_seconds_per_iteration,
+    # time_budget_seconds, iteration_reason
+    SCHEMA_VERSION = 10
+    # a workspace planned by an earlier version still trains, predicts (5 -> 6 -> ... -> 9 change no key, and each
+    # upgrade ends with 9 -> 10, which gives a CPU plan the default target it was sized to)
     UPGRADES = {
         2: _plans_2_to_5,
         3: _plans_3_to_5,
@@ -169,6 +182,7 @@ class Plans(Artifact):
         6: _plans_6_to_7,
         7: _plans_7_to_8,
         8: _plans_8_to_9,
+        9: _plans_9_to_10,
     }
     KIND = "plans"
 
@@ -200,6 +214,18 @@ class Plans(Artifact):
     # where the sliding window's Gaussian weight peaks (GAUSSIAN_CENTRES): "middle", or "floor" (nnU-Net v2's, for a
     # model imported from it: on an even tile the two differ by half a voxel, and so do the blends of overlapping tiles)
     gaussian_centre: str = "middle"
+    # CPU plans: the seconds an iteration was sized to (autoseg.plan.iteration_target), the time budget it was chosen
+    # for (None: none given) and why (Plans.iteration); None / "" for CUDA plans
+    cpu_seconds_per_iteration: float | None = None
+    time_budget_seconds: float | None = None
+    iteration_reason: str = ""
+
+    @property
+    def iteration(self) -> IterationTarget | None:
+        """The seconds a CPU plan's iterations were sized to, for which time budget and why; None for a CUDA plan."""
+        if self.cpu_seconds_per_iteration is None:
+            return None
+        return IterationTarget(self.cpu_seconds_per_iteration, self.iteration_reason, self.time_budget_seconds)
 
     @property
     def label_scheme(self) -> LabelScheme:

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from autoseg.core.artifacts import append_line, atomic_path
+from autoseg.core.units import format_duration
 
 log = logging.getLogger("autoseg.train.trainer")
 
@@ -25,12 +26,6 @@ def run_times(
     }
 
 
-def _duration(seconds: float) -> str:
-    minutes, s = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{s:02d}s"
-
-
 def record_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
     """One readable log line, a metrics.jsonl row and a fresh progress.png. ``row``: the epoch's figures and
     ``run_times``'."""
@@ -46,9 +41,9 @@ def record_epoch(row: dict, out: Path, metrics: list[dict]) -> None:
         row["lr"],
         row["epoch_seconds"],
         100 * row["data_wait_fraction"],
-        _duration(row["elapsed_seconds"]),
-        _duration(row["predicted_run_seconds"]),
-        f" (planned ~{_duration(planned)})" if planned else "",
+        format_duration(row["elapsed_seconds"]),
+        format_duration(row["predicted_run_seconds"]),
+        f" (planned ~{format_duration(planned)})" if planned else "",
     )
     append_line(out / "metrics.jsonl", json.dumps(row))  # a resumed run rewrites it from the checkpoint
     plot_progress(metrics, out / "progress.png")

@@ -42,6 +42,8 @@ from autoseg.core.resources import cpu_count
 from autoseg.core.workspace import Workspace
 from autoseg.model.distributed import SINGLE_PROCESS, DistributedContext, rank_batch
 from autoseg.model.step import distribute
+from autoseg.plan.iteration_target import replan_note
+from autoseg.plan.like import LIKE_MODEL
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.preprocess.run import check_preprocessed
 from autoseg.preprocess.store import open_case
@@ -326,6 +328,11 @@ def _time_budget(
         parse_tta(tta, config.dim),
     )
     budget = TimeBudget(run.time_budget_s, job.started, budgeted)
+    planned = job.plans.iteration  # a CPU plan's step was sized to a time; a --like plan's is the model's
+    if run.device == "cpu" and planned is not None and job.planned.limited_by != LIKE_MODEL and distributed.is_main:
+        note = replan_note(planned, run.time_budget_s, str(job.workspace.dataset_root()), str(job.workspace.root))
+        if note:
+            log.warning("time budget: %s", note)
     probe = PredictionProbe(job, network, shapes) if shapes else None
     time_prediction(probe, budget, job.clock)
     return budget, probe

@@ -223,6 +223,10 @@ def test_the_time_line_says_where_a_cpu_plan_s_rates_came_from(explanation: Expl
     e = replace(explanation, predicted_seconds_per_iteration=0.9, cpu_flops_per_second=500e9, cpu_rates_source=source)
     assert f"the CPU throughput the plan was made for, 500.0 GFLOP/s ({source})" in format_explanation(e)
     assert "(" not in format_explanation(replace(e, cpu_rates_source="")).split("500.0 GFLOP/s")[1].split("\n")[0]
+    assert "time target" not in format_explanation(e)  # a plan of schema 9 and earlier records none
+    reason = "3000 iterations in 85% of the 30m time budget: 0.51 s each"
+    targeted = format_explanation(replace(e, cpu_seconds_target=0.51, iteration_reason=reason))
+    assert f"time target: 0.51 s per iteration ({reason})" in targeted
 
 
 def test_unknown_configuration_and_device_say_what_exists() -> None:

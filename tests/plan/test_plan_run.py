@@ -23,8 +23,10 @@ from autoseg.dataset.raw import load_dataset
 from autoseg.plan import run
 from autoseg.plan.budget import Budget
 from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.iteration_target import DEFAULT_TARGET, iteration_target
+from autoseg.plan.planner import plan
 from autoseg.plan.plans import Plans
-from autoseg.plan.run import check_dataset, make_plan, plan_dataset, write_plan
+from autoseg.plan.run import check_dataset, make_plan, plan_dataset, plan_differences, write_plan
 
 
 def _budget(ram_gib: float) -> Budget:
@@ -74,6 +76,27 @@ def test_a_schema_6_plan_reads_with_no_rates_source(ws: Workspace) -> None:
     ws.plans_path.write_text(json.dumps({**payload, "schema_version": 6}))
     plans = Plans.from_json(ws.plans_path)
     assert plans.cpu_rates_source == "" and plans.cpu_flops_per_second == payload["cpu_flops_per_second"]
+
+
+def test_a_schema_9_cpu_plan_reads_as_sized_to_the_default(ws: Workspace) -> None:
+    """A CPU plan from before the target was recorded was sized to the default 1 s: read so, a re-plan without a
+    time budget is the same plan (no "would plan differently"); a re-plan for a 2-minute budget is not, and the
+    target and the budget are provenance, not differences (the same target from another budget plans the same)."""
+    payload = json.loads(ws.plans_path.read_text())
+    for key in ("cpu_seconds_per_iteration", "time_budget_seconds", "iteration_reason"):
+        del payload[key]
+    for schema in (6, 8):  # every older upgrade ends with 9 -> 10
+        ws.plans_path.write_text(json.dumps({**payload, "schema_version": schema}))
+        assert Plans.from_json(ws.plans_path).iteration == DEFAULT_TARGET
+    ws.plans_path.write_text(json.dumps({**payload, "schema_version": 9}))
+    old, fp = Plans.from_json(ws.plans_path), Fingerprint.from_json(ws.fingerprint_path)
+    assert old.iteration == DEFAULT_TARGET
+    assert plan_differences(old, plan(fp, _budget(8))) == []
+    short = plan(fp, replace(_budget(8), iteration=iteration_target(120.0)))
+    assert f"cpu_seconds_per_iteration: 1.0 -> {short.cpu_seconds_per_iteration!r}" in plan_differences(old, short)
+    assert short.cpu_seconds_per_iteration == iteration_target(120.0).seconds < 1.0
+    two, three = (plan(fp, replace(_budget(8), iteration=iteration_target(t))) for t in (7200.0, 10800.0))
+    assert two.time_budget_seconds == 7200.0 and plan_differences(two, three) == []
 
 
 @pytest.mark.parametrize(

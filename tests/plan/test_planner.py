@@ -15,6 +15,7 @@ from autoseg.memory.loader_worker import worker_bytes
 from autoseg.plan.budget import Budget
 from autoseg.plan.configuration import FILL_TARGET, MIN_PATCH_VOXELS
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
+from autoseg.plan.iteration_target import iteration_target
 from autoseg.plan.planner import lowres_spacing, plan, target_spacing
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 from autoseg.plan.sizing import loader_workers
@@ -312,7 +313,7 @@ def test_2d_data_gets_only_a_2d_configuration() -> None:
 def test_cpu_plan_keeps_iterations_within_the_time_target() -> None:
     flops = 10e9
     for target in (0.5, 2.0):
-        plans = _rough_plan(8, device="cpu", cpu_flops_per_second=flops, cpu_seconds_per_iteration=target)
+        plans = _rough_plan(8, device="cpu", cpu_flops_per_second=flops, iteration=iteration_target(seconds=target))
         assert plans.cpu_flops_per_second == flops  # recorded: the figure the patches were sized for
         for cfg in plans.configurations.values():
             assert cfg.device == "cpu" and cfg.precision == "fp32" and not cfg.checkpointing
@@ -328,9 +329,13 @@ def test_a_cpu_plan_counts_feature_map_elements_at_their_own_rate() -> None:
     """With an element rate (measured: ``plan.calibration.calibrate_cpu_throughput``) a planned step's seconds are its
     FLOPs plus its feature maps' elements, each at its rate; the patch shrinks to keep the target, and the plan
     records both rates."""
-    flops_only = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, cpu_seconds_per_iteration=1.0)
+    flops_only = _rough_plan(8, device="cpu", cpu_flops_per_second=10e9, iteration=iteration_target(seconds=1.0))
     plans = _rough_plan(
-        8, device="cpu", cpu_flops_per_second=10e9, cpu_elements_per_second=40e6, cpu_seconds_per_iteration=1.0
+        8,
+        device="cpu",
+        cpu_flops_per_second=10e9,
+        cpu_elements_per_second=40e6,
+        iteration=iteration_target(seconds=1.0),
     )
     assert (plans.cpu_flops_per_second, plans.cpu_elements_per_second) == (10e9, 40e6)
 
@@ -353,7 +358,7 @@ def test_a_cpu_plan_counts_the_pages_its_large_feature_maps_map_afresh() -> None
     """On a fast CPU the patch grows until stage 0's feature maps reach glibc's mmap threshold: those blocks are
     mapped and faulted in again every step, and the plan's seconds count them at the measured mapping rate."""
     rates = {"cpu_flops_per_second": 1e12, "cpu_elements_per_second": 1e9, "cpu_mapped_bytes_per_second": 2e9}
-    plans = _rough_plan(8, device="cpu", cpu_seconds_per_iteration=2.0, **rates)
+    plans = _rough_plan(8, device="cpu", iteration=iteration_target(seconds=2.0), **rates)
     assert plans.cpu_mapped_bytes_per_second == 2e9
     mapped_configs = 0
     for cfg in plans.configurations.values():
@@ -370,6 +375,8 @@ def test_a_cpu_plan_counts_the_pages_its_large_feature_maps_map_afresh() -> None
 def test_a_cuda_plan_records_no_cpu_throughput() -> None:
     cuda = _rough_plan(8, device="cuda", cpu_flops_per_second=10e9, cpu_rates_source="--cpu-flops")
     assert cuda.cpu_flops_per_second is None and cuda.cpu_rates_source == ""
+    timed = _rough_plan(8, device="cuda", iteration=iteration_target(1800.0))  # sized by memory, not time
+    assert (timed.iteration, timed.time_budget_seconds) == (None, None)
 
 
 def test_a_cpu_plan_records_where_its_rates_came_from() -> None:
@@ -379,9 +386,9 @@ def test_a_cpu_plan_records_where_its_rates_came_from() -> None:
 
 
 def test_cpu_width_drops_to_8_only_when_16_leaves_too_small_a_patch() -> None:
-    roomy = _rough_plan(8, device="cpu", cpu_flops_per_second=20e9, cpu_seconds_per_iteration=2.0)
+    roomy = _rough_plan(8, device="cpu", cpu_flops_per_second=20e9, iteration=iteration_target(seconds=2.0))
     assert roomy.configuration("3d_fullres").network.features_per_stage[0] == 16
-    tight = _rough_plan(8, device="cpu", cpu_flops_per_second=1e9, cpu_seconds_per_iteration=0.5)
+    tight = _rough_plan(8, device="cpu", cpu_flops_per_second=1e9, iteration=iteration_target(seconds=0.5))
     cfg = tight.configuration("3d_fullres")
     assert cfg.network.features_per_stage[0] == 8
     assert any("base width 8 instead of 16" in n for n in cfg.notes)
