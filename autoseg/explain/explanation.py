@@ -32,6 +32,7 @@ from autoseg.memory.training import simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.configuration import AMP_PRECISION
 from autoseg.plan.fingerprint import Fingerprint
+from autoseg.plan.iteration_target import IterationTarget
 from autoseg.plan.plans import ConfigurationPlan, Plans
 from autoseg.plan.training_data import loader_config
 
@@ -148,8 +149,7 @@ class Explanation:
     cpu_elements_per_second: float | None = None  # ... and the element rate beside it (None: FLOPs alone)
     cpu_mapped_bytes_per_second: float | None = None  # ... and the rate of mapping fresh pages
     cpu_rates_source: str = ""  # ... and where they came from (Plans.cpu_rates_source)
-    cpu_seconds_target: float | None = None  # CPU plans: the seconds an iteration was sized to ...
-    iteration_reason: str = ""  # ... and why (Plans.iteration_reason: the time budget's rule)
+    iteration: IterationTarget | None = None  # CPU plans: the seconds an iteration was sized to, why (Plans.iteration)
     network: NetworkSummary | None = None
 
     @property
@@ -242,8 +242,7 @@ def _cpu_time_fields(plans: Plans) -> dict:
         cpu_elements_per_second=plans.cpu_elements_per_second,
         cpu_mapped_bytes_per_second=plans.cpu_mapped_bytes_per_second,
         cpu_rates_source=plans.cpu_rates_source,
-        cpu_seconds_target=plans.cpu_seconds_per_iteration,
-        iteration_reason=plans.iteration_reason,
+        iteration=plans.iteration,
     )
 
 

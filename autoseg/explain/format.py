@@ -107,9 +107,9 @@ def _time_line(e: Explanation) -> list[str]:
         + (f" ({e.cpu_rates_source})" if e.cpu_rates_source else "")
     )
     lines = [f"time: predicted {e.predicted_seconds_per_iteration:.2f} s per iteration{source}"]
-    if e.cpu_seconds_target is not None:
-        why = f" ({e.iteration_reason})" if e.iteration_reason else ""
-        lines.append(f"time target: {e.cpu_seconds_target:.2f} s per iteration{why}")
+    if e.iteration is not None:
+        why = f" ({e.iteration.reason})" if e.iteration.reason else ""
+        lines.append(f"time target: {e.iteration.seconds:.2f} s per iteration{why}")
     return lines
 
 

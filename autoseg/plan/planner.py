@@ -104,20 +104,21 @@ def plan(fp: Fingerprint, budget: Budget, peak_fn: PeakFn | None = None, like: P
         host_ram_bytes=int(budget.host_ram_bytes),
         preprocessing_processes=processes,
         host_memory=host,
-        cpu_flops_per_second=budget.cpu_flops_per_second if budget.device == "cpu" else None,
-        cpu_elements_per_second=budget.cpu_elements_per_second if budget.device == "cpu" else None,
-        cpu_mapped_bytes_per_second=budget.cpu_mapped_bytes_per_second if budget.device == "cpu" else None,
-        cpu_rates_source=budget.cpu_rates_source if budget.device == "cpu" else "",
-        **_iteration_fields(budget),
+        **_cpu_time_fields(budget),
     )
 
 
-def _iteration_fields(budget: Budget) -> dict:
-    """The Plans fields that record a CPU plan's ``Budget.iteration`` (none for a CUDA plan: sized by memory)."""
+def _cpu_time_fields(budget: Budget) -> dict:
+    """The Plans fields that record what a CPU plan's steps were priced and sized by: the CPU rates and where they came
+    from, and ``Budget.iteration`` (none for a CUDA plan: sized by memory, at the GPU table's throughput)."""
     if budget.device != "cpu":
         return {}
     target = budget.iteration
     return dict(
+        cpu_flops_per_second=budget.cpu_flops_per_second,
+        cpu_elements_per_second=budget.cpu_elements_per_second,
+        cpu_mapped_bytes_per_second=budget.cpu_mapped_bytes_per_second,
+        cpu_rates_source=budget.cpu_rates_source,
         cpu_seconds_per_iteration=target.seconds,
         time_budget_seconds=target.time_budget_seconds,
         iteration_reason=target.reason,

@@ -18,6 +18,7 @@ from autoseg.memory.step_record import StepConfig
 from autoseg.memory.training import simulate_training_step
 from autoseg.model.topology import NetworkTopology
 from autoseg.plan.fingerprint import CaseFingerprint, Fingerprint
+from autoseg.plan.iteration_target import IterationTarget
 from autoseg.plan.plans import ConfigurationPlan, IntensityProperties, Plans
 
 TOPOLOGY = NetworkTopology(
@@ -225,7 +226,7 @@ def test_the_time_line_says_where_a_cpu_plan_s_rates_came_from(explanation: Expl
     assert "(" not in format_explanation(replace(e, cpu_rates_source="")).split("500.0 GFLOP/s")[1].split("\n")[0]
     assert "time target" not in format_explanation(e)  # a plan of schema 9 and earlier records none
     reason = "3000 iterations in 85% of the 30m time budget: 0.51 s each"
-    targeted = format_explanation(replace(e, cpu_seconds_target=0.51, iteration_reason=reason))
+    targeted = format_explanation(replace(e, iteration=IterationTarget(0.51, reason, 1800.0)))
     assert f"time target: 0.51 s per iteration ({reason})" in targeted
 
 
